@@ -1,0 +1,138 @@
+"""Atomic file writes and strict JSONL reading.
+
+Nothing half-written is ever left behind: every writer goes to a temporary file in the
+destination directory and is renamed over the target only once complete (``os.replace`` is
+atomic on POSIX within one file system).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, BinaryIO, TextIO
+
+from mistill.errors import MistillInputError
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[TextIO | BinaryIO]:
+    """Open a temporary sibling of ``path`` for writing; rename it over ``path`` on success.
+
+    On any exception the temporary file is removed and ``path`` is untouched.
+    """
+    if mode not in ("w", "wb"):
+        raise ValueError(f"atomic_open supports 'w' and 'wb', not {mode!r}")
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    with atomic_open(path, "w") as fh:
+        fh.write(text)
+    return Path(path)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    with atomic_open(path, "wb") as fh:
+        fh.write(data)
+    return Path(path)
+
+
+def _json_default(obj: Any) -> Any:
+    # numpy scalars / arrays and paths show up in configs and metrics; keep them readable.
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if isinstance(obj, (Path, os.PathLike)):
+        return os.fspath(obj)
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def dumps(obj: Any, *, indent: int | None = None) -> str:
+    return json.dumps(obj, indent=indent, sort_keys=indent is not None, default=_json_default,
+                      ensure_ascii=False)
+
+
+def write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 2) -> Path:
+    return write_text(path, dumps(obj, indent=indent) + "\n")
+
+
+def write_jsonl(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]]) -> Path:
+    with atomic_open(path, "w") as fh:
+        for row in rows:
+            fh.write(dumps(row) + "\n")
+    return Path(path)
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    p = Path(path)
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise MistillInputError("file not found", file=str(p)) from None
+    except json.JSONDecodeError as exc:
+        raise MistillInputError(f"malformed JSON: {exc.msg} at column {exc.colno}", file=str(p),
+                                line=exc.lineno) from None
+
+
+def read_jsonl(path: str | os.PathLike, *, required: Iterable[str] = (),
+               id_field: str | None = None) -> list[dict[str, Any]]:
+    """Read a JSONL file strictly.
+
+    Blank lines are skipped. A malformed line, a line that is not a JSON object, or an object
+    missing one of ``required`` raises :class:`MistillInputError` naming the file, the line, the
+    record's ``id_field`` value when present, and the field.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise MistillInputError("file not found", file=str(p))
+    rows: list[dict[str, Any]] = []
+    required = tuple(required)
+    with p.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise MistillInputError(f"malformed JSON: {exc.msg} at column {exc.colno}",
+                                        file=str(p), line=lineno) from None
+            if not isinstance(row, dict):
+                raise MistillInputError(f"expected a JSON object, got {type(row).__name__}",
+                                        file=str(p), line=lineno)
+            note = str(row.get(id_field)) if id_field and id_field in row else None
+            for key in required:
+                if key not in row:
+                    raise MistillInputError("missing field", file=str(p), line=lineno, note=note,
+                                            field=key)
+            rows.append(row)
+    return rows
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()

@@ -1,0 +1,30 @@
+"""MLflow tracking layer: the server's life, run conventions, and the privacy guard.
+
+``server`` and ``privacy`` do not import MLflow; the names of ``runs`` (which does) are loaded on
+first use, so ``python -m mistill.tracking.server`` stays quick.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from mistill.tracking.privacy import PRIVACY_LEVELS, PrivacyError, PrivacyGuard
+from mistill.tracking.server import TrackingServer, ensure_server
+
+_RUNS_NAMES = {
+    "StageRun", "find_run", "experiment_for_corpus", "code_version", "git_commit",
+    "params_digest", "canonical_params", "run_name", "markdown_table", "resolve_tracking_uri",
+    "TAG_STAGE", "TAG_MODEL", "TAG_CORPUS", "TAG_CORPUS_DIGEST", "TAG_PRIVACY", "TAG_ARM",
+    "TAG_SEED", "TAG_PRECISION", "TAG_GIT_COMMIT", "TAG_CODE_VERSION", "TAG_ENTRY_POINT",
+    "TAG_PARAMS_DIGEST", "TAG_INPUT_PREFIX", "RESUMABLE_STATUSES",
+}
+
+__all__ = ["PRIVACY_LEVELS", "PrivacyError", "PrivacyGuard", "TrackingServer", "ensure_server",
+           *sorted(_RUNS_NAMES)]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RUNS_NAMES:
+        return getattr(importlib.import_module("mistill.tracking.runs"), name)
+    raise AttributeError(f"module 'mistill.tracking' has no attribute {name!r}")
