@@ -1,0 +1,813 @@
+"""Conventions every stage follows when it logs to MLflow.
+
+* One experiment per corpus: ``mistill/<corpus>`` (:func:`experiment_for_corpus`), artifacts
+  inherited from the server (proxied ``mlflow-artifacts:/``).
+* Every run carries the tags below (``mistill.stage``, ``mistill.model``, ...), lineage tags
+  ``mistill.input.<name> = <input run id>``, all params of its :class:`~mistill.config.Config`,
+  and a ``config.json`` artifact with every argument, the code version and the git commit.
+* A run is identified by its entry point, its typed params (canonical JSON -> sha256 in the tag
+  ``mistill.params_digest``), the code version and its inputs: :func:`find_run` finds an
+  identical run, and :class:`StageRun` with ``resume=True`` reuses a FINISHED one, resumes a
+  RUNNING/FAILED/KILLED one under the same run id, or starts a new one.
+* Per-note artifacts live under ``<subdir>/<note_id>/`` with a ``_DONE`` marker written (and
+  uploaded) last, so a resumed run skips exactly the finished notes and loses none.
+* Everything bound for the tracking store passes the corpus's :class:`PrivacyGuard`.
+
+Only a tracking server is accepted (``http(s)://``): never the ``./mlruns`` file store. When no
+tracking URI is configured, :class:`StageRun` starts (or reuses) the project's server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+import warnings
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow.entities import Metric, Param, Run, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from mistill.config import Config
+from mistill.errors import MistillInputError
+from mistill.io import read_json, sha256_file, write_bytes, write_json, write_text
+from mistill.tracking.privacy import PrivacyGuard
+from mistill.tracking.server import ensure_server
+
+# ---------------------------------------------------------------------------------------- tags
+TAG_STAGE = "mistill.stage"
+TAG_MODEL = "mistill.model"
+TAG_CORPUS = "mistill.corpus"
+TAG_CORPUS_DIGEST = "mistill.corpus_digest"
+TAG_PRIVACY = "mistill.privacy"
+TAG_ARM = "mistill.arm"
+TAG_SEED = "mistill.seed"
+TAG_PRECISION = "mistill.precision"
+TAG_GIT_COMMIT = "mistill.git_commit"
+TAG_CODE_VERSION = "mistill.code_version"
+TAG_ENTRY_POINT = "mistill.entry_point"
+TAG_PARAMS_DIGEST = "mistill.params_digest"
+TAG_INPUT_PREFIX = "mistill.input."
+"""Lineage: ``mistill.input.<name>`` = the run id of the input run called ``<name>``."""
+TAG_DELEGATED_TO = "mistill.delegated_to"
+"""Set on a run launched by ``mlflow run`` when the work was reused/resumed in another run."""
+
+EXPERIMENT_PREFIX = "mistill/"
+CONFIG_ARTIFACT = "config.json"
+DONE_MARKER = "_DONE"
+_UPLOADED_MARKER = ".uploaded"  # local only: the note's files and _DONE reached the store
+
+MAX_PARAM_VALUE = 6000  # MLflow's limit on a param value
+MAX_TAG_VALUE = 8000  # MLflow's limit on a tag value
+_PARAMS_PER_BATCH = 100
+_METRICS_PER_BATCH = 1000
+
+RESUMABLE_STATUSES: tuple[str, ...] = ("RUNNING", "FAILED", "KILLED")
+SOURCE_DIRS: tuple[str, ...] = ("mistill", "projects", "selection", "analysis")
+SOURCE_SUFFIXES: tuple[str, ...] = (".py", ".yaml", ".yml", ".toml")
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+
+
+# ---------------------------------------------------------------------------- code identity
+def default_repo_root() -> Path:
+    """The directory holding the ``mistill`` package (the repository root in a checkout)."""
+    return Path(__file__).resolve().parents[2]
+
+
+def _source_files(repo_root: Path) -> list[Path]:
+    files: list[Path] = []
+    for name in SOURCE_DIRS:
+        top = repo_root / name
+        if not top.is_dir():
+            continue
+        for root, dirs, names in os.walk(top):
+            dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"
+                       and not d.endswith(".egg-info")]
+            for n in names:
+                if n.endswith(SOURCE_SUFFIXES) or n == "MLproject":
+                    files.append(Path(root) / n)
+    for n in ("MLproject", "pyproject.toml"):
+        if (repo_root / n).is_file():
+            files.append(repo_root / n)
+    return sorted(files, key=lambda p: p.relative_to(repo_root).as_posix())
+
+
+def code_version(repo_root: Path | str | None = None) -> str:
+    """sha256 over the bytes of the source files: a dirty tree gets a different version.
+
+    Files: ``*.py``, ``*.yaml``, ``*.yml``, ``*.toml`` and ``MLproject`` under ``mistill/``,
+    ``projects/``, ``selection/``, ``analysis/``, plus top-level ``MLproject`` and
+    ``pyproject.toml``; hashed in sorted relative-path order, each as path, size and bytes.
+    """
+    root = Path(repo_root) if repo_root is not None else default_repo_root()
+    h = hashlib.sha256()
+    for path in _source_files(root):
+        data = path.read_bytes()
+        h.update(path.relative_to(root).as_posix().encode() + b"\x00")
+        h.update(str(len(data)).encode() + b"\x00")
+        h.update(data)
+    return h.hexdigest()
+
+
+_code_version = code_version  # StageRun's keyword argument of the same name shadows it
+
+
+def git_commit(repo_root: Path | str | None = None) -> str | None:
+    """The checked-out commit (``git rev-parse HEAD``), or None outside a repository."""
+    root = Path(repo_root) if repo_root is not None else default_repo_root()
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = out.stdout.strip()
+    return commit if out.returncode == 0 and re.fullmatch(r"[0-9a-f]{40,64}", commit) else None
+
+
+# ------------------------------------------------------------------------------ typed params
+def canonical_params(params: Mapping[str, Any]) -> str:
+    """Canonical JSON of ``params``: sorted keys, no spaces; ints, floats and bools keep their
+    JSON types (``1``, ``1.0`` and ``"1"`` serialise differently), tuples become lists."""
+    return json.dumps(_plain(params), sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=True)
+
+
+def params_digest(params: Mapping[str, Any]) -> str:
+    """sha256 of :func:`canonical_params`."""
+    return hashlib.sha256(canonical_params(params).encode("utf-8")).hexdigest()
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(_plain(v) for v in value)
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if hasattr(value, "tolist") and callable(value.tolist):  # numpy scalars and arrays
+        return _plain(value.tolist())
+    return value
+
+
+def typed_equal(a: Any, b: Any) -> bool:
+    """Equality that keeps JSON types apart: ``1 != 1.0 != "1" != True``; lists elementwise;
+    ``nan == nan``."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or (math.isnan(a) and math.isnan(b))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(typed_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(typed_equal(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+def param_string(value: Any) -> str:
+    """How a param value is written to MLflow: strings as they are, everything else as JSON
+    (``true``, ``[1, 2]``, ``null``), so :func:`parse_param` reads it back typed. Values over
+    MLflow's limit are truncated and end with the sha256 of the full value."""
+    text = value if isinstance(value, str) else json.dumps(_plain(value), ensure_ascii=False,
+                                                          allow_nan=True)
+    if len(text) > MAX_PARAM_VALUE:
+        digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        suffix = f"...[truncated; sha256={digest}]"
+        text = text[:MAX_PARAM_VALUE - len(suffix)] + suffix
+    return text
+
+
+def parse_param(text: str) -> Any:
+    """Best-effort typed reading of a param string written by :func:`param_string`.
+
+    JSON if it parses, else the string. A string param that looks like a number reads back as
+    a number: comparisons then fail (never a false match); ``config.json`` keeps exact types.
+    """
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, ValueError):
+        return text
+
+
+# ------------------------------------------------------------------------------ experiments
+def _client(tracking_uri: str | None = None) -> MlflowClient:
+    return MlflowClient(tracking_uri=tracking_uri or resolve_tracking_uri())
+
+
+def resolve_tracking_uri(root: Path | str = ".mistill") -> str:
+    """The tracking URI to use: ``MLFLOW_TRACKING_URI`` if set, else the project's server
+    (started or reused under ``root``). File stores are refused."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or ensure_server(root)
+    if not re.match(r"^(https?|databricks)(://|$)", uri):
+        raise MistillInputError(
+            f"tracking URI {uri!r} is not a tracking server; mistill never uses a file or "
+            f"direct database store: start one with `python -m mistill.tracking.server start`",
+            field="MLFLOW_TRACKING_URI")
+    return uri
+
+
+def experiment_for_corpus(corpus_name: str, *, tracking_uri: str | None = None) -> str:
+    """The experiment name ``mistill/<corpus_name>``, created if missing (artifact location
+    inherited from the server) or restored if deleted."""
+    if not corpus_name or not _SAFE_NAME.match(corpus_name):
+        raise MistillInputError(f"corpus name {corpus_name!r} must be letters, digits, '_', '.', "
+                                f"'-'", field="corpus")
+    name = EXPERIMENT_PREFIX + corpus_name
+    _experiment_id(_client(tracking_uri), name, create=True)
+    return name
+
+
+def _experiment_id(client: MlflowClient, experiment: str, *, create: bool = False) -> str | None:
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None and not create:
+        with contextlib.suppress(MlflowException):
+            exp = client.get_experiment(experiment)  # an id was given
+        return exp.experiment_id if exp is not None else None
+    if exp is None:
+        try:
+            return client.create_experiment(experiment)
+        except MlflowException as exc:  # created concurrently by another stage
+            exp = client.get_experiment_by_name(experiment)
+            if exp is None:
+                raise exc
+    if exp.lifecycle_stage == "deleted":
+        client.restore_experiment(exp.experiment_id)
+    return exp.experiment_id
+
+
+# --------------------------------------------------------------------------------- find_run
+@contextlib.contextmanager
+def _quiet_downloads() -> Any:
+    """No progress bars for the small downloads (config.json, one per-note file)."""
+    key = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+    saved = os.environ.get(key)
+    os.environ[key] = "false"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = saved
+
+
+def _stored_params(client: MlflowClient, run: Run) -> dict[str, Any] | None:
+    """The run's typed params: ``config.json``'s ``config`` if present, else parsed params."""
+    with tempfile.TemporaryDirectory(prefix="mistill-cfg-") as tmp, _quiet_downloads():
+        try:
+            path = client.download_artifacts(run.info.run_id, CONFIG_ARTIFACT, tmp)
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            if isinstance(data, dict) and isinstance(data.get("config"), dict):
+                return data["config"]
+        except (MlflowException, OSError, json.JSONDecodeError):
+            pass
+    if run.data.params:
+        return {k: parse_param(v) for k, v in run.data.params.items()}
+    return None
+
+
+def _matches(client: MlflowClient, run: Run, params: Mapping[str, Any], version: str,
+             inputs: Mapping[str, str], statuses: tuple[str, ...]) -> bool:
+    tags = run.data.tags
+    if run.info.status not in statuses or tags.get(TAG_CODE_VERSION) != version:
+        return False
+    run_inputs = {k[len(TAG_INPUT_PREFIX):]: v for k, v in tags.items()
+                  if k.startswith(TAG_INPUT_PREFIX)}
+    if run_inputs != dict(inputs):
+        return False
+    stored = _stored_params(client, run)
+    if stored is None:
+        return False
+    wanted = _plain(params)
+    return typed_equal(wanted, _plain(stored))
+
+
+def find_run(experiment: str, entry_point: str, params: Mapping[str, Any], code_version: str,
+             inputs: Mapping[str, str] | None = None,
+             status: str | Iterable[str] = "FINISHED", *, tracking_uri: str | None = None,
+             max_results: int = 1000) -> Run | None:
+    """The most recent run identical to the request, or None.
+
+    Identical = same ``mistill.entry_point``, same params digest, same code version, the same
+    inputs (``mistill.input.*`` tags, no more, no fewer), a status in ``status``, and params that
+    are equal value by value with their types (checked against the run's ``config.json``, else
+    its params parsed back). Pages through every candidate (``max_results`` per page).
+
+    Args:
+        experiment: experiment name (``mistill/<corpus>``) or id.
+        entry_point: the MLproject entry point (``mistill.entry_point`` tag).
+        params: the typed params (``Config.to_dict()``).
+        code_version: :func:`code_version` of the code that would run.
+        inputs: lineage ``{name: input run id}``.
+        status: one status or several (e.g. :data:`RESUMABLE_STATUSES`).
+    """
+    client = _client(tracking_uri)
+    exp_id = _experiment_id(client, experiment)
+    if exp_id is None:
+        return None
+    statuses = (status,) if isinstance(status, str) else tuple(status)
+    filt = (f"tags.`{TAG_ENTRY_POINT}` = '{_quote(entry_point)}' and "
+            f"tags.`{TAG_PARAMS_DIGEST}` = '{params_digest(params)}'")
+    if len(statuses) == 1:
+        filt += f" and attributes.status = '{statuses[0]}'"
+    token: str | None = None
+    while True:
+        page = client.search_runs([exp_id], filter_string=filt, max_results=max_results,
+                                  order_by=["attributes.start_time DESC"], page_token=token)
+        for run in page:
+            if _matches(client, run, params, code_version, inputs or {}, statuses):
+                return run
+        token = page.token
+        if not token:
+            return None
+
+
+def _quote(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("'", "\\'")
+
+
+# --------------------------------------------------------------------------------- StageRun
+def _short_model(model: str | None) -> str | None:
+    if not model:
+        return None
+    return Path(str(model).rstrip("/")).name.removesuffix(".gguf") or None
+
+
+def run_name(stage: str, model: str | None = None, arm: str | None = None,
+             seed: int | None = None) -> str:
+    """``<stage>-<model short>-<arm>-s<seed>``, leaving out the parts that are None."""
+    parts = [stage, _short_model(model), arm, f"s{seed}" if seed is not None else None]
+    return "-".join(str(p) for p in parts if p not in (None, ""))
+
+
+def _check_component(value: str, what: str) -> str:
+    if not value or not _SAFE_NAME.match(value) or value in (".", ".."):
+        raise MistillInputError(f"{what} {value!r} is not a safe path component "
+                                f"(letters, digits, '_', '.', '-'; not starting with '.')",
+                                field=what)
+    return value
+
+
+class StageRun:
+    """One stage's MLflow run: tags, params, ``config.json``, artifacts, per-note resume.
+
+    Use as a context manager::
+
+        guard = PrivacyGuard(note_texts, "restricted")
+        with StageRun("attribution", cfg, corpus="mimic4", guard=guard, model=cfg.model,
+                      inputs={"traces": traces_run_id}, resume=True) as run:
+            if run.reused:
+                return run.run_id
+            done = run.finished_notes("notes")
+            for note in notes:
+                if note.note_id in done:
+                    continue
+                run.write_note("notes", note.note_id, {"events.json": events})
+            run.log_metrics({"n_events": n})
+
+    On exit the run ends FINISHED, or FAILED if an exception escapes (it is re-raised).
+
+    Args:
+        stage: stage name (``mistill.stage`` tag, first part of the run name).
+        config: the stage's typed config; ``to_dict()`` gives the params.
+        corpus: corpus name: the run goes to experiment ``mistill/<corpus>``.
+        guard: the corpus's privacy guard (its level is the ``mistill.privacy`` tag).
+        model, arm, seed, precision: tags and run-name parts; taken from ``config`` fields of the
+            same name when not given.
+        corpus_digest: digest of the corpus files (``mistill.corpus_digest``).
+        entry_point: MLproject entry point (defaults to ``stage``).
+        inputs: lineage ``{name: input run id}``.
+        tags: extra tags.
+        resume: reuse an identical FINISHED run (``reused=True``, nothing else is done), else
+            resume an identical RUNNING/FAILED/KILLED run under its run id, else start anew.
+        root: local root; the working dir is ``<root>/work/<run_id>/``.
+        repo_root: the source tree whose :func:`code_version` identifies the run.
+        code_version: override the computed code version (tests, frozen deployments).
+        tracking_uri: server URI (default: ``MLFLOW_TRACKING_URI`` or the project's server).
+
+    Inside ``mlflow run`` (``MLFLOW_RUN_ID`` set) the launched run is adopted as the new run;
+    launch with ``--experiment-name mistill/<corpus>`` so that it lands in the corpus's
+    experiment. If the work is reused or resumed elsewhere, the launched run is tagged
+    ``mistill.delegated_to``.
+    """
+
+    def __init__(self, stage: str, config: Config, *, corpus: str, guard: PrivacyGuard,
+                 model: str | None = None, arm: str | None = None, seed: int | None = None,
+                 precision: str | None = None, corpus_digest: str | None = None,
+                 entry_point: str | None = None, inputs: Mapping[str, str] | None = None,
+                 tags: Mapping[str, Any] | None = None, resume: bool = False,
+                 root: Path | str = Path(".mistill"), repo_root: Path | str | None = None,
+                 code_version: str | None = None, tracking_uri: str | None = None) -> None:
+        if not isinstance(config, Config):
+            raise TypeError(f"config must be a mistill.config.Config, got {type(config).__name__}")
+        self.stage = stage
+        self.config = config
+        self.corpus = corpus
+        self.guard = guard
+        self.params: dict[str, Any] = config.to_dict()
+        self.model = model if model is not None else self.params.get("model")
+        self.arm = arm if arm is not None else self.params.get("arm")
+        self.seed = seed if seed is not None else self.params.get("seed")
+        self.precision = precision if precision is not None else self.params.get("precision")
+        self.corpus_digest = corpus_digest
+        self.entry_point = entry_point or stage
+        self.inputs = {_check_component(k, "input name"): str(v)
+                       for k, v in (inputs or {}).items()}
+        self.extra_tags = dict(tags or {})
+        self.resume = resume
+        self.root = Path(root)
+        self.repo_root = Path(repo_root) if repo_root is not None else default_repo_root()
+        self.code_version = code_version or _code_version(self.repo_root)
+        self.git_commit = git_commit(self.repo_root)
+        self.params_digest = params_digest(self.params)
+        self.tracking_uri = tracking_uri or resolve_tracking_uri(self.root)
+        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        self.run: Run | None = None
+        self.experiment_name = ""
+        self.experiment_id = ""
+        self.reused = False
+        self.resumed = False
+        self._active = False
+
+    # ------------------------------------------------------------------------ properties
+    @property
+    def run_id(self) -> str:
+        if self.run is None:
+            raise RuntimeError("StageRun has not been entered")
+        return self.run.info.run_id
+
+    @property
+    def work_dir(self) -> Path:
+        """Local working dir ``<root>/work/<run_id>/``."""
+        return self.root / "work" / self.run_id
+
+    @property
+    def run_name(self) -> str:
+        return run_name(self.stage, self.model, self.arm, self.seed)
+
+    def tags(self) -> dict[str, str]:
+        """All mistill tags of this run (None-valued ones left out)."""
+        tags: dict[str, Any] = {
+            TAG_STAGE: self.stage, TAG_MODEL: self.model, TAG_CORPUS: self.corpus,
+            TAG_CORPUS_DIGEST: self.corpus_digest, TAG_PRIVACY: self.guard.level,
+            TAG_ARM: self.arm, TAG_SEED: self.seed, TAG_PRECISION: self.precision,
+            TAG_GIT_COMMIT: self.git_commit, TAG_CODE_VERSION: self.code_version,
+            TAG_ENTRY_POINT: self.entry_point, TAG_PARAMS_DIGEST: self.params_digest,
+        }
+        tags.update({TAG_INPUT_PREFIX + k: v for k, v in self.inputs.items()})
+        tags.update(self.extra_tags)
+        return {k: str(v) for k, v in tags.items() if v is not None}
+
+    # --------------------------------------------------------------------------- enter/exit
+    def __enter__(self) -> StageRun:
+        if mlflow.get_tracking_uri() != self.tracking_uri:
+            mlflow.set_tracking_uri(self.tracking_uri)
+        tags = self.tags()
+        self.guard.check_mapping(tags, "tag")
+        self.guard.check_mapping(self.params, "param")
+        self.experiment_name = experiment_for_corpus(self.corpus, tracking_uri=self.tracking_uri)
+        self.experiment_id = _experiment_id(self.client, self.experiment_name) or ""
+        launched = os.environ.get("MLFLOW_RUN_ID")
+
+        previous: Run | None = None
+        if self.resume:
+            found = find_run(self.experiment_name, self.entry_point, self.params,
+                             self.code_version, self.inputs, "FINISHED",
+                             tracking_uri=self.tracking_uri)
+            if found is not None:
+                self.run, self.reused = found, True
+                self._delegate(launched, found.info.run_id)
+                return self
+            previous = find_run(self.experiment_name, self.entry_point, self.params,
+                                self.code_version, self.inputs, RESUMABLE_STATUSES,
+                                tracking_uri=self.tracking_uri)
+
+        nested = mlflow.active_run() is not None
+        if previous is not None:
+            self._delegate(launched, previous.info.run_id)
+            active = mlflow.start_run(run_id=previous.info.run_id, nested=nested)
+            self.resumed = True
+        elif launched:
+            active = mlflow.start_run(run_id=launched, run_name=self.run_name, nested=nested)
+        else:
+            active = mlflow.start_run(experiment_id=self.experiment_id, run_name=self.run_name,
+                                      nested=nested)
+        self._active = True
+        try:
+            self._log_batch(tags=tags)
+            existing = active.data.params if self.resumed else {}
+            self._log_batch(params={k: v for k, v in self.params.items() if k not in existing})
+            self.run = self.client.get_run(active.info.run_id)
+            self.work_dir.mkdir(parents=True, exist_ok=True)
+            cfg_path = self.config.save(
+                self.work_dir / CONFIG_ARTIFACT, stage=self.stage, entry_point=self.entry_point,
+                corpus=self.corpus, privacy=self.guard.level, inputs=self.inputs,
+                code_version=self.code_version, git_commit=self.git_commit,
+                params_digest=self.params_digest, run_id=self.run_id)
+            self.log_artifact_file(cfg_path)
+        except BaseException:
+            self._end("FAILED")
+            raise
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if self.reused or not self._active:
+            return False
+        ok = exc_type is None or (exc_type is SystemExit and exc.code in (0, None))
+        self._end("FINISHED" if ok else "FAILED")
+        return False
+
+    def _end(self, status: str) -> None:
+        self._active = False
+        active = mlflow.active_run()
+        if active is not None and self.run is not None and active.info.run_id == self.run_id:
+            mlflow.end_run(status)
+        elif active is not None and self.run is None:
+            mlflow.end_run(status)
+        elif self.run is not None:
+            self.client.set_terminated(self.run_id, status)
+        if self.run is not None:
+            self.run = self.client.get_run(self.run_id)
+
+    def _delegate(self, launched: str | None, target: str) -> None:
+        """A run launched by ``mlflow run`` whose work lives in ``target``: say so, move on."""
+        if launched and launched != target:
+            with contextlib.suppress(MlflowException):
+                self.client.set_tag(launched, TAG_DELEGATED_TO, target)
+            os.environ.pop("MLFLOW_RUN_ID", None)
+
+    def _require_active(self) -> None:
+        if self.reused:
+            raise RuntimeError(f"run {self.run_id} was reused (FINISHED): it is not written to")
+        if not self._active:
+            raise RuntimeError("StageRun is not active (use it as a context manager)")
+
+    # ------------------------------------------------------------------------------ logging
+    def _log_batch(self, *, params: Mapping[str, Any] | None = None,
+                   tags: Mapping[str, str] | None = None,
+                   metrics: list[Metric] | None = None) -> None:
+        run_id = mlflow.active_run().info.run_id if self.run is None else self.run_id
+        p = [Param(k, param_string(v)) for k, v in (params or {}).items()]
+        t = [RunTag(k, v if len(v) <= MAX_TAG_VALUE else v[:MAX_TAG_VALUE])
+             for k, v in (tags or {}).items()]
+        for i in range(0, len(p), _PARAMS_PER_BATCH):
+            self.client.log_batch(run_id, params=p[i:i + _PARAMS_PER_BATCH])
+        for i in range(0, len(t), _PARAMS_PER_BATCH):
+            self.client.log_batch(run_id, tags=t[i:i + _PARAMS_PER_BATCH])
+        m = metrics or []
+        for i in range(0, len(m), _METRICS_PER_BATCH):
+            self.client.log_batch(run_id, metrics=m[i:i + _METRICS_PER_BATCH])
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Log numeric metrics (names checked by the privacy guard)."""
+        self._require_active()
+        self.guard.check_mapping({k: None for k in metrics}, "metric")
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, int(step or 0)) for k, v in metrics.items()]
+        self._log_batch(metrics=batch)
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        """Set tags (keys and values checked by the privacy guard)."""
+        self._require_active()
+        str_tags = {k: str(v) for k, v in tags.items() if v is not None}
+        self.guard.check_mapping(str_tags, "tag")
+        self._log_batch(tags=str_tags)
+
+    def log_artifact_file(self, local_path: Path | str, artifact_path: str | None = None) -> None:
+        """Log a file (or a directory's contents) after the privacy guard has checked it."""
+        self._require_active()
+        p = Path(local_path)
+        if p.is_dir():
+            self.guard.check_dir(p)
+            self.client.log_artifacts(self.run_id, str(p), artifact_path)
+        else:
+            self.guard.check_file(p)
+            self.client.log_artifact(self.run_id, str(p), artifact_path)
+
+    def _local_artifact(self, name: str) -> tuple[Path, str | None]:
+        """Local path under ``<work>/artifacts/`` for artifact ``name`` (may contain '/')."""
+        parts = [_check_component(part, "artifact name") for part in name.split("/")]
+        path = self.work_dir.joinpath("artifacts", *parts)
+        return path, "/".join(parts[:-1]) or None
+
+    def log_json(self, name: str, obj: Any) -> Path:
+        """Write ``obj`` as JSON to ``<name>`` (``.json`` appended if missing) and log it."""
+        if not name.endswith(".json"):
+            name += ".json"
+        path, artifact_dir = self._local_artifact(name)
+        write_json(path, obj)
+        self.log_artifact_file(path, artifact_dir)
+        return path
+
+    def log_table(self, name: str, df: Any, *, float_format: str = ".6g",
+                  index: bool | None = None) -> tuple[Path, Path]:
+        """Log a pandas DataFrame as ``<name>.csv`` and ``<name>.md``; return both local paths.
+
+        ``index`` defaults to writing the index only when it is not a plain RangeIndex.
+        """
+        import pandas as pd
+
+        if index is None:
+            index = not isinstance(df.index, pd.RangeIndex) or df.index.name is not None
+        csv_path, artifact_dir = self._local_artifact(name + ".csv")
+        md_path = csv_path.with_suffix(".md")
+        write_text(csv_path, df.to_csv(index=index))
+        write_text(md_path, markdown_table(df, float_format=float_format, index=index))
+        self.guard.check_file(csv_path)
+        self.guard.check_file(md_path)
+        self.log_artifact_file(csv_path, artifact_dir)
+        self.log_artifact_file(md_path, artifact_dir)
+        return csv_path, md_path
+
+    def log_figure(self, fig: Any, name: str) -> Path:
+        """Log a plotly figure as self-contained HTML (plotly.js embedded: opens offline).
+
+        The figure's JSON (all its data and text) is what the privacy guard checks.
+        """
+        self._require_active()
+        if not name.endswith(".html"):
+            name += ".html"
+        if not self.guard.allows_text:
+            self.guard.check_text(fig.to_json(), f"figure {name}")
+        path, artifact_dir = self._local_artifact(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        html = fig.to_html(include_plotlyjs=True, full_html=True)
+        write_text(path, html)
+        self.client.log_artifact(self.run_id, str(path), artifact_dir)
+        return path
+
+    def log_dataset(self, df: Any, name: str, digest: str, context: str) -> None:
+        """Record a dataset as a run input (``mlflow.log_input``): schema, size and digest.
+
+        Restricted corpora: refused if a column name or a string cell carries protected text,
+        or a string column holds free text (see :meth:`PrivacyGuard.check_dataframe`).
+        """
+        self._require_active()
+        import mlflow.data
+
+        self.guard.check_text(name, "dataset name")
+        self.guard.check_dataframe(df, f"dataset {name}")
+        with warnings.catch_warnings():  # schema inference hints about integer columns
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"mlflow\.")
+            dataset = mlflow.data.from_pandas(df, name=name, digest=digest)
+            active = mlflow.active_run()
+            if active is not None and active.info.run_id == self.run_id:
+                mlflow.log_input(dataset, context=context)
+            else:
+                from mlflow.entities import DatasetInput, InputTag
+                from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+                self.client.log_inputs(self.run_id, [DatasetInput(
+                    dataset._to_mlflow_entity(), [InputTag(MLFLOW_DATASET_CONTEXT, context)])])
+
+    # ----------------------------------------------------------------------- per-note files
+    def note_dir(self, subdir: str, note_id: str) -> Path:
+        """Local dir ``<work>/<subdir>/<note_id>/``."""
+        return self.work_dir / _check_component(subdir, "subdir") / _check_component(
+            str(note_id), "note_id")
+
+    def note_artifact_path(self, subdir: str, note_id: str, filename: str) -> Path:
+        """Local path of one per-note file (parent dirs created)."""
+        path = self.note_dir(subdir, note_id) / _check_component(filename, "filename")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def write_note(self, subdir: str, note_id: str, files: Mapping[str, bytes | str | Any]) -> None:
+        """Write one note's files atomically, then ``_DONE``, then upload them (``_DONE`` last).
+
+        Values: ``bytes`` written as is, ``str`` as UTF-8, anything else as JSON. Every file is
+        checked by the privacy guard before anything is uploaded; on refusal the note's local
+        files are removed and :class:`PrivacyError` is raised.
+        """
+        self._require_active()
+        if DONE_MARKER in files:
+            raise MistillInputError(f"{DONE_MARKER} is reserved", note=str(note_id),
+                                    field="filename")
+        note_dir = self.note_dir(subdir, note_id)
+        written: list[Path] = []
+        try:
+            for filename, content in files.items():
+                path = self.note_artifact_path(subdir, note_id, filename)
+                if isinstance(content, bytes):
+                    write_bytes(path, content)
+                elif isinstance(content, str):
+                    write_text(path, content)
+                else:
+                    write_json(path, content)
+                written.append(path)
+                self.guard.check_file(path)
+        except BaseException:
+            shutil.rmtree(note_dir, ignore_errors=True)
+            raise
+        done = {"files": {p.name: sha256_file(p) for p in written},
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        write_json(note_dir / DONE_MARKER, done)
+        self._upload_note(subdir, str(note_id))
+
+    def _upload_note(self, subdir: str, note_id: str) -> None:
+        note_dir = self.note_dir(subdir, note_id)
+        artifact_dir = f"{subdir}/{note_id}"
+        for path in sorted(note_dir.iterdir()):
+            if path.is_file() and not path.name.startswith(".") and path.name != DONE_MARKER:
+                self.client.log_artifact(self.run_id, str(path), artifact_dir)
+        self.client.log_artifact(self.run_id, str(note_dir / DONE_MARKER), artifact_dir)
+        write_text(note_dir / _UPLOADED_MARKER, "")
+
+    def finished_notes(self, subdir: str) -> set[str]:
+        """Notes with a ``_DONE`` marker locally or in the run's artifact store.
+
+        Notes finished locally whose upload was interrupted are uploaded now, so the store ends
+        up complete.
+        """
+        local_root = self.work_dir / _check_component(subdir, "subdir")
+        done: set[str] = set()
+        if local_root.is_dir():
+            for note_dir in local_root.iterdir():
+                if (note_dir / DONE_MARKER).is_file():
+                    done.add(note_dir.name)
+                    if not self.reused and self._active and \
+                            not (note_dir / _UPLOADED_MARKER).exists():
+                        self._upload_note(subdir, note_dir.name)
+        for info in self.client.list_artifacts(self.run_id, subdir):
+            note_id = info.path.rsplit("/", 1)[-1]
+            if not info.is_dir or note_id in done:
+                continue
+            names = {f.path.rsplit("/", 1)[-1] for f in self.client.list_artifacts(
+                self.run_id, info.path)}
+            if DONE_MARKER in names:
+                done.add(note_id)
+        return done
+
+    def load_note(self, subdir: str, note_id: str, filename: str) -> Any:
+        """One per-note file, read locally or downloaded from the run's artifacts.
+
+        ``.json`` files are parsed; anything else is returned as bytes.
+        """
+        path = self.note_dir(subdir, note_id) / _check_component(filename, "filename")
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent, prefix=".dl-") as tmp, \
+                    _quiet_downloads():
+                try:
+                    got = self.client.download_artifacts(
+                        self.run_id, f"{subdir}/{note_id}/{filename}", tmp)
+                except (MlflowException, OSError):
+                    raise MistillInputError("per-note artifact not found", file=filename,
+                                            note=str(note_id), field=subdir) from None
+                os.replace(got, path)
+        if path.suffix == ".json":
+            return read_json(path)
+        return path.read_bytes()
+
+
+def markdown_table(df: Any, *, float_format: str = ".6g", index: bool = False) -> str:
+    """A GitHub-flavoured Markdown table of a DataFrame (no ``tabulate`` needed).
+
+    Numbers are right-aligned; floats use ``float_format``; ``|`` and newlines are escaped.
+    """
+    import pandas as pd
+
+    def cell(v: Any) -> str:
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return ""
+        if isinstance(v, float):
+            return format(v, float_format)
+        return str(v).replace("|", "\\|").replace("\r", " ").replace("\n", "<br>")
+
+    frame = df.reset_index() if index else df
+    headers = [cell(c) for c in frame.columns]
+    numeric = [pd.api.types.is_numeric_dtype(frame[c]) and not pd.api.types.is_bool_dtype(frame[c])
+               for c in frame.columns]
+    rows = [[cell(v.item() if hasattr(v, "item") else v) for v in rec]
+            for rec in frame.itertuples(index=False, name=None)]
+    widths = [max([len(h), 3] + [len(r[j]) for r in rows]) for j, h in enumerate(headers)]
+
+    def line(values: list[str]) -> str:
+        return "| " + " | ".join(v.rjust(w) if num else v.ljust(w)
+                                 for v, w, num in zip(values, widths, numeric)) + " |"
+
+    sep = "| " + " | ".join(("-" * (w - 1) + ":") if num else "-" * w
+                            for w, num in zip(widths, numeric)) + " |"
+    return "\n".join([line(headers), sep] + [line(r) for r in rows]) + "\n"
+
+
+__all__ = [
+    "TAG_STAGE", "TAG_MODEL", "TAG_CORPUS", "TAG_CORPUS_DIGEST", "TAG_PRIVACY", "TAG_ARM",
+    "TAG_SEED", "TAG_PRECISION", "TAG_GIT_COMMIT", "TAG_CODE_VERSION", "TAG_ENTRY_POINT",
+    "TAG_PARAMS_DIGEST", "TAG_INPUT_PREFIX", "TAG_DELEGATED_TO", "RESUMABLE_STATUSES",
+    "StageRun", "find_run", "experiment_for_corpus", "code_version", "git_commit",
+    "canonical_params", "params_digest", "param_string", "parse_param", "typed_equal",
+    "run_name", "markdown_table", "resolve_tracking_uri",
+]
