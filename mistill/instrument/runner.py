@@ -1,0 +1,335 @@
+"""Forward passes against one note's key-value prefix: prefill once, then many small queries.
+
+The instrument measures every decision with a forward of a few rows against the note's
+prefix (the key-value cache of all earlier positions). :class:`Runner` owns those forwards,
+written from the model's own parts (:mod:`mistill.models.geometry`), so that
+
+- the prefix is built once per note by a chunked prefill into preallocated per-layer buffers
+  (:class:`KVPrefix`); "cropping" to position ``p`` is choosing the view ``[:p]`` — the
+  cache is never copied or grown;
+- many single-token *variants* at one event run as one forward: they sit side by side on the
+  row axis, share the position id, and each row sees the prefix plus only its own new key
+  (``rows="own"``). The prefix part is computed once for all rows (query heads of one KV group
+  folded into the row axis, so GQA needs no expanded keys) and merged with each row's own-key
+  term through the log-sum-exp;
+- continuations (``rows="causal"``) see the prefix and the earlier new rows (prefill chunks,
+  the locus probe's suffix);
+- a batch of variants that only touches layers ``>= l`` can start from the clean residual
+  stream at layer ``l`` (``start_layer``/``start_hidden``).
+
+The head hook (:mod:`mistill.instrument.hooks`) fires inside every forward because ``o_proj``
+is called as a module. On CUDA the prefix part uses the flash-attention kernel (with its
+log-sum-exp) when no gradient is needed; elsewhere, and for gradients, an exact math path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mistill.models.geometry import HeadGeometry
+from mistill.models.loading import LoadedModel
+
+
+@dataclass
+class KVPrefix:
+    """Per-layer keys and values of one note, rotary already applied.
+
+    ``keys[l]`` / ``values[l]``: ``[1, kv_head, max_pos, d_head]`` preallocated; positions
+    ``[0, length)`` are valid. :meth:`crop` only moves ``length`` down.
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int
+    input_ids: torch.Tensor  # [pos] the note's tokens
+
+    def crop(self, length: int) -> None:
+        if length > self.length:
+            raise ValueError(f"crop to {length} > current length {self.length}: the prefix only shrinks")
+        self.length = length
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() for k in self.keys) * 2
+
+
+@dataclass
+class RunnerOutput:
+    """``logits``: ``[batch, row_out, vocab]`` (float32); ``hidden_in``: per layer the residual
+    stream entering it, ``[layer, batch, row, d_model]`` when captured."""
+
+    logits: torch.Tensor
+    hidden_in: torch.Tensor | None = None
+
+
+_HAS_FLASH_OP = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention")
+
+
+def _flash_available(t: torch.Tensor) -> bool:
+    return t.is_cuda and t.dtype in (torch.float16, torch.bfloat16) and _HAS_FLASH_OP
+
+
+_KEY_CHUNK = 16384
+
+
+def _chunk_scores(q32: torch.Tensor, k: torch.Tensor, start: int, stop: int, scale: float,
+                  row_limit: torch.Tensor | None) -> torch.Tensor:
+    """Scores ``[kv_head, row, chunk]`` of float32 queries against keys ``[start, stop)``."""
+    s = torch.matmul(q32, k[:, start:stop].float().transpose(-1, -2)) * scale
+    if row_limit is not None:
+        idx = torch.arange(start, stop, device=q32.device).unsqueeze(0)
+        s = s.masked_fill((idx >= row_limit.unsqueeze(1)).unsqueeze(0), float("-inf"))
+    return s
+
+
+class _MathPrefixAttention(torch.autograd.Function):
+    """Exact attention over the prefix in float32, chunked over keys (online softmax).
+
+    Returns ``out`` and ``lse``; the backward recomputes the scores chunk by chunk, so nothing of
+    size ``[row, pos]`` is kept, and gives ``d/dq`` for gradients reaching ``out`` and ``lse``.
+    Keys and values are the (gradient-free) prefix buffers.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, row_limit):
+        q32 = q.float()
+        kvh, rows, d = q32.shape
+        lse = torch.full((kvh, rows), float("-inf"), dtype=torch.float32, device=q.device)
+        acc = torch.zeros(kvh, rows, d, dtype=torch.float32, device=q.device)
+        for start in range(0, k.shape[1], _KEY_CHUNK):
+            stop = min(k.shape[1], start + _KEY_CHUNK)
+            s = _chunk_scores(q32, k, start, stop, scale, row_limit)
+            chunk_lse = torch.logsumexp(s, dim=-1)
+            new_lse = torch.logaddexp(lse, chunk_lse)
+            keep = torch.exp(lse - new_lse).nan_to_num(0.0)
+            p = torch.exp(s - new_lse.unsqueeze(-1)).nan_to_num(0.0)
+            acc = acc * keep.unsqueeze(-1) + torch.matmul(p, v[:, start:stop].float())
+            lse = new_lse
+        ctx.save_for_backward(q32, k, v, acc, lse, row_limit if row_limit is not None else torch.empty(0))
+        ctx.scale = scale
+        ctx.has_limit = row_limit is not None
+        return acc, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q32, k, v, out, lse, row_limit = ctx.saved_tensors
+        row_limit = row_limit if ctx.has_limit else None
+        grad_out = torch.zeros_like(out) if grad_out is None else grad_out.float()
+        grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse.float()
+        delta = (grad_out * out).sum(-1) - grad_lse  # [kv_head, row]
+        dq = torch.zeros_like(q32)
+        for start in range(0, k.shape[1], _KEY_CHUNK):
+            stop = min(k.shape[1], start + _KEY_CHUNK)
+            s = _chunk_scores(q32, k, start, stop, ctx.scale, row_limit)
+            p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
+            dp = torch.matmul(grad_out, v[:, start:stop].float().transpose(-1, -2))
+            ds = p * (dp - delta.unsqueeze(-1))
+            dq = dq + torch.matmul(ds, k[:, start:stop].float()) * ctx.scale
+        return dq, None, None, None, None
+
+
+def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     *, use_flash: bool | None = None,
+                     row_limit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of folded query rows over a shared prefix, with its log-sum-exp.
+
+    Args:
+        q: ``[kv_head, row, d_head]`` (query heads of a KV group folded into ``row``).
+        k, v: ``[kv_head, pos, d_head]`` (views into the prefix buffers).
+        row_limit: optional ``[row]``: row ``r`` sees only keys ``< row_limit[r]`` (math path).
+    Returns:
+        ``out`` ``[kv_head, row, d_head]`` (float32) and ``lse`` ``[kv_head, row]`` (float32).
+    """
+    if k.shape[1] == 0:
+        return (torch.zeros(q.shape, dtype=torch.float32, device=q.device),
+                torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device))
+    if use_flash is None:
+        use_flash = _flash_available(q) and not torch.is_grad_enabled()
+    if use_flash and row_limit is None:
+        res = torch.ops.aten._scaled_dot_product_flash_attention(
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 0.0, False, False, scale=scale)
+        return res[0][0].float(), res[1][0].float()
+    return _MathPrefixAttention.apply(q, k, v, scale, row_limit)
+
+
+class Runner:
+    """Prefill and row forwards for one model (see the module docstring)."""
+
+    def __init__(self, lm: LoadedModel, *, chunk_size: int = 1024, use_flash: bool | None = None) -> None:
+        self.lm = lm
+        self.geometry: HeadGeometry = lm.geometry
+        self.chunk_size = chunk_size
+        # None: the flash kernel on CUDA when no gradient is needed; False: always the math path
+        self.use_flash = use_flash
+        lm.model.requires_grad_(False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.geometry.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.geometry.embed.weight.dtype
+
+    # -- prefix ----------------------------------------------------------------------------
+    def new_prefix(self, input_ids: torch.Tensor, max_len: int | None = None) -> KVPrefix:
+        g = self.geometry
+        n = max_len or int(input_ids.numel())
+        shape = (1, g.n_kv_heads, n, g.d_head)
+        return KVPrefix(keys=[torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(g.n_layers)],
+                        values=[torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(g.n_layers)],
+                        length=0, input_ids=input_ids.to(self.device))
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, *, logits_at: torch.Tensor | None = None) -> tuple[KVPrefix, torch.Tensor | None]:
+        """Build the note's prefix in chunks; the hook sees every position once.
+
+        Args:
+            input_ids: ``[pos]`` token ids of prompt + trace.
+            logits_at: optional ``[row]`` positions whose next-token logits to return.
+        Returns:
+            The prefix (length = ``pos``) and ``[row, vocab]`` float32 logits or ``None``.
+        """
+        ids = input_ids.to(self.device).long()
+        prefix = self.new_prefix(ids)
+        total = ids.numel()
+        want = None if logits_at is None else torch.as_tensor(logits_at, device=self.device).long()
+        out_logits = None if want is None else torch.empty(want.numel(), self.geometry.vocab,
+                                                           dtype=torch.float32, device=self.device)
+        for start in range(0, total, self.chunk_size):
+            end = min(total, start + self.chunk_size)
+            rows = None
+            sel = None
+            if want is not None:
+                sel = ((want >= start) & (want < end)).nonzero().flatten()
+                rows = (want[sel] - start) if sel.numel() else None
+            res = self.forward(prefix, start, ids[start:end].unsqueeze(0),
+                               torch.arange(start, end, device=self.device), rows="causal",
+                               logits_rows=rows, write_prefix=True)
+            if rows is not None:
+                out_logits[sel] = res.logits[0]
+        return prefix, out_logits
+
+    # -- row forwards ------------------------------------------------------------------------
+    def forward(self, prefix: KVPrefix, prefix_len: int, token_ids: torch.Tensor,
+                position_ids: torch.Tensor, *, rows: str = "own",
+                logits_rows: torch.Tensor | None = None, start_layer: int = 0,
+                start_hidden: torch.Tensor | None = None, capture_hidden: bool = False,
+                write_prefix: bool = False, row_prefix_len: torch.Tensor | None = None) -> RunnerOutput:
+        """Run ``token_ids`` ``[batch, row]`` against ``prefix[:prefix_len]``.
+
+        Args:
+            position_ids: ``[row]`` or ``[batch, row]`` rotary positions.
+            rows: ``"own"`` — each row sees the prefix and its own key only (variants);
+                ``"causal"`` — rows see the prefix and earlier rows (continuations).
+            logits_rows: ``[row_out]`` rows whose logits to compute (default: all).
+            start_layer, start_hidden: begin at layer ``l`` from the residual stream
+                ``[batch, row, d_model]`` entering it (rows where earlier layers are clean).
+            capture_hidden: also return the residual stream entering every layer.
+            write_prefix: store the rows' keys/values at ``[prefix_len, prefix_len+row)``
+                (prefill; batch must be 1) and set ``prefix.length`` to the end.
+            row_prefix_len: ``[row]`` with ``rows="own"``: row ``r`` sees only
+                ``prefix[:row_prefix_len[r]]`` (several events of one note in one forward, each
+                exactly as its own single-token forward; exact math path).
+        """
+        g = self.geometry
+        if prefix_len > prefix.length:
+            raise ValueError(f"prefix_len {prefix_len} beyond the prefix ({prefix.length})")
+        token_ids = token_ids.to(self.device)
+        B, n = token_ids.shape
+        pos = position_ids.to(self.device).long()
+        if pos.dim() == 1:
+            pos = pos.unsqueeze(0).expand(B, n)
+        if start_hidden is not None:
+            h = start_hidden.to(self.device, self.dtype)
+        else:
+            h = g.embed(token_ids)
+            start_layer = 0
+        cos, sin = g.rotary(h, pos)
+        row_limit = None
+        if row_prefix_len is not None:
+            if rows != "own":
+                raise ValueError("row_prefix_len needs rows='own'")
+            lim = torch.as_tensor(row_prefix_len, device=self.device).long()
+            # folded rows are ordered (batch, row, group): repeat each row's limit per batch and group
+            row_limit = lim.view(1, n, 1).expand(B, n, g.n_groups).reshape(-1)
+        captured = [] if capture_hidden else None
+        for parts in g.layers[start_layer:]:
+            if captured is not None:
+                captured.append(h)
+            l = parts.index
+            x = parts.input_norm(h)
+            q = parts.q_proj(x).view(B, n, g.n_heads, g.d_head)
+            k = parts.k_proj(x).view(B, n, g.n_kv_heads, g.d_head)
+            v = parts.v_proj(x).view(B, n, g.n_kv_heads, g.d_head)
+            if parts.q_norm is not None:
+                q = parts.q_norm(q)
+                k = parts.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [batch, head, row, d_head]
+            if parts.use_rope:
+                q, k = g.apply_rope(q, k, cos, sin)
+            kp = prefix.keys[l][0, :, :prefix_len]
+            vp = prefix.values[l][0, :, :prefix_len]
+            attn = self._attend(q, k, v, kp, vp, parts.scaling, rows, row_limit)  # [batch, row, head, d_head]
+            if write_prefix:
+                prefix.keys[l][:, :, prefix_len:prefix_len + n] = k
+                prefix.values[l][:, :, prefix_len:prefix_len + n] = v
+            h = h + parts.o_proj(attn.reshape(B, n, g.n_heads * g.d_head))
+            h = h + parts.mlp(parts.post_norm(h))
+        if write_prefix:
+            prefix.length = prefix_len + n
+        hs = h if logits_rows is None else h[:, torch.as_tensor(logits_rows, device=self.device).long()]
+        logits = g.lm_head(g.final_norm(hs)).float()
+        hidden = None
+        if captured is not None:
+            hidden = torch.stack(captured, dim=0)
+        return RunnerOutput(logits=logits, hidden_in=hidden)
+
+    def _attend(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                kp: torch.Tensor, vp: torch.Tensor, scale: float, rows: str,
+                row_limit: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of new rows over prefix + new keys.
+
+        Args:
+            q: ``[batch, head, row, d_head]``; k_new, v_new: ``[batch, kv_head, row, d_head]``;
+            kp, vp: ``[kv_head, pos, d_head]``.
+        Returns:
+            ``[batch, row, head, d_head]`` in the model dtype.
+        """
+        B, H, n, d = q.shape
+        KV = k_new.shape[1]
+        G = H // KV
+        # prefix part, query heads folded per KV head: rows ordered (batch, row, group)
+        qf = q.reshape(B, KV, G, n, d).permute(1, 0, 3, 2, 4).reshape(KV, B * n * G, d)
+        flash = None if self.use_flash is None else (self.use_flash and _flash_available(q)
+                                                      and not torch.is_grad_enabled())
+        out_p, lse_p = prefix_attention(qf, kp, vp, scale, use_flash=flash, row_limit=row_limit)
+        out_p = out_p.view(KV, B, n, G, d).permute(1, 0, 3, 2, 4).reshape(B, H, n, d)
+        lse_p = lse_p.view(KV, B, n, G).permute(1, 0, 3, 2).reshape(B, H, n)
+        k_rep = k_new.repeat_interleave(G, dim=1).float()
+        v_rep = v_new.repeat_interleave(G, dim=1).float()
+        qf32 = q.float()
+        if rows == "own":
+            lse_n = (qf32 * k_rep).sum(-1) * scale  # [batch, head, row]
+            out_n = v_rep
+        elif rows == "causal":
+            if (self.use_flash is not False and not torch.is_grad_enabled() and _flash_available(q)
+                    and n > 1):
+                res = torch.ops.aten._scaled_dot_product_flash_attention(
+                    q, k_new.repeat_interleave(G, dim=1), v_new.repeat_interleave(G, dim=1),
+                    0.0, True, False, scale=scale)
+                out_n, lse_n = res[0].float(), res[1].float()
+            else:
+                s = torch.matmul(qf32, k_rep.transpose(-1, -2)) * scale  # [batch, head, row, row]
+                causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+                s = s.masked_fill(~causal, float("-inf"))
+                lse_n = torch.logsumexp(s, dim=-1)
+                out_n = torch.matmul(torch.exp(s - lse_n.unsqueeze(-1)), v_rep)
+        else:
+            raise ValueError(f"rows must be 'own' or 'causal', not {rows!r}")
+        lse = torch.logaddexp(lse_p, lse_n)
+        out = out_p * torch.exp(lse_p - lse).unsqueeze(-1) + out_n * torch.exp(lse_n - lse).unsqueeze(-1)
+        return out.to(q.dtype).transpose(1, 2)
