@@ -1,0 +1,158 @@
+"""Device benchmark of the instrument on random-init real architectures (bf16, one GPU).
+
+Measures, for Qwen3-14B at 106k tokens or Qwen3-4B at 30k tokens:
+- prefill of the note (with the per-head mean accumulation) and the prefix size;
+- exact patching throughput: B single-head mean-ablation variants per forward against the
+  shared prefix, versus one variant per forward; correctness of the batched flash path against
+  sequential patching on the exact math path, on a handful of variants;
+- a whole attribution pass on one note with 150 events (prefill, first-order attribution at
+  every event, exact patches of the nominees at P1 and half the NULL events);
+- peak GPU memory of each.
+
+Usage: python benchmarks/bench_instrument.py --model qwen3-14b --tokens 106000 --out results.json
+Needs torch + transformers only (no MLflow).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mistill.instrument.attribution import first_order  # noqa: E402
+from mistill.instrument.hooks import HeadHook  # noqa: E402
+from mistill.instrument.passes import AttributionConfig, EventQuery, attribute_note, prefill_note  # noqa: E402
+from mistill.instrument.patching import Query, clean_read, mean_ablate, sequential_patch  # noqa: E402
+from mistill.instrument.runner import Runner  # noqa: E402
+from mistill.models.geometry import head_geometry  # noqa: E402
+from mistill.models.loading import LoadedModel  # noqa: E402
+
+ARCHS = {
+    "qwen3-14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
+                      num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+}
+
+
+def build(name: str, max_pos: int) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    cfg = Qwen3Config(**ARCHS[name], max_position_embeddings=max_pos, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.eval()
+    return LoadedModel(model=model, tokenizer=None, geometry=head_geometry(model), spec=f"random:{name}")
+
+
+def sync() -> None:
+    torch.cuda.synchronize()
+
+
+def timed(fn, reps: int = 3):
+    fn()
+    sync()
+    t = time.perf_counter()
+    for _ in range(reps):
+        out = fn()
+    sync()
+    return (time.perf_counter() - t) / reps, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-4b", choices=sorted(ARCHS))
+    ap.add_argument("--tokens", type=int, default=30000)
+    ap.add_argument("--variants", type=int, default=256)
+    ap.add_argument("--events", type=int, default=150)
+    ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--out", default="bench_instrument.json")
+    args = ap.parse_args()
+
+    lm = build(args.model, max_pos=max(args.tokens + 1024, 40960))
+    g = lm.geometry
+    runner = Runner(lm, chunk_size=args.chunk)
+    hook = HeadHook(g)
+    ids = torch.randint(0, 150000, (args.tokens,), generator=torch.Generator().manual_seed(1))
+    letters = list(range(1000, 1025))
+    res: dict = {"model": args.model, "tokens": args.tokens, "card": torch.cuda.get_device_name(),
+                 "torch": torch.__version__}
+
+    torch.cuda.reset_peak_memory_stats()
+    sync()
+    t = time.perf_counter()
+    prefix, mean = prefill_note(runner, hook, ids)
+    sync()
+    res["prefill_s"] = time.perf_counter() - t
+    res["kv_prefix_gib"] = prefix.nbytes / 2 ** 30
+    res["prefill_peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+
+    pos = args.tokens - 500
+    q = Query(position=pos, token_id=int(ids[pos]), target_id=letters[0], competitor_ids=tuple(letters[1:]))
+    prefix.crop(pos)
+    clean = clean_read(runner, hook, prefix, q)
+    rng = np.random.default_rng(0)
+    heads = rng.choice(g.n_total_heads, size=args.variants, replace=False).tolist()
+    variants = [[h] for h in heads]
+    torch.cuda.reset_peak_memory_stats()
+    t_batched, batched = timed(lambda: mean_ablate(runner, hook, prefix, q, variants, mean,
+                                                   hidden_in=clean.hidden_in, batch_size=args.variants))
+    res["patch_batched_s_per_forward_group"] = t_batched
+    res["patches_per_s_batched"] = args.variants / t_batched
+    res["patch_peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    t_nostart, _ = timed(lambda: mean_ablate(runner, hook, prefix, q, variants, mean, hidden_in=None,
+                                             batch_size=args.variants))
+    res["patches_per_s_batched_from_layer0"] = args.variants / t_nostart
+    few = variants[:8]
+    t_seq, seq_flash = timed(lambda: sequential_patch(runner, hook, prefix, q, few, mean), reps=1)
+    res["single_token_forward_s"] = t_seq / len(few)
+    res["patches_per_s_sequential"] = len(few) / t_seq
+    runner.use_flash = False
+    seq_math = sequential_patch(runner, hook, prefix, q, few, mean)
+    runner.use_flash = None
+    diff = (batched[:8] - seq_math).abs().max().item()
+    res["check_batched_vs_sequential_math_max_abs_nats"] = diff
+    res["check_flash_vs_math_sequential_max_abs_nats"] = (seq_flash - seq_math).abs().max().item()
+    res["check_clean_margin"] = clean.margin
+
+    torch.cuda.reset_peak_memory_stats()
+    t_fo, _ = timed(lambda: first_order(runner, hook, prefix, q, mean), reps=3)
+    res["forward_backward_one_position_s"] = t_fo
+    res["forward_backward_peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    del prefix
+    torch.cuda.empty_cache()
+
+    # a whole attribution pass: 150 events in the last 6k tokens (the trace)
+    n_ev = args.events
+    ev_rng = np.random.default_rng(2)
+    positions = np.sort(ev_rng.choice(np.arange(args.tokens - 6000, args.tokens - 1), size=n_ev, replace=False))
+    kinds = (["P1"] * 20 + ["P2"] * 60 + ["P2C"] * 30 + ["NULL"] * (n_ev - 110))[:n_ev]
+    ev_rng.shuffle(kinds)
+    events = [EventQuery(event_id=f"e{i}", kind=k,
+                         query=Query(position=int(p), token_id=int(ids[p]), target_id=letters[i % 25],
+                                     competitor_ids=tuple(x for x in letters if x != letters[i % 25])))
+              for i, (p, k) in enumerate(zip(positions, kinds))]
+    cfg = AttributionConfig(chunk_size=args.chunk)
+    torch.cuda.reset_peak_memory_stats()
+    sync()
+    t = time.perf_counter()
+    att = attribute_note(runner, hook, "bench", ids, events, cfg, running_global=list(range(16)), progress=False)
+    sync()
+    res["attribution_pass_s"] = time.perf_counter() - t
+    res["attribution_pass_peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    res["attribution_exact_patches"] = int((~np.isnan(att.exact)).sum())
+    res["attribution_events"] = n_ev
+    print(json.dumps(res, indent=2))
+    Path(args.out).write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
