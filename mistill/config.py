@@ -56,6 +56,8 @@ def _coerce(value: Any, annotation: Any, name: str) -> Any:
     if annotation is int:
         if isinstance(value, bool):
             raise ValueError(f"{name}: bool given for int")
+        if isinstance(value, str):
+            value = float(value) if any(c in value for c in ".eE") else int(value)
         if isinstance(value, float) and not value.is_integer():
             raise ValueError(f"{name}: {value!r} is not an integer")
         return int(value)

@@ -34,7 +34,7 @@ def test_attribution_pass_shapes_exact_and_selftest(lm):
     g = lm.geometry
     ids = torch.randint(0, 2000, (150,), generator=torch.Generator().manual_seed(0))
     kinds = ["P1", "P2", "P1", "NULL", "NULL", "P2C", "NULL", "NULL"]
-    events = _events(ids, [140, 130, 120, 100, 90, 80, 70, 60], kinds, "n0")
+    events = _events(ids, [140, 130, 120, 100, 90, 90, 70, 60], kinds, "n0")  # a shared position, as P2 and P2C can have
     cfg = AttributionConfig(top_nominees=5, global_nominees=2, chunk_size=64, selftest_events=1, grad_batch=3)
     att = attribute_note(Runner(lm, chunk_size=64), HeadHook(g), "n0", ids, events, cfg,
                          running_global=[0, 1], progress=False)

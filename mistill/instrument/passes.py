@@ -55,7 +55,7 @@ class AttributionConfig(Config):
     detach: bool = False
     batch_size: int = 256
     grad_batch: int = 16
-    chunk_size: int = 1024
+    chunk_size: int = 8192
     selftest_events: int = 0
     seed: int = 0
 
@@ -132,7 +132,7 @@ def attribute_note(runner: Runner, hook: HeadHook, note_id: str, input_ids: torc
     bar = tqdm(total=n_ev, desc=f"attribute {note_id}", leave=False, disable=not progress)
     for g0 in range(0, n_ev, max(1, cfg.grad_batch)):
         group = order[g0:g0 + max(1, cfg.grad_batch)]
-        prefix.crop(events[group[0]].query.position + 1)  # the group's rows see at most this much
+        prefix.crop(events[group[0]].query.position)  # rows see the prefix before their own position
         fos = first_order_batch(runner, hook, prefix, [events[i].query for i in group], mean,
                                 detach=cfg.detach)
         for i, fo in zip(group, fos):
@@ -180,7 +180,7 @@ class KnockinConfig(Config):
     sets: tuple[str, ...] = ("global", "random", "bottom", "own")
     range_gate: float = 1.0
     batch_size: int = 256
-    chunk_size: int = 1024
+    chunk_size: int = 8192
     seed: int = 0
 
 

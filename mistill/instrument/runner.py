@@ -158,7 +158,7 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 class Runner:
     """Prefill and row forwards for one model (see the module docstring)."""
 
-    def __init__(self, lm: LoadedModel, *, chunk_size: int = 1024, use_flash: bool | None = None) -> None:
+    def __init__(self, lm: LoadedModel, *, chunk_size: int = 8192, use_flash: bool | None = None) -> None:
         self.lm = lm
         self.geometry: HeadGeometry = lm.geometry
         self.chunk_size = chunk_size
@@ -302,6 +302,11 @@ class Runner:
         B, H, n, d = q.shape
         KV = k_new.shape[1]
         G = H // KV
+        if rows == "causal" and kp.shape[1] == 0 and row_limit is None:
+            # nothing before these rows (a prefill in one chunk): the fused causal kernel
+            out = F.scaled_dot_product_attention(q, k_new, v_new, is_causal=True, scale=scale,
+                                                 enable_gqa=G > 1)
+            return out.transpose(1, 2)
         # prefix part, query heads folded per KV head: rows ordered (batch, row, group)
         qf = q.reshape(B, KV, G, n, d).permute(1, 0, 3, 2, 4).reshape(KV, B * n * G, d)
         flash = None if self.use_flash is None else (self.use_flash and _flash_available(q)

@@ -108,6 +108,44 @@ def embedded_tokenizer():
     return _embedded_tokenizer_cached()
 
 
+def mistill_cache_dir() -> Path:
+    """Per-user cache of derived files (``$MISTILL_CACHE`` or ``~/.cache/mistill``)."""
+    return Path(os.environ.get("MISTILL_CACHE", Path.home() / ".cache" / "mistill"))
+
+
+def embedded_float_copy() -> Path:
+    """A float32 safetensors copy of the embedded GGUF model, made once (loads in a second).
+
+    De-quantising the GGUF takes ~20 s on two cores; the copy has identical weights. Written to
+    a temporary directory and renamed, so a crash never leaves a half-written copy.
+    """
+    import shutil
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    target = mistill_cache_dir() / "models" / "smollm2-135m-instruct-f32"
+    if (target / "config.json").exists():
+        return target
+    _offline()
+    src = embedded_model_dir()
+    model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=_SMOLLM2_GGUF, dtype=torch.float32)
+    unmark_quantized(model)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        embedded_tokenizer().save_pretrained(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
 def unmark_quantized(model: nn.Module) -> nn.Module:
     """Make a GGUF-loaded (de-quantised) model trainable and savable.
 
@@ -189,7 +227,8 @@ def load_model(spec: str = EMBEDDED_DEFAULT, *, dtype: str | torch.dtype = "floa
         lm.model.to(device)
         return lm
     if spec == EMBEDDED_DEFAULT:
-        path, gguf = str(embedded_model_dir()), _SMOLLM2_GGUF
+        cached = embedded_float_copy()
+        path, gguf = str(cached), None
     else:
         path, _, gguf = spec.partition("::")
         gguf = gguf or None
@@ -225,3 +264,22 @@ def check_tokenizer_matches(model: nn.Module, tokenizer, spec: str) -> None:
         raise MistillInputError(
             f"tokenizer has {len(tokenizer)} tokens but the model embeds only {n_embed}: "
             "tokenizer/model mismatch", field="tokenizer", file=spec)
+
+
+def load_tokenizer(spec: str = EMBEDDED_DEFAULT):
+    """The tokenizer of a model spec, without loading the weights (offline)."""
+    _offline()
+    from transformers import AutoTokenizer
+
+    if spec.startswith("tiny:"):
+        return embedded_tokenizer()
+    if spec == EMBEDDED_DEFAULT:
+        return AutoTokenizer.from_pretrained(str(embedded_float_copy()))
+    path, _, gguf = spec.partition("::")
+    local = Path(path).expanduser()
+    try:
+        return AutoTokenizer.from_pretrained(str(local) if local.exists() else path,
+                                             **({"gguf_file": gguf} if gguf else {}))
+    except OSError as exc:
+        raise MistillInputError(f"cannot load the tokenizer of {spec!r} offline "
+                                f"({str(exc).splitlines()[0]})", field="model") from None

@@ -65,6 +65,7 @@ TAG_DELEGATED_TO = "mistill.delegated_to"
 
 EXPERIMENT_PREFIX = "mistill/"
 CONFIG_ARTIFACT = "config.json"
+DATASET_DIGEST_CHARS = 36
 DONE_MARKER = "_DONE"
 _UPLOADED_MARKER = ".uploaded"  # local only: the note's files and _DONE reached the store
 
@@ -507,7 +508,9 @@ class StageRun:
         self._active = True
         try:
             self._log_batch(tags=tags)
-            existing = active.data.params if self.resumed else {}
+            # a resumed run, or one launched by `mlflow run` (which logged the entry point's
+            # parameters itself, as strings): keep what is there; config.json has the typed values
+            existing = active.data.params if (self.resumed or launched) else {}
             self._log_batch(params={k: v for k, v in self.params.items() if k not in existing})
             self.run = self.client.get_run(active.info.run_id)
             self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -659,9 +662,11 @@ class StageRun:
 
         self.guard.check_text(name, "dataset name")
         self.guard.check_dataframe(df, f"dataset {name}")
+        # MLflow keeps at most 36 characters of a dataset digest: log its head, tag the whole
+        self.set_tags({f"mistill.dataset_digest.{name}": digest})
         with warnings.catch_warnings():  # schema inference hints about integer columns
             warnings.filterwarnings("ignore", category=UserWarning, module=r"mlflow\.")
-            dataset = mlflow.data.from_pandas(df, name=name, digest=digest)
+            dataset = mlflow.data.from_pandas(df, name=name, digest=digest[:DATASET_DIGEST_CHARS])
             active = mlflow.active_run()
             if active is not None and active.info.run_id == self.run_id:
                 mlflow.log_input(dataset, context=context)

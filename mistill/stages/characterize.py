@@ -1,0 +1,520 @@
+"""The characterization stages: ``events``, ``attribute`` and ``knockin`` (paper Sec. 2–3, App. C–D).
+
+Each stage is one MLflow run that reads its input runs, walks the notes with a progress bar,
+writes one artifact folder per finished note (so a crash resumes at the first unfinished note
+and loses none), then aggregates the notes into the paper's tables.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from mistill.config import Config
+from mistill.data.corpus import Note
+from mistill.errors import MistillInputError
+from mistill.instrument.events import (RealizedEvent, coverage_report, entropy_over_choices,
+                                       event_counts, extract_events, margin, margin_audit,
+                                       realize_events)
+from mistill.instrument.hooks import HeadHook
+from mistill.instrument.passes import (AttributionConfig, CleanEvents, EventQuery, KnockinConfig,
+                                       NoteAttribution, attribute_note, knockin_sweep,
+                                       per_note_set_rows, running_global_top)
+from mistill.instrument.patching import Query
+from mistill.instrument.runner import Runner
+from mistill.models.loading import EMBEDDED_DEFAULT, load_model
+from mistill.stages.common import (Prepared, RunReader, load_prepared, mistill_root, model_positions,
+                                   note_input, privacy_guard)
+
+NOTES = "notes"
+
+
+def stage_notes(prepared: Prepared, split: str = "", max_notes: int = 0) -> list[Note]:
+    """Notes with a teacher trace, in corpus order, optionally one split, optionally the first n."""
+    notes = [n for n in prepared.corpus.notes if n.teacher_trace and (not split or n.split == split)]
+    return notes[:max_notes] if max_notes else notes
+
+
+# ----------------------------------------------------------------------------------- events
+
+@dataclass(frozen=True)
+class EventsConfig(Config):
+    """Event extraction (App. C) realized in ``model``'s tokenizer, with the margin audit."""
+
+    prepare_run: str = ""
+    model: str = EMBEDDED_DEFAULT
+    dtype: str = "float32"
+    device: str = "cpu"
+    split: str = ""
+    max_notes: int = 0
+    n_null: int = 20
+    null_min_distance: int = 8
+    p2c_cap: int = 2
+    seed: int = 0
+    chunk_size: int = 8192
+
+
+def _stored_realized(r: RealizedEvent, margin_value: float, entropy: float, allows_text: bool) -> dict:
+    row = r.to_dict()
+    if r.event.kind == "NULL" and not allows_text:
+        row["chunk"] = ""  # the real next token is trace text; codes are public, prose is not
+    row["margin"] = margin_value
+    row["entropy"] = entropy
+    return row
+
+
+def run_events(cfg: EventsConfig) -> str:
+    from mistill.tracking.runs import StageRun
+
+    prepared = load_prepared(cfg.prepare_run)
+    guard = privacy_guard(prepared.corpus)
+    notes = stage_notes(prepared, cfg.split, cfg.max_notes)
+    with StageRun("events", cfg, corpus=prepared.corpus.name, guard=guard,
+                  corpus_digest=prepared.corpus.digest, inputs={"prepare": cfg.prepare_run},
+                  resume=True, root=mistill_root()) as run:
+        if run.reused:
+            print(f"events: reusing finished run {run.run_id}")
+            return run.run_id
+        lm = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
+        runner = Runner(lm, chunk_size=cfg.chunk_size)
+        codes = list(prepared.inventory.codes)
+        done = run.finished_notes(NOTES)
+        for note in tqdm(notes, desc="events"):
+            if note.note_id in done:
+                continue
+            ni = note_input(note, prepared.inventory, lm.tokenizer,
+                            remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
+                            narrow_instruction=prepared.narrow_instruction,
+                            max_positions=model_positions(lm))
+            events = extract_events(note.note_id, ni.trace, codes, tokenizer=lm.tokenizer, seed=cfg.seed,
+                                    n_null=cfg.n_null, null_min_distance=cfg.null_min_distance,
+                                    p2c_cap=cfg.p2c_cap)
+            drops: Counter = Counter()
+            realized = realize_events(events, full_text=ni.full_text, trace_offset=ni.trace_offset,
+                                      tokenizer=lm.tokenizer, input_ids=ni.input_ids.tolist(),
+                                      offsets=ni.offsets, codes=codes, drops=drops)
+            _, logits = runner.prefill(ni.input_ids, logits_at=torch.tensor([r.position for r in realized],
+                                                                            dtype=torch.long))
+            rows = []
+            for i, r in enumerate(realized):
+                m = float(margin(logits[i], r.target_id, list(r.competitor_ids)))
+                h = float(entropy_over_choices(logits[i], r.target_id, list(r.competitor_ids)))
+                rows.append(_stored_realized(r, m, h, guard.allows_text))
+            run.write_note(NOTES, note.note_id, {
+                "events.jsonl": "".join(json.dumps(e.to_dict()) + "\n" for e in events),
+                "realized.jsonl": "".join(json.dumps(r) + "\n" for r in rows),
+                "coverage.json": {"coverage": coverage_report(events, realized),
+                                  "drops": {f"{k}:{why}": n for (k, why), n in drops.items()},
+                                  "n_tokens": int(ni.input_ids.numel())},
+            })
+        # aggregate over every note of the run
+        reader = _SelfReader(run)
+        all_rows, events_by_note, coverage = [], {}, Counter()
+        for note in notes:
+            rows = reader.jsonl(note.note_id, "realized.jsonl")
+            all_rows += rows
+            events_by_note[note.note_id] = [RealizedEvent.from_dict(r).event for r in rows]
+            cov = reader.json(note.note_id, "coverage.json")["coverage"]
+            for kind, c in cov.items():
+                coverage[(kind, "extracted")] += c["extracted"]
+                coverage[(kind, "realized")] += c["realized"]
+        counts = event_counts(events_by_note)
+        audit = margin_audit([(r["event"]["kind"], r["margin"], r["entropy"]) for r in all_rows])
+        cov_df = pd.DataFrame([{"kind": k, "extracted": coverage[(k, "extracted")],
+                                "realized": coverage[(k, "realized")],
+                                "share": coverage[(k, "realized")] / coverage[(k, "extracted")]
+                                if coverage[(k, "extracted")] else float("nan")}
+                               for k in sorted({k for k, _ in coverage})])
+        run.log_table("event_counts", counts.reset_index() if counts.index.name else counts)
+        run.log_table("margin_audit", audit.reset_index() if audit.index.name else audit)
+        run.log_table("coverage", cov_df)
+        metrics = {"n_notes": len(notes)}
+        for _, row in cov_df.iterrows():
+            metrics[f"events.{row['kind']}.realized"] = float(row["realized"])
+            metrics[f"events.{row['kind']}.coverage"] = float(row["share"])
+        by_kind = pd.DataFrame(all_rows)
+        if len(by_kind):
+            kinds = by_kind["event"].map(lambda e: e["kind"])
+            for kind in sorted(set(kinds)):
+                m = by_kind.loc[kinds == kind, "margin"]
+                metrics[f"margin.{kind}.median"] = float(m.median())
+                metrics[f"margin.{kind}.share_below_0"] = float((m < 0).mean())
+        run.log_metrics(metrics)
+        print(f"events: {len(all_rows)} realized events over {len(notes)} notes -> run {run.run_id}")
+        return run.run_id
+
+
+class _SelfReader:
+    """Read the per-note files a running :class:`StageRun` has written."""
+
+    def __init__(self, run) -> None:
+        self.run = run
+
+    def _path(self, note_id: str, filename: str):
+        path = self.run.note_dir(NOTES, note_id) / filename
+        if not path.exists():
+            self.run.load_note(NOTES, note_id, filename)
+        return path
+
+    def jsonl(self, note_id: str, filename: str) -> list[dict]:
+        return [json.loads(line) for line in self._path(note_id, filename).read_text().splitlines() if line]
+
+    def json(self, note_id: str, filename: str) -> dict:
+        return json.loads(self._path(note_id, filename).read_text())
+
+    def bytes(self, note_id: str, filename: str) -> bytes:
+        return self._path(note_id, filename).read_bytes()
+
+
+def read_realized(reader: RunReader, note_id: str) -> list[RealizedEvent]:
+    path = reader.note_file(NOTES, note_id, "realized.jsonl")
+    return [RealizedEvent.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line]
+
+
+def event_queries(realized: Sequence[RealizedEvent], input_ids: torch.Tensor) -> list[EventQuery]:
+    """Realized events as queries: the token at q, the margin's target and competitor ids."""
+    out = []
+    for r in realized:
+        ev = r.event
+        out.append(EventQuery(event_id=ev.event_id, kind=ev.kind, target=ev.target, char_index=ev.char_index,
+                              query=Query(position=r.position, token_id=int(input_ids[r.position]),
+                                          target_id=r.target_id, competitor_ids=tuple(r.competitor_ids))))
+    return out
+
+
+@dataclass
+class _EventsInput:
+    """An events run and what it was made from."""
+
+    reader: RunReader
+    prepared: Prepared
+    notes: list[Note]
+    model: str
+
+
+def _events_input(events_run: str) -> _EventsInput:
+    reader = RunReader(events_run, field="events_run")
+    if reader.tags.get("mistill.stage") != "events":
+        raise MistillInputError(f"run {events_run} is a {reader.tags.get('mistill.stage')!r} run, not events",
+                                field="events_run")
+    cfg = reader.config
+    prepared = load_prepared(cfg["prepare_run"])
+    return _EventsInput(reader=reader, prepared=prepared,
+                        notes=stage_notes(prepared, cfg.get("split", ""), cfg.get("max_notes", 0)),
+                        model=cfg["model"])
+
+
+# -------------------------------------------------------------------------------- attribute
+
+@dataclass(frozen=True)
+class AttributeConfig(Config):
+    """The attribution pass (App. C) and the calibration into global sets (App. C–D)."""
+
+    events_run: str = ""
+    dtype: str = "float32"
+    device: str = "cpu"
+    top_nominees: int = 40
+    global_nominees: int = 16
+    exact_p2: bool = False
+    null_exact_fraction: float = 0.5
+    detach: bool = False
+    batch_size: int = 256
+    grad_batch: int = 16
+    chunk_size: int = 8192
+    selftest_events: int = 0
+    fdr_q: float = 0.05
+    pool_k: int = 40
+    stability_splits: int = 200
+    seed: int = 0
+
+
+def _attribution_config(cfg: AttributeConfig) -> AttributionConfig:
+    kinds = ("P1", "NULL") + (("P2", "P2C") if cfg.exact_p2 else ())
+    return AttributionConfig(top_nominees=cfg.top_nominees, global_nominees=cfg.global_nominees,
+                             exact_kinds=kinds, null_exact_fraction=cfg.null_exact_fraction,
+                             detach=cfg.detach, batch_size=cfg.batch_size, grad_batch=cfg.grad_batch,
+                             chunk_size=cfg.chunk_size, selftest_events=cfg.selftest_events, seed=cfg.seed)
+
+
+def _npz_bytes(att: NoteAttribution) -> bytes:
+    buf = io.BytesIO()
+    np.savez_compressed(buf, event_ids=np.array(att.event_ids, dtype=str), kinds=np.array(att.kinds, dtype=str),
+                        positions=att.positions, margins=att.margins, first_order=att.first_order,
+                        exact=att.exact)
+    return buf.getvalue()
+
+
+def _load_attribution(path, note_id: str) -> NoteAttribution:
+    return NoteAttribution.from_npz(path, note_id)
+
+
+def run_attribute(cfg: AttributeConfig) -> str:
+    from mistill.instrument.calibration import (NoteImportance, calibrate, head_sets_json, recurrence,
+                                                sparsity, split_half_stability)
+    from mistill.tracking.runs import StageRun
+
+    ev = _events_input(cfg.events_run)
+    prepared = ev.prepared
+    guard = privacy_guard(prepared.corpus)
+    with StageRun("attribute", cfg, corpus=prepared.corpus.name, guard=guard, model=ev.model,
+                  corpus_digest=prepared.corpus.digest, inputs={"events": cfg.events_run},
+                  resume=True, root=mistill_root()) as run:
+        if run.reused:
+            print(f"attribute: reusing finished run {run.run_id}")
+            return run.run_id
+        lm = load_model(ev.model, dtype=cfg.dtype, device=cfg.device)
+        runner, hook = Runner(lm, chunk_size=cfg.chunk_size), HeadHook(lm.geometry)
+        acfg = _attribution_config(cfg)
+        done = run.finished_notes(NOTES)
+        reader = _SelfReader(run)
+        p1_means: list[np.ndarray] = []
+        selftests: list[dict] = []
+        for note in tqdm(ev.notes, desc="attribute"):
+            if note.note_id in done:
+                att = _load_attribution(reader._path(note.note_id, "attribution.npz"), note.note_id)
+                selftests += reader.json(note.note_id, "selftest.json")["rows"]
+            else:
+                ni = note_input(note, prepared.inventory, lm.tokenizer,
+                                remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
+                                narrow_instruction=prepared.narrow_instruction)
+                queries = event_queries(read_realized(ev.reader, note.note_id), ni.input_ids)
+                glob = running_global_top(p1_means, cfg.global_nominees)
+                att = attribute_note(runner, hook, note.note_id, ni.input_ids, queries, acfg, glob)
+                run.write_note(NOTES, note.note_id, {"attribution.npz": _npz_bytes(att),
+                                                     "selftest.json": {"rows": att.selftest}})
+                selftests += att.selftest
+            p1 = [i for i, k in enumerate(att.kinds) if k == "P1"]
+            if p1:
+                p1_means.append(att.first_order[p1].mean(axis=0))
+        # calibration over every note
+        importances = []
+        for note in ev.notes:
+            att = _load_attribution(reader._path(note.note_id, "attribution.npz"), note.note_id)
+            importances.append(NoteImportance(note_id=note.note_id, patient_id=note.patient_id,
+                                              kinds=np.array(att.kinds), importance=att.importance,
+                                              exact_mask=~np.isnan(att.exact)))
+        cal = calibrate(importances, q=cfg.fdr_q, seed=cfg.seed)
+        names = lm.geometry.head_names()
+        sets = head_sets_json(cal, names, pool_k=cfg.pool_k)
+        sets["meta"]["model"] = ev.model
+        sets["meta"]["geometry"] = lm.geometry.to_dict()
+        run.log_json("head_sets.json", sets)
+        run.log_metrics({k: float(v) for k, v in cal.summary().items() if v is not None and np.isfinite(v)})
+        top_rows = []
+        for phase in ("P1", "P2", "P2C"):
+            ic = cal.importance_c.get(phase)
+            if ic is None or not np.isfinite(ic).any():
+                continue
+            order = np.argsort(-ic, kind="stable")
+            for rank, h in enumerate(order[:40]):
+                top_rows.append({"phase": phase, "rank": rank + 1, "head": names[h], "I_c": float(ic[h]),
+                                 "I_raw": float(cal.importance[phase][h])})
+            sp = sparsity(ic, cal.noise_floor)
+            run.log_metrics({f"sparsity.{phase}.n_above_floor": sp["n_above_floor"],
+                             f"sparsity.{phase}.n_carry_80": sp["n_carry"]})
+            rec = recurrence(importances, phase, head_names=names)
+            run.log_table(f"recurrence_{phase}", rec[rec["recurrent"]].head(50) if "recurrent" in rec else rec)
+            patients = {n.patient_id for n in ev.notes}
+            if len(patients) >= 4:
+                stab = split_half_stability(importances, phase, n_splits=cfg.stability_splits, seed=cfg.seed)
+                run.log_metrics({f"stability.{phase}.{k}": float(v) for k, v in _flatten(stab).items()
+                                 if isinstance(v, (int, float)) and np.isfinite(v)})
+        run.log_table("importance_c_top40", pd.DataFrame(top_rows))
+        if selftests:
+            st = pd.DataFrame(selftests)
+            run.log_table("selftest", st)
+            run.log_metrics({f"selftest.{c}": float(st[c].median()) for c in st.columns if c != "event_id"})
+        print(f"attribute: {len(ev.notes)} notes calibrated -> run {run.run_id}")
+        return run.run_id
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+# ---------------------------------------------------------------------------------- knockin
+
+@dataclass(frozen=True)
+class KnockinStageConfig(Config):
+    """Necessity and knock-in of the global sets against random, bottom-k and own sets (App. D)."""
+
+    attribute_run: str = ""
+    dtype: str = "float32"
+    device: str = "cpu"
+    k_bins: tuple[int, ...] = (3, 8, 16, 40, 100)
+    sets: tuple[str, ...] = ("global", "random", "bottom", "own")
+    range_gate: float = 1.0
+    events_per_phase: int = 0
+    batch_size: int = 256
+    chunk_size: int = 8192
+    seed: int = 0
+
+
+def subsample_phase_events(queries: Sequence[EventQuery], per_phase: int, note_id: str,
+                           seed: int) -> list[EventQuery]:
+    """At most ``per_phase`` events of each phase (seeded by note), NULL events dropped; 0 keeps all.
+
+    A cost control for quick runs (the paper measures every event); order is preserved.
+    """
+    if per_phase <= 0:
+        return list(queries)
+    from mistill.instrument.passes import stable_seed
+
+    rng = np.random.default_rng(stable_seed(seed, note_id, "events_per_phase"))
+    keep: set[str] = set()
+    for phase in ("P1", "P2", "P2C"):
+        ids = [q.event_id for q in queries if q.kind == phase]
+        if len(ids) > per_phase:
+            ids = rng.choice(ids, size=per_phase, replace=False).tolist()
+        keep.update(ids)
+    return [q for q in queries if q.event_id in keep]
+
+
+def _ranks_from_head_sets(sets: dict, names: list[str]) -> dict[str, list[int]]:
+    index = {n: i for i, n in enumerate(names)}
+    return {phase: [index[h] for h in body["ranking"]] for phase, body in sets.items()
+            if phase != "meta" and body.get("ranking")}
+
+
+def _own_ranks(att: NoteAttribution, patient_id: str) -> dict[str, list[int]]:
+    from mistill.instrument.calibration import NoteImportance, note_importance_c, ranking
+
+    ni = NoteImportance(note_id=att.note_id, patient_id=patient_id, kinds=np.array(att.kinds),
+                        importance=att.importance)
+    out = {}
+    for phase in ("P1", "P2", "P2C"):
+        c = note_importance_c(ni, phase)  # None when the note lacks the phase or NULL events
+        if c is not None:
+            out[phase] = list(map(int, ranking(c)))
+    return out
+
+
+def run_knockin(cfg: KnockinStageConfig) -> str:
+    from mistill.instrument.settables import sets_table, to_latex, to_markdown
+    from mistill.tracking.runs import StageRun
+
+    att_reader = RunReader(cfg.attribute_run, field="attribute_run")
+    ev = _events_input(att_reader.config["events_run"])
+    prepared = ev.prepared
+    guard = privacy_guard(prepared.corpus)
+    head_sets = json.loads(att_reader.file("head_sets.json").read_text())
+    with StageRun("knockin", cfg, corpus=prepared.corpus.name, guard=guard, model=ev.model,
+                  corpus_digest=prepared.corpus.digest, inputs={"attribute": cfg.attribute_run},
+                  resume=True, root=mistill_root()) as run:
+        if run.reused:
+            print(f"knockin: reusing finished run {run.run_id}")
+            return run.run_id
+        lm = load_model(ev.model, dtype=att_reader.config.get("dtype", cfg.dtype), device=cfg.device)
+        runner, hook = Runner(lm, chunk_size=cfg.chunk_size), HeadHook(lm.geometry)
+        names = lm.geometry.head_names()
+        global_rank = _ranks_from_head_sets(head_sets, names)
+        kcfg = KnockinConfig(k_bins=cfg.k_bins, sets=cfg.sets, range_gate=cfg.range_gate,
+                             batch_size=cfg.batch_size, chunk_size=cfg.chunk_size, seed=cfg.seed)
+        notes = ev.notes
+        done = run.finished_notes(NOTES)
+        inputs: dict[str, tuple] = {}
+
+        def prepare_note(note: Note):
+            if note.note_id not in inputs:
+                ni = note_input(note, prepared.inventory, lm.tokenizer,
+                                remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
+                                narrow_instruction=prepared.narrow_instruction)
+                queries = subsample_phase_events(event_queries(read_realized(ev.reader, note.note_id),
+                                                               ni.input_ids),
+                                                 cfg.events_per_phase, note.note_id, cfg.seed)
+                att = NoteAttribution.from_npz(att_reader.note_file(NOTES, note.note_id, "attribution.npz"),
+                                               note.note_id)
+                inputs[note.note_id] = (ni, queries, _own_ranks(att, note.patient_id))
+            return inputs[note.note_id]
+
+        pending: dict[str, tuple[CleanEvents, list[dict]]] = {}
+        n = len(notes)
+        for i in tqdm(range(n + 1), desc="knock-in"):
+            cur = notes[i % n]
+            prev = notes[i - 1] if i >= 1 else None
+            need_prev = prev is not None and prev.note_id not in done
+            need_cur = i < n and cur.note_id not in done
+            if not (need_prev or need_cur):
+                continue
+            if need_prev and prev.note_id not in pending:  # resumed: recompute the previous note's clean reads
+                ni_p, q_p, own_p = prepare_note(prev)
+                s = knockin_sweep(runner, hook, prev.note_id, ni_p.input_ids, q_p, kcfg, global_rank, own_p)
+                pending[prev.note_id] = (s.clean, s.necessity)
+            ni, queries, own = prepare_note(cur)
+            previous = pending[prev.note_id][0] if need_prev else None
+            prev_len = int(prepare_note(prev)[0].input_ids.numel()) if need_prev else 0
+            sweep = knockin_sweep(runner, hook, cur.note_id, ni.input_ids, queries, kcfg, global_rank, own,
+                                  previous=previous, previous_len=prev_len,
+                                  previous_own_rank=prepare_note(prev)[2] if need_prev else None)
+            if i < n:
+                pending[cur.note_id] = (sweep.clean, sweep.necessity)
+            if need_prev:
+                _, nec = pending.pop(prev.note_id)
+                run.write_note(NOTES, prev.note_id, {
+                    "necessity.jsonl": "".join(json.dumps(r) + "\n" for r in nec),
+                    "knockin.jsonl": "".join(json.dumps(r) + "\n" for r in sweep.knockin)})
+                inputs.pop(prev.note_id, None)
+        # tables over every note
+        reader = _SelfReader(run)
+        rows = []
+        for note in notes:
+            rows += per_note_set_rows(reader.jsonl(note.note_id, "necessity.jsonl"),
+                                      reader.jsonl(note.note_id, "knockin.jsonl"))
+        if not rows:
+            raise MistillInputError("no necessity or knock-in rows: no phase events were realized",
+                                    field="events_run")
+        per_note = pd.DataFrame(rows)
+        run.log_table("per_note_sets", per_note)
+        table = sets_table(per_note.to_dict("records"))
+        run.log_table("sets_table", table)
+        from mistill.io import write_text
+
+        write_text(run.work_dir / "sets_table.tex", to_latex(table))
+        run.log_artifact_file(run.work_dir / "sets_table.tex")
+        write_text(run.work_dir / "sets_table_display.md", to_markdown(table))
+        run.log_artifact_file(run.work_dir / "sets_table_display.md")
+        metrics = {}
+        for _, r in table.iterrows():
+            for col in table.columns:
+                if col.startswith(("necessity.", "recovery.")) and pd.notna(r[col]):
+                    metrics[f"{r['phase']}.k{int(r['k'])}.{col}"] = float(r[col])
+        run.log_metrics(metrics)
+        run.log_figure(recovery_figure(per_note), "recovery_vs_k.html")
+        print(f"knockin: {len(notes)} notes -> run {run.run_id}")
+        return run.run_id
+
+
+def recovery_figure(per_note: pd.DataFrame):
+    """Knock-in recovery against k per phase, global set beside its random and bottom floors."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    phases = [p for p in ("P1", "P2", "P2C") if p in set(per_note["phase"])]
+    fig = make_subplots(rows=1, cols=max(1, len(phases)), subplot_titles=phases, shared_yaxes=True)
+    colors = {"global": "#1f77b4", "random": "#7f7f7f", "bottom": "#d62728", "own": "#2ca02c"}
+    for j, phase in enumerate(phases, start=1):
+        sub = per_note[per_note["phase"] == phase]
+        for set_name, grp in sub.groupby("set"):
+            med = grp.groupby("k")["recovery"].median()
+            fig.add_trace(go.Scatter(x=med.index.tolist(), y=med.values.tolist(), mode="lines+markers",
+                                     name=set_name, legendgroup=set_name, showlegend=j == 1,
+                                     line={"color": colors.get(set_name)}), row=1, col=j)
+        fig.update_xaxes(type="log", title_text="k (heads)", row=1, col=j)
+    fig.update_yaxes(title_text="knock-in recovery (median over notes)", row=1, col=1)
+    fig.update_layout(title="Knock-in recovery of the global sets against count-matched controls")
+    return fig

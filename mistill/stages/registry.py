@@ -1,0 +1,49 @@
+"""Every MLflow entry point: its config class, its run function, and its input runs.
+
+``MLproject`` is generated from this table (``python -m mistill.stages.mlproject``), so the
+entry points, their typed parameters and their defaults cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mistill.config import Config
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One entry point. ``inputs`` maps a lineage name to the config field holding that run id."""
+
+    name: str
+    config: type[Config]
+    run: Callable[[Config], str]
+    inputs: dict[str, str]
+    help: str
+
+    def input_runs(self, cfg: Config) -> dict[str, str]:
+        return {name: getattr(cfg, field) for name, field in self.inputs.items()}
+
+
+def stages() -> dict[str, Stage]:
+    from mistill.stages.characterize import (AttributeConfig, EventsConfig, KnockinStageConfig,
+                                             run_attribute, run_events, run_knockin)
+    from mistill.stages.prepare import PrepareConfig, run_prepare
+    from mistill.stages.workflow import (CharacterizeConfig, PipelineConfig, run_characterize,
+                                         run_pipeline)
+
+    table = [
+        Stage("prepare", PrepareConfig, run_prepare, {}, "inventory, corpus and prompts"),
+        Stage("events", EventsConfig, run_events, {"prepare": "prepare_run"},
+              "decision events per note, realized in the model's tokenizer, and the margin audit"),
+        Stage("attribute", AttributeConfig, run_attribute, {"events": "events_run"},
+              "attribution pass, exact patches, calibration and global head sets"),
+        Stage("knockin", KnockinStageConfig, run_knockin, {"attribute": "attribute_run"},
+              "necessity and knock-in of the global sets against controls"),
+        Stage("characterize", CharacterizeConfig, run_characterize, {"prepare": "prepare_run"},
+              "events -> attribute -> knockin, reusing identical finished runs"),
+        Stage("pipeline", PipelineConfig, run_pipeline, {},
+              "the whole platform on one corpus: prepare, then every stage that exists"),
+    ]
+    return {s.name: s for s in table}

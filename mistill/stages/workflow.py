@@ -1,0 +1,203 @@
+"""Multi-step workflows: ``characterize`` and ``pipeline`` chain entry points, reusing finished runs.
+
+The MLflow multistep pattern: before launching an entry point, look for a FINISHED run of the
+same entry point with the same typed parameters, the same input runs and the same code
+version (:func:`mistill.tracking.runs.find_run` pages through every candidate and compares
+typed values); reuse it when found, else launch the entry point with
+``mlflow.projects.run(..., env_manager="local")`` and wait for it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from mistill.config import Config
+from mistill.errors import MistillInputError
+from mistill.models.loading import EMBEDDED_DEFAULT
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _param_strings(cfg: Config) -> dict[str, str]:
+    from mistill.stages.mlproject import _default
+
+    return {k: _default(v) for k, v in cfg.to_dict().items()}
+
+
+def corpus_name_of(corpus: str, corpus_name: str = "") -> str:
+    """The corpus name a ``prepare`` config will produce (the experiment is ``mistill/<name>``)."""
+    if corpus_name:
+        return corpus_name
+    if corpus == "synthetic":
+        return "synthetic"
+    if corpus.startswith("mimic:"):
+        return "mimic-iv-icd10"
+    return Path(corpus).stem
+
+
+def run_step(stage_name: str, cfg: Config, corpus_name: str, *, launch: str = "mlflow") -> str:
+    """Reuse an identical finished run of ``stage_name`` or run it; returns the run id.
+
+    launch: ``"mlflow"`` runs the entry point through ``mlflow.projects.run`` (a fresh process,
+    as ``mlflow run`` would); ``"inline"`` calls the stage function in this process.
+    """
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from mistill.stages.registry import stages
+    from mistill.tracking.runs import (TAG_DELEGATED_TO, code_version, experiment_for_corpus,
+                                       find_run)
+
+    stage = stages()[stage_name]
+    experiment = experiment_for_corpus(corpus_name)
+    found = find_run(experiment, stage_name, cfg.to_dict(), code_version(REPO_ROOT), stage.input_runs(cfg))
+    if found is not None:
+        print(f"[{stage_name}] reusing finished run {found.info.run_id}")
+        return found.info.run_id
+    print(f"[{stage_name}] running")
+    if launch == "inline":
+        return stage.run(cfg)
+    # the entry point's `python` must be this interpreter (the project's environment)
+    bindir = str(Path(os.sys.executable).parent)
+    if not os.environ.get("PATH", "").startswith(bindir + os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    submitted = mlflow.projects.run(uri=str(REPO_ROOT), entry_point=stage_name,
+                                    parameters=_param_strings(cfg), env_manager="local",
+                                    experiment_name=experiment, synchronous=True)
+    run_id = submitted.run_id
+    client = MlflowClient()
+    run = client.get_run(run_id)
+    delegated = run.data.tags.get(TAG_DELEGATED_TO)
+    if delegated:
+        run_id = delegated
+        run = client.get_run(run_id)
+    if run.info.status != "FINISHED":
+        raise MistillInputError(f"entry point {stage_name} ended {run.info.status} (run {run_id})",
+                                field=stage_name)
+    return run_id
+
+
+@dataclass(frozen=True)
+class CharacterizeConfig(Config):
+    """events -> attribute -> knockin on one prepared corpus (the instrument, App. C–D)."""
+
+    prepare_run: str = ""
+    model: str = EMBEDDED_DEFAULT
+    dtype: str = "float32"
+    device: str = "cpu"
+    split: str = ""
+    max_notes: int = 0
+    n_null: int = 20
+    selftest_events: int = 0
+    exact_p2: bool = False
+    k_bins: tuple[int, ...] = (3, 8, 16, 40, 100)
+    events_per_phase: int = 0
+    stability_splits: int = 200
+    seed: int = 0
+    launch: str = "mlflow"
+
+
+def characterize_steps(cfg: CharacterizeConfig, corpus_name: str) -> dict[str, str]:
+    from mistill.stages.characterize import AttributeConfig, EventsConfig, KnockinStageConfig
+
+    ids = {}
+    ids["events"] = run_step("events", EventsConfig(
+        prepare_run=cfg.prepare_run, model=cfg.model, dtype=cfg.dtype, device=cfg.device, split=cfg.split,
+        max_notes=cfg.max_notes, n_null=cfg.n_null, seed=cfg.seed), corpus_name, launch=cfg.launch)
+    ids["attribute"] = run_step("attribute", AttributeConfig(
+        events_run=ids["events"], dtype=cfg.dtype, device=cfg.device, selftest_events=cfg.selftest_events,
+        exact_p2=cfg.exact_p2, stability_splits=cfg.stability_splits, seed=cfg.seed), corpus_name,
+        launch=cfg.launch)
+    ids["knockin"] = run_step("knockin", KnockinStageConfig(
+        attribute_run=ids["attribute"], dtype=cfg.dtype, device=cfg.device, k_bins=cfg.k_bins,
+        events_per_phase=cfg.events_per_phase, seed=cfg.seed), corpus_name, launch=cfg.launch)
+    return ids
+
+
+def _corpus_of_run(run_id: str) -> str:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient().get_run(run_id).data.tags["mistill.corpus"]
+
+
+def run_characterize(cfg: CharacterizeConfig) -> str:
+    """The three instrument stages in order; returns the knock-in run id."""
+    ids = characterize_steps(cfg, _corpus_of_run(cfg.prepare_run))
+    return ids["knockin"]
+
+
+@dataclass(frozen=True)
+class PipelineConfig(Config):
+    """The whole platform on one corpus (defaults: the embedded default, sized for a CPU demo)."""
+
+    corpus: str = "synthetic"
+    corpus_name: str = ""
+    privacy: str = "restricted"
+    n_notes: int = 4
+    seed: int = 0
+    inventory_size: int = 120
+    codes_file: str = ""
+    model: str = EMBEDDED_DEFAULT
+    dtype: str = "float32"
+    device: str = "cpu"
+    n_null: int = 10
+    selftest_events: int = 1
+    exact_p2: bool = False
+    k_bins: tuple[int, ...] = (3, 8, 16, 40)
+    events_per_phase: int = 10
+    stability_splits: int = 50
+    launch: str = "mlflow"
+
+
+def pipeline_steps(cfg: PipelineConfig) -> dict[str, str]:
+    from mistill.stages.prepare import PrepareConfig
+
+    corpus_name = corpus_name_of(cfg.corpus, cfg.corpus_name)
+    ids = {"prepare": run_step("prepare", PrepareConfig(
+        corpus=cfg.corpus, corpus_name=cfg.corpus_name, privacy=cfg.privacy, n_notes=cfg.n_notes,
+        seed=cfg.seed, inventory_size=cfg.inventory_size, codes_file=cfg.codes_file, model=cfg.model),
+        corpus_name, launch=cfg.launch)}
+    ids.update(characterize_steps(CharacterizeConfig(
+        prepare_run=ids["prepare"], model=cfg.model, dtype=cfg.dtype, device=cfg.device, n_null=cfg.n_null,
+        selftest_events=cfg.selftest_events, exact_p2=cfg.exact_p2, k_bins=cfg.k_bins,
+        events_per_phase=cfg.events_per_phase, stability_splits=cfg.stability_splits, seed=cfg.seed,
+        launch=cfg.launch), corpus_name))
+    return ids
+
+
+def run_pipeline(cfg: PipelineConfig) -> str:
+    """Run (or reuse) every stage; print the MLflow UI address and what was logged."""
+    import mlflow
+
+    ids = pipeline_steps(cfg)
+    print(summary(ids))
+    active = mlflow.active_run()
+    if active is not None and os.environ.get("MLFLOW_RUN_ID") == active.info.run_id:
+        mlflow.set_tags({f"mistill.step.{k}": v for k, v in ids.items()} | {"mistill.stage": "pipeline"})
+    return ids["knockin"]
+
+
+def summary(ids: dict[str, str]) -> str:
+    """A short account of the runs: ids, headline metrics, the UI address."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    lines = [f"MLflow UI: {mlflow.get_tracking_uri()}"]
+    keys = {"prepare": ("n_notes", "n_codes_inventory", "median_total_tokens"),
+            "events": ("events.P1.realized", "events.P2.realized", "events.P2C.realized", "events.NULL.realized",
+                       "margin.P1.median"),
+            "attribute": ("calib.P1.discoveries_pos", "calib.split_half.discoveries_pos",
+                          "selftest.intact.pearson", "selftest.detached.pearson"),
+            "knockin": ("P1.k8.recovery.global", "P1.k8.recovery.random", "P2C.k8.recovery.global",
+                        "P1.k8.necessity.global")}
+    for step, run_id in ids.items():
+        run = client.get_run(run_id)
+        exp = client.get_experiment(run.info.experiment_id)
+        m = run.data.metrics
+        shown = ", ".join(f"{k}={m[k]:.3g}" for k in keys.get(step, ()) if k in m)
+        lines.append(f"  {step:<10} {run_id}  {mlflow.get_tracking_uri()}/#/experiments/"
+                     f"{exp.experiment_id}/runs/{run_id}  {shown}")
+    return "\n".join(lines)
