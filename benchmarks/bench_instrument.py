@@ -42,13 +42,16 @@ ARCHS = {
 }
 
 
-def build(name: str, max_pos: int) -> LoadedModel:
+def build(name: str, max_pos: int, *, layers: int | None = None, dtype=torch.bfloat16) -> LoadedModel:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    cfg = Qwen3Config(**ARCHS[name], max_position_embeddings=max_pos, rms_norm_eps=1e-6)
+    arch = dict(ARCHS[name])
+    if layers is not None:
+        arch["num_hidden_layers"] = layers
+    cfg = Qwen3Config(**arch, max_position_embeddings=max_pos, rms_norm_eps=1e-6)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.eval()
     return LoadedModel(model=model, tokenizer=None, geometry=head_geometry(model), spec=f"random:{name}")
 
@@ -67,6 +70,49 @@ def timed(fn, reps: int = 3):
     return (time.perf_counter() - t) / reps, out
 
 
+def fp32_checks(name: str, tokens: int) -> dict:
+    """Exactness of the batched paths where rounding cannot hide a bug: float32 weights.
+
+    A 6-layer model of the architecture in float32 (math attention path): batched variants
+    against one-variant-per-forward, knock-in of every head against the clean margin; and the
+    flash kernel's output and log-sum-exp against the math path on bf16 inputs.
+    """
+    from mistill.instrument.patching import knock_in
+    from mistill.instrument.runner import prefix_attention
+
+    out: dict = {}
+    lm = build(name, max_pos=max(tokens + 1024, 40960), layers=6, dtype=torch.float32)
+    g = lm.geometry
+    runner, hook = Runner(lm, chunk_size=8192), HeadHook(g)
+    ids = torch.randint(0, 150000, (tokens,), generator=torch.Generator().manual_seed(3))
+    prefix, mean = prefill_note(runner, hook, ids)
+    pos = tokens - 300
+    q = Query(position=pos, token_id=int(ids[pos]), target_id=1000, competitor_ids=tuple(range(1001, 1025)))
+    prefix.crop(pos)
+    clean = clean_read(runner, hook, prefix, q)
+    variants = [[h] for h in range(0, g.n_total_heads, 3)][:64] + [list(range(0, g.n_total_heads, 7))]
+    batched = mean_ablate(runner, hook, prefix, q, variants, mean, hidden_in=clean.hidden_in, batch_size=32)
+    seq = sequential_patch(runner, hook, prefix, q, variants[:12] + variants[-1:], mean)
+    out["fp32_batched_vs_sequential_max_abs_nats"] = (batched[list(range(12)) + [len(variants) - 1]] - seq).abs().max().item()
+    out["fp32_mean_abs_effect_nats"] = (clean.margin - batched).abs().mean().item()
+    other = torch.randint(0, 150000, (tokens,), generator=torch.Generator().manual_seed(4))
+    donor, _ = prefill_note(runner, hook, other)
+    donor.crop(pos - 1000)
+    qd = Query(position=pos - 1000, token_id=q.token_id, target_id=q.target_id, competitor_ids=q.competitor_ids)
+    m_all = knock_in(runner, hook, donor, qd, [list(range(g.n_total_heads))], clean.z)[0].item()
+    out["fp32_knockin_all_heads_minus_clean_nats"] = m_all - clean.margin
+    qq = torch.randn(8, 1280, 128, device="cuda", dtype=torch.bfloat16)
+    kk = torch.randn(8, tokens, 128, device="cuda", dtype=torch.bfloat16)
+    vv = torch.randn(8, tokens, 128, device="cuda", dtype=torch.bfloat16)
+    o_f, l_f = prefix_attention(qq, kk, vv, 128 ** -0.5, use_flash=True)
+    o_m, l_m = prefix_attention(qq, kk, vv, 128 ** -0.5, use_flash=False)
+    out["flash_vs_math_attention_out_max_abs"] = (o_f - o_m).abs().max().item()
+    out["flash_vs_math_lse_max_abs"] = (l_f - l_m).abs().max().item()
+    del lm, prefix, donor
+    torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-4b", choices=sorted(ARCHS))
@@ -75,7 +121,9 @@ def main() -> None:
     ap.add_argument("--events", type=int, default=150)
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--out", default="bench_instrument.json")
+    ap.add_argument("--fp32-checks", action="store_true")
     args = ap.parse_args()
+    checks = fp32_checks(args.model, min(args.tokens, 8000)) if args.fp32_checks else {}
 
     lm = build(args.model, max_pos=max(args.tokens + 1024, 40960))
     g = lm.geometry
@@ -84,7 +132,7 @@ def main() -> None:
     ids = torch.randint(0, 150000, (args.tokens,), generator=torch.Generator().manual_seed(1))
     letters = list(range(1000, 1025))
     res: dict = {"model": args.model, "tokens": args.tokens, "card": torch.cuda.get_device_name(),
-                 "torch": torch.__version__}
+                 "torch": torch.__version__, **checks}
 
     torch.cuda.reset_peak_memory_stats()
     sync()
@@ -100,27 +148,36 @@ def main() -> None:
     prefix.crop(pos)
     clean = clean_read(runner, hook, prefix, q)
     rng = np.random.default_rng(0)
-    heads = rng.choice(g.n_total_heads, size=args.variants, replace=False).tolist()
-    variants = [[h] for h in heads]
-    torch.cuda.reset_peak_memory_stats()
-    t_batched, batched = timed(lambda: mean_ablate(runner, hook, prefix, q, variants, mean,
-                                                   hidden_in=clean.hidden_in, batch_size=args.variants))
-    res["patch_batched_s_per_forward_group"] = t_batched
-    res["patches_per_s_batched"] = args.variants / t_batched
-    res["patch_peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
-    t_nostart, _ = timed(lambda: mean_ablate(runner, hook, prefix, q, variants, mean, hidden_in=None,
-                                             batch_size=args.variants))
-    res["patches_per_s_batched_from_layer0"] = args.variants / t_nostart
+    for n_var in sorted({args.variants, 2 * args.variants}):
+        heads = rng.choice(g.n_total_heads, size=min(n_var, g.n_total_heads), replace=False).tolist()
+        variants = [[h] for h in heads]
+        torch.cuda.reset_peak_memory_stats()
+        t_batched, batched = timed(lambda: mean_ablate(runner, hook, prefix, q, variants, mean,
+                                                       hidden_in=clean.hidden_in, batch_size=len(variants)))
+        res[f"patches_per_s_batched_{len(variants)}"] = len(variants) / t_batched
+        res[f"patch_forward_s_{len(variants)}"] = t_batched
+        res[f"patch_peak_gib_{len(variants)}"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        t_nostart, _ = timed(lambda: mean_ablate(runner, hook, prefix, q, variants, mean, hidden_in=None,
+                                                 batch_size=len(variants)))
+        res[f"patches_per_s_batched_{len(variants)}_from_layer0"] = len(variants) / t_nostart
+    # every head of the model, sorted by layer, in batches: the self-test's workload
+    every = [[h] for h in range(g.n_total_heads)]
+    t_all, _ = timed(lambda: mean_ablate(runner, hook, prefix, q, every, mean, hidden_in=clean.hidden_in,
+                                         batch_size=args.variants), reps=1)
+    res["patches_per_s_all_heads_sorted_by_layer"] = len(every) / t_all
     few = variants[:8]
+    batched8 = batched[:8]
     t_seq, seq_flash = timed(lambda: sequential_patch(runner, hook, prefix, q, few, mean), reps=1)
     res["single_token_forward_s"] = t_seq / len(few)
     res["patches_per_s_sequential"] = len(few) / t_seq
     runner.use_flash = False
     seq_math = sequential_patch(runner, hook, prefix, q, few, mean)
+    batched_math = mean_ablate(runner, hook, prefix, q, few, mean, hidden_in=clean.hidden_in)
     runner.use_flash = None
-    diff = (batched[:8] - seq_math).abs().max().item()
-    res["check_batched_vs_sequential_math_max_abs_nats"] = diff
+    res["check_batched_flash_vs_sequential_flash_max_abs_nats"] = (batched8 - seq_flash).abs().max().item()
+    res["check_batched_math_vs_sequential_math_max_abs_nats"] = (batched_math - seq_math).abs().max().item()
     res["check_flash_vs_math_sequential_max_abs_nats"] = (seq_flash - seq_math).abs().max().item()
+    res["check_mean_abs_single_head_effect_nats"] = (clean.margin - seq_math).abs().mean().item()
     res["check_clean_margin"] = clean.margin
 
     torch.cuda.reset_peak_memory_stats()

@@ -37,7 +37,8 @@ def corpus_name_of(corpus: str, corpus_name: str = "") -> str:
     return Path(corpus).stem
 
 
-def run_step(stage_name: str, cfg: Config, corpus_name: str, *, launch: str = "mlflow") -> str:
+def run_step(stage_name: str, cfg: Config, corpus_name: str, *, launch: str = "mlflow",
+             parent: str | None = None) -> str:
     """Reuse an identical finished run of ``stage_name`` or run it; returns the run id.
 
     launch: ``"mlflow"`` runs the entry point through ``mlflow.projects.run`` (a fresh process,
@@ -76,6 +77,8 @@ def run_step(stage_name: str, cfg: Config, corpus_name: str, *, launch: str = "m
     if run.info.status != "FINISHED":
         raise MistillInputError(f"entry point {stage_name} ended {run.info.status} (run {run_id})",
                                 field=stage_name)
+    if parent:
+        client.set_tag(run_id, "mlflow.parentRunId", parent)
     return run_id
 
 
@@ -99,20 +102,22 @@ class CharacterizeConfig(Config):
     launch: str = "mlflow"
 
 
-def characterize_steps(cfg: CharacterizeConfig, corpus_name: str) -> dict[str, str]:
+def characterize_steps(cfg: CharacterizeConfig, corpus_name: str, parent: str | None = None) -> dict[str, str]:
     from mistill.stages.characterize import AttributeConfig, EventsConfig, KnockinStageConfig
 
     ids = {}
     ids["events"] = run_step("events", EventsConfig(
         prepare_run=cfg.prepare_run, model=cfg.model, dtype=cfg.dtype, device=cfg.device, split=cfg.split,
-        max_notes=cfg.max_notes, n_null=cfg.n_null, seed=cfg.seed), corpus_name, launch=cfg.launch)
+        max_notes=cfg.max_notes, n_null=cfg.n_null, seed=cfg.seed), corpus_name, launch=cfg.launch,
+        parent=parent)
     ids["attribute"] = run_step("attribute", AttributeConfig(
         events_run=ids["events"], dtype=cfg.dtype, device=cfg.device, selftest_events=cfg.selftest_events,
         exact_p2=cfg.exact_p2, stability_splits=cfg.stability_splits, seed=cfg.seed), corpus_name,
-        launch=cfg.launch)
+        launch=cfg.launch, parent=parent)
     ids["knockin"] = run_step("knockin", KnockinStageConfig(
         attribute_run=ids["attribute"], dtype=cfg.dtype, device=cfg.device, k_bins=cfg.k_bins,
-        events_per_phase=cfg.events_per_phase, seed=cfg.seed), corpus_name, launch=cfg.launch)
+        events_per_phase=cfg.events_per_phase, seed=cfg.seed), corpus_name, launch=cfg.launch,
+        parent=parent)
     return ids
 
 
@@ -151,32 +156,49 @@ class PipelineConfig(Config):
     launch: str = "mlflow"
 
 
-def pipeline_steps(cfg: PipelineConfig) -> dict[str, str]:
+def pipeline_steps(cfg: PipelineConfig, parent: str | None = None) -> dict[str, str]:
     from mistill.stages.prepare import PrepareConfig
 
     corpus_name = corpus_name_of(cfg.corpus, cfg.corpus_name)
     ids = {"prepare": run_step("prepare", PrepareConfig(
         corpus=cfg.corpus, corpus_name=cfg.corpus_name, privacy=cfg.privacy, n_notes=cfg.n_notes,
         seed=cfg.seed, inventory_size=cfg.inventory_size, codes_file=cfg.codes_file, model=cfg.model),
-        corpus_name, launch=cfg.launch)}
+        corpus_name, launch=cfg.launch, parent=parent)}
     ids.update(characterize_steps(CharacterizeConfig(
         prepare_run=ids["prepare"], model=cfg.model, dtype=cfg.dtype, device=cfg.device, n_null=cfg.n_null,
         selftest_events=cfg.selftest_events, exact_p2=cfg.exact_p2, k_bins=cfg.k_bins,
         events_per_phase=cfg.events_per_phase, stability_splits=cfg.stability_splits, seed=cfg.seed,
-        launch=cfg.launch), corpus_name))
+        launch=cfg.launch), corpus_name, parent=parent))
     return ids
 
 
-def run_pipeline(cfg: PipelineConfig) -> str:
-    """Run (or reuse) every stage; print the MLflow UI address and what was logged."""
-    import mlflow
+STEP_TAG = "mistill.step."
 
-    ids = pipeline_steps(cfg)
-    print(summary(ids))
-    active = mlflow.active_run()
-    if active is not None and os.environ.get("MLFLOW_RUN_ID") == active.info.run_id:
-        mlflow.set_tags({f"mistill.step.{k}": v for k, v in ids.items()} | {"mistill.stage": "pipeline"})
-    return ids["knockin"]
+
+def run_pipeline(cfg: PipelineConfig) -> str:
+    """Run (or reuse) every stage under one pipeline run; print the UI address and a summary.
+
+    The pipeline run records each step's run id (tags ``mistill.step.<stage>``); steps launched
+    by it carry ``mlflow.parentRunId`` so the UI nests them. A second identical invocation reuses
+    the finished pipeline run and every step.
+    """
+    from mistill.stages.common import mistill_root
+    from mistill.tracking.privacy import PrivacyGuard
+    from mistill.tracking.runs import StageRun
+
+    corpus_name = corpus_name_of(cfg.corpus, cfg.corpus_name)
+    level = "synthetic" if cfg.corpus == "synthetic" else cfg.privacy
+    with StageRun("pipeline", cfg, corpus=corpus_name, guard=PrivacyGuard([], level), resume=True,
+                  root=mistill_root()) as run:
+        if run.reused:
+            ids = {k[len(STEP_TAG):]: v for k, v in run.run.data.tags.items() if k.startswith(STEP_TAG)}
+            print(f"[pipeline] reusing finished run {run.run_id}")
+        else:
+            ids = pipeline_steps(cfg, parent=run.run_id)
+            run.set_tags({STEP_TAG + k: v for k, v in ids.items()})
+        text = summary(ids)
+        print(text)
+        return run.run_id
 
 
 def summary(ids: dict[str, str]) -> str:

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set everything up and run the `pipeline` entry point on the embedded default (synthetic corpus +
+# SmolLM2-135M on the CPU), against a local MLflow tracking server. Extra arguments go to
+# `mlflow run` (e.g. -P n_notes=8). The server keeps running afterwards so the UI can be opened;
+# stop it with: .venv/bin/python -m mistill.tracking.server stop
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+# shellcheck disable=SC1091
+. .venv/bin/activate
+export MLFLOW_DISABLE_TELEMETRY=true HF_HUB_OFFLINE=1
+MLFLOW_TRACKING_URI=$(python -m mistill.tracking.server start)
+export MLFLOW_TRACKING_URI
+mlflow run . -e pipeline --env-manager local --experiment-name mistill/synthetic "$@"
+echo
+echo "MLflow UI: $MLFLOW_TRACKING_URI   (experiment mistill/synthetic)"
