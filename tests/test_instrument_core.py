@@ -148,6 +148,27 @@ def test_attribution_correlates_with_exact_patching():
     assert min(pearsons) > 0.9
 
 
+@pytest.mark.parametrize("family", ["qwen2", "smollm3"])
+def test_runner_and_knock_in_on_other_families(family):
+    # Qwen2 carries q/k/v biases; SmolLM3 skips rotary on every fourth layer (NoPE)
+    lm = tiny_model(family, layers=4, heads=4, kv_heads=2, d_head=16, d_model=64, seed=5)
+    g = lm.geometry
+    assert g.family == family
+    if family == "smollm3":
+        assert [p.use_rope for p in g.layers] == [True, True, True, False]
+    ids = _ids(140, 12)
+    with torch.no_grad():
+        ref = lm.model(ids[None]).logits[0].float()
+    runner, hook = Runner(lm, chunk_size=48), HeadHook(g)
+    prefix, logits = runner.prefill(ids, logits_at=torch.arange(140))
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+    q = _query(ids, 130)
+    prefix.crop(130)
+    clean = clean_read(runner, hook, prefix, q)
+    m = knock_in(runner, hook, prefix, q, [list(range(g.n_total_heads))], clean.z, hidden_in=clean.hidden_in)
+    assert m[0].item() == pytest.approx(clean.margin, abs=1e-5)
+
+
 def test_head_mask_rows():
     lm = tiny_model("llama", layers=2, heads=3, kv_heads=1, d_head=8, d_model=24)
     m = head_mask([[0, 4], [], [5]], lm.geometry)

@@ -167,17 +167,20 @@ def unmark_quantized(model: nn.Module) -> nn.Module:
 
 def _tiny_config(family: str, vocab: int, *, layers: int, heads: int, kv_heads: int, d_head: int,
                  d_model: int, max_pos: int, tie: bool):
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, SmolLM3Config
 
     common = dict(vocab_size=vocab, hidden_size=d_model, intermediate_size=2 * d_model,
                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                   head_dim=d_head, max_position_embeddings=max_pos, tie_word_embeddings=tie,
-                  rms_norm_eps=1e-6)
-    if family == "qwen3":
-        return Qwen3Config(**common)
-    if family == "llama":
-        return LlamaConfig(**common)
-    raise MistillInputError(f"no tiny config for family {family!r} (qwen3, llama)", field="model")
+                  rms_norm_eps=1e-6, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    configs = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen2": Qwen2Config}
+    if family in configs:
+        return configs[family](**common)
+    if family == "smollm3":
+        # every fourth layer without rotary (NoPE), as in SmolLM3
+        return SmolLM3Config(**common, no_rope_layers=[int((i + 1) % 4 != 0) for i in range(layers)])
+    raise MistillInputError(f"no tiny config for family {family!r} (qwen3, llama, qwen2, smollm3)",
+                            field="model")
 
 
 def tiny_model(family: str = "qwen3", *, seed: int = 0, layers: int = 2, heads: int = 4,
