@@ -11,6 +11,10 @@ Model specs accepted everywhere a ``model`` parameter appears:
   initialised small configs with the embedded tokenizer, for tests and smoke runs;
 - a local directory holding ``config.json`` (optionally ``path/to/dir::file.gguf``);
 - a hub id (``Qwen/Qwen3-4B``) already in the local HF cache.
+
+Any spec may end in ``@every-other`` or ``@layers=0,2,4`` to keep only some decoder layers (the
+embedded default's student is ``embedded:smollm2-135m@every-other``, the teacher with every
+other layer kept).
 """
 
 from __future__ import annotations
@@ -90,9 +94,11 @@ class LoadedModel:
 
 def short_model_name(spec: str) -> str:
     """A short label for run names and tags (no filesystem paths)."""
-    if spec.startswith(("embedded:", "tiny:")):
-        return spec.split(":", 1)[1].split(":")[0]
-    return Path(spec.split("::")[0].rstrip("/")).name or spec
+    base, keep = split_layer_spec(spec)
+    suffix = f"@{keep}" if keep else ""
+    if base.startswith(("embedded:", "tiny:")):
+        return base.split(":", 1)[1].split(":")[0] + suffix
+    return (Path(base.split("::")[0].rstrip("/")).name or base) + suffix
 
 
 @functools.lru_cache(maxsize=4)
@@ -217,9 +223,54 @@ def _parse_tiny(spec: str) -> tuple[str, dict]:
     return family, kwargs
 
 
+def split_layer_spec(spec: str) -> tuple[str, str | None]:
+    """``"base@every-other"`` -> (``"base"``, ``"every-other"``)."""
+    base, sep, keep = spec.rpartition("@")
+    if not sep or "/" in keep:
+        return spec, None
+    return base, keep
+
+
+def layers_to_keep(keep: str, n_layers: int) -> list[int]:
+    if keep == "every-other":
+        return list(range(0, n_layers, 2))
+    if keep.startswith("layers="):
+        try:
+            idx = [int(x) for x in keep[len("layers="):].split(",") if x.strip()]
+        except ValueError:
+            raise MistillInputError(f"malformed layer list {keep!r}", field="model") from None
+        if not idx or min(idx) < 0 or max(idx) >= n_layers or sorted(set(idx)) != idx:
+            raise MistillInputError(f"layer list {keep!r} must be increasing indices below {n_layers}",
+                                    field="model")
+        return idx
+    raise MistillInputError(f"unknown layer selection {keep!r} (every-other, layers=0,2,...)", field="model")
+
+
+def prune_layers(model: nn.Module, keep: list[int]) -> nn.Module:
+    """Keep only the decoder layers ``keep`` (in order); renumber them and fix the config."""
+    layers = model.model.layers
+    model.model.layers = nn.ModuleList([layers[i] for i in keep])
+    for new, layer in enumerate(model.model.layers):
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None and hasattr(attn, "layer_idx"):
+            attn.layer_idx = new
+    cfg = model.config
+    for name in ("layer_types", "no_rope_layers"):
+        values = getattr(cfg, name, None)
+        if values is not None and len(values) >= max(keep) + 1:
+            setattr(cfg, name, [values[i] for i in keep])
+    cfg.num_hidden_layers = len(keep)
+    return model
+
+
 def load_model(spec: str = EMBEDDED_DEFAULT, *, dtype: str | torch.dtype = "float32",
                device: str | torch.device = "cpu", attn_implementation: str = "sdpa") -> LoadedModel:
     """Load a causal LM and its tokenizer offline; see the module docstring for ``spec``."""
+    base, keep = split_layer_spec(spec)
+    if keep is not None:
+        lm = load_model(base, dtype=dtype, device=device, attn_implementation=attn_implementation)
+        prune_layers(lm.model, layers_to_keep(keep, lm.geometry.n_layers))
+        return LoadedModel(model=lm.model, tokenizer=lm.tokenizer, geometry=head_geometry(lm.model), spec=spec)
     _offline()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -274,6 +325,7 @@ def load_tokenizer(spec: str = EMBEDDED_DEFAULT):
     _offline()
     from transformers import AutoTokenizer
 
+    spec = split_layer_spec(spec)[0]
     if spec.startswith("tiny:"):
         return embedded_tokenizer()
     if spec == EMBEDDED_DEFAULT:

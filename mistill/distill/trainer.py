@@ -1,0 +1,221 @@
+"""The shared trainer of every off-policy arm (App. J.2).
+
+Recipe: one trace per micro-step, gradient accumulation to a global batch of 8, AdamW
+(beta 0.9/0.95, no weight decay) at learning rate 1e-5 with a 5% linear warm-up and cosine decay,
+gradient-norm clipping at 1, two epochs, gradient checkpointing, the loss on trace tokens only
+(computed by the arm's objective, logits chunked). Two precisions: ``bf16`` — the weights
+themselves in bf16, updated by plain AdamW with no fp32 master copy (how Mistill and its
+controls trained); ``fp32`` — fp32 master weights with the forward under bf16 autocast.
+
+The epoch order is a function of (seed, epoch). After every optimizer step the trainer can
+save a resumable state (model, optimizer, scheduler, every RNG, position in the data); a run
+resumed from it continues the same data order and random draws, bit for bit on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from mistill.config import Config
+from mistill.errors import MistillInputError
+from mistill.instrument.passes import stable_seed
+from mistill.io import atomic_open
+
+PRECISIONS = ("bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class RecipeConfig(Config):
+    """The optimisation recipe (App. J.2 defaults)."""
+
+    seed: int = 0
+    precision: str = "bf16"
+    epochs: int = 2
+    lr: float = 1e-5
+    warmup_frac: float = 0.05
+    beta1: float = 0.9
+    beta2: float = 0.95
+    weight_decay: float = 0.0
+    grad_accum: int = 8
+    clip: float = 1.0
+    max_steps: int = 0
+    gradient_checkpointing: bool = True
+    checkpoint_every: int = 1
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The order of the examples in an epoch: a function of (seed, epoch) only."""
+    return np.random.default_rng(stable_seed(seed, "epoch", epoch)).permutation(n).tolist()
+
+
+def steps_per_epoch(n: int, grad_accum: int) -> int:
+    return math.ceil(n / grad_accum)
+
+
+def total_steps(n: int, recipe: RecipeConfig) -> int:
+    full = steps_per_epoch(n, recipe.grad_accum) * recipe.epochs
+    return min(full, recipe.max_steps) if recipe.max_steps else full
+
+
+def lr_lambda(step: int, total: int, warmup_frac: float) -> float:
+    """Linear warm-up over ``warmup_frac`` of the steps, then cosine decay to zero."""
+    warm = max(1, round(warmup_frac * total))
+    if step < warm:
+        return (step + 1) / warm
+    progress = (step - warm) / max(1, total - warm)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def prepare_student(model: nn.Module, recipe: RecipeConfig) -> nn.Module:
+    """Put the student in its training precision and mode."""
+    if recipe.precision not in PRECISIONS:
+        raise MistillInputError(f"precision must be one of {PRECISIONS}", field="precision")
+    model.to(torch.bfloat16 if recipe.precision == "bf16" else torch.float32)
+    model.requires_grad_(True)
+    model.train()
+    if recipe.gradient_checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    return model
+
+
+def autocast(recipe: RecipeConfig, device: torch.device):
+    """bf16 autocast for fp32 master weights; nothing for bf16 weights."""
+    if recipe.precision == "fp32":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (all devices) from the run's seed."""
+    random.seed(seed)
+    np.random.seed(stable_seed(seed, "numpy") % 2 ** 32)
+    torch.manual_seed(stable_seed(seed, "torch"))
+
+
+def _rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+MicroStep = Callable[[nn.Module, int], tuple[torch.Tensor, dict[str, float]]]
+
+
+class Trainer:
+    """Runs the recipe over ``n_examples`` with an arm's ``micro_step(model, example_index)``.
+
+    ``micro_step`` returns the example's loss (a scalar with a graph) and its loss terms as
+    floats; the trainer averages the loss over the micro-steps of each optimizer step.
+    ``log(metrics, step)`` receives the averaged terms, the learning rate and the gradient norm
+    after every optimizer step. ``state_dir`` holds the resumable state (``trainer_state.pt``).
+    """
+
+    def __init__(self, model: nn.Module, n_examples: int, recipe: RecipeConfig, micro_step: MicroStep, *,
+                 state_dir: Path | None = None, log: Callable[[dict, int], None] | None = None,
+                 extra_params: Sequence[nn.Parameter] = ()) -> None:
+        if n_examples <= 0:
+            raise MistillInputError("no training examples", field="notes")
+        self.model = model
+        self.n = n_examples
+        self.recipe = recipe
+        self.micro_step = micro_step
+        self.state_dir = Path(state_dir) if state_dir else None
+        self.log = log or (lambda metrics, step: None)
+        self.device = next(model.parameters()).device
+        params = [p for p in model.parameters() if p.requires_grad] + list(extra_params)
+        self.optimizer = torch.optim.AdamW(params, lr=recipe.lr, betas=(recipe.beta1, recipe.beta2),
+                                           weight_decay=recipe.weight_decay)
+        self.total = total_steps(self.n, recipe)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_lambda(s, self.total, recipe.warmup_frac))
+        self.step = 0
+        self.epoch = 0
+        self.cursor = 0  # position inside the epoch order
+        seed_everything(recipe.seed)  # the arm's random draws; load_state() restores them on resume
+
+    # -- resumable state --------------------------------------------------------------------
+    @property
+    def state_path(self) -> Path | None:
+        return self.state_dir / "trainer_state.pt" if self.state_dir else None
+
+    def save_state(self) -> None:
+        if self.state_path is None:
+            return
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(), "step": self.step, "epoch": self.epoch,
+                 "cursor": self.cursor, "rng": _rng_state(), "total": self.total}
+        with atomic_open(self.state_path, "wb") as fh:
+            torch.save(state, fh)
+
+    def load_state(self) -> bool:
+        """Restore the saved state if there is one; returns whether it did."""
+        if self.state_path is None or not self.state_path.exists():
+            return False
+        state = torch.load(self.state_path, map_location=self.device, weights_only=False)
+        if state["total"] != self.total:
+            raise MistillInputError("saved trainer state belongs to another schedule", file=str(self.state_path),
+                                    field="total_steps")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.epoch, self.cursor = state["step"], state["epoch"], state["cursor"]
+        _set_rng_state(state["rng"])
+        return True
+
+    # -- the loop -----------------------------------------------------------------------------
+    def train(self, *, stop_after: int | None = None, progress: bool = True) -> int:
+        """Train to the end of the schedule (or for ``stop_after`` more optimizer steps)."""
+        bar = tqdm(total=self.total, initial=self.step, desc="train", disable=not progress)
+        done_now = 0
+        while self.step < self.total and self.epoch < self.recipe.epochs:
+            order = epoch_order(self.n, self.recipe.seed, self.epoch)
+            batch = order[self.cursor:self.cursor + self.recipe.grad_accum]
+            sums: dict[str, float] = {}
+            for idx in batch:
+                with autocast(self.recipe, self.device):
+                    loss, parts = self.micro_step(self.model, idx)
+                (loss / len(batch)).backward()
+                for k, v in parts.items():
+                    sums[k] = sums.get(k, 0.0) + float(v) / len(batch)
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                [p for g in self.optimizer.param_groups for p in g["params"]], self.recipe.clip)
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            self.cursor += len(batch)
+            if self.cursor >= self.n:
+                self.epoch, self.cursor = self.epoch + 1, 0
+            self.log({**sums, "lr": lr, "grad_norm": float(grad_norm), "epoch": self.epoch}, self.step)
+            if self.recipe.checkpoint_every and self.step % self.recipe.checkpoint_every == 0:
+                self.save_state()
+            bar.update(1)
+            done_now += 1
+            if stop_after is not None and done_now >= stop_after:
+                break
+        bar.close()
+        return self.step

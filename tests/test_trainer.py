@@ -1,0 +1,85 @@
+"""The shared trainer: schedule, epoch order, precisions, and exact resume."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mistill.distill.trainer import (RecipeConfig, Trainer, epoch_order, lr_lambda, prepare_student,
+                                     steps_per_epoch, total_steps)
+from mistill.models.loading import tiny_model
+
+
+def _data(n: int = 5, length: int = 24):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 3000, (length,), generator=g) for _ in range(n)]
+
+
+def _micro_step(data):
+    def step(model, idx):
+        ids = data[idx][None]
+        logits = model(ids).logits[0, :-1].float()
+        # a random per-step draw makes the RNG state part of what resume must restore
+        noise = torch.rand(()) * 1e-3
+        loss = torch.nn.functional.cross_entropy(logits, ids[0, 1:]) + noise
+        return loss, {"ce": float(loss.detach())}
+    return step
+
+
+def _trainer(tmp_path, precision="fp32", name="a"):
+    lm = tiny_model("qwen3", layers=2, heads=4, kv_heads=2, d_head=8, d_model=32, seed=1)
+    recipe = RecipeConfig(seed=3, precision=precision, epochs=2, lr=1e-3, grad_accum=2,
+                          gradient_checkpointing=True)
+    model = prepare_student(lm.model, recipe)
+    logs = []
+    t = Trainer(model, 5, recipe, _micro_step(_data()), state_dir=tmp_path / name,
+                log=lambda m, s: logs.append((s, m)))
+    return t, logs
+
+
+def test_schedule_and_order():
+    assert steps_per_epoch(493, 8) == 62 and total_steps(493, RecipeConfig()) == 124
+    assert epoch_order(10, 0, 1) == epoch_order(10, 0, 1) != epoch_order(10, 0, 0)
+    assert sorted(epoch_order(10, 0, 0)) == list(range(10))
+    warm = round(0.05 * 124)
+    assert lr_lambda(0, 124, 0.05) == pytest.approx(1 / warm)
+    assert lr_lambda(warm - 1, 124, 0.05) == pytest.approx(1.0)
+    assert lr_lambda(123, 124, 0.05) == pytest.approx(0.5 * (1 + math.cos(math.pi * (123 - warm) / (124 - warm))))
+
+
+def test_bf16_weights_have_no_master_copy(tmp_path):
+    t, _ = _trainer(tmp_path, precision="bf16")
+    assert all(p.dtype == torch.bfloat16 for p in t.model.parameters())
+    t.train(stop_after=1, progress=False)
+    state = t.optimizer.state[next(iter(t.model.parameters()))]
+    assert state["exp_avg"].dtype == torch.bfloat16
+
+
+def test_resume_halfway_is_bit_identical(tmp_path):
+    full, logs_full = _trainer(tmp_path, name="full")
+    full.train(progress=False)
+    assert full.step == 6  # ceil(5/2) = 3 steps per epoch, two epochs
+
+    half, logs_half = _trainer(tmp_path, name="half")
+    half.train(stop_after=3, progress=False)  # the end of epoch 0 ... then a "crash"
+    resumed, logs_resumed = _trainer(tmp_path, name="half")
+    assert resumed.load_state() and resumed.step == 3
+    resumed.train(progress=False)
+    for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert [m["ce"] for _, m in logs_full] == [m["ce"] for _, m in logs_half + logs_resumed]
+
+
+def test_resume_refuses_another_schedule(tmp_path):
+    t, _ = _trainer(tmp_path, name="x")
+    t.train(stop_after=1, progress=False)
+    lm = tiny_model("qwen3", layers=2, heads=4, kv_heads=2, d_head=8, d_model=32, seed=1)
+    other = Trainer(prepare_student(lm.model, RecipeConfig(precision="fp32", epochs=3, grad_accum=2)), 5,
+                    RecipeConfig(precision="fp32", epochs=3, grad_accum=2), _micro_step(_data()),
+                    state_dir=tmp_path / "x")
+    from mistill.errors import MistillInputError
+
+    with pytest.raises(MistillInputError, match="another schedule"):
+        other.load_state()
