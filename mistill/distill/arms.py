@@ -18,7 +18,7 @@ from mistill.errors import MistillInputError
 
 ARMS_DIR = Path(__file__).resolve().parents[2] / "projects" / "configs" / "arms"
 OBJECTIVES = ("cot", "mistill", "feature_kd", "distillm2")
-POOL_MODES = ("top", "bottom", "random", "uniform")
+POOL_MODES = ("top", "bottom", "random", "random_all", "uniform")
 TERMS = ("attention", "interaction", "write")
 
 
