@@ -1,0 +1,81 @@
+"""One note as one model sees it for distillation: tokens, span buckets, realized events, rows.
+
+Built the same way for the teacher (when its targets are computed) and for the student (at
+every micro-step's note), so both sides share the bucket axis and the event ids, and differ
+only in their tokenizer's positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from mistill.data.corpus import Note
+from mistill.data.inventory import Inventory
+from mistill.distill.buckets import BucketAxis, build_axis, region_buckets, row_buckets, token_buckets
+from mistill.instrument.events import Event, RealizedEvent, realize_events
+from mistill.stages.common import NoteInput, note_input
+
+PHASES = ("P1", "P2", "P2C")
+
+
+@dataclass
+class NoteData:
+    """A note for one model.
+
+    ``realized``: the phase events this model realizes (by event id); ``base_map`` ``[pos]`` the
+    base bucket of each token; ``trace_start`` the first trace token.
+    """
+
+    note: Note
+    inp: NoteInput
+    axis: BucketAxis
+    base_map: torch.Tensor
+    realized: dict[str, RealizedEvent]
+    inventory: Inventory
+    trace_start: int
+    _row_maps: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.inp.input_ids
+
+    def row_map(self, event_id: str | None) -> torch.Tensor:
+        """``[pos]`` bucket map at a row: carved at P2/P2C event rows, the base map elsewhere."""
+        if event_id is None or self.realized[event_id].event.kind == "P1":
+            return self.base_map
+        if event_id not in self._row_maps:
+            self._row_maps[event_id] = row_buckets(self.axis, self.base_map, self.realized[event_id],
+                                                   self.inp.prompt, self.inventory, self.inp.offsets)
+        return self._row_maps[event_id]
+
+    def region(self, event_id: str) -> list[int]:
+        return region_buckets(self.axis, self.realized[event_id].event)
+
+
+def first_trace_token(offsets: Sequence[tuple[int, int]], trace_offset: int) -> int:
+    """Index of the first token that starts at or after the trace's first character."""
+    for i, (s, e) in enumerate(offsets):
+        if s >= trace_offset and e > s:
+            return i
+    raise ValueError("no token inside the trace")
+
+
+def build_note_data(note: Note, inventory: Inventory, tokenizer, events: Sequence[Event], *,
+                    remove_discharge_diagnosis: bool = True, narrow_instruction: bool = True,
+                    candidates: Sequence[str] | None = None) -> NoteData:
+    """Tokenize the note's prompt + trace, build its bucket axis, realize its phase events."""
+    inp = note_input(note, inventory, tokenizer, candidates=candidates,
+                     remove_discharge_diagnosis=remove_discharge_diagnosis,
+                     narrow_instruction=narrow_instruction)
+    axis = build_axis(inp.prompt, inp.trace)
+    base = token_buckets(axis, inp.prompt, inp.offsets, len(inp.trace))
+    phase_events = [e for e in events if e.kind in PHASES]
+    realized = realize_events(phase_events, full_text=inp.full_text, trace_offset=inp.trace_offset,
+                              tokenizer=tokenizer, input_ids=inp.input_ids.tolist(), offsets=inp.offsets,
+                              codes=list(inventory.codes))
+    return NoteData(note=note, inp=inp, axis=axis, base_map=base,
+                    realized={r.event.event_id: r for r in realized}, inventory=inventory,
+                    trace_start=first_trace_token(inp.offsets, inp.trace_offset))

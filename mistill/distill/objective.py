@@ -1,0 +1,224 @@
+"""The arms' objectives: the teacher's stored targets, and each micro-step's student side.
+
+Teacher side (computed once, no online teacher): at every supervised row the pooled bucket
+row ``a_T(r) = sum_h w_h bucketize(attn_h(r))`` over the teacher's pool for the row's phase (its
+P1 window rows use the ``P1_window`` pool), and at every event the region mass ``m_T`` and the
+contribution ``c_T``; plus the top-32 next-token distribution at every trace position.
+
+Student side (every micro-step): one forward of the student keeping the inputs of its pool
+layers; the attention rows of the pooled heads are recomputed only at the supervised positions
+(:mod:`mistill.distill.attention_rows`), bucketed on the same axis, and the same ``m`` and ``c``
+read off them. Rows pair by event id (and, for window rows, by token distance).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mistill.distill.arms import ArmConfig
+from mistill.distill.attention_rows import LayerInputs, contribution, layer_keys, region_mass
+from mistill.distill.buckets import bucketize
+from mistill.distill.losses import (attention_term, chunked_cot_loss, event_token_weights,
+                                    interaction_term, mistill_objective, write_term)
+from mistill.distill.note_data import NoteData
+from mistill.distill.pools import Pool
+from mistill.distill.rows import SupervisedRow, supervised_rows
+from mistill.distill.targets import TargetEvent, TargetRow, teacher_targets
+from mistill.instrument.passes import stable_seed
+from mistill.models.loading import LoadedModel
+
+PHASE_OF_POOL = {"P1": "P1", "P1_window": "P1", "P2": "P2", "P2C": "P2C"}
+
+
+# ------------------------------------------------------------------------------ teacher side
+
+def teacher_row_keys(nd: NoteData, window: int) -> list[tuple[str, str, int, int, str]]:
+    """The teacher's rows: ``(event_id, role, distance, position, pool key)``, events first."""
+    rows = []
+    for eid, r in sorted(nd.realized.items(), key=lambda kv: kv[1].position):
+        rows.append((eid, "event", 0, r.position, r.event.kind))
+        if r.event.kind == "P1":
+            for d in range(1, window + 1):
+                if r.position - d >= nd.trace_start:
+                    rows.append((eid, "window", d, r.position - d, "P1_window"))
+    return rows
+
+
+def compute_note_targets(lm: LoadedModel, nd: NoteData, pools: Mapping[str, Pool], *, window: int = 8,
+                         top_k: int = 32) -> dict[str, np.ndarray]:
+    """The teacher's stored quantities for one note, with the row keys the student pairs on."""
+    keys = teacher_row_keys(nd, window)
+    event_ids = [k[0] for k in keys if k[1] == "event"]
+    event_index = {eid: i for i, eid in enumerate(event_ids)}
+    rows = [TargetRow(position=pos, phase=pool, bucket_map_key=eid if role == "event" else None,
+                      event_index=event_index[eid] if role == "event" else None)
+            for eid, role, _, pos, pool in keys]
+    events = []
+    for eid in event_ids:
+        r = nd.realized[eid]
+        events.append(TargetEvent(target_id=r.target_id, competitor_ids=tuple(r.competitor_ids),
+                                  region=tuple(nd.region(eid))))
+    out = teacher_targets(lm, nd.input_ids, nd.trace_start, rows, pools, nd.row_map, nd.axis.n, events,
+                          top_k=top_k, note_id=nd.note.note_id)
+    out["row_event_id"] = np.array([k[0] for k in keys], dtype=str)
+    out["row_role"] = np.array([k[1] for k in keys], dtype=str)
+    out["row_distance"] = np.array([k[2] for k in keys], dtype=np.int64)
+    out["event_id"] = np.array(event_ids, dtype=str)
+    out["n_buckets"] = np.array(nd.axis.n)
+    return out
+
+
+# ------------------------------------------------------------------------------ student side
+
+@dataclass
+class Pairing:
+    """Student rows paired with the teacher's stored rows (indices into the target arrays)."""
+
+    rows: list[SupervisedRow]
+    teacher_row: np.ndarray  # [row] index into targets["pooled"]
+    teacher_event: np.ndarray  # [row] index into targets["m"]/["c"] for event rows, -1 for window rows
+
+
+def pair_rows(student: NoteData, teacher_realized, targets: Mapping[str, np.ndarray], *, window: int,
+              teacher_trace_start: int) -> Pairing:
+    rows = supervised_rows(list(teacher_realized), list(student.realized.values()), window=window,
+                           teacher_trace_start=teacher_trace_start, student_trace_start=student.trace_start)
+    index = {(e, r, int(d)): i for i, (e, r, d) in enumerate(zip(targets["row_event_id"], targets["row_role"],
+                                                                   targets["row_distance"]))}
+    ev_index = {e: i for i, e in enumerate(targets["event_id"])}
+    kept, t_row, t_ev = [], [], []
+    for r in rows:
+        i = index.get((r.event_id, r.role, r.distance))
+        if i is None:  # a window row the teacher's trace could not hold
+            continue
+        kept.append(r)
+        t_row.append(i)
+        t_ev.append(ev_index[r.event_id] if r.role == "event" else -1)
+    return Pairing(rows=kept, teacher_row=np.array(t_row, dtype=np.int64), teacher_event=np.array(t_ev, dtype=np.int64))
+
+
+def random_positions(rows: Sequence[SupervisedRow], student: NoteData, seed: int) -> list[int]:
+    """RandPos: each row moved to a trace position drawn with the seed (fixed per note)."""
+    rng = np.random.default_rng(stable_seed(seed, student.note.note_id, "randpos"))
+    n = int(student.input_ids.numel())
+    return rng.integers(student.trace_start, n - 1, size=len(rows)).tolist()
+
+
+def pooled_rows(hidden: Mapping[int, torch.Tensor], pool: Pool, lm: LoadedModel, positions: Sequence[int],
+                maps: torch.Tensor, n_buckets: int, *, with_outputs: bool = False):
+    """Student pooled bucket rows ``[row, bucket]`` (and per-layer head outputs for ``c``).
+
+    hidden: ``{layer: [pos, d_model]}`` inputs of the pool's layers; maps: ``[row, pos]``.
+    """
+    g = lm.geometry
+    n_pos = next(iter(hidden.values())).shape[0]
+    pos_ids = torch.arange(n_pos, device=maps.device)
+    rows = torch.as_tensor(list(positions), dtype=torch.long, device=maps.device)
+    a = torch.zeros(rows.numel(), n_buckets, dtype=torch.float32, device=maps.device)
+    z_by_layer, heads_by_layer, w_by_layer = {}, {}, {}
+    for layer, (heads, weights) in pool.by_layer().items():
+        keys = layer_keys(g.layers[layer], g, hidden[layer], heads, pos_ids)
+        probs = keys.rows(rows)  # [row, h, pos]
+        w = weights.to(probs.device, probs.dtype)
+        a = a + (bucketize(probs, maps.unsqueeze(1), n_buckets) * w.view(1, -1, 1)).sum(1)
+        if with_outputs:
+            z_by_layer[layer] = keys.outputs(probs)
+            heads_by_layer[layer] = heads
+            w_by_layer[layer] = weights
+    return a, (z_by_layer, heads_by_layer, w_by_layer)
+
+
+def micro_step_loss(model: torch.nn.Module, lm: LoadedModel, student: NoteData, targets: Mapping[str, np.ndarray],
+                    pairing: Pairing, pools: Mapping[str, Pool], arm: ArmConfig, *, kl_mode: str = "kl",
+                    logits_chunk: int = 1024, teacher_positions: np.ndarray | None = None):
+    """The loss of one note for the ``cot`` and ``mistill`` objectives.
+
+    ``teacher_positions``: for cross-tokenizer students, the teacher trace row whose top-32
+    serves each student trace row (ULD); ``None`` when the tokenizers agree.
+    Returns ``(loss, parts)`` with float parts for logging.
+    """
+    g = lm.geometry
+    device = next(model.parameters()).device
+    ids = student.input_ids.to(device)
+    mistill = arm.objective == "mistill" and any(v > 0 for v in arm.lambdas.values())
+    layers = sorted({l for key, p in pools.items() for l in p.layers}) if mistill else []
+    with LayerInputs(g, layers, final_residual=mistill) as kept:
+        out = model.model(input_ids=ids.unsqueeze(0), use_cache=False)
+        hidden_last = out.last_hidden_state[0]
+        ts = student.trace_start
+        n = ids.numel()
+        top_ids = torch.as_tensor(targets["top_ids"], device=device)
+        top_logp = torch.as_tensor(targets["top_logp"], device=device)
+        if teacher_positions is not None:
+            top_ids, top_logp = top_ids[teacher_positions], top_logp[teacher_positions]
+        weights = None
+        if arm.event_weight != 1.0:
+            positions = [r.student_pos - ts + 1 for r in pairing.rows]  # rows predict the next token
+            weights = event_token_weights(n - ts, [p for p in positions if 0 <= p < n - ts],
+                                          factor=arm.event_weight, device=device)
+        cot, parts = chunked_cot_loss(hidden_last[ts - 1:n - 1], g.lm_head, ids[ts:], top_ids, top_logp,
+                                      kl_weight=arm.kl_weight, token_weights=weights, chunk=logits_chunk,
+                                      mode=kl_mode)
+        logs = {k: float(v) for k, v in parts.items()}
+        if not mistill or not pairing.rows:
+            return cot, {"loss": float(cot.detach()), **logs}
+        hidden = {l: kept[l][0] for l in layers}
+        final = kept.final[0]
+        positions = ([r.student_pos for r in pairing.rows] if arm.positions == "events"
+                     else random_positions(pairing.rows, student, arm.pool_seed))
+        phase_terms: dict[str, dict[str, torch.Tensor]] = {}
+        for phase in ("P1", "P2", "P2C"):
+            if arm.lambdas[phase] == 0:
+                continue
+            idx = [i for i, r in enumerate(pairing.rows) if r.phase == phase]
+            if not idx:
+                continue
+            terms: dict[str, torch.Tensor] = {}
+            a_s_parts, a_t_parts = [], []
+            event_info = None
+            for role in ("event", "window"):
+                sel = [i for i in idx if pairing.rows[i].role == role]
+                if not sel:
+                    continue
+                pool = pools[phase]  # the student's window rows read its own P1 pool (App. I.1)
+                maps = torch.stack([student.row_map(pairing.rows[i].event_id if role == "event" else None)
+                                    for i in sel]).to(device)
+                a_s, outs = pooled_rows(hidden, pool, lm, [positions[i] for i in sel], maps, student.axis.n,
+                                        with_outputs=role == "event")
+                a_s_parts.append(a_s)
+                a_t_parts.append(torch.as_tensor(targets["pooled"][pairing.teacher_row[sel]], device=device))
+                if role == "event":
+                    event_info = (sel, a_s, outs)
+            if "attention" in arm.terms:
+                terms["attention"] = attention_term(torch.cat(a_t_parts), torch.cat(a_s_parts))
+            if event_info is not None and ({"interaction", "write"} & set(arm.terms)):
+                sel, a_s, (z, heads, w) = event_info
+                rows_t = [pairing.rows[i] for i in sel]
+                real = [student.realized[r.event_id] for r in rows_t]
+                pos_t = torch.as_tensor([positions[i] for i in sel], device=device)
+                logits = g.lm_head(hidden_last.index_select(0, pos_t)).float()
+                margins = torch.stack([logits[j, rr.target_id] - torch.logsumexp(
+                    logits[j, list(rr.competitor_ids)], dim=-1) for j, rr in enumerate(real)])
+                c_s = contribution(z, heads, w, g, final.index_select(0, pos_t),
+                                   [rr.target_id for rr in real], [list(rr.competitor_ids) for rr in real],
+                                   [logits[j, list(rr.competitor_ids)] for j, rr in enumerate(real)], margins)
+                m_s = region_mass(a_s, [student.region(r.event_id) for r in rows_t])
+                ev = pairing.teacher_event[sel]
+                m_t = torch.as_tensor(targets["m"][ev], device=device, dtype=torch.float32)
+                c_t = torch.as_tensor(targets["c"][ev], device=device, dtype=torch.float32)
+                if "interaction" in arm.terms:
+                    terms["interaction"] = interaction_term(m_s, c_s, m_t, c_t)
+                if "write" in arm.terms:
+                    terms["write"] = write_term(c_s, c_t, normalize=arm.write_norm)
+            phase_terms[phase] = terms
+        # phases whose rows this note lacks contribute nothing (their lambda is applied to no term)
+        complete = {p: t for p, t in phase_terms.items() if all(name in t for name in arm.terms)}
+        lambdas = {p: (arm.lambdas[p] if p in complete else 0.0) for p in ("P1", "P2", "P2C")}
+        total, parts = mistill_objective(cot, complete, lambdas, terms=tuple(arm.terms))
+        logs.update({k: float(v) for k, v in parts.items()})
+        logs["loss"] = float(total.detach())
+        return total, logs

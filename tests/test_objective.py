@@ -1,0 +1,78 @@
+"""The Mistill objective end to end on tiny models: teacher targets, student pairing, terms."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mistill.data.synthetic import make_synthetic_corpus
+from mistill.distill.arms import resolve_arm
+from mistill.distill.note_data import build_note_data
+from mistill.distill.objective import compute_note_targets, micro_step_loss, pair_rows
+from mistill.distill.pools import model_pools
+from mistill.instrument.calibration import NoteImportance, calibrate, head_sets_json
+from mistill.instrument.events import extract_events
+from mistill.models.loading import tiny_model
+
+
+def _head_sets(lm, seed):
+    rng = np.random.default_rng(seed)
+    notes = []
+    for i in range(6):
+        kinds = np.array(["P1"] * 4 + ["P2"] * 4 + ["P2C"] * 4 + ["NULL"] * 6)
+        notes.append(NoteImportance(note_id=f"n{i}", patient_id=f"p{i}", kinds=kinds,
+                                    importance=rng.normal(size=(kinds.size, lm.geometry.n_total_heads)).astype(np.float32)))
+    return head_sets_json(calibrate(notes, seed=0), lm.geometry.head_names())
+
+
+@pytest.fixture(scope="module")
+def setup():
+    corpus = make_synthetic_corpus(n_notes=1, seed=4)
+    note = corpus.notes[0]
+    teacher = tiny_model("qwen3", layers=3, heads=4, kv_heads=2, d_head=16, d_model=64, seed=1)
+    events = extract_events(note.note_id, note.teacher_trace, list(corpus.inventory.codes),
+                            tokenizer=teacher.tokenizer, n_null=4)
+    nd_t = build_note_data(note, corpus.inventory, teacher.tokenizer, events)
+    pools_t = model_pools(_head_sets(teacher, 0), teacher.geometry.head_names(), k=5)
+    targets = compute_note_targets(teacher, nd_t, pools_t, window=8)
+    return corpus, note, teacher, events, nd_t, pools_t, targets
+
+
+def test_terms_vanish_when_student_is_teacher(setup):
+    corpus, note, teacher, events, nd_t, pools_t, targets = setup
+    nd_s = build_note_data(note, corpus.inventory, teacher.tokenizer, events)
+    pairing = pair_rows(nd_s, nd_t.realized.values(), targets, window=8, teacher_trace_start=nd_t.trace_start)
+    assert len(pairing.rows) == len(targets["rows_pos"])  # same tokenizer: every row pairs
+    arm = resolve_arm("mistill")
+    with torch.no_grad():
+        loss, parts = micro_step_loss(teacher.model, teacher, nd_s, targets, pairing, pools_t, arm)
+    for phase in ("P1", "P2", "P2C"):
+        assert parts[f"{phase}/attention"] == pytest.approx(0.0, abs=1e-5)
+        assert parts[f"{phase}/interaction"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_student_terms_are_positive_and_train_the_pool(setup):
+    corpus, note, teacher, events, nd_t, pools_t, targets = setup
+    student = tiny_model("qwen3", layers=2, heads=4, kv_heads=2, d_head=16, d_model=64, seed=2)
+    nd_s = build_note_data(note, corpus.inventory, student.tokenizer, events)
+    pairing = pair_rows(nd_s, nd_t.realized.values(), targets, window=8, teacher_trace_start=nd_t.trace_start)
+    pools_s = model_pools(_head_sets(student, 1), student.geometry.head_names(), k=4)
+    student.model.requires_grad_(True)
+    loss, parts = micro_step_loss(student.model, student, nd_s, targets, pairing, pools_s, resolve_arm("mistill"))
+    assert parts["P2C/attention"] > 0 and parts["loss"] > parts["ce"]
+    loss.backward()
+    layer = pools_s["P2C"].layers[0]
+    assert student.geometry.layers[layer].q_proj.weight.grad.abs().sum() > 0
+    # the vanilla arm ignores every term: its loss is the CoT loss alone
+    student.model.zero_grad()
+    v_loss, v_parts = micro_step_loss(student.model, student, nd_s, targets, pairing, pools_s,
+                                      resolve_arm("vanilla-bf16"))
+    assert "P1/attention" not in v_parts and v_parts["loss"] == pytest.approx(v_parts["ce"] + v_parts["kl"], rel=1e-5)
+
+
+def test_targets_are_distributions(setup):
+    *_, targets = setup
+    assert np.allclose(targets["pooled"].sum(1), 1.0, atol=1e-4)
+    assert targets["top_ids"].shape[1] == 32 and np.isfinite(targets["c"]).all()
+    assert set(targets["row_role"]) == {"event", "window"}
