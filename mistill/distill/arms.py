@@ -39,6 +39,9 @@ class ArmConfig(Config):
     window: int = 8
     event_weight: float = 1.0
     kl_weight: float = 1.0
+    # c divides by the margin: events whose teacher or student margin is below this (nats) are
+    # left out of the interaction and write terms, so a near-tie cannot blow the term up
+    min_abs_margin: float = 0.5
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:

@@ -210,6 +210,11 @@ def micro_step_loss(model: torch.nn.Module, lm: LoadedModel, student: NoteData, 
                 ev = pairing.teacher_event[sel]
                 m_t = torch.as_tensor(targets["m"][ev], device=device, dtype=torch.float32)
                 c_t = torch.as_tensor(targets["c"][ev], device=device, dtype=torch.float32)
+                t_margin = torch.as_tensor(targets["margin"][ev], device=device, dtype=torch.float32)
+                ok = (t_margin.abs() >= arm.min_abs_margin) & (margins.detach().abs() >= arm.min_abs_margin)
+                if not bool(ok.any()):
+                    ok = torch.ones_like(ok)  # keep the term defined; every margin is a near-tie
+                m_s, c_s, m_t, c_t = m_s[ok], c_s[ok], m_t[ok], c_t[ok]
                 if "interaction" in arm.terms:
                     terms["interaction"] = interaction_term(m_s, c_s, m_t, c_t)
                 if "write" in arm.terms:
