@@ -76,3 +76,28 @@ def test_targets_are_distributions(setup):
     assert np.allclose(targets["pooled"].sum(1), 1.0, atol=1e-4)
     assert targets["top_ids"].shape[1] == 32 and np.isfinite(targets["c"]).all()
     assert set(targets["row_role"]) == {"event", "window"}
+
+
+def test_checkpointed_pooled_rows_match_plain(setup):
+    from mistill.distill.attention_rows import LayerInputs
+    from mistill.distill.objective import pool_layer_keys, pooled_rows
+
+    corpus, note, teacher, events, nd_t, pools_t, targets = setup
+    student = tiny_model("qwen3", layers=2, heads=4, kv_heads=2, d_head=16, d_model=64, seed=3)
+    student.model.requires_grad_(True)
+    nd = build_note_data(note, corpus.inventory, student.tokenizer, events)
+    pool = model_pools(_head_sets(student, 2), student.geometry.head_names(), k=4)["P2"]
+    ids = [eid for eid, r in nd.realized.items() if r.event.kind == "P2"][:5]
+    maps = torch.stack([nd.row_map(e) for e in ids])
+    grads = []
+    for ckpt in (True, False):
+        student.model.zero_grad()
+        with LayerInputs(student.geometry, pool.layers) as kept:
+            student.model.model(input_ids=nd.input_ids[None])
+            keys = pool_layer_keys({l: kept[l][0] for l in pool.layers}, [pool], student)
+            a, (z, _, _) = pooled_rows(keys, pool, [nd.realized[e].position for e in ids], maps, nd.axis.n,
+                                       with_outputs=True, checkpointed=ckpt)
+            (a.pow(2).sum() + sum(v.sum() for v in z.values())).backward()
+        grads.append(student.geometry.layers[pool.layers[0]].q_proj.weight.grad.clone())
+        assert torch.allclose(a.sum(1), torch.ones(len(ids)), atol=1e-5)
+    torch.testing.assert_close(grads[0], grads[1])

@@ -141,7 +141,7 @@ def test_dataframe_text_columns() -> None:
 
 def test_fast_on_hundreds_of_long_notes() -> None:
     rng = random.Random(0)
-    vocab = [f"w{i}" for i in range(5000)]
+    vocab = [f"word{i}" for i in range(5000)]  # (w12-like tokens would read as label codes)
     notes = [" ".join(rng.choice(vocab) for _ in range(3000)) for _ in range(300)]
     t0 = time.perf_counter()
     g = PrivacyGuard(notes, "restricted")
@@ -155,3 +155,22 @@ def test_fast_on_hundreds_of_long_notes() -> None:
     g.check_text(other, "artifact b")  # 200k random words: no 6-gram in common
     checked = time.perf_counter() - t0
     assert built < 5.0 and checked < 2.0, (built, checked)
+
+
+def test_label_codes_and_descriptions_are_public() -> None:
+    trace = ("The findings point to N18.9 and E11.65, then I10 and J18.9 and K58.1 and A68.9. "
+             "Patient reported worsening shortness of breath after climbing two flights of stairs.")
+    g = PrivacyGuard([trace], "restricted",
+                     public_texts=["Chronic kidney disease, unspecified", "Type 2 diabetes mellitus with hyperglycemia"])
+    # a list of gold codes in the trace's order shares no n-gram: codes split the text
+    g.check_text("N18.9 E11.65 I10 J18.9 K58.1 A68.9", "tag gold codes")
+    # the free prose around them is still protected, across a code too
+    with pytest.raises(PrivacyError):
+        g.check_text("reported worsening shortness of breath after climbing", "artifact x")
+    import pandas as pd
+
+    g.check_dataframe(pd.DataFrame({"gold_codes": ["N18.9 E11.65 I10 J18.9 K58.1 A68.9 Z14.1 C68.9 F42.9"]}),
+                      "dataset index")
+    notes_quote = "Assessment: type 2 diabetes mellitus with hyperglycemia noted on the second day."
+    g2 = PrivacyGuard([notes_quote], "restricted", public_texts=["Type 2 diabetes mellitus with hyperglycemia"])
+    g2.check_text('{"E11.65": "Type 2 diabetes mellitus with hyperglycemia"}', "artifact inventory.json")

@@ -88,11 +88,16 @@ def load_prepared(run_id: str) -> Prepared:
 
 
 def privacy_guard(corpus: Corpus, extra_texts: Sequence[str] = ()):
-    """The corpus's guard: note and trace texts are protected unless synthetic/public."""
+    """The corpus's guard: note and trace texts are protected unless synthetic/public.
+
+    The inventory's descriptions are public (ICD-10-CM), so n-grams inside them never count.
+    """
     from mistill.tracking.privacy import PrivacyGuard
 
     texts = [n.text for n in corpus.notes] + [n.teacher_trace for n in corpus.notes if n.teacher_trace]
-    return PrivacyGuard(list(texts) + list(extra_texts), corpus.privacy)
+    public = [] if corpus.privacy != "restricted" else [corpus.inventory.description(c)
+                                                         for c in corpus.inventory.codes]
+    return PrivacyGuard(list(texts) + list(extra_texts), corpus.privacy, public_texts=public)
 
 
 @dataclass

@@ -29,6 +29,7 @@ class Stage:
 def stages() -> dict[str, Stage]:
     from mistill.stages.characterize import (AttributeConfig, EventsConfig, KnockinStageConfig,
                                              run_attribute, run_events, run_knockin)
+    from mistill.stages.distill import TargetsConfig, TrainStageConfig, run_targets, run_train
     from mistill.stages.prepare import PrepareConfig, run_prepare
     from mistill.stages.workflow import (CharacterizeConfig, PipelineConfig, run_characterize,
                                          run_pipeline)
@@ -41,6 +42,11 @@ def stages() -> dict[str, Stage]:
               "attribution pass, exact patches, calibration and global head sets"),
         Stage("knockin", KnockinStageConfig, run_knockin, {"attribute": "attribute_run"},
               "necessity and knock-in of the global sets against controls"),
+        Stage("targets", TargetsConfig, run_targets, {"teacher_attribute": "teacher_attribute_run"},
+              "the teacher's targets on the training notes: top-32, pooled bucket rows, m and c"),
+        Stage("train", TrainStageConfig, run_train,
+              {"targets": "targets_run", "student_attribute": "student_attribute_run"},
+              "one arm at one seed with the shared recipe; the checkpoint registered per arm and seed"),
         Stage("characterize", CharacterizeConfig, run_characterize, {"prepare": "prepare_run"},
               "events -> attribute -> knockin, reusing identical finished runs"),
         Stage("pipeline", PipelineConfig, run_pipeline, {},

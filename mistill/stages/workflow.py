@@ -96,6 +96,7 @@ class CharacterizeConfig(Config):
     selftest_events: int = 0
     exact_p2: bool = False
     k_bins: tuple[int, ...] = (3, 8, 16, 40, 100)
+    range_gate: float = 1.0
     events_per_phase: int = 0
     stability_splits: int = 200
     seed: int = 0
@@ -116,7 +117,7 @@ def characterize_steps(cfg: CharacterizeConfig, corpus_name: str, parent: str | 
         launch=cfg.launch, parent=parent)
     ids["knockin"] = run_step("knockin", KnockinStageConfig(
         attribute_run=ids["attribute"], dtype=cfg.dtype, device=cfg.device, k_bins=cfg.k_bins,
-        events_per_phase=cfg.events_per_phase, seed=cfg.seed), corpus_name, launch=cfg.launch,
+        range_gate=cfg.range_gate, events_per_phase=cfg.events_per_phase, seed=cfg.seed), corpus_name, launch=cfg.launch,
         parent=parent)
     return ids
 
@@ -151,8 +152,15 @@ class PipelineConfig(Config):
     selftest_events: int = 1
     exact_p2: bool = False
     k_bins: tuple[int, ...] = (3, 8, 16, 40)
+    range_gate: float = 1.0
     events_per_phase: int = 10
     stability_splits: int = 50
+    student: str = "embedded:smollm2-135m@every-other"
+    student_split: str = "val"
+    train_split: str = "train"
+    train_arms: tuple[str, ...] = ("vanilla-bf16", "mistill")
+    train_max_steps: int = 2
+    train_grad_accum: int = 1
     launch: str = "mlflow"
 
 
@@ -167,9 +175,34 @@ def pipeline_steps(cfg: PipelineConfig, parent: str | None = None) -> dict[str, 
     ids.update(characterize_steps(CharacterizeConfig(
         prepare_run=ids["prepare"], model=cfg.model, dtype=cfg.dtype, device=cfg.device, n_null=cfg.n_null,
         selftest_events=cfg.selftest_events, exact_p2=cfg.exact_p2, k_bins=cfg.k_bins,
-        events_per_phase=cfg.events_per_phase, stability_splits=cfg.stability_splits, seed=cfg.seed,
+        range_gate=cfg.range_gate, events_per_phase=cfg.events_per_phase, stability_splits=cfg.stability_splits, seed=cfg.seed,
         launch=cfg.launch), corpus_name, parent=parent))
+    if cfg.train_arms:
+        ids.update(distill_steps(cfg, ids, corpus_name, parent))
     return ids
+
+
+def distill_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str, parent: str | None) -> dict[str, str]:
+    """The untrained student ranked on its own (validation notes), the teacher targets, the arms."""
+    from mistill.stages.characterize import AttributeConfig, EventsConfig
+    from mistill.stages.distill import TargetsConfig, TrainStageConfig
+
+    out = {}
+    out["student_events"] = run_step("events", EventsConfig(
+        prepare_run=ids["prepare"], model=cfg.student, dtype=cfg.dtype, device=cfg.device, split=cfg.student_split,
+        n_null=cfg.n_null, seed=cfg.seed), corpus_name, launch=cfg.launch, parent=parent)
+    out["student_attribute"] = run_step("attribute", AttributeConfig(
+        events_run=out["student_events"], dtype=cfg.dtype, device=cfg.device,
+        stability_splits=cfg.stability_splits, seed=cfg.seed), corpus_name, launch=cfg.launch, parent=parent)
+    out["targets"] = run_step("targets", TargetsConfig(
+        teacher_attribute_run=ids["attribute"], split=cfg.train_split, dtype=cfg.dtype, device=cfg.device),
+        corpus_name, launch=cfg.launch, parent=parent)
+    for arm in cfg.train_arms:
+        out[f"train_{arm}"] = run_step("train", TrainStageConfig(
+            targets_run=out["targets"], student_attribute_run=out["student_attribute"], student=cfg.student,
+            arm=arm, seed=cfg.seed, max_steps=cfg.train_max_steps, grad_accum=cfg.train_grad_accum,
+            device=cfg.device), corpus_name, launch=cfg.launch, parent=parent)
+    return out
 
 
 STEP_TAG = "mistill.step."

@@ -84,9 +84,28 @@ def _unescape(text: str) -> str:
     return _ESCAPE.sub(lambda m: chr(int(m.group(1), 16)) if m.group(1) else " ", text)
 
 
+# ICD-10-CM code shapes (A00, A00.1, T07.XXXD, QA0.0101): public labels, never protected text.
+_CODE = re.compile(r"\b[A-Za-z][0-9][0-9A-Za-z](?:\.[0-9A-Za-z]{1,4})?\b")
+
+
 def tokens(text: str) -> list[str]:
-    """Lower-cased word tokens of ``text`` (JSON escapes undone first)."""
-    return _WORD.findall(_unescape(text).lower())
+    """Lower-cased word tokens of ``text`` (JSON escapes undone first; codes dropped)."""
+    return [w for seg in segments(text) for w in seg]
+
+
+def segments(text: str) -> list[list[str]]:
+    """Word tokens of ``text`` in runs separated by label codes.
+
+    Codes are public: an n-gram never spans one, so a list of gold codes, or a description
+    followed by its code, is never mistaken for a note's text.
+    """
+    return [_WORD.findall(part.lower()) for part in _CODE.split(_unescape(text))]
+
+
+def segment_hashes(text: str, n: int = 6) -> np.ndarray:
+    """The word n-gram hashes of every code-free run of ``text``."""
+    parts = [ngram_hashes(seg, n) for seg in segments(text) if len(seg) >= n]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
 
 
 def ngram_hashes(words: list[str], n: int = NGRAM) -> np.ndarray:
@@ -129,7 +148,7 @@ class PrivacyGuard:
         self._public = np.zeros(0, dtype=np.uint64)
         self._short: dict[str, list[tuple[str, ...]]] = {}
         if not self.allows_text:
-            pub = [ngram_hashes(tokens(t)) for t in public_texts]
+            pub = [segment_hashes(t) for t in public_texts]
             self._public = np.unique(np.concatenate(pub)) if pub else self._public
             self.protect(protected_texts)
 
@@ -151,7 +170,7 @@ class PrivacyGuard:
         for text in texts:
             words = tokens(text)
             if len(words) >= NGRAM:
-                parts.append(ngram_hashes(words))
+                parts.append(segment_hashes(text))
             elif words and len(" ".join(words)) >= MIN_SHORT_CHARS:
                 self._short.setdefault(words[0], []).append(tuple(words))
         merged = np.unique(np.concatenate(parts))
@@ -166,7 +185,7 @@ class PrivacyGuard:
             return False
         words = tokens(text)
         if self._hashes.size and len(words) >= NGRAM:
-            cand = ngram_hashes(words)
+            cand = segment_hashes(text)
             idx = np.searchsorted(self._hashes, cand)
             idx[idx == self._hashes.size] = 0
             if bool(np.any(self._hashes[idx] == cand)):
@@ -295,7 +314,7 @@ class PrivacyGuard:
                 continue
             cells = [v for v in series.tolist() if isinstance(v, str)]
             for cell in cells:
-                if len(_WORD.findall(cell)) >= FREE_TEXT_WORDS:
+                if len(tokens(cell)) >= FREE_TEXT_WORDS:  # label codes are not words here
                     raise PrivacyError(f"{where} column {col!r} (free-text column)")
             if cells:
                 self.check_text("\n".join(cells), f"{where} column {col!r}")

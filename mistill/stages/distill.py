@@ -1,0 +1,241 @@
+"""The distillation stages: ``targets`` (the teacher side, once) and ``train`` (one arm, one seed)."""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from mistill.config import Config
+from mistill.distill.arms import resolve_arm
+from mistill.distill.note_data import NoteData, build_note_data
+from mistill.distill.objective import compute_note_targets, micro_step_loss, pair_rows
+from mistill.distill.pools import model_pools
+from mistill.distill.trainer import RecipeConfig, Trainer, prepare_student
+from mistill.errors import MistillInputError
+from mistill.instrument.events import Event
+from mistill.models.loading import load_model, load_tokenizer
+from mistill.stages.characterize import NOTES, _events_input
+from mistill.stages.common import RunReader, mistill_root, privacy_guard
+
+EMBEDDED_STUDENT = "embedded:smollm2-135m@every-other"
+
+
+def _read_events(reader: RunReader, note_id: str) -> list[Event]:
+    path = reader.note_file(NOTES, note_id, "events.jsonl")
+    return [Event.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line]
+
+
+def _npz_bytes(arrays: dict) -> bytes:
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **arrays)
+    return buf.getvalue()
+
+
+@dataclass(frozen=True)
+class TargetsConfig(Config):
+    """The teacher's targets on the training notes (App. I.5): computed once, no online teacher."""
+
+    teacher_attribute_run: str = ""
+    window_attribute_run: str = ""
+    split: str = "train"
+    pool_k: int = 40
+    window: int = 8
+    top_k: int = 32
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+def run_targets(cfg: TargetsConfig) -> str:
+    from mistill.tracking.runs import StageRun
+
+    att = RunReader(cfg.teacher_attribute_run, field="teacher_attribute_run")
+    ev = _events_input(att.config["events_run"])
+    prepared = ev.prepared
+    notes = [n for n in ev.notes if not cfg.split or n.split == cfg.split]
+    if not notes:
+        raise MistillInputError(f"no notes with a teacher trace in split {cfg.split!r}", field="split")
+    guard = privacy_guard(prepared.corpus)
+    with StageRun("targets", cfg, corpus=prepared.corpus.name, guard=guard, model=ev.model,
+                  corpus_digest=prepared.corpus.digest, inputs={"teacher_attribute": cfg.teacher_attribute_run},
+                  resume=True, root=mistill_root()) as run:
+        if run.reused:
+            print(f"targets: reusing finished run {run.run_id}")
+            return run.run_id
+        lm = load_model(ev.model, dtype=cfg.dtype, device=cfg.device)
+        head_sets = json.loads(att.file("head_sets.json").read_text())
+        window_sets = (json.loads(RunReader(cfg.window_attribute_run).file("head_sets.json").read_text())
+                       if cfg.window_attribute_run else None)
+        pools = model_pools(head_sets, lm.geometry.head_names(), k=cfg.pool_k, window_head_sets=window_sets)
+        run.log_json("teacher_pools.json", {k: p.to_dict() for k, p in pools.items()})
+        done = run.finished_notes(NOTES)
+        n_rows = []
+        for note in tqdm(notes, desc="targets"):
+            if note.note_id in done:
+                continue
+            nd = build_note_data(note, prepared.inventory, lm.tokenizer, _read_events(ev.reader, note.note_id),
+                                 remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
+                                 narrow_instruction=prepared.narrow_instruction)
+            targets = compute_note_targets(lm, nd, pools, window=cfg.window, top_k=cfg.top_k)
+            n_rows.append(len(targets["rows_pos"]))
+            run.write_note(NOTES, note.note_id, {"targets.npz": _npz_bytes(targets)})
+        run.log_metrics({"n_notes": len(notes), **({"median_rows": float(np.median(n_rows))} if n_rows else {})})
+        run.set_tags({"mistill.teacher": ev.model, "mistill.split": cfg.split})
+        print(f"targets: {len(notes)} notes -> run {run.run_id}")
+        return run.run_id
+
+
+@dataclass(frozen=True)
+class TrainStageConfig(Config):
+    """One arm at one seed (App. J.2 recipe). ``overrides``: ``key=value,...`` on the arm's flags."""
+
+    targets_run: str = ""
+    student_attribute_run: str = ""
+    student: str = EMBEDDED_STUDENT
+    arm: str = "mistill"
+    overrides: str = ""
+    seed: int = 0
+    precision: str = ""
+    epochs: int = 2
+    lr: float = 1e-5
+    warmup_frac: float = 0.05
+    grad_accum: int = 8
+    clip: float = 1.0
+    max_steps: int = 0
+    gradient_checkpointing: bool = True
+    logits_chunk: int = 1024
+    device: str = "cpu"
+    register: bool = True
+
+
+@dataclass
+class _Example:
+    student: NoteData
+    targets: dict
+    pairing: object
+    teacher_positions: np.ndarray | None
+
+
+def _same_vocab(a, b) -> bool:
+    return len(a) == len(b) and a.get_vocab() == b.get_vocab()
+
+
+def run_train(cfg: TrainStageConfig) -> str:
+    from mistill.tracking.runs import StageRun
+
+    overrides = cfg.overrides + (f",precision={cfg.precision}" if cfg.precision else "")
+    arm = resolve_arm(cfg.arm, overrides)
+    targets_run = RunReader(cfg.targets_run, field="targets_run")
+    tcfg = targets_run.config
+    att = RunReader(tcfg["teacher_attribute_run"], field="teacher_attribute_run")
+    ev = _events_input(att.config["events_run"])
+    prepared = ev.prepared
+    notes = [n for n in ev.notes if not tcfg.get("split") or n.split == tcfg["split"]]
+    if arm.objective in ("feature_kd", "distillm2"):
+        raise MistillInputError(f"the {arm.objective} objective needs the online teacher"
+                                + (" and the student's own generations (the generate stage)"
+                                   if arm.objective == "distillm2" else "")
+                                + "; not available in this version of the train stage", field="arm")
+    if arm.objective == "mistill" and not cfg.student_attribute_run:
+        raise MistillInputError("Mistill arms need the student's calibrated ranking (student_attribute_run)",
+                                field="student_attribute_run")
+    guard = privacy_guard(prepared.corpus)
+    inputs = {"targets": cfg.targets_run}
+    if cfg.student_attribute_run:
+        inputs["student_attribute"] = cfg.student_attribute_run
+    with StageRun("train", cfg, corpus=prepared.corpus.name, guard=guard, model=cfg.student, arm=cfg.arm,
+                  seed=cfg.seed, precision=arm.precision, corpus_digest=prepared.corpus.digest, inputs=inputs,
+                  resume=True, root=mistill_root()) as run:
+        if run.reused:
+            print(f"train: reusing finished run {run.run_id}")
+            return run.run_id
+        run.log_json("arm.json", arm.to_dict())
+        recipe = RecipeConfig(seed=cfg.seed, precision=arm.precision, epochs=cfg.epochs, lr=cfg.lr,
+                              warmup_frac=cfg.warmup_frac, grad_accum=cfg.grad_accum, clip=cfg.clip,
+                              max_steps=cfg.max_steps, gradient_checkpointing=cfg.gradient_checkpointing)
+        lm = load_model(cfg.student, dtype="float32", device=cfg.device)
+        pools = {}
+        if arm.objective == "mistill":
+            s_sets = json.loads(RunReader(cfg.student_attribute_run).file("head_sets.json").read_text())
+            pools = model_pools(s_sets, lm.geometry.head_names(), k=arm.pool_k, mode=arm.pool_mode,
+                                seed=arm.pool_seed)
+            run.log_json("student_pools.json", {k: p.to_dict() for k, p in pools.items()})
+        teacher_tok = load_tokenizer(ev.model)
+        same = _same_vocab(teacher_tok, lm.tokenizer)
+        kl_mode = "kl" if same else "uld"
+        examples: list[_Example] = []
+        for note in notes:
+            events = _read_events(ev.reader, note.note_id)
+            student = build_note_data(note, prepared.inventory, lm.tokenizer, events,
+                                      remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
+                                      narrow_instruction=prepared.narrow_instruction)
+            targets = dict(np.load(targets_run.note_file(NOTES, note.note_id, "targets.npz")))
+            teacher = build_note_data(note, prepared.inventory, teacher_tok, events,
+                                      remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
+                                      narrow_instruction=prepared.narrow_instruction)
+            pairing = pair_rows(student, teacher.realized.values(), targets, window=arm.window,
+                                teacher_trace_start=int(targets["trace_start"]))
+            t_pos = None if same else _align_trace(student, teacher)
+            examples.append(_Example(student, targets, pairing, t_pos))
+        model = prepare_student(lm.model, recipe)
+
+        def micro_step(m, idx):
+            ex = examples[idx]
+            return micro_step_loss(m, lm, ex.student, ex.targets, ex.pairing, pools, arm, kl_mode=kl_mode,
+                                   logits_chunk=cfg.logits_chunk, teacher_positions=ex.teacher_positions)
+
+        trainer = Trainer(model, len(examples), recipe, micro_step, state_dir=run.work_dir / "trainer",
+                          log=lambda metrics, step: run.log_metrics({f"train/{k}": v for k, v in metrics.items()},
+                                                                    step=step))
+        if run.resumed and trainer.load_state():
+            print(f"train: resumed at step {trainer.step}")
+        trainer.train()
+        run.log_metrics({"train/steps": trainer.step, "n_notes": len(examples)})
+        _save_and_register(run, model, lm.tokenizer, cfg, arm.precision)
+        print(f"train: {cfg.arm} seed {cfg.seed} ({arm.precision}) -> run {run.run_id}")
+        return run.run_id
+
+
+def _align_trace(student: NoteData, teacher: NoteData) -> np.ndarray:
+    """For each student trace row (predicting student token j), the teacher row predicting the
+    teacher token that contains the same trace character (ULD across tokenizers)."""
+    t_off = teacher.inp.offsets
+    t_starts = np.array([s for s, _ in t_off[teacher.trace_start:]]) - teacher.inp.trace_offset
+    out = []
+    for s, _ in student.inp.offsets[student.trace_start:]:
+        ch = s - student.inp.trace_offset
+        j = int(np.searchsorted(t_starts, ch, side="right") - 1)
+        out.append(max(0, j))
+    return np.array(out, dtype=np.int64)
+
+
+def _save_and_register(run, model, tokenizer, cfg: TrainStageConfig, precision: str) -> None:
+    """Save the final checkpoint, log it, register it with an alias per arm and seed."""
+    import re
+
+    from mlflow.tracking import MlflowClient
+
+    out = run.work_dir / "model"
+    model.eval()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    run.client.log_artifacts(run.run_id, str(out), "model")
+    if not cfg.register:
+        return
+    client = MlflowClient()
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"mistill-{run.corpus}-{run.model}").strip("-")
+    try:
+        client.get_registered_model(name)
+    except Exception:  # noqa: BLE001 - not registered yet
+        client.create_registered_model(name)
+    source = f"{run.run.info.artifact_uri}/model"
+    version = client.create_model_version(name, source=source, run_id=run.run_id,
+                                          tags={"mistill.arm": cfg.arm, "mistill.seed": str(cfg.seed),
+                                                "mistill.precision": precision})
+    alias = re.sub(r"[^A-Za-z0-9_-]+", "-", f"{cfg.arm}-s{cfg.seed}")
+    client.set_registered_model_alias(name, alias, version.version)
+    run.set_tags({"mistill.registered_model": name, "mistill.model_version": version.version,
+                  "mistill.model_alias": alias})

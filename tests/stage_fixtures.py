@@ -1,0 +1,173 @@
+"""Helpers for the stage integration tests (tests/test_stages.py): small configs, run queries,
+subprocess environments, and the scan of everything a run left on the tracking server."""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+import sys
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = "tiny:qwen3"
+"""Random 2-layer Qwen3 (4 heads per layer) with the embedded SmolLM2 tokenizer."""
+TINY_HEADS = 2 * 4
+SLOW_TINY = "tiny:qwen3:layers=6:d_model=512"
+"""A larger random Qwen3, slow enough (~0.4 s a note on 2 cores) to be killed between notes."""
+
+
+
+def _characterization_only() -> dict:
+    """Pipeline arguments that stop it after knock-in (no student training, if it has any)."""
+    import dataclasses
+
+    from mistill.stages.workflow import PipelineConfig
+
+    return {"train_arms": ()} if "train_arms" in {f.name for f in dataclasses.fields(PipelineConfig)} else {}
+
+
+SMALL = dict(model=TINY, n_null=4, selftest_events=0, k_bins=(3, 8), events_per_phase=3,
+             stability_splits=5, launch="inline", **_characterization_only())
+"""Pipeline arguments sized for a test (prepare -> events -> attribute -> knockin): 3 notes take
+~10 s on two CPU cores."""
+
+_WORD = re.compile(r"\w+")
+
+
+def freeze_source(dst: Path) -> Path:
+    """A copy of the source tree (what :func:`mistill.tracking.runs.code_version` hashes, and the
+    entry-point scripts): subprocesses started from it keep one code version even while files of
+    the shared checkout change (an ``projects/*.py`` script imports ``mistill`` from its tree)."""
+    import shutil
+
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", ".*")
+    for name in ("mistill", "projects", "selection", "analysis"):
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, dst / name, ignore=ignore)
+    for name in ("MLproject", "pyproject.toml", "conda.yaml"):
+        if (REPO / name).is_file():
+            shutil.copy2(REPO / name, dst / name)
+    return dst
+
+
+def unique(prefix: str) -> str:
+    """A corpus name no other test uses (its own experiment ``mistill/<name>``)."""
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def subprocess_env(tracking_uri: str, root: Path) -> dict[str, str]:
+    """Environment of an entry-point subprocess: this server, this root, this venv first."""
+    bindir = str(Path(sys.executable).parent)
+    env = dict(os.environ)
+    env.update({"MLFLOW_TRACKING_URI": tracking_uri, "MISTILL_ROOT": str(root),
+                "MLFLOW_DISABLE_TELEMETRY": "true", "PYTHONUNBUFFERED": "1",
+                "TQDM_DISABLE": "1", "PATH": bindir + os.pathsep + env.get("PATH", "")})
+    env.pop("MLFLOW_RUN_ID", None)
+    env.pop("MLFLOW_EXPERIMENT_NAME", None)
+    env.pop("MLFLOW_EXPERIMENT_ID", None)
+    return env
+
+
+def runs_of(experiment: str, stage: str | None = None, corpus: str | None = None):
+    """Every run of an experiment (all statuses), optionally one stage / corpus, via
+    ``mlflow.search_runs`` on the ``mistill.stage`` and ``mistill.corpus`` tags."""
+    import mlflow
+
+    filters = []
+    if stage is not None:
+        filters.append(f"tags.`mistill.stage` = '{stage}'")
+    if corpus is not None:
+        filters.append(f"tags.`mistill.corpus` = '{corpus}'")
+    return mlflow.search_runs(experiment_names=[experiment], filter_string=" and ".join(filters),
+                              max_results=1000)
+
+
+def n_runs(experiment: str) -> int:
+    return len(runs_of(experiment))
+
+
+def artifact_paths(client, run_id: str, path: str | None = None) -> set[str]:
+    """Every artifact file path of a run (recursive listing on the server)."""
+    out: set[str] = set()
+    for info in client.list_artifacts(run_id, path):
+        if info.is_dir:
+            out |= artifact_paths(client, run_id, info.path)
+        else:
+            out.add(info.path)
+    return out
+
+
+# ------------------------------------------------------------------------------ leak scan
+def normalized(text: str) -> str:
+    """Lower-cased word tokens joined by single spaces, padded: escaping, case, punctuation and
+    line breaks cannot hide a phrase from a substring test."""
+    return " " + " ".join(_WORD.findall(html.unescape(text).lower())) + " "
+
+
+def phrase_needles(phrase: str, window: int) -> list[str]:
+    """Every ``window``-word run of ``phrase``, normalized (the whole phrase if shorter)."""
+    words = _WORD.findall(phrase.lower())
+    if len(words) <= window:
+        return [" " + " ".join(words) + " "]
+    return [" " + " ".join(words[i:i + window]) + " " for i in range(len(words) - window + 1)]
+
+
+def _file_text(path: Path) -> str:
+    """What a reader could get out of an artifact: text files as text, the strings of
+    ``.npz``/``.npy`` arrays, the printable bytes of anything else."""
+    raw = path.read_bytes()
+    if path.suffix in (".npz", ".npy"):
+        loaded = np.load(path, allow_pickle=False)
+        arrays = [loaded] if isinstance(loaded, np.ndarray) else [loaded[k] for k in loaded.files]
+        strings = [str(x) for a in arrays if a.dtype.kind in "US" for x in a.ravel().tolist()]
+        return "\n".join(strings)
+    return raw.decode("utf-8", errors="replace")
+
+
+def tracked_texts(client, experiment: str, dst: Path, stages: Iterable[str] | None = None
+                  ) -> Iterator[tuple[str, str]]:
+    """(where, text) for everything the tracking server holds about the experiment's runs:
+    run name, params, tags, metric keys, dataset inputs and every artifact file (downloaded
+    recursively)."""
+    import mlflow
+
+    exp = client.get_experiment_by_name(experiment)
+    assert exp is not None, experiment
+    wanted = set(stages) if stages is not None else None
+    runs = client.search_runs([exp.experiment_id], max_results=1000)
+    assert runs, f"no runs in {experiment}"
+    for run in runs:
+        rid = run.info.run_id
+        if wanted is not None and run.data.tags.get("mistill.stage") not in wanted:
+            continue
+        yield f"{rid} run name", run.info.run_name or ""
+        yield f"{rid} params", "\n".join(f"{k} = {v}" for k, v in run.data.params.items())
+        yield f"{rid} tags", "\n".join(f"{k} = {v}" for k, v in run.data.tags.items())
+        yield f"{rid} metric keys", "\n".join(run.data.metrics)
+        for di in run.inputs.dataset_inputs:
+            d = di.dataset
+            yield f"{rid} dataset {d.name}", json.dumps(
+                {"name": d.name, "digest": d.digest, "source": d.source, "schema": d.schema,
+                 "profile": d.profile, "tags": {t.key: t.value for t in di.tags}})
+        local = Path(mlflow.artifacts.download_artifacts(run_id=rid, dst_path=str(dst / rid)))
+        for path in sorted(local.rglob("*")):
+            if path.is_file():
+                yield f"{rid} artifact {path.relative_to(local).as_posix()}", _file_text(path)
+
+
+def leaks(places: Iterable[tuple[str, str]], needles: Iterable[str]) -> list[str]:
+    """Where (of ``places``, as :func:`tracked_texts` yields them) any normalized needle occurs."""
+    needles = list(needles)
+    found = []
+    for where, text in places:
+        norm = normalized(text)
+        hit = [n.strip() for n in needles if n in norm]
+        if hit:
+            found.append(f"{where}: {hit[0]!r}")
+    return found

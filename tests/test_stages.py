@@ -1,0 +1,435 @@
+"""The stages end to end on a real MLflow server with random tiny Qwen3 models: the pipeline's
+runs, tags, lineage, artifacts and metrics; reuse of identical runs; per-note resume after a
+SIGKILL; the privacy guard against a planted canary; ``mlflow run``; the generated MLproject;
+and the errors bad input gives on the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import pytest
+from mlflow.tracking import MlflowClient
+
+from mistill.data.corpus import Corpus, Note
+from mistill.data.synthetic import make_synthetic_corpus
+from mistill.stages.characterize import KnockinStageConfig
+from mistill.stages.common import load_prepared
+from mistill.stages.mlproject import render
+from mistill.stages.prepare import PrepareConfig, run_prepare
+from mistill.stages.registry import stages
+from mistill.stages.workflow import PipelineConfig, pipeline_steps, run_step
+from mistill.tracking.privacy import PrivacyError
+from stage_fixtures import (REPO, SLOW_TINY, SMALL, TINY, TINY_HEADS, artifact_paths,
+                            freeze_source, leaks, n_runs, phrase_needles, runs_of,
+                            subprocess_env, tracked_texts, unique)
+
+STEPS = ("prepare", "events", "attribute", "knockin")
+INPUT_OF = {"events": "prepare", "attribute": "events", "knockin": "attribute"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def pinned_code_version():
+    """The code version of the tree as this module starts, for every in-process stage.
+
+    Runs are matched by code version, hashed from the live source tree at each stage start; in a
+    checkout that others edit while the suite runs, a second identical call would otherwise see
+    another version and (rightly) start new runs. Subprocesses that must agree run from a frozen
+    copy instead (:func:`stage_fixtures.freeze_source`).
+    """
+    import mistill.tracking.runs as runs
+
+    version = runs.code_version(REPO)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runs, "code_version", lambda repo_root=None: version)
+        mp.setattr(runs, "_code_version", lambda repo_root=None: version)
+        yield version
+
+
+@pytest.fixture(scope="module")
+def pipeline(tracking_uri: str, tmp_path_factory: pytest.TempPathFactory, pinned_code_version):
+    """One inline pipeline on 3 synthetic notes with the tiny model, in its own experiment."""
+    root = tmp_path_factory.mktemp("stages-root")
+    name = unique("syn")
+    cfg = PipelineConfig(corpus="synthetic", corpus_name=name, n_notes=3, **SMALL)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MISTILL_ROOT", str(root))
+        t0 = time.monotonic()
+        ids = pipeline_steps(cfg)
+        elapsed = time.monotonic() - t0
+    return {"cfg": cfg, "ids": ids, "root": root, "corpus": name,
+            "experiment": f"mistill/{name}", "seconds": elapsed}
+
+
+# ---------------------------------------------------------------------------- 1. pipeline
+def test_pipeline_runs_tags_lineage_artifacts_metrics(pipeline, monkeypatch, tmp_path):
+    monkeypatch.setenv("MISTILL_ROOT", str(pipeline["root"]))
+    client = MlflowClient()
+    ids, exp, corpus = pipeline["ids"], pipeline["experiment"], pipeline["corpus"]
+    assert list(ids) == list(STEPS)
+    assert len(set(ids.values())) == 4
+
+    for step in STEPS:
+        found = runs_of(exp, stage=step, corpus=corpus)
+        assert list(found["run_id"]) == [ids[step]], step
+        assert found["status"].iloc[0] == "FINISHED"
+        run = client.get_run(ids[step])
+        tags = run.data.tags
+        assert tags["mistill.entry_point"] == step
+        assert tags["mistill.model"] == TINY
+        assert tags["mistill.privacy"] == "synthetic"
+        assert tags["mistill.corpus_digest"] == load_prepared(ids["prepare"]).corpus.digest
+        lineage = {k: v for k, v in tags.items() if k.startswith("mistill.input.")}
+        want = {f"mistill.input.{INPUT_OF[step]}": ids[INPUT_OF[step]]} if step in INPUT_OF else {}
+        assert lineage == want, step
+        # config.json: the typed arguments and the same lineage
+        cfg = json.loads(Path(mlflow.artifacts.download_artifacts(
+            run_id=ids[step], artifact_path="config.json", dst_path=str(tmp_path / step))).read_text())
+        assert cfg["stage"] == step and cfg["run_id"] == ids[step]
+        assert cfg["inputs"] == ({INPUT_OF[step]: ids[INPUT_OF[step]]} if step in INPUT_OF else {})
+    assert json.loads(client.get_run(ids["events"]).data.params["n_null"]) == 4
+
+    notes = [n.note_id for n in load_prepared(ids["prepare"]).corpus.notes]
+    assert len(notes) == 3
+    arts = {step: artifact_paths(client, ids[step]) for step in STEPS}
+    assert {"config.json", "data/inventory.json", "data/corpus.jsonl", "corpus_index.csv",
+            "corpus_index.md"} <= arts["prepare"]
+    assert {"margin_audit.md", "margin_audit.csv", "event_counts.csv", "event_counts.md",
+            "coverage.csv"} <= arts["events"]
+    for note in notes:
+        for f in ("events.jsonl", "realized.jsonl", "coverage.json", "_DONE"):
+            assert f"notes/{note}/{f}" in arts["events"]
+        assert f"notes/{note}/attribution.npz" in arts["attribute"]
+        assert {f"notes/{note}/necessity.jsonl", f"notes/{note}/knockin.jsonl"} <= arts["knockin"]
+    assert "head_sets.json" in arts["attribute"]
+    assert {"sets_table.csv", "sets_table.md", "sets_table.tex", "recovery_vs_k.html"} <= arts["knockin"]
+
+    # the corpus index lists the notes (ids and codes, no text)
+    index = Path(mlflow.artifacts.download_artifacts(run_id=ids["prepare"], artifact_path="corpus_index.csv",
+                                                     dst_path=str(tmp_path / "idx"))).read_text()
+    assert index.splitlines()[0].split(",")[:3] == ["note_id", "patient_id", "split"]
+    assert [line.split(",")[0] for line in index.splitlines()[1:]] == notes
+
+    # head_sets.json: every phase ranks all n_layers * n_heads heads, each exactly once
+    sets = json.loads(Path(mlflow.artifacts.download_artifacts(
+        run_id=ids["attribute"], artifact_path="head_sets.json", dst_path=str(tmp_path / "hs"))).read_text())
+    geom = sets["meta"]["geometry"]
+    assert geom["n_layers"] * geom["n_heads"] == sets["meta"]["n_heads"] == TINY_HEADS
+    phases = [p for p in ("P1", "P2", "P2C") if p in sets]
+    assert "P1" in phases
+    for p in phases:
+        assert len(sets[p]["ranking"]) == len(set(sets[p]["ranking"])) == TINY_HEADS
+        assert sets[p]["importance_c"] == sorted(sets[p]["importance_c"], reverse=True)
+
+    # the recovery figure opens offline: plotly.js is embedded, not fetched from a CDN
+    fig = Path(mlflow.artifacts.download_artifacts(run_id=ids["knockin"], artifact_path="recovery_vs_k.html",
+                                                   dst_path=str(tmp_path / "fig"))).read_text()
+    assert "plotly.js v" in fig and len(fig) > 1_000_000
+    assert not re.search(r"<script[^>]+src=[\"']https?://", fig)
+
+    m = {step: client.get_run(ids[step]).data.metrics for step in STEPS}
+    assert m["prepare"]["n_notes"] == 3
+    assert m["events"]["events.P1.realized"] > 0
+    assert m["events"]["n_notes"] == 3
+    assert "calib.split_half.discoveries_pos" in m["attribute"]
+    assert m["attribute"]["calib.P1.n_notes"] == 3
+    for k in (3, 8):
+        assert f"P1.k{k}.necessity.global" in m["knockin"]
+    assert not any(key.startswith("P1.k16") for key in m["knockin"])  # only the k_bins asked for
+    # The random tiny model's margin gaps stay below the default range gate (1.0), so no event is
+    # gated and recovery is NaN (not logged); the pipeline does not expose range_gate. A knock-in
+    # on the same attribute run with range_gate=0 gates the events and logs recovery.
+    assert "P1.k3.recovery.global" not in m["knockin"]
+    before = n_runs(pipeline["experiment"])
+    gated = run_step("knockin", KnockinStageConfig(attribute_run=ids["attribute"], k_bins=(3, 8),
+                                                   events_per_phase=3, range_gate=0.0),
+                     corpus, launch="inline")
+    assert gated != ids["knockin"]
+    assert n_runs(pipeline["experiment"]) == before + 1
+    gm = client.get_run(gated).data.metrics
+    assert "P1.k3.recovery.global" in gm and gm["P1.k3.recovery.global"] == gm["P1.k3.recovery.global"]
+    assert client.get_run(gated).data.tags["mistill.input.attribute"] == ids["attribute"]
+
+
+# ------------------------------------------------------------------------------- 2. reuse
+def test_identical_pipeline_reuses_every_run(pipeline, monkeypatch):
+    monkeypatch.setenv("MISTILL_ROOT", str(pipeline["root"]))
+    before = n_runs(pipeline["experiment"])
+    t0 = time.monotonic()
+    again = pipeline_steps(pipeline["cfg"])
+    assert again == pipeline["ids"]
+    assert n_runs(pipeline["experiment"]) == before
+    assert time.monotonic() - t0 < pipeline["seconds"]  # nothing was recomputed
+
+
+# ---------------------------------------------------------------------- 3. one param changed
+def test_changed_param_reuses_prepare_and_reruns_events(pipeline, monkeypatch):
+    monkeypatch.setenv("MISTILL_ROOT", str(pipeline["root"]))
+    exp = pipeline["experiment"]
+    before = {step: set(runs_of(exp, stage=step)["run_id"]) for step in STEPS}
+    changed = pipeline_steps(dataclasses.replace(pipeline["cfg"], n_null=5))
+    assert changed["prepare"] == pipeline["ids"]["prepare"]
+    for step in ("events", "attribute", "knockin"):
+        assert changed[step] not in before[step], step
+        assert set(runs_of(exp, stage=step)["run_id"]) == before[step] | {changed[step]}, step
+    assert set(runs_of(exp, stage="prepare")["run_id"]) == before["prepare"]
+    client = MlflowClient()
+    assert client.get_run(changed["events"]).data.tags["mistill.input.prepare"] == changed["prepare"]
+    assert json.loads(client.get_run(changed["events"]).data.params["n_null"]) == 5
+    assert client.get_run(changed["events"]).info.status == "FINISHED"
+
+
+# ---------------------------------------------------------------------- 4. resume after kill
+def test_events_resume_after_sigkill_keeps_finished_notes(tracking_uri, tmp_path, monkeypatch):
+    root = tmp_path / "root"
+    monkeypatch.setenv("MISTILL_ROOT", str(root))
+    name = unique("resume")
+    prep = run_prepare(PrepareConfig(corpus="synthetic", corpus_name=name, n_notes=5, model=TINY))
+    notes = [n.note_id for n in load_prepared(prep).corpus.notes]
+    first = notes[0]
+    frozen = freeze_source(tmp_path / "src")
+    cmd = [sys.executable, "projects/events.py", "--prepare_run", prep, "--model", SLOW_TINY,
+           "--n_null", "4"]
+    env = subprocess_env(tracking_uri, root)
+    log1 = tmp_path / "events-1.log"
+    with log1.open("w") as log:
+        proc = subprocess.Popen(cmd, cwd=frozen, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + 90
+            while True:
+                hits = list((root / "work").glob(f"*/notes/{first}/_DONE"))
+                if hits:
+                    break
+                assert proc.poll() is None, f"events exited {proc.returncode}:\n{log1.read_text()[-3000:]}"
+                assert time.monotonic() < deadline, "no note finished within 90 s"
+                time.sleep(0.01)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    run_dir = hits[0].parents[2]
+    run_id = run_dir.name
+    done_at_kill = {p.parent.name for p in run_dir.glob("notes/*/_DONE")}
+    assert first in done_at_kill
+    assert done_at_kill < set(notes), "the stage finished every note before the kill: make notes slower"
+    client = MlflowClient()
+    assert client.get_run(run_id).info.status == "RUNNING"  # killed: nobody ended the run
+    first_dir = run_dir / "notes" / first
+    mtimes = {p.name: p.stat().st_mtime_ns for p in first_dir.iterdir() if not p.name.startswith(".")}
+    assert {"events.jsonl", "realized.jsonl", "coverage.json", "_DONE"} <= set(mtimes)
+
+    again = subprocess.run(cmd, cwd=frozen, env=env, capture_output=True, text=True, timeout=150)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"mistill events: run {run_id}" in again.stdout
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    events_runs = runs_of(f"mistill/{name}", stage="events")
+    assert list(events_runs["run_id"]) == [run_id]  # resumed under the same id, no new run
+    assert {p.name: p.stat().st_mtime_ns for p in first_dir.iterdir()
+            if not p.name.startswith(".")} == mtimes  # the finished note was not redone
+    arts = artifact_paths(client, run_id)
+    for note in notes:
+        assert (run_dir / "notes" / note / "_DONE").is_file(), note
+        assert f"notes/{note}/_DONE" in arts and f"notes/{note}/realized.jsonl" in arts, note
+    assert run.data.metrics["n_notes"] == len(notes)
+    assert run.data.metrics["events.P1.realized"] > 0
+
+
+# --------------------------------------------------------------------------- 5. privacy canary
+CANARY_ID = "CANARY-7f3a9c-51d2"
+CANARY_SENTENCE = ("the quiet marmalade heron counted eleven copper lanterns beside the frozen "
+                   "orchard at dusk")
+
+
+def _planted_corpus(tmp_path: Path) -> tuple[Path, Path]:
+    """Three restricted notes (JSONL) with the canary planted in their texts and traces, and the
+    code file of the synthetic inventory (120 codes).
+
+    Each trace reasons like a synthetic one in brief: regions, a sibling set aside, the code
+    endorsed, a recap and the JSON answer, so it has P1, P2, P2C and NULL events. Unlike the
+    synthetic notes, nothing quotes an inventory description and each note has two gold codes:
+    with quoted descriptions or three gold codes listed in trace order, ``prepare`` itself is
+    refused (a library bug, see ``test_restricted_prepare_of_synthetic_shaped_notes``).
+    """
+    inv = make_synthetic_corpus(n_notes=1, seed=0).inventory
+    cats = [c for c in inv.categories() if len(inv.codes_in_category(c)) >= 2]
+    notes = []
+    for i in range(3):
+        sib, c1 = inv.codes_in_category(cats[i])[:2]
+        c2 = inv.codes_in_category(cats[i + 7])[0]
+        text = (f"Discharge summary {i} (planted test note).\n"
+                f"Chart reference {CANARY_ID} was reviewed on admission. {CANARY_SENTENCE.capitalize()}.\n"
+                "The patient was admitted for a worsening problem, treated on the ward and improved.\n"
+                f"The reviewer filed {CANARY_ID} with the summary.\n")
+        trace = (f"<think>\nLet me read the summary. The chart reference {CANARY_ID} is noted first, "
+                 f"and the note says {CANARY_SENTENCE}.\n"
+                 f"The findings point to the {c1[0]} codes and then to the {c2[0]} codes.\n"
+                 f"For the first finding the candidates are {sib} and {c1}. {sib} does not fit the "
+                 f"history; set aside. So the code here is {c1}.\n"
+                 f"For the second finding the code is {c2}, which matches the hospital course.\n"
+                 f"Aside: {CANARY_SENTENCE}, as the reviewer wrote near {CANARY_ID}.\n"
+                 f"Recap: {c1} and {c2}.\n</think>\n\n" + json.dumps([c1, c2]))
+        notes.append(Note(note_id=f"pl-{i:03d}", patient_id=f"plp-{i:03d}", split="train",
+                          text=text, gold_codes=(c1, c2), teacher_trace=trace))
+    planted = Corpus(name="planted", privacy="restricted", notes=notes, inventory=inv)
+    path = planted.to_jsonl(tmp_path / "planted.jsonl")
+    codes = tmp_path / "codes.txt"
+    codes.write_text("\n".join(inv.codes) + "\n")
+    return Path(path), codes
+
+
+# Regression: prepare once refused its own index, dataset and inventory.json for a restricted
+# corpus whose traces list the gold codes and quote inventory descriptions (label codes and
+# descriptions are public; see mistill.tracking.privacy).
+def test_restricted_prepare_of_synthetic_shaped_notes(tracking_uri, tmp_path, monkeypatch):
+    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path / "root"))
+    syn = make_synthetic_corpus(n_notes=3, seed=0)
+    path = Corpus(name="shaped", privacy="restricted", notes=syn.notes,
+                  inventory=syn.inventory).to_jsonl(tmp_path / "shaped.jsonl")
+    codes = tmp_path / "codes.txt"
+    codes.write_text("\n".join(syn.inventory.codes) + "\n")
+    run_id = run_prepare(PrepareConfig(corpus=str(path), corpus_name=unique("shaped"),
+                                       privacy="restricted", codes_file=str(codes), model=TINY))
+    client = MlflowClient()
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert {"corpus_index.csv", "data/inventory.json"} <= artifact_paths(client, run_id)
+
+
+def test_restricted_text_never_reaches_the_server(pipeline, tracking_uri, tmp_path, monkeypatch):
+    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path / "root"))
+    corpus_file, codes_file = _planted_corpus(tmp_path)
+    assert CANARY_ID in corpus_file.read_text()
+    name = unique("restricted")
+    cfg = PipelineConfig(corpus=str(corpus_file), corpus_name=name, privacy="restricted",
+                         codes_file=str(codes_file), **SMALL)
+    ids = pipeline_steps(cfg)
+    client = MlflowClient()
+    for step in STEPS:
+        run = client.get_run(ids[step])
+        assert run.info.status == "FINISHED" and run.data.tags["mistill.privacy"] == "restricted"
+    prepare_arts = artifact_paths(client, ids["prepare"])
+    assert "data/inventory.json" in prepare_arts
+    assert not {"data/corpus.jsonl", "data/corpus_meta.json"} & prepare_arts
+    assert client.get_run(ids["prepare"]).data.metrics["n_codes_inventory"] == 120
+    assert client.get_run(ids["events"]).data.metrics["events.P1.realized"] > 0
+
+    needles = (phrase_needles(CANARY_ID, 3) + phrase_needles(CANARY_SENTENCE, 4)
+               + [" 7f3a9c "])
+    places = list(tracked_texts(client, f"mistill/{name}", tmp_path / "dl-restricted"))
+    where = [w for w, _ in places]
+    for step in STEPS:  # the scan saw every run's params, tags, metrics and per-note files
+        assert f"{ids[step]} params" in where and f"{ids[step]} artifact config.json" in where
+    assert f"{ids['events']} artifact notes/pl-000/realized.jsonl" in where
+    assert f"{ids['prepare']} dataset {name}-index" in where
+    assert f"{ids['knockin']} artifact recovery_vs_k.html" in where
+    assert leaks(places, needles) == []
+
+    # controls: the same scan finds the canary when the same file is marked public ...
+    public = unique("public")
+    pub = run_prepare(PrepareConfig(corpus=str(corpus_file), corpus_name=public, privacy="public",
+                                    codes_file=str(codes_file), model=TINY))
+    found_pub = leaks(tracked_texts(client, f"mistill/{public}", tmp_path / "dl-public"), needles)
+    assert any(f.startswith(f"{pub} artifact data/corpus.jsonl") for f in found_pub), found_pub
+    # ... and finds the synthetic corpus's own text in the synthetic pipeline's prepare run
+    monkeypatch.setenv("MISTILL_ROOT", str(pipeline["root"]))
+    syn_note = load_prepared(pipeline["ids"]["prepare"]).corpus.notes[0]
+    sentence = next(s for s in syn_note.text.splitlines() if len(s.split()) >= 8)
+    found_syn = leaks(tracked_texts(client, pipeline["experiment"], tmp_path / "dl-synthetic",
+                                    stages=["prepare"]), phrase_needles(sentence, 100))
+    assert any("artifact data/corpus.jsonl" in f for f in found_syn), found_syn
+
+
+# ------------------------------------------------------------------------------- 6. mlflow run
+def test_mlflow_run_prepare_entry_point(tracking_uri, tmp_path):
+    env = subprocess_env(tracking_uri, tmp_path / "root")
+    mlflow_cli = str(Path(sys.executable).parent / "mlflow")
+    proc = subprocess.run([mlflow_cli, "run", ".", "-e", "prepare", "--env-manager", "local",
+                           "-P", "n_notes=2", "-P", f"model={TINY}",
+                           "--experiment-name", "mistill/synthetic"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    launched = re.search(r"Run \(ID '([0-9a-f]{32})'\) succeeded", out)
+    assert launched, out[-2000:]
+    client = MlflowClient()
+    run = client.get_run(launched.group(1))
+    assert run.info.status == "FINISHED"
+    # the stage adopted the launched run, or (an identical run existed) delegated to it
+    target = run.data.tags.get("mistill.delegated_to", run.info.run_id)
+    assert re.search(rf"mistill prepare: run {target}\b", out)
+    final = client.get_run(target)
+    assert final.info.status == "FINISHED"
+    assert final.data.tags["mistill.stage"] == "prepare"
+    assert final.data.tags["mistill.corpus"] == "synthetic"
+    assert client.get_experiment(final.info.experiment_id).name == "mistill/synthetic"
+    assert final.data.metrics["n_notes"] == 2
+    cfg = json.loads(Path(mlflow.artifacts.download_artifacts(
+        run_id=target, artifact_path="config.json", dst_path=str(tmp_path / "cfg"))).read_text())
+    assert cfg["config"]["n_notes"] == 2 and isinstance(cfg["config"]["n_notes"], int)
+    assert cfg["config"]["model"] == TINY
+    assert "data/inventory.json" in artifact_paths(client, target)
+
+
+# ------------------------------------------------------------------------------- 7. MLproject
+def test_mlproject_is_generated_from_the_registry():
+    assert (REPO / "MLproject").read_text() == render(), \
+        "MLproject is stale: regenerate it with `python -m mistill.stages.mlproject`"
+    for name in stages():
+        script = REPO / "projects" / f"{name}.py"
+        assert script.is_file(), script
+        assert f'main("{name}")' in script.read_text()
+
+
+# ----------------------------------------------------------------------------- 8. bad input
+def test_malformed_corpus_and_unknown_parameter_exit_2(tracking_uri, tmp_path):
+    env = subprocess_env(tracking_uri, tmp_path / "root")
+    bad = tmp_path / "bad.jsonl"
+    good = {"note_id": "n1", "patient_id": "p1", "split": "train", "text": "Patient well.",
+            "gold_codes": ["I10"]}
+    bad.write_text(json.dumps(good) + "\n" + '{"note_id": "n2", "patient_id": \n')
+    proc = subprocess.run([sys.executable, "projects/prepare.py", "--corpus", str(bad),
+                           "--privacy", "restricted"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"file {bad} line 2" in proc.stderr
+    assert "malformed JSON" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+    proc = subprocess.run([sys.executable, "projects/prepare.py", "--n_notez", "3"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "unknown parameter(s) ['n_notez']" in proc.stderr
+    assert "field 'n_notez'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_note_field_names_file_line_note_and_field(tracking_uri, tmp_path, monkeypatch, capsys):
+    from mistill.stages.cli import main
+
+    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path / "root"))
+    bad = tmp_path / "codes-bad.jsonl"
+    rows = [{"note_id": "n1", "patient_id": "p1", "split": "train", "text": "Patient well.",
+             "gold_codes": ["I10"]},
+            {"note_id": "n2", "patient_id": "p2", "split": "train", "text": "Patient well.",
+             "gold_codes": ["I10", "NOT.A.CODE"]}]
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(SystemExit) as exc:
+        main("prepare", ["--corpus", str(bad), "--privacy", "restricted"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"file {bad} line 2" in err and "note n2" in err and "field 'gold_codes'" in err
+
+    with pytest.raises(SystemExit) as exc:
+        main("prepare", ["--n_notes", "three"])
+    assert exc.value.code == 2
+    assert "field 'n_notes'" in capsys.readouterr().err
