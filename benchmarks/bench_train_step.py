@@ -52,7 +52,15 @@ def random_head_sets(lm: LoadedModel, seed: int = 0) -> dict:
 
 def long_note(tokenizer, extra_lines: int):
     base = make_synthetic_inventory(seed=7, inventory_size=1100)
-    extra = [c for c in sorted(billable_codes()) if c not in set(base.codes)][:extra_lines]
+    have = set(base.codes)
+    by_cat: dict[str, list[str]] = {}
+    for c in sorted(billable_codes()):
+        if c not in have:
+            by_cat.setdefault(c[:3], []).append(c)
+    extra: list[str] = []
+    for codes in by_cat.values():  # whole categories of 2-6 codes, so every code has siblings
+        if 2 <= len(codes) <= 6 and len(extra) < extra_lines:
+            extra += codes
     inv = Inventory.billable(codes=list(base.codes) + extra)
     corpus = make_synthetic_corpus(n_notes=1, seed=7, n_codes_range=(25, 25), inventory=inv)
     return corpus, corpus.notes[0]

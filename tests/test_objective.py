@@ -80,7 +80,7 @@ def test_targets_are_distributions(setup):
 
 def test_checkpointed_pooled_rows_match_plain(setup):
     from mistill.distill.attention_rows import LayerInputs
-    from mistill.distill.objective import pool_layer_keys, pooled_rows
+    from mistill.distill.objective import pooled_rows
 
     corpus, note, teacher, events, nd_t, pools_t, targets = setup
     student = tiny_model("qwen3", layers=2, heads=4, kv_heads=2, d_head=16, d_model=64, seed=3)
@@ -94,9 +94,9 @@ def test_checkpointed_pooled_rows_match_plain(setup):
         student.model.zero_grad()
         with LayerInputs(student.geometry, pool.layers) as kept:
             student.model.model(input_ids=nd.input_ids[None])
-            keys = pool_layer_keys({l: kept[l][0] for l in pool.layers}, [pool], student)
-            a, (z, _, _) = pooled_rows(keys, pool, [nd.realized[e].position for e in ids], maps, nd.axis.n,
-                                       with_outputs=True, checkpointed=ckpt)
+            hidden = {l: kept[l][0] for l in pool.layers}
+            a, (z, _, _) = pooled_rows(hidden, pool, student, [nd.realized[e].position for e in ids], maps,
+                                       nd.axis.n, with_outputs=True, checkpointed=ckpt)
             (a.pow(2).sum() + sum(v.sum() for v in z.values())).backward()
         grads.append(student.geometry.layers[pool.layers[0]].q_proj.weight.grad.clone())
         assert torch.allclose(a.sum(1), torch.ones(len(ids)), atol=1e-5)

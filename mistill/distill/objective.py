@@ -109,49 +109,37 @@ def random_positions(rows: Sequence[SupervisedRow], student: NoteData, seed: int
     return rng.integers(student.trace_start, n - 1, size=len(rows)).tolist()
 
 
-def pool_layer_keys(hidden: Mapping[int, torch.Tensor], pools: Sequence[Pool], lm: LoadedModel) -> dict:
-    """One :class:`LayerKeys` per layer for the union of the pools' heads in it (keys projected once
-    per micro-step, shared by every phase and row set)."""
-    g = lm.geometry
-    heads: dict[int, set[int]] = {}
-    for pool in pools:
-        for layer, (h, _) in pool.by_layer().items():
-            heads.setdefault(layer, set()).update(int(x) for x in h)
-    out = {}
-    for layer, hs in heads.items():
-        n_pos = hidden[layer].shape[0]
-        out[layer] = layer_keys(g.layers[layer], g, hidden[layer], sorted(hs),
-                                torch.arange(n_pos, device=hidden[layer].device))
-    return out
-
-
-def pooled_rows(keys: Mapping[int, object], pool: Pool, positions: Sequence[int], maps: torch.Tensor,
-                n_buckets: int, *, with_outputs: bool = False, checkpointed: bool = True):
+def pooled_rows(hidden: Mapping[int, torch.Tensor], pool: Pool, lm: LoadedModel, positions: Sequence[int],
+                maps: torch.Tensor, n_buckets: int, *, with_outputs: bool = False, checkpointed: bool = True):
     """Pooled bucket rows ``[row, bucket]`` (and per-layer head outputs for ``c``).
 
-    keys: :func:`pool_layer_keys`; maps: ``[row, pos]`` bucket map per row. Each layer's block
-    (attention rows -> bucketed, weighted rows and head outputs) runs under activation
-    checkpointing, so ``[row, head, pos]`` probabilities are never kept for the backward.
+    hidden: ``{layer: [pos, d_model]}`` inputs of the pool's layers; maps: ``[row, pos]``.
+    Per layer, one block projects the pool heads' keys, recomputes their attention rows at the
+    given positions, pools them over heads with the weights and then buckets the pooled row
+    (bucketing is linear, so pooling first buckets ``head`` times fewer entries). The block runs
+    under activation checkpointing: the backward recomputes it, so neither the keys nor the
+    ``[row, head, pos]`` probabilities are kept.
     """
+    g = lm.geometry
     rows = torch.as_tensor(list(positions), dtype=torch.long, device=maps.device)
     a = torch.zeros(rows.numel(), n_buckets, dtype=torch.float32, device=maps.device)
     z_by_layer, heads_by_layer, w_by_layer = {}, {}, {}
     for layer, (heads, weights) in pool.by_layer().items():
-        k = keys[layer]
         w = weights.to(maps.device, torch.float32)
-        if with_outputs:
-            k.values  # projected once, outside the checkpointed block (its recompute must match)
+        parts = g.layers[layer]
 
-        def block(rows=rows, k=k, heads=heads, w=w):
-            probs = k.rows(rows, heads)  # [row, h, pos]
-            pooled = (bucketize(probs, maps.unsqueeze(1), n_buckets) * w.view(1, -1, 1)).sum(1)
-            z = k.outputs(probs, heads) if with_outputs else pooled.new_zeros(0)
+        def block(hidden_l, heads=heads, w=w, parts=parts):
+            pos_ids = torch.arange(hidden_l.shape[0], device=hidden_l.device)
+            keys = layer_keys(parts, g, hidden_l, heads, pos_ids)
+            probs = keys.rows(rows)  # [row, h, pos]
+            pooled = bucketize((probs * w.view(1, -1, 1)).sum(1), maps, n_buckets)
+            z = keys.outputs(probs) if with_outputs else pooled.new_zeros(0)
             return pooled, z
 
         if checkpointed and torch.is_grad_enabled():
-            pooled, z = torch.utils.checkpoint.checkpoint(block, use_reentrant=False)
+            pooled, z = torch.utils.checkpoint.checkpoint(block, hidden[layer], use_reentrant=False)
         else:
-            pooled, z = block()
+            pooled, z = block(hidden[layer])
         a = a + pooled
         if with_outputs:
             z_by_layer[layer], heads_by_layer[layer], w_by_layer[layer] = z, heads, weights
@@ -194,7 +182,6 @@ def micro_step_loss(model: torch.nn.Module, lm: LoadedModel, student: NoteData, 
             return cot, {"loss": float(cot.detach()), **logs}
         hidden = {l: kept[l][0] for l in layers}
         final = kept.final[0]
-        keys = pool_layer_keys(hidden, [pools[p] for p in ("P1", "P2", "P2C") if arm.lambdas[p] > 0], lm)
         positions = ([r.student_pos for r in pairing.rows] if arm.positions == "events"
                      else random_positions(pairing.rows, student, arm.pool_seed))
         phase_terms: dict[str, dict[str, torch.Tensor]] = {}
@@ -214,7 +201,7 @@ def micro_step_loss(model: torch.nn.Module, lm: LoadedModel, student: NoteData, 
                 pool = pools[phase]  # the student's window rows read its own P1 pool (App. I.1)
                 maps = torch.stack([student.row_map(pairing.rows[i].event_id if role == "event" else None)
                                     for i in sel]).to(device)
-                a_s, outs = pooled_rows(keys, pool, [positions[i] for i in sel], maps, student.axis.n,
+                a_s, outs = pooled_rows(hidden, pool, lm, [positions[i] for i in sel], maps, student.axis.n,
                                         with_outputs=role == "event")
                 a_s_parts.append(a_s)
                 a_t_parts.append(torch.as_tensor(targets["pooled"][pairing.teacher_row[sel]], device=device))
