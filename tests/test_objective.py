@@ -101,3 +101,38 @@ def test_checkpointed_pooled_rows_match_plain(setup):
         grads.append(student.geometry.layers[pool.layers[0]].q_proj.weight.grad.clone())
         assert torch.allclose(a.sum(1), torch.ones(len(ids)), atol=1e-5)
     torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_cross_tokenizer_student_trains_with_uld_and_drops_unrealizable_events(setup):
+    import string
+
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from mistill.distill.objective import align_trace_rows
+
+    corpus, note, teacher, events, nd_t, pools_t, targets = setup
+    vocab = {"[UNK]": 0}
+    for p in (list(string.ascii_letters + string.digits + string.punctuation)
+              + [" " + c for c in string.ascii_uppercase] + [" ", "\n", "18", "28", "65", "95", "11"]):
+        vocab.setdefault(p, len(vocab))
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r" ?[A-Z]|18|28|65|95|11|[0-9]|\s|\S"), behavior="isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]")
+    tok.chat_template = teacher.tokenizer.chat_template  # same prompt layout, another vocabulary
+    student = tiny_model("llama", layers=2, heads=4, kv_heads=2, d_head=16, d_model=64, seed=5, tokenizer=tok)
+    nd_s = build_note_data(note, corpus.inventory, tok, events)
+    # digit runs merged into one token cannot decide one character: those events are dropped
+    assert set(nd_s.realized) < set(nd_t.realized)
+    assert {nd_t.realized[e].event.kind for e in set(nd_t.realized) - set(nd_s.realized)} <= {"P2", "P2C"}
+    pairing = pair_rows(nd_s, nd_t.realized.values(), targets, window=8, teacher_trace_start=nd_t.trace_start)
+    assert 0 < len(pairing.rows) < len(targets["rows_pos"])
+    t_pos = align_trace_rows(nd_s, nd_t)
+    assert len(t_pos) == nd_s.input_ids.numel() - nd_s.trace_start and t_pos.max() < len(targets["top_ids"])
+    pools_s = model_pools(_head_sets(student, 3), student.geometry.head_names(), k=4)
+    student.model.requires_grad_(True)
+    loss, parts = micro_step_loss(student.model, student, nd_s, targets, pairing, pools_s, resolve_arm("mistill"),
+                                  kl_mode="uld", teacher_positions=t_pos)
+    assert "uld" in parts and np.isfinite(parts["loss"]) and parts["P1/attention"] > 0
+    loss.backward()
+    assert student.geometry.embed.weight.grad.abs().sum() > 0

@@ -102,6 +102,18 @@ def pair_rows(student: NoteData, teacher_realized, targets: Mapping[str, np.ndar
     return Pairing(rows=kept, teacher_row=np.array(t_row, dtype=np.int64), teacher_event=np.array(t_ev, dtype=np.int64))
 
 
+def align_trace_rows(student: NoteData, teacher: NoteData) -> np.ndarray:
+    """Cross-tokenizer students (ULD): for each student trace row (predicting student trace token
+    ``j``), the teacher trace row predicting the teacher token that holds the same first trace
+    character. ``[student trace tokens]`` indices into the teacher's top-32 arrays."""
+    t_starts = np.array([s for s, _ in teacher.inp.offsets[teacher.trace_start:]]) - teacher.inp.trace_offset
+    out = []
+    for s, _ in student.inp.offsets[student.trace_start:]:
+        j = int(np.searchsorted(t_starts, s - student.inp.trace_offset, side="right") - 1)
+        out.append(min(max(0, j), len(t_starts) - 1))
+    return np.array(out, dtype=np.int64)
+
+
 def random_positions(rows: Sequence[SupervisedRow], student: NoteData, seed: int) -> list[int]:
     """RandPos: each row moved to a trace position drawn with the seed (fixed per note)."""
     rng = np.random.default_rng(stable_seed(seed, student.note.note_id, "randpos"))

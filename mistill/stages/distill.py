@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from mistill.config import Config
 from mistill.distill.arms import resolve_arm
 from mistill.distill.note_data import NoteData, build_note_data
-from mistill.distill.objective import compute_note_targets, micro_step_loss, pair_rows
+from mistill.distill.objective import align_trace_rows, compute_note_targets, micro_step_loss, pair_rows
 from mistill.distill.pools import model_pools
 from mistill.distill.trainer import RecipeConfig, Trainer, prepare_student
 from mistill.errors import MistillInputError
@@ -178,7 +178,7 @@ def run_train(cfg: TrainStageConfig) -> str:
                                       narrow_instruction=prepared.narrow_instruction)
             pairing = pair_rows(student, teacher.realized.values(), targets, window=arm.window,
                                 teacher_trace_start=int(targets["trace_start"]))
-            t_pos = None if same else _align_trace(student, teacher)
+            t_pos = None if same else align_trace_rows(student, teacher)
             examples.append(_Example(student, targets, pairing, t_pos))
         model = prepare_student(lm.model, recipe)
 
@@ -197,19 +197,6 @@ def run_train(cfg: TrainStageConfig) -> str:
         _save_and_register(run, model, lm.tokenizer, cfg, arm.precision)
         print(f"train: {cfg.arm} seed {cfg.seed} ({arm.precision}) -> run {run.run_id}")
         return run.run_id
-
-
-def _align_trace(student: NoteData, teacher: NoteData) -> np.ndarray:
-    """For each student trace row (predicting student token j), the teacher row predicting the
-    teacher token that contains the same trace character (ULD across tokenizers)."""
-    t_off = teacher.inp.offsets
-    t_starts = np.array([s for s, _ in t_off[teacher.trace_start:]]) - teacher.inp.trace_offset
-    out = []
-    for s, _ in student.inp.offsets[student.trace_start:]:
-        ch = s - student.inp.trace_offset
-        j = int(np.searchsorted(t_starts, ch, side="right") - 1)
-        out.append(max(0, j))
-    return np.array(out, dtype=np.int64)
 
 
 def _save_and_register(run, model, tokenizer, cfg: TrainStageConfig, precision: str) -> None:

@@ -248,11 +248,14 @@ def summary(ids: dict[str, str]) -> str:
                           "selftest.intact.pearson", "selftest.detached.pearson"),
             "knockin": ("P1.k8.recovery.global", "P1.k8.recovery.random", "P2C.k8.recovery.global",
                         "P1.k8.necessity.global")}
+    keys["student_attribute"] = ("calib.P2C.discoveries_pos",)
+    keys["targets"] = ("n_notes", "median_rows")
     for step, run_id in ids.items():
         run = client.get_run(run_id)
         exp = client.get_experiment(run.info.experiment_id)
         m = run.data.metrics
-        shown = ", ".join(f"{k}={m[k]:.3g}" for k in keys.get(step, ()) if k in m)
+        wanted = keys.get(step, ("train/loss", "train/ce", "train/steps") if step.startswith("train_") else ())
+        shown = ", ".join(f"{k}={m[k]:.3g}" for k in wanted if k in m)
         lines.append(f"  {step:<10} {run_id}  {mlflow.get_tracking_uri()}/#/experiments/"
                      f"{exp.experiment_id}/runs/{run_id}  {shown}")
     return "\n".join(lines)

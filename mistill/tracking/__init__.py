@@ -10,7 +10,10 @@ import importlib
 from typing import Any
 
 from mistill.tracking.privacy import PRIVACY_LEVELS, PrivacyError, PrivacyGuard
-from mistill.tracking.server import TrackingServer, ensure_server
+
+# server names load lazily too: `python -m mistill.tracking.server` must not find the module
+# already imported by its package
+_SERVER_NAMES = {"TrackingServer", "ensure_server"}
 
 _RUNS_NAMES = {
     "StageRun", "find_run", "experiment_for_corpus", "code_version", "git_commit",
@@ -25,6 +28,8 @@ __all__ = ["PRIVACY_LEVELS", "PrivacyError", "PrivacyGuard", "TrackingServer", "
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SERVER_NAMES:
+        return getattr(importlib.import_module("mistill.tracking.server"), name)
     if name in _RUNS_NAMES:
         return getattr(importlib.import_module("mistill.tracking.runs"), name)
     raise AttributeError(f"module 'mistill.tracking' has no attribute {name!r}")
