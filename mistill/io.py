@@ -92,19 +92,15 @@ def read_json(path: str | os.PathLike) -> Any:
                                 line=exc.lineno) from None
 
 
-def read_jsonl(path: str | os.PathLike, *, required: Iterable[str] = (),
-               id_field: str | None = None) -> list[dict[str, Any]]:
-    """Read a JSONL file strictly.
+def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` for every non-blank line of a JSONL file, strictly.
 
-    Blank lines are skipped. A malformed line, a line that is not a JSON object, or an object
-    missing one of ``required`` raises :class:`MistillInputError` naming the file, the line, the
-    record's ``id_field`` value when present, and the field.
+    A missing file, a malformed line or a line that is not a JSON object raises
+    :class:`MistillInputError` naming the file and the line.
     """
     p = Path(path)
     if not p.exists():
         raise MistillInputError("file not found", file=str(p))
-    rows: list[dict[str, Any]] = []
-    required = tuple(required)
     with p.open(encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, start=1):
             if not line.strip():
@@ -117,12 +113,23 @@ def read_jsonl(path: str | os.PathLike, *, required: Iterable[str] = (),
             if not isinstance(row, dict):
                 raise MistillInputError(f"expected a JSON object, got {type(row).__name__}",
                                         file=str(p), line=lineno)
-            note = str(row.get(id_field)) if id_field and id_field in row else None
-            for key in required:
-                if key not in row:
-                    raise MistillInputError("missing field", file=str(p), line=lineno, note=note,
-                                            field=key)
-            rows.append(row)
+            yield lineno, row
+
+
+def read_jsonl(path: str | os.PathLike, *, required: Iterable[str] = (),
+               id_field: str | None = None) -> list[dict[str, Any]]:
+    """Read a JSONL file strictly (:func:`iter_jsonl`); an object missing one of ``required``
+    raises :class:`MistillInputError` naming the file, the line, the record's ``id_field`` value
+    when present, and the field."""
+    rows: list[dict[str, Any]] = []
+    required = tuple(required)
+    for lineno, row in iter_jsonl(path):
+        note = str(row.get(id_field)) if id_field and id_field in row else None
+        for key in required:
+            if key not in row:
+                raise MistillInputError("missing field", file=str(path), line=lineno, note=note,
+                                        field=key)
+        rows.append(row)
     return rows
 
 

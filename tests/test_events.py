@@ -320,18 +320,9 @@ def test_wrong_trace_offset_is_an_input_error(smol):
 
 @pytest.fixture(scope="module")
 def merging():
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tok_fixtures import merging_tokenizer
 
-    vocab = {"[UNK]": 0}
-    pieces = (list(string.ascii_letters + string.digits + string.punctuation)
-              + [" " + c for c in string.ascii_uppercase] + [" ", "\n", "18", "28", "65", "95"])
-    for p in pieces:
-        vocab.setdefault(p, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r" ?[A-Z]|18|28|65|95|[0-9]|\s|\S"),
-                                             behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    return merging_tokenizer()
 
 
 MERGE_CODES = ["N18.1", "N18.9", "N18.30", "N17.9", "N28.9", "E11.9", "E11.65", "I10", "J18.9"]

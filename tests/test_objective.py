@@ -104,21 +104,12 @@ def test_checkpointed_pooled_rows_match_plain(setup):
 
 
 def test_cross_tokenizer_student_trains_with_uld_and_drops_unrealizable_events(setup):
-    import string
-
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tok_fixtures import merging_tokenizer
 
     from mistill.distill.objective import align_trace_rows
 
     corpus, note, teacher, events, nd_t, pools_t, targets = setup
-    vocab = {"[UNK]": 0}
-    for p in (list(string.ascii_letters + string.digits + string.punctuation)
-              + [" " + c for c in string.ascii_uppercase] + [" ", "\n", "18", "28", "65", "95", "11"]):
-        vocab.setdefault(p, len(vocab))
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r" ?[A-Z]|18|28|65|95|11|[0-9]|\s|\S"), behavior="isolated")
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]")
+    tok = merging_tokenizer(("18", "28", "65", "95", "11"))
     tok.chat_template = teacher.tokenizer.chat_template  # same prompt layout, another vocabulary
     student = tiny_model("llama", layers=2, heads=4, kv_heads=2, d_head=16, d_model=64, seed=5, tokenizer=tok)
     nd_s = build_note_data(note, corpus.inventory, tok, events)

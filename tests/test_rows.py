@@ -40,19 +40,9 @@ def smol():
 
 @pytest.fixture(scope="module")
 def merging():
-    """Digit runs "18", "28", "65", "95" are single tokens (as in tests/test_events.py)."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tok_fixtures import merging_tokenizer
 
-    vocab = {"[UNK]": 0}
-    pieces = (list(string.ascii_letters + string.digits + string.punctuation)
-              + [" " + c for c in string.ascii_uppercase] + [" ", "\n", "18", "28", "65", "95"])
-    for p in pieces:
-        vocab.setdefault(p, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r" ?[A-Z]|18|28|65|95|[0-9]|\s|\S"),
-                                             behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    return merging_tokenizer()
 
 
 def realize(tokenizer, prompt: str, note_id: str, *, n_null: int = 0):

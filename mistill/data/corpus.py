@@ -22,7 +22,7 @@ import numpy as np
 
 from mistill.data.inventory import Inventory, icd10_block
 from mistill.errors import MistillInputError
-from mistill.io import write_jsonl
+from mistill.io import iter_jsonl, write_jsonl
 
 __all__ = [
     "Note",
@@ -260,25 +260,14 @@ class Corpus:
             raise MistillInputError("file not found", file=str(p))
         notes: list[Note] = []
         seen: dict[str, int] = {}
-        with p.open(encoding="utf-8") as fh:
-            for lineno, raw in enumerate(fh, start=1):
-                if not raw.strip():
-                    continue
-                try:
-                    row = json.loads(raw)
-                except json.JSONDecodeError as exc:
-                    raise MistillInputError(f"malformed JSON: {exc.msg} at column {exc.colno}",
-                                            file=str(p), line=lineno) from None
-                if not isinstance(row, dict):
-                    raise MistillInputError(f"expected a JSON object, got {type(row).__name__}",
-                                            file=str(p), line=lineno)
-                note = _check_note(row, inv, file=str(p), line=lineno)
-                if note.note_id in seen:
-                    raise MistillInputError(f"duplicate note id (first on line "
-                                            f"{seen[note.note_id]})", file=str(p), line=lineno,
-                                            note=note.note_id, field="note_id")
-                seen[note.note_id] = lineno
-                notes.append(note)
+        for lineno, row in iter_jsonl(p):
+            note = _check_note(row, inv, file=str(p), line=lineno)
+            if note.note_id in seen:
+                raise MistillInputError(f"duplicate note id (first on line "
+                                        f"{seen[note.note_id]})", file=str(p), line=lineno,
+                                        note=note.note_id, field="note_id")
+            seen[note.note_id] = lineno
+            notes.append(note)
         if not notes:
             raise MistillInputError("corpus file holds no notes", file=str(p))
         return cls(name=name if name is not None else p.stem, privacy=privacy, notes=notes,

@@ -1,0 +1,24 @@
+"""Tokenizers built in tests: a digit-run-merging one (a SmolLM3-like tokenizer in miniature)."""
+
+from __future__ import annotations
+
+import re
+import string
+
+
+def merging_tokenizer(merged=("18", "28", "65", "95")):
+    """Characters are single tokens, uppercase letters also with a leading space, and the digit
+    runs ``merged`` are single tokens: an event deciding one character inside them has no
+    position of its own."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0}
+    pieces = (list(string.ascii_letters + string.digits + string.punctuation)
+              + [" " + c for c in string.ascii_uppercase] + [" ", "\n", *merged])
+    for p in pieces:
+        vocab.setdefault(p, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    runs = "|".join(re.escape(m) for m in merged)
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(rf" ?[A-Z]|{runs}|[0-9]|\s|\S"), behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
