@@ -433,3 +433,37 @@ def test_bad_note_field_names_file_line_note_and_field(tracking_uri, tmp_path, m
         main("prepare", ["--n_notes", "three"])
     assert exc.value.code == 2
     assert "field 'n_notes'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------- distillation stages
+def test_distillation_steps_train_and_register(pipeline, monkeypatch):
+    """Student ranked on its validation note, teacher targets on the training notes, Vanilla CoT-KD
+    and Mistill trained one step each, checkpoints registered with an alias per arm and seed."""
+    from mistill.stages.workflow import distill_steps
+
+    monkeypatch.setenv("MISTILL_ROOT", str(pipeline["root"]))
+    cfg = pipeline["cfg"].replace(train_arms=("vanilla-bf16", "mistill"), student="tiny:qwen3:seed=2",
+                                  train_max_steps=1, train_grad_accum=1)
+    ids = distill_steps(cfg, pipeline["ids"], pipeline["corpus"], None)
+    client = MlflowClient()
+    assert set(ids) == {"student_events", "student_attribute", "targets", "train_vanilla-bf16", "train_mistill"}
+    for run_id in ids.values():
+        assert client.get_run(run_id).info.status == "FINISHED"
+    assert client.get_run(ids["targets"]).data.tags["mistill.input.teacher_attribute"] == pipeline["ids"]["attribute"]
+    mistill = client.get_run(ids["train_mistill"])
+    vanilla = client.get_run(ids["train_vanilla-bf16"])
+    assert mistill.data.tags["mistill.arm"] == "mistill" and mistill.data.tags["mistill.precision"] == "bf16"
+    assert mistill.data.tags["mistill.input.student_attribute"] == ids["student_attribute"]
+    assert mistill.data.metrics["train/steps"] == 1
+    assert "train/P2C/attention" in mistill.data.metrics or "train/P1/attention" in mistill.data.metrics
+    assert not any(k.endswith("/attention") for k in vanilla.data.metrics)
+    for run in (mistill, vanilla):
+        arts = artifact_paths(client, run.info.run_id)
+        assert {"arm.json", "event_coverage.csv", "model/config.json"} <= arts
+        name, alias = run.data.tags["mistill.registered_model"], run.data.tags["mistill.model_alias"]
+        version = client.get_model_version_by_alias(name, alias)
+        assert version.run_id == run.info.run_id
+    assert {mistill.data.tags["mistill.model_alias"], vanilla.data.tags["mistill.model_alias"]} == {
+        "mistill-s0", "vanilla-bf16-s0"}
+    # a second call reuses every step
+    assert distill_steps(cfg, pipeline["ids"], pipeline["corpus"], None) == ids

@@ -14,6 +14,7 @@ from mistill.distill.arms import resolve_arm
 from mistill.distill.note_data import NoteData, build_note_data
 from mistill.distill.objective import align_trace_rows, compute_note_targets, micro_step_loss, pair_rows
 from mistill.distill.pools import model_pools
+from mistill.distill.rows import coverage_table
 from mistill.distill.trainer import RecipeConfig, Trainer, prepare_student
 from mistill.errors import MistillInputError
 from mistill.instrument.events import Event
@@ -167,6 +168,7 @@ def run_train(cfg: TrainStageConfig) -> str:
         same = _same_vocab(teacher_tok, lm.tokenizer)
         kl_mode = "kl" if same else "uld"
         examples: list[_Example] = []
+        realized_t, realized_s = {}, {}
         for note in notes:
             events = _read_events(ev.reader, note.note_id)
             student = build_note_data(note, prepared.inventory, lm.tokenizer, events,
@@ -180,6 +182,10 @@ def run_train(cfg: TrainStageConfig) -> str:
                                 teacher_trace_start=int(targets["trace_start"]))
             t_pos = None if same else align_trace_rows(student, teacher)
             examples.append(_Example(student, targets, pairing, t_pos))
+            realized_t[note.note_id] = list(teacher.realized.values())
+            realized_s[note.note_id] = list(student.realized.values())
+        # Table 38's structure: teacher events and the share the student's tokenizer realizes
+        run.log_table("event_coverage", coverage_table(realized_t, realized_s))
         model = prepare_student(lm.model, recipe)
 
         def micro_step(m, idx):
