@@ -127,3 +127,26 @@ def test_cross_tokenizer_student_trains_with_uld_and_drops_unrealizable_events(s
     assert "uld" in parts and np.isfinite(parts["loss"]) and parts["P1/attention"] > 0
     loss.backward()
     assert student.geometry.embed.weight.grad.abs().sum() > 0
+
+
+def test_feature_kd_step_with_the_online_teacher(setup):
+    from mistill.distill.losses import make_adapter, uniform_layer_pairs
+    from mistill.distill.objective import FeatureKD, feature_kd_step
+
+    corpus, note, teacher, events, nd_t, pools_t, targets = setup
+    teacher = tiny_model("qwen3", layers=6, heads=4, kv_heads=2, d_head=16, d_model=64, seed=1)
+    student = tiny_model("qwen3", layers=4, heads=4, kv_heads=2, d_head=16, d_model=48, seed=6)
+    student.model.requires_grad_(True)
+    nd_s = build_note_data(note, corpus.inventory, student.tokenizer, events)
+    fkd = FeatureKD(teacher=teacher, pairs=uniform_layer_pairs(4, 6), adapter=make_adapter(48, 64, seed=0))
+    assert fkd.pairs[-1] == (3, 5)  # the last layers always pair
+    loss, parts = feature_kd_step(student.model, student, nd_s, nd_t, targets, fkd, resolve_arm("feature-kd"),
+                                  seed=0)
+    assert parts["feature_kd/attn"] > 0 and parts["feature_kd/hidden"] > 0
+    assert parts["loss"] == pytest.approx(parts["ce"] + parts["kl"] + parts["feature_kd/attn"]
+                                          + parts["feature_kd/hidden"], rel=1e-4)
+    loss.backward()
+    assert fkd.adapter.weight.grad.abs().sum() > 0
+    again, parts2 = feature_kd_step(student.model, student, nd_s, nd_t, targets, fkd, resolve_arm("feature-kd"),
+                                    seed=0)
+    assert parts2["feature_kd/attn"] == pytest.approx(parts["feature_kd/attn"])  # positions fixed by the seed

@@ -83,3 +83,30 @@ def test_resume_refuses_another_schedule(tmp_path):
 
     with pytest.raises(MistillInputError, match="another schedule"):
         other.load_state()
+
+
+def test_resume_restores_extra_parameters(tmp_path):
+    # Feature-KD's adapter lives outside the model: it must resume exactly too
+    def make(name):
+        lm = tiny_model("qwen3", layers=2, heads=4, kv_heads=2, d_head=8, d_model=32, seed=1)
+        recipe = RecipeConfig(seed=3, precision="fp32", epochs=2, lr=1e-3, grad_accum=2)
+        model = prepare_student(lm.model, recipe)
+        from mistill.distill.losses import make_adapter
+
+        adapter = make_adapter(32, 8, seed=0)  # initialised by the seed alone
+        data = _data()
+
+        def step(m, idx):
+            h = m.model(data[idx][None]).last_hidden_state[0]
+            loss = adapter(h).pow(2).mean()
+            return loss, {"l": float(loss.detach())}
+        return Trainer(model, 5, recipe, step, state_dir=tmp_path / name, extra_params=list(adapter.parameters())), adapter
+
+    full, a_full = make("full")
+    full.train(progress=False)
+    half, _ = make("half")
+    half.train(stop_after=2, progress=False)
+    resumed, a_res = make("half")
+    assert resumed.load_state()
+    resumed.train(progress=False)
+    assert torch.equal(a_full.weight, a_res.weight) and torch.equal(a_full.bias, a_res.bias)

@@ -253,3 +253,73 @@ def micro_step_loss(model: torch.nn.Module, lm: LoadedModel, student: NoteData, 
         logs.update({k: float(v) for k, v in parts.items()})
         logs["loss"] = float(total.detach())
         return total, logs
+
+
+# ------------------------------------------------------------------------------ Feature-KD
+
+@dataclass
+class FeatureKD:
+    """What the Feature-KD arm needs beyond the CoT targets: the online teacher, the layer pairs
+    and the adapter (App. J.3: four uniformly mapped layer pairs, 64 sampled trace positions,
+    head-averaged bucket-pooled attention KL + RMS-normalised hidden MSE through the adapter)."""
+
+    teacher: LoadedModel
+    pairs: list[tuple[int, int]]
+    adapter: torch.nn.Linear
+    n_positions: int = 64
+
+
+def _layer_pool(lm: LoadedModel, layer: int) -> Pool:
+    n = lm.geometry.n_heads
+    return Pool(heads=tuple(range(layer * n, (layer + 1) * n)), weights=(1.0 / n,) * n,
+                name=f"L{layer}:all", n_heads=n)
+
+
+def feature_kd_step(model: torch.nn.Module, lm: LoadedModel, student: NoteData, teacher_nd: NoteData,
+                    targets: Mapping[str, np.ndarray], fkd: FeatureKD, arm: ArmConfig, *, seed: int,
+                    kl_mode: str = "kl", logits_chunk: int = 1024, teacher_positions: np.ndarray | None = None):
+    """One note's Feature-KD loss: ``L_CoT + feature_kd_loss`` (weights 1 and 1).
+
+    Positions: 64 trace positions of the student drawn with (seed, note); each reads the teacher
+    at the aligned teacher trace position (the same position when the tokenizers agree).
+    """
+    from mistill.distill.losses import feature_kd_loss
+
+    g = lm.geometry
+    device = next(model.parameters()).device
+    ids = student.input_ids.to(device)
+    ts, n = student.trace_start, ids.numel()
+    gen = torch.Generator().manual_seed(stable_seed(seed, student.note.note_id, "feature-kd") % 2 ** 63)
+    k = min(fkd.n_positions, n - ts)
+    rel = torch.randperm(n - ts, generator=gen)[:k].sort().values
+    s_pos = (rel + ts).tolist()
+    t_rel = rel.numpy() if teacher_positions is None else teacher_positions[rel.numpy()]
+    t_pos = (np.asarray(t_rel) + teacher_nd.trace_start).tolist()
+    s_layers = sorted({s for s, _ in fkd.pairs})
+    t_layers = sorted({t for _, t in fkd.pairs})
+    with torch.no_grad(), LayerInputs(fkd.teacher.geometry, t_layers) as tk:
+        fkd.teacher.model.model(input_ids=teacher_nd.input_ids.to(device).unsqueeze(0), use_cache=False)
+        t_hidden = {l: tk[l][0] for l in t_layers}
+        t_maps = teacher_nd.base_map.to(device).unsqueeze(0).expand(len(t_pos), -1)
+        a_t = torch.stack([pooled_rows(t_hidden, _layer_pool(fkd.teacher, t), fkd.teacher, t_pos, t_maps,
+                                       teacher_nd.axis.n)[0] for _, t in fkd.pairs])
+        h_t = torch.stack([t_hidden[t][t_pos].float() for _, t in fkd.pairs])
+    with LayerInputs(g, s_layers) as kept:
+        out = model.model(input_ids=ids.unsqueeze(0), use_cache=False)
+        hidden_last = out.last_hidden_state[0]
+        top_ids = torch.as_tensor(targets["top_ids"], device=device)
+        top_logp = torch.as_tensor(targets["top_logp"], device=device)
+        if teacher_positions is not None:
+            top_ids, top_logp = top_ids[teacher_positions], top_logp[teacher_positions]
+        cot, parts = chunked_cot_loss(hidden_last[ts - 1:n - 1], g.lm_head, ids[ts:], top_ids, top_logp,
+                                      kl_weight=arm.kl_weight, chunk=logits_chunk, mode=kl_mode)
+        s_hidden = {l: kept[l][0] for l in s_layers}
+        s_maps = student.base_map.to(device).unsqueeze(0).expand(len(s_pos), -1)
+        a_s = torch.stack([pooled_rows(s_hidden, _layer_pool(lm, s), lm, s_pos, s_maps, student.axis.n)[0]
+                           for s, _ in fkd.pairs])
+        h_s = torch.stack([s_hidden[s][s_pos].float() for s, _ in fkd.pairs])
+        fk, fparts = feature_kd_loss(a_t, a_s, h_t, h_s, fkd.adapter)
+    total = cot + fk
+    logs = {k: float(v) for k, v in parts.items()} | {f"feature_kd/{k}": float(v) for k, v in fparts.items()}
+    logs["loss"] = float(total.detach())
+    return total, logs

@@ -144,7 +144,8 @@ class Trainer:
         self.state_dir = Path(state_dir) if state_dir else None
         self.log = log or (lambda metrics, step: None)
         self.device = next(model.parameters()).device
-        params = [p for p in model.parameters() if p.requires_grad] + list(extra_params)
+        self.extra_params = list(extra_params)  # e.g. Feature-KD's adapter: saved and restored too
+        params = [p for p in model.parameters() if p.requires_grad] + self.extra_params
         self.optimizer = torch.optim.AdamW(params, lr=recipe.lr, betas=(recipe.beta1, recipe.beta2),
                                            weight_decay=recipe.weight_decay)
         self.total = total_steps(self.n, recipe)
@@ -164,7 +165,8 @@ class Trainer:
         if self.state_path is None:
             return
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        state = {"model": self.model.state_dict(), "extra": [p.detach().clone() for p in self.extra_params],
+                 "optimizer": self.optimizer.state_dict(),
                  "scheduler": self.scheduler.state_dict(), "step": self.step, "epoch": self.epoch,
                  "cursor": self.cursor, "rng": _rng_state(), "total": self.total}
         with atomic_open(self.state_path, "wb") as fh:
@@ -179,6 +181,9 @@ class Trainer:
             raise MistillInputError("saved trainer state belongs to another schedule", file=str(self.state_path),
                                     field="total_steps")
         self.model.load_state_dict(state["model"])
+        with torch.no_grad():
+            for p, saved in zip(self.extra_params, state.get("extra", [])):
+                p.copy_(saved)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.epoch, self.cursor = state["step"], state["epoch"], state["cursor"]

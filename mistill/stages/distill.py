@@ -12,7 +12,9 @@ from tqdm.auto import tqdm
 from mistill.config import Config
 from mistill.distill.arms import resolve_arm
 from mistill.distill.note_data import NoteData, build_note_data
-from mistill.distill.objective import align_trace_rows, compute_note_targets, micro_step_loss, pair_rows
+from mistill.distill.losses import make_adapter, uniform_layer_pairs
+from mistill.distill.objective import (FeatureKD, align_trace_rows, compute_note_targets, feature_kd_step,
+                                      micro_step_loss, pair_rows)
 from mistill.distill.pools import model_pools
 from mistill.distill.rows import coverage_table
 from mistill.distill.trainer import RecipeConfig, Trainer, prepare_student
@@ -118,6 +120,7 @@ class _Example:
     targets: dict
     pairing: object
     teacher_positions: np.ndarray | None
+    teacher: NoteData
 
 
 def _same_vocab(a, b) -> bool:
@@ -135,11 +138,10 @@ def run_train(cfg: TrainStageConfig) -> str:
     ev = _events_input(att.config["events_run"])
     prepared = ev.prepared
     notes = [n for n in ev.notes if not tcfg.get("split") or n.split == tcfg["split"]]
-    if arm.objective in ("feature_kd", "distillm2"):
-        raise MistillInputError(f"the {arm.objective} objective needs the online teacher"
-                                + (" and the student's own generations (the generate stage)"
-                                   if arm.objective == "distillm2" else "")
-                                + "; not available in this version of the train stage", field="arm")
+    if arm.objective == "distillm2":
+        raise MistillInputError("the distillm2 objective needs the untrained student's own generations "
+                                "(the generate stage, not in this version); its loss is "
+                                "mistill.distill.losses.distillm2_loss", field="arm")
     if arm.objective == "mistill" and not cfg.student_attribute_run:
         raise MistillInputError("Mistill arms need the student's calibrated ranking (student_attribute_run)",
                                 field="student_attribute_run")
@@ -181,21 +183,35 @@ def run_train(cfg: TrainStageConfig) -> str:
             pairing = pair_rows(student, teacher.realized.values(), targets, window=arm.window,
                                 teacher_trace_start=int(targets["trace_start"]))
             t_pos = None if same else align_trace_rows(student, teacher)
-            examples.append(_Example(student, targets, pairing, t_pos))
+            examples.append(_Example(student, targets, pairing, t_pos, teacher))
             realized_t[note.note_id] = list(teacher.realized.values())
             realized_s[note.note_id] = list(student.realized.values())
         # Table 38's structure: teacher events and the share the student's tokenizer realizes
         run.log_table("event_coverage", coverage_table(realized_t, realized_s))
         model = prepare_student(lm.model, recipe)
+        fkd = None
+        if arm.objective == "feature_kd":  # the online teacher, four layer pairs, the seeded adapter
+            teacher_lm = load_model(ev.model, dtype=tcfg.get("dtype", "float32"), device=cfg.device)
+            teacher_lm.model.requires_grad_(False)
+            adapter = make_adapter(lm.geometry.d_model, teacher_lm.geometry.d_model, cfg.seed,
+                                   device=cfg.device)
+            fkd = FeatureKD(teacher=teacher_lm, adapter=adapter,
+                            pairs=uniform_layer_pairs(lm.geometry.n_layers, teacher_lm.geometry.n_layers))
+            run.log_json("feature_kd.json", {"layer_pairs": fkd.pairs, "positions": fkd.n_positions})
 
         def micro_step(m, idx):
             ex = examples[idx]
+            if fkd is not None:
+                return feature_kd_step(m, lm, ex.student, ex.teacher, ex.targets, fkd, arm, seed=cfg.seed,
+                                       kl_mode=kl_mode, logits_chunk=cfg.logits_chunk,
+                                       teacher_positions=ex.teacher_positions)
             return micro_step_loss(m, lm, ex.student, ex.targets, ex.pairing, pools, arm, kl_mode=kl_mode,
                                    logits_chunk=cfg.logits_chunk, teacher_positions=ex.teacher_positions)
 
         trainer = Trainer(model, len(examples), recipe, micro_step, state_dir=run.work_dir / "trainer",
                           log=lambda metrics, step: run.log_metrics({f"train/{k}": v for k, v in metrics.items()},
-                                                                    step=step))
+                                                                    step=step),
+                          extra_params=list(fkd.adapter.parameters()) if fkd else ())
         if run.resumed and trainer.load_state():
             print(f"train: resumed at step {trainer.step}")
         trainer.train()
