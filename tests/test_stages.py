@@ -450,6 +450,10 @@ def test_distillation_steps_train_and_register(pipeline, monkeypatch):
     for run_id in ids.values():
         assert client.get_run(run_id).info.status == "FINISHED"
     assert client.get_run(ids["targets"]).data.tags["mistill.input.teacher_attribute"] == pipeline["ids"]["attribute"]
+    # lineage as MLflow dataset inputs too: the corpus index (ids and codes) each stage read
+    for run_id in ids.values():
+        inputs = client.get_run(run_id).inputs.dataset_inputs
+        assert [d.dataset.name for d in inputs] == [f"{pipeline['corpus']}-index"]
     mistill = client.get_run(ids["train_mistill"])
     vanilla = client.get_run(ids["train_vanilla-bf16"])
     assert mistill.data.tags["mistill.arm"] == "mistill" and mistill.data.tags["mistill.precision"] == "bf16"

@@ -31,8 +31,8 @@ from mistill.instrument.passes import (AttributionConfig, CleanEvents, EventQuer
 from mistill.instrument.patching import Query
 from mistill.instrument.runner import Runner
 from mistill.models.loading import EMBEDDED_DEFAULT, load_model
-from mistill.stages.common import (Prepared, RunReader, load_prepared, mistill_root, model_positions,
-                                   note_input, privacy_guard)
+from mistill.stages.common import (Prepared, RunReader, load_prepared, log_corpus_input, mistill_root,
+                                   model_positions, note_input, privacy_guard)
 
 NOTES = "notes"
 
@@ -83,6 +83,7 @@ def run_events(cfg: EventsConfig) -> str:
         if run.reused:
             print(f"events: reusing finished run {run.run_id}")
             return run.run_id
+        log_corpus_input(run, prepared)
         lm = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
         runner = Runner(lm, chunk_size=cfg.chunk_size)
         codes = list(prepared.inventory.codes)
@@ -270,6 +271,7 @@ def run_attribute(cfg: AttributeConfig) -> str:
         if run.reused:
             print(f"attribute: reusing finished run {run.run_id}")
             return run.run_id
+        log_corpus_input(run, prepared)
         lm = load_model(ev.model, dtype=cfg.dtype, device=cfg.device)
         runner, hook = Runner(lm, chunk_size=cfg.chunk_size), HeadHook(lm.geometry)
         acfg = _attribution_config(cfg)
@@ -419,6 +421,7 @@ def run_knockin(cfg: KnockinStageConfig) -> str:
         if run.reused:
             print(f"knockin: reusing finished run {run.run_id}")
             return run.run_id
+        log_corpus_input(run, prepared)
         lm = load_model(ev.model, dtype=att_reader.config.get("dtype", cfg.dtype), device=cfg.device)
         runner, hook = Runner(lm, chunk_size=cfg.chunk_size), HeadHook(lm.geometry)
         names = lm.geometry.head_names()

@@ -87,6 +87,21 @@ def load_prepared(run_id: str) -> Prepared:
                     narrow_instruction=bool(meta.get("narrow_instruction", True)))
 
 
+def corpus_index(corpus: Corpus):
+    """One row per note: ids, split and gold codes (no text): safe to log for any corpus."""
+    import pandas as pd
+
+    return pd.DataFrame([{"note_id": n.note_id, "patient_id": n.patient_id, "split": n.split,
+                          "n_gold": len(n.gold_codes), "gold_codes": " ".join(n.gold_codes),
+                          "has_trace": bool(n.teacher_trace)} for n in corpus.notes])
+
+
+def log_corpus_input(run, prepared: Prepared) -> None:
+    """Lineage: the corpus a stage read, as an MLflow dataset input (ids and codes, no text)."""
+    corpus = prepared.corpus
+    run.log_dataset(corpus_index(corpus), name=f"{corpus.name}-index", digest=corpus.digest, context="input")
+
+
 def privacy_guard(corpus: Corpus, extra_texts: Sequence[str] = ()):
     """The corpus's guard: note and trace texts are protected unless synthetic/public.
 

@@ -22,7 +22,7 @@ from mistill.errors import MistillInputError
 from mistill.instrument.events import Event
 from mistill.models.loading import load_model, load_tokenizer
 from mistill.stages.characterize import NOTES, _events_input
-from mistill.stages.common import RunReader, mistill_root, privacy_guard
+from mistill.stages.common import RunReader, log_corpus_input, mistill_root, privacy_guard
 
 EMBEDDED_STUDENT = "embedded:smollm2-135m@every-other"
 
@@ -68,6 +68,7 @@ def run_targets(cfg: TargetsConfig) -> str:
         if run.reused:
             print(f"targets: reusing finished run {run.run_id}")
             return run.run_id
+        log_corpus_input(run, prepared)
         lm = load_model(ev.model, dtype=cfg.dtype, device=cfg.device)
         head_sets = json.loads(att.file("head_sets.json").read_text())
         window_sets = (json.loads(RunReader(cfg.window_attribute_run).file("head_sets.json").read_text())
@@ -155,6 +156,7 @@ def run_train(cfg: TrainStageConfig) -> str:
         if run.reused:
             print(f"train: reusing finished run {run.run_id}")
             return run.run_id
+        log_corpus_input(run, prepared)
         run.log_json("arm.json", arm.to_dict())
         recipe = RecipeConfig(seed=cfg.seed, precision=arm.precision, epochs=cfg.epochs, lr=cfg.lr,
                               warmup_frac=cfg.warmup_frac, grad_accum=cfg.grad_accum, clip=cfg.clip,

@@ -13,7 +13,7 @@ from mistill.data.inventory import Inventory
 from mistill.data.synthetic import make_synthetic_corpus
 from mistill.errors import MistillInputError
 from mistill.models.loading import EMBEDDED_DEFAULT
-from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE, TAG_DATA_DIR,
+from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE, TAG_DATA_DIR, corpus_index,
                                    mistill_root, note_input, privacy_guard, save_prepared)
 
 
@@ -70,13 +70,6 @@ def build_corpus(cfg: PrepareConfig) -> Corpus:
         chosen = select_stratified(pool, cfg.select_n, corpus.inventory, cfg.seed)
         corpus = corpus.subset([n.note_id for n in chosen])
     return corpus
-
-
-def corpus_index(corpus: Corpus) -> pd.DataFrame:
-    """One row per note: ids, split and gold codes (no text): safe to log for any corpus."""
-    return pd.DataFrame([{"note_id": n.note_id, "patient_id": n.patient_id, "split": n.split,
-                          "n_gold": len(n.gold_codes), "gold_codes": " ".join(n.gold_codes),
-                          "has_trace": bool(n.teacher_trace)} for n in corpus.notes])
 
 
 def run_prepare(cfg: PrepareConfig) -> str:
