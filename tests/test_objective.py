@@ -150,3 +150,22 @@ def test_feature_kd_step_with_the_online_teacher(setup):
     again, parts2 = feature_kd_step(student.model, student, nd_s, nd_t, targets, fkd, resolve_arm("feature-kd"),
                                     seed=0)
     assert parts2["feature_kd/attn"] == pytest.approx(parts["feature_kd/attn"])  # positions fixed by the seed
+
+
+def test_distillm2_step_prefers_the_teacher_trace(setup):
+    from mistill.distill.objective import distillm2_step
+    from mistill.evaluation.generation import DecodingConfig, generate_hf
+
+    corpus, note, teacher, events, nd_t, pools_t, targets = setup
+    student = tiny_model("qwen3", layers=2, heads=4, kv_heads=2, d_head=16, d_model=64, seed=9)
+    nd_s = build_note_data(note, corpus.inventory, student.tokenizer, events)
+    own = generate_hf(student, nd_s.inp.prompt.text, DecodingConfig(max_new_tokens=16), seed=1)
+    student.model.requires_grad_(True)
+    loss, parts = distillm2_step(student.model, student, teacher, nd_s, own.token_ids)
+    assert parts["distillm2/skl"] > 0 and parts["distillm2/srkl"] > 0
+    assert parts["distillm2/n_dispref"] == 16
+    loss.backward()
+    assert student.geometry.lm_head.weight.grad.abs().sum() > 0
+    # the teacher against itself: both divergences vanish
+    same, p2 = distillm2_step(teacher.model, teacher, teacher, nd_t, own.token_ids)
+    assert p2["distillm2/skl"] < 1e-6 and p2["distillm2/srkl"] < 1e-6

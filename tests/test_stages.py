@@ -471,3 +471,21 @@ def test_distillation_steps_train_and_register(pipeline, monkeypatch):
         "mistill-s0", "vanilla-bf16-s0"}
     # a second call reuses every step
     assert distill_steps(cfg, pipeline["ids"], pipeline["corpus"], None) == ids
+
+
+def test_distillm2_arm_trains_with_the_students_own_generations(pipeline, monkeypatch):
+    from mistill.stages.distill import TrainStageConfig, run_train
+    from mistill.stages.workflow import distill_steps
+
+    monkeypatch.setenv("MISTILL_ROOT", str(pipeline["root"]))
+    cfg = pipeline["cfg"].replace(train_arms=(), student="tiny:qwen3:seed=2")
+    ids = distill_steps(cfg, pipeline["ids"], pipeline["corpus"], None)
+    run_id = run_train(TrainStageConfig(targets_run=ids["targets"], student="tiny:qwen3:seed=2", arm="distillm2",
+                                        max_steps=1, grad_accum=1, dispreferred_max_new_tokens=8))
+    run = MlflowClient().get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["mistill.precision"] == "fp32"
+    assert run.data.metrics["train/distillm2/srkl"] > 0
+    # the dispreferred generations stay in the local work dir (model text is never logged)
+    local = pipeline["root"] / "work" / run_id / "dispreferred"
+    assert len(list(local.glob("*.json"))) >= 1
+    assert not any(p.startswith("dispreferred") for p in artifact_paths(MlflowClient(), run_id))

@@ -323,3 +323,33 @@ def feature_kd_step(model: torch.nn.Module, lm: LoadedModel, student: NoteData, 
     logs = {k: float(v) for k, v in parts.items()} | {f"feature_kd/{k}": float(v) for k, v in fparts.items()}
     logs["loss"] = float(total.detach())
     return total, logs
+
+
+# ------------------------------------------------------------------------------ DistiLLM-2
+
+def distillm2_step(model: torch.nn.Module, lm: LoadedModel, teacher: LoadedModel, student: NoteData,
+                   dispreferred_ids: Sequence[int], *, chunk: int = 1024):
+    """One note's DistiLLM-2 loss: the teacher trace preferred, the untrained student's own
+    generation for the same prompt dispreferred, the teacher online (shared vocabulary).
+
+    Both sequences are the note's prompt followed by the response; logits are read at the rows
+    predicting response tokens.
+    """
+    from mistill.distill.losses import distillm2_loss
+
+    device = next(model.parameters()).device
+    ts = student.trace_start
+    prompt = student.input_ids[:ts]
+    pref = student.input_ids.to(device)
+    dispref = torch.cat([prompt, torch.as_tensor(list(dispreferred_ids), dtype=torch.long)]).to(device)
+
+    def logits(m, ids):
+        return m(input_ids=ids.unsqueeze(0), use_cache=False).logits[0, ts - 1:ids.numel() - 1]
+
+    with torch.no_grad():
+        t_pref, t_dis = logits(teacher.model, pref).float(), logits(teacher.model, dispref).float()
+    s_pref, s_dis = logits(model, pref), logits(model, dispref)
+    loss, parts = distillm2_loss(s_pref, t_pref, pref[ts:], s_dis, t_dis, dispref[ts:], chunk=chunk)
+    logs = {f"distillm2/{k}": float(v) for k, v in parts.items()}
+    logs["loss"] = float(loss.detach())
+    return loss, logs

@@ -13,8 +13,8 @@ from mistill.config import Config
 from mistill.distill.arms import resolve_arm
 from mistill.distill.note_data import NoteData, build_note_data
 from mistill.distill.losses import make_adapter, uniform_layer_pairs
-from mistill.distill.objective import (FeatureKD, align_trace_rows, compute_note_targets, feature_kd_step,
-                                      micro_step_loss, pair_rows)
+from mistill.distill.objective import (FeatureKD, align_trace_rows, compute_note_targets, distillm2_step,
+                                      feature_kd_step, micro_step_loss, pair_rows)
 from mistill.distill.pools import model_pools
 from mistill.distill.rows import coverage_table
 from mistill.distill.trainer import RecipeConfig, Trainer, prepare_student
@@ -111,6 +111,7 @@ class TrainStageConfig(Config):
     max_steps: int = 0
     gradient_checkpointing: bool = True
     logits_chunk: int = 1024
+    dispreferred_max_new_tokens: int = 16384
     device: str = "cpu"
     register: bool = True
 
@@ -139,10 +140,6 @@ def run_train(cfg: TrainStageConfig) -> str:
     ev = _events_input(att.config["events_run"])
     prepared = ev.prepared
     notes = [n for n in ev.notes if not tcfg.get("split") or n.split == tcfg["split"]]
-    if arm.objective == "distillm2":
-        raise MistillInputError("the distillm2 objective needs the untrained student's own generations "
-                                "(the generate stage, not in this version); its loss is "
-                                "mistill.distill.losses.distillm2_loss", field="arm")
     if arm.objective == "mistill" and not cfg.student_attribute_run:
         raise MistillInputError("Mistill arms need the student's calibrated ranking (student_attribute_run)",
                                 field="student_attribute_run")
@@ -190,11 +187,19 @@ def run_train(cfg: TrainStageConfig) -> str:
             realized_s[note.note_id] = list(student.realized.values())
         # Table 38's structure: teacher events and the share the student's tokenizer realizes
         run.log_table("event_coverage", coverage_table(realized_t, realized_s))
-        model = prepare_student(lm.model, recipe)
         fkd = None
-        if arm.objective == "feature_kd":  # the online teacher, four layer pairs, the seeded adapter
+        teacher_lm = None
+        if arm.objective in ("feature_kd", "distillm2"):  # these arms need the teacher online
             teacher_lm = load_model(ev.model, dtype=tcfg.get("dtype", "float32"), device=cfg.device)
             teacher_lm.model.requires_grad_(False)
+        dispreferred: dict[int, list[int]] = {}
+        if arm.objective == "distillm2":
+            if not same:
+                raise MistillInputError("DistiLLM-2 needs the teacher's vocabulary (no cross-tokenizer path)",
+                                        field="student")
+            dispreferred = _dispreferred(run, lm, examples, cfg)  # the untrained student, before any step
+        model = prepare_student(lm.model, recipe)
+        if arm.objective == "feature_kd":  # four layer pairs, the seeded adapter
             adapter = make_adapter(lm.geometry.d_model, teacher_lm.geometry.d_model, cfg.seed,
                                    device=cfg.device)
             fkd = FeatureKD(teacher=teacher_lm, adapter=adapter,
@@ -203,6 +208,8 @@ def run_train(cfg: TrainStageConfig) -> str:
 
         def micro_step(m, idx):
             ex = examples[idx]
+            if arm.objective == "distillm2":
+                return distillm2_step(m, lm, teacher_lm, ex.student, dispreferred[idx], chunk=cfg.logits_chunk)
             if fkd is not None:
                 return feature_kd_step(m, lm, ex.student, ex.teacher, ex.targets, fkd, arm, seed=cfg.seed,
                                        kl_mode=kl_mode, logits_chunk=cfg.logits_chunk,
@@ -221,6 +228,27 @@ def run_train(cfg: TrainStageConfig) -> str:
         _save_and_register(run, model, lm.tokenizer, cfg, arm.precision)
         print(f"train: {cfg.arm} seed {cfg.seed} ({arm.precision}) -> run {run.run_id}")
         return run.run_id
+
+
+def _dispreferred(run, lm, examples: list, cfg: TrainStageConfig) -> dict[int, list[int]]:
+    """The untrained student's own generation for each training prompt (DistiLLM-2's dispreferred
+    responses), sampled before any update with the paper's decoding and a seed per note. Kept in
+    the run's local work dir (it is model text: never logged), so a resumed run reuses them."""
+    from mistill.evaluation.generation import DecodingConfig, generate_hf, note_seed
+    from mistill.io import read_json, write_json
+
+    decoding = DecodingConfig(max_new_tokens=cfg.dispreferred_max_new_tokens, seed=cfg.seed)
+    out = {}
+    for i, ex in enumerate(tqdm(examples, desc="student generations")):
+        path = run.work_dir / "dispreferred" / f"{ex.student.note.note_id}.json"
+        if path.exists():
+            out[i] = read_json(path)["token_ids"]
+            continue
+        gen = generate_hf(lm, ex.student.inp.prompt.text, decoding, note_seed(decoding, ex.student.note.note_id))
+        write_json(path, {"token_ids": gen.token_ids, "capped": gen.capped, "seed": gen.seed,
+                          "decoding": gen.decoding})
+        out[i] = gen.token_ids
+    return out
 
 
 def _save_and_register(run, model, tokenizer, cfg: TrainStageConfig, precision: str) -> None:

@@ -1,0 +1,69 @@
+"""Generation with the paper's decoding (App. J.5): thinking mode, temperature 0.6, top-p 0.95,
+top-k 20, a sampling seed per note, a 16,384-token cap. HF ``generate`` backend.
+
+Every output records its decoding settings and seed. A generation that reaches the cap is
+flagged ``capped`` (invalid for scoring; see :mod:`mistill.evaluation.parsing`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mistill.config import Config
+from mistill.instrument.passes import stable_seed
+from mistill.models.loading import LoadedModel
+
+
+@dataclass(frozen=True)
+class DecodingConfig(Config):
+    """The paper's decoding; greedy decoding is not used (it loops in thinking mode)."""
+
+    temperature: float = 0.6
+    top_p: float = 0.95
+    top_k: int = 20
+    max_new_tokens: int = 16384
+    seed: int = 0
+
+
+@dataclass
+class Generation:
+    """One sampled completion: its text, token ids, length, whether it hit the cap, its seed."""
+
+    text: str
+    token_ids: list[int]
+    n_tokens: int
+    capped: bool
+    seed: int
+    decoding: dict
+
+
+def note_seed(decoding: DecodingConfig, note_id: str) -> int:
+    """The sampling seed of one note (independent of any training seed)."""
+    return stable_seed(decoding.seed, note_id, "sampling") % (2 ** 31)
+
+
+@torch.no_grad()
+def generate_hf(lm: LoadedModel, prompt_text: str, decoding: DecodingConfig, seed: int) -> Generation:
+    """Sample one completion of ``prompt_text`` (already chat-templated) with HF ``generate``."""
+    tok = lm.tokenizer
+    device = next(lm.model.parameters()).device
+    ids = torch.tensor([tok(prompt_text, add_special_tokens=False)["input_ids"]], device=device)
+    eos = tok.eos_token_id
+    was_training = lm.model.training
+    lm.model.eval()
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                temperature=decoding.temperature, top_p=decoding.top_p, top_k=decoding.top_k,
+                                max_new_tokens=decoding.max_new_tokens,
+                                pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else eos)
+    lm.model.train(was_training)
+    new = out[0, ids.shape[1]:].tolist()
+    if eos is not None and eos in new:
+        new = new[:new.index(eos) + 1]
+    capped = len(new) >= decoding.max_new_tokens and (eos is None or new[-1] != eos)
+    return Generation(text=tok.decode(new, skip_special_tokens=True), token_ids=new, n_tokens=len(new),
+                      capped=capped, seed=seed, decoding=decoding.to_dict())
