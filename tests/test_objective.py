@@ -169,3 +169,39 @@ def test_distillm2_step_prefers_the_teacher_trace(setup):
     # the teacher against itself: both divergences vanish
     same, p2 = distillm2_step(teacher.model, teacher, teacher, nd_t, own.token_ids)
     assert p2["distillm2/skl"] < 1e-6 and p2["distillm2/srkl"] < 1e-6
+
+
+def test_row_sets_together_equal_one_set_at_a_time(setup):
+    from mistill.distill.attention_rows import LayerInputs
+    from mistill.distill.objective import RowSet, pooled_row_sets, pooled_rows
+
+    corpus, note, teacher, events, nd_t, pools_t, targets = setup
+    student = tiny_model("qwen3", layers=3, heads=4, kv_heads=2, d_head=16, d_model=64, seed=4)
+    student.model.requires_grad_(True)
+    nd = build_note_data(note, corpus.inventory, student.tokenizer, events)
+    pools = model_pools(_head_sets(student, 5), student.geometry.head_names(), k=5)
+    sets = []
+    for phase in ("P1", "P2", "P2C"):
+        ids = [e for e, r in nd.realized.items() if r.event.kind == phase][:4]
+        sets.append(RowSet(pools[phase], [nd.realized[e].position for e in ids],
+                           torch.stack([nd.row_map(e) for e in ids]), with_outputs=phase != "P1"))
+    layers = sorted({l for s in sets for l in s.pool.layers})
+    results, grads = [], []
+    for together in (True, False):
+        student.model.zero_grad()
+        with LayerInputs(student.geometry, layers) as kept:
+            student.model.model(input_ids=nd.input_ids[None])
+            hidden = {l: kept[l][0] for l in layers}
+            got = (pooled_row_sets(hidden, sets, student, nd.axis.n) if together else
+                   [pooled_rows(hidden, s.pool, student, s.positions, s.maps, nd.axis.n, with_outputs=s.with_outputs)
+                    for s in sets])
+            total = sum(a.pow(2).sum() + sum(z.sum() for z in outs[0].values()) for a, outs in got)
+            total.backward()
+        results.append([(a.detach(), {l: z.detach() for l, z in outs[0].items()}) for a, outs in got])
+        grads.append(student.geometry.layers[layers[0]].k_proj.weight.grad.clone())
+    for (a1, z1), (a2, z2) in zip(*results):
+        torch.testing.assert_close(a1, a2)
+        assert z1.keys() == z2.keys()
+        for l in z1:
+            torch.testing.assert_close(z1[l], z2[l])
+    torch.testing.assert_close(grads[0], grads[1])
