@@ -192,7 +192,7 @@ def test_row_sets_together_equal_one_set_at_a_time(setup):
         with LayerInputs(student.geometry, layers) as kept:
             student.model.model(input_ids=nd.input_ids[None])
             hidden = {l: kept[l][0] for l in layers}
-            got = (pooled_row_sets(hidden, sets, student, nd.axis.n) if together else
+            got = (pooled_row_sets(hidden, sets, student, nd.axis.n, row_chunk=3) if together else
                    [pooled_rows(hidden, s.pool, student, s.positions, s.maps, nd.axis.n, with_outputs=s.with_outputs)
                     for s in sets])
             total = sum(a.pow(2).sum() + sum(z.sum() for z in outs[0].values()) for a, outs in got)

@@ -170,7 +170,8 @@ class RowSet:
 
 
 def pooled_row_sets(hidden: Mapping[int, torch.Tensor], sets: Sequence[RowSet], lm: LoadedModel, n_buckets: int,
-                    *, checkpointed: bool = True) -> list[tuple[torch.Tensor, tuple[dict, dict, dict]]]:
+                    *, checkpointed: bool = True, row_chunk: int = 256
+                    ) -> list[tuple[torch.Tensor, tuple[dict, dict, dict]]]:
     """:func:`pooled_rows` for several row sets at once: per layer, one block projects the keys of
     every head any set pools there and recomputes all the sets' rows together, then pools and buckets
     each set with its own weights. Same values as one :func:`pooled_rows` call per set, with a
@@ -201,13 +202,25 @@ def pooled_row_sets(hidden: Mapping[int, torch.Tensor], sets: Sequence[RowSet], 
             keys = layer_keys(parts, g, hidden_l, union_t, torch.arange(hidden_l.shape[0], device=hidden_l.device))
             if any(sets[i].with_outputs for i, _, _ in plan):
                 keys.values  # noqa: B018 - projected inside the block, so its recompute matches
-            probs = keys.rows(rows)  # [all rows, union heads, pos]
+            pooled_parts = [[] for _ in plan]
+            z_parts = [[] for _ in plan]
+            # rows in chunks: the [row, head, pos] probabilities of one chunk at a time
+            for c0 in range(0, rows.numel(), row_chunk):
+                c1 = min(rows.numel(), c0 + row_chunk)
+                probs = keys.rows(rows[c0:c1])  # [chunk rows, union heads, pos]
+                for k, (i, idx, w) in enumerate(plan):
+                    lo, hi = max(bounds[k], c0), min(bounds[k + 1], c1)
+                    if lo >= hi:
+                        continue
+                    p = probs[lo - c0:hi - c0]
+                    maps = sets[i].maps[lo - bounds[k]:hi - bounds[k]]
+                    pooled_parts[k].append(bucketize((p * w.view(1, -1, 1)).sum(1), maps, n_buckets))
+                    if sets[i].with_outputs:
+                        z_parts[k].append(keys.outputs(p.index_select(1, idx), union_t.index_select(0, idx)))
             res = []
-            for (i, idx, w), lo, hi in zip(plan, bounds[:-1], bounds[1:]):
-                p = probs[lo:hi]
-                res.append(bucketize((p * w.view(1, -1, 1)).sum(1), sets[i].maps, n_buckets))
-                res.append(keys.outputs(p.index_select(1, idx), union_t.index_select(0, idx))
-                           if sets[i].with_outputs else p.new_zeros(0))
+            for k, (i, _, _) in enumerate(plan):
+                res.append(torch.cat(pooled_parts[k]))
+                res.append(torch.cat(z_parts[k]) if sets[i].with_outputs else hidden_l.new_zeros(0))
             return tuple(res)
 
         if checkpointed and torch.is_grad_enabled():
