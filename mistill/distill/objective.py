@@ -170,7 +170,7 @@ class RowSet:
 
 
 def pooled_row_sets(hidden: Mapping[int, torch.Tensor], sets: Sequence[RowSet], lm: LoadedModel, n_buckets: int,
-                    *, checkpointed: bool = True, row_chunk: int = 256
+                    *, checkpointed: bool = True, row_chunk: int = 1024
                     ) -> list[tuple[torch.Tensor, tuple[dict, dict, dict]]]:
     """:func:`pooled_rows` for several row sets at once: per layer, one block projects the keys of
     every head any set pools there and recomputes all the sets' rows together, then pools and buckets
