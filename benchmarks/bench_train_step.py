@@ -86,6 +86,8 @@ def main() -> None:
     ap.add_argument("--extra-lines", type=int, default=950)
     ap.add_argument("--out", default="bench_train_step.json")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: check the script runs")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="peak memory of Mistill variants (terms, phases, row chunk) instead of the fp32 step")
     args = ap.parse_args()
     tok = PreTrainedTokenizerFast.from_pretrained(args.tokenizer)
     corpus, note = long_note(tok, args.extra_lines)
@@ -141,6 +143,32 @@ def main() -> None:
         res[f"{name}_peak_gib"] = peak
     res["mistill_over_vanilla"] = res["mistill_step_s"] / res["vanilla_step_s"]
     res["vanilla_over_floor"] = res["vanilla_step_s"] / res["floor_fwd_bwd_s"]
+    if args.diagnose:
+        import mistill.distill.objective as obj
+
+        for label, arm_name, overrides, chunk in [
+                ("attention_only", "mistill", "terms=attention", 1024),
+                ("p1_only", "mistill", "lambda_p2=0", 1024),
+                ("p2_only", "mistill", "lambda_p1=0", 1024),
+                ("row_chunk_64", "mistill", "", 64)]:
+            arm = resolve_arm(arm_name, overrides)
+            default = obj.pooled_row_sets.__kwdefaults__["row_chunk"]
+            obj.pooled_row_sets.__kwdefaults__["row_chunk"] = chunk
+
+            def run(arm=arm):
+                with autocast(recipe, device):
+                    loss, _ = micro_step_loss(model, lm, nd, targets, pairing, pools, arm)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            run()
+            t, peak, _ = timed(run)
+            obj.pooled_row_sets.__kwdefaults__["row_chunk"] = default
+            res[f"diag_{label}_s"] = t
+            res[f"diag_{label}_peak_gib"] = peak
+        print(json.dumps(res, indent=2))
+        Path(args.out).write_text(json.dumps(res, indent=2))
+        return
     del opt, model
     if args.smoke:
         print(json.dumps(res, indent=2))
