@@ -205,3 +205,24 @@ def test_row_sets_together_equal_one_set_at_a_time(setup):
         for l in z1:
             torch.testing.assert_close(z1[l], z2[l])
     torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_a_left_out_near_tie_leaves_the_gradient_finite(setup):
+    # an event whose student margin is exactly 0 (its competitor is its own target) is left out of
+    # the interaction term; c divides by the margin, so the backward must not see 0 * inf
+    import dataclasses
+
+    corpus, note, teacher, events, nd_t, pools_t, targets = setup
+    student = tiny_model("qwen3", layers=2, heads=4, kv_heads=2, d_head=16, d_model=64, seed=2)
+    nd_s = build_note_data(note, corpus.inventory, student.tokenizer, events)
+    eid = next(e for e, r in nd_s.realized.items() if r.event.kind == "P2")
+    r = nd_s.realized[eid]
+    nd_s.realized[eid] = dataclasses.replace(r, competitor_ids=(r.target_id,))
+    pairing = pair_rows(nd_s, nd_t.realized.values(), targets, window=8, teacher_trace_start=nd_t.trace_start)
+    pools_s = model_pools(_head_sets(student, 1), student.geometry.head_names(), k=4)
+    student.model.requires_grad_(True)
+    loss, parts = micro_step_loss(student.model, student, nd_s, targets, pairing, pools_s,
+                                  resolve_arm("mistill", "terms=interaction"))
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in student.model.parameters() if p.grad is not None)
+    assert np.isfinite(parts["P2/interaction"])

@@ -110,3 +110,18 @@ def test_resume_restores_extra_parameters(tmp_path):
     assert resumed.load_state()
     resumed.train(progress=False)
     assert torch.equal(a_full.weight, a_res.weight) and torch.equal(a_full.bias, a_res.bias)
+
+
+def test_a_non_finite_gradient_stops_training_before_the_update(tmp_path):
+    lm = tiny_model("qwen3", layers=2, heads=4, kv_heads=2, d_head=8, d_model=32, seed=1)
+    recipe = RecipeConfig(seed=0, precision="fp32", epochs=1, grad_accum=1)
+    model = prepare_student(lm.model, recipe)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def bad(m, idx):
+        h = m.model(_data()[idx][None]).last_hidden_state
+        return h.sum() * float("nan"), {}
+    t = Trainer(model, 2, recipe, bad, state_dir=tmp_path / "nan")
+    with pytest.raises(FloatingPointError, match="step 1"):
+        t.train(progress=False)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -308,10 +308,6 @@ def micro_step_loss(model: torch.nn.Module, lm: LoadedModel, student: NoteData, 
                 logits = g.lm_head(hidden_last.index_select(0, pos_t)).float()
                 margins = torch.stack([logits[j, rr.target_id] - torch.logsumexp(
                     logits[j, list(rr.competitor_ids)], dim=-1) for j, rr in enumerate(real)])
-                c_s = contribution(z, heads, w, g, final.index_select(0, pos_t),
-                                   [rr.target_id for rr in real], [list(rr.competitor_ids) for rr in real],
-                                   [logits[j, list(rr.competitor_ids)] for j, rr in enumerate(real)], margins)
-                m_s = region_mass(a_s, [student.region(r.event_id) for r in rows_t])
                 ev = pairing.teacher_event[sel]
                 m_t = torch.as_tensor(targets["m"][ev], device=device, dtype=torch.float32)
                 c_t = torch.as_tensor(targets["c"][ev], device=device, dtype=torch.float32)
@@ -319,6 +315,12 @@ def micro_step_loss(model: torch.nn.Module, lm: LoadedModel, student: NoteData, 
                 ok = (t_margin.abs() >= arm.min_abs_margin) & (margins.detach().abs() >= arm.min_abs_margin)
                 if not bool(ok.any()):
                     ok = torch.ones_like(ok)  # keep the term defined; every margin is a near-tie
+                # c divides by the margin: a left-out near-tie must not reach the backward as 0 * inf
+                safe = torch.where(ok & (margins.detach().abs() > 1e-6), margins, torch.ones_like(margins))
+                c_s = contribution(z, heads, w, g, final.index_select(0, pos_t),
+                                   [rr.target_id for rr in real], [list(rr.competitor_ids) for rr in real],
+                                   [logits[j, list(rr.competitor_ids)] for j, rr in enumerate(real)], safe)
+                m_s = region_mass(a_s, [student.region(r.event_id) for r in rows_t])
                 m_s, c_s, m_t, c_t = m_s[ok], c_s[ok], m_t[ok], c_t[ok]
                 if "interaction" in arm.terms:
                     terms["interaction"] = interaction_term(m_s, c_s, m_t, c_t)

@@ -207,6 +207,10 @@ class Trainer:
                     sums[k] = sums.get(k, 0.0) + float(v) / len(batch)
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for g in self.optimizer.param_groups for p in g["params"]], self.recipe.clip)
+            if not torch.isfinite(grad_norm):
+                # never let a NaN/inf update reach the weights silently
+                raise FloatingPointError(f"non-finite gradient norm at optimizer step {self.step + 1} "
+                                         f"(examples {batch}); the weights were not updated")
             lr = self.scheduler.get_last_lr()[0]
             self.optimizer.step()
             self.scheduler.step()
