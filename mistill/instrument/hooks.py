@@ -198,15 +198,6 @@ class HeadHook:
         finally:
             self._patches = []
 
-    # -- helpers to build patches ---------------------------------------------------------------
-    def mean_ablation(self, mask: torch.Tensor, mean: torch.Tensor) -> Patch:
-        """Patch replacing masked heads by their means ``mean`` ``[layer, head, d_head]``."""
-        return Patch(mask=mask, values=mean)
-
-    def knock_in(self, mask: torch.Tensor, values: torch.Tensor) -> Patch:
-        """Patch writing recorded ``values`` (``[layer, head, d_head]`` or per row) where masked."""
-        return Patch(mask=mask, values=values)
-
 
 def head_mask(sets: Sequence[Sequence[int]], geometry: HeadGeometry,
               device: torch.device | str = "cpu") -> torch.Tensor:
