@@ -133,6 +133,17 @@ def read_jsonl(path: str | os.PathLike, *, required: Iterable[str] = (),
     return rows
 
 
+def npz_bytes(arrays: Mapping[str, Any]) -> bytes:
+    """A compressed ``.npz`` of ``arrays`` as bytes (for per-note artifacts written atomically)."""
+    import io
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **arrays)
+    return buf.getvalue()
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:

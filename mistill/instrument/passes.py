@@ -83,13 +83,11 @@ class NoteAttribution:
         """Exact where measured, first order elsewhere: ``[event, head]``."""
         return np.where(np.isnan(self.exact), self.first_order, self.exact)
 
-    def to_npz(self, path) -> None:
-        from mistill.io import atomic_open
-
-        with atomic_open(path, "wb") as fh:
-            np.savez_compressed(fh, event_ids=np.array(self.event_ids, dtype=str),
-                                kinds=np.array(self.kinds, dtype=str), positions=self.positions,
-                                margins=self.margins, first_order=self.first_order, exact=self.exact)
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The stored arrays of ``attribution.npz``."""
+        return {"event_ids": np.array(self.event_ids, dtype=str), "kinds": np.array(self.kinds, dtype=str),
+                "positions": self.positions, "margins": self.margins, "first_order": self.first_order,
+                "exact": self.exact}
 
     @classmethod
     def from_npz(cls, path, note_id: str) -> NoteAttribution:

@@ -7,7 +7,6 @@ and loses none), then aggregates the notes into the paper's tables.
 
 from __future__ import annotations
 
-import io
 import json
 from collections import Counter
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from tqdm.auto import tqdm
 from mistill.config import Config
 from mistill.data.corpus import Note
 from mistill.errors import MistillInputError
+from mistill.io import npz_bytes
 from mistill.instrument.events import (RealizedEvent, coverage_report, entropy_over_choices,
                                        event_counts, extract_events, margin, margin_audit,
                                        realize_events)
@@ -245,18 +245,6 @@ def _attribution_config(cfg: AttributeConfig) -> AttributionConfig:
                              chunk_size=cfg.chunk_size, selftest_events=cfg.selftest_events, seed=cfg.seed)
 
 
-def _npz_bytes(att: NoteAttribution) -> bytes:
-    buf = io.BytesIO()
-    np.savez_compressed(buf, event_ids=np.array(att.event_ids, dtype=str), kinds=np.array(att.kinds, dtype=str),
-                        positions=att.positions, margins=att.margins, first_order=att.first_order,
-                        exact=att.exact)
-    return buf.getvalue()
-
-
-def _load_attribution(path, note_id: str) -> NoteAttribution:
-    return NoteAttribution.from_npz(path, note_id)
-
-
 def run_attribute(cfg: AttributeConfig) -> str:
     from mistill.instrument.calibration import (NoteImportance, calibrate, head_sets_json, recurrence,
                                                 sparsity, split_half_stability)
@@ -281,7 +269,7 @@ def run_attribute(cfg: AttributeConfig) -> str:
         selftests: list[dict] = []
         for note in tqdm(ev.notes, desc="attribute"):
             if note.note_id in done:
-                att = _load_attribution(reader._path(note.note_id, "attribution.npz"), note.note_id)
+                att = NoteAttribution.from_npz(reader._path(note.note_id, "attribution.npz"), note.note_id)
                 selftests += reader.json(note.note_id, "selftest.json")["rows"]
             else:
                 ni = note_input(note, prepared.inventory, lm.tokenizer,
@@ -290,7 +278,7 @@ def run_attribute(cfg: AttributeConfig) -> str:
                 queries = event_queries(read_realized(ev.reader, note.note_id), ni.input_ids)
                 glob = running_global_top(p1_means, cfg.global_nominees)
                 att = attribute_note(runner, hook, note.note_id, ni.input_ids, queries, acfg, glob)
-                run.write_note(NOTES, note.note_id, {"attribution.npz": _npz_bytes(att),
+                run.write_note(NOTES, note.note_id, {"attribution.npz": npz_bytes(att.arrays()),
                                                      "selftest.json": {"rows": att.selftest}})
                 selftests += att.selftest
             p1 = [i for i, k in enumerate(att.kinds) if k == "P1"]
@@ -299,7 +287,7 @@ def run_attribute(cfg: AttributeConfig) -> str:
         # calibration over every note
         importances = []
         for note in ev.notes:
-            att = _load_attribution(reader._path(note.note_id, "attribution.npz"), note.note_id)
+            att = NoteAttribution.from_npz(reader._path(note.note_id, "attribution.npz"), note.note_id)
             importances.append(NoteImportance(note_id=note.note_id, patient_id=note.patient_id,
                                               kinds=np.array(att.kinds), importance=att.importance,
                                               exact_mask=~np.isnan(att.exact)))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ from mistill.distill.pools import model_pools
 from mistill.distill.rows import coverage_table
 from mistill.distill.trainer import RecipeConfig, Trainer, prepare_student
 from mistill.errors import MistillInputError
+from mistill.io import npz_bytes
 from mistill.instrument.events import Event
 from mistill.models.loading import load_model, load_tokenizer
 from mistill.stages.characterize import NOTES, _events_input
@@ -30,12 +30,6 @@ EMBEDDED_STUDENT = "embedded:smollm2-135m@every-other"
 def _read_events(reader: RunReader, note_id: str) -> list[Event]:
     path = reader.note_file(NOTES, note_id, "events.jsonl")
     return [Event.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line]
-
-
-def _npz_bytes(arrays: dict) -> bytes:
-    buf = io.BytesIO()
-    np.savez_compressed(buf, **arrays)
-    return buf.getvalue()
 
 
 @dataclass(frozen=True)
@@ -85,7 +79,7 @@ def run_targets(cfg: TargetsConfig) -> str:
                                  narrow_instruction=prepared.narrow_instruction)
             targets = compute_note_targets(lm, nd, pools, window=cfg.window, top_k=cfg.top_k)
             n_rows.append(len(targets["rows_pos"]))
-            run.write_note(NOTES, note.note_id, {"targets.npz": _npz_bytes(targets)})
+            run.write_note(NOTES, note.note_id, {"targets.npz": npz_bytes(targets)})
         run.log_metrics({"n_notes": len(notes), **({"median_rows": float(np.median(n_rows))} if n_rows else {})})
         run.set_tags({"mistill.teacher": ev.model, "mistill.split": cfg.split})
         print(f"targets: {len(notes)} notes -> run {run.run_id}")
