@@ -123,39 +123,13 @@ def random_positions(rows: Sequence[SupervisedRow], student: NoteData, seed: int
 
 def pooled_rows(hidden: Mapping[int, torch.Tensor], pool: Pool, lm: LoadedModel, positions: Sequence[int],
                 maps: torch.Tensor, n_buckets: int, *, with_outputs: bool = False, checkpointed: bool = True):
-    """Pooled bucket rows ``[row, bucket]`` (and per-layer head outputs for ``c``).
+    """Pooled bucket rows ``[row, bucket]`` of one pool (and per-layer head outputs for ``c``):
+    :func:`pooled_row_sets` with a single row set.
 
     hidden: ``{layer: [pos, d_model]}`` inputs of the pool's layers; maps: ``[row, pos]``.
-    Per layer, one block projects the pool heads' keys, recomputes their attention rows at the
-    given positions, pools them over heads with the weights and then buckets the pooled row
-    (bucketing is linear, so pooling first buckets ``head`` times fewer entries). The block runs
-    under activation checkpointing: the backward recomputes it, so neither the keys nor the
-    ``[row, head, pos]`` probabilities are kept.
     """
-    g = lm.geometry
-    rows = torch.as_tensor(list(positions), dtype=torch.long, device=maps.device)
-    a = torch.zeros(rows.numel(), n_buckets, dtype=torch.float32, device=maps.device)
-    z_by_layer, heads_by_layer, w_by_layer = {}, {}, {}
-    for layer, (heads, weights) in pool.by_layer().items():
-        w = weights.to(maps.device, torch.float32)
-        parts = g.layers[layer]
-
-        def block(hidden_l, heads=heads, w=w, parts=parts):
-            pos_ids = torch.arange(hidden_l.shape[0], device=hidden_l.device)
-            keys = layer_keys(parts, g, hidden_l, heads, pos_ids)
-            probs = keys.rows(rows)  # [row, h, pos]
-            pooled = bucketize((probs * w.view(1, -1, 1)).sum(1), maps, n_buckets)
-            z = keys.outputs(probs) if with_outputs else pooled.new_zeros(0)
-            return pooled, z
-
-        if checkpointed and torch.is_grad_enabled():
-            pooled, z = torch.utils.checkpoint.checkpoint(block, hidden[layer], use_reentrant=False)
-        else:
-            pooled, z = block(hidden[layer])
-        a = a + pooled
-        if with_outputs:
-            z_by_layer[layer], heads_by_layer[layer], w_by_layer[layer] = z, heads, weights
-    return a, (z_by_layer, heads_by_layer, w_by_layer)
+    return pooled_row_sets(hidden, [RowSet(pool, list(positions), maps, with_outputs)], lm, n_buckets,
+                           checkpointed=checkpointed)[0]
 
 
 @dataclass
@@ -172,10 +146,14 @@ class RowSet:
 def pooled_row_sets(hidden: Mapping[int, torch.Tensor], sets: Sequence[RowSet], lm: LoadedModel, n_buckets: int,
                     *, checkpointed: bool = True, row_chunk: int = 1024
                     ) -> list[tuple[torch.Tensor, tuple[dict, dict, dict]]]:
-    """:func:`pooled_rows` for several row sets at once: per layer, one block projects the keys of
-    every head any set pools there and recomputes all the sets' rows together, then pools and buckets
-    each set with its own weights. Same values as one :func:`pooled_rows` call per set, with a
-    quarter of the key projections and kernel launches when four sets share the layers."""
+    """Pooled bucket rows for several row sets at once.
+
+    Per layer, one block projects the keys of every head any set pools there, recomputes all the
+    sets' attention rows together (in row chunks), pools each set's rows over its heads with its
+    weights and then buckets them (bucketing is linear, so pooling first buckets ``head`` times
+    fewer entries). The block runs under activation checkpointing: the backward recomputes it, so
+    neither the keys nor the ``[row, head, pos]`` probabilities are kept. Returns, per set, its
+    ``[row, bucket]`` rows and its per-layer head outputs, heads and weights (for ``c``)."""
     g = lm.geometry
     device = sets[0].maps.device
     out_a = [torch.zeros(len(s.positions), n_buckets, dtype=torch.float32, device=device) for s in sets]
