@@ -13,22 +13,13 @@ from mistill.distill.attention_rows import (LayerInputs, attention_rows, contrib
                                             layer_keys, region_mass)
 from mistill.errors import MistillInputError
 from mistill.models.loading import tiny_model
+from model_fixtures import sharpen
 
 # (family, layers, heads, kv_heads): GQA groups of 2 and 4; SmolLM3 has a NoPE layer (index 3)
 CASES = [("qwen3", 2, 4, 2), ("llama", 2, 4, 1), ("smollm3", 4, 4, 2)]
 N_POS = 40
 
 
-def sharpen(lm, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in lm.geometry.layers:
-            for lin, gain in ((p.q_proj, 1.6), (p.k_proj, 1.6), (p.v_proj, 1.0), (p.o_proj, 1.0)):
-                lin.weight.copy_(gain * torch.randn(lin.weight.shape, generator=gen) / lin.weight.shape[1] ** 0.5)
-            for norm in (p.q_norm, p.k_norm):
-                if norm is not None:
-                    norm.weight.copy_(1 + 0.5 * torch.randn(norm.weight.shape, generator=gen))
-    return lm
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])

@@ -19,22 +19,14 @@ from mistill.distill.targets import (TARGET_KEYS, FlatPool, TargetEvent, TargetR
 from mistill.errors import MistillInputError
 from mistill.instrument.events import margin
 from mistill.models.loading import tiny_model
+from model_fixtures import sharpen as _sharpen
 
 N_POS, TRACE_START, N_BUCKETS = 48, 18, 11
 FAMILIES = [("qwen3", 2), ("llama", 2), ("smollm3", 4)]
 
 
 def sharpen(lm, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in lm.geometry.layers:
-            for lin, gain in ((p.q_proj, 1.6), (p.k_proj, 1.6), (p.v_proj, 1.0), (p.o_proj, 1.0)):
-                lin.weight.copy_(gain * torch.randn(lin.weight.shape, generator=gen) / lin.weight.shape[1] ** 0.5)
-            for norm in (p.q_norm, p.k_norm):
-                if norm is not None:
-                    norm.weight.copy_(1 + 0.5 * torch.randn(norm.weight.shape, generator=gen))
-        lm.geometry.final_norm.weight.copy_(1 + 0.3 * torch.randn(lm.geometry.d_model, generator=gen))
-    return lm
+    return _sharpen(lm, seed, final_norm=True)
 
 
 @pytest.fixture(scope="module", params=FAMILIES, ids=[f[0] for f in FAMILIES])
