@@ -53,6 +53,8 @@ class Note:
     discharge_diagnosis: the exact text of the note's discharge-diagnosis section (a substring
         of ``text``) when known; the prompt builder removes it (App. A).
     meta: free-form provenance (source ids, counts); not part of the digest.
+    shortlist: the retrieved candidate codes the prompt lists for this note, in prompt order
+        (App. A, :mod:`mistill.data.shortlist`); None lists the whole inventory.
     """
 
     note_id: str
@@ -63,6 +65,7 @@ class Note:
     teacher_trace: str | None = None
     discharge_diagnosis: str | None = None
     meta: Mapping[str, Any] = field(default_factory=dict)
+    shortlist: tuple[str, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         row: dict[str, Any] = {
@@ -78,6 +81,8 @@ class Note:
             row["discharge_diagnosis"] = self.discharge_diagnosis
         if self.meta:
             row["meta"] = dict(self.meta)
+        if self.shortlist is not None:
+            row["shortlist"] = list(self.shortlist)
         return row
 
 
@@ -131,9 +136,35 @@ def _check_note(row: Mapping[str, Any], inventory: Inventory, *, file: str | Non
     meta = row.get("meta") or {}
     if not isinstance(meta, Mapping):
         raise fail("must be an object", "meta")
+    shortlist = _check_shortlist(row.get("shortlist"), inventory, fail)
     return Note(note_id=str(raw_id), patient_id=str(row["patient_id"]), split=row["split"],
                 text=row["text"], gold_codes=tuple(codes), teacher_trace=trace,
-                discharge_diagnosis=dd, meta=dict(meta))
+                discharge_diagnosis=dd, meta=dict(meta), shortlist=shortlist)
+
+
+def _check_shortlist(value: Any, inventory: Inventory,
+                     fail: Callable[[str, str], MistillInputError]) -> tuple[str, ...] | None:
+    """A note's shortlist: absent, or a non-empty list of distinct inventory codes (dotted)."""
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise fail("must be a list of code strings", "shortlist")
+    if not value:
+        raise fail("empty shortlist", "shortlist")
+    out: list[str] = []
+    seen: set[str] = set()
+    for c in value:
+        if not isinstance(c, str):
+            raise fail(f"shortlist code {c!r} is not a string", "shortlist")
+        if c not in inventory:
+            raise fail(f"shortlist code {c!r} is not in the inventory ({len(inventory)} codes)",
+                       "shortlist")
+        dotted = inventory.normalize(c)
+        if dotted in seen:
+            raise fail(f"shortlist names {dotted!r} twice", "shortlist")
+        seen.add(dotted)
+        out.append(dotted)
+    return tuple(out)
 
 
 @dataclass(frozen=True, eq=False)
@@ -165,8 +196,9 @@ class Corpus:
             # Re-check the invariants a hand-built Note could break; gold codes come out
             # normalised (dotted, de-duplicated), so keep the checked note when they differ.
             checked = _check_note(n.to_dict(), self.inventory)
-            notes.append(n if checked.gold_codes == n.gold_codes else
-                         replace(n, gold_codes=checked.gold_codes))
+            same = checked.gold_codes == n.gold_codes and checked.shortlist == n.shortlist
+            notes.append(n if same else replace(n, gold_codes=checked.gold_codes,
+                                                 shortlist=checked.shortlist))
         object.__setattr__(self, "notes", notes)
 
     # -- access -------------------------------------------------------------------------------
@@ -211,11 +243,14 @@ class Corpus:
     @property
     def digest(self) -> str:
         """sha256 over every note's id, patient, split, text, gold codes, trace and discharge-
-        diagnosis section, in corpus order (``meta`` excluded). Stable across processes."""
+        diagnosis section, and its shortlist when it has one, in corpus order (``meta``
+        excluded). Stable across processes."""
         h = hashlib.sha256()
         for n in self.notes:
             rec = [n.note_id, n.patient_id, n.split, n.text, list(n.gold_codes),
                    n.teacher_trace, n.discharge_diagnosis]
+            if n.shortlist is not None:
+                rec.append(list(n.shortlist))
             h.update(json.dumps(rec, ensure_ascii=False, separators=(",", ":")).encode("utf-8"))
             h.update(b"\n")
         return h.hexdigest()
@@ -248,9 +283,11 @@ class Corpus:
         """Read a corpus strictly.
 
         Each line: ``note_id, patient_id, split, text, gold_codes`` and optionally
-        ``teacher_trace``, ``discharge_diagnosis``, ``meta``. A malformed line, a missing field,
-        an empty gold list, a code not in the inventory, a duplicate note id or a trace without
-        ``</think>`` raises :class:`MistillInputError` naming file, line, note and field.
+        ``teacher_trace``, ``discharge_diagnosis``, ``meta``, ``shortlist``. A malformed line, a
+        missing field, an empty gold list, a code not in the inventory, a duplicate note id, a
+        trace without ``</think>`` or a bad shortlist (not a list, empty, a code outside the
+        inventory or named twice) raises :class:`MistillInputError` naming file, line, note and
+        field.
         inventory: defaults to the full billable ICD-10-CM inventory (order seed 0).
         privacy: defaults to ``"restricted"`` (text never logged) - say so to relax it.
         """

@@ -134,10 +134,16 @@ class NoteInput:
 def note_input(note: Note, inventory: Inventory, tokenizer, *, candidates: Sequence[str] | None = None,
                trace: str | None = None, remove_discharge_diagnosis: bool = True,
                narrow_instruction: bool = True, max_positions: int | None = None) -> NoteInput:
-    """Build the prompt (chat template of ``tokenizer``) and tokenize prompt + trace once."""
+    """Build the prompt (chat template of ``tokenizer``) and tokenize prompt + trace once.
+
+    candidates: the lines to list; None lists the note's retrieved shortlist when it has one
+    (``Note.shortlist``, set by the ``shortlist`` stage), else the whole inventory.
+    """
     trace = note.teacher_trace if trace is None else trace
     if not trace:
         raise MistillInputError("note has no teacher trace", note=note.note_id, field="teacher_trace")
+    if candidates is None:
+        candidates = note.shortlist
     prompt = build_prompt(note, candidates, inventory, tokenizer,
                           remove_discharge_diagnosis=remove_discharge_diagnosis,
                           narrow_instruction=narrow_instruction)
