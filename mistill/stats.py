@@ -7,7 +7,8 @@
 - Seed-matched comparisons, note-clustered: seed i of one arm against seed i of the other (a
   one-seed side pairs with every seed of the other); per note, the mean of its seed pairs'
   differences, then the tests over notes. The pooled note-pair counts are descriptive only.
-- Corpus-level micro-F1 difference with notes resampled (10,000 resamples).
+- Corpus-level micro-F1 difference with notes resampled (10,000 resamples), from code sets or
+  from per-note (tp, fp, fn) counts, several seeds of an arm averaged.
 - Per-head one-sample t-tests across per-note means, Benjamini-Hochberg FDR, binomial
   recurrence tests with Bonferroni over heads.
 
@@ -25,7 +26,7 @@ import numpy as np
 from scipy import stats as sps
 
 from mistill.errors import MistillInputError
-from mistill.evaluation.metrics import prf_from_counts, set_counts
+from mistill.evaluation.metrics import set_counts
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -262,23 +263,62 @@ def corpus_micro_f1_difference(gold: Sequence[Sequence[str]], pred_a: Sequence[S
     if not (len(gold) == len(pred_a) == len(pred_b)) or not gold:
         raise MistillInputError("gold and both predictions need the same, non-zero number of notes",
                                 field="pred_b")
-    # counts: [note, (tp, fp, fn)] per arm
-    ca = np.array([set_counts(p, g) for g, p in zip(gold, pred_a)], dtype=np.int64)
-    cb = np.array([set_counts(p, g) for g, p in zip(gold, pred_b)], dtype=np.int64)
+    ca = [set_counts(p, g) for g, p in zip(gold, pred_a)]
+    cb = [set_counts(p, g) for g, p in zip(gold, pred_b)]
+    return corpus_micro_f1_difference_from_counts(ca, cb, n_resamples=n_resamples, seed=seed,
+                                                  level=level)
 
-    def micro(c: np.ndarray) -> np.ndarray:  # c: [..., 3] pooled counts
-        tp, fp, fn = c[..., 0], c[..., 1], c[..., 2]
-        den = 2 * tp + fp + fn
-        return np.where(den > 0, 2 * tp / np.maximum(den, 1), 1.0)
 
-    f1_a, f1_b = prf_from_counts(*ca.sum(0))[2], prf_from_counts(*cb.sum(0))[2]
-    boot = np.concatenate([micro(ca[idx].sum(1)) - micro(cb[idx].sum(1))
-                           for idx in _resample_chunks(len(gold), n_resamples, seed)])
+def _micro_f1(c: np.ndarray) -> np.ndarray:
+    """Micro-F1 of pooled counts ``[..., (tp, fp, fn)]``; 1.0 where there is nothing to find."""
+    tp, fp, fn = c[..., 0], c[..., 1], c[..., 2]
+    den = 2 * tp + fp + fn
+    return np.where(den > 0, 2 * tp / np.maximum(den, 1), 1.0)
+
+
+def _seed_counts(counts: Sequence | np.ndarray, field: str) -> np.ndarray:
+    """Counts as ``[seed, note, 3]`` integers (a ``[note, 3]`` input is one seed)."""
+    c = np.asarray(counts)
+    if c.ndim == 2:
+        c = c[None]
+    if c.ndim != 3 or c.shape[-1] != 3 or c.shape[1] == 0 or c.shape[0] == 0:
+        raise MistillInputError(f"expected [note, 3] or [seed, note, 3] counts (tp, fp, fn), got "
+                                f"shape {c.shape}", field=field)
+    if np.any(c < 0) or not np.all(np.equal(np.mod(c, 1), 0)):
+        raise MistillInputError("counts must be non-negative integers", field=field)
+    return c.astype(np.int64)
+
+
+def corpus_micro_f1_difference_from_counts(counts_a: Sequence | np.ndarray,
+                                           counts_b: Sequence | np.ndarray, *,
+                                           n_resamples: int = N_BOOTSTRAP_CORPUS, seed: int = 0,
+                                           level: float = 0.95) -> CorpusDifference:
+    """Corpus micro-F1 difference (a minus b) from per-note ``(tp, fp, fn)`` counts.
+
+    ``counts_a`` and ``counts_b``: ``[note, 3]``, or ``[seed, note, 3]`` for several seeds of an
+    arm (the same notes in the same order on both sides). A side's corpus micro-F1 is the mean
+    over its seeds of each seed's pooled micro-F1; one resample draws notes once and applies the
+    draw to every seed of both sides.
+    """
+    ca, cb = _seed_counts(counts_a, "counts_a"), _seed_counts(counts_b, "counts_b")
+    if ca.shape[1] != cb.shape[1]:
+        raise MistillInputError(f"counts cover {ca.shape[1]} and {cb.shape[1]} notes",
+                                field="counts_b")
+    n = ca.shape[1]
+
+    def corpus(c: np.ndarray, idx: np.ndarray | None = None) -> np.ndarray | float:
+        if idx is None:
+            return float(np.mean([_micro_f1(s.sum(0)) for s in c]))
+        return np.mean([_micro_f1(s[idx].sum(1)) for s in c], axis=0)
+
+    f1_a, f1_b = corpus(ca), corpus(cb)
+    boot = np.concatenate([corpus(ca, idx) - corpus(cb, idx)
+                           for idx in _resample_chunks(n, n_resamples, seed)])
     low, high = _percentiles(boot, level)
     k = min(int((boot <= 0).sum()), int((boot >= 0).sum()))
     p = min(1.0, 2.0 * (k + 1) / (n_resamples + 1))
-    return CorpusDifference(n_notes=len(gold), micro_f1_a=f1_a, micro_f1_b=f1_b,
-                            difference=f1_a - f1_b, ci_low=low, ci_high=high, p_bootstrap=p)
+    return CorpusDifference(n_notes=n, micro_f1_a=f1_a, micro_f1_b=f1_b, difference=f1_a - f1_b,
+                            ci_low=low, ci_high=high, p_bootstrap=p)
 
 
 # ---------------------------------------------------------------------------------------------

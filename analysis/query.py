@@ -1,0 +1,148 @@
+"""The tracking store as tidy tables: runs found by their ``mistill.*`` tags, their metrics, and
+their per-run and per-note CSV artifacts.
+
+One row per run (:func:`stage_runs`): ``run_id``, ``run_name``, ``start_time`` and the tag
+columns of :data:`TAG_COLUMNS` (``stage``, ``model``, ``arm``, ``seed``, ``precision``,
+``corpus``, ``privacy``), then one column per metric. :func:`latest_runs` keeps the newest run
+of each (model, arm, precision, seed). :func:`per_note_table` stacks one CSV artifact of many
+runs with those run columns in front, one row per (run, note) or (run, note, phase, k).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import pandas as pd
+from mlflow.tracking import MlflowClient
+
+from mistill.errors import MistillInputError
+from mistill.tracking.runs import (
+    TAG_ARM,
+    TAG_CORPUS,
+    TAG_MODEL,
+    TAG_PRECISION,
+    TAG_PRIVACY,
+    TAG_SEED,
+    TAG_STAGE,
+    _experiment_id,
+    _quote,
+)
+
+__all__ = [
+    "RUN_KEY",
+    "TAG_COLUMNS",
+    "ArtifactLoad",
+    "experiment_id",
+    "latest_runs",
+    "per_note_table",
+    "stage_runs",
+]
+
+TAG_COLUMNS: dict[str, str] = {"stage": TAG_STAGE, "model": TAG_MODEL, "arm": TAG_ARM,
+                               "seed": TAG_SEED, "precision": TAG_PRECISION,
+                               "corpus": TAG_CORPUS, "privacy": TAG_PRIVACY}
+"""Column name -> the tag it is read from."""
+
+RUN_KEY: tuple[str, ...] = ("model", "arm", "precision", "seed")
+"""What identifies one cell of a table: a run of the same key written later replaces it."""
+
+_PAGE = 1000
+
+
+def experiment_id(client: MlflowClient, experiment: str) -> str | None:
+    """The id of an experiment given by name (``mistill/<corpus>``) or id; None if absent."""
+    return _experiment_id(client, experiment)
+
+
+def stage_runs(client: MlflowClient, experiment: str, stage: str, *,
+               arms: Sequence[str] = (), status: str = "FINISHED") -> pd.DataFrame:
+    """Every run of one stage in an experiment, as one row per run (newest first).
+
+    Args:
+        client: a client of the tracking server.
+        experiment: experiment name or id.
+        stage: the ``mistill.stage`` tag (``evaluate``, ``own_heads``, ``knockin``, ...).
+        arms: keep only these ``mistill.arm`` values (empty: every arm, and runs without one).
+        status: run status to keep (``FINISHED``: runs still being written are left out).
+
+    Columns: ``run_id, run_name, start_time``, :data:`TAG_COLUMNS` (``seed`` as a nullable
+    integer, missing tags as None) and one float column per metric name logged by any run.
+    An absent experiment gives an empty frame with those columns.
+    """
+    columns = ["run_id", "run_name", "start_time", *TAG_COLUMNS]
+    exp_id = experiment_id(client, experiment)
+    if exp_id is None:
+        return pd.DataFrame(columns=columns)
+    filt = f"tags.`{TAG_STAGE}` = '{_quote(stage)}' and attributes.status = '{_quote(status)}'"
+    records = []
+    token: str | None = None
+    while True:
+        page = client.search_runs([exp_id], filter_string=filt, max_results=_PAGE,
+                                  order_by=["attributes.start_time DESC"], page_token=token)
+        for run in page:
+            tags = run.data.tags
+            rec = {"run_id": run.info.run_id, "run_name": run.info.run_name,
+                   "start_time": run.info.start_time}
+            rec.update({col: tags.get(tag) for col, tag in TAG_COLUMNS.items()})
+            rec.update(run.data.metrics)
+            records.append(rec)
+        token = page.token
+        if not token:
+            break
+    df = pd.DataFrame.from_records(records, columns=None if records else columns)
+    if arms:
+        df = df[df["arm"].isin(list(arms))]
+    df["seed"] = pd.to_numeric(df["seed"], errors="coerce").astype("Int64")
+    return df.reset_index(drop=True)
+
+
+def latest_runs(runs: pd.DataFrame, key: Sequence[str] = RUN_KEY) -> pd.DataFrame:
+    """The newest run of each ``key`` (missing key values count as one value)."""
+    if runs.empty:
+        return runs
+    ordered = runs.sort_values("start_time", ascending=False, kind="stable")
+    keep = ~ordered[list(key)].astype(str).duplicated()
+    return ordered[keep].sort_values(list(key), kind="stable").reset_index(drop=True)
+
+
+@dataclass
+class ArtifactLoad:
+    """A CSV artifact of many runs stacked: the rows, and the runs that lacked it (and why)."""
+
+    frame: pd.DataFrame
+    missing: dict[str, str] = field(default_factory=dict)
+
+
+def per_note_table(runs: pd.DataFrame, artifact: str, required: Iterable[str],
+                   run_columns: Sequence[str] = ("run_id", *RUN_KEY)) -> ArtifactLoad:
+    """Stack the CSV ``artifact`` of every run in ``runs`` with that run's columns in front.
+
+    A run whose artifact is missing or lacks a ``required`` column is left out and named in
+    :attr:`ArtifactLoad.missing`. ``note_id`` is read as a string.
+    """
+    from mistill.stages.common import RunReader
+
+    required = list(required)
+    frames, missing = [], {}
+    for _, run in runs.iterrows():
+        try:
+            path = RunReader(run["run_id"], field=artifact).file(artifact)
+            df = pd.read_csv(path, dtype={"note_id": str})
+        except (MistillInputError, OSError, pd.errors.ParserError) as exc:
+            missing[run["run_id"]] = f"{artifact}: {exc}"
+            continue
+        lacking = [c for c in required if c not in df.columns]
+        if lacking:
+            missing[run["run_id"]] = f"{artifact} lacks columns {lacking}"
+            continue
+        df = df.drop(columns=[c for c in run_columns if c in df.columns])
+        for col in reversed(run_columns):
+            df.insert(0, col, run[col])
+        frames.append(df)
+    if not frames:
+        return ArtifactLoad(pd.DataFrame(columns=[*run_columns, *required]), missing)
+    out = pd.concat(frames, ignore_index=True)
+    if "seed" in out.columns:
+        out["seed"] = pd.to_numeric(out["seed"], errors="coerce").astype("Int64")
+    return ArtifactLoad(out, missing)

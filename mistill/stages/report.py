@@ -1,0 +1,105 @@
+"""MLflow entry point ``report``: the paper's tables and figures from the tracking store.
+
+Reads the FINISHED ``knockin``, ``evaluate``, ``own_heads`` and ``select_lambda`` runs of
+experiment ``mistill/<corpus>`` (the newest of each model, arm, precision and seed), builds
+Tables 1/10, 2, 43, 3/45 and the λ cells with :mod:`analysis`, and logs to one ``report`` run:
+
+* ``report.md``: every table, and which tables were skipped and why;
+* ``tables/<name>.csv`` and ``.md`` (numeric), ``tables/<name>_display.md`` and ``.tex``;
+* ``figures/<name>.html``: plotly figures with plotly.js embedded (open in the MLflow UI).
+
+Every input run is recorded as lineage (``mistill.input.<stage>.<run id>``), so an identical
+request over the same runs with the same code reuses the finished report, and a new or rerun
+input run gives a new report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mistill.config import Config
+from mistill.errors import MistillInputError
+from mistill.stats import N_BOOTSTRAP, N_BOOTSTRAP_CORPUS
+
+
+@dataclass(frozen=True)
+class ReportConfig(Config):
+    """What the report reads and how it tests.
+
+    corpus: the corpus name; the runs read and the report run are in ``mistill/<corpus>``.
+    reference_arm: the arm every other arm of the same model is compared against.
+    arms: keep only these arms' evaluate and own-heads runs (plus the reference, ``teacher``
+        and ``untrained``); empty keeps every arm.
+    bootstrap: resamples of the per-note bootstrap intervals (App. L: 1,000).
+    corpus_bootstrap: resamples of the corpus-level micro-F1 difference (App. L: 10,000).
+    seed: seed of every bootstrap.
+    """
+
+    corpus: str = "synthetic"
+    reference_arm: str = "vanilla-bf16"
+    arms: tuple[str, ...] = ()
+    bootstrap: int = N_BOOTSTRAP
+    corpus_bootstrap: int = N_BOOTSTRAP_CORPUS
+    seed: int = 0
+
+
+def _check(cfg: ReportConfig) -> None:
+    if cfg.bootstrap < 1:
+        raise MistillInputError("bootstrap must be at least 1", field="bootstrap")
+    if cfg.corpus_bootstrap < 1:
+        raise MistillInputError("corpus_bootstrap must be at least 1", field="corpus_bootstrap")
+    if not cfg.reference_arm:
+        raise MistillInputError("reference_arm is empty", field="reference_arm")
+
+
+def run_report(cfg: ReportConfig) -> str:
+    """Build and log the report; returns the report run's id (an identical one is reused)."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from analysis.report import build_report, collect_inputs
+    from mistill.instrument.settables import to_latex, to_markdown
+    from mistill.io import write_text
+    from mistill.stages.common import mistill_root
+    from mistill.tracking.privacy import PrivacyGuard
+    from mistill.tracking.runs import (
+        EXPERIMENT_PREFIX,
+        StageRun,
+        experiment_for_corpus,
+        resolve_tracking_uri,
+    )
+
+    _check(cfg)
+    uri = resolve_tracking_uri(mistill_root())
+    mlflow.set_tracking_uri(uri)
+    client = MlflowClient(tracking_uri=uri)
+    experiment = experiment_for_corpus(cfg.corpus, tracking_uri=uri)
+    inputs = collect_inputs(client, experiment, arms=cfg.arms, reference_arm=cfg.reference_arm)
+    guard = PrivacyGuard([], inputs.privacy())
+    with StageRun("report", cfg, corpus=cfg.corpus, guard=guard, inputs=inputs.lineage(),
+                  resume=True, root=mistill_root(), tracking_uri=uri) as run:
+        if run.reused:
+            print(f"report: reusing finished run {run.run_id}")
+            return run.run_id
+        rep = build_report(inputs, reference_arm=cfg.reference_arm, n_resamples=cfg.bootstrap,
+                           corpus_resamples=cfg.corpus_bootstrap, seed=cfg.seed)
+        tables_dir = run.work_dir / "artifacts" / "tables"
+        for t in rep.tables:
+            run.log_table(f"tables/{t.name}", t.numeric)
+            for suffix, text in (("_display.md", to_markdown(t.display)),
+                                 (".tex", to_latex(t.display))):
+                path = tables_dir / f"{t.name}{suffix}"
+                write_text(path, text)
+                run.log_artifact_file(path, "tables")
+        for name, fig in rep.figures.items():
+            run.log_figure(fig, f"figures/{name}")
+        report_path = run.work_dir / "artifacts" / "report.md"
+        write_text(report_path, rep.markdown())
+        run.log_artifact_file(report_path)
+        run.log_metrics({**{f"n_runs.{s}": n for s, n in rep.counts.items()},
+                         "n_tables": len(rep.tables), "n_figures": len(rep.figures),
+                         "n_notes": len(rep.notes)})
+        print(f"report: {len(rep.tables)} tables, {len(rep.figures)} figures, "
+              f"{len(rep.notes)} notes ({experiment.removeprefix(EXPERIMENT_PREFIX)}) "
+              f"-> run {run.run_id}")
+        return run.run_id
