@@ -31,6 +31,7 @@ def stages() -> dict[str, Stage]:
                                              run_attribute, run_events, run_knockin)
     from mistill.stages.distill import TargetsConfig, TrainStageConfig, run_targets, run_train
     from mistill.stages.prepare import PrepareConfig, run_prepare
+    from mistill.stages.report import ReportConfig, run_report
     from mistill.stages.workflow import (CharacterizeConfig, PipelineConfig, run_characterize,
                                          run_pipeline)
 
@@ -51,5 +52,7 @@ def stages() -> dict[str, Stage]:
               "events -> attribute -> knockin, reusing identical finished runs"),
         Stage("pipeline", PipelineConfig, run_pipeline, {},
               "the whole platform on one corpus: prepare, then every stage that exists"),
+        Stage("report", ReportConfig, run_report, {},
+              "the paper's tables and figures from the tracking store, paired note-level tests"),
     ]
     return {s.name: s for s in table}
