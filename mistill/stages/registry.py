@@ -32,14 +32,12 @@ def stages() -> dict[str, Stage]:
     from mistill.stages.distill import TargetsConfig, TrainStageConfig, run_targets, run_train
     from mistill.stages.prepare import PrepareConfig, run_prepare
     from mistill.stages.report import ReportConfig, run_report
-    from mistill.stages.shortlist import ShortlistConfig, run_shortlist
+    from mistill.stages.select_lambda import SelectLambdaConfig, run_select_lambda
     from mistill.stages.workflow import (CharacterizeConfig, PipelineConfig, run_characterize,
                                          run_pipeline)
 
     table = [
         Stage("prepare", PrepareConfig, run_prepare, {}, "inventory, corpus and prompts"),
-        Stage("shortlist", ShortlistConfig, run_shortlist, {"prepare": "prepare_run"},
-              "the retrieved shortlist: a prepared corpus whose prompts list it (use as prepare_run)"),
         Stage("events", EventsConfig, run_events, {"prepare": "prepare_run"},
               "decision events per note, realized in the model's tokenizer, and the margin audit"),
         Stage("attribute", AttributeConfig, run_attribute, {"events": "events_run"},
@@ -51,6 +49,9 @@ def stages() -> dict[str, Stage]:
         Stage("train", TrainStageConfig, run_train,
               {"targets": "targets_run", "student_attribute": "student_attribute_run"},
               "one arm at one seed with the shared recipe; the checkpoint registered per arm and seed"),
+        Stage("select_lambda", SelectLambdaConfig, run_select_lambda,
+              {"prepare": "prepare_run", "targets": "targets_run", "student_attribute": "student_attribute_run"},
+              "pre-registered λ selection: a locked grid on Optuna, each cell trained and evaluated once"),
         Stage("characterize", CharacterizeConfig, run_characterize, {"prepare": "prepare_run"},
               "events -> attribute -> knockin, reusing identical finished runs"),
         Stage("pipeline", PipelineConfig, run_pipeline, {},

@@ -1,0 +1,267 @@
+"""The selection lock: a YAML file that fixes the λ selection before any trial runs (App. I.3, M.2).
+
+A lock names the grid, the arm, the training size and seed, the selection metric, the inclusive
+tie band, the tie-break and the edge rule. Its sha256 (over the file's bytes) is written into the
+Optuna study when the study is created; a later load under a different lock is refused
+(:func:`selection.grid.open_study`). Example (``projects/configs/locks/embedded-3cell.yaml``)::
+
+    study: embedded-3cell
+    arm: mistill
+    grid: {tied: true, scale: log, lambda: [0.03, 0.1, 0.3]}
+    training: {seed: 0, max_steps: 1}
+    selection: {metric: micro_f1, split: val, tie_band: 0.004, tie_break: m1.P2C.p_pos}
+    edge: {extend: true, max_extensions: 1}
+
+``grid.tied: true`` means λ_P1 = λ_P2 = λ over ``grid.lambda``; ``tied: false`` takes
+``grid.lambda_p1`` and ``grid.lambda_p2`` (their product is the grid). ``edge.outward`` may fix the
+first outward value per axis and side (``{lambda: {low: 0.01, high: 1.0}}``); otherwise one grid
+step outward is used (a ratio for ``scale: log``, a difference for ``scale: linear``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mistill.errors import MistillInputError
+from mistill.io import sha256_file
+
+TIED_AXIS = "lambda"
+UNTIED_AXES = ("lambda_p1", "lambda_p2")
+SCALES = ("log", "linear")
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+
+_SECTIONS: dict[str, set[str]] = {
+    "grid": {"tied", "scale", TIED_AXIS, *UNTIED_AXES},
+    "training": {"seed", "max_steps", "epochs", "grad_accum", "precision"},
+    "selection": {"metric", "split", "tie_band", "tie_break"},
+    "edge": {"extend", "max_extensions", "outward"},
+}
+_REQUIRED: dict[str, tuple[str, ...]] = {
+    "grid": ("tied", "scale"),
+    "training": ("seed", "max_steps"),
+    "selection": ("metric", "split", "tie_band", "tie_break"),
+    "edge": ("extend",),
+}
+_TOP = {"study", "arm", "description", *_SECTIONS}
+
+
+@dataclass(frozen=True)
+class GridSpec:
+    """The λ grid: ``axes`` maps an axis name to its sorted values; ``tied`` → one axis ``lambda``."""
+
+    tied: bool
+    scale: str
+    axes: dict[str, tuple[float, ...]]
+
+    def search_space(self) -> dict[str, list[float]]:
+        """The axes as Optuna's :class:`~optuna.samplers.GridSampler` takes them."""
+        return {name: list(values) for name, values in sorted(self.axes.items())}
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """How each cell trains: the seed and the size (``max_steps``; 0 = the full recipe)."""
+
+    seed: int
+    max_steps: int
+    epochs: int = 2
+    grad_accum: int = 8
+    precision: str = ""
+
+
+@dataclass(frozen=True)
+class SelectionRule:
+    """Select by ``metric`` on ``split``; cells within ``tie_band`` (inclusive) of the best tie and
+    the tie is broken by the higher ``tie_break``."""
+
+    metric: str
+    split: str
+    tie_band: float
+    tie_break: str
+
+
+@dataclass(frozen=True)
+class EdgeRule:
+    """When the pick sits on the grid's edge, run one cell one step outward and adopt it only if it
+    beats the pick by more than the band; at most ``max_extensions`` times in a row."""
+
+    extend: bool
+    max_extensions: int = 1
+    outward: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Lock:
+    """A validated lock file and its sha256 (over the file's bytes)."""
+
+    path: str
+    sha256: str
+    study: str
+    arm: str
+    grid: GridSpec
+    training: TrainingSpec
+    selection: SelectionRule
+    edge: EdgeRule
+    text: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values for ``decision.json`` and MLflow params."""
+        return {"path": self.path, "sha256": self.sha256, "study": self.study, "arm": self.arm,
+                "grid": {"tied": self.grid.tied, "scale": self.grid.scale,
+                         **{k: list(v) for k, v in self.grid.axes.items()}},
+                "training": vars(self.training).copy(), "selection": vars(self.selection).copy(),
+                "edge": {"extend": self.edge.extend, "max_extensions": self.edge.max_extensions,
+                         "outward": self.edge.outward}}
+
+
+class _Reader:
+    """Typed access to one section of the lock; errors name the file and the dotted field."""
+
+    def __init__(self, path: str, section: str, data: Any) -> None:
+        self.path, self.section = path, section
+        if not isinstance(data, dict):
+            raise MistillInputError(f"section {section!r} must be a mapping, got {type(data).__name__}",
+                                    file=path, field=section)
+        unknown = sorted(set(data) - _SECTIONS[section])
+        if unknown:
+            raise MistillInputError(f"unknown key(s) {unknown}; known: {sorted(_SECTIONS[section])}",
+                                    file=path, field=f"{section}.{unknown[0]}")
+        for key in _REQUIRED[section]:
+            if key not in data:
+                raise MistillInputError("missing (a lock states every rule before any trial)",
+                                        file=path, field=f"{section}.{key}")
+        self.data = data
+
+    def fail(self, key: str, message: str) -> MistillInputError:
+        return MistillInputError(message, file=self.path, field=f"{self.section}.{key}")
+
+    def get(self, key: str, kind: type, default: Any = None) -> Any:
+        if key not in self.data:
+            return default
+        value = self.data[key]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise self.fail(key, f"expected {kind.__name__}, got {value!r}")
+        if kind is float and not math.isfinite(value):
+            raise self.fail(key, f"expected a finite number, got {value!r}")
+        return value
+
+    def values(self, key: str, scale: str) -> tuple[float, ...]:
+        raw = self.data.get(key)
+        if not isinstance(raw, list) or not raw:
+            raise self.fail(key, f"expected a non-empty list of numbers, got {raw!r}")
+        out = []
+        for v in raw:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise self.fail(key, f"expected numbers, got {v!r}")
+            if v < 0 or (scale == "log" and v <= 0):
+                raise self.fail(key, f"λ must be {'> 0 on a log grid' if scale == 'log' else '>= 0'}, "
+                                     f"got {v!r}")
+            out.append(float(v))
+        if len(set(out)) != len(out):
+            raise self.fail(key, f"repeated values in {raw!r}")
+        return tuple(sorted(out))
+
+
+def _grid(path: str, data: Any) -> GridSpec:
+    r = _Reader(path, "grid", data)
+    tied = r.get("tied", bool)
+    scale = r.get("scale", str)
+    if scale not in SCALES:
+        raise r.fail("scale", f"expected one of {SCALES}, got {scale!r}")
+    names = (TIED_AXIS,) if tied else UNTIED_AXES
+    wrong = sorted(set(data) & ({TIED_AXIS, *UNTIED_AXES} - set(names)))
+    if wrong:
+        raise r.fail(wrong[0], f"not an axis of a {'tied' if tied else 'untied'} grid; use {list(names)}")
+    return GridSpec(tied=tied, scale=scale, axes={n: r.values(n, scale) for n in names})
+
+
+def _training(path: str, data: Any) -> TrainingSpec:
+    r = _Reader(path, "training", data)
+    spec = TrainingSpec(seed=r.get("seed", int), max_steps=r.get("max_steps", int),
+                        epochs=r.get("epochs", int, 2), grad_accum=r.get("grad_accum", int, 8),
+                        precision=r.get("precision", str, ""))
+    for key in ("seed", "max_steps"):
+        if getattr(spec, key) < 0:
+            raise r.fail(key, f"must be >= 0, got {getattr(spec, key)}")
+    for key in ("epochs", "grad_accum"):
+        if getattr(spec, key) < 1:
+            raise r.fail(key, f"must be >= 1, got {getattr(spec, key)}")
+    return spec
+
+
+def _selection(path: str, data: Any) -> SelectionRule:
+    r = _Reader(path, "selection", data)
+    rule = SelectionRule(metric=r.get("metric", str), split=r.get("split", str),
+                         tie_band=r.get("tie_band", float), tie_break=r.get("tie_break", str))
+    if rule.tie_band < 0:
+        raise r.fail("tie_band", f"must be >= 0, got {rule.tie_band!r}")
+    for key in ("metric", "split", "tie_break"):
+        if not getattr(rule, key).strip():
+            raise r.fail(key, "must not be empty")
+    return rule
+
+
+def _edge(path: str, data: Any, grid: GridSpec) -> EdgeRule:
+    r = _Reader(path, "edge", data)
+    extend = r.get("extend", bool)
+    max_ext = r.get("max_extensions", int, 1)
+    if max_ext < 0:
+        raise r.fail("max_extensions", f"must be >= 0, got {max_ext}")
+    outward_raw = r.get("outward", dict, {}) or {}
+    outward: dict[str, dict[str, float]] = {}
+    for axis, sides in outward_raw.items():
+        if axis not in grid.axes:
+            raise r.fail("outward", f"{axis!r} is not an axis of the grid {sorted(grid.axes)}")
+        if not isinstance(sides, dict) or not sides or set(sides) - {"low", "high"}:
+            raise r.fail("outward", f"{axis}: expected {{low: x, high: y}} (either or both), got {sides!r}")
+        values = grid.axes[axis]
+        for side, v in sides.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise r.fail("outward", f"{axis}.{side}: expected a number, got {v!r}")
+            v = float(v)
+            if (side == "low" and not v < values[0]) or (side == "high" and not v > values[-1]):
+                raise r.fail("outward", f"{axis}.{side} = {v!r} is not outside the grid {list(values)}")
+            if v < 0 or (grid.scale == "log" and v <= 0):
+                raise r.fail("outward", f"{axis}.{side} = {v!r} is not a valid λ on a {grid.scale} grid")
+        outward[axis] = {side: float(v) for side, v in sides.items()}
+    return EdgeRule(extend=extend, max_extensions=max_ext, outward=outward)
+
+
+def load_lock(path: str | Path) -> Lock:
+    """Read and validate a lock file; every error names the file and the field."""
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise MistillInputError("lock file not found", file=str(p), field="lock")
+    text = p.read_text(encoding="utf-8")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        line = getattr(getattr(exc, "problem_mark", None), "line", None)
+        raise MistillInputError(f"malformed YAML: {getattr(exc, 'problem', exc)}", file=str(p),
+                                line=None if line is None else line + 1) from None
+    if not isinstance(data, dict):
+        raise MistillInputError("a lock is a YAML mapping", file=str(p), field="lock")
+    unknown = sorted(set(data) - _TOP)
+    if unknown:
+        raise MistillInputError(f"unknown key(s) {unknown}; known: {sorted(_TOP)}", file=str(p),
+                                field=unknown[0])
+    for key in ("study", "arm", *_SECTIONS):
+        if key not in data:
+            raise MistillInputError("missing (a lock states every rule before any trial)", file=str(p),
+                                    field=key)
+    for key in ("study", "arm"):
+        if not isinstance(data[key], str) or not _NAME.match(data[key]):
+            raise MistillInputError(f"expected a name (letters, digits, '_', '.', '-'), got {data[key]!r}",
+                                    file=str(p), field=key)
+    grid = _grid(str(p), data["grid"])
+    return Lock(path=str(p), sha256=sha256_file(p), study=data["study"], arm=data["arm"], grid=grid,
+                training=_training(str(p), data["training"]), selection=_selection(str(p), data["selection"]),
+                edge=_edge(str(p), data["edge"], grid), text=text)

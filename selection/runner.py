@@ -1,0 +1,74 @@
+"""The default cell runner: the ``train`` entry point at the cell's λ, then ``evaluate`` on it.
+
+``train`` gets ``overrides="lambda_p1=<λ_P1>,lambda_p2=<λ_P2>"`` and the lock's arm, seed and size;
+``evaluate`` (``mistill.stages.evaluate.EvaluateConfig``: ``prepare_run``, ``train_run``,
+``split``, ``device``) logs the selection metric (``micro_f1``) and the tie-break
+(``m1.P2C.p_pos``: P(margin > 0) at P2C events), read back from its run. Both go through
+:func:`mistill.stages.workflow.run_step`, so identical finished runs are reused, and new ones are
+nested under the cell's MLflow run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mistill.errors import MistillInputError
+from selection.cells import CellResult, CellRun, grid_cells
+from selection.lock import Lock
+
+
+def lambda_overrides(lambda_p1: float, lambda_p2: float) -> str:
+    """The ``train`` entry point's ``overrides`` for one cell (exact float repr)."""
+    return f"lambda_p1={lambda_p1!r},lambda_p2={lambda_p2!r}"
+
+
+@dataclass(frozen=True)
+class TrainEvaluateRunner:
+    """Train one cell through ``train`` and score it through ``evaluate`` (the default runner)."""
+
+    lock: Lock
+    corpus_name: str
+    prepare_run: str
+    targets_run: str
+    student_attribute_run: str
+    student: str
+    device: str = "cpu"
+    launch: str = "mlflow"
+
+    def check(self) -> None:
+        """Fail before any trial if the arm or its λ overrides are not valid."""
+        from mistill.distill.arms import resolve_arm
+
+        for cell in grid_cells(self.lock.grid):
+            resolve_arm(self.lock.arm, lambda_overrides(*cell.lambdas))
+
+    def __call__(self, run: CellRun) -> CellResult:
+        import importlib
+
+        from mlflow.tracking import MlflowClient
+
+        from mistill.stages.distill import TrainStageConfig
+        from mistill.stages.workflow import run_step
+
+        # the evaluate stage is loaded on first use (its module is written separately)
+        EvaluateConfig = importlib.import_module("mistill.stages.evaluate").EvaluateConfig
+
+        p1, p2 = run.cell.lambdas
+        t = self.lock.training
+        train_cfg = TrainStageConfig(targets_run=self.targets_run, student_attribute_run=self.student_attribute_run,
+                                     student=self.student, arm=self.lock.arm, overrides=lambda_overrides(p1, p2),
+                                     seed=t.seed, precision=t.precision, epochs=t.epochs, grad_accum=t.grad_accum,
+                                     max_steps=t.max_steps, device=self.device)
+        train_run = run_step("train", train_cfg, self.corpus_name, launch=self.launch, parent=run.mlflow_run)
+        eval_cfg = EvaluateConfig(prepare_run=self.prepare_run, train_run=train_run,
+                                  split=self.lock.selection.split, device=self.device)
+        eval_run = run_step("evaluate", eval_cfg, self.corpus_name, launch=self.launch, parent=run.mlflow_run)
+        metrics = MlflowClient().get_run(eval_run).data.metrics
+        name = self.lock.selection.metric
+        if name not in metrics:
+            raise MistillInputError(f"evaluate run {eval_run} has no metric {name!r}", file=self.lock.path,
+                                    field="selection.metric")
+        tie_break = metrics.get(self.lock.selection.tie_break, math.nan)
+        return CellResult(metric=float(metrics[name]), tie_break=float(tie_break),
+                          run_ids={"train": train_run, "evaluate": eval_run})

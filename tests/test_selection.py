@@ -1,0 +1,410 @@
+"""Pre-registered λ selection: the lock and its sha256 refusal, the Optuna grid (each cell once,
+across two processes; failed cells reported, not retried), the decision rule on hand-built cells
+(winner, tie band and tie-break, the inclusive boundary, the edge extension), the sensitivity view,
+and the ``select_lambda`` stage on a real MLflow server with a deterministic runner."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mistill.errors import MistillInputError
+from selection.cells import Cell, CellResult, CellRun, grid_cells, outward_cell
+from selection.decide import (
+    BEST_OUTRIGHT,
+    EDGE_EXTENSION,
+    INCOMPLETE,
+    TIE_BAND,
+    decide,
+    pairwise_gaps,
+    sensitivity,
+)
+from selection.grid import open_study, run_cells, study_cells
+from selection.lock import load_lock
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "projects" / "configs" / "locks" / "embedded-3cell.yaml"
+
+
+def lock_dict(**changes) -> dict:
+    data = {"study": "t", "arm": "mistill",
+            "grid": {"tied": True, "scale": "log", "lambda": [0.03, 0.1, 0.3]},
+            "training": {"seed": 0, "max_steps": 1},
+            "selection": {"metric": "micro_f1", "split": "val", "tie_band": 0.004, "tie_break": "m1.P2C.p_pos"},
+            "edge": {"extend": True, "max_extensions": 1}}
+    for dotted, value in changes.items():
+        *head, last = dotted.split("__")
+        node = data
+        for part in head:
+            node = node[part]
+        if value is None:
+            node.pop(last, None)
+        else:
+            node[last] = value
+    return data
+
+
+def write_lock(tmp_path: Path, name: str = "lock.yaml", **changes) -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(lock_dict(**changes)))
+    return path
+
+
+def tied(v: float) -> Cell:
+    return Cell.of({"lambda": v})
+
+
+def res(metric: float, tie_break: float = math.nan) -> CellResult:
+    return CellResult(metric=metric, tie_break=tie_break)
+
+
+# ------------------------------------------------------------------------------------ the lock
+def test_example_lock_loads_with_its_sha256():
+    lock = load_lock(EXAMPLE)
+    assert lock.grid.tied and lock.grid.axes == {"lambda": (0.03, 0.1, 0.3)}
+    assert lock.selection.tie_band == 0.004 and lock.selection.tie_break == "m1.P2C.p_pos"
+    assert lock.edge.outward == {"lambda": {"low": 0.01, "high": 1.0}}
+    import hashlib
+    assert lock.sha256 == hashlib.sha256(EXAMPLE.read_bytes()).hexdigest()
+    assert [c.lambdas for c in grid_cells(lock.grid)] == [(0.03, 0.03), (0.1, 0.1), (0.3, 0.3)]
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"selection__tie_band": None}, "selection.tie_band"),
+    ({"selection__tie_band": -0.1}, "selection.tie_band"),
+    ({"selection__tie_band": "narrow"}, "selection.tie_band"),
+    ({"edge": None}, "edge"),
+    ({"grid__lambda": []}, "grid.lambda"),
+    ({"grid__lambda": [0.0, 0.1]}, "grid.lambda"),  # log grid needs > 0
+    ({"grid__lambda": [0.1, 0.1]}, "grid.lambda"),
+    ({"grid__scale": "cubic"}, "grid.scale"),
+    ({"grid__lambda_p1": [0.1]}, "grid.lambda_p1"),  # not an axis of a tied grid
+    ({"training__seed": True}, "training.seed"),
+    ({"training__max_step": 3}, "training.max_step"),
+    ({"edge__outward": {"lambda": {"low": 0.05}}}, "edge.outward"),  # inside the grid
+    ({"arm": "../x"}, "arm"),
+    ({"extra": 1}, "extra"),
+])
+def test_lock_validation_names_the_file_and_field(tmp_path, changes, field):
+    path = write_lock(tmp_path, **changes)
+    with pytest.raises(MistillInputError) as err:
+        load_lock(path)
+    assert err.value.file == str(path) and err.value.field == field
+    assert str(path) in str(err.value)
+
+
+def test_untied_grid_is_the_product_of_its_axes(tmp_path):
+    path = write_lock(tmp_path, grid={"tied": False, "scale": "log", "lambda_p1": [0.03, 0.1],
+                                     "lambda_p2": [0.1, 0.3, 1.0]})
+    cells = grid_cells(load_lock(path).grid)
+    assert len(cells) == 6 and (0.03, 1.0) in [c.lambdas for c in cells]
+
+
+def test_missing_and_malformed_lock_files(tmp_path):
+    with pytest.raises(MistillInputError, match="lock file not found"):
+        load_lock(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("study: [unclosed\n")
+    with pytest.raises(MistillInputError, match="malformed YAML") as err:
+        load_lock(bad)
+    assert err.value.file == str(bad)
+
+
+def test_a_changed_lock_refuses_to_load_the_study(tmp_path):
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    first = load_lock(write_lock(tmp_path))
+    handle = open_study(first, url, "s", root=tmp_path)
+    assert handle.created and handle.load().user_attrs["lock_sha256"] == first.sha256
+    again = open_study(first, url, "s", root=tmp_path)
+    assert not again.created
+    changed = load_lock(write_lock(tmp_path, name="widened.yaml", selection__tie_band=0.005))
+    with pytest.raises(MistillInputError) as err:
+        open_study(changed, url, "s", root=tmp_path)
+    assert err.value.file == str(tmp_path / "widened.yaml") and first.sha256 in str(err.value)
+    assert open_study(changed, url, "other", root=tmp_path).created  # another study name is another study
+
+
+# ----------------------------------------------------------------------------------- the grid
+def fixed_runner(table: dict[float, tuple[float, float]], calls: list | None = None, fail: set | None = None):
+    def runner(run: CellRun) -> CellResult:
+        lam = run.cell.lambdas[0]
+        if calls is not None:
+            calls.append(lam)
+        if fail and lam in fail:
+            raise RuntimeError(f"cell {lam} diverged")
+        metric, tb = table[lam]
+        return CellResult(metric=metric, tie_break=tb, run_ids={"train": f"t{lam}"})
+    return runner
+
+
+def test_failed_cells_are_reported_not_retried(tmp_path):
+    lock = load_lock(write_lock(tmp_path))
+    handle = open_study(lock, f"sqlite:///{tmp_path / 'db.sqlite'}", "s", root=tmp_path)
+    table = {0.03: (0.10, 0.7), 0.1: (0.12, 0.8), 0.3: (0.11, 0.9)}
+    calls: list = []
+    first = run_cells(handle, lock.grid.search_space(), fixed_runner(table, calls, fail={0.1}), scale="log")
+    assert sorted(calls) == [0.03, 0.1, 0.3]
+    assert list(first.failed_now) == ["lambda=0.1"] and "diverged" in first.failed_now["lambda=0.1"]
+    assert sorted(first.ran) == ["lambda=0.03", "lambda=0.3"]
+    calls.clear()
+    second = run_cells(handle, lock.grid.search_space(), fixed_runner(table, calls), scale="log")
+    assert calls == [] and second.ran == [] and second.failed_now == {}
+    assert sorted(second.complete_before) == ["lambda=0.03", "lambda=0.3"]
+    assert list(second.failed_before) == ["lambda=0.1"] and "diverged" in second.failed_before["lambda=0.1"]
+    cells = study_cells(handle)
+    assert set(cells.failed) == {tied(0.1)} and set(cells.results) == {tied(0.03), tied(0.3)}
+    assert cells.results[tied(0.3)].tie_break == 0.9 and cells.results[tied(0.3)].run_ids == {"train": "t0.3"}
+    d = decide(lock, cells.results)
+    assert d.rule == INCOMPLETE and d.pick is None and d.missing == (tied(0.1),)
+
+
+def test_threads_in_one_process_run_each_cell_once(tmp_path):
+    lock = load_lock(write_lock(tmp_path, grid__lambda=[0.01, 0.03, 0.1, 0.3, 1.0, 3.0]))
+    handle = open_study(lock, f"sqlite:///{tmp_path / 'db.sqlite'}", "s", root=tmp_path)
+    calls: list = []
+    guard = threading.Lock()
+
+    def runner(run: CellRun) -> CellResult:
+        with guard:
+            calls.append((run.cell.key, threading.get_ident()))
+        return CellResult(metric=run.cell.lambdas[0])
+
+    report = run_cells(handle, lock.grid.search_space(), runner, scale="log", workers=3)
+    assert sorted(k for k, _ in calls) == sorted(c.key for c in grid_cells(lock.grid))
+    assert len(report.ran) == 6 and len(study_cells(handle).results) == 6
+
+
+WORKER = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    from selection.cells import CellResult
+    from selection.grid import open_study, run_cells
+    from selection.lock import load_lock
+
+    tmp, name = Path(sys.argv[1]), sys.argv[2]
+    lock = load_lock(tmp / "lock.yaml")
+    (tmp / f"ready-{name}").touch()
+    while len(list(tmp.glob("ready-*"))) < 2:   # both processes start claiming together
+        time.sleep(0.01)
+    handle = open_study(lock, f"sqlite:///{tmp / 'db.sqlite'}", "shared", root=tmp)
+
+    def runner(run):
+        with open(tmp / "ran.log", "a") as fh:
+            fh.write(f"{name} {run.cell.key} {os.getpid()}\\n")
+        time.sleep(0.2)
+        return CellResult(metric=run.cell.lambdas[0], tie_break=0.5)
+
+    report = run_cells(handle, lock.grid.search_space(), runner, scale=lock.grid.scale)
+    print("RAN", name, len(report.ran))
+""")
+
+
+def test_two_processes_share_one_study_and_run_each_cell_once(tmp_path):
+    write_lock(tmp_path, grid__lambda=[0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0])
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path), name], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in ("a", "b")]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+    lines = [line.split() for line in (tmp_path / "ran.log").read_text().splitlines()]
+    keys = sorted(k for _, k, _ in lines)
+    lock = load_lock(tmp_path / "lock.yaml")
+    assert keys == sorted(c.key for c in grid_cells(lock.grid))  # every cell, each exactly once
+    assert {w for w, _, _ in lines} == {"a", "b"}  # both processes did work
+    assert len({pid for _, _, pid in lines}) == 2
+    handle = open_study(lock, f"sqlite:///{tmp_path / 'db.sqlite'}", "shared", root=tmp_path)
+    trials = handle.load().get_trials()
+    assert len(trials) == 8 and all(t.state.name == "COMPLETE" for t in trials)
+    assert sorted(t.params["lambda"] for t in trials) == sorted(lock.grid.axes["lambda"])
+
+
+# ---------------------------------------------------------------------------- the decision rule
+@pytest.fixture
+def lock3(tmp_path):
+    return load_lock(write_lock(tmp_path))
+
+
+def test_clear_winner(lock3):
+    results = {tied(0.03): res(0.140, 0.9), tied(0.1): res(0.150, 0.1), tied(0.3): res(0.120, 0.5)}
+    d = decide(lock3, results)
+    assert d.rule == BEST_OUTRIGHT and d.pick == tied(0.1) and d.tied == (tied(0.1),)
+    assert d.gaps[tied(0.03)] == 0.150 - 0.140  # full precision, not rounded
+    assert d.extensions == ()  # interior pick: no extension
+
+
+def test_tie_inside_the_band_is_broken_by_m1_at_p2c(lock3):
+    results = {tied(0.03): res(0.148, 0.70), tied(0.1): res(0.150, 0.60), tied(0.3): res(0.120, 0.99)}
+    d = decide(lock3, results, extend=False)
+    assert d.rule == TIE_BAND and d.best == tied(0.1) and d.pick == tied(0.03)
+    assert set(d.tied) == {tied(0.03), tied(0.1)}  # 0.3 is far outside: its M1 does not count
+
+
+def test_the_band_is_inclusive_despite_float_error(lock3):
+    # 0.183 - 0.179 == 0.0040000000000000036 in floats: exactly the band, so a tie (App. I.4)
+    assert 0.183 - 0.179 > 0.004
+    results = {tied(0.03): res(0.179, 0.9), tied(0.1): res(0.183, 0.1), tied(0.3): res(0.100, 0.5)}
+    d = decide(lock3, results, extend=False)
+    assert d.rule == TIE_BAND and d.pick == tied(0.03)
+    # the paper's closest call, 0.0040204002 behind: outside the band
+    results[tied(0.03)] = res(0.183 - 0.0040204002, 0.9)
+    d = decide(lock3, results, extend=False)
+    assert d.rule == BEST_OUTRIGHT and d.pick == tied(0.1)
+    assert d.gaps[tied(0.03)] == pytest.approx(0.0040204002, abs=1e-15)
+
+
+def test_edge_extension_adopted_when_it_beats_by_more_than_the_band(tmp_path):
+    lock = load_lock(write_lock(tmp_path, edge={"extend": True, "max_extensions": 1,
+                                                "outward": {"lambda": {"low": 0.01}}}))
+    results = {tied(0.03): res(0.181, 0.5), tied(0.1): res(0.170, 0.5), tied(0.3): res(0.160, 0.5)}
+    d = decide(lock, results)
+    assert d.pending == tied(0.01) and d.pick == tied(0.03) and not d.complete  # run it first
+    results[tied(0.01)] = res(0.190, 0.1)
+    d = decide(lock, results)
+    assert d.complete and d.rule == EDGE_EXTENSION and d.pick == tied(0.01)
+    assert [(e.cell, e.from_cell, e.adopted) for e in d.extensions] == [(tied(0.01), tied(0.03), True)]
+    assert d.extensions[0].gain == pytest.approx(0.009)
+
+
+def test_edge_extension_taken_but_not_adopted(tmp_path):
+    lock = load_lock(write_lock(tmp_path, edge={"extend": True, "max_extensions": 1,
+                                                "outward": {"lambda": {"high": 1.0}}}))
+    results = {tied(0.03): res(0.10, 0.5), tied(0.1): res(0.11, 0.5), tied(0.3): res(0.150, 0.5),
+               tied(1.0): res(0.154, 0.99)}  # beats by exactly the band: not more
+    d = decide(lock, results)
+    assert d.complete and d.rule == BEST_OUTRIGHT and d.pick == tied(0.3)
+    assert [(e.cell, e.ran, e.adopted) for e in d.extensions] == [(tied(1.0), True, False)]
+
+
+def test_outward_steps_without_explicit_values(tmp_path):
+    lock = load_lock(write_lock(tmp_path, edge={"extend": True, "max_extensions": 3}))
+    assert outward_cell(lock.grid, lock.edge, tied(0.03)) == tied(0.009)  # one log step: x 0.03/0.1
+    assert outward_cell(lock.grid, lock.edge, tied(0.3)) == tied(0.9)
+    assert outward_cell(lock.grid, lock.edge, tied(0.1)) is None
+    results = {tied(0.03): res(0.2), tied(0.1): res(0.1), tied(0.3): res(0.1), tied(0.009): res(0.3)}
+    d = decide(lock, results)  # adopted, so the rule steps out again from the new edge
+    assert d.pick == tied(0.009) and d.pending == tied(0.0027) and d.rule == EDGE_EXTENSION
+    lin = load_lock(write_lock(tmp_path, grid={"tied": False, "scale": "linear", "lambda_p1": [0.1, 0.2],
+                                              "lambda_p2": [0.1, 0.2, 0.3]}))
+    corner = Cell.of({"lambda_p1": 0.2, "lambda_p2": 0.1})
+    assert outward_cell(lin.grid, lin.edge, corner) == Cell.of({"lambda_p1": 0.3, "lambda_p2": 0.0})
+    side = Cell.of({"lambda_p1": 0.1, "lambda_p2": 0.2})
+    assert outward_cell(lin.grid, lin.edge, side) == Cell.of({"lambda_p1": 0.0, "lambda_p2": 0.2})
+
+
+def test_sensitivity_reapplies_other_bands_to_the_same_cells(lock3):
+    # App. M.2's shape: 0.1 is 0.0040204002 behind 0.03; a 0.005 band ties them and M1 picks 0.1
+    results = {tied(0.03): res(0.160, 0.70), tied(0.1): res(0.160 - 0.0040204002, 0.80),
+               tied(0.3): res(0.140, 0.85), tied(0.01): res(0.150, 0.60)}
+    rows = {r["band"]: r for r in sensitivity(lock3, results, [0.0, 0.004, 0.005])}
+    assert rows[0.004]["pick"] == "lambda=0.03" and rows[0.004]["rule"] == BEST_OUTRIGHT
+    assert rows[0.004]["is_locked_band"] and not rows[0.005]["is_locked_band"]
+    assert rows[0.005]["pick"] == "lambda=0.1" and rows[0.005]["rule"] == TIE_BAND and rows[0.005]["n_tied"] == 2
+    assert rows[0.0]["pick"] == "lambda=0.03"
+    gaps = pairwise_gaps(results)
+    assert gaps["lambda=0.03"]["lambda=0.1"] == 0.160 - (0.160 - 0.0040204002)
+
+
+# ------------------------------------------------------------------------------- the stage
+@pytest.fixture
+def pinned_code_version():
+    from mistill.tracking import runs
+
+    version = runs.code_version(REPO)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runs, "code_version", lambda repo_root=None: version)
+        mp.setattr(runs, "_code_version", lambda repo_root=None: version)
+        yield version
+
+
+def test_select_lambda_stage_nests_cells_and_logs_the_decision(tracking_uri, tmp_path, monkeypatch,
+                                                                pinned_code_version):
+    from mlflow.tracking import MlflowClient
+
+    from mistill.stages.select_lambda import SelectLambdaConfig, run_select_lambda
+
+    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path / "root"))
+    lock_path = write_lock(tmp_path, edge={"extend": True, "max_extensions": 2,
+                                           "outward": {"lambda": {"low": 0.01}}})
+    # 0.03 wins on the edge; 0.01 beats it by more than the band; 0.003 (the next step) does not
+    table = {0.03: (0.181, 0.70), 0.1: (0.170, 0.80), 0.3: (0.150, 0.90), 0.01: (0.190, 0.60),
+             0.003: (0.192, 0.99)}
+    calls: list = []
+    cfg = SelectLambdaConfig(lock=str(lock_path), corpus_name="selection-test", workers=2)
+    run_id = run_select_lambda(cfg, runner=fixed_runner(table, calls))
+    assert sorted(calls) == [0.003, 0.01, 0.03, 0.1, 0.3]
+
+    client = MlflowClient()
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    lock = load_lock(lock_path)
+    tags = run.data.tags
+    assert tags["mistill.selection.lock_sha256"] == lock.sha256
+    assert tags["mistill.selection.rule"] == EDGE_EXTENSION and tags["mistill.selection.pick"] == "lambda=0.01"
+    assert tags["mistill.selection.study_created"] == "true"
+    assert run.data.metrics["selected.lambda_p1"] == 0.01 == run.data.metrics["selected.lambda_p2"]
+    assert run.data.metrics["selected.micro_f1"] == 0.190
+    assert json.loads(run.data.params["lock.selection"])["tie_band"] == 0.004
+
+    children = client.search_runs([run.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'")
+    assert sorted(c.data.tags["mistill.selection.cell"] for c in children) == \
+        sorted(f"lambda={v!r}" for v in table)
+    by_cell = {c.data.tags["mistill.selection.cell"]: c for c in children}
+    assert by_cell["lambda=0.1"].data.metrics == {"micro_f1": 0.170, "m1.P2C.p_pos": 0.80}
+    assert by_cell["lambda=0.1"].data.tags["mistill.selection.run.train"] == "t0.1"
+    assert all(c.info.status == "FINISHED" for c in children)
+
+    local = client.download_artifacts(run_id, "decision.json", str(tmp_path / "dl"))
+    record = json.loads(Path(local).read_text())
+    assert record["decision"]["rule"] == EDGE_EXTENSION and record["decision"]["pick"] == "lambda=0.01"
+    assert [(e["cell"], e["adopted"]) for e in record["decision"]["extensions"]] == \
+        [("lambda=0.01", True), ("lambda=0.003", False)]
+    assert record["decision"]["gaps_to_best"]["lambda=0.1"] == 0.181 - 0.170
+    assert record["lock"]["sha256"] == lock.sha256
+    assert {r["band"] for r in record["sensitivity"]} >= {0.004, 0.002, 0.008}
+    arts = {a.path for a in client.list_artifacts(run_id)}
+    assert {"cells.csv", "cells.md", "sensitivity.csv", "sensitivity.md"} <= arts
+
+    # a second identical invocation reuses the finished run and runs nothing
+    calls.clear()
+    assert run_select_lambda(cfg, runner=fixed_runner(table, calls)) == run_id and calls == []
+
+    # the same study under an edited lock is refused, naming the lock file
+    lock_path.write_text(lock_path.read_text().replace("0.004", "0.005"))
+    with pytest.raises(MistillInputError) as err:
+        run_select_lambda(cfg, runner=fixed_runner(table, calls))
+    assert err.value.file == str(lock_path) and calls == []
+
+
+def test_select_lambda_stage_reports_failed_cells_and_fails(tracking_uri, tmp_path, monkeypatch,
+                                                           pinned_code_version):
+    from mlflow.tracking import MlflowClient
+
+    from mistill.stages.select_lambda import SelectLambdaConfig, run_select_lambda
+
+    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path / "root"))
+    lock_path = write_lock(tmp_path)
+    table = {0.03: (0.1, 0.5), 0.1: (0.2, 0.5), 0.3: (0.15, 0.5)}
+    cfg = SelectLambdaConfig(lock=str(lock_path), corpus_name="selection-test-fail")
+    with pytest.raises(MistillInputError, match="diverged"):
+        run_select_lambda(cfg, runner=fixed_runner(table, fail={0.3}))
+    calls: list = []
+    with pytest.raises(MistillInputError, match="not retried"):
+        run_select_lambda(cfg, runner=fixed_runner(table, calls))
+    assert calls == []  # completed cells skipped, the failed one reported, not retried
+    client = MlflowClient()
+    exp = client.get_experiment_by_name("mistill/selection-test-fail")
+    runs = client.search_runs([exp.experiment_id], filter_string="tags.`mistill.stage` = 'select_lambda'")
+    assert len(runs) == 1 and runs[0].info.status == "FAILED"  # the second call resumed the same run
+    failed = client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FAILED' and "
+                                "tags.`mistill.stage` = 'select_lambda.cell'")
+    assert [r.data.tags["mistill.selection.cell"] for r in failed] == ["lambda=0.3"]
