@@ -33,11 +33,14 @@ def stages() -> dict[str, Stage]:
     from mistill.stages.prepare import PrepareConfig, run_prepare
     from mistill.stages.report import ReportConfig, run_report
     from mistill.stages.select_lambda import SelectLambdaConfig, run_select_lambda
+    from mistill.stages.shortlist import ShortlistConfig, run_shortlist
     from mistill.stages.workflow import (CharacterizeConfig, PipelineConfig, run_characterize,
                                          run_pipeline)
 
     table = [
         Stage("prepare", PrepareConfig, run_prepare, {}, "inventory, corpus and prompts"),
+        Stage("shortlist", ShortlistConfig, run_shortlist, {"prepare": "prepare_run"},
+              "the retrieved shortlist: a prepared corpus whose prompts list it (use as prepare_run)"),
         Stage("events", EventsConfig, run_events, {"prepare": "prepare_run"},
               "decision events per note, realized in the model's tokenizer, and the margin audit"),
         Stage("attribute", AttributeConfig, run_attribute, {"events": "events_run"},
