@@ -408,3 +408,16 @@ def test_select_lambda_stage_reports_failed_cells_and_fails(tracking_uri, tmp_pa
     failed = client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FAILED' and "
                                 "tags.`mistill.stage` = 'select_lambda.cell'")
     assert [r.data.tags["mistill.selection.cell"] for r in failed] == ["lambda=0.3"]
+
+
+def test_default_runner_checks_the_arm_before_any_trial(tmp_path):
+    from selection.runner import TrainEvaluateRunner, lambda_overrides
+
+    assert lambda_overrides(0.03, 0.1) == "lambda_p1=0.03,lambda_p2=0.1"
+    good = load_lock(write_lock(tmp_path))
+    TrainEvaluateRunner(lock=good, corpus_name="c", prepare_run="p", targets_run="t",
+                        student_attribute_run="s", student="m").check()
+    bad = load_lock(write_lock(tmp_path, name="bad.yaml", arm="no-such-arm"))
+    with pytest.raises(MistillInputError):
+        TrainEvaluateRunner(lock=bad, corpus_name="c", prepare_run="p", targets_run="t",
+                            student_attribute_run="s", student="m").check()
