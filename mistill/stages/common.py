@@ -73,8 +73,9 @@ def load_prepared(run_id: str) -> Prepared:
         data_dir = mistill_root() / "data" / run_id
         data_dir.mkdir(parents=True, exist_ok=True)
         for name in (CORPUS_FILE, INVENTORY_FILE, CORPUS_META_FILE):
-            client.download_artifacts(run_id, f"data/{name}", str(data_dir.parent / f".{run_id}-dl"))
-            os.replace(data_dir.parent / f".{run_id}-dl" / "data" / name, data_dir / name)
+            # the returned path is where the file landed (MLflow 3 drops the "data/" folder)
+            got = client.download_artifacts(run_id, f"data/{name}", str(data_dir.parent / f".{run_id}-dl"))
+            os.replace(got, data_dir / name)
     meta = read_json(data_dir / CORPUS_META_FILE)
     inventory = Inventory.from_json(data_dir / INVENTORY_FILE)
     corpus = Corpus.from_jsonl(data_dir / CORPUS_FILE, name=meta["name"], privacy=meta["privacy"],
