@@ -247,6 +247,8 @@ def test_retriever_is_deterministic(encoder, tiny_corpora) -> None:
     assert runs[0][0] == runs[1][0]
     assert torch.equal(runs[0][1], runs[1][1])
     assert all(sorted(r) == sorted(corpus.inventory.codes) for r in runs[0][0])
+    # a note's ranking depends on the note alone, not on the notes read with it
+    assert r.rank([corpus.notes[2]])[0] == runs[0][0][2]
 
 
 def test_excluded_patients_never_reach_the_head(encoder, tiny_corpora) -> None:
@@ -451,3 +453,56 @@ def test_downstream_stage_takes_the_shortlist_run_as_prepare_run(staged, monkeyp
     assert run.info.status == "FINISHED"
     assert run.data.tags["mistill.input.prepare"] == staged["run"]
     assert run.data.tags["mistill.corpus_digest"] == load_prepared(staged["run"]).corpus.digest
+
+
+def test_stage_artifacts_suffice_without_the_local_data_dir(staged, monkeypatch) -> None:
+    monkeypatch.setenv("MISTILL_ROOT", str(staged["root"]))
+    tags = MlflowClient().get_run(staged["run"]).data.tags
+    local = Path(tags["mistill.data_dir"])
+    moved = local.with_name(local.name + ".moved")
+    local.rename(moved)
+    try:
+        fetched = load_prepared(staged["run"])   # synthetic: downloaded from the run's artifacts
+        assert fetched.data_dir != local and fetched.corpus.digest == tags["mistill.corpus_digest"]
+        assert all(n.shortlist for n in fetched.corpus.notes)
+    finally:
+        moved.rename(local)
+
+
+def test_stage_on_a_restricted_corpus_with_a_training_run(tracking_uri, tmp_path, monkeypatch,
+                                                          pinned_code_version) -> None:
+    """A restricted corpus: the head trains on another prepare run's train split (one of whose
+    notes belongs to a patient of the shortlisted corpus and is dropped), and no note text or
+    corpus file reaches the server."""
+    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path / "root"))
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    syn = make_synthetic_corpus(4, seed=0)
+    train = make_synthetic_corpus(10, seed=3, inventory=syn.inventory, splits={"train": 0.8, "test": 0.2})
+    leak = replace(syn.notes[0], note_id="leak", split="train")
+    codes = tmp_path / "codes.txt"
+    codes.write_text("\n".join(syn.inventory.codes) + "\n")
+    runs = {}
+    for name, notes in (("eval", syn.notes), ("train", [*train.notes, leak])):
+        path = Corpus(name=name, privacy="restricted", notes=notes,
+                      inventory=syn.inventory).to_jsonl(tmp_path / f"{name}.jsonl")
+        runs[name] = run_prepare(PrepareConfig(corpus=str(path), corpus_name=unique(f"r-{name}"),
+                                               privacy="restricted", codes_file=str(codes),
+                                               model=TINY))
+    run_id = run_shortlist(ShortlistConfig(prepare_run=runs["eval"], train_prepare_run=runs["train"],
+                                           epochs=20, k=30))
+    client = MlflowClient()
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["mistill.privacy"] == "restricted"
+    assert run.data.tags["mistill.shortlist.train_prepare_run"] == runs["train"]
+    arts = set()
+    stack = [""]
+    while stack:
+        for f in client.list_artifacts(run_id, stack.pop() or None):
+            (stack.append(f.path) if f.is_dir else arts.add(f.path))
+    assert "data/inventory.json" in arts and not {"data/corpus.jsonl", "data/corpus_meta.json"} & arts
+    trained = pd.read_csv(_artifact(run_id, "retriever_train_notes.csv"), dtype=str)
+    assert "leak" not in set(trained["note_id"]) and len(trained) == 8   # the 8 train-split notes
+    assert run.data.metrics["n_train_dropped"] == 1 and run.data.metrics["k"] == 30
+    out = load_prepared(run_id)   # from the local data dir (restricted text stays here)
+    assert out.corpus.privacy == "restricted"
+    assert all(len(n.shortlist) >= 30 for n in out.corpus.notes)

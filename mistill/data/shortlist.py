@@ -261,7 +261,8 @@ def baseline_rows(shortlists: Sequence[Sequence[str]], gold: Sequence[Sequence[s
                   n_train: int | None = None):
     """The retriever alone as the prediction: the first ``k`` codes of each note's (ranked)
     shortlist for every ``k`` no longer than the longest shortlist, and the whole shortlist,
-    scored with :func:`mistill.evaluation.metrics.task_metrics`. One row each."""
+    scored with :func:`mistill.evaluation.metrics.task_metrics`. One row each (``k`` is -1 for
+    the whole shortlist)."""
     import pandas as pd
 
     from mistill.evaluation.metrics import task_metrics
@@ -335,25 +336,40 @@ class Retriever:
         self.settings = settings
         self.code_emb = encoder.encode([inventory.description(c) for c in inventory.codes],
                                        batch_size=settings.batch_size, progress="descriptions")
+        # [n_codes, d] unit rows, inventory order
         self.head = None
         self.train_note_ids: tuple[str, ...] = ()
 
-    def embed_notes(self, notes: Sequence[Note], desc: str = "notes") -> list[torch.Tensor]:
-        """Chunk embeddings of every note: a list of ``[n_chunks, d]``."""
+    def note_chunks(self, note: Note) -> list[str]:
+        """The note's chunks of ``chunk_words`` words (the text as the prompt shows it)."""
         from mistill.models.encoder import chunk_words
 
-        chunks, owner = [], []
-        for i, n in enumerate(notes):
-            pieces = chunk_words(retriever_text(n, self.settings.remove_discharge_diagnosis),
-                                 self.settings.chunk_words)
-            if not pieces:
-                raise MistillInputError("note has no words to retrieve from", note=n.note_id,
-                                        field="text")
-            chunks += pieces
-            owner += [i] * len(pieces)
-        emb = self.encoder.encode(chunks, batch_size=self.settings.batch_size, progress=desc)
-        owner_t = torch.tensor(owner, dtype=torch.long)
-        return [emb[owner_t == i] for i in range(len(notes))]
+        pieces = chunk_words(retriever_text(note, self.settings.remove_discharge_diagnosis),
+                             self.settings.chunk_words)
+        if not pieces:
+            raise MistillInputError("note has no words to retrieve from", note=note.note_id,
+                                    field="text")
+        return pieces
+
+    def features(self, notes: Sequence[Note], *, zero_shot: bool = True, desc: str = "notes"
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(x [n_notes, 2d], zero-shot [n_notes, n_codes] or None)``.
+
+        Each note's chunks are encoded on their own (never batched with another note's), so a
+        note's scores depend on that note alone, whichever corpus or split it is read in; only
+        the pooled features and the zero-shot row are kept, not the chunk embeddings.
+        """
+        from tqdm.auto import tqdm
+
+        xs, zs = [], []
+        for note in tqdm(notes, desc=desc, leave=False):
+            emb = self.encoder.encode(self.note_chunks(note), batch_size=self.settings.batch_size)
+            xs.append(pool_chunks(emb))
+            if zero_shot:
+                zs.append(zero_shot_scores(emb, self.code_emb))
+        if not xs:
+            raise MistillInputError("no notes to embed", field="notes")
+        return torch.stack(xs), (torch.stack(zs) if zero_shot else None)
 
     def fit(self, train_notes: Sequence[Note], excluded_patients: Iterable[str] = ()) -> None:
         """Train the head on ``train_notes``; a note of an excluded patient raises (callers
@@ -368,7 +384,7 @@ class Retriever:
         if not train_notes:
             raise MistillInputError("no training notes left for the linear head (every "
                                     "candidate's patient is excluded?)", field="train")
-        x = torch.stack([pool_chunks(c) for c in self.embed_notes(train_notes, "train notes")])
+        x, _ = self.features(train_notes, zero_shot=False, desc="train notes")
         y = label_matrix(train_notes, self.inventory)
         s = self.settings
         self.head = train_linear_head(x, y, l2=s.l2, lr=s.lr, epochs=s.epochs,
@@ -379,10 +395,9 @@ class Retriever:
         """``(head, zero_shot, fused)``, each ``[n_notes, n_codes]`` in inventory order."""
         if self.head is None:
             raise RuntimeError("Retriever.fit() first")
-        emb = self.embed_notes(notes)
-        x = torch.stack([pool_chunks(c) for c in emb])
+        x, zero = self.features(notes)
         head = self.head.logits(x).numpy().astype(np.float64)
-        zs = torch.stack([zero_shot_scores(c, self.code_emb) for c in emb]).numpy().astype(np.float64)
+        zs = zero.numpy().astype(np.float64)
         s = self.settings
         return head, zs, fuse_scores(head, zs, rule=s.fusion, weight=s.fusion_weight, rrf_k=s.rrf_k)
 
