@@ -2,11 +2,11 @@
 
 Features are standardised with the training notes' mean and standard deviation; the weights
 start at zero and the biases at the (smoothed) log-odds of each code's training prevalence, so
-a code never seen in training starts, and stays, near the bottom. The loss is the mean binary
-cross-entropy over notes, summed over codes (independent per-code regressions), plus
-``l2 / 2 * ||W||^2``; Adam runs ``epochs`` passes over
-the notes in mini-batches whose order comes from a generator seeded with ``seed``. Everything
-runs in float32 on CPU, so two trainings on the same data give the same weights.
+a code never seen in training starts, and stays, near the bottom. The loss is each code's mean
+binary cross-entropy over the notes, summed over codes (independent per-code regressions), plus
+``l2 / 2 * ||W||^2``; Adam runs ``epochs`` passes over the notes in mini-batches whose order
+comes from a generator seeded with ``seed``. Everything runs in float32 on CPU, so two trainings
+on the same data give the same weights.
 """
 
 from __future__ import annotations
