@@ -25,6 +25,7 @@ __all__ = [
 ]
 
 _PHASE_ORDER = ("P1", "P2", "P2C")
+_FLOOR_COLOURS = {"random": "#7f7f7f", "bottom": "#d62728"}
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf",
             "#bcbd22", "#d62728", "#7f7f7f")
 
@@ -61,8 +62,11 @@ def recovery_long_from_own(per_note_own: pd.DataFrame) -> pd.DataFrame:
     return pd.concat([own, floor], ignore_index=True)
 
 
-def recovery_figure(long: pd.DataFrame, title: str):
-    """Recovery against k per phase; ``long`` has ``phase, k, series, recovery, floor``."""
+def recovery_figure(long: pd.DataFrame, title: str, subtitle: str = ""):
+    """Recovery against k per phase; ``long`` has ``phase, k, series, recovery, floor``.
+
+    A floor named ``<series> (random)`` takes its series' colour, dashed; other floors are
+    grey (``random``) or red (``bottom``), dashed."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
@@ -70,8 +74,10 @@ def recovery_figure(long: pd.DataFrame, title: str):
         raise MistillInputError("no recovery values to plot", field="recovery")
     phases = _phases(long["phase"])
     fig = make_subplots(rows=1, cols=len(phases), subplot_titles=phases, shared_yaxes=True)
-    bases = [s for s in dict.fromkeys(long.loc[~long["floor"], "series"])]
+    bases = list(dict.fromkeys(long.loc[~long["floor"], "series"]))
     colour = {s: _PALETTE[i % len(_PALETTE)] for i, s in enumerate(bases)}
+    colour.update({s: _FLOOR_COLOURS.get(s.split()[-1], "#7f7f7f")
+                   for s in long.loc[long["floor"], "series"] if s not in colour})
     for j, phase in enumerate(phases, start=1):
         sub = long[long["phase"] == phase]
         for series, grp in sub.groupby("series", sort=False):
@@ -81,15 +87,19 @@ def recovery_figure(long: pd.DataFrame, title: str):
             fig.add_trace(go.Scatter(
                 x=grp["k"].tolist(), y=grp["recovery"].tolist(), mode="lines+markers",
                 name=series, legendgroup=series, showlegend=j == 1,
-                line={"color": "#7f7f7f" if is_floor and base == series else colour.get(base),
+                line={"color": colour.get(base, colour.get(series)),
                       "dash": "dash" if is_floor else "solid"}), row=1, col=j)
-        fig.update_xaxes(type="log", title_text="k (heads)", row=1, col=j)
+        ks = sorted({int(k) for k in sub["k"]})
+        fig.update_xaxes(type="log", title_text="k (heads)", tickvals=ks,
+                         ticktext=[str(k) for k in ks], row=1, col=j)
     fig.update_yaxes(title_text="knock-in recovery (median over notes)", row=1, col=1)
-    fig.update_layout(title=title, template="plotly_white")
+    fig.update_layout(title=f"{title}<br><sup>{subtitle}</sup>" if subtitle else title,
+                      template="plotly_white")
     return fig
 
 
-def paired_differences_figure(differences: pd.DataFrame, summary: pd.DataFrame, title: str):
+def paired_differences_figure(differences: pd.DataFrame, summary: pd.DataFrame, title: str,
+                              subtitle: str = ""):
     """Per-note differences (``model, comparison, measure, note_id, difference``), one panel
     per measure; ``summary`` (a paired table: ``arm, reference, measure, mean_diff, ci_low,
     ci_high``) adds each comparison's mean with its 95% interval."""
@@ -124,7 +134,8 @@ def paired_differences_figure(differences: pd.DataFrame, summary: pd.DataFrame, 
                 row=i, col=1)
         fig.add_hline(y=0, line={"color": "#444", "width": 1}, row=i, col=1)
         fig.update_yaxes(title_text="arm - reference", row=i, col=1)
-    fig.update_layout(title=title, template="plotly_white", height=320 * len(measures) + 120)
+    fig.update_layout(title=f"{title}<br><sup>{subtitle}</sup>" if subtitle else title,
+                      template="plotly_white", height=320 * len(measures) + 120)
     return fig
 
 

@@ -170,8 +170,8 @@ def _global_sets(rep: Report, runs: pd.DataFrame) -> None:
         table[table["k"].isin(table1_ks)].reset_index(drop=True),
         tables.global_sets_display(table, table1_ks)))
     rep.figures["recovery_vs_k_global"] = figures.recovery_figure(
-        figures.recovery_long_from_sets(rows),
-        "Knock-in recovery of the global sets against k (dashed: random and bottom-k floors)")
+        figures.recovery_long_from_sets(rows), "Knock-in recovery of the global sets",
+        "median over notes against k; dashed: count-matched random and bottom-k floors")
 
 
 def _task(rep: Report, runs: pd.DataFrame, n_resamples: int, corpus_resamples: int,
@@ -213,7 +213,8 @@ def _task(rep: Report, runs: pd.DataFrame, n_resamples: int, corpus_resamples: i
         "higher/lower/tied; for micro-F1 also the corpus-level difference with notes "
         f"resampled ({corpus_resamples}) and its bootstrap p.", t43, tables.paired_display(t43)))
     rep.figures["paired_differences_task"] = figures.paired_differences_figure(
-        diffs, t43, f"Per-note differences against {rep.reference_arm} (seed-averaged)")
+        diffs, t43, f"Per-note differences against {rep.reference_arm}",
+        "seed-averaged per note; red: mean with its bootstrap 95% interval")
     return per_note
 
 
@@ -239,9 +240,8 @@ def _own_heads(rep: Report, runs: pd.DataFrame, eval_runs: pd.DataFrame,
         "Per seed: medians over notes, random-k floors in parentheses; task: that seed's "
         "micro-F1.", seeds, tables.own_heads_seed_display(seeds)))
     rep.figures["recovery_vs_k_own"] = figures.recovery_figure(
-        figures.recovery_long_from_own(per_note),
-        "Own-heads knock-in recovery against k (mean over seeds of medians over notes; "
-        "dashed: random floors)")
+        figures.recovery_long_from_own(per_note), "Own-heads knock-in recovery",
+        "mean over seeds of medians over notes, against k; dashed: random-k floors")
     cmp_what = "Table 45 seed-matched comparisons"
     if not (per_note["arm"] == rep.reference_arm).any():
         return _skip(rep, cmp_what, f"no own_heads run of the reference arm "
@@ -261,7 +261,8 @@ def _own_heads(rep: Report, runs: pd.DataFrame, eval_runs: pd.DataFrame,
         "pooled note-pair counts are in the CSV, descriptive only.",
         t45, tables.paired_display(t45)))
     rep.figures["paired_differences_own_heads"] = figures.paired_differences_figure(
-        diffs, t45, f"Per-note seed-matched differences against {rep.reference_arm}")
+        diffs, t45, f"Seed-matched differences against {rep.reference_arm}",
+        "per note, the mean over its seed pairs; red: mean with its bootstrap 95% interval")
 
 
 def _lambda(rep: Report, runs: pd.DataFrame) -> None:

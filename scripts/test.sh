@@ -4,6 +4,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh || exit 1
+# headless Chromium for the browser tests (tests/test_browser.py), from Debian's packages;
+# skipped when it is already there. Without it those tests fail, they do not skip.
+if ! command -v chromium >/dev/null 2>&1; then
+  echo "installing chromium for the browser tests" >&2
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } \
+    >/dev/null 2>&1 || echo "could not install chromium: the browser tests will fail" >&2
+fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export MLFLOW_DISABLE_TELEMETRY=true HF_HUB_OFFLINE=1

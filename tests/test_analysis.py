@@ -150,6 +150,19 @@ def test_task_table_means_sds_and_gap():
 
 
 # ------------------------------------------------------------------ the report, end to end
+@pytest.fixture(scope="module", autouse=True)
+def pinned_code_version():
+    """One code version for the module: others edit the checkout while tests run, and a report
+    is reused only under the same code version (see tests/test_stages.py)."""
+    from mistill.tracking import runs
+
+    version = runs.code_version()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runs, "code_version", lambda repo_root=None: version)
+        mp.setattr(runs, "_code_version", lambda repo_root=None: version)
+        yield version
+
+
 @pytest.fixture(scope="module")
 def run_set(tracking_uri, tmp_path_factory):
     corpus = unique("report")
