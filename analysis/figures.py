@@ -140,9 +140,10 @@ def paired_differences_figure(differences: pd.DataFrame, summary: pd.DataFrame, 
 
 
 def lambda_frontier_figure(cells: pd.DataFrame, title: str = "λ selection: validation frontier"):
-    """``cells`` of ``select_lambda`` runs (``lambda_p1, lambda_p2, metric, tie_break, state``,
-    and ``selection`` naming the run): the validation metric against λ_P1 on a log axis, one
-    line per selection run and λ_P2 (when it differs from λ_P1), markers by state."""
+    """``cells`` of ``select_lambda`` runs (``lambda_p1, lambda_p2, metric, tie_break, state``;
+    optional ``selection`` naming the run and boolean ``picked``): the validation metric against
+    λ_P1 on a log axis, one line per selection run and λ_P2 (when it differs from λ_P1),
+    markers by state, the picked cells circled."""
     import plotly.graph_objects as go
 
     need = ["lambda_p1", "lambda_p2", "metric", "tie_break", "state"]
@@ -170,6 +171,12 @@ def lambda_frontier_figure(cells: pd.DataFrame, title: str = "λ selection: vali
             text=[f"state {s}; tie-break {t:.4g}; λ_P2 {p2:g}" for s, t, p2 in
                   zip(grp["state"], grp["tie_break"].astype(float), grp["lambda_p2"])],
             hovertemplate="λ_P1 %{x:g}: %{y:.4f}<br>%{text}"))
+    if "picked" in df.columns and df["picked"].astype(bool).any():
+        pick = df[df["picked"].astype(bool)]
+        fig.add_trace(go.Scatter(x=pick["lambda_p1"], y=pick["metric"], mode="markers",
+                                 name="pick", marker={"size": 22, "symbol": "circle-open",
+                                                      "color": "#d62728", "line": {"width": 2}},
+                                 hoverinfo="skip"))
     fig.update_xaxes(type="log", title_text="λ (P1)" if not same else "λ")
     fig.update_yaxes(title_text="validation metric")
     subtitle = "markers: " + ", ".join(f"{symbols[i % len(symbols)]} = {s}"

@@ -34,6 +34,7 @@ PER_NOTE_METRICS = "per_note_metrics.csv"
 OWN_HEADS_PER_NOTE = "own_heads_per_note.csv"
 PER_NOTE_SETS = "per_note_sets.csv"
 LAMBDA_CELLS = "cells.csv"
+DECISION = "decision.json"
 
 _KEYS: dict[str, tuple[str, ...]] = {"knockin": ("model",), "evaluate": query.RUN_KEY,
                                      "own_heads": query.RUN_KEY,
@@ -265,21 +266,54 @@ def _own_heads(rep: Report, runs: pd.DataFrame, eval_runs: pd.DataFrame,
         "per note, the mean over its seed pairs; red: mean with its bootstrap 95% interval")
 
 
+def _selection_columns(run_id: str) -> dict[str, str]:
+    """``{<lock's metric>: "metric", <lock's tie-break>: "tie_break"}`` from the run's
+    ``decision.json`` (the ``select_lambda`` stage names those columns after its lock)."""
+    from mistill.io import read_json
+    from mistill.stages.common import RunReader
+
+    try:
+        rule = read_json(RunReader(run_id, field=DECISION).file(DECISION))["lock"]["selection"]
+        return {str(rule["metric"]): "metric", str(rule["tie_break"]): "tie_break"}
+    except (MistillInputError, OSError, KeyError, TypeError, ValueError):
+        return {}
+
+
+def _lambda_cells(rep: Report, runs: pd.DataFrame) -> pd.DataFrame:
+    """Every run's cells with ``metric`` and ``tie_break`` columns (named so in ``cells.csv``,
+    or after the lock's metric and tie-break as ``decision.json`` says) and ``picked``."""
+    frames = []
+    for i in range(len(runs)):
+        cells = _load(rep, runs.iloc[[i]], LAMBDA_CELLS, ["lambda_p1", "lambda_p2", "state"])
+        if cells.empty:
+            continue
+        if not {"metric", "tie_break"} <= set(cells.columns):
+            cells = cells.rename(columns=_selection_columns(runs["run_id"].iloc[i]))
+        if not {"metric", "tie_break"} <= set(cells.columns):
+            rep.notes.append(f"run {runs['run_id'].iloc[i]}: {LAMBDA_CELLS} has no metric and "
+                             f"tie-break columns, and {DECISION} does not name them")
+            continue
+        if "picked" not in cells.columns:
+            cells["picked"] = False
+        frames.append(cells)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
 def _lambda(rep: Report, runs: pd.DataFrame) -> None:
     what = "The λ validation frontier"
     if runs.empty:
         return _skip(rep, what, "no FINISHED select_lambda runs")
-    cells = _load(rep, runs, LAMBDA_CELLS,
-                  ["lambda_p1", "lambda_p2", "metric", "tie_break", "state"])
+    cells = _lambda_cells(rep, runs)
     if cells.empty:
-        return _skip(rep, what, f"no select_lambda run has {LAMBDA_CELLS}")
+        return _skip(rep, what, f"no select_lambda run has a readable {LAMBDA_CELLS}")
     names = dict(zip(runs["run_id"], runs["run_name"]))
     cells.insert(0, "selection", cells["run_id"].map(names).fillna(cells["run_id"]))
+    cells["picked"] = cells["picked"].astype(str).str.lower().isin(["true", "1"])
     cols = ["selection", "model", "arm", "lambda_p1", "lambda_p2", "metric", "tie_break",
-            "state"]
+            "state", "picked"]
     shown = cells[cols].sort_values(["selection", "lambda_p1", "lambda_p2"]).reset_index(
         drop=True)
     rep.tables.append(ReportTable(
-        "lambda_cells", "λ selection cells", "Validation metric and tie-break per grid cell.",
-        shown, shown))
+        "lambda_cells", "λ selection cells",
+        "Validation metric and tie-break per grid cell, the pick marked.", shown, shown))
     rep.figures["lambda_frontier"] = figures.lambda_frontier_figure(cells)

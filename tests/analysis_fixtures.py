@@ -33,8 +33,9 @@ class FakeStageConfig(Config):
 def make_run(uri: str, corpus: str, stage: str, root: Path, *, arm: str | None = None,
              seed: int | None = None, precision: str | None = None, model: str = STUDENT,
              metrics: dict[str, float] | None = None,
-             tables: dict[str, pd.DataFrame] | None = None) -> str:
-    """One FINISHED run of ``stage`` with these tags, metrics and CSV artifacts."""
+             tables: dict[str, pd.DataFrame] | None = None,
+             jsons: dict[str, Any] | None = None) -> str:
+    """One FINISHED run of ``stage`` with these tags, metrics, CSV and JSON artifacts."""
     cfg = FakeStageConfig(arm=arm or "", seed=seed or 0, tag=f"{stage}-{arm}-{seed}-{model}")
     with StageRun(stage, cfg, corpus=corpus, guard=PrivacyGuard([], "synthetic"), model=model,
                   arm=arm, seed=seed, precision=precision, root=root, code_version="test",
@@ -43,6 +44,8 @@ def make_run(uri: str, corpus: str, stage: str, root: Path, *, arm: str | None =
             run.log_metrics(metrics)
         for name, df in (tables or {}).items():
             run.log_table(name, df, index=False)
+        for name, obj in (jsons or {}).items():
+            run.log_json(name, obj)
         return run.run_id
 
 
@@ -130,6 +133,19 @@ def lambda_cells() -> pd.DataFrame:
                          "state": ["done", "picked", "done", "done"]})
 
 
+def stage_lambda_cells() -> pd.DataFrame:
+    """Cells as the ``select_lambda`` stage writes them: metric and tie-break columns named after
+    its lock (``decision.json`` says which), the pick in ``picked``."""
+    return pd.DataFrame({"cell": ["a", "b", "c"], "lambda_p1": [0.03, 0.1, 0.3],
+                         "lambda_p2": [0.03, 0.1, 0.3], "in_grid": True,
+                         "state": ["complete", "complete", "failed"],
+                         "micro_f1": [0.21, 0.215, None], "m1.P2C.p_pos": [0.7, 0.75, None],
+                         "picked": [False, True, False]})
+
+
+DECISION = {"lock": {"selection": {"metric": "micro_f1", "tie_break": "m1.P2C.p_pos"}}}
+
+
 def build_run_set(uri: str, corpus: str, root: Path, *, kinds=("evaluate", "own_heads",
                                                                 "knockin", "select_lambda")
                   ) -> dict[str, Any]:
@@ -155,4 +171,7 @@ def build_run_set(uri: str, corpus: str, root: Path, *, kinds=("evaluate", "own_
     if "select_lambda" in kinds:
         ids["select_lambda"] = make_run(uri, corpus, "select_lambda", root, arm="mistill",
                                         seed=0, tables={"cells": lambda_cells()})
+        ids["select_lambda_stage"] = make_run(
+            uri, corpus, "select_lambda", root, arm="randheads", seed=0,
+            tables={"cells": stage_lambda_cells()}, jsons={"decision": DECISION})
     return ids

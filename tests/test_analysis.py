@@ -224,7 +224,7 @@ def test_report_numbers_match_hand_values(tracking_uri, run_set, reader_root, tm
     assert run.info.status == "FINISHED" and run.data.tags["mistill.stage"] == "report"
     assert run.data.metrics["n_runs.evaluate"] == 7 and run.data.metrics["n_tables"] == 8
     inputs = {k for k in run.data.tags if k.startswith("mistill.input.")}
-    assert f"mistill.input.evaluate.{ids['evaluate'][('opd', 0)]}" in inputs and len(inputs) == 13
+    assert f"mistill.input.evaluate.{ids['evaluate'][('opd', 0)]}" in inputs and len(inputs) == 14
 
     # Table 2: mean and sd over seeds, the gap recovered, single seeds marked
     t2 = _csv(run_id, "table2_task_fidelity", tmp_path)
@@ -289,7 +289,10 @@ def test_report_numbers_match_hand_values(tracking_uri, run_set, reader_root, tm
 
     # λ cells, the figures and the report text
     cells = _csv(run_id, "lambda_cells", tmp_path)
-    assert cells["metric"].max() == pytest.approx(0.24)
+    assert cells["metric"].max() == pytest.approx(0.24) and len(cells) == 7
+    stage_cells = cells[cells["arm"] == "randheads"]  # columns named after the lock
+    assert stage_cells["metric"].tolist()[:2] == pytest.approx([0.21, 0.215])
+    assert stage_cells["picked"].tolist() == [False, True, False]
     names = {a.path for a in MlflowClient().list_artifacts(run_id, "figures")}
     assert names == {f"figures/{n}.html" for n in (
         "recovery_vs_k_global", "paired_differences_task", "recovery_vs_k_own",
