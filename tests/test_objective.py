@@ -226,3 +226,79 @@ def test_a_left_out_near_tie_leaves_the_gradient_finite(setup):
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in student.model.parameters() if p.grad is not None)
     assert np.isfinite(parts["P2/interaction"])
+
+
+def test_blocks_run_during_the_forward_and_equal_the_deferred_path(setup, monkeypatch):
+    """RowSetBlocks runs each layer's block while the forward is at that layer; the loss and
+    every gradient equal those of blocks run after the forward (the fallback path)."""
+    import mistill.distill.objective as obj
+    from mistill.distill.attention_rows import in_plain_forward
+
+    corpus, note, teacher, events, nd_t, pools_t, targets = setup
+    student = tiny_model("qwen3", layers=3, heads=4, kv_heads=2, d_head=16, d_model=64, seed=5)
+    nd_s = build_note_data(note, corpus.inventory, student.tokenizer, events)
+    pairing = pair_rows(nd_s, nd_t.realized.values(), targets, window=8, teacher_trace_start=nd_t.trace_start)
+    pools_s = model_pools(_head_sets(student, 3), student.geometry.head_names(), k=5)
+    student.model.requires_grad_(True)
+    student.model.train()
+    from mistill.distill.trainer import checkpoint_layers
+
+    assert checkpoint_layers(student.model)  # the trainer's checkpointing: hooks stay outside it
+    seen: list[tuple[int, bool]] = []
+    real_call = obj.RowSetBlocks.__call__
+
+    def spy(self, layer, hidden):
+        seen.append((layer, in_plain_forward()))
+        real_call(self, layer, hidden)
+    monkeypatch.setattr(obj.RowSetBlocks, "__call__", spy)
+
+    def run(eager: bool):
+        monkeypatch.setattr(obj.RowSetBlocks, "_eager_ok", eager, raising=False)
+        student.model.zero_grad(set_to_none=True)
+        loss, parts = micro_step_loss(student.model, student, nd_s, targets, pairing, pools_s,
+                                      resolve_arm("mistill"))
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in student.model.named_parameters() if p.grad is not None}
+
+    eager_loss, eager_grads = run(True)
+    assert seen and all(plain for _, plain in seen)  # the hook saw a plain forward at every pool layer
+    deferred_loss, deferred_grads = run(False)
+    torch.testing.assert_close(eager_loss, deferred_loss, rtol=1e-5, atol=1e-6)
+    assert eager_grads.keys() == deferred_grads.keys()
+    for name in eager_grads:
+        torch.testing.assert_close(eager_grads[name], deferred_grads[name], rtol=1e-4, atol=1e-6)
+
+
+def test_in_plain_forward_is_false_inside_a_checkpoint():
+    import torch.utils.checkpoint as cp
+
+    from mistill.distill.attention_rows import in_plain_forward
+
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+
+    def f(a):
+        seen.append(in_plain_forward())
+        return a * 2
+    assert in_plain_forward()
+    cp.checkpoint(f, x, use_reentrant=False).sum().backward()
+    cp.checkpoint(f, x, use_reentrant=True).sum().backward()
+    with torch.no_grad():
+        assert not in_plain_forward()
+    assert seen[0] is False and all(s is False for s in seen)
+
+
+def test_row_maps_and_event_tables_equal_the_per_row_references(setup):
+    corpus, note, teacher, events, nd_t, pools_t, targets = setup
+    ids = list(nd_t.realized)
+    rows = ids + [None, None]
+    maps = nd_t.row_maps(rows, "cpu")
+    want = torch.stack([nd_t.row_map(e) for e in rows])
+    assert torch.equal(maps, want)
+    assert any(nd_t.carve(e)[0].numel() for e in ids if nd_t.realized[e].event.kind != "P1")
+    target, comp, region = nd_t.event_tables(ids, "cpu")
+    for i, e in enumerate(ids):
+        r = nd_t.realized[e]
+        assert int(target[i]) == r.target_id
+        assert comp[i][comp[i] >= 0].tolist() == list(r.competitor_ids)
+        assert sorted(torch.nonzero(region[i]).reshape(-1).tolist()) == sorted(set(nd_t.region(e)))

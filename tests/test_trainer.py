@@ -125,3 +125,34 @@ def test_a_non_finite_gradient_stops_training_before_the_update(tmp_path):
     with pytest.raises(FloatingPointError, match="step 1"):
         t.train(progress=False)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_checkpoint_layers_keeps_gradients_and_hooks_outside():
+    """Our per-layer checkpointing: the same loss and gradients as none, and a layer's forward
+    pre-hook fires once per forward, outside the checkpoint (gradients on, no saved-tensor hooks)."""
+    from mistill.distill.attention_rows import in_plain_forward
+    from mistill.distill.trainer import checkpoint_layers
+
+    ids = torch.arange(3, 40).unsqueeze(0)
+
+    def grads(checkpointed: bool):
+        lm = tiny_model("llama", layers=2, heads=4, kv_heads=2, d_head=8, d_model=32, seed=3)
+        lm.model.train()
+        if checkpointed:
+            assert checkpoint_layers(lm.model)
+        fired, inner = [], []
+        lm.model.model.layers[1].register_forward_pre_hook(lambda m, a: fired.append(in_plain_forward()))
+        lm.model.model.layers[1].self_attn.register_forward_pre_hook(lambda m, a, k: inner.append(1),
+                                                                     with_kwargs=True)
+        loss = lm.model(input_ids=ids, use_cache=False).logits.float().pow(2).mean()
+        loss.backward()
+        # inside the checkpoint, the attention runs again in the backward (the recompute)
+        assert len(inner) == (2 if checkpointed else 1)
+        return loss.detach(), {n: p.grad for n, p in lm.model.named_parameters()}, fired
+
+    l0, g0, f0 = grads(False)
+    l1, g1, f1 = grads(True)
+    torch.testing.assert_close(l0, l1)
+    for name in g0:
+        torch.testing.assert_close(g0[name], g1[name], rtol=1e-5, atol=1e-7)
+    assert f0 == [True] and f1 == [True]

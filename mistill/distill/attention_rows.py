@@ -23,7 +23,7 @@ every earlier layer.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +33,7 @@ from torch import nn
 from mistill.errors import MistillInputError
 from mistill.models.geometry import HeadGeometry, LayerParts
 
-__all__ = ["LayerInputs", "LayerKeys", "layer_keys", "attention_rows", "head_outputs",
+__all__ = ["LayerInputs", "in_plain_forward", "LayerKeys", "layer_keys", "attention_rows", "head_outputs",
            "contribution", "region_mass", "final_norm_scale"]
 
 
@@ -45,6 +45,16 @@ def _in_backward() -> bool:
     """True while autograd runs a backward pass (a checkpoint replaying a layer)."""
     task = getattr(torch._C, "_current_graph_task_id", None)
     return task is not None and task() != -1
+
+
+def in_plain_forward() -> bool:
+    """True when work done now builds an ordinary autograd graph: gradients on, not inside a
+    backward replay, and not inside an activation checkpoint's forward (which would drop or
+    replay whatever is computed here)."""
+    if not torch.is_grad_enabled() or _in_backward():
+        return False
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is None
 
 
 class LayerInputs:
@@ -69,16 +79,23 @@ class LayerInputs:
     graph task is set) and ignored, so what is kept is always the forward's tensor, whose graph
     reaches the earlier checkpoints. Each new forward inside the block overwrites the previous
     one's tensors.
+
+    ``on_input(layer, hidden)``, if given, is called with each kept tensor as soon as the layer
+    receives it (during the forward pass, replays excluded): work that reads a layer's input can
+    run then, so its autograd nodes sit beside the layer's own (see
+    :class:`mistill.distill.objective.RowSetBlocks`).
     """
 
     def __init__(self, geometry: HeadGeometry, layers: Iterable[int], *,
-                 final_residual: bool = False) -> None:
+                 final_residual: bool = False,
+                 on_input: Callable[[int, torch.Tensor], None] | None = None) -> None:
         self.geometry = geometry
         self.layers = tuple(sorted({int(l) for l in layers}))
         for l in self.layers:
             if not 0 <= l < geometry.n_layers:
                 raise MistillInputError(f"layer {l} outside 0..{geometry.n_layers - 1}", field="layers")
         self.want_final = final_residual
+        self.on_input = on_input
         self.inputs: dict[int, torch.Tensor] = {}
         self.final: torch.Tensor | None = None
         self._handles: list = []
@@ -91,6 +108,8 @@ class LayerInputs:
             if hidden is None:
                 raise RuntimeError(f"layer {layer} was called without hidden_states")
             self.inputs[layer] = hidden
+            if self.on_input is not None:
+                self.on_input(layer, hidden)
             return None
         return hook
 
@@ -349,7 +368,20 @@ def final_norm_scale(geometry: HeadGeometry, final_residual: torch.Tensor) -> to
 
 def _competitors(competitor_ids: Sequence[Sequence[int]], competitor_logits, n_rows: int,
                  device: torch.device, detach: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Padded ids ``[row, comp]`` and softmax weights ``[row, comp]`` (0 on padding)."""
+    """Padded ids ``[row, comp]`` and softmax weights ``[row, comp]`` (0 on padding).
+
+    Fast path: ``competitor_ids`` a ``[row, comp]`` tensor padded with ``-1`` and
+    ``competitor_logits`` a ``[row, comp]`` tensor (values at padding ignored)."""
+    if isinstance(competitor_ids, torch.Tensor):
+        ids = competitor_ids.to(device)
+        if ids.shape[0] != n_rows or not isinstance(competitor_logits, torch.Tensor) \
+                or competitor_logits.shape != ids.shape:
+            raise MistillInputError("padded competitor ids and logits must both be [row, comp]",
+                                    field="competitor_ids")
+        mask = ids >= 0
+        logits = competitor_logits.to(device, torch.float32)
+        logits = (logits.detach() if detach else logits).masked_fill(~mask, float("-inf"))
+        return ids.clamp_min(0), torch.softmax(logits, dim=-1).masked_fill(~mask, 0.0)
     if len(competitor_ids) != n_rows:
         raise MistillInputError(f"{len(competitor_ids)} competitor lists for {n_rows} rows",
                                 field="competitor_ids")
@@ -404,7 +436,8 @@ def contribution(z_by_layer: Mapping[int, torch.Tensor],
         heads_by_layer: ``{layer: [h]}`` head indices within the layer (order of ``z``).
         weights_by_layer: ``{layer: [h]}`` pool weights ``w_h``.
         final_residual: ``[row, d_model]`` residual stream entering the final norm.
-        target_ids: ``[row]``; competitor_ids: ``row`` lists of ids.
+        target_ids: ``[row]``; competitor_ids: ``row`` lists of ids, or ``[row, comp]`` padded
+            with ``-1`` (then ``competitor_logits`` is ``[row, comp]`` too).
         competitor_logits: ``row`` 1-D tensors of the clean logits at the competitors, or a
             ``[row, comp]`` tensor (entries past a row's list ignored).
         margins: ``[row]`` the clean margins.
@@ -448,11 +481,16 @@ def region_mass(bucket_rows: torch.Tensor, region: Sequence[Sequence[int]]) -> t
 
     Args:
         bucket_rows: ``[row, bucket]`` pooled bucket rows ``a_bar``.
-        region: one list of bucket indices per row (duplicates count once).
+        region: one list of bucket indices per row (duplicates count once), or a ``[row, bucket]``
+            bool mask.
     Returns:
         ``[row]`` ``sum_{b in region[r]} a_bar[r, b]`` (differentiable in ``bucket_rows``).
     """
     n_rows, n_buckets = bucket_rows.shape
+    if isinstance(region, torch.Tensor):
+        if region.shape != bucket_rows.shape or region.dtype != torch.bool:
+            raise MistillInputError(f"region mask must be bool {tuple(bucket_rows.shape)}", field="region")
+        return (bucket_rows * region).sum(-1)
     if len(region) != n_rows:
         raise MistillInputError(f"{len(region)} regions for {n_rows} rows", field="region")
     mask = torch.zeros(n_rows, n_buckets, dtype=torch.bool, device=bucket_rows.device)

@@ -37,6 +37,8 @@ class NoteData:
     inventory: Inventory
     trace_start: int
     _row_maps: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    _carves: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    _on_device: dict = field(default_factory=dict, repr=False)
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -53,6 +55,55 @@ class NoteData:
 
     def region(self, event_id: str) -> list[int]:
         return region_buckets(self.axis, self.realized[event_id].event)
+
+    def carve(self, event_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the row map at ``event_id`` differs from the base map: positions ``[n]`` and
+        their buckets ``[n]`` (empty at P1 events)."""
+        if event_id not in self._carves:
+            full = self.row_map(event_id)
+            where = torch.nonzero(full != self.base_map).reshape(-1)
+            self._carves[event_id] = (where, full.index_select(0, where))
+            self._row_maps.pop(event_id, None)  # the carve is all that is kept
+        return self._carves[event_id]
+
+    def row_maps(self, event_ids: Sequence[str | None], device: torch.device | str) -> torch.Tensor:
+        """Bucket maps ``[row, pos]`` (int64, on ``device``) of rows at ``event_ids`` (``None``: a
+        window row). Built on the device from the base map and each row's carve; when no row is
+        carved the result is a stride-0 view of the base map (no copy)."""
+        device = torch.device(device)
+        key = ("base", device)
+        if key not in self._on_device:
+            self._on_device[key] = self.base_map.to(device)
+        base = self._on_device[key]
+        carved = [(r, self.carve(e)) for r, e in enumerate(event_ids)
+                  if e is not None and self.realized[e].event.kind != "P1"]
+        carved = [(r, c) for r, c in carved if c[0].numel()]
+        maps = base.unsqueeze(0).expand(len(event_ids), -1)
+        if not carved:
+            return maps
+        rows = torch.cat([torch.full((c[0].numel(),), r, dtype=torch.long) for r, c in carved])
+        pos = torch.cat([c[0] for _, c in carved])
+        val = torch.cat([c[1] for _, c in carved])
+        maps = maps.clone()
+        maps[rows.to(device), pos.to(device)] = val.to(device)
+        return maps
+
+    def event_tables(self, event_ids: Sequence[str], device: torch.device | str
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per event, on ``device``: target ids ``[e]``, competitor ids ``[e, comp]`` padded with
+        ``-1``, and the region mask ``[e, bucket]`` (bool) over this note's bucket axis."""
+        key = ("events", tuple(event_ids), torch.device(device))
+        if key not in self._on_device:
+            real = [self.realized[e] for e in event_ids]
+            width = max((len(r.competitor_ids) for r in real), default=0)
+            comp = torch.full((len(real), max(width, 1)), -1, dtype=torch.long)
+            region = torch.zeros(len(real), self.axis.n, dtype=torch.bool)
+            for i, (e, r) in enumerate(zip(event_ids, real)):
+                comp[i, :len(r.competitor_ids)] = torch.as_tensor(r.competitor_ids, dtype=torch.long)
+                region[i, self.region(e)] = True
+            target = torch.as_tensor([r.target_id for r in real], dtype=torch.long)
+            self._on_device[key] = (target.to(device), comp.to(device), region.to(device))
+        return self._on_device[key]
 
 
 def first_trace_token(offsets: Sequence[tuple[int, int]], trace_offset: int) -> int:

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
+from torch.profiler import record_function
 
 from mistill.distill.arms import ArmConfig
 from mistill.distill.attention_rows import LayerInputs, contribution, layer_keys, region_mass
-import torch.utils.checkpoint
 from mistill.distill.buckets import bucketize
 from mistill.distill.losses import (attention_term, chunked_cot_loss, event_token_weights,
                                     interaction_term, mistill_objective, write_term)
@@ -143,74 +144,165 @@ class RowSet:
     with_outputs: bool = False
 
 
-def pooled_row_sets(hidden: Mapping[int, torch.Tensor], sets: Sequence[RowSet], lm: LoadedModel, n_buckets: int,
-                    *, checkpointed: bool = True, row_chunk: int = 1024
-                    ) -> list[tuple[torch.Tensor, tuple[dict, dict, dict]]]:
-    """Pooled bucket rows for several row sets at once.
+@dataclass
+class LayerPlan:
+    """One layer's share of the row sets: the union of the heads any set pools there, every
+    set's rows concatenated, and per set its head columns, weights and row range."""
 
-    Per layer, one block projects the keys of every head any set pools there, recomputes all the
-    sets' attention rows together (in row chunks), pools each set's rows over its heads with its
-    weights and then buckets them (bucketing is linear, so pooling first buckets ``head`` times
-    fewer entries). The block runs under activation checkpointing: the backward recomputes it, so
-    neither the keys nor the ``[row, head, pos]`` probabilities are kept. Returns, per set, its
-    ``[row, bucket]`` rows and its per-layer head outputs, heads and weights (for ``c``)."""
-    g = lm.geometry
+    layer: int
+    union: torch.Tensor  # [u] heads within the layer
+    rows: torch.Tensor  # [n] query positions, the sets' rows concatenated
+    users: list[tuple[int, torch.Tensor, torch.Tensor, int, int]]  # (set, columns [h], weights [u], lo, hi)
+
+
+def plan_row_sets(sets: Sequence[RowSet]) -> dict[int, LayerPlan]:
+    """Group the row sets by the layers their pools touch."""
     device = sets[0].maps.device
-    out_a = [torch.zeros(len(s.positions), n_buckets, dtype=torch.float32, device=device) for s in sets]
-    outs = [({}, {}, {}) for _ in sets]
     per_layer: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
     for i, s in enumerate(sets):
         for layer, (heads, weights) in s.pool.by_layer().items():
             per_layer.setdefault(layer, []).append((i, heads, weights))
-    for layer, users in per_layer.items():
+    plans = {}
+    for layer, users in sorted(per_layer.items()):
         union = sorted({int(h) for _, heads, _ in users for h in heads})
         col = {h: j for j, h in enumerate(union)}
-        union_t = torch.as_tensor(union, dtype=torch.long, device=device)
-        plan = []
+        out, lo = [], 0
         for i, heads, weights in users:
-            w = torch.zeros(len(union), dtype=torch.float32, device=device)
-            idx = torch.as_tensor([col[int(h)] for h in heads], dtype=torch.long, device=device)
-            w[idx] = weights.to(device, torch.float32)
-            plan.append((i, idx, w))
-        rows = torch.as_tensor([p for i, _, _ in plan for p in sets[i].positions], dtype=torch.long, device=device)
-        bounds = np.cumsum([0] + [len(sets[i].positions) for i, _, _ in plan]).tolist()
-        parts = g.layers[layer]
+            w = torch.zeros(len(union), dtype=torch.float32)
+            idx = torch.as_tensor([col[int(h)] for h in heads], dtype=torch.long)
+            w[idx] = torch.as_tensor(weights, dtype=torch.float32)
+            n = len(sets[i].positions)
+            out.append((i, idx.to(device), w.to(device), lo, lo + n))
+            lo += n
+        rows = torch.as_tensor([p for i, _, _ in users for p in sets[i].positions], dtype=torch.long)
+        plans[layer] = LayerPlan(layer, torch.as_tensor(union, dtype=torch.long, device=device),
+                                 rows.to(device), out)
+    return plans
 
-        def block(hidden_l, rows=rows, plan=plan, bounds=bounds, parts=parts, union_t=union_t):
-            keys = layer_keys(parts, g, hidden_l, union_t, torch.arange(hidden_l.shape[0], device=hidden_l.device))
-            if any(sets[i].with_outputs for i, _, _ in plan):
-                keys.values  # noqa: B018 - projected inside the block, so its recompute matches
-            pooled_parts = [[] for _ in plan]
-            z_parts = [[] for _ in plan]
-            # rows in chunks: the [row, head, pos] probabilities of one chunk at a time
-            for c0 in range(0, rows.numel(), row_chunk):
-                c1 = min(rows.numel(), c0 + row_chunk)
-                probs = keys.rows(rows[c0:c1])  # [chunk rows, union heads, pos]
-                for k, (i, idx, w) in enumerate(plan):
-                    lo, hi = max(bounds[k], c0), min(bounds[k + 1], c1)
-                    if lo >= hi:
-                        continue
-                    p = probs[lo - c0:hi - c0]
-                    maps = sets[i].maps[lo - bounds[k]:hi - bounds[k]]
-                    pooled_parts[k].append(bucketize((p * w.view(1, -1, 1)).sum(1), maps, n_buckets))
-                    if sets[i].with_outputs:
-                        z_parts[k].append(keys.outputs(p.index_select(1, idx), union_t.index_select(0, idx)))
-            res = []
-            for k, (i, _, _) in enumerate(plan):
-                res.append(torch.cat(pooled_parts[k]))
-                res.append(torch.cat(z_parts[k]) if sets[i].with_outputs else hidden_l.new_zeros(0))
-            return tuple(res)
 
-        if checkpointed and torch.is_grad_enabled():
-            res = torch.utils.checkpoint.checkpoint(block, hidden[layer], use_reentrant=False)
-        else:
-            res = block(hidden[layer])
-        for k, (i, idx, _) in enumerate(plan):
-            out_a[i] = out_a[i] + res[2 * k]
-            if sets[i].with_outputs:
-                heads, weights = sets[i].pool.by_layer()[layer]
-                outs[i][0][layer], outs[i][1][layer], outs[i][2][layer] = res[2 * k + 1], heads, weights
-    return list(zip(out_a, outs))
+def run_layer_plan(plan: LayerPlan, sets: Sequence[RowSet], lm: LoadedModel, hidden_l: torch.Tensor, *,
+                   checkpointed: bool = True, row_chunk: int = 1024) -> tuple[torch.Tensor, ...]:
+    """One layer's block: project the keys of the union heads once, recompute every set's rows
+    (in chunks of ``row_chunk``) and pool each set's rows over its heads with its weights.
+
+    hidden_l: ``[pos, d_model]``. Returns per user of the layer its pooled probabilities
+    ``[rows, pos]`` (bucketed once, after the layers are summed: bucketing is linear) and its
+    head outputs ``[rows, h, d_head]`` (empty when the set needs none). Under ``checkpointed``
+    the block runs inside activation checkpointing: the backward recomputes it, so neither the
+    keys nor the ``[row, head, pos]`` probabilities are kept."""
+    g = lm.geometry
+    parts = g.layers[plan.layer]
+
+    def block(hidden_l):
+        keys = layer_keys(parts, g, hidden_l, plan.union, torch.arange(hidden_l.shape[0], device=hidden_l.device))
+        if any(sets[i].with_outputs for i, *_ in plan.users):
+            keys.values  # noqa: B018 - projected inside the block, so its recompute matches
+        pooled_parts = [[] for _ in plan.users]
+        z_parts = [[] for _ in plan.users]
+        for c0 in range(0, plan.rows.numel(), row_chunk):
+            c1 = min(plan.rows.numel(), c0 + row_chunk)
+            probs = keys.rows(plan.rows[c0:c1])  # [chunk rows, union heads, pos]
+            for k, (i, idx, w, lo_k, hi_k) in enumerate(plan.users):
+                lo, hi = max(lo_k, c0), min(hi_k, c1)
+                if lo >= hi:
+                    continue
+                p = probs[lo - c0:hi - c0]
+                pooled_parts[k].append(torch.einsum("rhp,h->rp", p, w))
+                if sets[i].with_outputs:
+                    z_parts[k].append(keys.outputs(p.index_select(1, idx), plan.union.index_select(0, idx)))
+        res = []
+        for k, (i, *_) in enumerate(plan.users):
+            res.append(torch.cat(pooled_parts[k]))
+            res.append(torch.cat(z_parts[k]) if sets[i].with_outputs else hidden_l.new_zeros(0))
+        return tuple(res)
+
+    if checkpointed and torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(block, hidden_l, use_reentrant=False)
+    return block(hidden_l)
+
+
+class RowSetSums:
+    """Each set's pooled probabilities ``[row, pos]`` summed over the layers as their blocks
+    arrive (a running sum, so no layer's block output outlives its addition), its per-layer head
+    outputs, and at the end one bucketing per set."""
+
+    def __init__(self, sets: Sequence[RowSet]) -> None:
+        self.sets = list(sets)
+        self.sums: list[torch.Tensor | None] = [None] * len(self.sets)
+        self.outs: list[tuple[dict, dict, dict]] = [({}, {}, {}) for _ in self.sets]
+        self.done: set[int] = set()
+
+    def add(self, plan: LayerPlan, res: tuple[torch.Tensor, ...]) -> None:
+        for k, (i, *_) in enumerate(plan.users):
+            self.sums[i] = res[2 * k] if self.sums[i] is None else self.sums[i] + res[2 * k]
+            if self.sets[i].with_outputs:
+                heads, weights = self.sets[i].pool.by_layer()[plan.layer]
+                o = self.outs[i]
+                o[0][plan.layer], o[1][plan.layer], o[2][plan.layer] = res[2 * k + 1], heads, weights
+        self.done.add(plan.layer)
+
+    def bucketed(self, n_buckets: int) -> list[tuple[torch.Tensor, tuple[dict, dict, dict]]]:
+        out = []
+        for s, total, o in zip(self.sets, self.sums, self.outs):
+            a = (torch.zeros(len(s.positions), n_buckets, dtype=torch.float32, device=s.maps.device)
+                 if total is None else bucketize(total, s.maps, n_buckets))
+            out.append((a, o))
+        return out
+
+
+def pooled_row_sets(hidden: Mapping[int, torch.Tensor], sets: Sequence[RowSet], lm: LoadedModel, n_buckets: int,
+                    *, checkpointed: bool = True, row_chunk: int = 1024
+                    ) -> list[tuple[torch.Tensor, tuple[dict, dict, dict]]]:
+    """Pooled bucket rows for several row sets at once, from the kept layer inputs
+    ``{layer: [pos, d_model]}``: per layer one :func:`run_layer_plan` block, summed over layers,
+    bucketed once. Returns, per set, its ``[row, bucket]`` rows and its per-layer head outputs,
+    heads and weights (for ``c``)."""
+    sums = RowSetSums(sets)
+    for layer, plan in plan_row_sets(sets).items():
+        sums.add(plan, run_layer_plan(plan, sets, lm, hidden[layer], checkpointed=checkpointed,
+                                      row_chunk=row_chunk))
+    return sums.bucketed(n_buckets)
+
+
+class RowSetBlocks:
+    """Run each layer's block while the forward pass is at that layer (``LayerInputs``'
+    ``on_input``), not after it.
+
+    Why: a block's backward yields a dense ``[pos, d_model]`` gradient for its layer's input. Had
+    the blocks been built after the forward, autograd (which runs the most recently created nodes
+    first) would run them all at the start of the backward and hold one such gradient per pooled
+    layer until the backward reached that layer (gigabytes at 30k tokens). Built during the
+    forward, each block's backward runs just before its layer's. Where the layer input arrives
+    inside an activation checkpoint's forward (a transformers release that checkpoints the whole
+    module call; the trainer's own :func:`~mistill.distill.trainer.checkpoint_layers` does not),
+    the block waits and :meth:`finish` runs it after the forward instead.
+    """
+
+    _eager_ok = True  # tests switch it off to compare with the deferred path
+
+    def __init__(self, sets: Sequence[RowSet], lm: LoadedModel, n_buckets: int, *, row_chunk: int = 1024) -> None:
+        from mistill.distill.attention_rows import in_plain_forward
+
+        self._plain = in_plain_forward
+        self.sets, self.lm, self.n_buckets, self.row_chunk = list(sets), lm, n_buckets, row_chunk
+        self.plans = plan_row_sets(self.sets) if self.sets else {}
+        self.sums = RowSetSums(self.sets)
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self.plans)
+
+    def __call__(self, layer: int, hidden: torch.Tensor) -> None:
+        if self._eager_ok and layer in self.plans and layer not in self.sums.done and self._plain():
+            self.sums.add(self.plans[layer], run_layer_plan(self.plans[layer], self.sets, self.lm, hidden[0],
+                                                            row_chunk=self.row_chunk))
+
+    def finish(self, kept: LayerInputs) -> list[tuple[torch.Tensor, tuple[dict, dict, dict]]]:
+        for layer, plan in self.plans.items():
+            if layer not in self.sums.done:
+                self.sums.add(plan, run_layer_plan(plan, self.sets, self.lm, kept[layer][0],
+                                                   row_chunk=self.row_chunk))
+        return self.sums.bucketed(self.n_buckets) if self.sets else []
 
 
 def micro_step_loss(model: torch.nn.Module, lm: LoadedModel, student: NoteData, targets: Mapping[str, np.ndarray],
@@ -225,10 +317,32 @@ def micro_step_loss(model: torch.nn.Module, lm: LoadedModel, student: NoteData, 
     g = lm.geometry
     device = next(model.parameters()).device
     ids = student.input_ids.to(device)
-    mistill = arm.objective == "mistill" and any(v > 0 for v in arm.lambdas.values())
-    layers = sorted({l for key, p in pools.items() for l in p.layers}) if mistill else []
-    with LayerInputs(g, layers, final_residual=mistill) as kept:
-        out = model.model(input_ids=ids.unsqueeze(0), use_cache=False)
+    mistill = (arm.objective == "mistill" and any(v > 0 for v in arm.lambdas.values())
+               and bool(pairing.rows))
+    # every row set of every supervised phase, planned before the forward so that each layer's
+    # block runs while the forward is at that layer (RowSetBlocks)
+    plan: list[tuple[str, str, list[int], RowSet]] = []
+    positions: list[int] = []
+    if mistill:
+        with record_function("mistill/row_maps"):
+            positions = ([r.student_pos for r in pairing.rows] if arm.positions == "events"
+                         else random_positions(pairing.rows, student, arm.pool_seed))
+            for phase in ("P1", "P2", "P2C"):
+                if arm.lambdas[phase] == 0:
+                    continue
+                idx = [i for i, r in enumerate(pairing.rows) if r.phase == phase]
+                for role in ("event", "window"):
+                    sel = [i for i in idx if pairing.rows[i].role == role]
+                    if sel:
+                        maps = student.row_maps([pairing.rows[i].event_id if role == "event" else None
+                                                 for i in sel], device)
+                        # the student's window rows read its own P1 pool (App. I.1)
+                        plan.append((phase, role, sel, RowSet(pools[phase], [positions[i] for i in sel], maps,
+                                                              with_outputs=role == "event")))
+    blocks = RowSetBlocks([p[3] for p in plan], lm, student.axis.n)
+    with LayerInputs(g, blocks.layers, final_residual=mistill, on_input=blocks) as kept:
+        with record_function("mistill/forward"):
+            out = model.model(input_ids=ids.unsqueeze(0), use_cache=False)
         hidden_last = out.last_hidden_state[0]
         ts = student.trace_start
         n = ids.numel()
@@ -238,80 +352,75 @@ def micro_step_loss(model: torch.nn.Module, lm: LoadedModel, student: NoteData, 
             top_ids, top_logp = top_ids[teacher_positions], top_logp[teacher_positions]
         weights = None
         if arm.event_weight != 1.0:
-            positions = [r.student_pos - ts + 1 for r in pairing.rows]  # rows predict the next token
-            weights = event_token_weights(n - ts, [p for p in positions if 0 <= p < n - ts],
+            w_pos = [r.student_pos - ts + 1 for r in pairing.rows]  # rows predict the next token
+            weights = event_token_weights(n - ts, [p for p in w_pos if 0 <= p < n - ts],
                                           factor=arm.event_weight, device=device)
-        cot, parts = chunked_cot_loss(hidden_last[ts - 1:n - 1], g.lm_head, ids[ts:], top_ids, top_logp,
-                                      kl_weight=arm.kl_weight, token_weights=weights, chunk=logits_chunk,
-                                      mode=kl_mode)
+        with record_function("mistill/cot"):
+            cot, parts = chunked_cot_loss(hidden_last[ts - 1:n - 1], g.lm_head, ids[ts:], top_ids, top_logp,
+                                          kl_weight=arm.kl_weight, token_weights=weights, chunk=logits_chunk,
+                                          mode=kl_mode)
         logs = {k: float(v) for k, v in parts.items()}
-        if not mistill or not pairing.rows:
+        if not mistill:
             return cot, {"loss": float(cot.detach()), **logs}
-        hidden = {l: kept[l][0] for l in layers}
+        with record_function("mistill/row_sets"):
+            computed = blocks.finish(kept)
         final = kept.final[0]
-        positions = ([r.student_pos for r in pairing.rows] if arm.positions == "events"
-                     else random_positions(pairing.rows, student, arm.pool_seed))
-        phase_terms: dict[str, dict[str, torch.Tensor]] = {}
-        # every row set of every supervised phase, recomputed together layer by layer
-        plan = []
-        for phase in ("P1", "P2", "P2C"):
-            if arm.lambdas[phase] == 0:
-                continue
-            idx = [i for i, r in enumerate(pairing.rows) if r.phase == phase]
-            for role in ("event", "window"):
-                sel = [i for i in idx if pairing.rows[i].role == role]
-                if sel:
-                    maps = torch.stack([student.row_map(pairing.rows[i].event_id if role == "event" else None)
-                                        for i in sel]).to(device)
-                    # the student's window rows read its own P1 pool (App. I.1)
-                    plan.append((phase, role, sel, RowSet(pools[phase], [positions[i] for i in sel], maps,
-                                                          with_outputs=role == "event")))
-        computed = pooled_row_sets(hidden, [p[3] for p in plan], lm, student.axis.n) if plan else []
-        for phase in ("P1", "P2", "P2C"):
-            mine = [(role, sel, res) for (ph, role, sel, _), res in zip(plan, computed) if ph == phase]
-            if not mine:
-                continue
-            terms: dict[str, torch.Tensor] = {}
-            a_s_parts = [res[0] for _, _, res in mine]
-            a_t_parts = [torch.as_tensor(targets["pooled"][pairing.teacher_row[sel]], device=device)
-                         for _, sel, _ in mine]
-            event_info = next(((sel, res[0], res[1]) for role, sel, res in mine if role == "event"), None)
-            if "attention" in arm.terms:
-                terms["attention"] = attention_term(torch.cat(a_t_parts), torch.cat(a_s_parts))
-            if event_info is not None and ({"interaction", "write"} & set(arm.terms)):
-                sel, a_s, (z, heads, w) = event_info
-                rows_t = [pairing.rows[i] for i in sel]
-                real = [student.realized[r.event_id] for r in rows_t]
-                pos_t = torch.as_tensor([positions[i] for i in sel], device=device)
-                logits = g.lm_head(hidden_last.index_select(0, pos_t)).float()
-                margins = torch.stack([logits[j, rr.target_id] - torch.logsumexp(
-                    logits[j, list(rr.competitor_ids)], dim=-1) for j, rr in enumerate(real)])
-                ev = pairing.teacher_event[sel]
-                m_t = torch.as_tensor(targets["m"][ev], device=device, dtype=torch.float32)
-                c_t = torch.as_tensor(targets["c"][ev], device=device, dtype=torch.float32)
-                t_margin = torch.as_tensor(targets["margin"][ev], device=device, dtype=torch.float32)
-                ok = (t_margin.abs() >= arm.min_abs_margin) & (margins.detach().abs() >= arm.min_abs_margin)
-                if not bool(ok.any()):
-                    ok = torch.ones_like(ok)  # keep the term defined; every margin is a near-tie
-                # c divides by the margin: a left-out near-tie must not reach the backward as 0 * inf
-                safe = torch.where(ok & (margins.detach().abs() > 1e-6), margins, torch.ones_like(margins))
-                c_s = contribution(z, heads, w, g, final.index_select(0, pos_t),
-                                   [rr.target_id for rr in real], [list(rr.competitor_ids) for rr in real],
-                                   [logits[j, list(rr.competitor_ids)] for j, rr in enumerate(real)], safe)
-                m_s = region_mass(a_s, [student.region(r.event_id) for r in rows_t])
-                m_s, c_s, m_t, c_t = m_s[ok], c_s[ok], m_t[ok], c_t[ok]
-                if "interaction" in arm.terms:
-                    terms["interaction"] = interaction_term(m_s, c_s, m_t, c_t)
-                if "write" in arm.terms:
-                    terms["write"] = write_term(c_s, c_t, normalize=arm.write_norm)
-            phase_terms[phase] = terms
-        # phases whose rows this note lacks contribute nothing (their lambda is applied to no term)
-        complete = {p: t for p, t in phase_terms.items() if all(name in t for name in arm.terms)}
-        lambdas = {p: (arm.lambdas[p] if p in complete else 0.0) for p in ("P1", "P2", "P2C")}
-        total, parts = mistill_objective(cot, complete, lambdas, terms=tuple(arm.terms))
-        logs.update({k: float(v) for k, v in parts.items()})
-        logs["loss"] = float(total.detach())
-        return total, logs
+    with record_function("mistill/terms"):
+        phase_terms = _phase_terms(plan, computed, student, targets, pairing, positions, arm, g,
+                                   hidden_last, final, device)
+    # phases whose rows this note lacks contribute nothing (their lambda is applied to no term)
+    complete = {p: t for p, t in phase_terms.items() if all(name in t for name in arm.terms)}
+    lambdas = {p: (arm.lambdas[p] if p in complete else 0.0) for p in ("P1", "P2", "P2C")}
+    total, parts = mistill_objective(cot, complete, lambdas, terms=tuple(arm.terms))
+    logs.update({k: float(v) for k, v in parts.items()})
+    logs["loss"] = float(total.detach())
+    return total, logs
+
+
+def _phase_terms(plan, computed, student: NoteData, targets: Mapping[str, np.ndarray], pairing: Pairing,
+                 positions: Sequence[int], arm: ArmConfig, g, hidden_last: torch.Tensor, final: torch.Tensor,
+                 device: torch.device) -> dict[str, dict[str, torch.Tensor]]:
+    """Each supervised phase's terms from its recomputed rows (attention; interaction and write
+    at its event rows). Per-event quantities are gathered as whole tensors: no per-event
+    host round trips."""
+    phase_terms: dict[str, dict[str, torch.Tensor]] = {}
+    for phase in ("P1", "P2", "P2C"):
+        mine = [(role, sel, res) for (ph, role, sel, _), res in zip(plan, computed) if ph == phase]
+        if not mine:
+            continue
+        terms: dict[str, torch.Tensor] = {}
+        a_s_parts = [res[0] for _, _, res in mine]
+        a_t_parts = [torch.as_tensor(targets["pooled"][pairing.teacher_row[sel]], device=device)
+                     for _, sel, _ in mine]
+        event_info = next(((sel, res[0], res[1]) for role, sel, res in mine if role == "event"), None)
+        if "attention" in arm.terms:
+            terms["attention"] = attention_term(torch.cat(a_t_parts), torch.cat(a_s_parts))
+        if event_info is not None and ({"interaction", "write"} & set(arm.terms)):
+            sel, a_s, (z, heads, w) = event_info
+            event_ids = [pairing.rows[i].event_id for i in sel]
+            target, comp, region = student.event_tables(event_ids, device)
+            pos_t = torch.as_tensor([positions[i] for i in sel], device=device)
+            logits = g.lm_head(hidden_last.index_select(0, pos_t)).float()  # [e, vocab]
+            comp_logits = logits.gather(1, comp.clamp_min(0)).masked_fill(comp < 0, float("-inf"))
+            margins = logits.gather(1, target.unsqueeze(1))[:, 0] - torch.logsumexp(comp_logits, dim=-1)
+            ev = pairing.teacher_event[sel]
+            m_t = torch.as_tensor(targets["m"][ev], device=device, dtype=torch.float32)
+            c_t = torch.as_tensor(targets["c"][ev], device=device, dtype=torch.float32)
+            t_margin = torch.as_tensor(targets["margin"][ev], device=device, dtype=torch.float32)
+            ok = (t_margin.abs() >= arm.min_abs_margin) & (margins.detach().abs() >= arm.min_abs_margin)
+            # keep the term defined when every margin is a near-tie (no host round trip)
+            ok = ok | ~ok.any()
+            # c divides by the margin: a left-out near-tie must not reach the backward as 0 * inf
+            safe = torch.where(ok & (margins.detach().abs() > 1e-6), margins, torch.ones_like(margins))
+            c_s = contribution(z, heads, w, g, final.index_select(0, pos_t), target, comp, comp_logits, safe)
+            m_s = region_mass(a_s, region)
+            m_s, c_s, m_t, c_t = m_s[ok], c_s[ok], m_t[ok], c_t[ok]
+            if "interaction" in arm.terms:
+                terms["interaction"] = interaction_term(m_s, c_s, m_t, c_t)
+            if "write" in arm.terms:
+                terms["write"] = write_term(c_s, c_t, normalize=arm.write_norm)
+        phase_terms[phase] = terms
+    return phase_terms
 
 
 # ------------------------------------------------------------------------------ Feature-KD

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -51,6 +52,9 @@ class RecipeConfig(Config):
     max_steps: int = 0
     gradient_checkpointing: bool = True
     checkpoint_every: int = 1
+    # float32 matmuls on CUDA in TF32 (the recomputed attention rows' q.k products: their
+    # inputs are bf16 projections, so TF32's 10-bit mantissa loses nothing the model kept)
+    tf32: bool = True
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
@@ -76,6 +80,31 @@ def lr_lambda(step: int, total: int, warmup_frac: float) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
+def checkpoint_layers(model: nn.Module) -> bool:
+    """Activation checkpointing of every decoder layer's ``forward`` (non-reentrant).
+
+    The checkpoint wraps ``forward``, not the module call, so module hooks (the trainer's
+    :class:`~mistill.distill.attention_rows.LayerInputs`) run outside it, once, with gradients
+    on, whatever the transformers release does with its own checkpointing (some wrap the whole
+    call). Returns False when the model has no ``model.layers`` list to wrap.
+    """
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        return False
+    for layer in layers:
+        if getattr(layer, "_mistill_checkpointed", False):
+            continue
+        inner = layer.forward
+
+        def forward(*args, _inner=inner, _layer=layer, **kwargs):
+            if _layer.training and torch.is_grad_enabled():
+                return torch.utils.checkpoint.checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+            return _inner(*args, **kwargs)
+        layer.forward = forward
+        layer._mistill_checkpointed = True
+    return True
+
+
 def prepare_student(model: nn.Module, recipe: RecipeConfig) -> nn.Module:
     """Put the student in its training precision and mode."""
     if recipe.precision not in PRECISIONS:
@@ -83,7 +112,9 @@ def prepare_student(model: nn.Module, recipe: RecipeConfig) -> nn.Module:
     model.to(torch.bfloat16 if recipe.precision == "bf16" else torch.float32)
     model.requires_grad_(True)
     model.train()
-    if recipe.gradient_checkpointing:
+    if recipe.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    if recipe.gradient_checkpointing and not checkpoint_layers(model):
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
