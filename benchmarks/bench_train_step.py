@@ -78,6 +78,53 @@ def timed(fn):
     return time.perf_counter() - t, torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan"), out
 
 
+def profile_steps(step, device) -> dict:
+    """Peak-memory attribution of a Vanilla and a Mistill step, and a profile of Mistill's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from memtrace import PeakTrace
+
+    out: dict = {}
+    for name in ("vanilla-bf16", "mistill"):
+        try:
+            with PeakTrace() as pt:
+                step(name)()
+        except SystemError as exc:  # the allocator's stack capture and the backward disagreed
+            print(f"memtrace of {name} failed: {exc!r}")
+            torch.cuda.memory._record_memory_history(enabled=None)
+            continue
+        rep = pt.report()
+        out[f"memtrace_{name}"] = rep
+        print(f"== {name}: peak {rep['peak_gib']:.2f} GiB (baseline {rep['baseline_gib']:.2f})")
+        for site, gib, n in rep["at_peak"]:
+            print(f"   {gib:7.3f} GiB  {n:5d}  {site}")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for name in ("vanilla-bf16", "mistill"):
+        with profile(activities=acts) as prof:
+            step(name)()
+        avg = prof.key_averages()
+
+        def dev_t(e):
+            return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        top_dev = sorted(avg, key=lambda e: -dev_t(e))[:30]
+        top_cpu = sorted(avg, key=lambda e: -e.cpu_time_total)[:30]
+        ranges = [e for e in avg if e.key.startswith("mistill/")]
+        out[f"profile_{name}"] = {
+            "device_total_ms": sum(dev_t(e) for e in avg) / 1e3,
+            "top_device": [(e.key, dev_t(e) / 1e3, e.count) for e in top_dev],
+            "top_cpu_total": [(e.key, e.cpu_time_total / 1e3, e.count) for e in top_cpu],
+            "ranges": [(e.key, e.cpu_time_total / 1e3, getattr(e, "device_time_total", 0) / 1e3, e.count)
+                       for e in ranges]}
+        print(f"== profile {name}: device total {out[f'profile_{name}']['device_total_ms']:.1f} ms")
+        for k, ms, n in out[f"profile_{name}"]["top_device"][:20]:
+            print(f"   dev {ms:9.2f} ms  {n:6d}  {k[:90]}")
+        for k, ms, n in out[f"profile_{name}"]["top_cpu_total"][:15]:
+            print(f"   cpu {ms:9.2f} ms  {n:6d}  {k[:90]}")
+        for k, cms, dms, n in out[f"profile_{name}"]["ranges"]:
+            print(f"   range {k}: cpu {cms:.1f} ms, device {dms:.1f} ms, x{n}")
+    return out
+
+
 def main() -> None:
     from transformers import PreTrainedTokenizerFast
 
@@ -88,6 +135,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: check the script runs")
     ap.add_argument("--diagnose", action="store_true",
                     help="peak memory of Mistill variants (terms, phases, row chunk) instead of the fp32 step")
+    ap.add_argument("--profile", action="store_true",
+                    help="who holds memory at the peak of each step, and the top kernels / host ops of Mistill's")
     args = ap.parse_args()
     tok = PreTrainedTokenizerFast.from_pretrained(args.tokenizer)
     corpus, note = long_note(tok, args.extra_lines)
@@ -143,6 +192,11 @@ def main() -> None:
         res[f"{name}_peak_gib"] = peak
     res["mistill_over_vanilla"] = res["mistill_step_s"] / res["vanilla_step_s"]
     res["vanilla_over_floor"] = res["vanilla_step_s"] / res["floor_fwd_bwd_s"]
+    if args.profile:
+        res.update(profile_steps(step, device))
+        print(json.dumps(res, indent=2))
+        Path(args.out).write_text(json.dumps(res, indent=2))
+        return
     if args.diagnose:
         import mistill.distill.objective as obj
 
@@ -152,8 +206,8 @@ def main() -> None:
                 ("p2_only", "mistill", "lambda_p1=0", 1024),
                 ("row_chunk_64", "mistill", "", 64)]:
             arm = resolve_arm(arm_name, overrides)
-            default = obj.pooled_row_sets.__kwdefaults__["row_chunk"]
-            obj.pooled_row_sets.__kwdefaults__["row_chunk"] = chunk
+            default = obj.RowSetBlocks.__init__.__kwdefaults__["row_chunk"]
+            obj.RowSetBlocks.__init__.__kwdefaults__["row_chunk"] = chunk
 
             def run(arm=arm):
                 with autocast(recipe, device):
@@ -163,7 +217,7 @@ def main() -> None:
                 opt.zero_grad(set_to_none=True)
             run()
             t, peak, _ = timed(run)
-            obj.pooled_row_sets.__kwdefaults__["row_chunk"] = default
+            obj.RowSetBlocks.__init__.__kwdefaults__["row_chunk"] = default
             res[f"diag_{label}_s"] = t
             res[f"diag_{label}_peak_gib"] = peak
         print(json.dumps(res, indent=2))
