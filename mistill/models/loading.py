@@ -10,7 +10,8 @@ Model specs accepted everywhere a ``model`` parameter appears:
 - ``tiny:qwen3`` / ``tiny:llama`` (optionally ``tiny:qwen3:seed=1:layers=4``) — randomly
   initialised small configs with the embedded tokenizer, for tests and smoke runs;
 - a local directory holding ``config.json`` (optionally ``path/to/dir::file.gguf``);
-- a hub id (``Qwen/Qwen3-4B``) already in the local HF cache.
+- a hub id (``Qwen/Qwen3-4B``) already in the local HF cache;
+- ``run:<train run id>`` — the checkpoint a ``train`` run saved (:mod:`mistill.tracking.models`).
 
 Any spec may end in ``@every-other`` or ``@layers=0,2,4`` to keep only some decoder layers (the
 embedded default's student is ``embedded:smollm2-135m@every-other``, the teacher with every
@@ -271,6 +272,11 @@ def load_model(spec: str = EMBEDDED_DEFAULT, *, dtype: str | torch.dtype = "floa
         lm = load_model(base, dtype=dtype, device=device, attn_implementation=attn_implementation)
         prune_layers(lm.model, layers_to_keep(keep, lm.geometry.n_layers))
         return LoadedModel(model=lm.model, tokenizer=lm.tokenizer, geometry=head_geometry(lm.model), spec=spec)
+    if spec.startswith("run:"):  # a train run's checkpoint (needs the tracking server)
+        from mistill.tracking.models import resolve_run_spec
+
+        lm = load_model(resolve_run_spec(spec), dtype=dtype, device=device, attn_implementation=attn_implementation)
+        return LoadedModel(model=lm.model, tokenizer=lm.tokenizer, geometry=lm.geometry, spec=spec)
     _offline()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -326,6 +332,10 @@ def load_tokenizer(spec: str = EMBEDDED_DEFAULT):
     from transformers import AutoTokenizer
 
     spec = split_layer_spec(spec)[0]
+    if spec.startswith("run:"):
+        from mistill.tracking.models import resolve_run_spec
+
+        spec = resolve_run_spec(spec)
     if spec.startswith("tiny:"):
         return embedded_tokenizer()
     if spec == EMBEDDED_DEFAULT:
