@@ -1,0 +1,230 @@
+"""Generation backends behind one interface: vLLM (batched) and HF ``generate`` (one at a time).
+
+Both sample with the paper's decoding (App. J.5, :class:`DecodingConfig`): thinking mode (set in
+the prompt text by the chat template, see :func:`mistill.data.prompts.build_prompt`),
+temperature 0.6, top-p 0.95, top-k 20, one sampling seed per note (:func:`note_seed`) and a
+16,384-token cap. Every :class:`Generation` records its decoding settings, the backend and its
+seed; a generation that reaches the cap is ``capped`` (invalid for scoring).
+
+Prompts go in as text that is already chat-templated; both backends tokenize it without
+special tokens (the template wrote them), so the two see the same token ids.
+
+YaRN. The positional scaling is part of the model: whatever ``rope_scaling`` (transformers 5:
+``rope_parameters`` with a ``rope_type`` other than ``default``) the model's ``config.json``
+carries is what HF applies when it loads the model, and :func:`vllm_engine_kwargs` passes the
+same dictionary to vLLM through ``hf_overrides`` (with the context window it implies,
+``factor x original_max_position_embeddings``, as ``max_model_len`` unless given), so a student
+trained under YaRN x2 is sampled under YaRN x2 on both backends. A model without YaRN runs
+with its native window and no override.
+
+vLLM is an optional extra (``pip install 'mistill[vllm]'``); it is imported only when a vLLM
+backend is built, so this module imports without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from mistill.errors import MistillInputError
+from mistill.evaluation.generation import DecodingConfig, Generation, generate_hf
+from mistill.models.loading import LoadedModel
+
+BACKENDS = ("hf", "vllm")
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A sampler of completions for chat-templated prompts under one :class:`DecodingConfig`.
+
+    ``name``: ``"hf"`` or ``"vllm"``; ``decoding``: the settings every call uses;
+    ``tokenizer``: the model's tokenizer (its chat template builds the prompts).
+    """
+
+    name: str
+    decoding: DecodingConfig
+    tokenizer: Any
+
+    def generate(self, prompt_text: str, seed: int) -> Generation:
+        """One completion of ``prompt_text`` sampled with ``seed``."""
+        ...
+
+    def generate_many(self, items: Sequence[tuple[str, int]]) -> list[Generation]:
+        """Completions of ``(prompt_text, seed)`` pairs, in the order given."""
+        ...
+
+
+def _recorded(decoding: DecodingConfig, backend: str, rope_scaling: Mapping | None) -> dict:
+    out = decoding.to_dict()
+    out["backend"] = backend
+    out["rope_scaling"] = dict(rope_scaling) if rope_scaling else None
+    return out
+
+
+def rope_scaling_of(config: Any) -> dict | None:
+    """The model config's YaRN (or other non-default rope scaling) dictionary, or None.
+
+    Reads ``rope_scaling`` and transformers 5's ``rope_parameters`` from a config object or a
+    plain ``config.json`` dictionary; a ``default`` rope type means no scaling.
+    """
+    get = config.get if isinstance(config, Mapping) else (lambda k: getattr(config, k, None))
+    for key in ("rope_scaling", "rope_parameters"):
+        value = get(key)
+        if isinstance(value, Mapping) and value:
+            kind = value.get("rope_type", value.get("type", "default"))
+            if kind and kind != "default":
+                return dict(value)
+    return None
+
+
+# ----------------------------------------------------------------------------------- HF
+class HFBackend:
+    """HF ``generate`` on a loaded model, one prompt at a time (:func:`generate_hf`)."""
+
+    name = "hf"
+
+    def __init__(self, lm: LoadedModel, decoding: DecodingConfig) -> None:
+        self.lm = lm
+        self.decoding = decoding
+        self.tokenizer = lm.tokenizer
+        self.rope_scaling = rope_scaling_of(lm.model.config)
+
+    def generate(self, prompt_text: str, seed: int) -> Generation:
+        gen = generate_hf(self.lm, prompt_text, self.decoding, int(seed))
+        gen.decoding = _recorded(self.decoding, self.name, self.rope_scaling)
+        return gen
+
+    def generate_many(self, items: Sequence[tuple[str, int]]) -> list[Generation]:
+        return [self.generate(text, seed) for text, seed in items]
+
+
+# --------------------------------------------------------------------------------- vLLM
+def vllm_sampling_kwargs(decoding: DecodingConfig, seed: int) -> dict:
+    """Keyword arguments of ``vllm.SamplingParams`` for one note under ``decoding``.
+
+    No stop strings: the model stops at its end-of-turn token, never at ``</think>`` (the
+    answer follows it). Special tokens are skipped in the text, as in :func:`generate_hf`.
+    """
+    return {"n": 1, "temperature": float(decoding.temperature), "top_p": float(decoding.top_p),
+            "top_k": int(decoding.top_k), "max_tokens": int(decoding.max_new_tokens),
+            "seed": int(seed), "stop": [], "ignore_eos": False, "skip_special_tokens": True}
+
+
+def vllm_engine_kwargs(model_path: str, config: Any, *, dtype: str = "bfloat16", seed: int = 0,
+                       max_model_len: int | None = None, tensor_parallel_size: int = 1,
+                       gpu_memory_utilization: float = 0.9) -> dict:
+    """Keyword arguments of ``vllm.LLM`` for a model directory and its HF config.
+
+    The config's YaRN setting is passed through unchanged (``hf_overrides["rope_scaling"]``);
+    the window defaults to ``factor x original_max_position_embeddings`` under YaRN, else to
+    the config's ``max_position_embeddings``.
+    """
+    get = config.get if isinstance(config, Mapping) else (lambda k: getattr(config, k, None))
+    rope = rope_scaling_of(config)
+    kwargs: dict[str, Any] = {"model": str(model_path), "tokenizer": str(model_path),
+                              "dtype": dtype, "seed": int(seed),
+                              "tensor_parallel_size": int(tensor_parallel_size),
+                              "gpu_memory_utilization": float(gpu_memory_utilization),
+                              "trust_remote_code": False}
+    window = max_model_len
+    if rope is not None:
+        kwargs["hf_overrides"] = {"rope_scaling": rope}
+        original = rope.get("original_max_position_embeddings") or get("max_position_embeddings")
+        if window is None and original and rope.get("factor"):
+            window = int(float(rope["factor"]) * int(original))
+    if window is None and get("max_position_embeddings"):
+        window = int(get("max_position_embeddings"))
+    if window is not None:
+        kwargs["max_model_len"] = int(window)
+    return kwargs
+
+
+def _require_vllm():
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise MistillInputError("the vllm backend needs vLLM, which is not installed: install the "
+                                "optional extra with `pip install 'mistill[vllm]'` (GPU machines), "
+                                "or use backend 'hf'", field="backend") from None
+    return vllm
+
+
+def model_path_for_vllm(model_spec: str) -> str:
+    """A directory or hub id vLLM can load for a model spec (no tiny or layer-pruned models)."""
+    from mistill.models.loading import EMBEDDED_DEFAULT, embedded_float_copy, split_layer_spec
+
+    base, keep = split_layer_spec(model_spec)
+    if keep is not None or model_spec.startswith("tiny:") or "::" in model_spec:
+        raise MistillInputError(f"model {model_spec!r} is built in memory (tiny, GGUF or "
+                                "layer-pruned) and cannot be served by vLLM; use backend 'hf'",
+                                field="model")
+    if base.startswith("run:"):
+        from mistill.tracking.models import resolve_run_spec
+
+        return str(resolve_run_spec(base))
+    if base == EMBEDDED_DEFAULT:
+        return str(embedded_float_copy())
+    return base
+
+
+class VLLMBackend:
+    """vLLM offline inference: every prompt of a batch in one call, one seed per request."""
+
+    name = "vllm"
+
+    def __init__(self, model_spec: str, decoding: DecodingConfig, *, dtype: str = "bfloat16",
+                 engine_overrides: Mapping[str, Any] | None = None) -> None:
+        vllm = _require_vllm()
+        from transformers import AutoConfig
+
+        from mistill.models.loading import load_tokenizer
+
+        path = model_path_for_vllm(model_spec)
+        config = AutoConfig.from_pretrained(path)
+        self.decoding = decoding
+        self.tokenizer = load_tokenizer(model_spec)
+        self.rope_scaling = rope_scaling_of(config)
+        kwargs = vllm_engine_kwargs(path, config, dtype=dtype, seed=decoding.seed)
+        kwargs.update(engine_overrides or {})
+        self._vllm = vllm
+        self.llm = vllm.LLM(**kwargs)
+
+    def generate(self, prompt_text: str, seed: int) -> Generation:
+        return self.generate_many([(prompt_text, seed)])[0]
+
+    def generate_many(self, items: Sequence[tuple[str, int]]) -> list[Generation]:
+        if not items:
+            return []
+        prompts = [{"prompt_token_ids": self.tokenizer(text, add_special_tokens=False)["input_ids"]}
+                   for text, _ in items]
+        params = [self._vllm.SamplingParams(**vllm_sampling_kwargs(self.decoding, seed))
+                  for _, seed in items]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        record = _recorded(self.decoding, self.name, self.rope_scaling)
+        out = []
+        for (_, seed), result in zip(items, outputs, strict=True):
+            comp = result.outputs[0]
+            ids = list(comp.token_ids)
+            out.append(Generation(text=comp.text, token_ids=ids, n_tokens=len(ids),
+                                  capped=comp.finish_reason == "length", seed=int(seed),
+                                  decoding=dict(record)))
+        return out
+
+
+# ------------------------------------------------------------------------------ factory
+def make_backend(name: str, model_spec: str, decoding: DecodingConfig, *, device: str = "cpu",
+                 dtype: str = "float32") -> Backend:
+    """The ``hf`` or ``vllm`` backend for ``model_spec`` under ``decoding``.
+
+    ``hf`` loads the model with :func:`mistill.models.loading.load_model` on ``device`` in
+    ``dtype``; ``vllm`` serves it on the GPU in ``dtype`` (``device`` is ignored) and needs the
+    ``vllm`` extra.
+    """
+    if name not in BACKENDS:
+        raise MistillInputError(f"unknown backend {name!r}; use one of {BACKENDS}", field="backend")
+    if name == "vllm":
+        _require_vllm()
+        return VLLMBackend(model_spec, decoding, dtype=dtype)
+    from mistill.models.loading import load_model
+
+    return HFBackend(load_model(model_spec, dtype=dtype, device=device), decoding)
