@@ -1,0 +1,95 @@
+"""M1 and teacher-trace perplexity: teacher-forced readouts of any model on the teacher's traces.
+
+M1 (App. K): at the teacher's decision events (P1, P2, P2C), realized in the evaluated model's
+own tokenizer with the instrument's anchor rule, the model's margin ``logit(target) -
+logsumexp(logits(competitors))``; reported per event kind as ``p_pos`` = P(margin > 0) and the
+median margin, per note and over all events of a corpus.
+
+Teacher-trace perplexity: ``exp`` of the mean next-token negative log-likelihood over the trace
+tokens of prompt + teacher trace (the median over notes is the fidelity figure).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from mistill.instrument.events import extract_events, margin, realize_events
+from mistill.models.loading import LoadedModel
+from mistill.stages.common import NoteInput
+
+M1_KINDS = ("P1", "P2", "P2C")
+
+
+def note_margins(lm: LoadedModel, ni: NoteInput, codes: Sequence[str]) -> list[dict]:
+    """One row per realized P1/P2/P2C event of the note's teacher trace: ``event_id, kind, margin``.
+
+    ni: the note's prompt + teacher trace in ``lm``'s tokenizer (:func:`mistill.stages.common.note_input`).
+    Events that the tokenizer cannot realize (no single-token target) are dropped, as in the
+    instrument; the coverage is the caller's to count.
+    """
+    events = [e for e in extract_events(ni.note.note_id, ni.trace, codes, tokenizer=lm.tokenizer, n_null=0)
+              if e.kind in M1_KINDS]
+    realized = realize_events(events, full_text=ni.full_text, trace_offset=ni.trace_offset, tokenizer=lm.tokenizer,
+                              input_ids=ni.input_ids.tolist(), offsets=ni.offsets, codes=list(codes))
+    if not realized:
+        return []
+    logits = _logits_at(lm, ni.input_ids, [r.position for r in realized])
+    return [{"event_id": r.event.event_id, "kind": r.event.kind,
+             "margin": float(margin(logits[i], r.target_id, list(r.competitor_ids)))}
+            for i, r in enumerate(realized)]
+
+
+def m1_summary(rows: Iterable[dict]) -> dict[str, float]:
+    """``m1.<kind>.p_pos``, ``m1.<kind>.median_margin`` and ``m1.<kind>.n`` over the rows given."""
+    by_kind: dict[str, list[float]] = {}
+    for r in rows:
+        by_kind.setdefault(r["kind"], []).append(float(r["margin"]))
+    out: dict[str, float] = {}
+    for kind in M1_KINDS:
+        m = np.asarray(by_kind.get(kind, []), dtype=np.float64)
+        out[f"m1.{kind}.n"] = float(m.size)
+        if m.size:
+            out[f"m1.{kind}.p_pos"] = float((m > 0).mean())
+            out[f"m1.{kind}.median_margin"] = float(np.median(m))
+    return out
+
+
+@torch.no_grad()
+def _hidden(lm: LoadedModel, input_ids: torch.Tensor) -> torch.Tensor:
+    """Final hidden states ``[pos, d_model]`` of one teacher-forced forward."""
+    device = next(lm.model.parameters()).device
+    was = lm.model.training
+    lm.model.eval()
+    out = lm.model.model(input_ids=input_ids.to(device).unsqueeze(0), use_cache=False)
+    lm.model.train(was)
+    return out.last_hidden_state[0]
+
+
+@torch.no_grad()
+def _logits_at(lm: LoadedModel, input_ids: torch.Tensor, positions: Sequence[int]) -> torch.Tensor:
+    """Next-token logits ``[row, vocab]`` (float32) at ``positions``."""
+    hidden = _hidden(lm, input_ids)
+    idx = torch.as_tensor(list(positions), dtype=torch.long, device=hidden.device)
+    return lm.geometry.lm_head(hidden.index_select(0, idx)).float()
+
+
+@torch.no_grad()
+def trace_perplexity(lm: LoadedModel, input_ids: torch.Tensor, trace_start: int, *, chunk: int = 1024) -> float:
+    """``exp(mean NLL)`` of the trace tokens ``input_ids[trace_start:]`` given everything before them.
+
+    input_ids: ``[pos]``; logits are computed ``chunk`` rows at a time (never ``[pos, vocab]`` at once).
+    """
+    n = int(input_ids.numel())
+    if not 0 < trace_start < n:
+        raise ValueError(f"trace_start {trace_start} outside 1..{n - 1}")
+    hidden = _hidden(lm, input_ids)
+    targets = input_ids.to(hidden.device)
+    total = 0.0
+    for s in range(trace_start - 1, n - 1, chunk):
+        e = min(n - 1, s + chunk)
+        logits = lm.geometry.lm_head(hidden[s:e]).float()
+        total += float(torch.nn.functional.cross_entropy(logits, targets[s + 1:e + 1], reduction="sum"))
+    return float(np.exp(total / (n - trace_start)))

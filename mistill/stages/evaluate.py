@@ -1,0 +1,237 @@
+"""The ``evaluate`` stage: any model or trained arm on a corpus split (App. J.5, K; Tables 2, 46, 49).
+
+Per note: one generation with the paper's decoding (a sampling seed per note), its parsed answer
+and flags, the task metrics' per-note counts, and the teacher-forced readouts on the teacher's
+trace: teacher-trace perplexity, M1 margins at the teacher's events (realized in this model's
+tokenizer), BLEU-4 of this model's reasoning against the teacher's, and LAS when a simulator run
+is given. Aggregated: ``metrics.json`` (and MLflow metrics) with task metrics, valid / cap /
+degenerate rates, mean generated tokens, fidelity (PPL median over notes, BLEU-4 and LAS means
+over notes) and M1 per event kind; ``per_note_metrics`` and ``predictions.jsonl`` (codes and flags).
+
+Nothing the model wrote is logged for a restricted corpus: its generations stay in the run's
+local enclave directory (tag ``mistill.enclave_dir``). A model whose chat template has no
+thinking switch, a generation cut at the cap, an answer that is not JSON and codes outside the
+inventory are counted, never a crash, and codes are never scraped from the reasoning.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+from tqdm.auto import tqdm
+
+from mistill.config import Config
+from mistill.errors import MistillInputError
+from mistill.evaluation.generation import DecodingConfig, note_seed
+from mistill.evaluation.m1 import m1_summary, note_margins, trace_perplexity
+from mistill.evaluation.metrics import bleu4, per_note_metrics, task_metrics
+from mistill.evaluation.parsing import CodeIndex, parse_answer, split_reasoning
+from mistill.stages.characterize import stage_notes
+from mistill.stages.common import (RunReader, load_prepared, log_corpus_input, mistill_root, model_positions,
+                                   note_input, privacy_guard)
+
+NOTES = "notes"
+TAG_ENCLAVE = "mistill.enclave_dir"
+LINK_TAGS = ("mistill.registered_model", "mistill.model_version", "mistill.model_alias")
+
+
+@dataclass(frozen=True)
+class EvaluateConfig(Config):
+    """One model on one split.
+
+    train_run: a ``train`` run (the model is its checkpoint, ``run:<id>``; arm, seed and
+        precision come from it); else ``model`` (any spec) with ``arm`` naming the row of
+        Table 2 (``teacher``, ``untrained``, ...).
+    las_run: a ``las_simulator`` run; empty leaves LAS out.
+    """
+
+    prepare_run: str = ""
+    train_run: str = ""
+    model: str = ""
+    arm: str = ""
+    split: str = "test"
+    max_notes: int = 0
+    backend: str = "hf"
+    max_new_tokens: int = 16384
+    temperature: float = 0.6
+    top_p: float = 0.95
+    top_k: int = 20
+    seed: int = 0
+    las_run: str = ""
+    fidelity: bool = True
+    device: str = "cpu"
+    dtype: str = "float32"
+
+
+def _subject(cfg: EvaluateConfig) -> tuple[str, dict[str, str], str]:
+    """The model spec, the tags copied from the train run, and the arm name."""
+    if cfg.train_run:
+        train = RunReader(cfg.train_run, field="train_run")
+        if train.tags.get("mistill.stage") != "train":
+            raise MistillInputError(f"run {cfg.train_run} is not a train run", field="train_run")
+        tags = {k: train.tags[k] for k in LINK_TAGS if k in train.tags}
+        tags.update({k: train.tags[k] for k in ("mistill.arm", "mistill.seed", "mistill.precision")
+                     if k in train.tags})
+        return f"run:{cfg.train_run}", tags, train.tags.get("mistill.arm", "")
+    if not cfg.model:
+        raise MistillInputError("give train_run or model", field="model")
+    return cfg.model, {}, cfg.arm or "model"
+
+
+def _backend(cfg: EvaluateConfig, spec: str, decoding: DecodingConfig, lm):
+    """The generation backend: ``hf`` reuses the loaded model; others come from
+    :mod:`mistill.evaluation.backends`."""
+    try:
+        from mistill.evaluation.backends import make_backend
+    except ImportError:
+        make_backend = None
+    if cfg.backend == "hf" or make_backend is None:
+        if cfg.backend != "hf":
+            raise MistillInputError(f"backend {cfg.backend!r} is not available here", field="backend")
+        from mistill.evaluation.generation import generate_hf
+
+        class _HF:
+            name = "hf"
+
+            def generate(self, prompt_text: str, seed: int):
+                return generate_hf(lm, prompt_text, decoding, seed)
+        return _HF()
+    return make_backend(cfg.backend, spec, decoding, device=cfg.device, dtype=cfg.dtype)
+
+
+def run_evaluate(cfg: EvaluateConfig) -> str:
+    import mlflow  # noqa: F401 - the tracking client must be importable before the run opens
+
+    from mistill.data.prompts import template_has_thinking
+    from mistill.models.loading import load_model
+    from mistill.tracking.runs import StageRun
+
+    prepared = load_prepared(cfg.prepare_run)
+    guard = privacy_guard(prepared.corpus)
+    notes = stage_notes(prepared, cfg.split, cfg.max_notes)
+    if not notes:
+        raise MistillInputError(f"no notes with a teacher trace in split {cfg.split!r}", field="split")
+    spec, link_tags, arm = _subject(cfg)
+    inputs = {"prepare": cfg.prepare_run}
+    if cfg.train_run:
+        inputs["train"] = cfg.train_run
+    if cfg.las_run:
+        inputs["las"] = cfg.las_run
+    seed_tag = link_tags.pop("mistill.seed", None)
+    precision = link_tags.pop("mistill.precision", None)
+    link_tags.pop("mistill.arm", None)
+    decoding = DecodingConfig(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                              max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    with StageRun("evaluate", cfg, corpus=prepared.corpus.name, guard=guard, model=spec, arm=arm,
+                  seed=int(seed_tag) if seed_tag is not None else cfg.seed, precision=precision,
+                  corpus_digest=prepared.corpus.digest, inputs=inputs, tags=link_tags,
+                  resume=True, root=mistill_root()) as run:
+        if run.reused:
+            print(f"evaluate: reusing finished run {run.run_id}")
+            return run.run_id
+        log_corpus_input(run, prepared)
+        enclave = (run.work_dir / "enclave").resolve()
+        run.set_tags({TAG_ENCLAVE: str(enclave)})
+        lm = load_model(spec, dtype=cfg.dtype, device=cfg.device)
+        backend = _backend(cfg, spec, decoding, lm)
+        simulator = None
+        if cfg.las_run:
+            from mistill.evaluation.las import load_simulator
+
+            simulator = load_simulator(cfg.las_run, device=cfg.device)
+        codes = list(prepared.inventory.codes)
+        index = CodeIndex(codes)
+        done = run.finished_notes(NOTES)
+        for note in tqdm(notes, desc=f"evaluate {arm}"):
+            if note.note_id in done:
+                continue
+            ni = note_input(note, prepared.inventory, lm.tokenizer,
+                            remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
+                            narrow_instruction=prepared.narrow_instruction, max_positions=model_positions(lm))
+            seed = note_seed(decoding, note.note_id)
+            gen = backend.generate(ni.prompt.text, seed)
+            ans = parse_answer(gen.text, index, capped=gen.capped)
+            files: dict = {"prediction.json": {
+                "note_id": note.note_id, "codes": list(ans.codes), "valid": ans.valid, "parsed": ans.parsed,
+                "reason": ans.reason, "capped": gen.capped, "degenerate": ans.degenerate,
+                "degenerate_reason": ans.degenerate_reason, "n_tokens": gen.n_tokens, "seed": seed,
+                "n_out_of_inventory": ans.n_out_of_inventory, "n_malformed": ans.n_malformed,
+                "decoding": gen.decoding}}
+            if cfg.fidelity:
+                from mistill.distill.note_data import first_trace_token
+
+                teacher_reasoning, _ = split_reasoning(note.teacher_trace)
+                own_reasoning, _ = split_reasoning(gen.text)
+                fid = {"ppl": trace_perplexity(lm, ni.input_ids, first_trace_token(ni.offsets, ni.trace_offset)),
+                       "bleu4": bleu4(own_reasoning, teacher_reasoning)}
+                if simulator is not None:
+                    teacher_codes = parse_answer(note.teacher_trace, index).codes
+                    fid["las"] = float(simulator.las(note.text, own_reasoning, list(teacher_codes)))
+                files["fidelity.json"] = fid
+                files["m1.json"] = {"events": note_margins(lm, ni, codes)}
+            if guard.allows_text:
+                files["generation.txt"] = gen.text
+            else:  # the model's text stays on this machine
+                enclave.mkdir(parents=True, exist_ok=True)
+                from mistill.io import write_text
+
+                write_text(enclave / f"{note.note_id}.txt", gen.text)
+            run.write_note(NOTES, note.note_id, files)
+        metrics, per_note, predictions = _aggregate(run, notes, prepared, cfg)
+        metrics["thinking_switch"] = float(template_has_thinking(lm.tokenizer))
+        run.log_table("per_note_metrics", per_note)
+        run.log_json("metrics.json", metrics)
+        path = run.work_dir / "predictions.jsonl"
+        from mistill.io import write_text
+
+        write_text(path, "".join(json.dumps(p) + "\n" for p in predictions))
+        run.log_artifact_file(path)
+        run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, float) and np.isfinite(v)})
+        print(f"evaluate: {arm} on {len(notes)} {cfg.split} notes: micro-F1 {metrics['micro_f1']:.3f}, "
+              f"valid {metrics['valid_rate']:.2f} -> run {run.run_id}")
+        return run.run_id
+
+
+def _aggregate(run, notes, prepared, cfg: EvaluateConfig) -> tuple[dict, pd.DataFrame, list[dict]]:
+    preds = [run.load_note(NOTES, n.note_id, "prediction.json") for n in notes]
+    gold = [list(n.gold_codes) for n in notes]
+    pred = [p["codes"] for p in preds]
+    valid = [bool(p["valid"]) for p in preds]
+    capped = [bool(p["capped"]) for p in preds]
+    n_tokens = [int(p["n_tokens"]) for p in preds]
+    train = [n for n in prepared.corpus.notes if n.split == "train"]
+    freq = Counter(c for n in train for c in set(n.gold_codes))
+    # propensity-scored metrics need the training split's label frequencies (and > e notes)
+    kw = {"train_freq": dict(freq), "n_train": len(train)} if len(train) > np.e else {}
+    metrics = {k: float(v) for k, v in task_metrics(gold, pred, valid=valid, capped=capped, n_tokens=n_tokens,
+                                                    **kw).items()}
+    metrics["mean_generated_tokens"] = metrics.pop("mean_tokens")
+    reasons = Counter(p["reason"] for p in preds)
+    metrics.update({"degenerate_rate": float(np.mean([p["degenerate"] for p in preds])),
+                    "n_unclosed_think": float(reasons["unclosed_think"]),
+                    "n_not_json": float(reasons["no_json_list"] + reasons["not_a_list"]),
+                    "n_out_of_inventory": float(sum(p["n_out_of_inventory"] for p in preds))})
+    rows = per_note_metrics(gold, pred, valid=valid, capped=capped, n_tokens=n_tokens,
+                            note_ids=[n.note_id for n in notes], **kw)
+    df = pd.DataFrame(rows)
+    df.insert(1, "micro_f1", df["f1"])
+    if cfg.fidelity:
+        fids = [run.load_note(NOTES, n.note_id, "fidelity.json") for n in notes]
+        m1 = [run.load_note(NOTES, n.note_id, "m1.json")["events"] for n in notes]
+        for key in ("ppl", "bleu4", "las"):
+            df[key] = [f.get(key, float("nan")) for f in fids]
+        for i, events in enumerate(m1):
+            for k, v in m1_summary(events).items():
+                df.loc[i, k.replace(".", "_")] = v
+        metrics["fidelity.ppl_median"] = float(np.median(df["ppl"]))
+        metrics["fidelity.bleu4_mean"] = float(df["bleu4"].mean())
+        if cfg.las_run:
+            metrics["fidelity.las_mean"] = float(df["las"].mean())
+        metrics.update(m1_summary(e for events in m1 for e in events))
+    predictions = [{k: p[k] for k in ("note_id", "codes", "valid", "reason", "capped", "degenerate", "n_tokens",
+                                      "seed")} for p in preds]
+    return metrics, df, predictions

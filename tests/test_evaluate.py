@@ -1,0 +1,159 @@
+"""M1 and teacher-trace perplexity against direct computations, and the ``evaluate`` stage end to
+end on the real MLflow server with a tiny model: predictions, flags, per-note metrics, fidelity,
+M1, reuse and per-note resume."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from mistill.data.synthetic import make_synthetic_corpus
+from mistill.evaluation.m1 import m1_summary, note_margins, trace_perplexity
+from mistill.instrument.events import extract_events, margin, realize_events
+from mistill.models.loading import load_model
+from mistill.stages.common import note_input
+from stage_fixtures import REPO, TINY, artifact_paths, unique
+
+
+def test_m1_summary_on_hand_built_events():
+    rows = [{"kind": "P1", "margin": 2.0}, {"kind": "P1", "margin": -1.0}, {"kind": "P1", "margin": 0.0},
+            {"kind": "P2C", "margin": -0.5}, {"kind": "NULL", "margin": 9.0}]
+    out = m1_summary(rows)
+    assert out["m1.P1.p_pos"] == pytest.approx(1 / 3)  # a zero margin is not positive
+    assert out["m1.P1.median_margin"] == 0.0 and out["m1.P1.n"] == 3.0
+    assert out["m1.P2C.p_pos"] == 0.0 and out["m1.P2C.median_margin"] == -0.5
+    assert out["m1.P2.n"] == 0.0 and "m1.P2.p_pos" not in out  # no events: no rate
+    assert not any(k.startswith("m1.NULL") for k in out)
+
+
+@pytest.fixture(scope="module")
+def tiny_note():
+    corpus = make_synthetic_corpus(n_notes=1, seed=3)
+    lm = load_model("tiny:qwen3:seed=2")
+    ni = note_input(corpus.notes[0], corpus.inventory, lm.tokenizer)
+    return corpus, lm, ni
+
+
+def test_note_margins_equal_full_forward_margins(tiny_note):
+    corpus, lm, ni = tiny_note
+    codes = list(corpus.inventory.codes)
+    rows = note_margins(lm, ni, codes)
+    assert rows and {r["kind"] for r in rows} <= {"P1", "P2", "P2C"}
+    events = [e for e in extract_events(ni.note.note_id, ni.trace, codes, tokenizer=lm.tokenizer, n_null=0)]
+    realized = realize_events(events, full_text=ni.full_text, trace_offset=ni.trace_offset, tokenizer=lm.tokenizer,
+                              input_ids=ni.input_ids.tolist(), offsets=ni.offsets, codes=codes)
+    with torch.no_grad():
+        logits = lm.model(input_ids=ni.input_ids.unsqueeze(0)).logits[0].float()
+    want = {r.event.event_id: float(margin(logits[r.position], r.target_id, list(r.competitor_ids)))
+            for r in realized}
+    for r in rows:
+        assert r["margin"] == pytest.approx(want[r["event_id"]], abs=1e-4)
+
+
+def test_trace_perplexity_equals_the_mean_cross_entropy(tiny_note):
+    _, lm, ni = tiny_note
+    from mistill.distill.note_data import first_trace_token
+
+    ts = first_trace_token(ni.offsets, ni.trace_offset)
+    with torch.no_grad():
+        logits = lm.model(input_ids=ni.input_ids.unsqueeze(0)).logits[0].float()
+    nll = torch.nn.functional.cross_entropy(logits[ts - 1:-1], ni.input_ids[ts:])
+    assert trace_perplexity(lm, ni.input_ids, ts, chunk=7) == pytest.approx(math.exp(float(nll)), rel=1e-4)
+
+
+@pytest.fixture(scope="module")
+def pinned_code_version():
+    import mistill.tracking.runs as runs
+
+    version = runs.code_version(REPO)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runs, "code_version", lambda repo_root=None: version)
+        mp.setattr(runs, "_code_version", lambda repo_root=None: version)
+        yield version
+
+
+def test_evaluate_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_code_version):
+    from mistill.stages.evaluate import EvaluateConfig, run_evaluate
+    from mistill.stages.prepare import PrepareConfig, run_prepare
+
+    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path))
+    name = unique("eval")
+    prep = run_prepare(PrepareConfig(corpus="synthetic", corpus_name=name, n_notes=4, model=TINY))
+    cfg = EvaluateConfig(prepare_run=prep, model=TINY, arm="untrained", split="", max_new_tokens=6)
+    run_id = run_evaluate(cfg)
+    client = MlflowClient()
+    run = client.get_run(run_id)
+    m, tags = run.data.metrics, run.data.tags
+    assert tags["mistill.stage"] == "evaluate" and tags["mistill.arm"] == "untrained"
+    assert tags["mistill.input.prepare"] == prep and "mistill.input.train" not in tags
+    # a 6-token cap cuts every thinking generation: counted as capped and invalid, never a crash
+    assert m["n_notes"] == 4 and m["cap_rate"] == 1.0 and m["valid_rate"] == 0.0 and m["micro_f1"] == 0.0
+    assert m["mean_generated_tokens"] == 6.0
+    assert m["fidelity.ppl_median"] > 1.0 and 0.0 <= m["fidelity.bleu4_mean"] <= 1.0
+    assert m["m1.P1.n"] > 0 and 0.0 <= m["m1.P1.p_pos"] <= 1.0
+    paths = artifact_paths(client, run_id)
+    assert {"per_note_metrics.csv", "predictions.jsonl", "metrics.json"} <= {p.rsplit("/", 1)[-1] for p in paths}
+    got = client.download_artifacts(run_id, "predictions.jsonl", str(tmp_path))
+    preds = [json.loads(line) for line in open(got).read().splitlines()]
+    assert len(preds) == 4 and all(p["capped"] and not p["valid"] and p["codes"] == [] for p in preds)
+    seeds = [p["seed"] for p in preds]
+    assert len(set(seeds)) == 4  # one sampling seed per note
+    import pandas as pd
+
+    per_note = pd.read_csv(client.download_artifacts(run_id, "per_note_metrics.csv", str(tmp_path)))
+    assert list(per_note.columns[:2]) == ["note_id", "micro_f1"]
+    assert {"tp", "fp", "fn", "valid", "ppl", "bleu4", "m1_P1_p_pos"} <= set(per_note.columns)
+    assert np.median(per_note["ppl"]) == pytest.approx(m["fidelity.ppl_median"])
+    # synthetic corpus: the generations are artifacts; an identical second call reuses the run
+    assert any(p.endswith("generation.txt") for p in paths)
+    assert run_evaluate(cfg) == run_id
+
+
+def test_evaluate_resumes_without_redoing_finished_notes(tracking_uri, tmp_path, monkeypatch, pinned_code_version):
+    """A run that crashed after some notes is resumed: finished notes are not generated again."""
+    import mistill.stages.evaluate as ev
+    from mistill.stages.prepare import PrepareConfig, run_prepare
+
+    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path))
+    prep = run_prepare(PrepareConfig(corpus="synthetic", corpus_name=unique("evres"), n_notes=4, model=TINY))
+    cfg = ev.EvaluateConfig(prepare_run=prep, model=TINY, arm="untrained", split="", max_new_tokens=4,
+                            fidelity=False)
+    calls: list[int] = []
+    real = ev._backend
+
+    def crashing(*args, **kwargs):
+        backend = real(*args, **kwargs)
+        inner = backend.generate
+
+        def generate(text, seed):
+            calls.append(seed)
+            if len(calls) == 3:
+                raise KeyboardInterrupt("simulated crash")
+            return inner(text, seed)
+        backend.generate = generate
+        return backend
+    monkeypatch.setattr(ev, "_backend", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        ev.run_evaluate(cfg)
+    assert len(calls) == 3
+    monkeypatch.setattr(ev, "_backend", real)
+    counted: list[int] = []
+
+    def counting(*args, **kwargs):
+        backend = real(*args, **kwargs)
+        inner = backend.generate
+
+        def generate(text, seed):
+            counted.append(seed)
+            return inner(text, seed)
+        backend.generate = generate
+        return backend
+    monkeypatch.setattr(ev, "_backend", counting)
+    run_id = ev.run_evaluate(cfg)
+    assert len(counted) == 2  # the two notes finished before the crash were not redone
+    assert MlflowClient().get_run(run_id).data.metrics["n_notes"] == 4
