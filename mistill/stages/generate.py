@@ -1,0 +1,278 @@
+"""The ``generate`` stage: a model's traces for a corpus under the paper's decoding (App. J.5).
+
+It reads a ``prepare`` (or ``shortlist``) run, builds every selected note's prompt in the
+model's chat template (thinking on), samples one completion per note with the note's seed
+(:func:`~mistill.evaluation.generation.note_seed`) through the ``hf`` or ``vllm`` backend, and
+parses it with the shared answer rules (:func:`~mistill.evaluation.parsing.parse_answer`):
+valid (reasoning closed, cap not reached), parsed, degenerate, the scored codes. Nothing is
+scraped from reasoning, and bad output (a cap hit, an unclosed block, an answer that is not a
+JSON list, codes outside the inventory, a chat template without a thinking switch) is counted
+in the metrics, never raised.
+
+Per note (resumable, ``notes/<note_id>/``): ``generation.json`` (seed, decoding, flags, codes,
+counts) and, for synthetic and public corpora, ``trace.txt``. For a restricted corpus the trace
+stays in the run's local enclave directory (tag ``mistill.generate.enclave_dir``) and only ids,
+codes, flags and numbers reach MLflow; every generated text joins the privacy guard's
+protected texts.
+
+The run is also a prepared corpus: its notes are the selected notes whose generation is valid
+and closed ``</think>``, each carrying that generation as ``Note.teacher_trace``, saved to a data
+directory tagged ``mistill.data_dir``. ``load_prepared(<generate run id>)`` works, so every
+downstream stage (events, targets, ...) takes the generate run id as its ``prepare_run``. When
+no generation qualifies there is no traced corpus (tag ``mistill.generate.traced_notes = none``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from tqdm.auto import tqdm
+
+from mistill.config import Config
+from mistill.data.corpus import Corpus, Note
+from mistill.data.prompts import build_prompt, template_has_thinking
+from mistill.errors import MistillInputError
+from mistill.evaluation.backends import BACKENDS, make_backend
+from mistill.evaluation.generation import DecodingConfig, Generation, note_seed
+from mistill.evaluation.parsing import THINK_CLOSE, CodeIndex, parse_answer
+from mistill.io import write_text
+from mistill.models.loading import EMBEDDED_DEFAULT, load_tokenizer
+from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE, TAG_DATA_DIR,
+                                   Prepared, corpus_index, load_prepared, log_corpus_input,
+                                   mistill_root, privacy_guard, save_prepared)
+
+NOTES = "notes"
+RECORD_FILE = "generation.json"
+TRACE_FILE = "trace.txt"
+ENCLAVE = "enclave"
+TAG_ENCLAVE_DIR = "mistill.generate.enclave_dir"
+TAG_SOURCE_PREPARE = "mistill.generate.source_prepare_run"
+TAG_BACKEND = "mistill.generate.backend"
+TAG_TRACED = "mistill.generate.traced_notes"
+
+
+@dataclass(frozen=True)
+class GenerateConfig(Config):
+    """Sampling one trace per note (App. J.5).
+
+    prepare_run: the corpus (a prepare or shortlist run); its prompts settings are used.
+    model: any model spec (``run:<train run id>``, ``embedded:smollm2-135m``, a directory, ...).
+    backend: ``hf`` (HF ``generate``, one note at a time) or ``vllm`` (batched; optional extra).
+    split: only this split's notes (empty: every note); max_notes: the first n (0: all).
+    max_new_tokens, temperature, top_p, top_k: the decoding (paper: 16384, 0.6, 0.95, 20).
+    seed: the sampling seed from which each note's seed is derived.
+    device, dtype: where and in what precision the model runs.
+    batch_size: notes per ``generate_many`` call (what vLLM batches; HF loops over them).
+    """
+
+    prepare_run: str = ""
+    model: str = EMBEDDED_DEFAULT
+    backend: str = "hf"
+    split: str = ""
+    max_notes: int = 0
+    max_new_tokens: int = 16384
+    temperature: float = 0.6
+    top_p: float = 0.95
+    top_k: int = 20
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+    batch_size: int = 16
+
+    def decoding(self) -> DecodingConfig:
+        return DecodingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_new_tokens=self.max_new_tokens, seed=self.seed)
+
+
+def check_config(cfg: GenerateConfig) -> None:
+    """Refuse settings that cannot run (each names its field)."""
+    checks = [
+        (bool(cfg.prepare_run), "a prepare run id is required", "prepare_run"),
+        (cfg.backend in BACKENDS, f"unknown backend {cfg.backend!r} (one of {BACKENDS})", "backend"),
+        (cfg.max_new_tokens >= 1, "must be positive", "max_new_tokens"),
+        (cfg.temperature > 0, "must be positive (greedy decoding loops in thinking mode)",
+         "temperature"),
+        (0.0 < cfg.top_p <= 1.0, "must lie in (0, 1]", "top_p"),
+        (cfg.top_k >= 0, "must be >= 0 (0: no top-k)", "top_k"),
+        (cfg.max_notes >= 0, "must be >= 0 (0: every note)", "max_notes"),
+        (cfg.batch_size >= 1, "must be positive", "batch_size"),
+    ]
+    for ok, msg, fld in checks:
+        if not ok:
+            raise MistillInputError(msg, field=fld)
+
+
+def selected_notes(prepared: Prepared, split: str = "", max_notes: int = 0) -> list[Note]:
+    """The notes to generate for: one split or all, in corpus order, optionally the first n."""
+    notes = [n for n in prepared.corpus.notes if not split or n.split == split]
+    return notes[:max_notes] if max_notes else notes
+
+
+def generation_record(note: Note, gen: Generation, index: CodeIndex) -> dict:
+    """What is kept of one generation besides its text: ids, seed, decoding, flags and codes."""
+    ans = parse_answer(gen.text, index, capped=gen.capped)
+    return {"note_id": note.note_id, "split": note.split, "seed": gen.seed,
+            "decoding": gen.decoding, "n_tokens": gen.n_tokens, "capped": gen.capped,
+            "valid": ans.valid, "parsed": ans.parsed, "reason": ans.reason,
+            "closed_think": ans.valid and THINK_CLOSE in gen.text,
+            "degenerate": ans.degenerate, "degenerate_reason": ans.degenerate_reason,
+            "codes": list(ans.codes), "n_raw": ans.n_raw,
+            "n_out_of_inventory": ans.n_out_of_inventory, "n_malformed": ans.n_malformed}
+
+
+def generation_metrics(records: list[dict]) -> dict[str, float]:
+    """Counts and rates over the notes' records (rates over every generated note)."""
+    n = len(records)
+
+    def count(key: str) -> int:
+        return sum(bool(r[key]) for r in records)
+
+    tokens = np.array([r["n_tokens"] for r in records], dtype=float)
+    metrics: dict[str, float] = {
+        "n_notes": n, "n_valid": count("valid"), "n_capped": count("capped"),
+        "n_degenerate": count("degenerate"), "n_parsed": count("parsed"),
+        "n_closed_think": count("closed_think"),
+        "valid_rate": count("valid") / n, "cap_rate": count("capped") / n,
+        "degenerate_rate": count("degenerate") / n, "parsed_rate": count("parsed") / n,
+        "mean_generated_tokens": float(tokens.mean()),
+        "median_generated_tokens": float(np.median(tokens)),
+        "max_generated_tokens": float(tokens.max()),
+        "n_out_of_inventory": sum(r["n_out_of_inventory"] for r in records),
+        "n_malformed_entries": sum(r["n_malformed"] for r in records),
+        "mean_codes": float(np.mean([len(r["codes"]) for r in records])),
+    }
+    for reason, k in Counter(r["reason"] for r in records).items():
+        metrics[f"reason.{reason}"] = k
+    for reason, k in Counter(r["degenerate_reason"] for r in records if r["degenerate"]).items():
+        metrics[f"degenerate.{reason}"] = k
+    return metrics
+
+
+def traced_corpus(corpus: Corpus, notes: list[Note], records: dict[str, dict],
+                  traces: dict[str, str]) -> Corpus:
+    """The notes whose generation is valid and closed ``</think>``, carrying it as their trace."""
+    kept = [replace(n, teacher_trace=traces[n.note_id]) for n in notes
+            if records[n.note_id]["closed_think"]]
+    return Corpus(name=corpus.name, privacy=corpus.privacy, inventory=corpus.inventory,
+                  notes=kept, meta=corpus.meta)
+
+
+def run_generate(cfg: GenerateConfig) -> str:
+    """Generate a trace per selected note; returns the run id (an identical finished run is reused)."""
+    from mistill.tracking.runs import StageRun
+
+    check_config(cfg)
+    prepared = load_prepared(cfg.prepare_run)
+    corpus, inventory = prepared.corpus, prepared.inventory
+    notes = selected_notes(prepared, cfg.split, cfg.max_notes)
+    if not notes:
+        raise MistillInputError(f"no notes{' in split ' + repr(cfg.split) if cfg.split else ''} "
+                                f"in the corpus of run {cfg.prepare_run}", field="split")
+    guard = privacy_guard(corpus)
+    tags = {TAG_SOURCE_PREPARE: cfg.prepare_run, TAG_BACKEND: cfg.backend}
+    with StageRun("generate", cfg, corpus=corpus.name, guard=guard, corpus_digest=corpus.digest,
+                  inputs={"prepare": cfg.prepare_run}, tags=tags, resume=True,
+                  root=mistill_root()) as run:
+        if run.reused:
+            print(f"generate: reusing finished run {run.run_id}")
+            return run.run_id
+        log_corpus_input(run, prepared)
+        enclave = (run.work_dir / ENCLAVE).resolve()
+        if not guard.allows_text:
+            run.set_tags({TAG_ENCLAVE_DIR: str(enclave)})
+        decoding = cfg.decoding()
+        done = run.finished_notes(NOTES)
+        records: dict[str, dict] = {}
+        traces: dict[str, str] = {}
+        for note in notes:  # notes finished before a crash: their texts are protected first
+            if note.note_id in done:
+                records[note.note_id] = run.load_note(NOTES, note.note_id, RECORD_FILE)
+                traces[note.note_id] = _stored_trace(run, note.note_id, enclave, guard.allows_text)
+                guard.protect([traces[note.note_id]])
+        todo = [n for n in notes if n.note_id not in done]
+        thinking = template_has_thinking(load_tokenizer(cfg.model))
+        if not thinking:
+            print(f"generate: the chat template of {cfg.model} has no thinking switch; "
+                  "generations without think tags count as closed reasoning of length 0")
+        if todo:
+            backend = make_backend(cfg.backend, cfg.model, decoding, device=cfg.device, dtype=cfg.dtype)
+            index = CodeIndex(inventory.codes)
+            bar = tqdm(total=len(todo), desc="generate")
+            for start in range(0, len(todo), cfg.batch_size):
+                batch = todo[start:start + cfg.batch_size]
+                items = [(build_prompt(n, n.shortlist, inventory, backend.tokenizer,
+                                       remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
+                                       narrow_instruction=prepared.narrow_instruction).text,
+                          note_seed(decoding, n.note_id)) for n in batch]
+                for note, gen in zip(batch, backend.generate_many(items), strict=True):
+                    guard.protect([gen.text])
+                    record = generation_record(note, gen, index)
+                    files: dict = {RECORD_FILE: record}
+                    if guard.allows_text:
+                        files[TRACE_FILE] = gen.text
+                    else:  # restricted: the text stays in the local enclave, written first
+                        write_text(enclave / f"{note.note_id}.txt", gen.text)
+                    run.write_note(NOTES, note.note_id, files)
+                    records[note.note_id], traces[note.note_id] = record, gen.text
+                    bar.update(1)
+            bar.close()
+
+        ordered = [records[n.note_id] for n in notes]
+        out = traced_corpus(corpus, notes, records, traces)
+        if out.notes:
+            _save_traced(run, out, prepared, cfg, guard.allows_text)
+        else:  # a corpus file must hold notes: no traced corpus, said in a tag and the metrics
+            run.set_tags({TAG_TRACED: "none"})
+            print("generate: no generation was valid with a closed </think>: no traced corpus")
+
+        table = pd.DataFrame([{k: (" ".join(v) if k == "codes" else v) for k, v in r.items()
+                               if k != "decoding"} for r in ordered])
+        run.log_table("generations", table)
+        run.log_json("decoding.json", {**ordered[0]["decoding"], "seed_rule": "note_seed(seed, note_id)",
+                                       "model": cfg.model, "thinking_template": thinking})
+        metrics = generation_metrics(ordered)
+        metrics["n_traced_notes"] = len(out)
+        metrics["thinking_template"] = float(thinking)
+        run.log_metrics(metrics)
+        print(f"generate: {len(notes)} notes, valid {metrics['valid_rate']:.2f}, capped "
+              f"{metrics['cap_rate']:.2f}, {len(out)} traced notes -> run {run.run_id}")
+        return run.run_id
+
+
+def _save_traced(run, out: Corpus, prepared: Prepared, cfg: GenerateConfig, allows_text: bool) -> None:
+    """Save the traced corpus like a prepare run does: data dir, tags, index, data artifacts."""
+    from mistill.tracking.runs import TAG_CORPUS_DIGEST
+
+    data_dir = (mistill_root() / "data" / f"{out.name}-{out.digest[:12]}").resolve()
+    save_prepared(data_dir, out, {"remove_discharge_diagnosis": prepared.remove_discharge_diagnosis,
+                                  "narrow_instruction": prepared.narrow_instruction,
+                                  "source_prepare_run": cfg.prepare_run, "generate_model": cfg.model})
+    run.set_tags({TAG_DATA_DIR: str(data_dir), TAG_CORPUS_DIGEST: out.digest, TAG_TRACED: len(out)})
+    index_df = corpus_index(out)
+    run.log_dataset(index_df, name=f"{out.name}-traced-index", digest=out.digest, context="corpus")
+    run.log_table("corpus_index", index_df)
+    run.log_artifact_file(data_dir / INVENTORY_FILE, "data")
+    if allows_text:
+        run.log_artifact_file(data_dir / CORPUS_FILE, "data")
+        run.log_artifact_file(data_dir / CORPUS_META_FILE, "data")
+
+
+def _stored_trace(run, note_id: str, enclave: Path, allows_text: bool) -> str:
+    """A finished note's generated text: its artifact, or (restricted) its enclave file."""
+    if allows_text:
+        return run.load_note(NOTES, note_id, TRACE_FILE).decode("utf-8")
+    path = enclave / f"{note_id}.txt"
+    if not path.is_file():
+        raise MistillInputError("the generated trace of a finished note is missing from the local "
+                                "enclave (restricted traces are never stored in MLflow; resume on "
+                                "the machine that generated it)", file=str(path), note=note_id,
+                                field="teacher_trace")
+    return path.read_text(encoding="utf-8")
+
+
+__all__ = ["GenerateConfig", "run_generate", "generation_record", "generation_metrics",
+           "traced_corpus", "selected_notes", "check_config"]
