@@ -34,6 +34,7 @@ def stages() -> dict[str, Stage]:
     from mistill.stages.report import ReportConfig, run_report
     from mistill.stages.select_lambda import SelectLambdaConfig, run_select_lambda
     from mistill.stages.shortlist import ShortlistConfig, run_shortlist
+    from mistill.stages.las import LasSimulatorConfig, run_las_simulator
     from mistill.stages.workflow import (CharacterizeConfig, PipelineConfig, run_characterize,
                                          run_pipeline)
 
@@ -52,6 +53,8 @@ def stages() -> dict[str, Stage]:
         Stage("train", TrainStageConfig, run_train,
               {"targets": "targets_run", "student_attribute": "student_attribute_run"},
               "one arm at one seed with the shared recipe; the checkpoint registered per arm and seed"),
+        Stage("las_simulator", LasSimulatorConfig, run_las_simulator, {"prepare": "prepare_run"},
+              "the frozen LAS simulator: fine-tuned once on the teacher's traces (note + rationale, note alone)"),
         Stage("select_lambda", SelectLambdaConfig, run_select_lambda,
               {"prepare": "prepare_run", "targets": "targets_run", "student_attribute": "student_attribute_run"},
               "pre-registered λ selection: a locked grid on Optuna, each cell trained and evaluated once"),

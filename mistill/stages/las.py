@@ -1,0 +1,147 @@
+"""The ``las_simulator`` stage: fine-tune the LAS simulator once on the teacher's traces (App. K).
+
+It reads a ``prepare`` run whose notes carry teacher traces, trains the simulator of
+:mod:`mistill.evaluation.las` on the ``split`` notes (the teacher's training traces), saves the
+frozen checkpoint to the run's work dir (``simulator/``) and logs it as artifacts: weights and
+model config, ``simulator.json`` (base model, caps), and the tokenizer files only when the
+corpus's text may be logged; never note or trace text. ``evaluate`` loads it with
+:func:`mistill.evaluation.las.load_simulator` (``las_run``).
+
+Metrics: ``train_loss`` per step, and on the ``val_split`` notes the sanity check
+``val.las_teacher_mean`` (mean LAS of the teacher's own rationale), ``val.f1_with_rationale``,
+``val.f1_note_only`` and ``val.unparsable_rate``; a per-note table ``val_las.csv`` (note ids
+and numbers only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mistill.config import Config
+from mistill.errors import MistillInputError
+from mistill.models.loading import EMBEDDED_DEFAULT
+
+SIMULATOR_DIR = "simulator"
+LOGGED_SUFFIXES = (".safetensors", ".json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "chat_template.jinja", "added_tokens.json")
+
+
+@dataclass(frozen=True)
+class LasSimulatorConfig(Config):
+    """The LAS simulator's base model and its one fine-tuning.
+
+    prepare_run: the corpus whose notes carry the teacher's traces.
+    split: the notes trained on (the teacher's training traces); ``val_split``: the held-out
+        notes of the sanity metrics (none found: no val metrics); ``max_val_notes``: at most this
+        many of them, in corpus order (0: all).
+    model: the simulator's base (``embedded:smollm2-135m``; ``tiny:qwen3`` in tests; Qwen3-1.7B
+        in the paper).
+    max_steps, lr, seed: plain AdamW, one note (both inputs) per step, seeded shuffled passes.
+    max_answer_tokens: the decoding cap, and the budget the training answer is cut to fit.
+    max_note_words: keep only the first this many words of each note (0: whole notes), in
+        training and prediction, so CPU runs stay quick; stored with the checkpoint.
+    device, dtype: where and in which precision the simulator trains and predicts.
+    """
+
+    prepare_run: str = ""
+    split: str = "train"
+    val_split: str = "val"
+    max_val_notes: int = 0
+    model: str = EMBEDDED_DEFAULT
+    max_steps: int = 16
+    lr: float = 1e-4
+    seed: int = 0
+    max_answer_tokens: int = 96
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_note_words: int = 256
+
+
+def _examples(notes, index):
+    from mistill.evaluation.las import teacher_example
+
+    return [teacher_example(n.note_id, n.text, n.teacher_trace, index) for n in notes if n.teacher_trace]
+
+
+def run_las_simulator(cfg: LasSimulatorConfig) -> str:
+    """Train (or reuse) the simulator; returns the run id."""
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    from mistill.evaluation.las import (Simulator, encode_pair, las_per_note, save_simulator, set_f1,
+                                        train_simulator)
+    from mistill.evaluation.parsing import CodeIndex
+    from mistill.models.loading import load_model
+    from mistill.stages.common import (INVENTORY_FILE, load_prepared, log_corpus_input, mistill_root,
+                                       model_positions, privacy_guard)
+    from mistill.tracking.runs import StageRun
+
+    if not cfg.prepare_run:
+        raise MistillInputError("las_simulator needs a prepare run", field="prepare_run")
+    if cfg.max_steps < 1 or cfg.max_answer_tokens < 4:
+        raise MistillInputError("max_steps must be >= 1 and max_answer_tokens >= 4", field="max_steps")
+    prepared = load_prepared(cfg.prepare_run)
+    corpus = prepared.corpus
+    guard = privacy_guard(corpus)
+    with StageRun("las_simulator", cfg, corpus=corpus.name, guard=guard, model=cfg.model,
+                  corpus_digest=corpus.digest, inputs={"prepare": cfg.prepare_run}, resume=True,
+                  root=mistill_root()) as run:
+        if run.reused:
+            print(f"las_simulator: reusing finished run {run.run_id}")
+            return run.run_id
+        log_corpus_input(run, prepared)
+        index = CodeIndex(list(prepared.inventory.codes))
+        train = _examples(corpus.split(cfg.split).notes if cfg.split in corpus.splits else [], index)
+        if not train:
+            raise MistillInputError(f"no {cfg.split!r} notes with a teacher trace", field="split")
+        lm = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
+        positions = model_positions(lm)
+        pairs = [encode_pair(ex, lm.tokenizer, max_answer_tokens=cfg.max_answer_tokens,
+                             max_note_words=cfg.max_note_words, max_positions=positions) for ex in train]
+        losses = train_simulator(lm.model, pairs, max_steps=cfg.max_steps, lr=cfg.lr, seed=cfg.seed)
+        for step, loss in enumerate(losses):
+            run.log_metrics({"train_loss": loss}, step=step)
+        run.log_metrics({"train_loss_first": losses[0], "train_loss_last": losses[-1],
+                         "n_train_notes": len(train)})
+
+        out = run.work_dir / SIMULATOR_DIR
+        meta = {"base_model": cfg.model, "dtype": cfg.dtype, "max_answer_tokens": cfg.max_answer_tokens,
+                "max_note_words": cfg.max_note_words, "prepare_run": cfg.prepare_run,
+                "n_codes": len(prepared.inventory)}
+        save_simulator(out, lm.model, lm.tokenizer, prepared.data_dir / INVENTORY_FILE, meta)
+        for path in sorted(out.iterdir()):  # weights, model config, simulator.json; no inventory
+            if path.name == INVENTORY_FILE:
+                continue
+            if path.name in TOKENIZER_FILES:
+                if guard.allows_text:
+                    run.log_artifact_file(path, SIMULATOR_DIR)
+            elif path.suffix in LOGGED_SUFFIXES:
+                run.log_artifact_file(path, SIMULATOR_DIR)
+
+        sim = Simulator(lm.model, lm.tokenizer, index, max_answer_tokens=cfg.max_answer_tokens,
+                        max_note_words=cfg.max_note_words)
+        val_notes = corpus.split(cfg.val_split).notes if cfg.val_split in corpus.splits else []
+        val = _examples(val_notes, index)
+        if cfg.max_val_notes > 0:
+            val = val[:cfg.max_val_notes]
+        rows = []
+        for ex in tqdm(val, desc="las sanity (val)"):
+            with_r = set(sim.predict(ex.note_text, ex.rationale))
+            without = set(sim.predict(ex.note_text, None))
+            teacher = set(ex.answer)
+            rows.append({"note_id": ex.note_id, "n_teacher": len(teacher), "n_with": len(with_r),
+                         "n_without": len(without), "f1_with_rationale": set_f1(with_r, teacher),
+                         "f1_note_only": set_f1(without, teacher),
+                         "las": las_per_note(with_r, without, teacher)})
+        if rows:
+            df = pd.DataFrame(rows)
+            run.log_table("val_las", df)
+            run.log_metrics({"val.las_teacher_mean": float(df["las"].mean()),
+                             "val.f1_with_rationale": float(df["f1_with_rationale"].mean()),
+                             "val.f1_note_only": float(df["f1_note_only"].mean()),
+                             "val.unparsable_rate": sim.n_unparsable / max(sim.n_predictions, 1),
+                             "val.n_notes": len(rows)})
+        print(f"las_simulator: {len(train)} notes, loss {losses[0]:.3f} -> {losses[-1]:.3f}; "
+              f"{len(rows)} val notes -> run {run.run_id}")
+        return run.run_id
