@@ -30,6 +30,7 @@ def stages() -> dict[str, Stage]:
     from mistill.stages.characterize import (AttributeConfig, EventsConfig, KnockinStageConfig,
                                              run_attribute, run_events, run_knockin)
     from mistill.stages.distill import TargetsConfig, TrainStageConfig, run_targets, run_train
+    from mistill.stages.generate import GenerateConfig, run_generate
     from mistill.stages.prepare import PrepareConfig, run_prepare
     from mistill.stages.report import ReportConfig, run_report
     from mistill.stages.select_lambda import SelectLambdaConfig, run_select_lambda
@@ -42,6 +43,8 @@ def stages() -> dict[str, Stage]:
         Stage("prepare", PrepareConfig, run_prepare, {}, "inventory, corpus and prompts"),
         Stage("shortlist", ShortlistConfig, run_shortlist, {"prepare": "prepare_run"},
               "the retrieved shortlist: a prepared corpus whose prompts list it (use as prepare_run)"),
+        Stage("generate", GenerateConfig, run_generate, {"prepare": "prepare_run"},
+              "a model's traces under the paper's decoding: flags, rates, a traced corpus (use as prepare_run)"),
         Stage("events", EventsConfig, run_events, {"prepare": "prepare_run"},
               "decision events per note, realized in the model's tokenizer, and the margin audit"),
         Stage("attribute", AttributeConfig, run_attribute, {"events": "events_run"},
