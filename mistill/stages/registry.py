@@ -30,6 +30,7 @@ def stages() -> dict[str, Stage]:
     from mistill.stages.characterize import (AttributeConfig, EventsConfig, KnockinStageConfig,
                                              run_attribute, run_events, run_knockin)
     from mistill.stages.distill import TargetsConfig, TrainStageConfig, run_targets, run_train
+    from mistill.stages.own_heads import OwnHeadsConfig, run_own_heads
     from mistill.stages.generate import GenerateConfig, run_generate
     from mistill.stages.prepare import PrepareConfig, run_prepare
     from mistill.stages.report import ReportConfig, run_report
@@ -58,6 +59,8 @@ def stages() -> dict[str, Stage]:
               "one arm at one seed with the shared recipe; the checkpoint registered per arm and seed"),
         Stage("las_simulator", LasSimulatorConfig, run_las_simulator, {"prepare": "prepare_run"},
               "the frozen LAS simulator: fine-tuned once on the teacher's traces (note + rationale, note alone)"),
+        Stage("own_heads", OwnHeadsConfig, run_own_heads, {"prepare": "prepare_run", "train": "train_run"},
+              "mechanism readouts on an arm's own heads (M4 knock-in and floors, M2, M3, prefix share; own traces)"),
         Stage("select_lambda", SelectLambdaConfig, run_select_lambda,
               {"prepare": "prepare_run", "targets": "targets_run", "student_attribute": "student_attribute_run"},
               "pre-registered λ selection: a locked grid on Optuna, each cell trained and evaluated once"),

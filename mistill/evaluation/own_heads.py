@@ -1,0 +1,235 @@
+"""Mechanism readouts on an arm's own heads (paper App. K "M2–M5 and the prefix share", App. L.4).
+
+The arm's heads are ranked by the instrument (events + attribute, teacher-forced on the
+validation notes); this module measures that ranking on other notes:
+
+- **M4**: knock-in recovery of the own top-k into the next note's context (the donor), beside
+  count-matched random floors, and necessity (mean-ablation of the own top-k at the note's own
+  events). Both are the instrument's own pass, :func:`mistill.instrument.passes.knockin_sweep`,
+  run with the arm's ranking as the "global" set; the random floor is the instrument's
+  ``random`` set (redrawn per note, phase and k), drawn ``n_random`` times with different seeds.
+- **M2 / M3 / prefix share**: the read side of the own top-16 (:mod:`mistill.instrument.readside`)
+  beside a fixed panel of 16 random heads.
+
+Per-note values: recovery is the mean over the note's gated events (per draw for the floor, then
+the mean over draws); necessity the mean over its events. The stage reports medians over notes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mistill.data.corpus import Note
+from mistill.data.inventory import Inventory
+from mistill.distill.buckets import build_axis, row_buckets, token_buckets
+from mistill.instrument.events import RealizedEvent, extract_events, realize_events
+from mistill.instrument.hooks import HeadHook
+from mistill.instrument.passes import PHASES, EventQuery, KnockinConfig, knockin_sweep, stable_seed
+from mistill.instrument.readside import (bucket_rows, chapter_region, event_chapter, head_attention_rows,
+                                         line_buckets, note_region_lift, note_share, region_lift, slot_share,
+                                         token_counts)
+from mistill.instrument.runner import Runner
+from mistill.models.loading import LoadedModel
+from mistill.stages.common import NoteInput, note_input
+
+__all__ = ["NoteCase", "note_case", "subsample_case", "draw_config", "own_knockin", "m4_rows", "random_panel",
+           "readside_note", "M2_PHASES"]
+
+M2_PHASES = ("P1", "P2C")
+
+
+@dataclass
+class NoteCase:
+    """One note as the arm sees it: its input (prompt + trace tokens), realized events, queries."""
+
+    note_id: str
+    inp: NoteInput
+    realized: list[RealizedEvent]
+    queries: list[EventQuery]
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.inp.input_ids.numel())
+
+    def phase_events(self) -> int:
+        return sum(1 for q in self.queries if q.kind in PHASES)
+
+
+def note_case(note: Note, inventory: Inventory, lm: LoadedModel, *, trace: str | None = None,
+              remove_discharge_diagnosis: bool = True, narrow_instruction: bool = True,
+              p2c_cap: int = 2, require_think: bool = True, max_positions: int | None = None) -> NoteCase:
+    """Extract the phase events of ``trace`` (the teacher's when None) and realize them in the
+    arm's tokenizer (no NULL events: the readouts here measure decisions only)."""
+    from mistill.stages.characterize import event_queries
+
+    ni = note_input(note, inventory, lm.tokenizer, trace=trace,
+                    remove_discharge_diagnosis=remove_discharge_diagnosis,
+                    narrow_instruction=narrow_instruction, max_positions=max_positions)
+    codes = list(inventory.codes)
+    events = extract_events(note.note_id, ni.trace, codes, tokenizer=lm.tokenizer, n_null=0,
+                            p2c_cap=p2c_cap, require_think=require_think)
+    realized = realize_events(events, full_text=ni.full_text, trace_offset=ni.trace_offset,
+                              tokenizer=lm.tokenizer, input_ids=ni.input_ids.tolist(), offsets=ni.offsets,
+                              codes=codes)
+    return NoteCase(note_id=note.note_id, inp=ni, realized=list(realized),
+                    queries=event_queries(realized, ni.input_ids))
+
+
+def subsample_case(case: NoteCase, per_phase: int, seed: int) -> NoteCase:
+    """At most ``per_phase`` events of each phase (the instrument's seeded subsample); 0 keeps all."""
+    from mistill.stages.characterize import subsample_phase_events
+
+    queries = subsample_phase_events(case.queries, per_phase, case.note_id, seed)
+    keep = {q.event_id for q in queries}
+    return NoteCase(note_id=case.note_id, inp=case.inp, queries=queries,
+                    realized=[r for r in case.realized if r.event.event_id in keep])
+
+
+def draw_config(k_bins: Sequence[int], draw: int, seed: int, *, range_gate: float = 1.0,
+                batch_size: int = 256, chunk_size: int = 8192) -> KnockinConfig:
+    """The knock-in settings of random draw ``draw``: draw 0 measures the own set ("global") and
+    the first random floor; later draws only redraw the floor (a different seed per draw)."""
+    sets = ("global", "random") if draw == 0 else ("random",)
+    return KnockinConfig(k_bins=tuple(int(k) for k in k_bins), sets=sets, range_gate=range_gate,
+                         batch_size=batch_size, chunk_size=chunk_size,
+                         seed=stable_seed(seed, "own-heads-floor", draw) % (2 ** 31))
+
+
+def own_knockin(runner: Runner, hook: HeadHook, target: NoteCase, donor: NoteCase,
+                rank: Mapping[str, Sequence[int]], k_bins: Sequence[int], *, n_random: int = 3,
+                seed: int = 0, range_gate: float = 1.0, batch_size: int = 256,
+                progress: bool = False) -> tuple[list[dict], list[dict]]:
+    """Necessity rows of ``target``'s events and knock-in rows of its events run in ``donor``'s
+    context, for the own ranking ``rank`` (``{phase: flat heads, best first}``) and ``n_random``
+    count-matched random draws.
+
+    Rows are the instrument's (:func:`knockin_sweep`); own-set rows have ``set == "global"``,
+    floor rows ``set == "random"``; every knock-in row carries its ``draw``.
+    """
+    rank = {p: list(r) for p, r in rank.items() if p in PHASES and len(r)}
+    draws = max(1, int(n_random))
+    cfg0 = draw_config(k_bins, 0, seed, range_gate=range_gate, batch_size=batch_size,
+                       chunk_size=runner.chunk_size)
+    clean = knockin_sweep(runner, hook, target.note_id, target.inp.input_ids, target.queries, cfg0, rank,
+                          progress=progress)
+    necessity = [r for r in clean.necessity if r["set"] == "global" and r["phase"] in rank]
+    knockin: list[dict] = []
+    for d in range(draws):
+        cfg = draw_config(k_bins, d, seed, range_gate=range_gate, batch_size=batch_size,
+                          chunk_size=runner.chunk_size)
+        if n_random <= 0:
+            cfg = cfg.replace(sets=("global",))
+        sweep = knockin_sweep(runner, hook, donor.note_id, donor.inp.input_ids, donor.queries, cfg, rank,
+                              previous=clean.clean, previous_len=target.n_tokens, progress=progress)
+        for r in sweep.knockin:
+            if r["phase"] in rank:
+                knockin.append({**r, "draw": d})
+    return necessity, knockin
+
+
+def _mean(values: Sequence[float]) -> float:
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    return float(np.mean(vals)) if vals else float("nan")
+
+
+def m4_rows(note_id: str, necessity: Sequence[dict], knockin: Sequence[dict],
+            k_bins: Sequence[int]) -> list[dict]:
+    """Per (phase, k) of one note: ``recovery_own`` (mean over gated events), ``recovery_random``
+    (per draw the mean over gated events, then the mean over draws), ``necessity_own`` (mean share
+    of the clean margin destroyed, the instrument's definition) and ``necessity_own_nats`` (mean
+    margin drop in nats, the paper's App. K wording), with event counts."""
+    out = []
+    for phase in PHASES:
+        for k in k_bins:
+            own = [r for r in knockin if r["phase"] == phase and r["k"] == k and r["set"] == "global"]
+            rnd = [r for r in knockin if r["phase"] == phase and r["k"] == k and r["set"] == "random"]
+            nec = [r for r in necessity if r["phase"] == phase and r["k"] == k]
+            if not (own or rnd or nec):
+                continue
+            by_draw: dict[int, list[float]] = {}
+            for r in rnd:
+                by_draw.setdefault(int(r.get("draw", 0)), []).append(r["recovery"])
+            out.append({
+                "note_id": note_id, "phase": phase, "k": int(k),
+                "recovery_own": _mean([r["recovery"] for r in own]),
+                "recovery_random": _mean([_mean(v) for v in by_draw.values()]),
+                "necessity_own": _mean([r["necessity"] for r in nec]),
+                "necessity_own_nats": _mean([r["clean_margin"] - r["ablated_margin"] for r in nec]),
+                "n_events": len(nec), "n_matched": len(own), "n_gated": sum(bool(r["gated"]) for r in own),
+                "n_random_draws": len(by_draw)})
+    return out
+
+
+def random_panel(n_heads: int, size: int, seed: int) -> list[int]:
+    """A fixed panel of ``size`` random heads (App. E: drawn once with a fixed seed), sorted."""
+    rng = np.random.default_rng(stable_seed(seed, "readside-random-panel"))
+    return sorted(rng.choice(n_heads, size=min(size, n_heads), replace=False).tolist())
+
+
+def readside_note(lm: LoadedModel, case: NoteCase, inventory: Inventory,
+                  groups: Mapping[str, Mapping[str, Sequence[int]]]) -> dict[str, float]:
+    """M2 at P1 and P2C, M3 and the prefix share at P2C, of one note, for each head group.
+
+    groups: ``{group name: {phase: flat heads}}`` (e.g. ``{"own": top-16 per phase, "random":
+    the random panel per phase}``). Returns ``{"<group>.m2.<phase>", "<group>.m3.near_miss_share",
+    "<group>.m3.own_mention_share", "<group>.m3.top_head_near_miss_share",
+    "<group>.prefix_share"}`` plus ``n_events.<phase>`` and ``n_events.P2C_near_miss``; NaN
+    where the note has no usable event.
+    """
+    prompt, trace, offsets = case.inp.prompt, case.inp.trace, case.inp.offsets
+    axis = build_axis(prompt, trace)
+    base = token_buckets(axis, prompt, offsets, len(trace))
+    lines = line_buckets(axis)
+    out: dict[str, float] = {}
+    for phase in M2_PHASES:
+        evs = [r for r in case.realized if r.event.kind == phase]
+        out[f"n_events.{phase}"] = float(len(evs))
+        union = sorted({int(h) for g in groups.values() for h in g.get(phase, ())})
+        attn = head_attention_rows(lm, case.inp.input_ids, [r.position for r in evs], union) if evs and union \
+            else torch.zeros(0, len(union), case.n_tokens)
+        col = {h: j for j, h in enumerate(union)}
+        near = [i for i, r in enumerate(evs) if phase == "P2C" and r.event.N]
+        if phase == "P2C":
+            out["n_events.P2C_near_miss"] = float(len(near))
+        carved = {i: row_buckets(axis, base, evs[i], prompt, inventory, offsets) for i in range(len(evs))} \
+            if phase == "P2C" else {}
+        for name, by_phase in groups.items():
+            heads = [int(h) for h in by_phase.get(phase, ())]
+            if not heads or not evs:
+                out[f"{name}.m2.{phase}"] = float("nan")
+                if phase == "P2C":
+                    for key in ("m3.near_miss_share", "m3.own_mention_share", "m3.top_head_near_miss_share",
+                                "prefix_share"):
+                        out[f"{name}.{key}"] = float("nan")
+                continue
+            cols = [col[h] for h in heads]
+            lifts, nm, own_m, prefix = [], [], [], []
+            for i, r in enumerate(evs):
+                a = attn[i][cols]  # [h, pos]
+                region = chapter_region(axis, event_chapter(r.event))
+                counts = token_counts(base, axis.n, upto=r.position)
+                lifts.append(region_lift(bucket_rows(a, base, axis.n), lines, region, counts))
+                if phase == "P2C":
+                    rows_c = bucket_rows(a, carved[i], axis.n)
+                    prefix.append(slot_share(rows_c, [axis.slot("prefix")]))
+                    if i in near:
+                        nm.append(slot_share(rows_c, [axis.slot("N")]))
+                        own_m.append(slot_share(rows_c, [axis.slot("S")]) if r.event.S
+                                     else np.full(len(heads), np.nan))
+            out[f"{name}.m2.{phase}"] = note_region_lift(np.stack(lifts))
+            if phase == "P2C":
+                out[f"{name}.prefix_share"] = note_share(np.stack(prefix))
+                if nm:
+                    per_head = np.nanmean(np.stack(nm), axis=0)
+                    out[f"{name}.m3.near_miss_share"] = note_share(np.stack(nm))
+                    out[f"{name}.m3.top_head_near_miss_share"] = float(np.nanmax(per_head))
+                    out[f"{name}.m3.own_mention_share"] = note_share(np.stack(own_m))
+                else:
+                    for key in ("m3.near_miss_share", "m3.own_mention_share", "m3.top_head_near_miss_share"):
+                        out[f"{name}.{key}"] = float("nan")
+    return out

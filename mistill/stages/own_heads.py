@@ -1,0 +1,347 @@
+"""The ``own_heads`` stage: mechanism readouts on a trained arm's own heads (paper App. K, L.4).
+
+1. Rank the arm's heads with the instrument, teacher-forced on the ``rank_split`` notes: the
+   ``events`` and ``attribute`` stages on the arm's model, launched through
+   :func:`mistill.stages.workflow.run_step`, so an identical finished ranking is reused (every
+   readout of one arm shares it) and the ranking runs stay visible with their own lineage.
+2. On the ``test_split`` notes, teacher-forced on the teacher's traces: M4 (knock-in recovery of
+   the own top-k beside count-matched random floors, necessity), M2 (region lift of the own
+   top-16 at P1 and P2C), M3 (near-miss share) and the prefix share of the own top-16 P2C heads
+   (:mod:`mistill.evaluation.own_heads`).
+3. The same on the arm's own generations of the test notes: events from its own reasoning (only
+   traces whose reasoning block closes before the cap), the donor being its next usable own
+   trace; coverage counts say how many notes and events were usable.
+
+Per-note results are written as the notes finish (resume loses none). Reported values are
+medians over notes of the per-note values (App. K "Floors, medians and means"). Generated text
+stays in the run's local work dir (``own_traces/``), never in the tracking store.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+from tqdm.auto import tqdm
+
+from mistill.config import Config
+from mistill.data.corpus import Note
+from mistill.errors import MistillInputError
+from mistill.instrument.passes import PHASES
+from mistill.stages.common import (Prepared, RunReader, load_prepared, log_corpus_input, mistill_root,
+                                   model_positions, privacy_guard)
+
+NOTES = "notes"
+OWN_NOTES = "own_notes"
+TRACES = ("teacher", "own")
+
+
+@dataclass(frozen=True)
+class OwnHeadsConfig(Config):
+    """Own-heads readouts of one arm: ``train_run`` (model ``run:<id>``) or a plain ``model``."""
+
+    prepare_run: str = ""
+    train_run: str = ""
+    model: str = ""
+    rank_split: str = "val"
+    test_split: str = "test"
+    k: tuple[int, ...] = (8, 40)
+    necessity_k: int = 40
+    m2_k: int = 16
+    n_random: int = 3
+    range_gate: float = 1.0
+    events_per_phase: int = 0
+    own_traces: bool = True
+    max_new_tokens: int = 16384
+    n_null: int = 20
+    stability_splits: int = 200
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    max_notes: int = 0
+    batch_size: int = 256
+    chunk_size: int = 8192
+    launch: str = "mlflow"
+
+
+@dataclass
+class _Arm:
+    spec: str
+    tags: dict[str, str]
+
+
+def _arm(cfg: OwnHeadsConfig) -> _Arm:
+    """The model spec and the train run's linking tags."""
+    if bool(cfg.train_run) == bool(cfg.model):
+        raise MistillInputError("give exactly one of train_run (a trained arm) and model", field="train_run")
+    if not cfg.train_run:
+        return _Arm(spec=cfg.model, tags={})
+    reader = RunReader(cfg.train_run, field="train_run")
+    tags = reader.tags
+    if tags.get("mistill.stage") != "train":
+        raise MistillInputError(f"run {cfg.train_run} is a {tags.get('mistill.stage')!r} run, not train",
+                                field="train_run")
+    keep = ("mistill.arm", "mistill.seed", "mistill.precision", "mistill.registered_model",
+            "mistill.model_version", "mistill.model_alias")
+    return _Arm(spec=f"run:{cfg.train_run}", tags={k: tags[k] for k in keep if k in tags})
+
+
+def _rank_steps(cfg: OwnHeadsConfig, spec: str, corpus_name: str) -> dict[str, str]:
+    """events + attribute of the arm on ``rank_split`` (reused when identical runs exist)."""
+    from mistill.stages.characterize import AttributeConfig, EventsConfig
+    from mistill.stages.workflow import run_step
+
+    # an inline step inside a launched entry point must not adopt the launcher's run
+    launched = os.environ.pop("MLFLOW_RUN_ID", None) if cfg.launch == "inline" else None
+    try:
+        ev = run_step("events", EventsConfig(prepare_run=cfg.prepare_run, model=spec, dtype=cfg.dtype,
+                                             device=cfg.device, split=cfg.rank_split, max_notes=cfg.max_notes,
+                                             n_null=cfg.n_null, seed=cfg.seed, chunk_size=cfg.chunk_size),
+                      corpus_name, launch=cfg.launch)
+        att = run_step("attribute", AttributeConfig(events_run=ev, dtype=cfg.dtype, device=cfg.device,
+                                                    stability_splits=cfg.stability_splits, seed=cfg.seed,
+                                                    chunk_size=cfg.chunk_size, batch_size=cfg.batch_size),
+                       corpus_name, launch=cfg.launch)
+    finally:
+        if launched is not None:
+            os.environ["MLFLOW_RUN_ID"] = launched
+    return {"events": ev, "attribute": att}
+
+
+def _test_notes(prepared: Prepared, cfg: OwnHeadsConfig) -> list[Note]:
+    from mistill.stages.characterize import stage_notes
+
+    notes = stage_notes(prepared, cfg.test_split, cfg.max_notes)
+    if not notes:
+        raise MistillInputError(f"no {cfg.test_split!r} notes with a teacher trace", field="test_split")
+    return notes
+
+
+def _median(values: Sequence[float]) -> float:
+    vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    return float(np.median(vals)) if vals else float("nan")
+
+
+def summary_metrics(per_note: pd.DataFrame, readside: pd.DataFrame, k_bins: Sequence[int],
+                    necessity_k: int, prefix: str = "") -> dict[str, float]:
+    """Medians over notes of the per-note values; ``prefix`` ("own.") for the own-trace run."""
+    out: dict[str, float] = {}
+    for phase in PHASES:
+        for k in k_bins:
+            sub = per_note[(per_note["phase"] == phase) & (per_note["k"] == k)] if len(per_note) else per_note
+            if not len(sub):
+                continue
+            for col in ("recovery_own", "recovery_random"):
+                out[f"{prefix}m4.{phase}.k{k}.{col}"] = _median(sub[col])
+            if k == necessity_k:
+                out[f"{prefix}m4.{phase}.k{k}.necessity_own"] = _median(sub["necessity_own"])
+                out[f"{prefix}m4.{phase}.k{k}.necessity_own_nats"] = _median(sub["necessity_own_nats"])
+            out[f"{prefix}m4.{phase}.k{k}.n_notes"] = float(sub["recovery_own"].notna().sum())
+    if len(readside):
+        col = readside.get
+        for phase in ("P1", "P2C"):
+            out[f"{prefix}m2.{phase}.region_lift"] = _median(col(f"own.m2.{phase}", []))
+            out[f"{prefix}m2.{phase}.region_lift_random"] = _median(col(f"random.m2.{phase}", []))
+        out[f"{prefix}m2.region_lift"] = out[f"{prefix}m2.P2C.region_lift"]
+        for key in ("near_miss_share", "own_mention_share", "top_head_near_miss_share"):
+            out[f"{prefix}m3.{key}"] = _median(col(f"own.m3.{key}", []))
+            out[f"{prefix}m3.{key}_random"] = _median(col(f"random.m3.{key}", []))
+        out[f"{prefix}prefix_share"] = _median(col("own.prefix_share", []))
+        out[f"{prefix}prefix_share_random"] = _median(col("random.prefix_share", []))
+    return {k: v for k, v in out.items() if math.isfinite(v)}
+
+
+def run_own_heads(cfg: OwnHeadsConfig) -> str:
+    from mistill.evaluation.own_heads import random_panel
+    from mistill.instrument.hooks import HeadHook
+    from mistill.instrument.runner import Runner
+    from mistill.models.loading import load_model
+    from mistill.stages.characterize import _ranks_from_head_sets
+    from mistill.tracking.runs import StageRun
+
+    if not cfg.k or any(k < 1 for k in cfg.k) or cfg.m2_k < 1:
+        raise MistillInputError("k and m2_k must be positive", field="k")
+    arm = _arm(cfg)
+    prepared = load_prepared(cfg.prepare_run)
+    notes = _test_notes(prepared, cfg)
+    ranked = _rank_steps(cfg, arm.spec, prepared.corpus.name)
+    guard = privacy_guard(prepared.corpus)
+    inputs = {"prepare": cfg.prepare_run, **({"train": cfg.train_run} if cfg.train_run else {})}
+    tags = {k: v for k, v in arm.tags.items() if k not in ("mistill.arm", "mistill.seed", "mistill.precision")}
+    tags.update({"mistill.rank_events": ranked["events"], "mistill.rank_attribute": ranked["attribute"],
+                 "mistill.split": cfg.test_split})
+    with StageRun("own_heads", cfg, corpus=prepared.corpus.name, guard=guard, model=arm.spec,
+                  arm=arm.tags.get("mistill.arm"), seed=arm.tags.get("mistill.seed", cfg.seed),
+                  precision=arm.tags.get("mistill.precision"), corpus_digest=prepared.corpus.digest,
+                  inputs=inputs, tags=tags, resume=True, root=mistill_root()) as run:
+        if run.reused:
+            print(f"own_heads: reusing finished run {run.run_id}")
+            return run.run_id
+        log_corpus_input(run, prepared)
+        lm = load_model(arm.spec, dtype=cfg.dtype, device=cfg.device)
+        runner, hook = Runner(lm, chunk_size=cfg.chunk_size), HeadHook(lm.geometry)
+        names = lm.geometry.head_names()
+        head_sets = json.loads(RunReader(ranked["attribute"], field="attribute").file("head_sets.json").read_text())
+        rank = _ranks_from_head_sets(head_sets, names)
+        if not rank:
+            raise MistillInputError(f"the ranking run {ranked['attribute']} has no phase ranking "
+                                    f"(no events on the {cfg.rank_split!r} notes)", field="rank_split")
+        panel = random_panel(lm.geometry.n_total_heads, cfg.m2_k, cfg.seed)
+        groups = {"own": {p: r[:cfg.m2_k] for p, r in rank.items()}, "random": {p: panel for p in rank}}
+        run.log_json("own_heads_sets.json", {
+            "rank_attribute": ranked["attribute"], "random_panel": [names[h] for h in panel],
+            **{p: [names[h] for h in r[:max(max(cfg.k), cfg.m2_k)]] for p, r in rank.items()}})
+        ctx = _Context(cfg, prepared, lm, runner, hook, rank, groups)
+        _teacher_pass(run, ctx, notes)
+        coverage: dict[str, float] = {}
+        if cfg.own_traces:
+            coverage = _own_pass(run, ctx, notes)
+        return _aggregate(run, cfg, notes, coverage)
+
+
+@dataclass
+class _Context:
+    cfg: OwnHeadsConfig
+    prepared: Prepared
+    lm: object
+    runner: object
+    hook: object
+    rank: dict
+    groups: dict
+
+    def case(self, note: Note, trace: str | None = None):
+        from mistill.evaluation.own_heads import note_case, subsample_case
+
+        c = note_case(note, self.prepared.inventory, self.lm, trace=trace,
+                      remove_discharge_diagnosis=self.prepared.remove_discharge_diagnosis,
+                      narrow_instruction=self.prepared.narrow_instruction,
+                      max_positions=model_positions(self.lm))
+        return subsample_case(c, self.cfg.events_per_phase, self.cfg.seed)
+
+    def measure(self, target, donor) -> dict:
+        """One note's files: its M4 rows (in ``donor``'s context) and its read side."""
+        from mistill.evaluation.own_heads import m4_rows, own_knockin, readside_note
+
+        cfg = self.cfg
+        k_bins = tuple(sorted(set(cfg.k) | {cfg.necessity_k}))
+        nec, kin = own_knockin(self.runner, self.hook, target, donor, self.rank, k_bins, n_random=cfg.n_random,
+                               seed=cfg.seed, range_gate=cfg.range_gate, batch_size=cfg.batch_size)
+        rows = m4_rows(target.note_id, nec, kin, k_bins)
+        read = readside_note(self.lm, target, self.prepared.inventory, self.groups)
+        counts = {p: sum(1 for q in target.queries if q.kind == p) for p in PHASES}
+        return {"m4.json": {"rows": rows, "donor_id": donor.note_id},
+                "readside.json": {"values": {k: (v if math.isfinite(v) else None) for k, v in read.items()},
+                                  "n_events": counts}}
+
+
+def _teacher_pass(run, ctx: _Context, notes: list[Note]) -> None:
+    done = run.finished_notes(NOTES)
+    cache: dict[str, object] = {}
+
+    def case(note: Note):
+        if note.note_id not in cache:
+            cache[note.note_id] = ctx.case(note)
+        return cache[note.note_id]
+
+    n = len(notes)
+    for i, note in enumerate(tqdm(notes, desc="own_heads teacher traces")):
+        if note.note_id in done:
+            continue
+        donor = notes[(i + 1) % n]
+        run.write_note(NOTES, note.note_id, ctx.measure(case(note), case(donor)))
+        cache.pop(note.note_id, None)
+
+
+def _generate(run, ctx: _Context, note: Note) -> dict:
+    """The arm's own generation of one note, cached in the local work dir (text never logged)."""
+    from mistill.evaluation.generation import DecodingConfig, generate_hf, note_seed
+    from mistill.io import read_json, write_json
+    from mistill.stages.common import note_input
+
+    path = run.work_dir / "own_traces" / f"{note.note_id}.json"
+    if path.exists():
+        return read_json(path)
+    decoding = DecodingConfig(max_new_tokens=ctx.cfg.max_new_tokens, seed=ctx.cfg.seed)
+    prompt = note_input(note, ctx.prepared.inventory, ctx.lm.tokenizer, trace=" ",
+                        remove_discharge_diagnosis=ctx.prepared.remove_discharge_diagnosis,
+                        narrow_instruction=ctx.prepared.narrow_instruction).prompt
+    gen = generate_hf(ctx.lm, prompt.text, decoding, note_seed(decoding, note.note_id))
+    rec = {"text": gen.text, "n_tokens": gen.n_tokens, "capped": gen.capped, "seed": gen.seed}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, rec)
+    return rec
+
+
+def _own_pass(run, ctx: _Context, notes: list[Note]) -> dict[str, float]:
+    """Generate, keep the usable own traces (closed reasoning, at least one phase event), measure
+    each against the next usable one; returns the coverage counts."""
+    done = run.finished_notes(OWN_NOTES)
+    cases, recs, closed, generated = {}, {}, 0, 0
+    for note in tqdm(notes, desc="own_heads generations"):
+        rec = recs[note.note_id] = _generate(run, ctx, note)
+        generated += 1
+        if rec["capped"]:
+            continue
+        try:
+            case = ctx.case(note, trace=rec["text"])
+        except MistillInputError:  # the reasoning block does not close, or the trace is unusable
+            continue
+        closed += 1
+        if case.phase_events():
+            cases[note.note_id] = case
+    usable = [n for n in notes if n.note_id in cases]
+    for i, note in enumerate(tqdm(usable, desc="own_heads own traces")):
+        if note.note_id in done:
+            continue
+        donor = usable[(i + 1) % len(usable)]
+        files = ctx.measure(cases[note.note_id], cases[donor.note_id])
+        files["generation.json"] = {"n_tokens": recs[note.note_id]["n_tokens"], "seed": recs[note.note_id]["seed"]}
+        run.write_note(OWN_NOTES, note.note_id, files)
+    return {"own.coverage.n_notes": float(len(notes)), "own.coverage.n_generated": float(generated),
+            "own.coverage.n_closed": float(closed), "own.coverage.n_with_events": float(len(usable))}
+
+
+def _aggregate(run, cfg: OwnHeadsConfig, notes: list[Note], coverage: dict[str, float]) -> str:
+    per_note, readside = [], []
+    k_bins = tuple(sorted(set(cfg.k) | {cfg.necessity_k}))
+    for traces, subdir in (("teacher", NOTES), ("own", OWN_NOTES)):
+        if traces == "own" and not cfg.own_traces:
+            continue
+        done = run.finished_notes(subdir)
+        for note in notes:
+            if note.note_id not in done:
+                continue
+            m4 = run.load_note(subdir, note.note_id, "m4.json")
+            rs = run.load_note(subdir, note.note_id, "readside.json")
+            per_note += [{**r, "traces": traces} for r in m4["rows"]]
+            readside.append({"note_id": note.note_id, "traces": traces,
+                             **{k: (float("nan") if v is None else v) for k, v in rs["values"].items()}})
+    cols = ["note_id", "traces", "phase", "k", "recovery_own", "recovery_random", "necessity_own",
+            "necessity_own_nats", "n_events", "n_matched", "n_gated", "n_random_draws"]
+    table = pd.DataFrame(per_note, columns=cols)
+    reads = pd.DataFrame(readside)
+    run.log_table("own_heads_per_note", table)
+    if len(reads):
+        run.log_table("own_heads_readside_per_note", reads)
+    metrics: dict[str, float] = {"n_notes": float(len(notes))}
+    for traces, prefix in (("teacher", ""), ("own", "own.")):
+        t = table[table["traces"] == traces]
+        r = reads[reads["traces"] == traces] if len(reads) else reads
+        metrics.update(summary_metrics(t, r, k_bins, cfg.necessity_k, prefix))
+        if len(t):
+            metrics[f"{prefix}coverage.n_notes_measured"] = float(t["note_id"].nunique())
+            measurable = t[t["recovery_own"].notna()]["note_id"].nunique()
+            metrics[f"{prefix}coverage.n_with_recovery"] = float(measurable)
+            first_k = t[t["k"] == k_bins[0]]
+            for phase in PHASES:
+                metrics[f"{prefix}coverage.n_events.{phase}"] = float(
+                    first_k.loc[first_k["phase"] == phase, "n_events"].sum())
+    metrics.update(coverage)
+    run.log_metrics(metrics)
+    print(f"own_heads: {len(notes)} notes -> run {run.run_id}")
+    return run.run_id

@@ -1,0 +1,11 @@
+"""MLflow entry point `own_heads`: parse the parameters, run the stage (see mistill.stages.registry)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mistill.stages.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    main("own_heads")

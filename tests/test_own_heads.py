@@ -1,0 +1,207 @@
+"""Own-heads readouts (App. K, L.4): M4 is the instrument's knock-in of the own set, the random
+floor is count-matched, M2 / M3 / the prefix share follow their definitions on hand-built rows,
+and the ``own_heads`` stage runs end to end against a real MLflow server with its linking tags."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from mistill.data.synthetic import make_synthetic_corpus
+from mistill.distill.buckets import build_axis, region_buckets, row_buckets, token_buckets
+from mistill.errors import MistillInputError
+from mistill.evaluation.own_heads import (draw_config, m4_rows, note_case, own_knockin, random_panel,
+                                          readside_note, subsample_case)
+from mistill.instrument.hooks import HeadHook
+from mistill.instrument.passes import KnockinConfig, knockin_sweep, set_variants
+from mistill.instrument.readside import (bucket_rows, chapter_region, head_attention_rows, line_buckets,
+                                         note_region_lift, note_share, region_lift, slot_share, token_counts)
+from mistill.instrument.runner import Runner
+from mistill.models.loading import load_model
+from stage_fixtures import REPO, TINY, unique
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    corpus = make_synthetic_corpus(n_notes=3, seed=0)
+    lm = load_model(TINY)
+    cases = [subsample_case(note_case(n, corpus.inventory, lm), 3, 0) for n in corpus.notes[:2]]
+    rank = {p: np.random.default_rng(7).permutation(lm.geometry.n_total_heads).tolist()
+            for p in ("P1", "P2", "P2C")}
+    return {"corpus": corpus, "lm": lm, "cases": cases, "rank": rank}
+
+
+# ------------------------------------------------------------------------------------------ M4
+def test_own_m4_is_the_instruments_knockin_of_the_own_set(tiny):
+    lm, (target, donor), rank = tiny["lm"], tiny["cases"], tiny["rank"]
+    runner, hook = Runner(lm), HeadHook(lm.geometry)
+    gate = 1e-6
+    nec, kin = own_knockin(runner, hook, target, donor, rank, (3, 8), n_random=2, seed=0, range_gate=gate)
+    # the instrument directly, same head sets
+    cfg = KnockinConfig(k_bins=(3, 8), sets=("global",), range_gate=gate)
+    clean = knockin_sweep(runner, hook, target.note_id, target.inp.input_ids, target.queries, cfg, rank,
+                          progress=False)
+    ref = knockin_sweep(runner, hook, donor.note_id, donor.inp.input_ids, donor.queries, cfg, rank,
+                        previous=clean.clean, previous_len=target.n_tokens, progress=False)
+    ref_rec = {(r["event_id"], r["k"]): r["recovery"] for r in ref.knockin}
+    own_rec = {(r["event_id"], r["k"]): r["recovery"] for r in kin if r["set"] == "global"}
+    assert ref_rec and set(own_rec) == set(ref_rec)
+    for key, v in ref_rec.items():
+        assert (math.isnan(v) and math.isnan(own_rec[key])) or own_rec[key] == pytest.approx(v, abs=1e-6)
+    ref_nec = {(r["event_id"], r["k"]): r["necessity"] for r in clean.necessity}
+    assert {(r["event_id"], r["k"]): r["necessity"] for r in nec} == pytest.approx(ref_nec, abs=1e-5, nan_ok=True)  # batch width only
+    rows = m4_rows(target.note_id, nec, kin, (3, 8))
+    assert {(r["phase"], r["k"]) for r in rows} == {(r["phase"], r["k"]) for r in ref.knockin}
+    for row in rows:
+        vals = [r["recovery"] for r in ref.knockin if r["phase"] == row["phase"] and r["k"] == row["k"]
+                and not math.isnan(r["recovery"])]
+        if vals:
+            assert row["recovery_own"] == pytest.approx(float(np.mean(vals)))
+        assert row["n_random_draws"] == 2
+
+
+def test_random_floor_sets_are_count_matched_and_redrawn(tiny):
+    n = tiny["lm"].geometry.n_total_heads
+    rank = tiny["rank"]
+    draws = [set_variants("P2C", "note-a", draw_config((3, 8), d, seed=0), rank, None, n) for d in range(4)]
+    for d, sets in enumerate(draws):
+        for k in (3, 8):
+            heads = sets[("random", k)]
+            assert len(heads) == k and len(set(heads)) == k and all(0 <= h < n for h in heads)
+        assert (("global", 3) in sets) == (d == 0)  # the own set is measured once
+    assert len({tuple(s[("random", 3)]) for s in draws}) > 1  # redrawn per draw
+    assert draws[1][("random", 3)] == set_variants("P2C", "note-a", draw_config((3, 8), 1, seed=0), rank,
+                                                   None, n)[("random", 3)]  # seeded
+    assert len(random_panel(n, 4, 0)) == 4 and random_panel(n, 4, 0) == random_panel(n, 4, 0)
+
+
+# ---------------------------------------------------------------------------------- read side
+def test_region_lift_on_hand_built_rows():
+    counts = np.array([5, 10, 10, 20, 5], dtype=float)  # buckets; lines 1..3, region = bucket 1
+    rows = np.array([[0.5, 0.25, 0.25, 0.0, 0.0],   # half of its line attention on the region
+                     [0.2, 0.2, 0.2, 0.4, 0.0],     # line attention in proportion to tokens
+                     [1.0, 0.0, 0.0, 0.0, 0.0]])    # nothing on the lines
+    lift = region_lift(rows, [1, 2, 3], [1], counts)
+    # region holds 10 of 40 line tokens: share 0.5 -> lift 2; share 0.25 -> lift 1
+    assert lift[0] == pytest.approx(2.0) and lift[1] == pytest.approx(1.0) and math.isnan(lift[2])
+    # per note: median over events per head, then mean over heads
+    per_event = np.array([[2.0, 1.0], [4.0, 1.0], [3.0, np.nan]])
+    assert note_region_lift(per_event) == pytest.approx((3.0 + 1.0) / 2)
+    assert slot_share(np.array([[0.1, 0.3, 0.6]]), [2])[0] == pytest.approx(0.6)
+    assert note_share(np.array([[0.2, 0.4], [np.nan, 0.6]])) == pytest.approx(0.4)
+    with pytest.raises(MistillInputError):
+        region_lift(rows, [1, 2], [3], counts)
+
+
+def test_shares_and_region_on_a_real_axis(tiny):
+    corpus, lm, case = tiny["corpus"], tiny["lm"], tiny["cases"][0]
+    prompt, trace, offsets = case.inp.prompt, case.inp.trace, case.inp.offsets
+    axis = build_axis(prompt, trace)
+    base = token_buckets(axis, prompt, offsets, len(trace))
+    p1 = next(r for r in case.realized if r.event.kind == "P1")
+    assert chapter_region(axis, p1.event.target) == region_buckets(axis, p1)  # P1: the emitted chapter
+    assert set(chapter_region(axis, p1.event.target)) <= set(line_buckets(axis))
+    full = next(r for r in note_case(corpus.notes[0], corpus.inventory, lm).realized
+                if r.event.kind == "P2C" and r.event.N)
+    carved = row_buckets(axis, base, full, prompt, corpus.inventory, offsets)
+    n = full.position + 1
+    on_n = (carved[:n] == axis.slot("N")).float()
+    on_prefix = (carved[:n] == axis.slot("prefix")).float()
+    assert on_n.sum() > 0
+    attn = torch.stack([on_n / on_n.sum(), 0.5 * on_n / on_n.sum() + 0.5 * on_prefix / max(on_prefix.sum(), 1)])
+    rows = bucket_rows(attn, carved, axis.n)
+    nm = slot_share(rows, [axis.slot("N")])
+    assert nm[0] == pytest.approx(1.0) and slot_share(rows, [axis.slot("prefix")])[0] == pytest.approx(0.0)
+    if on_prefix.sum():
+        assert nm[1] == pytest.approx(0.5)
+    # token counts only up to the query position
+    assert token_counts(base, axis.n, upto=10).sum() == 11
+
+
+def test_attention_rows_and_readside_note(tiny):
+    lm, case = tiny["lm"], tiny["cases"][0]
+    pos = [r.position for r in case.realized[:2]]
+    rows = head_attention_rows(lm, case.inp.input_ids, pos, [0, 5, 7])
+    assert rows.shape == (2, 3, case.n_tokens)
+    assert torch.allclose(rows.sum(-1), torch.ones(2, 3), atol=1e-5)
+    assert float(rows[0, :, pos[0] + 1:].abs().sum()) == 0.0
+    rank = tiny["rank"]
+    out = readside_note(lm, case, tiny["corpus"].inventory,
+                        {"own": {p: r[:4] for p, r in rank.items()}, "random": {p: [0, 1, 2, 3] for p in rank}})
+    assert out["n_events.P1"] > 0 and out["own.m2.P1"] > 0
+    for key in ("own.prefix_share", "random.prefix_share"):
+        assert 0.0 <= out[key] <= 1.0
+
+
+# ------------------------------------------------------------------------------------ stage
+@pytest.fixture(scope="module")
+def pinned_code_version():
+    import mistill.tracking.runs as runs
+
+    version = runs.code_version(REPO)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runs, "code_version", lambda repo_root=None: version)
+        mp.setattr(runs, "_code_version", lambda repo_root=None: version)
+        yield version
+
+
+def test_own_heads_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_code_version):
+    from mistill.stages.characterize import AttributeConfig, EventsConfig
+    from mistill.stages.distill import TargetsConfig, TrainStageConfig
+    from mistill.stages.own_heads import OwnHeadsConfig, run_own_heads
+    from mistill.stages.prepare import PrepareConfig
+    from mistill.stages.workflow import run_step
+
+    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path))
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    name = unique("own")
+    prep = run_step("prepare", PrepareConfig(corpus="synthetic", corpus_name=name, n_notes=8), name,
+                    launch="inline")
+    # a trained arm made by the existing stages: teacher ranked on one training note, one step
+    ev = run_step("events", EventsConfig(prepare_run=prep, model=TINY, split="train", max_notes=1, n_null=4),
+                  name, launch="inline")
+    att = run_step("attribute", AttributeConfig(events_run=ev, stability_splits=5), name, launch="inline")
+    tg = run_step("targets", TargetsConfig(teacher_attribute_run=att, split="train"), name, launch="inline")
+    train = run_step("train", TrainStageConfig(targets_run=tg, student="tiny:qwen3:seed=2", arm="vanilla-bf16",
+                                               max_steps=1, grad_accum=1), name, launch="inline")
+    cfg = OwnHeadsConfig(prepare_run=prep, train_run=train, k=(2, 4), necessity_k=4, m2_k=4, n_random=2,
+                         range_gate=1e-6, events_per_phase=3, max_new_tokens=6, n_null=4, stability_splits=5,
+                         max_notes=2, launch="inline")
+    run_id = run_own_heads(cfg)
+    client = MlflowClient()
+    run = client.get_run(run_id)
+    tags, metrics = run.data.tags, run.data.metrics
+    train_tags = client.get_run(train).data.tags
+    assert run.info.status == "FINISHED"
+    assert tags["mistill.input.train"] == train and tags["mistill.input.prepare"] == prep
+    for key in ("mistill.arm", "mistill.seed", "mistill.precision", "mistill.registered_model",
+                "mistill.model_version"):
+        assert tags[key] == train_tags[key], key
+    assert tags["mistill.model"] == f"run:{train}"
+    # the ranking: events + attribute of the arm on the validation notes, findable by run_step
+    rank_att = client.get_run(tags["mistill.rank_attribute"])
+    assert rank_att.data.tags["mistill.stage"] == "attribute"
+    rank_ev = client.get_run(tags["mistill.rank_events"])
+    assert rank_ev.data.tags["mistill.model"] == f"run:{train}"
+    import json
+
+    assert json.loads(client.download_artifacts(tags["mistill.rank_events"], "config.json", str(tmp_path))
+                      and (tmp_path / "config.json").read_text())["config"]["split"] == "val"
+    # the output contract
+    local = client.download_artifacts(run_id, "own_heads_per_note.csv", str(tmp_path / "dl"))
+    import pandas as pd
+
+    table = pd.read_csv(local)
+    assert {"note_id", "phase", "k", "recovery_own", "recovery_random", "necessity_own", "traces"} <= set(table)
+    assert set(table["traces"]) == {"teacher"} and set(table["k"]) == {2, 4} and table["note_id"].nunique() == 2
+    assert any(k.startswith("m4.P") and k.endswith(".recovery_own") for k in metrics)
+    assert any(k.startswith("m4.P") and k.endswith(".recovery_random") for k in metrics)
+    assert {"m2.region_lift", "prefix_share", "n_notes"} <= set(metrics)
+    assert metrics["own.coverage.n_generated"] == 2 and metrics["own.coverage.n_with_events"] == 0
+    assert metrics["own.coverage.n_closed"] <= 2
+    # a second identical call reuses the finished run
+    assert run_own_heads(cfg) == run_id
