@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 from mistill.data.corpus import Corpus, Note
 from mistill.data.synthetic import make_synthetic_corpus
 from mistill.evaluation.las import (IGNORE_INDEX, Simulator, TeacherExample, answer_target, encode_pair,
-                                    fitted_answer, format_input, format_note_only, format_with_rationale,
+                                    fitted_answer, format_input, greedy_answer, format_note_only, format_with_rationale,
                                     las_per_note, load_simulator, set_f1, teacher_example, train_simulator)
 from mistill.evaluation.parsing import CodeIndex
 from mistill.models.loading import load_model, tiny_model
@@ -140,6 +140,19 @@ def test_unparsable_prediction_counts_as_empty(synthetic):
     assert "]" not in raw and got == [] and sim.n_unparsable == 2 and sim.n_predictions == 4
     assert sim.las(synthetic.notes[0].text, "r", [codes[0]]) == 0.0  # both empty: 0 - 0
     assert sim.n_unparsable == 4
+
+
+def test_greedy_decoding_with_the_cache_matches_full_recomputation(synthetic):
+    lm = load_model(TINY)
+    prompt = format_note_only(synthetic.notes[0].text, max_note_words=30)
+    got = greedy_answer(lm.model, lm.tokenizer, prompt, max_new_tokens=12)
+    ids = lm.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(12):
+            nxt = int(lm.model(input_ids=torch.tensor([ids + out]), use_cache=False).logits[0, -1].argmax())
+            out.append(nxt)
+    assert got == lm.tokenizer.decode(out, skip_special_tokens=True) and len(out) == 12
 
 
 # ------------------------------------------------------------------------------- the stage

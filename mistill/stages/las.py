@@ -49,7 +49,7 @@ class LasSimulatorConfig(Config):
     val_split: str = "val"
     max_val_notes: int = 0
     model: str = EMBEDDED_DEFAULT
-    max_steps: int = 16
+    max_steps: int = 8
     lr: float = 1e-4
     seed: int = 0
     max_answer_tokens: int = 96
