@@ -70,6 +70,7 @@ def recovery_figure(long: pd.DataFrame, title: str, subtitle: str = ""):
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
+    long = long.dropna(subset=["series", "recovery"]).assign(series=lambda d: d["series"].astype(str))
     if long.empty:
         raise MistillInputError("no recovery values to plot", field="recovery")
     phases = _phases(long["phase"])

@@ -170,9 +170,17 @@ def _global_sets(rep: Report, runs: pd.DataFrame) -> None:
         f"Table 10 at k in {table1_ks} (k=16 only in Table 10).",
         table[table["k"].isin(table1_ks)].reset_index(drop=True),
         tables.global_sets_display(table, table1_ks)))
-    rep.figures["recovery_vs_k_global"] = figures.recovery_figure(
-        figures.recovery_long_from_sets(rows), "Knock-in recovery of the global sets",
-        "median over notes against k; dashed: count-matched random and bottom-k floors")
+    _figure(rep, "recovery_vs_k_global", figures.recovery_long_from_sets(rows),
+            "Knock-in recovery of the global sets",
+            "median over notes against k; dashed: count-matched random and bottom-k floors")
+
+
+def _figure(rep: Report, name: str, long: pd.DataFrame, title: str, subtitle: str) -> None:
+    """A recovery figure, or a note saying why there is none (no finite recovery to plot)."""
+    if long.dropna(subset=["recovery"]).empty:
+        _skip(rep, f"figure {name}", "no finite recovery values (no event passed the range gate)")
+        return
+    rep.figures[name] = figures.recovery_figure(long, title, subtitle)
 
 
 def _task(rep: Report, runs: pd.DataFrame, n_resamples: int, corpus_resamples: int,
@@ -240,9 +248,8 @@ def _own_heads(rep: Report, runs: pd.DataFrame, eval_runs: pd.DataFrame,
         "table45_own_heads_seeds", "Table 45: own-heads readouts per seed",
         "Per seed: medians over notes, random-k floors in parentheses; task: that seed's "
         "micro-F1.", seeds, tables.own_heads_seed_display(seeds)))
-    rep.figures["recovery_vs_k_own"] = figures.recovery_figure(
-        figures.recovery_long_from_own(per_note), "Own-heads knock-in recovery",
-        "mean over seeds of medians over notes, against k; dashed: random-k floors")
+    _figure(rep, "recovery_vs_k_own", figures.recovery_long_from_own(per_note), "Own-heads knock-in recovery",
+            "mean over seeds of medians over notes, against k; dashed: random-k floors")
     cmp_what = "Table 45 seed-matched comparisons"
     if not (per_note["arm"] == rep.reference_arm).any():
         return _skip(rep, cmp_what, f"no own_heads run of the reference arm "

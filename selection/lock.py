@@ -37,7 +37,7 @@ _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 _SECTIONS: dict[str, set[str]] = {
     "grid": {"tied", "scale", TIED_AXIS, *UNTIED_AXES},
     "training": {"seed", "max_steps", "epochs", "grad_accum", "precision"},
-    "selection": {"metric", "split", "tie_band", "tie_break"},
+    "selection": {"metric", "split", "tie_band", "tie_break", "max_new_tokens"},
     "edge": {"extend", "max_extensions", "outward"},
 }
 _REQUIRED: dict[str, tuple[str, ...]] = {
@@ -82,6 +82,7 @@ class SelectionRule:
     split: str
     tie_band: float
     tie_break: str
+    max_new_tokens: int = 16384  # the evaluation's generation cap (the paper's 16,384)
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,10 @@ def _training(path: str, data: Any) -> TrainingSpec:
 def _selection(path: str, data: Any) -> SelectionRule:
     r = _Reader(path, "selection", data)
     rule = SelectionRule(metric=r.get("metric", str), split=r.get("split", str),
-                         tie_band=r.get("tie_band", float), tie_break=r.get("tie_break", str))
+                         tie_band=r.get("tie_band", float), tie_break=r.get("tie_break", str),
+                         max_new_tokens=r.get("max_new_tokens", int, 16384))
+    if rule.max_new_tokens < 1:
+        raise r.fail("max_new_tokens", f"must be >= 1, got {rule.max_new_tokens!r}")
     if rule.tie_band < 0:
         raise r.fail("tie_band", f"must be >= 0, got {rule.tie_band!r}")
     for key in ("metric", "split", "tie_break"):

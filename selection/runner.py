@@ -62,7 +62,8 @@ class TrainEvaluateRunner:
                                      max_steps=t.max_steps, device=self.device)
         train_run = run_step("train", train_cfg, self.corpus_name, launch=self.launch, parent=run.mlflow_run)
         eval_cfg = EvaluateConfig(prepare_run=self.prepare_run, train_run=train_run,
-                                  split=self.lock.selection.split, device=self.device)
+                                  split=self.lock.selection.split, device=self.device,
+                                  max_new_tokens=self.lock.selection.max_new_tokens)
         eval_run = run_step("evaluate", eval_cfg, self.corpus_name, launch=self.launch, parent=run.mlflow_run)
         metrics = MlflowClient().get_run(eval_run).data.metrics
         name = self.lock.selection.metric

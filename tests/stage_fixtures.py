@@ -29,7 +29,9 @@ def _characterization_only() -> dict:
 
     from mistill.stages.workflow import PipelineConfig
 
-    return {"train_arms": ()} if "train_arms" in {f.name for f in dataclasses.fields(PipelineConfig)} else {}
+    fields = {f.name for f in dataclasses.fields(PipelineConfig)}
+    off = {"train_arms": (), "shortlist": False, "report": False}
+    return {k: v for k, v in off.items() if k in fields}
 
 
 SMALL = dict(model=TINY, n_null=4, selftest_events=0, k_bins=(3, 8), events_per_phase=3,

@@ -443,7 +443,7 @@ def test_distillation_steps_train_and_register(pipeline, monkeypatch):
 
     monkeypatch.setenv("MISTILL_ROOT", str(pipeline["root"]))
     cfg = pipeline["cfg"].replace(train_arms=("vanilla-bf16", "mistill"), student="tiny:qwen3:seed=2",
-                                  train_max_steps=1, train_grad_accum=1)
+                                  train_max_steps=1, train_grad_accum=1, select_lock="")
     ids = distill_steps(cfg, pipeline["ids"], pipeline["corpus"], None)
     client = MlflowClient()
     assert set(ids) == {"student_events", "student_attribute", "targets", "train_vanilla-bf16", "train_mistill"}
@@ -478,7 +478,7 @@ def test_distillm2_arm_trains_with_the_students_own_generations(pipeline, monkey
     from mistill.stages.workflow import distill_steps
 
     monkeypatch.setenv("MISTILL_ROOT", str(pipeline["root"]))
-    cfg = pipeline["cfg"].replace(train_arms=(), student="tiny:qwen3:seed=2")
+    cfg = pipeline["cfg"].replace(train_arms=(), student="tiny:qwen3:seed=2", select_lock="")
     ids = distill_steps(cfg, pipeline["ids"], pipeline["corpus"], None)
     run_id = run_train(TrainStageConfig(targets_run=ids["targets"], student="tiny:qwen3:seed=2", arm="distillm2",
                                         max_steps=1, grad_accum=1, dispreferred_max_new_tokens=8))
@@ -489,3 +489,50 @@ def test_distillm2_arm_trains_with_the_students_own_generations(pipeline, monkey
     local = pipeline["root"] / "work" / run_id / "dispreferred"
     assert len(list(local.glob("*.json"))) >= 1
     assert not any(p.startswith("dispreferred") for p in artifact_paths(MlflowClient(), run_id))
+
+
+def test_selection_evaluation_own_heads_and_report_steps(pipeline, monkeypatch, tmp_path):
+    """The pipeline's closing steps on tiny models: a locked 3-cell λ selection whose pick the
+    Mistill arm trains with, the LAS simulator, evaluate of teacher / untrained / arms, own-heads
+    readouts, and the report, every run linked to what it read."""
+    from mistill.stages.workflow import distill_steps, evaluation_steps
+
+    monkeypatch.setenv("MISTILL_ROOT", str(pipeline["root"]))
+    lock = tmp_path / "lock.yaml"
+    lock.write_text((REPO / "projects/configs/locks/embedded-3cell.yaml").read_text()
+                    .replace("study: embedded-3cell", f"study: {unique('study')}")
+                    .replace("max_steps: 2", "max_steps: 1").replace("max_new_tokens: 96", "max_new_tokens: 8"))
+    cfg = pipeline["cfg"].replace(train_arms=("vanilla-bf16", "mistill"), student="tiny:qwen3:seed=2",
+                                  train_max_steps=1, train_grad_accum=1, select_lock=str(lock),
+                                  las_model="tiny:qwen3", las_max_steps=2, eval_max_new_tokens=8)
+    ids = dict(pipeline["ids"])
+    ids.update(distill_steps(cfg, ids, pipeline["corpus"], None))
+    client = MlflowClient()
+    sel = client.get_run(ids["select_lambda"])
+    picked = (sel.data.metrics["selected.lambda_p1"], sel.data.metrics["selected.lambda_p2"])
+    arm = resolve_arm_of(client.get_run(ids["train_mistill"]))
+    assert (arm["lambda_p1"], arm["lambda_p2"]) == pytest.approx(picked)
+    ev = evaluation_steps(cfg, ids, pipeline["corpus"], None)
+    assert {"las_simulator", "evaluate_teacher", "evaluate_untrained", "evaluate_mistill",
+            "evaluate_vanilla-bf16", "own_heads_untrained", "own_heads_mistill"} <= set(ev)
+    run = client.get_run(ev["evaluate_mistill"])
+    assert run.data.tags["mistill.input.train"] == ids["train_mistill"]
+    assert run.data.tags["mistill.model_version"] == client.get_run(ids["train_mistill"]).data.tags[
+        "mistill.model_version"]
+    assert run.data.tags["mistill.input.las"] == ev["las_simulator"] and "fidelity.las_mean" in run.data.metrics
+    assert client.get_run(ev["evaluate_teacher"]).data.tags["mistill.arm"] == "teacher"
+    own = client.get_run(ev["own_heads_mistill"])
+    assert own.data.tags["mistill.input.train"] == ids["train_mistill"]
+    from mistill.stages.report import ReportConfig, run_report
+
+    report = client.get_run(run_report(ReportConfig(corpus=pipeline["corpus"])))
+    assert report.info.status == "FINISHED"
+    assert any(p.endswith(".tex") for p in artifact_paths(client, report.info.run_id))
+
+
+def resolve_arm_of(run) -> dict:
+    """The resolved arm flags a train run logged (``arm.json``)."""
+    import json as _json
+
+    path = MlflowClient().download_artifacts(run.info.run_id, "arm.json")
+    return _json.loads(Path(path).read_text())

@@ -23,15 +23,17 @@ class Stage:
     help: str
 
     def input_runs(self, cfg: Config) -> dict[str, str]:
-        return {name: getattr(cfg, field) for name, field in self.inputs.items()}
+        """Lineage of a config: the input runs it names (optional inputs left empty are omitted)."""
+        return {name: getattr(cfg, field) for name, field in self.inputs.items() if getattr(cfg, field)}
 
 
 def stages() -> dict[str, Stage]:
     from mistill.stages.characterize import (AttributeConfig, EventsConfig, KnockinStageConfig,
                                              run_attribute, run_events, run_knockin)
     from mistill.stages.distill import TargetsConfig, TrainStageConfig, run_targets, run_train
-    from mistill.stages.own_heads import OwnHeadsConfig, run_own_heads
+    from mistill.stages.evaluate import EvaluateConfig, run_evaluate
     from mistill.stages.generate import GenerateConfig, run_generate
+    from mistill.stages.own_heads import OwnHeadsConfig, run_own_heads
     from mistill.stages.prepare import PrepareConfig, run_prepare
     from mistill.stages.report import ReportConfig, run_report
     from mistill.stages.select_lambda import SelectLambdaConfig, run_select_lambda
@@ -57,6 +59,9 @@ def stages() -> dict[str, Stage]:
         Stage("train", TrainStageConfig, run_train,
               {"targets": "targets_run", "student_attribute": "student_attribute_run"},
               "one arm at one seed with the shared recipe; the checkpoint registered per arm and seed"),
+        Stage("evaluate", EvaluateConfig, run_evaluate,
+              {"prepare": "prepare_run", "train": "train_run", "las": "las_run"},
+              "a model or trained arm on a split: predictions, task metrics, fidelity (PPL, BLEU-4, LAS), M1"),
         Stage("las_simulator", LasSimulatorConfig, run_las_simulator, {"prepare": "prepare_run"},
               "the frozen LAS simulator: fine-tuned once on the teacher's traces (note + rationale, note alone)"),
         Stage("own_heads", OwnHeadsConfig, run_own_heads, {"prepare": "prepare_run", "train": "train_run"},

@@ -161,35 +161,90 @@ class PipelineConfig(Config):
     train_arms: tuple[str, ...] = ("vanilla-bf16", "mistill")
     train_max_steps: int = 2
     train_grad_accum: int = 1
+    shortlist: bool = True
+    select_lock: str = "projects/configs/locks/embedded-3cell.yaml"
+    eval_split: str = "test"
+    eval_max_new_tokens: int = 96
+    las_model: str = EMBEDDED_DEFAULT
+    las_max_steps: int = 4
+    own_heads: bool = True
+    report: bool = True
     launch: str = "mlflow"
 
 
 def pipeline_steps(cfg: PipelineConfig, parent: str | None = None) -> dict[str, str]:
     from mistill.stages.prepare import PrepareConfig
 
+    from mistill.stages.shortlist import ShortlistConfig
+
     corpus_name = corpus_name_of(cfg.corpus, cfg.corpus_name)
     ids = {"prepare": run_step("prepare", PrepareConfig(
         corpus=cfg.corpus, corpus_name=cfg.corpus_name, privacy=cfg.privacy, n_notes=cfg.n_notes,
         seed=cfg.seed, inventory_size=cfg.inventory_size, codes_file=cfg.codes_file, model=cfg.model),
         corpus_name, launch=cfg.launch, parent=parent)}
+    if cfg.shortlist:  # every later step reads the shortlisted corpus: its prompts list the shortlist
+        ids["shortlist"] = run_step("shortlist", ShortlistConfig(prepare_run=ids["prepare"], seed=cfg.seed),
+                                    corpus_name, launch=cfg.launch, parent=parent)
+    data = ids.get("shortlist", ids["prepare"])
     ids.update(characterize_steps(CharacterizeConfig(
-        prepare_run=ids["prepare"], model=cfg.model, dtype=cfg.dtype, device=cfg.device, n_null=cfg.n_null,
+        prepare_run=data, model=cfg.model, dtype=cfg.dtype, device=cfg.device, n_null=cfg.n_null,
         selftest_events=cfg.selftest_events, exact_p2=cfg.exact_p2, k_bins=cfg.k_bins,
         range_gate=cfg.range_gate, events_per_phase=cfg.events_per_phase, stability_splits=cfg.stability_splits, seed=cfg.seed,
         launch=cfg.launch), corpus_name, parent=parent))
     if cfg.train_arms:
         ids.update(distill_steps(cfg, ids, corpus_name, parent))
+        ids.update(evaluation_steps(cfg, ids, corpus_name, parent))
+    if cfg.report:
+        from mistill.stages.report import ReportConfig
+
+        ids["report"] = run_step("report", ReportConfig(corpus=corpus_name), corpus_name, launch=cfg.launch,
+                                 parent=parent)
     return ids
+
+
+def evaluation_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str, parent: str | None
+                     ) -> dict[str, str]:
+    """The LAS simulator, then ``evaluate`` of the teacher, the untrained student and every
+    trained arm on the test notes, and ``own_heads`` on the untrained student and each arm."""
+    from mistill.stages.evaluate import EvaluateConfig
+    from mistill.stages.las import LasSimulatorConfig
+    from mistill.stages.own_heads import OwnHeadsConfig
+
+    data = ids.get("shortlist", ids["prepare"])
+    out = {"las_simulator": run_step("las_simulator", LasSimulatorConfig(
+        prepare_run=data, model=cfg.las_model, max_steps=cfg.las_max_steps, max_answer_tokens=32, max_val_notes=1,
+        seed=cfg.seed, device=cfg.device), corpus_name,
+        launch=cfg.launch, parent=parent)}
+    common = {"prepare_run": data, "split": cfg.eval_split, "max_new_tokens": cfg.eval_max_new_tokens,
+              "seed": cfg.seed, "las_run": out["las_simulator"], "device": cfg.device, "dtype": cfg.dtype}
+    subjects = [("teacher", {"model": cfg.model, "arm": "teacher"}),
+                ("untrained", {"model": cfg.student, "arm": "untrained"})]
+    subjects += [(arm, {"train_run": ids[f"train_{arm}"]}) for arm in cfg.train_arms if f"train_{arm}" in ids]
+    for name, subject in subjects:
+        out[f"evaluate_{name}"] = run_step("evaluate", EvaluateConfig(**common, **subject), corpus_name,
+                                           launch=cfg.launch, parent=parent)
+    if cfg.own_heads:
+        for name, subject in subjects[1:]:
+            out[f"own_heads_{name}"] = run_step("own_heads", OwnHeadsConfig(
+                prepare_run=data, **{k: v for k, v in subject.items() if k != "arm"},
+                max_new_tokens=cfg.eval_max_new_tokens, n_null=cfg.n_null, stability_splits=cfg.stability_splits,
+                events_per_phase=cfg.events_per_phase, k=(8, 40), device=cfg.device,
+                dtype=cfg.dtype, seed=cfg.seed, launch=cfg.launch), corpus_name, launch=cfg.launch, parent=parent)
+    return out
 
 
 def distill_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str, parent: str | None) -> dict[str, str]:
     """The untrained student ranked on its own (validation notes), the teacher targets, the arms."""
+    from mistill.distill.arms import resolve_arm
     from mistill.stages.characterize import AttributeConfig, EventsConfig
     from mistill.stages.distill import TargetsConfig, TrainStageConfig
 
+    from mistill.stages.select_lambda import SelectLambdaConfig
+
+    data = ids.get("shortlist", ids["prepare"])
     out = {}
     out["student_events"] = run_step("events", EventsConfig(
-        prepare_run=ids["prepare"], model=cfg.student, dtype=cfg.dtype, device=cfg.device, split=cfg.student_split,
+        prepare_run=data, model=cfg.student, dtype=cfg.dtype, device=cfg.device, split=cfg.student_split,
         n_null=cfg.n_null, seed=cfg.seed), corpus_name, launch=cfg.launch, parent=parent)
     out["student_attribute"] = run_step("attribute", AttributeConfig(
         events_run=out["student_events"], dtype=cfg.dtype, device=cfg.device,
@@ -197,11 +252,24 @@ def distill_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str, pa
     out["targets"] = run_step("targets", TargetsConfig(
         teacher_attribute_run=ids["attribute"], split=cfg.train_split, dtype=cfg.dtype, device=cfg.device),
         corpus_name, launch=cfg.launch, parent=parent)
+    overrides = ""
+    if cfg.select_lock:  # the pre-registered λ selection; the Mistill arms train with its pick
+        from mlflow.tracking import MlflowClient
+
+        from selection.runner import lambda_overrides
+
+        out["select_lambda"] = run_step("select_lambda", SelectLambdaConfig(
+            lock=cfg.select_lock, prepare_run=data, targets_run=out["targets"],
+            student_attribute_run=out["student_attribute"], student=cfg.student, device=cfg.device,
+            launch=cfg.launch), corpus_name, launch=cfg.launch, parent=parent)
+        m = MlflowClient().get_run(out["select_lambda"]).data.metrics
+        overrides = lambda_overrides(m["selected.lambda_p1"], m["selected.lambda_p2"])
     for arm in cfg.train_arms:
+        mistill_arm = resolve_arm(arm).objective == "mistill"
         out[f"train_{arm}"] = run_step("train", TrainStageConfig(
             targets_run=out["targets"], student_attribute_run=out["student_attribute"], student=cfg.student,
-            arm=arm, seed=cfg.seed, max_steps=cfg.train_max_steps, grad_accum=cfg.train_grad_accum,
-            device=cfg.device), corpus_name, launch=cfg.launch, parent=parent)
+            arm=arm, overrides=overrides if mistill_arm else "", seed=cfg.seed, max_steps=cfg.train_max_steps,
+            grad_accum=cfg.train_grad_accum, device=cfg.device), corpus_name, launch=cfg.launch, parent=parent)
     return out
 
 
