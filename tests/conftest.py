@@ -28,3 +28,24 @@ def tracking_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def pinned_code_version() -> Iterator[str]:
+    """The code version of the tree as the module starts, for every in-process stage.
+
+    Runs are matched by code version, hashed from the live source tree at each stage start; in a
+    checkout that others edit while the suite runs, a second identical call would otherwise see
+    another version and (rightly) start new runs. Subprocesses that must agree run from a frozen
+    copy instead (:func:`stage_fixtures.freeze_source`). Modules whose every stage needs it say
+    ``pytestmark = pytest.mark.usefixtures("pinned_code_version")``.
+    """
+    from pathlib import Path
+
+    import mistill.tracking.runs as runs
+
+    version = runs.code_version(Path(__file__).resolve().parents[1])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runs, "code_version", lambda repo_root=None: version)
+        mp.setattr(runs, "_code_version", lambda repo_root=None: version)
+        yield version

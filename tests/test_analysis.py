@@ -29,6 +29,8 @@ from mistill.errors import MistillInputError
 from mistill.evaluation.metrics import micro_prf
 from mistill.stages.report import ReportConfig, run_report
 
+pytestmark = pytest.mark.usefixtures("pinned_code_version")
+
 
 # ------------------------------------------------------------------------------ statistics
 def test_counts_corpus_difference_equals_the_set_version():
@@ -45,7 +47,6 @@ def test_counts_corpus_difference_equals_the_set_version():
     by_counts = stats.corpus_micro_f1_difference_from_counts(ca, cb, n_resamples=400, seed=2)
     assert by_counts == by_sets
     assert by_counts.difference == pytest.approx(micro_prf(gold, pa)[2] - micro_prf(gold, pb)[2])
-
 
 def test_counts_corpus_difference_averages_seeds():
     # arm: seed 0 perfect on both notes (F1 1), seed 1 tp 1 fp 2 per note (F1 1/2) -> 0.75
@@ -150,19 +151,6 @@ def test_task_table_means_sds_and_gap():
 
 
 # ------------------------------------------------------------------ the report, end to end
-@pytest.fixture(scope="module", autouse=True)
-def pinned_code_version():
-    """One code version for the module: others edit the checkout while tests run, and a report
-    is reused only under the same code version (see tests/test_stages.py)."""
-    from mistill.tracking import runs
-
-    version = runs.code_version()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(runs, "code_version", lambda repo_root=None: version)
-        mp.setattr(runs, "_code_version", lambda repo_root=None: version)
-        yield version
-
-
 @pytest.fixture(scope="module")
 def run_set(tracking_uri, tmp_path_factory):
     corpus = unique("report")

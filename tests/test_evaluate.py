@@ -17,7 +17,7 @@ from mistill.evaluation.m1 import m1_summary, note_margins, trace_perplexity
 from mistill.instrument.events import extract_events, margin, realize_events
 from mistill.models.loading import load_model
 from mistill.stages.common import note_input
-from stage_fixtures import REPO, TINY, artifact_paths, unique
+from stage_fixtures import TINY, artifact_paths, unique
 
 
 def test_m1_summary_on_hand_built_events():
@@ -64,17 +64,6 @@ def test_trace_perplexity_equals_the_mean_cross_entropy(tiny_note):
         logits = lm.model(input_ids=ni.input_ids.unsqueeze(0)).logits[0].float()
     nll = torch.nn.functional.cross_entropy(logits[ts - 1:-1], ni.input_ids[ts:])
     assert trace_perplexity(lm, ni.input_ids, ts, chunk=7) == pytest.approx(math.exp(float(nll)), rel=1e-4)
-
-
-@pytest.fixture(scope="module")
-def pinned_code_version():
-    import mistill.tracking.runs as runs
-
-    version = runs.code_version(REPO)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(runs, "code_version", lambda repo_root=None: version)
-        mp.setattr(runs, "_code_version", lambda repo_root=None: version)
-        yield version
 
 
 def test_evaluate_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_code_version):

@@ -22,21 +22,11 @@ from mistill.stages.characterize import EventsConfig, run_events
 from mistill.stages.common import load_prepared
 from mistill.stages.generate import GenerateConfig, run_generate
 from mistill.stages.prepare import PrepareConfig, run_prepare
-from stage_fixtures import REPO, TINY, artifact_paths, leaks, phrase_needles, runs_of, tracked_texts, unique
+from stage_fixtures import TINY, artifact_paths, leaks, phrase_needles, runs_of, tracked_texts, unique
 
 SECRET = "violet stapler hummed softly near eleven quiet dunes"
 
-
-@pytest.fixture(scope="module", autouse=True)
-def pinned_code_version():
-    """One code version for the module (others edit the shared checkout while it runs)."""
-    import mistill.tracking.runs as runs
-
-    version = runs.code_version(REPO)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(runs, "code_version", lambda repo_root=None: version)
-        mp.setattr(runs, "_code_version", lambda repo_root=None: version)
-        yield version
+pytestmark = pytest.mark.usefixtures("pinned_code_version")
 
 
 def _script_for(codes) -> tuple[str, str]:

@@ -22,19 +22,7 @@ from mistill.evaluation.parsing import CodeIndex
 from mistill.models.loading import load_model, tiny_model
 from mistill.stages.las import LasSimulatorConfig, run_las_simulator
 from mistill.stages.prepare import PrepareConfig, run_prepare
-from stage_fixtures import REPO, TINY, artifact_paths, leaks, n_runs, phrase_needles, tracked_texts, unique
-
-
-@pytest.fixture(scope="module")
-def pinned_code_version():
-    """One code version for the in-process stages of this module (others edit the checkout)."""
-    import mistill.tracking.runs as runs
-
-    version = runs.code_version(REPO)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(runs, "code_version", lambda repo_root=None: version)
-        mp.setattr(runs, "_code_version", lambda repo_root=None: version)
-        yield version
+from stage_fixtures import TINY, artifact_paths, leaks, n_runs, phrase_needles, tracked_texts, unique
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from mistill.instrument.readside import (bucket_rows, chapter_region, head_atten
                                          note_region_lift, note_share, region_lift, slot_share, token_counts)
 from mistill.instrument.runner import Runner
 from mistill.models.loading import load_model
-from stage_fixtures import REPO, TINY, unique
+from stage_fixtures import TINY, unique
 
 
 @pytest.fixture(scope="module")
@@ -138,17 +138,6 @@ def test_attention_rows_and_readside_note(tiny):
 
 
 # ------------------------------------------------------------------------------------ stage
-@pytest.fixture(scope="module")
-def pinned_code_version():
-    import mistill.tracking.runs as runs
-
-    version = runs.code_version(REPO)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(runs, "code_version", lambda repo_root=None: version)
-        mp.setattr(runs, "_code_version", lambda repo_root=None: version)
-        yield version
-
-
 def test_own_heads_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_code_version):
     from mistill.stages.characterize import AttributeConfig, EventsConfig
     from mistill.stages.distill import TargetsConfig, TrainStageConfig

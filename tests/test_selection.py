@@ -315,17 +315,6 @@ def test_sensitivity_reapplies_other_bands_to_the_same_cells(lock3):
 
 
 # ------------------------------------------------------------------------------- the stage
-@pytest.fixture
-def pinned_code_version():
-    from mistill.tracking import runs
-
-    version = runs.code_version(REPO)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(runs, "code_version", lambda repo_root=None: version)
-        mp.setattr(runs, "_code_version", lambda repo_root=None: version)
-        yield version
-
-
 def test_select_lambda_stage_nests_cells_and_logs_the_decision(tracking_uri, tmp_path, monkeypatch,
                                                                 pinned_code_version):
     from mlflow.tracking import MlflowClient

@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-from stage_fixtures import REPO, TINY, unique
+from stage_fixtures import TINY, unique
 
 from mistill.data.corpus import Corpus
 from mistill.data.inventory import Inventory, category
@@ -339,18 +339,6 @@ def test_bad_config_errors() -> None:
 
 
 # --------------------------------------------------------------------- the stage, end to end
-
-@pytest.fixture(scope="module")
-def pinned_code_version():
-    """One code version for this module's in-process runs (others edit the tree meanwhile)."""
-    from mistill.tracking import runs
-
-    version = runs.code_version(REPO)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(runs, "code_version", lambda repo_root=None: version)
-        mp.setattr(runs, "_code_version", lambda repo_root=None: version)
-        yield version
-
 
 @pytest.fixture(scope="module")
 def staged(tracking_uri, tmp_path_factory, pinned_code_version):

@@ -35,23 +35,7 @@ from stage_fixtures import (REPO, SLOW_TINY, SMALL, TINY, TINY_HEADS, artifact_p
 STEPS = ("prepare", "events", "attribute", "knockin")
 INPUT_OF = {"events": "prepare", "attribute": "events", "knockin": "attribute"}
 
-
-@pytest.fixture(scope="module", autouse=True)
-def pinned_code_version():
-    """The code version of the tree as this module starts, for every in-process stage.
-
-    Runs are matched by code version, hashed from the live source tree at each stage start; in a
-    checkout that others edit while the suite runs, a second identical call would otherwise see
-    another version and (rightly) start new runs. Subprocesses that must agree run from a frozen
-    copy instead (:func:`stage_fixtures.freeze_source`).
-    """
-    import mistill.tracking.runs as runs
-
-    version = runs.code_version(REPO)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(runs, "code_version", lambda repo_root=None: version)
-        mp.setattr(runs, "_code_version", lambda repo_root=None: version)
-        yield version
+pytestmark = pytest.mark.usefixtures("pinned_code_version")
 
 
 @pytest.fixture(scope="module")
