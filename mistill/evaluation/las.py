@@ -383,48 +383,28 @@ def simulator_from_dir(path: Path, device: str = "cpu") -> Simulator:
 def simulator_dir(run_id: str) -> Path:
     """Local checkpoint of ``las_simulator`` run ``run_id``: its work dir
     (``$MISTILL_ROOT/work/<run_id>/simulator``), else its ``simulator`` artifacts downloaded
-    there once, with the inventory taken from the run's ``prepare`` input run."""
+    there once (:func:`mistill.tracking.models.run_artifact_dir`), with the inventory taken from
+    the run's ``prepare`` input run."""
     import os
-    import shutil
     import tempfile
 
     from mlflow.tracking import MlflowClient
 
-    from mistill.stages.common import mistill_root
+    from mistill.tracking.models import run_artifact_dir
 
-    local = mistill_root() / "work" / run_id / "simulator"
-    if (local / META_FILE).exists() and (local / INVENTORY_FILE).exists():
-        return local.resolve()
+    local = run_artifact_dir(run_id, "simulator", stage="las_simulator", marker=META_FILE, field="las_run")
+    if (local / INVENTORY_FILE).exists():
+        return local
     client = MlflowClient()
-    try:
-        run = client.get_run(run_id)
-    except Exception as exc:  # noqa: BLE001 - MLflow raises several types for a missing run
-        raise MistillInputError(f"no run {run_id!r} on the tracking server ({exc.__class__.__name__})",
-                                field="las_run") from None
-    stage = run.data.tags.get("mistill.stage")
-    if stage != "las_simulator":
-        raise MistillInputError(f"run {run_id} is a {stage!r} run, not a las_simulator run", field="las_run")
-    prepare_run = run.data.tags.get("mistill.input.prepare", "")
-    local.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=local.parent, prefix=".dl-simulator-") as tmp:
-        try:
-            got = Path(client.download_artifacts(run_id, "simulator", tmp))
-        except Exception:  # noqa: BLE001
-            raise MistillInputError(f"las_simulator run {run_id} logged no simulator artifacts",
-                                    field="las_run") from None
-        if not (got / META_FILE).exists():
-            raise MistillInputError(f"the simulator artifacts of run {run_id} hold no {META_FILE}",
-                                    field="las_run")
+    prepare_run = client.get_run(run_id).data.tags.get("mistill.input.prepare", "")
+    with tempfile.TemporaryDirectory(dir=local, prefix=".dl-inventory-") as tmp:
         try:
             inv = client.download_artifacts(prepare_run, "data/inventory.json", tmp)
         except Exception:  # noqa: BLE001
             raise MistillInputError(f"the prepare run {prepare_run!r} of las_simulator run {run_id} "
                                     "logged no data/inventory.json", field="las_run") from None
-        shutil.copyfile(inv, got / INVENTORY_FILE)
-        if local.exists():
-            shutil.rmtree(local)
-        os.replace(got, local)
-    return local.resolve()
+        os.replace(inv, local / INVENTORY_FILE)
+    return local
 
 
 def load_simulator(run_id_or_path: str | Path, device: str = "cpu") -> Simulator:
