@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -161,6 +161,32 @@ def note_input(note: Note, inventory: Inventory, tokenizer, *, candidates: Seque
 def model_positions(lm) -> int | None:
     cfg = lm.model.config
     return getattr(cfg, "max_position_embeddings", None)
+
+
+LINK_TAGS = ("mistill.registered_model", "mistill.model_version", "mistill.model_alias")
+
+
+@dataclass(frozen=True)
+class Subject:
+    """The model a readout stage reads: its spec, the arm / seed / precision it stands for, and
+    the registry tags linking the readout to a trained arm (empty for a plain model)."""
+
+    spec: str
+    arm: str | None = None
+    seed: str | None = None
+    precision: str | None = None
+    links: dict[str, str] = field(default_factory=dict)
+
+
+def trained_subject(train_run: str) -> Subject:
+    """A ``train`` run as a subject: the checkpoint ``run:<id>``, its arm, seed and precision tags
+    and its registered model, version and alias."""
+    tags = RunReader(train_run, field="train_run").tags
+    if tags.get("mistill.stage") != "train":
+        raise MistillInputError(f"run {train_run} is a {tags.get('mistill.stage')!r} run, not a train run",
+                                field="train_run")
+    return Subject(spec=f"run:{train_run}", arm=tags.get("mistill.arm"), seed=tags.get("mistill.seed"),
+                   precision=tags.get("mistill.precision"), links={k: tags[k] for k in LINK_TAGS if k in tags})
 
 
 class RunReader:

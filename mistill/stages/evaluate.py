@@ -26,17 +26,19 @@ from tqdm.auto import tqdm
 
 from mistill.config import Config
 from mistill.errors import MistillInputError
+from mistill.distill.note_data import first_trace_token
+from mistill.evaluation.backends import HFBackend, make_backend
 from mistill.evaluation.generation import DecodingConfig, note_seed
 from mistill.evaluation.m1 import m1_summary, note_margins, trace_perplexity
 from mistill.evaluation.metrics import bleu4, per_note_metrics, task_metrics
 from mistill.evaluation.parsing import CodeIndex, parse_answer, split_reasoning
+from mistill.io import write_text
 from mistill.stages.characterize import stage_notes
-from mistill.stages.common import (RunReader, load_prepared, log_corpus_input, mistill_root, model_positions,
-                                   note_input, privacy_guard)
+from mistill.stages.common import (Subject, load_prepared, log_corpus_input, mistill_root, model_positions,
+                                   note_input, privacy_guard, trained_subject)
 
 NOTES = "notes"
 TAG_ENCLAVE = "mistill.enclave_dir"
-LINK_TAGS = ("mistill.registered_model", "mistill.model_version", "mistill.model_alias")
 
 
 @dataclass(frozen=True)
@@ -67,45 +69,24 @@ class EvaluateConfig(Config):
     dtype: str = "float32"
 
 
-def _subject(cfg: EvaluateConfig) -> tuple[str, dict[str, str], str]:
-    """The model spec, the tags copied from the train run, and the arm name."""
+def _subject(cfg: EvaluateConfig) -> Subject:
+    """The model evaluated: the train run's checkpoint and tags, else ``model`` as the arm named."""
     if cfg.train_run:
-        train = RunReader(cfg.train_run, field="train_run")
-        if train.tags.get("mistill.stage") != "train":
-            raise MistillInputError(f"run {cfg.train_run} is not a train run", field="train_run")
-        tags = {k: train.tags[k] for k in LINK_TAGS if k in train.tags}
-        tags.update({k: train.tags[k] for k in ("mistill.arm", "mistill.seed", "mistill.precision")
-                     if k in train.tags})
-        return f"run:{cfg.train_run}", tags, train.tags.get("mistill.arm", "")
+        return trained_subject(cfg.train_run)
     if not cfg.model:
         raise MistillInputError("give train_run or model", field="model")
-    return cfg.model, {}, cfg.arm or "model"
+    return Subject(spec=cfg.model, arm=cfg.arm or "model")
 
 
-def _backend(cfg: EvaluateConfig, spec: str, decoding: DecodingConfig, lm):
-    """The generation backend: ``hf`` reuses the loaded model; others come from
-    :mod:`mistill.evaluation.backends`."""
-    try:
-        from mistill.evaluation.backends import make_backend
-    except ImportError:
-        make_backend = None
-    if cfg.backend == "hf" or make_backend is None:
-        if cfg.backend != "hf":
-            raise MistillInputError(f"backend {cfg.backend!r} is not available here", field="backend")
-        from mistill.evaluation.generation import generate_hf
-
-        class _HF:
-            name = "hf"
-
-            def generate(self, prompt_text: str, seed: int):
-                return generate_hf(lm, prompt_text, decoding, seed)
-        return _HF()
-    return make_backend(cfg.backend, spec, decoding, device=cfg.device, dtype=cfg.dtype)
+def _backend(cfg: EvaluateConfig, lm, decoding: DecodingConfig):
+    """The generation backend: ``hf`` on the model already loaded for the teacher-forced
+    readouts; any other through :func:`mistill.evaluation.backends.make_backend`."""
+    if cfg.backend == "hf":
+        return HFBackend(lm, decoding)
+    return make_backend(cfg.backend, lm.spec, decoding, device=cfg.device, dtype=cfg.dtype)
 
 
 def run_evaluate(cfg: EvaluateConfig) -> str:
-    import mlflow  # noqa: F401 - the tracking client must be importable before the run opens
-
     from mistill.data.prompts import template_has_thinking
     from mistill.models.loading import load_model
     from mistill.tracking.runs import StageRun
@@ -115,20 +96,18 @@ def run_evaluate(cfg: EvaluateConfig) -> str:
     notes = stage_notes(prepared, cfg.split, cfg.max_notes)
     if not notes:
         raise MistillInputError(f"no notes with a teacher trace in split {cfg.split!r}", field="split")
-    spec, link_tags, arm = _subject(cfg)
+    subject = _subject(cfg)
     inputs = {"prepare": cfg.prepare_run}
     if cfg.train_run:
         inputs["train"] = cfg.train_run
     if cfg.las_run:
         inputs["las"] = cfg.las_run
-    seed_tag = link_tags.pop("mistill.seed", None)
-    precision = link_tags.pop("mistill.precision", None)
-    link_tags.pop("mistill.arm", None)
     decoding = DecodingConfig(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                               max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
-    with StageRun("evaluate", cfg, corpus=prepared.corpus.name, guard=guard, model=spec, arm=arm,
-                  seed=int(seed_tag) if seed_tag is not None else cfg.seed, precision=precision,
-                  corpus_digest=prepared.corpus.digest, inputs=inputs, tags=link_tags,
+    arm = subject.arm
+    with StageRun("evaluate", cfg, corpus=prepared.corpus.name, guard=guard, model=subject.spec, arm=arm,
+                  seed=int(subject.seed) if subject.seed is not None else cfg.seed, precision=subject.precision,
+                  corpus_digest=prepared.corpus.digest, inputs=inputs, tags=subject.links,
                   resume=True, root=mistill_root()) as run:
         if run.reused:
             print(f"evaluate: reusing finished run {run.run_id}")
@@ -136,8 +115,8 @@ def run_evaluate(cfg: EvaluateConfig) -> str:
         log_corpus_input(run, prepared)
         enclave = (run.work_dir / "enclave").resolve()
         run.set_tags({TAG_ENCLAVE: str(enclave)})
-        lm = load_model(spec, dtype=cfg.dtype, device=cfg.device)
-        backend = _backend(cfg, spec, decoding, lm)
+        lm = load_model(subject.spec, dtype=cfg.dtype, device=cfg.device)
+        backend = _backend(cfg, lm, decoding)
         simulator = None
         if cfg.las_run:
             from mistill.evaluation.las import load_simulator
@@ -162,8 +141,6 @@ def run_evaluate(cfg: EvaluateConfig) -> str:
                 "n_out_of_inventory": ans.n_out_of_inventory, "n_malformed": ans.n_malformed,
                 "decoding": gen.decoding}}
             if cfg.fidelity:
-                from mistill.distill.note_data import first_trace_token
-
                 teacher_reasoning, _ = split_reasoning(note.teacher_trace)
                 own_reasoning, _ = split_reasoning(gen.text)
                 fid = {"ppl": trace_perplexity(lm, ni.input_ids, first_trace_token(ni.offsets, ni.trace_offset)),
@@ -177,8 +154,6 @@ def run_evaluate(cfg: EvaluateConfig) -> str:
                 files["generation.txt"] = gen.text
             else:  # the model's text stays on this machine
                 enclave.mkdir(parents=True, exist_ok=True)
-                from mistill.io import write_text
-
                 write_text(enclave / f"{note.note_id}.txt", gen.text)
             run.write_note(NOTES, note.note_id, files)
         metrics, per_note, predictions = _aggregate(run, notes, prepared, cfg)
@@ -186,8 +161,6 @@ def run_evaluate(cfg: EvaluateConfig) -> str:
         run.log_table("per_note_metrics", per_note)
         run.log_json("metrics.json", metrics)
         path = run.work_dir / "predictions.jsonl"
-        from mistill.io import write_text
-
         write_text(path, "".join(json.dumps(p) + "\n" for p in predictions))
         run.log_artifact_file(path)
         run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, float) and np.isfinite(v)})

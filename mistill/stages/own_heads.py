@@ -33,8 +33,8 @@ from mistill.config import Config
 from mistill.data.corpus import Note
 from mistill.errors import MistillInputError
 from mistill.instrument.passes import PHASES
-from mistill.stages.common import (Prepared, RunReader, load_prepared, log_corpus_input, mistill_root,
-                                   model_positions, privacy_guard)
+from mistill.stages.common import (Prepared, RunReader, Subject, load_prepared, log_corpus_input, mistill_root,
+                                   model_positions, privacy_guard, trained_subject)
 
 NOTES = "notes"
 OWN_NOTES = "own_notes"
@@ -69,26 +69,11 @@ class OwnHeadsConfig(Config):
     launch: str = "mlflow"
 
 
-@dataclass
-class _Arm:
-    spec: str
-    tags: dict[str, str]
-
-
-def _arm(cfg: OwnHeadsConfig) -> _Arm:
+def _arm(cfg: OwnHeadsConfig) -> Subject:
     """The model spec and the train run's linking tags."""
     if bool(cfg.train_run) == bool(cfg.model):
         raise MistillInputError("give exactly one of train_run (a trained arm) and model", field="train_run")
-    if not cfg.train_run:
-        return _Arm(spec=cfg.model, tags={})
-    reader = RunReader(cfg.train_run, field="train_run")
-    tags = reader.tags
-    if tags.get("mistill.stage") != "train":
-        raise MistillInputError(f"run {cfg.train_run} is a {tags.get('mistill.stage')!r} run, not train",
-                                field="train_run")
-    keep = ("mistill.arm", "mistill.seed", "mistill.precision", "mistill.registered_model",
-            "mistill.model_version", "mistill.model_alias")
-    return _Arm(spec=f"run:{cfg.train_run}", tags={k: tags[k] for k in keep if k in tags})
+    return trained_subject(cfg.train_run) if cfg.train_run else Subject(spec=cfg.model)
 
 
 def _rank_steps(cfg: OwnHeadsConfig, spec: str, corpus_name: str) -> dict[str, str]:
@@ -172,12 +157,12 @@ def run_own_heads(cfg: OwnHeadsConfig) -> str:
     ranked = _rank_steps(cfg, arm.spec, prepared.corpus.name)
     guard = privacy_guard(prepared.corpus)
     inputs = {"prepare": cfg.prepare_run, **({"train": cfg.train_run} if cfg.train_run else {})}
-    tags = {k: v for k, v in arm.tags.items() if k not in ("mistill.arm", "mistill.seed", "mistill.precision")}
+    tags = dict(arm.links)
     tags.update({"mistill.rank_events": ranked["events"], "mistill.rank_attribute": ranked["attribute"],
                  "mistill.split": cfg.test_split})
     with StageRun("own_heads", cfg, corpus=prepared.corpus.name, guard=guard, model=arm.spec,
-                  arm=arm.tags.get("mistill.arm"), seed=arm.tags.get("mistill.seed", cfg.seed),
-                  precision=arm.tags.get("mistill.precision"), corpus_digest=prepared.corpus.digest,
+                  arm=arm.arm, seed=cfg.seed if arm.seed is None else arm.seed,
+                  precision=arm.precision, corpus_digest=prepared.corpus.digest,
                   inputs=inputs, tags=tags, resume=True, root=mistill_root()) as run:
         if run.reused:
             print(f"own_heads: reusing finished run {run.run_id}")
