@@ -16,9 +16,9 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from mistill.instrument.events import extract_events, margin, realize_events
+from mistill.instrument.events import margin
 from mistill.models.loading import LoadedModel
-from mistill.stages.common import NoteInput
+from mistill.stages.common import NoteInput, phase_events
 
 M1_KINDS = ("P1", "P2", "P2C")
 
@@ -30,10 +30,7 @@ def note_margins(lm: LoadedModel, ni: NoteInput, codes: Sequence[str]) -> list[d
     Events that the tokenizer cannot realize (no single-token target) are dropped, as in the
     instrument; the coverage is the caller's to count.
     """
-    events = [e for e in extract_events(ni.note.note_id, ni.trace, codes, tokenizer=lm.tokenizer, n_null=0)
-              if e.kind in M1_KINDS]
-    realized = realize_events(events, full_text=ni.full_text, trace_offset=ni.trace_offset, tokenizer=lm.tokenizer,
-                              input_ids=ni.input_ids.tolist(), offsets=ni.offsets, codes=list(codes))
+    realized = [r for r in phase_events(ni, codes, lm.tokenizer) if r.event.kind in M1_KINDS]
     if not realized:
         return []
     logits = _logits_at(lm, ni.input_ids, [r.position for r in realized])

@@ -27,7 +27,7 @@ import torch
 from mistill.data.corpus import Note
 from mistill.data.inventory import Inventory
 from mistill.distill.buckets import build_axis, row_buckets, token_buckets
-from mistill.instrument.events import RealizedEvent, extract_events, realize_events
+from mistill.instrument.events import RealizedEvent
 from mistill.instrument.hooks import HeadHook
 from mistill.instrument.passes import PHASES, EventQuery, KnockinConfig, knockin_sweep, stable_seed
 from mistill.instrument.readside import (bucket_rows, chapter_region, event_chapter, head_attention_rows,
@@ -35,7 +35,7 @@ from mistill.instrument.readside import (bucket_rows, chapter_region, event_chap
                                          token_counts)
 from mistill.instrument.runner import Runner
 from mistill.models.loading import LoadedModel
-from mistill.stages.common import NoteInput, note_input
+from mistill.stages.common import NoteInput, note_input, phase_events
 
 __all__ = ["NoteCase", "note_case", "subsample_case", "draw_config", "own_knockin", "m4_rows", "random_panel",
            "readside_note", "M2_PHASES"]
@@ -70,12 +70,7 @@ def note_case(note: Note, inventory: Inventory, lm: LoadedModel, *, trace: str |
     ni = note_input(note, inventory, lm.tokenizer, trace=trace,
                     remove_discharge_diagnosis=remove_discharge_diagnosis,
                     narrow_instruction=narrow_instruction, max_positions=max_positions)
-    codes = list(inventory.codes)
-    events = extract_events(note.note_id, ni.trace, codes, tokenizer=lm.tokenizer, n_null=0,
-                            p2c_cap=p2c_cap, require_think=require_think)
-    realized = realize_events(events, full_text=ni.full_text, trace_offset=ni.trace_offset,
-                              tokenizer=lm.tokenizer, input_ids=ni.input_ids.tolist(), offsets=ni.offsets,
-                              codes=codes)
+    realized = phase_events(ni, list(inventory.codes), lm.tokenizer, p2c_cap=p2c_cap, require_think=require_think)
     return NoteCase(note_id=note.note_id, inp=ni, realized=list(realized),
                     queries=event_queries(realized, ni.input_ids))
 

@@ -158,6 +158,18 @@ def note_input(note: Note, inventory: Inventory, tokenizer, *, candidates: Seque
                      offsets=[tuple(o) for o in enc["offset_mapping"]])
 
 
+def phase_events(ni: NoteInput, codes: Sequence[str], tokenizer, *, p2c_cap: int = 2,
+                 require_think: bool = True) -> list:
+    """The decision events (P1, P2, P2C; no NULL) of ``ni``'s trace, realized in ``tokenizer``
+    by the instrument's anchor rule; events the tokenizer cannot realize are dropped."""
+    from mistill.instrument.events import extract_events, realize_events
+
+    events = extract_events(ni.note.note_id, ni.trace, codes, tokenizer=tokenizer, n_null=0, p2c_cap=p2c_cap,
+                            require_think=require_think)
+    return realize_events(events, full_text=ni.full_text, trace_offset=ni.trace_offset, tokenizer=tokenizer,
+                          input_ids=ni.input_ids.tolist(), offsets=ni.offsets, codes=list(codes))
+
+
 def model_positions(lm) -> int | None:
     cfg = lm.model.config
     return getattr(cfg, "max_position_embeddings", None)
