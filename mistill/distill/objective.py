@@ -22,7 +22,7 @@ import torch.utils.checkpoint
 from torch.profiler import record_function
 
 from mistill.distill.arms import ArmConfig
-from mistill.distill.attention_rows import LayerInputs, contribution, layer_keys, region_mass
+from mistill.distill.attention_rows import LayerInputs, contribution, in_plain_forward, layer_keys, region_mass
 from mistill.distill.buckets import bucketize
 from mistill.distill.losses import (attention_term, chunked_cot_loss, event_token_weights,
                                     interaction_term, mistill_objective, write_term)
@@ -281,9 +281,6 @@ class RowSetBlocks:
     _eager_ok = True  # tests switch it off to compare with the deferred path
 
     def __init__(self, sets: Sequence[RowSet], lm: LoadedModel, n_buckets: int, *, row_chunk: int = 1024) -> None:
-        from mistill.distill.attention_rows import in_plain_forward
-
-        self._plain = in_plain_forward
         self.sets, self.lm, self.n_buckets, self.row_chunk = list(sets), lm, n_buckets, row_chunk
         self.plans = plan_row_sets(self.sets) if self.sets else {}
         self.sums = RowSetSums(self.sets)
@@ -293,7 +290,7 @@ class RowSetBlocks:
         return sorted(self.plans)
 
     def __call__(self, layer: int, hidden: torch.Tensor) -> None:
-        if self._eager_ok and layer in self.plans and layer not in self.sums.done and self._plain():
+        if self._eager_ok and layer in self.plans and layer not in self.sums.done and in_plain_forward():
             self.sums.add(self.plans[layer], run_layer_plan(self.plans[layer], self.sets, self.lm, hidden[0],
                                                             row_chunk=self.row_chunk))
 
@@ -302,7 +299,7 @@ class RowSetBlocks:
             if layer not in self.sums.done:
                 self.sums.add(plan, run_layer_plan(plan, self.sets, self.lm, kept[layer][0],
                                                    row_chunk=self.row_chunk))
-        return self.sums.bucketed(self.n_buckets) if self.sets else []
+        return self.sums.bucketed(self.n_buckets)
 
 
 def micro_step_loss(model: torch.nn.Module, lm: LoadedModel, student: NoteData, targets: Mapping[str, np.ndarray],
