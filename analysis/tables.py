@@ -232,6 +232,18 @@ def _reference_rows(frame: pd.DataFrame, model: str, reference_arm: str) -> pd.D
     return ref
 
 
+def _compared_arms(frame: pd.DataFrame, reference_arm: str):
+    """Per model with reference rows, each other arm (teacher excluded) at each precision:
+    yields ``(model, reference rows, arm, precision, the arm's rows)``."""
+    for model in sorted(frame["model"].unique()):
+        ref = _reference_rows(frame, model, reference_arm)
+        if ref is None:
+            continue
+        arms = frame[(frame["model"] == model) & ~frame["arm"].isin([TEACHER_ARM, reference_arm])]
+        for (arm, precision), grp in arms.groupby(["arm", "precision"], sort=True):
+            yield model, ref, arm, precision, grp
+
+
 def task_paired_table(per_note: pd.DataFrame, reference_arm: str, *,
                       n_resamples: int = stats.N_BOOTSTRAP,
                       corpus_resamples: int = stats.N_BOOTSTRAP_CORPUS,
@@ -246,28 +258,23 @@ def task_paired_table(per_note: pd.DataFrame, reference_arm: str, *,
     """
     frame = _norm(per_note)
     rows, diffs = [], []
-    for model in sorted(frame["model"].unique()):
-        ref = _reference_rows(frame, model, reference_arm)
-        if ref is None:
-            continue
-        arms = frame[(frame["model"] == model) & ~frame["arm"].isin([TEACHER_ARM, reference_arm])]
-        for (arm, precision), grp in arms.groupby(["arm", "precision"], sort=True):
-            for measure, label in PER_NOTE_MEASURES:
-                if measure not in frame.columns or grp[measure].isna().all() \
-                        or ref[measure].isna().all():
-                    continue
-                res = paired.seed_averaged(grp, ref, measure, n_resamples=n_resamples, seed=seed)
-                rec = {"model": model, "arm": arm, "precision": precision,
-                       "reference": reference_arm, "measure": label,
-                       **paired.difference_row(res)}
-                if measure == "micro_f1" and set(paired.COUNTS) <= set(frame.columns):
-                    rec.update(paired.corpus_row(paired.corpus_f1(
-                        grp, ref, n_resamples=corpus_resamples, seed=seed)))
-                rows.append(rec)
-                d = paired.note_differences(grp, ref, measure)
-                diffs.append(pd.DataFrame({"model": model, "comparison": f"{arm} - {reference_arm}",
-                                           "measure": label, "note_id": d.index,
-                                           "difference": d.to_numpy()}))
+    for model, ref, arm, precision, grp in _compared_arms(frame, reference_arm):
+        for measure, label in PER_NOTE_MEASURES:
+            if measure not in frame.columns or grp[measure].isna().all() \
+                    or ref[measure].isna().all():
+                continue
+            res = paired.seed_averaged(grp, ref, measure, n_resamples=n_resamples, seed=seed)
+            rec = {"model": model, "arm": arm, "precision": precision,
+                   "reference": reference_arm, "measure": label,
+                   **paired.difference_row(res)}
+            if measure == "micro_f1" and set(paired.COUNTS) <= set(frame.columns):
+                rec.update(paired.corpus_row(paired.corpus_f1(
+                    grp, ref, n_resamples=corpus_resamples, seed=seed)))
+            rows.append(rec)
+            d = paired.note_differences(grp, ref, measure)
+            diffs.append(pd.DataFrame({"model": model, "comparison": f"{arm} - {reference_arm}",
+                                       "measure": label, "note_id": d.index,
+                                       "difference": d.to_numpy()}))
     table = pd.DataFrame.from_records(rows)
     return table, (pd.concat(diffs, ignore_index=True) if diffs else pd.DataFrame())
 
@@ -434,22 +441,17 @@ def own_heads_paired_table(per_note: pd.DataFrame, reference_arm: str,
                                    "measure": label, "note_id": notes,
                                    "difference": [res.per_note[n] for n in notes]}))
 
-    for model in sorted(frame["model"].unique()):
-        ref = _reference_rows(frame, model, reference_arm)
-        if ref is None:
-            continue
-        arms = frame[(frame["model"] == model) & ~frame["arm"].isin([TEACHER_ARM, reference_arm])]
-        for (arm, precision), grp in arms.groupby(["arm", "precision"], sort=True):
-            for phase, k in _cells(grp):
-                a = grp[(grp["phase"] == phase) & (grp["k"] == k)]
-                r = ref[(ref["phase"] == phase) & (ref["k"] == k)]
-                if a["recovery_own"].notna().any() and r["recovery_own"].notna().any():
-                    add(model, arm, precision, f"M4 {phase} k{k}", a, r, "recovery_own")
-            if task is not None and "micro_f1" in task.columns:
-                ta = task[(task["model"] == model) & (task["arm"] == arm)
-                          & (task["precision"] == precision)]
-                tr = _reference_rows(task, model, reference_arm)
-                if not ta.empty and tr is not None:
-                    add(model, arm, precision, "task micro-F1 (per note)", ta, tr, "micro_f1")
+    for model, ref, arm, precision, grp in _compared_arms(frame, reference_arm):
+        for phase, k in _cells(grp):
+            a = grp[(grp["phase"] == phase) & (grp["k"] == k)]
+            r = ref[(ref["phase"] == phase) & (ref["k"] == k)]
+            if a["recovery_own"].notna().any() and r["recovery_own"].notna().any():
+                add(model, arm, precision, f"M4 {phase} k{k}", a, r, "recovery_own")
+        if task is not None and "micro_f1" in task.columns:
+            ta = task[(task["model"] == model) & (task["arm"] == arm)
+                      & (task["precision"] == precision)]
+            tr = _reference_rows(task, model, reference_arm)
+            if not ta.empty and tr is not None:
+                add(model, arm, precision, "task micro-F1 (per note)", ta, tr, "micro_f1")
     table = pd.DataFrame.from_records(rows)
     return table, (pd.concat(diffs, ignore_index=True) if diffs else pd.DataFrame())
