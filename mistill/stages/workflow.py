@@ -172,9 +172,13 @@ class PipelineConfig(Config):
     launch: str = "mlflow"
 
 
+def corpus_run(ids: dict[str, str]) -> str:
+    """The prepared corpus the pipeline's model steps read: the shortlist's when it ran."""
+    return ids.get("shortlist", ids["prepare"])
+
+
 def pipeline_steps(cfg: PipelineConfig, parent: str | None = None) -> dict[str, str]:
     from mistill.stages.prepare import PrepareConfig
-
     from mistill.stages.shortlist import ShortlistConfig
 
     corpus_name = corpus_name_of(cfg.corpus, cfg.corpus_name)
@@ -185,9 +189,8 @@ def pipeline_steps(cfg: PipelineConfig, parent: str | None = None) -> dict[str, 
     if cfg.shortlist:  # every later step reads the shortlisted corpus: its prompts list the shortlist
         ids["shortlist"] = run_step("shortlist", ShortlistConfig(prepare_run=ids["prepare"], seed=cfg.seed),
                                     corpus_name, launch=cfg.launch, parent=parent)
-    data = ids.get("shortlist", ids["prepare"])
     ids.update(characterize_steps(CharacterizeConfig(
-        prepare_run=data, model=cfg.model, dtype=cfg.dtype, device=cfg.device, n_null=cfg.n_null,
+        prepare_run=corpus_run(ids), model=cfg.model, dtype=cfg.dtype, device=cfg.device, n_null=cfg.n_null,
         selftest_events=cfg.selftest_events, exact_p2=cfg.exact_p2, k_bins=cfg.k_bins,
         range_gate=cfg.range_gate, events_per_phase=cfg.events_per_phase, stability_splits=cfg.stability_splits, seed=cfg.seed,
         launch=cfg.launch), corpus_name, parent=parent))
@@ -210,11 +213,10 @@ def evaluation_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str,
     from mistill.stages.las import LasSimulatorConfig
     from mistill.stages.own_heads import OwnHeadsConfig
 
-    data = ids.get("shortlist", ids["prepare"])
+    data = corpus_run(ids)
     out = {"las_simulator": run_step("las_simulator", LasSimulatorConfig(
         prepare_run=data, model=cfg.las_model, max_steps=cfg.las_max_steps, max_answer_tokens=32, max_val_notes=1,
-        seed=cfg.seed, device=cfg.device), corpus_name,
-        launch=cfg.launch, parent=parent)}
+        seed=cfg.seed, device=cfg.device), corpus_name, launch=cfg.launch, parent=parent)}
     common = {"prepare_run": data, "split": cfg.eval_split, "max_new_tokens": cfg.eval_max_new_tokens,
               "seed": cfg.seed, "las_run": out["las_simulator"], "device": cfg.device, "dtype": cfg.dtype}
     subjects = [("teacher", {"model": cfg.model, "arm": "teacher"}),
@@ -238,10 +240,9 @@ def distill_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str, pa
     from mistill.distill.arms import resolve_arm
     from mistill.stages.characterize import AttributeConfig, EventsConfig
     from mistill.stages.distill import TargetsConfig, TrainStageConfig
-
     from mistill.stages.select_lambda import SelectLambdaConfig
 
-    data = ids.get("shortlist", ids["prepare"])
+    data = corpus_run(ids)
     out = {}
     out["student_events"] = run_step("events", EventsConfig(
         prepare_run=data, model=cfg.student, dtype=cfg.dtype, device=cfg.device, split=cfg.student_split,
