@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from mistill.config import Config
+from mistill.data.corpus import Note
+from mistill.evaluation.parsing import THINK_CLOSE, CodeIndex, parse_answer
 from mistill.instrument.passes import stable_seed
 from mistill.models.loading import LoadedModel
 
@@ -67,3 +69,15 @@ def generate_hf(lm: LoadedModel, prompt_text: str, decoding: DecodingConfig, see
     capped = len(new) >= decoding.max_new_tokens and (eos is None or new[-1] != eos)
     return Generation(text=tok.decode(new, skip_special_tokens=True), token_ids=new, n_tokens=len(new),
                       capped=capped, seed=seed, decoding=decoding.to_dict())
+
+
+def generation_record(note: Note, gen: Generation, index: CodeIndex) -> dict:
+    """What is kept of one generation besides its text: ids, seed, decoding, flags and codes."""
+    ans = parse_answer(gen.text, index, capped=gen.capped)
+    return {"note_id": note.note_id, "split": note.split, "seed": gen.seed,
+            "decoding": gen.decoding, "n_tokens": gen.n_tokens, "capped": gen.capped,
+            "valid": ans.valid, "parsed": ans.parsed, "reason": ans.reason,
+            "closed_think": ans.valid and THINK_CLOSE in gen.text,
+            "degenerate": ans.degenerate, "degenerate_reason": ans.degenerate_reason,
+            "codes": list(ans.codes), "n_raw": ans.n_raw,
+            "n_out_of_inventory": ans.n_out_of_inventory, "n_malformed": ans.n_malformed}

@@ -28,7 +28,7 @@ from mistill.config import Config
 from mistill.errors import MistillInputError
 from mistill.distill.note_data import first_trace_token
 from mistill.evaluation.backends import HFBackend, make_backend
-from mistill.evaluation.generation import DecodingConfig, note_seed
+from mistill.evaluation.generation import DecodingConfig, generation_record, note_seed
 from mistill.evaluation.m1 import m1_summary, note_margins, trace_perplexity
 from mistill.evaluation.metrics import bleu4, per_note_metrics, task_metrics
 from mistill.evaluation.parsing import CodeIndex, parse_answer, split_reasoning
@@ -133,13 +133,7 @@ def run_evaluate(cfg: EvaluateConfig) -> str:
                             narrow_instruction=prepared.narrow_instruction, max_positions=model_positions(lm))
             seed = note_seed(decoding, note.note_id)
             gen = backend.generate(ni.prompt.text, seed)
-            ans = parse_answer(gen.text, index, capped=gen.capped)
-            files: dict = {"prediction.json": {
-                "note_id": note.note_id, "codes": list(ans.codes), "valid": ans.valid, "parsed": ans.parsed,
-                "reason": ans.reason, "capped": gen.capped, "degenerate": ans.degenerate,
-                "degenerate_reason": ans.degenerate_reason, "n_tokens": gen.n_tokens, "seed": seed,
-                "n_out_of_inventory": ans.n_out_of_inventory, "n_malformed": ans.n_malformed,
-                "decoding": gen.decoding}}
+            files: dict = {"prediction.json": generation_record(note, gen, index)}
             if cfg.fidelity:
                 teacher_reasoning, _ = split_reasoning(note.teacher_trace)
                 own_reasoning, _ = split_reasoning(gen.text)

@@ -37,8 +37,8 @@ from mistill.data.corpus import Corpus, Note
 from mistill.data.prompts import build_prompt, template_has_thinking
 from mistill.errors import MistillInputError
 from mistill.evaluation.backends import BACKENDS, make_backend
-from mistill.evaluation.generation import DecodingConfig, Generation, note_seed
-from mistill.evaluation.parsing import THINK_CLOSE, CodeIndex, parse_answer
+from mistill.evaluation.generation import DecodingConfig, generation_record, note_seed
+from mistill.evaluation.parsing import CodeIndex
 from mistill.io import write_text
 from mistill.models.loading import EMBEDDED_DEFAULT, load_tokenizer
 from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE, TAG_DATA_DIR,
@@ -110,18 +110,6 @@ def selected_notes(prepared: Prepared, split: str = "", max_notes: int = 0) -> l
     """The notes to generate for: one split or all, in corpus order, optionally the first n."""
     notes = [n for n in prepared.corpus.notes if not split or n.split == split]
     return notes[:max_notes] if max_notes else notes
-
-
-def generation_record(note: Note, gen: Generation, index: CodeIndex) -> dict:
-    """What is kept of one generation besides its text: ids, seed, decoding, flags and codes."""
-    ans = parse_answer(gen.text, index, capped=gen.capped)
-    return {"note_id": note.note_id, "split": note.split, "seed": gen.seed,
-            "decoding": gen.decoding, "n_tokens": gen.n_tokens, "capped": gen.capped,
-            "valid": ans.valid, "parsed": ans.parsed, "reason": ans.reason,
-            "closed_think": ans.valid and THINK_CLOSE in gen.text,
-            "degenerate": ans.degenerate, "degenerate_reason": ans.degenerate_reason,
-            "codes": list(ans.codes), "n_raw": ans.n_raw,
-            "n_out_of_inventory": ans.n_out_of_inventory, "n_malformed": ans.n_malformed}
 
 
 def generation_metrics(records: list[dict]) -> dict[str, float]:
