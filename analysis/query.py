@@ -24,6 +24,7 @@ from mistill.tracking.runs import (
     TAG_PRECISION,
     TAG_PRIVACY,
     TAG_SEED,
+    TAG_SPLIT,
     TAG_STAGE,
     _experiment_id,
     _quote,
@@ -41,7 +42,7 @@ __all__ = [
 
 TAG_COLUMNS: dict[str, str] = {"stage": TAG_STAGE, "model": TAG_MODEL, "arm": TAG_ARM,
                                "seed": TAG_SEED, "precision": TAG_PRECISION,
-                               "corpus": TAG_CORPUS, "privacy": TAG_PRIVACY}
+                               "corpus": TAG_CORPUS, "privacy": TAG_PRIVACY, "split": TAG_SPLIT}
 """Column name -> the tag it is read from."""
 
 RUN_KEY: tuple[str, ...] = ("model", "arm", "precision", "seed")

@@ -107,16 +107,19 @@ class Report:
 
 
 def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str] = (),
-                   reference_arm: str = "") -> ReportInputs:
+                   reference_arm: str = "", split: str = "test") -> ReportInputs:
     """The newest FINISHED run of each (model, arm, precision, seed) of every stage in
     :data:`STAGES` (``knockin``: the newest per model). ``arms`` (non-empty) restricts the
     ``evaluate`` and ``own_heads`` runs to those arms plus the reference, the teacher and the
-    untrained student."""
+    untrained student; of those, only runs on ``split`` are read (the λ selection's
+    validation evaluations are not test results; runs without a split tag are kept)."""
     keep = tuple(dict.fromkeys([*arms, reference_arm, tables.TEACHER_ARM,
                                 tables.UNTRAINED_ARM])) if arms else ()
     runs = {}
     for stage in STAGES:
         df = query.stage_runs(client, experiment, stage, arms=keep if stage in _ARMED else ())
+        if stage in _ARMED and not df.empty:
+            df = df[df["split"].isna() | (df["split"] == split)]
         runs[stage] = query.latest_runs(df, _KEYS[stage])
     return ReportInputs(experiment, runs)
 

@@ -34,12 +34,12 @@ def make_run(uri: str, corpus: str, stage: str, root: Path, *, arm: str | None =
              seed: int | None = None, precision: str | None = None, model: str = STUDENT,
              metrics: dict[str, float] | None = None,
              tables: dict[str, pd.DataFrame] | None = None,
-             jsons: dict[str, Any] | None = None) -> str:
+             jsons: dict[str, Any] | None = None, tags: dict[str, str] | None = None) -> str:
     """One FINISHED run of ``stage`` with these tags, metrics, CSV and JSON artifacts."""
     cfg = FakeStageConfig(arm=arm or "", seed=seed or 0, tag=f"{stage}-{arm}-{seed}-{model}")
     with StageRun(stage, cfg, corpus=corpus, guard=PrivacyGuard([], "synthetic"), model=model,
                   arm=arm, seed=seed, precision=precision, root=root, code_version="test",
-                  tracking_uri=uri) as run:
+                  tracking_uri=uri, tags=tags) as run:
         if metrics:
             run.log_metrics(metrics)
         for name, df in (tables or {}).items():

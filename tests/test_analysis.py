@@ -324,3 +324,20 @@ def test_arms_filter_keeps_reference_teacher_and_untrained(tracking_uri, run_set
     assert set(rep.table("table43_paired").numeric["arm"]) == {"opd", "untrained"}
     assert inputs.privacy() == "synthetic"
     assert json.loads(json.dumps(inputs.lineage()))  # plain strings, one per input run
+
+
+def test_report_reads_only_the_split_it_reports_on(tracking_uri, tmp_path):
+    """A λ-selection cell's validation evaluation of the same arm and seed, newer than the test
+    evaluation, is not read as the arm's test result."""
+    from analysis_fixtures import make_run
+
+    corpus = unique("split")
+    test_run = make_run(tracking_uri, corpus, "evaluate", tmp_path, arm="mistill", seed=0, precision="bf16",
+                        metrics={"micro_f1": 0.25}, tags={"mistill.split": "test"})
+    make_run(tracking_uri, corpus, "evaluate", tmp_path, arm="mistill", seed=0, precision="bf16",
+             metrics={"micro_f1": 0.75}, tags={"mistill.split": "val"})
+    got = collect_inputs(MlflowClient(), f"mistill/{corpus}")
+    assert list(got.runs["evaluate"]["run_id"]) == [test_run]
+    assert got.runs["evaluate"]["micro_f1"].tolist() == [0.25]
+    val = collect_inputs(MlflowClient(), f"mistill/{corpus}", split="val")
+    assert val.runs["evaluate"]["micro_f1"].tolist() == [0.75]

@@ -80,6 +80,7 @@ def test_evaluate_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_c
     m, tags = run.data.metrics, run.data.tags
     assert tags["mistill.stage"] == "evaluate" and tags["mistill.arm"] == "untrained"
     assert tags["mistill.input.prepare"] == prep and "mistill.input.train" not in tags
+    assert tags["mistill.split"] == "all"  # split "" reads every note; the report filters on this tag
     # a 6-token cap cuts every thinking generation: counted as capped and invalid, never a crash
     assert m["n_notes"] == 4 and m["cap_rate"] == 1.0 and m["valid_rate"] == 0.0 and m["micro_f1"] == 0.0
     assert m["mean_generated_tokens"] == 6.0

@@ -89,7 +89,7 @@ def _backend(cfg: EvaluateConfig, lm, decoding: DecodingConfig):
 def run_evaluate(cfg: EvaluateConfig) -> str:
     from mistill.data.prompts import template_has_thinking
     from mistill.models.loading import load_model
-    from mistill.tracking.runs import StageRun
+    from mistill.tracking.runs import TAG_SPLIT, StageRun
 
     prepared = load_prepared(cfg.prepare_run)
     guard = privacy_guard(prepared.corpus)
@@ -107,7 +107,8 @@ def run_evaluate(cfg: EvaluateConfig) -> str:
     arm = subject.arm
     with StageRun("evaluate", cfg, corpus=prepared.corpus.name, guard=guard, model=subject.spec, arm=arm,
                   seed=int(subject.seed) if subject.seed is not None else cfg.seed, precision=subject.precision,
-                  corpus_digest=prepared.corpus.digest, inputs=inputs, tags=subject.links,
+                  corpus_digest=prepared.corpus.digest, inputs=inputs,
+                  tags={**subject.links, TAG_SPLIT: cfg.split or "all"},
                   resume=True, root=mistill_root()) as run:
         if run.reused:
             print(f"evaluate: reusing finished run {run.run_id}")

@@ -147,7 +147,7 @@ def run_own_heads(cfg: OwnHeadsConfig) -> str:
     from mistill.instrument.runner import Runner
     from mistill.models.loading import load_model
     from mistill.stages.characterize import _ranks_from_head_sets
-    from mistill.tracking.runs import StageRun
+    from mistill.tracking.runs import TAG_SPLIT, StageRun
 
     if not cfg.k or any(k < 1 for k in cfg.k) or cfg.m2_k < 1:
         raise MistillInputError("k and m2_k must be positive", field="k")
@@ -159,7 +159,7 @@ def run_own_heads(cfg: OwnHeadsConfig) -> str:
     inputs = {"prepare": cfg.prepare_run, **({"train": cfg.train_run} if cfg.train_run else {})}
     tags = dict(arm.links)
     tags.update({"mistill.rank_events": ranked["events"], "mistill.rank_attribute": ranked["attribute"],
-                 "mistill.split": cfg.test_split})
+                 TAG_SPLIT: cfg.test_split})
     with StageRun("own_heads", cfg, corpus=prepared.corpus.name, guard=guard, model=arm.spec,
                   arm=arm.arm, seed=cfg.seed if arm.seed is None else arm.seed,
                   precision=arm.precision, corpus_digest=prepared.corpus.digest,

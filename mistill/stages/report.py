@@ -30,6 +30,7 @@ class ReportConfig(Config):
     reference_arm: the arm every other arm of the same model is compared against.
     arms: keep only these arms' evaluate and own-heads runs (plus the reference, ``teacher``
         and ``untrained``); empty keeps every arm.
+    split: the notes the evaluate and own-heads runs read must be these (``test``).
     bootstrap: resamples of the per-note bootstrap intervals (App. L: 1,000).
     corpus_bootstrap: resamples of the corpus-level micro-F1 difference (App. L: 10,000).
     seed: seed of every bootstrap.
@@ -38,6 +39,7 @@ class ReportConfig(Config):
     corpus: str = "synthetic"
     reference_arm: str = "vanilla-bf16"
     arms: tuple[str, ...] = ()
+    split: str = "test"
     bootstrap: int = N_BOOTSTRAP
     corpus_bootstrap: int = N_BOOTSTRAP_CORPUS
     seed: int = 0
@@ -74,7 +76,7 @@ def run_report(cfg: ReportConfig) -> str:
     mlflow.set_tracking_uri(uri)
     client = MlflowClient(tracking_uri=uri)
     experiment = experiment_for_corpus(cfg.corpus, tracking_uri=uri)
-    inputs = collect_inputs(client, experiment, arms=cfg.arms, reference_arm=cfg.reference_arm)
+    inputs = collect_inputs(client, experiment, arms=cfg.arms, reference_arm=cfg.reference_arm, split=cfg.split)
     guard = PrivacyGuard([], inputs.privacy())
     with StageRun("report", cfg, corpus=cfg.corpus, guard=guard, inputs=inputs.lineage(),
                   resume=True, root=mistill_root(), tracking_uri=uri) as run:

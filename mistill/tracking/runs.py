@@ -54,6 +54,7 @@ TAG_PRIVACY = "mistill.privacy"
 TAG_ARM = "mistill.arm"
 TAG_SEED = "mistill.seed"
 TAG_PRECISION = "mistill.precision"
+TAG_SPLIT = "mistill.split"  # the notes a readout ran on (evaluate, own_heads)
 TAG_GIT_COMMIT = "mistill.git_commit"
 TAG_CODE_VERSION = "mistill.code_version"
 TAG_ENTRY_POINT = "mistill.entry_point"
@@ -810,7 +811,7 @@ def markdown_table(df: Any, *, float_format: str = ".6g", index: bool = False) -
 
 __all__ = [
     "TAG_STAGE", "TAG_MODEL", "TAG_CORPUS", "TAG_CORPUS_DIGEST", "TAG_PRIVACY", "TAG_ARM",
-    "TAG_SEED", "TAG_PRECISION", "TAG_GIT_COMMIT", "TAG_CODE_VERSION", "TAG_ENTRY_POINT",
+    "TAG_SEED", "TAG_PRECISION", "TAG_SPLIT", "TAG_GIT_COMMIT", "TAG_CODE_VERSION", "TAG_ENTRY_POINT",
     "TAG_PARAMS_DIGEST", "TAG_INPUT_PREFIX", "TAG_DELEGATED_TO", "RESUMABLE_STATUSES",
     "StageRun", "find_run", "experiment_for_corpus", "code_version", "git_commit",
     "canonical_params", "params_digest", "param_string", "parse_param", "typed_equal",
