@@ -319,11 +319,18 @@ def summary(ids: dict[str, str]) -> str:
                         "P1.k8.necessity.global")}
     keys["student_attribute"] = ("calib.P2C.discoveries_pos",)
     keys["targets"] = ("n_notes", "median_rows")
+    keys["shortlist"] = ("k", "mean_shortlist_len", "val_recall_completed")
+    keys["select_lambda"] = ("selected.lambda_p1", "selected.lambda_p2", "selected.micro_f1")
+    keys["las_simulator"] = ("train_loss_first", "train_loss_last")
+    keys["report"] = ("n_tables", "n_figures")
+    by_prefix = {"train_": ("train/loss", "train/ce", "train/steps"),
+                 "evaluate_": ("micro_f1", "valid_rate", "fidelity.ppl_median", "m1.P2C.p_pos"),
+                 "own_heads_": ("m4.P1.k8.recovery_own", "m4.P1.k8.recovery_random", "m2.region_lift")}
     for step, run_id in ids.items():
         run = client.get_run(run_id)
         exp = client.get_experiment(run.info.experiment_id)
         m = run.data.metrics
-        wanted = keys.get(step, ("train/loss", "train/ce", "train/steps") if step.startswith("train_") else ())
+        wanted = keys.get(step, next((v for p, v in by_prefix.items() if step.startswith(p)), ()))
         shown = ", ".join(f"{k}={m[k]:.3g}" for k in wanted if k in m)
         lines.append(f"  {step:<10} {run_id}  {mlflow.get_tracking_uri()}/#/experiments/"
                      f"{exp.experiment_id}/runs/{run_id}  {shown}")
