@@ -3,8 +3,11 @@
 * ``lock``: the YAML lock that fixes the grid, arm, training size, metric, band, tie-break and
   edge rule before any trial; its sha256 guards the study.
 * ``cells``: grid cells, the runner contract ``(CellRun) -> CellResult``, the outward cell.
-* ``grid``: the Optuna study (RDB storage, GridSampler), each cell claimed once across threads
-  and processes; failed cells reported, not retried.
+* ``grid``: the Optuna study (RDB storage, GridSampler), each cell run to completion once across
+  threads and processes; a worker waits for cells another one runs; cells whose runner failed
+  reported, not retried; cells whose worker died retried.
+* ``heartbeat``: liveness of a running cell (Optuna's heartbeat), stale trials failed and queued
+  again through Optuna's retry callback.
 * ``decide``: the decision rule (pure) and the sensitivity view over other bands.
 * ``report``: ``decision.json``, the cell table and the sensitivity table.
 * ``runner``: the default runner, ``train`` then ``evaluate`` through the entry points.

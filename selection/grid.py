@@ -1,17 +1,30 @@
 """The Optuna study of a λ selection: one SQLite (RDB) study per lock and inputs, each cell once.
 
 * :func:`open_study` creates the study (direction maximize) with the lock's sha256 in its user
-  attributes, or loads it and refuses when the lock changed.
-* :func:`run_cells` runs the unclaimed cells of a grid through Optuna's :class:`GridSampler`
-  (ask/tell), ``workers`` threads in this process; other processes may work on the same study
-  at the same time. Claiming a cell (creating the trial and fixing its grid point) happens under
-  an exclusive file lock next to the SQLite file, so no two workers, threads or processes, ever
-  claim one cell: a cell with any trial (running, complete or failed) is never run again. Failed
-  cells stay failed (reported, not retried).
+  attributes, or loads it and refuses when the lock changed. Its storage records heartbeats
+  (:mod:`selection.heartbeat`: interval, grace period, retries).
+* :func:`run_cells` runs the cells of a grid through Optuna's :class:`GridSampler` (ask/tell),
+  ``workers`` threads in this process; other processes may work on the same study at the same
+  time. Claiming a cell (failing stale trials, taking a queued retry or creating a trial and
+  fixing its grid point, recording its first heartbeat) happens under an exclusive file lock next
+  to the SQLite file, so no two workers, threads or processes, ever hold one cell at once.
+* Each cell runs to completion once. A cell whose runner raised stays failed (reported, not
+  retried). A cell whose worker stopped (killed, its machine lost, interrupted) is retried: its
+  heartbeat goes stale after the grace period, the next claim fails the trial and Optuna's
+  :class:`~optuna.storages.RetryHeartbeatStaleTrialCallback` queues a WAITING trial with the same
+  grid point, which the next free worker takes; at most ``max_retry`` retries per cell, after
+  which the cell counts as failed. A worker interrupted in-process (``KeyboardInterrupt``) fails
+  its trial and queues the retry at once.
+* A worker with nothing left to claim while cells of its grid are RUNNING (or queued) elsewhere
+  waits for them, polling; it never ends on another worker's cell. A stale one is failed and
+  retried by the polling worker itself, so the wait is bounded by the grace period whenever the
+  other worker is dead. Every worker then reads the same finished cells and reaches the same
+  decision.
 * :func:`study_cells` reads every trial back as cell results, failures and running cells.
 
 Each trial is a nested MLflow run (``mlflow.parentRunId`` = the ``select_lambda`` run) when a
-parent run is given.
+parent run is given; the run of an attempt whose worker stopped ends KILLED when its cell is
+retried.
 """
 
 from __future__ import annotations
@@ -23,13 +36,23 @@ import math
 import threading
 import time
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mistill.errors import MistillInputError
 from selection.cells import Cell, CellResult, CellRun, Runner
+from selection.heartbeat import (
+    ATTR_HEARTBEAT,
+    Heartbeat,
+    beating,
+    fail_stale,
+    queue_retry,
+    quiet_optuna,
+    rdb_storage,
+    retried_from,
+)
 from selection.lock import Lock
 
 STUDY_DB = "selection.db"
@@ -41,9 +64,13 @@ ATTR_MLFLOW_RUN = "mlflow_run"
 ATTR_TIE_BREAK = "tie_break"
 ATTR_RUN_IDS = "run_ids"
 ATTR_ERROR = "error"
+STALE_ERROR = "worker stopped: heartbeat stale, retries used up"
+INTERRUPTED = "interrupted"
 TAG_STUDY = "mistill.selection.study"
 TAG_CELL = "mistill.selection.cell"
 TAG_TRIAL = "mistill.selection.trial"
+TAG_RETRY_OF = "mistill.selection.retry_of"
+TAG_ERROR = "mistill.selection.error"
 TRIAL_STAGE = "select_lambda.cell"
 _SQLITE = "sqlite:///"
 
@@ -84,39 +111,48 @@ def exclusive(path: Path) -> Iterator[None]:
 
 @dataclass
 class SelectionStudy:
-    """An opened study: its name, storage and the file lock that serialises claims."""
+    """An opened study: its name, storage (with heartbeat), and the file lock that serialises
+    claims."""
 
     name: str
     storage_url: str
     storage: Any
     lock_file: Path
     created: bool
+    heartbeat: Heartbeat = field(default_factory=Heartbeat)
 
     def load(self, sampler: Any = None) -> Any:
         import optuna
 
         return optuna.load_study(study_name=self.name, storage=self.storage, sampler=sampler)
 
+    @property
+    def study_id(self) -> int:
+        return self.storage.get_study_id_from_name(self.name)
 
-def _storage(url: str) -> Any:
-    import optuna
 
+def _storage(url: str, heartbeat: Heartbeat) -> Any:
     kwargs = {"connect_args": {"timeout": 120}} if url.startswith(_SQLITE) else {}
-    return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+    return rdb_storage(url, heartbeat, kwargs)
 
 
-def open_study(lock: Lock, storage_url: str, study_name: str, *, root: Path | str = ".mistill") -> SelectionStudy:
+def open_study(lock: Lock, storage_url: str, study_name: str, *, root: Path | str = ".mistill",
+               heartbeat: Heartbeat | None = None) -> SelectionStudy:
     """Create the study under ``lock`` or load it; refuse a study created under another lock.
 
+    heartbeat: how this process records and judges liveness (default :class:`Heartbeat`).
+
     Raises:
-        MistillInputError: the study exists with a different lock sha256 (names the lock file).
+        MistillInputError: the study exists with a different lock sha256 (names the lock file and
+            both hashes), or the heartbeat settings are invalid.
     """
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    heartbeat = heartbeat or Heartbeat()
     lock_file = lock_file_for(storage_url, root)
     with exclusive(lock_file):
-        storage = _storage(storage_url)
+        storage = _storage(storage_url, heartbeat)
         try:
             study_id = storage.get_study_id_from_name(study_name)
         except KeyError:
@@ -130,13 +166,13 @@ def open_study(lock: Lock, storage_url: str, study_name: str, *, root: Path | st
                     f"(file {attrs.get(ATTR_LOCK_PATH)}); this lock's sha256 is {lock.sha256}. A "
                     f"pre-registered lock cannot change after its study started: restore the lock, "
                     f"or give the new one another study name", file=lock.path, field="sha256")
-            return SelectionStudy(study_name, storage_url, storage, lock_file, created=False)
+            return SelectionStudy(study_name, storage_url, storage, lock_file, created=False, heartbeat=heartbeat)
         study = optuna.create_study(study_name=study_name, storage=storage, direction="maximize")
         study.set_user_attr(ATTR_LOCK_SHA, lock.sha256)
         study.set_user_attr(ATTR_LOCK_PATH, lock.path)
         study.set_user_attr(ATTR_LOCK_TEXT, lock.text)
         study.set_user_attr("created", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-        return SelectionStudy(study_name, storage_url, storage, lock_file, created=True)
+        return SelectionStudy(study_name, storage_url, storage, lock_file, created=True, heartbeat=heartbeat)
 
 
 def _grid_sampler(space: Mapping[str, list[float]]) -> Any:
@@ -144,7 +180,9 @@ def _grid_sampler(space: Mapping[str, list[float]]) -> Any:
 
     class ClaimGridSampler(GridSampler):
         """GridSampler whose grid point is fixed at claim time; the worker loop, not the sampler,
-        decides when the grid is exhausted (so ask/tell never calls ``study.stop``)."""
+        decides when the grid is exhausted (so ask/tell never calls ``study.stop``). A queued
+        retry keeps the grid point of the trial it retries (GridSampler leaves a trial that
+        already has a ``grid_id`` alone)."""
 
         def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
             return None
@@ -157,27 +195,65 @@ def _space_of(trial: Any) -> dict[str, list[float]] | None:
     return trial.system_attrs.get("search_space")
 
 
-def _claimed_ids(study: Any, space: Mapping[str, list[float]]) -> set[int]:
-    """Grid ids of ``space`` that some trial (any state) holds."""
+def _in_space(trials: Iterable[Any], space: Mapping[str, list[float]]) -> list[Any]:
+    """The trials whose grid point belongs to ``space``."""
     wanted = {k: list(v) for k, v in space.items()}
-    return {t.system_attrs["grid_id"] for t in study.get_trials(deepcopy=False)
-            if "grid_id" in t.system_attrs and _space_of(t) == wanted}
+    return [t for t in trials if "grid_id" in t.system_attrs and _space_of(t) == wanted]
+
+
+def _claimed_ids(trials: Iterable[Any], space: Mapping[str, list[float]]) -> set[int]:
+    """Grid ids of ``space`` that some trial (any state) holds."""
+    return {t.system_attrs["grid_id"] for t in _in_space(trials, space)}
+
+
+_STATE_RANK = {"COMPLETE": 0, "RUNNING": 1, "WAITING": 2, "FAIL": 3}
+
+
+def _deciding_trials(trials: Iterable[Any]) -> dict[Cell, Any]:
+    """For each cell, the trial that states where it stands: its first COMPLETE trial, else a
+    RUNNING one, else a queued (WAITING) retry, else its latest FAIL."""
+    out: dict[Cell, Any] = {}
+    for t in sorted(trials, key=lambda t: t.number):
+        if not t.params or t.state.name not in _STATE_RANK:
+            continue
+        cell = Cell.of(t.params)
+        held = out.get(cell)
+        if held is None or _STATE_RANK[t.state.name] < _STATE_RANK[held.state.name] or \
+                (t.state.name == held.state.name == "FAIL"):
+            out[cell] = t
+    return out
+
+
+def _error_of(trial: Any) -> str:
+    """A FAIL trial's error, first line: the runner's, else the stale-heartbeat reason."""
+    error = trial.user_attrs.get(ATTR_ERROR)
+    return str(error).splitlines()[0] if error else STALE_ERROR
 
 
 @dataclass
 class CellReport:
-    """What one :func:`run_cells` call found and did, by cell key."""
+    """What one :func:`run_cells` call found and did, by cell key.
+
+    ``running_elsewhere``: cells some other worker held (RUNNING or queued) when the call began;
+    the call waited for them. ``stale``: trials this call failed because their heartbeat went
+    stale (their cells were queued again unless out of retries). ``superseded``: cells whose
+    trial another worker failed as stale while this one still ran it (its result is dropped; the
+    retry stands).
+    """
 
     ran: list[str] = field(default_factory=list)
     failed_now: dict[str, str] = field(default_factory=dict)
     complete_before: list[str] = field(default_factory=list)
     failed_before: dict[str, str] = field(default_factory=dict)
     running_elsewhere: list[str] = field(default_factory=list)
+    stale: dict[str, list[int]] = field(default_factory=dict)
+    superseded: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"ran": sorted(self.ran), "failed_now": self.failed_now,
                 "complete_before": sorted(self.complete_before), "failed_before": self.failed_before,
-                "running_elsewhere": sorted(self.running_elsewhere)}
+                "running_elsewhere": sorted(self.running_elsewhere), "stale": self.stale,
+                "superseded": sorted(self.superseded)}
 
 
 @dataclass(frozen=True)
@@ -189,7 +265,20 @@ class TrialTracking:
     tie_break: str
 
 
-def _start_trial_run(tracking: TrialTracking, study_name: str, cell: Cell, trial: int) -> str:
+@dataclass(frozen=True)
+class Claim:
+    """A cell this worker holds: its RUNNING trial (and the trial's storage id), and, for a
+    retry, the number of the first trial of the cell and the MLflow run of the attempt it
+    replaces."""
+
+    trial: Any
+    trial_id: int
+    cell: Cell
+    retry_of: int | None = None
+    replaced_run: str | None = None
+
+
+def _start_trial_run(tracking: TrialTracking, study_name: str, claim: Claim) -> str:
     from mlflow.entities import Param, RunTag
     from mlflow.tracking import MlflowClient
 
@@ -198,18 +287,21 @@ def _start_trial_run(tracking: TrialTracking, study_name: str, cell: Cell, trial
     inherited = {k: v for k, v in parent.data.tags.items()
                  if k in ("mistill.corpus", "mistill.privacy", "mistill.code_version", "mistill.git_commit")}
     tags = {**inherited, "mlflow.parentRunId": tracking.parent_run, "mistill.stage": TRIAL_STAGE,
-            TAG_STUDY: study_name, TAG_CELL: cell.key, TAG_TRIAL: str(trial)}
-    run = client.create_run(parent.info.experiment_id, run_name=f"cell {cell.key}",
+            TAG_STUDY: study_name, TAG_CELL: claim.cell.key, TAG_TRIAL: str(claim.trial.number)}
+    if claim.retry_of is not None:
+        tags[TAG_RETRY_OF] = str(claim.retry_of)
+    run = client.create_run(parent.info.experiment_id, run_name=f"cell {claim.cell.key}",
                             tags=tags)
-    p1, p2 = cell.lambdas
+    p1, p2 = claim.cell.lambdas
     client.log_batch(run.info.run_id, params=[Param("lambda_p1", repr(p1)), Param("lambda_p2", repr(p2)),
-                                              Param("trial", str(trial))],
+                                              Param("trial", str(claim.trial.number))],
                      tags=[RunTag("mistill.selection.lock_sha256",
                                   parent.data.tags.get("mistill.selection.lock_sha256", ""))])
     return run.info.run_id
 
 
-def _end_trial_run(run_id: str, tracking: TrialTracking, result: CellResult | None, error: str | None) -> None:
+def _end_trial_run(run_id: str, tracking: TrialTracking, result: CellResult | None, error: str | None,
+                   status: str | None = None) -> None:
     from mlflow.entities import Metric, RunTag
     from mlflow.tracking import MlflowClient
 
@@ -222,33 +314,92 @@ def _end_trial_run(run_id: str, tracking: TrialTracking, result: CellResult | No
         tags = [RunTag(f"mistill.selection.run.{k}", v) for k, v in result.run_ids.items()]
         client.log_batch(run_id, metrics=metrics, tags=tags)
     if error is not None:
-        client.set_tag(run_id, "mistill.selection.error", error[:5000])
-    client.set_terminated(run_id, "FINISHED" if error is None else "FAILED")
+        client.set_tag(run_id, TAG_ERROR, error[:5000])
+    client.set_terminated(run_id, status or ("FINISHED" if error is None else "FAILED"))
 
 
-def _claim(handle: SelectionStudy, study: Any, space: Mapping[str, list[float]], scale: str) -> tuple[Any, Cell] | None:
-    """Under the file lock: the next unclaimed grid point as a RUNNING trial, or None."""
+def _close_replaced_run(run_id: str, trial_number: int) -> None:
+    """End the MLflow run of an attempt whose worker stopped: KILLED, saying which trial retries it."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    with contextlib.suppress(MlflowException):
+        if client.get_run(run_id).info.status == "RUNNING":
+            client.set_tag(run_id, TAG_ERROR, f"worker stopped (heartbeat stale); retried as trial {trial_number}")
+            client.set_terminated(run_id, "KILLED")
+
+
+def _claim(handle: SelectionStudy, study: Any, space: Mapping[str, list[float]], scale: str,
+           report: CellReport, report_lock: threading.Lock) -> Claim | None:
+    """Under the file lock: fail stale trials (queuing their retries), then take a queued retry or
+    the next unclaimed grid point as a RUNNING trial with its first heartbeat; None when every
+    grid point of ``space`` is held and no retry is queued."""
+    from optuna.trial import TrialState
+
     with exclusive(handle.lock_file):
-        n = math.prod(len(v) for v in space.values())
-        if len(_claimed_ids(study, space)) >= n:
+        stale = fail_stale(study, handle.storage, handle.study_id, handle.heartbeat.grace, ATTR_ERROR)
+        trials = study.get_trials(deepcopy=False)
+        if stale:
+            with report_lock:
+                for t in trials:
+                    if t.number in stale and t.params:
+                        report.stale.setdefault(Cell.of(t.params).key, []).append(t.number)
+        ours = _in_space(trials, space)
+        queued = any(t.state == TrialState.WAITING for t in ours)
+        if not queued and len(_claimed_ids(ours, space)) >= math.prod(len(v) for v in space.values()):
             return None
-        trial = study.ask()
+        with quiet_optuna():
+            trial = study.ask()  # takes a queued (WAITING) retry first, else a new trial
+        trial_id = handle.storage.get_trial_id_from_study_id_trial_number(handle.study_id, trial.number)
+        handle.storage.record_heartbeat(trial_id)
         values = {axis: trial.suggest_float(axis, min(vals), max(vals), log=scale == "log")
                   for axis, vals in sorted(space.items())}
         cell = Cell.of(values)
         trial.set_user_attr(ATTR_CELL, cell.key)
-        return trial, cell
+        trial.set_user_attr(ATTR_HEARTBEAT, handle.heartbeat.interval)
+        frozen = handle.storage.get_trial(trial_id)
+        retry_of = retried_from(frozen)
+        if retry_of is None:
+            return Claim(trial, trial_id, cell)
+        if frozen.user_attrs.get(ATTR_ERROR):  # copied from the attempt it retries
+            trial.set_user_attr(ATTR_ERROR, None)
+        return Claim(trial, trial_id, cell, retry_of, frozen.user_attrs.get(ATTR_MLFLOW_RUN))
 
 
-def _run_one(handle: SelectionStudy, study: Any, trial: Any, cell: Cell, runner: Runner,
+def _tell(handle: SelectionStudy, study: Any, claim: Claim, attrs: Mapping[str, Any], value: float | None,
+          state: Any = None) -> Any | None:
+    """Write ``attrs`` to the claimed trial and tell it (a value: COMPLETE; ``state``: FAIL); the
+    frozen trial, or None when another worker failed it as stale meanwhile (no longer ours)."""
+    from optuna.exceptions import UpdateFinishedTrialError
+
+    try:
+        for key, val in attrs.items():
+            claim.trial.set_user_attr(key, val)
+        return study.tell(claim.trial, value, state=state)
+    except (UpdateFinishedTrialError, ValueError):  # ValueError: "Cannot tell a FAIL trial"
+        if handle.storage.get_trial(claim.trial_id).state.is_finished():
+            return None
+        raise
+
+
+def _run_one(handle: SelectionStudy, study: Any, claim: Claim, runner: Runner,
              tracking: TrialTracking | None, report: CellReport, report_lock: threading.Lock) -> None:
+    """Run one claimed cell with its heartbeat beating; record its result or its failure."""
+    with beating(handle.storage, claim.trial_id, handle.heartbeat.interval):
+        _run_claimed(handle, study, claim, runner, tracking, report, report_lock)
+
+
+def _run_claimed(handle: SelectionStudy, study: Any, claim: Claim, runner: Runner,
+                 tracking: TrialTracking | None, report: CellReport, report_lock: threading.Lock) -> None:
     from optuna.trial import TrialState
 
-    mlflow_run = _start_trial_run(tracking, handle.name, cell, trial.number) if tracking else None
+    trial, cell = claim.trial, claim.cell
+    if claim.replaced_run and tracking:
+        _close_replaced_run(claim.replaced_run, trial.number)
+    mlflow_run = _start_trial_run(tracking, handle.name, claim) if tracking else None
     if mlflow_run:
         trial.set_user_attr(ATTR_MLFLOW_RUN, mlflow_run)
-    result: CellResult | None = None
-    error: str | None = None
     try:
         result = runner(CellRun(cell=cell, trial=trial.number, mlflow_run=mlflow_run))
         if not isinstance(result, CellResult):
@@ -257,61 +408,85 @@ def _run_one(handle: SelectionStudy, study: Any, trial: Any, cell: Cell, runner:
             raise ValueError(f"the selection metric is not finite ({result.metric!r})")
     except Exception as exc:  # noqa: BLE001 - a failed cell is recorded and reported, not retried
         error = f"{type(exc).__name__}: {exc}"
-        trial.set_user_attr(ATTR_ERROR, error + "\n" + traceback.format_exc()[-4000:])
+        told = _tell(handle, study, claim, {ATTR_ERROR: error + "\n" + traceback.format_exc()[-4000:]}, None,
+                     state=TrialState.FAIL)
         if mlflow_run:
             _end_trial_run(mlflow_run, tracking, None, error)
-        study.tell(trial, state=TrialState.FAIL)
         with report_lock:
-            report.failed_now[cell.key] = error
+            if told is None:  # failed as stale meanwhile: its retry decides the cell
+                report.superseded.append(cell.key)
+            else:
+                report.failed_now[cell.key] = error
         return
-    except BaseException:
-        trial.set_user_attr(ATTR_ERROR, "interrupted")
+    except BaseException:  # interrupted: give the cell back as a stopped worker would
+        told = _tell(handle, study, claim, {ATTR_ERROR: INTERRUPTED}, None, state=TrialState.FAIL)
         if mlflow_run:
-            _end_trial_run(mlflow_run, tracking, None, "interrupted")
-        study.tell(trial, state=TrialState.FAIL)
+            _end_trial_run(mlflow_run, tracking, None, INTERRUPTED, status="KILLED")
+        if told is not None:
+            queue_retry(study, handle.storage, told)
         raise
-    trial.set_user_attr(ATTR_TIE_BREAK, result.tie_break if math.isfinite(result.tie_break) else None)
-    trial.set_user_attr(ATTR_RUN_IDS, dict(result.run_ids))
+    attrs = {ATTR_TIE_BREAK: result.tie_break if math.isfinite(result.tie_break) else None,
+             ATTR_RUN_IDS: dict(result.run_ids)}
+    if _tell(handle, study, claim, attrs, float(result.metric)) is None:
+        if mlflow_run:
+            _end_trial_run(mlflow_run, tracking, result, "superseded: the heartbeat went stale while the cell "
+                                                         "ran and the cell was retried", status="KILLED")
+        with report_lock:
+            report.superseded.append(cell.key)
+        return
     if mlflow_run:
         _end_trial_run(mlflow_run, tracking, result, None)
-    study.tell(trial, float(result.metric))
     with report_lock:
         report.ran.append(cell.key)
 
 
+def _found(study: Any, space: Mapping[str, list[float]]) -> CellReport:
+    """What the study already holds for ``space`` before this call claims anything."""
+    report = CellReport()
+    for cell, t in _deciding_trials(_in_space(study.get_trials(deepcopy=False), space)).items():
+        if t.state.name == "COMPLETE":
+            report.complete_before.append(cell.key)
+        elif t.state.name == "FAIL":
+            report.failed_before[cell.key] = _error_of(t)
+        else:
+            report.running_elsewhere.append(cell.key)
+    return report
+
+
+def _unfinished(study: Any, space: Mapping[str, list[float]]) -> bool:
+    """True while a trial of ``space`` is RUNNING or queued (WAITING)."""
+    return any(t.state.name in ("RUNNING", "WAITING") for t in _in_space(study.get_trials(deepcopy=False), space))
+
+
 def run_cells(handle: SelectionStudy, space: Mapping[str, list[float]], runner: Runner, *,
               scale: str, workers: int = 1, tracking: TrialTracking | None = None) -> CellReport:
-    """Run every unclaimed cell of ``space`` (``{axis: values}``) once, ``workers`` threads here.
+    """Run every cell of ``space`` (``{axis: values}``) to completion once, ``workers`` threads here.
 
-    Cells already complete are skipped; cells that failed earlier, or that another worker is
-    running, are reported and not run. Returns what was found and done.
+    Cells already complete are skipped; cells whose runner failed earlier are reported and not
+    run again; cells another worker is running are waited for (a stale one is failed and
+    retried here). Returns once no cell of ``space`` is running or queued anywhere.
     """
     if workers < 1:
         raise MistillInputError(f"workers must be >= 1, got {workers}", field="workers")
-    sampler = _grid_sampler(space)
-    study = handle.load(sampler)
-    report = CellReport()
-    wanted = {k: list(v) for k, v in space.items()}
-    for t in study.get_trials(deepcopy=False):
-        if _space_of(t) != wanted or ATTR_CELL not in t.user_attrs:
-            continue
-        key = t.user_attrs[ATTR_CELL]
-        if t.state.name == "COMPLETE":
-            report.complete_before.append(key)
-        elif t.state.name == "FAIL":
-            report.failed_before[key] = str(t.user_attrs.get(ATTR_ERROR, "")).splitlines()[0] if \
-                t.user_attrs.get(ATTR_ERROR) else "failed"
-        elif t.state.name == "RUNNING":
-            report.running_elsewhere.append(key)
+    study = handle.load(_grid_sampler(space))
+    report = _found(study, space)
     report_lock = threading.Lock()
+    finished_here = threading.Condition()  # wakes this process's waiting threads at once
 
     def work() -> None:
         while True:
-            claimed = _claim(handle, study, space, scale)
-            if claimed is None:
+            claim = _claim(handle, study, space, scale, report, report_lock)
+            if claim is not None:
+                try:
+                    _run_one(handle, study, claim, runner, tracking, report, report_lock)
+                finally:
+                    with finished_here:
+                        finished_here.notify_all()
+            elif _unfinished(study, space):
+                with finished_here:
+                    finished_here.wait(timeout=handle.heartbeat.poll)
+            else:
                 return
-            trial, cell = claimed
-            _run_one(handle, study, trial, cell, runner, tracking, report, report_lock)
 
     if workers == 1:
         work()
@@ -341,28 +516,30 @@ class StudyCells:
     results: dict[Cell, CellResult] = field(default_factory=dict)
     failed: dict[Cell, str] = field(default_factory=dict)
     running: set[Cell] = field(default_factory=set)
+    waiting: set[Cell] = field(default_factory=set)
     trials: dict[Cell, list[dict[str, Any]]] = field(default_factory=dict)
 
 
 def study_cells(handle: SelectionStudy) -> StudyCells:
-    """Results of the COMPLETE trials, errors of the FAIL ones, the RUNNING cells, and each cell's
-    trials (number, state, MLflow run); a cell counts as complete if any of its trials is."""
+    """Results of the complete cells, errors of the failed ones (no trial of theirs complete,
+    running or queued), the running and the queued (retry WAITING) cells, and each cell's trials
+    (number, state, MLflow run, the trial it retries)."""
     out = StudyCells()
-    for t in handle.load().get_trials(deepcopy=False):
-        if not t.params:
-            continue
-        cell = Cell.of(t.params)
-        out.trials.setdefault(cell, []).append({"number": t.number, "state": t.state.name,
-                                                "mlflow_run": t.user_attrs.get(ATTR_MLFLOW_RUN)})
+    trials = handle.load().get_trials(deepcopy=False)
+    for t in trials:
+        if t.params:
+            out.trials.setdefault(Cell.of(t.params), []).append({
+                "number": t.number, "state": t.state.name, "mlflow_run": t.user_attrs.get(ATTR_MLFLOW_RUN),
+                "retry_of": retried_from(t)})
+    for cell, t in _deciding_trials(trials).items():
         if t.state.name == "COMPLETE":
             tb = t.user_attrs.get(ATTR_TIE_BREAK)
             out.results[cell] = CellResult(metric=float(t.value), tie_break=math.nan if tb is None else float(tb),
                                            run_ids=dict(t.user_attrs.get(ATTR_RUN_IDS, {})))
         elif t.state.name == "FAIL":
-            out.failed[cell] = str(t.user_attrs.get(ATTR_ERROR, "failed")).splitlines()[0]
+            out.failed[cell] = _error_of(t)
         elif t.state.name == "RUNNING":
             out.running.add(cell)
-    for cell in out.results:
-        out.failed.pop(cell, None)
-        out.running.discard(cell)
+        else:
+            out.waiting.add(cell)
     return out

@@ -3,7 +3,9 @@
 A lock names the grid, the arm, the training size and seed, the selection metric, the inclusive
 tie band, the tie-break and the edge rule. Its sha256 (over the file's bytes) is written into the
 Optuna study when the study is created; a later load under a different lock is refused
-(:func:`selection.grid.open_study`). Example (``projects/configs/locks/embedded-3cell.yaml``)::
+(:func:`selection.grid.open_study`). The same sha256 is part of the ``select_lambda`` run's
+identity (the param ``lock_sha256``), so a run made under other lock bytes is never reused.
+Example (``projects/configs/locks/embedded-3cell.yaml``)::
 
     study: embedded-3cell
     arm: mistill

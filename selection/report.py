@@ -22,13 +22,14 @@ def cell_rows(lock: Lock, decision: Decision, cells: StudyCells) -> list[dict[st
     """One row per cell (grid cells first, then outward cells): λs, state, metric, tie-break,
     the full-precision gap to the best grid cell, band membership, edge, pick, run ids."""
     grid = grid_cells(lock.grid)
-    extra = sorted((set(cells.results) | set(cells.failed) | cells.running) - set(grid))
+    extra = sorted((set(cells.results) | set(cells.failed) | cells.running | cells.waiting) - set(grid))
     best = cells.results.get(decision.best) if decision.best else None
     rows = []
     for cell in grid + extra:
         res = cells.results.get(cell)
         state = ("complete" if res else "failed" if cell in cells.failed
-                 else "running" if cell in cells.running else "not run")
+                 else "running" if cell in cells.running
+                 else "queued for retry" if cell in cells.waiting else "not run")
         trials = cells.trials.get(cell, [])
         p1, p2 = cell.lambdas
         rows.append({
@@ -59,18 +60,22 @@ def sensitivity_table(lock: Lock, cells: StudyCells, bands: Iterable[float] | No
 
 
 def decision_record(lock: Lock, decision: Decision, cells: StudyCells, reports: Mapping[str, CellReport],
-                    *, study: str, storage: str, bands: Iterable[float] | None = None) -> dict[str, Any]:
+                    *, study: str, storage: str, bands: Iterable[float] | None = None,
+                    heartbeat: Mapping[str, int] | None = None) -> dict[str, Any]:
     """Everything ``decision.json`` holds: the lock, the decision and the rule that decided it,
-    every cell with full-precision gaps, the runs' reports and the sensitivity view."""
+    every cell with full-precision gaps, the runs' reports, the sensitivity view and the heartbeat
+    settings (interval, grace, max_retry) the cells ran under."""
     return {
         "lock": lock.to_dict(),
         "study": study,
         "storage": storage,
+        "heartbeat": dict(heartbeat or {}),
         "decision": decision.to_dict(),
         "cells": cell_rows(lock, decision, cells),
         "pairwise_gaps": pairwise_gaps(cells.results),
         "failed": {c.key: e for c, e in cells.failed.items()},
         "running": sorted(c.key for c in cells.running),
+        "waiting": sorted(c.key for c in cells.waiting),
         "reports": {name: r.to_dict() for name, r in reports.items()},
         "sensitivity": sensitivity(lock, cells.results, default_bands(lock) if bands is None else bands),
     }

@@ -1,16 +1,30 @@
 """The ``select_lambda`` entry point: pre-registered λ selection on an Optuna grid (App. I.3, I.4, M.2).
 
-Thin: the lock (``selection.lock``), the study and its trials (``selection.grid``), the rule
-(``selection.decide``) and the record (``selection.report``) live in the ``selection`` package.
-One run: open (or resume) the lock's study, run each unclaimed grid cell once as a nested run,
-decide, run the outward cell when the edge rule asks for one, decide again, log the decision.
+Thin: the lock (``selection.lock``), the study and its trials (``selection.grid``), liveness
+(``selection.heartbeat``), the rule (``selection.decide``) and the record (``selection.report``)
+live in the ``selection`` package. One run: open (or resume) the lock's study, run each grid cell
+to completion once as a nested run, decide, run the outward cell when the edge rule asks for one,
+decide again, log the decision.
+
+Crashes and concurrency: several ``select_lambda`` processes may work on one study at once. A
+process that finds a cell running in another waits for it and then reaches the same decision;
+a cell whose worker died (its heartbeat older than ``grace_period``) is failed and retried by the
+next process that looks, up to ``max_retry`` times. A cell whose runner raised stays failed.
+
+The lock's content is part of the run's identity (the param ``lock_sha256``), not only its path:
+
+* the lock edited under the same ``study`` name (its study exists): refused before any run starts,
+  naming the lock file, the sha256 the study was created under and the lock's sha256 now (a
+  pre-registered lock does not change; restore it or give it another study name);
+* the lock edited and given another ``study`` name, or its study deleted: a new study and a new
+  ``select_lambda`` run; a finished run under the old lock is never reused for it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mistill.config import Config
+from mistill.config import Config, file_digest
 from mistill.errors import MistillInputError
 from mistill.stages.distill import EMBEDDED_STUDENT
 from selection.cells import Runner
@@ -28,6 +42,10 @@ class SelectLambdaConfig(Config):
     prepare_run, targets_run, student_attribute_run, student: what each cell's ``train`` and
         ``evaluate`` runs take.
     workers: cells run at once in this process (threads); more processes may share the study.
+    heartbeat_interval: seconds between heartbeats of a running cell's trial.
+    grace_period: seconds without a heartbeat after which a running cell's worker counts as dead:
+        its trial is failed and the cell retried (must exceed ``heartbeat_interval``).
+    max_retry: retries of a cell whose worker died, after which the cell counts as failed.
     storage: the Optuna RDB URL (default ``sqlite:///$MISTILL_ROOT/optuna/selection.db``).
     corpus_name: the experiment's corpus when there is no ``prepare_run`` (custom runners).
     launch: how ``train``/``evaluate`` run: ``mlflow`` (a fresh process each) or ``inline``.
@@ -43,6 +61,14 @@ class SelectLambdaConfig(Config):
     storage: str = ""
     corpus_name: str = ""
     launch: str = "mlflow"
+    heartbeat_interval: int = 30
+    grace_period: int = 120
+    max_retry: int = 3
+
+    def content_digests(self) -> dict[str, str]:
+        """``{"lock": sha256 of the lock file's bytes}`` (the only file this stage reads by path)."""
+        digest = file_digest(self.lock)
+        return {"lock": digest} if digest else {}
 
 
 def _corpus(cfg: SelectLambdaConfig) -> tuple[str, str]:
@@ -89,6 +115,7 @@ def run_select_lambda(cfg: SelectLambdaConfig, runner: Runner | None = None) -> 
         run_cells,
         study_cells,
     )
+    from selection.heartbeat import Heartbeat
     from selection.lock import load_lock
     from selection.report import (
         cells_table,
@@ -99,6 +126,8 @@ def run_select_lambda(cfg: SelectLambdaConfig, runner: Runner | None = None) -> 
     from selection.runner import TrainEvaluateRunner
 
     lock = load_lock(cfg.lock)
+    heartbeat = Heartbeat(interval=cfg.heartbeat_interval, grace=cfg.grace_period, max_retry=cfg.max_retry)
+    heartbeat.check()
     corpus, level = _corpus(cfg)
     name = study_name(cfg, lock.study, corpus)
     storage = cfg.storage or default_storage_url(mistill_root())
@@ -107,14 +136,16 @@ def run_select_lambda(cfg: SelectLambdaConfig, runner: Runner | None = None) -> 
                                      targets_run=cfg.targets_run, student_attribute_run=cfg.student_attribute_run,
                                      student=cfg.student, device=cfg.device, launch=cfg.launch)
         runner.check()
-    handle = open_study(lock, storage, name, root=mistill_root())  # refuses a changed lock, even before reuse
+    # refuses a lock changed under an existing study before any run is found or started
+    handle = open_study(lock, storage, name, root=mistill_root(), heartbeat=heartbeat)
     inputs = {"prepare": cfg.prepare_run, "targets": cfg.targets_run,
               "student_attribute": cfg.student_attribute_run}
     with StageRun("select_lambda", cfg, corpus=corpus, guard=PrivacyGuard([], level), model=cfg.student,
                   arm=lock.arm, seed=lock.training.seed, inputs=inputs, resume=True, root=mistill_root(),
                   tags={TAG_LOCK_SHA: lock.sha256, TAG_STUDY: name}) as run:
         if run.reused:
-            print(f"select_lambda: reusing finished run {run.run_id}")
+            tags = run.run.data.tags
+            print(f"select_lambda: reusing finished run {run.run_id}: {tags.get(TAG_RULE)} -> {tags.get(TAG_PICK)}")
             return run.run_id
         run.set_tags({"mistill.selection.storage": storage, "mistill.selection.lock_path": lock.path})
         if handle.created:  # the lock's sha256 (tag above) was fixed into a new study by this run
@@ -131,13 +162,14 @@ def run_select_lambda(cfg: SelectLambdaConfig, runner: Runner | None = None) -> 
         cells = study_cells(handle)
         decision = decide(lock, cells.results)
         while decision.pending is not None and decision.pending not in cells.failed \
-                and decision.pending not in cells.running:
+                and decision.pending not in cells.running | cells.waiting:
             space = {axis: [value] for axis, value in decision.pending.values}
             reports[f"extension {decision.pending.key}"] = run_cells(handle, space, runner, scale=lock.grid.scale,
                                                                      tracking=tracking)
             cells = study_cells(handle)
             decision = decide(lock, cells.results)
-        run.log_json("decision.json", decision_record(lock, decision, cells, reports, study=name, storage=storage))
+        run.log_json("decision.json", decision_record(lock, decision, cells, reports, study=name, storage=storage,
+                                                      heartbeat=heartbeat.to_dict()))
         run.log_table("cells", cells_table(lock, decision, cells))
         run.log_table("sensitivity", sensitivity_table(lock, cells))
         run.log_metrics(decision_metrics(lock, decision, cells))
@@ -149,11 +181,13 @@ def run_select_lambda(cfg: SelectLambdaConfig, runner: Runner | None = None) -> 
         for key, cell_report in reports.items():
             print(f"select_lambda [{key}]: ran {cell_report.ran}, complete before {cell_report.complete_before}, "
                   f"failed {dict(cell_report.failed_before, **cell_report.failed_now)}, "
-                  f"running elsewhere {cell_report.running_elsewhere}")
+                  f"waited for {cell_report.running_elsewhere}, stale (retried) {cell_report.stale}")
         if not decision.complete:
-            unresolved = {c.key: cells.failed.get(c, "running" if c in cells.running else "not run")
+            unresolved = {c.key: cells.failed.get(c, "running" if c in cells.running else
+                                                  "queued for retry" if c in cells.waiting else "not run")
                           for c in (*decision.missing, *([decision.pending] if decision.pending else []))}
-            raise MistillInputError(f"no pick: cells without a result {unresolved} (failed cells are not "
-                                    f"retried; see decision.json of run {run.run_id})", file=lock.path, field="grid")
+            raise MistillInputError(f"no pick: cells without a result {unresolved} (cells whose runner failed "
+                                    f"are not retried; see decision.json of run {run.run_id})", file=lock.path,
+                                    field="grid")
         print(f"select_lambda: {decision.rule} -> {decision.pick.key} (run {run.run_id})")
         return run.run_id
