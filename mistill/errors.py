@@ -1,4 +1,5 @@
-"""Errors raised on bad input. Each names the file, the note and the field it concerns."""
+"""Errors a user sees: bad input (:class:`MistillInputError`, which names the file, the note and
+the field it concerns) and an unreachable tracking server (:class:`TrackingUnavailableError`)."""
 
 from __future__ import annotations
 
@@ -21,3 +22,29 @@ class MistillInputError(ValueError):
             where.append(f"field {field!r}")
         self.file, self.note, self.field, self.line = file, note, field, line
         super().__init__(f"{message} ({', '.join(where)})" if where else message)
+
+
+class TrackingUnavailableError(RuntimeError):
+    """The tracking server could not be reached within the bound (``MISTILL_SERVER_TIMEOUT_S``).
+
+    Not bad input: the run is left as it was, and rerunning the same command once the server is
+    back on the same URI resumes it. The stage command line exits with code 3 on it.
+
+    Args:
+        uri: the tracking server's URI.
+        after_s: the longest one request may have waited (all retries included).
+        reason: the last failure, in one line (endpoint and connection error).
+        run_id: the run being written, if one was started or resumed.
+    """
+
+    def __init__(self, uri: str, after_s: float, reason: str, run_id: str | None = None) -> None:
+        self.uri, self.after_s, self.reason, self.run_id = uri, after_s, reason, run_id
+        what = (f"the run {run_id} is left as it was; rerun the same command to resume it"
+                if run_id else "any run it started is left as it was; rerun the same command to "
+                               "resume it")
+        super().__init__(f"tracking server {uri} unreachable after retrying for up to "
+                         f"{after_s:.0f} s ({reason}): {what} once the server is back on {uri} "
+                         f"(the bound is MISTILL_SERVER_TIMEOUT_S)")
+
+    def __reduce__(self) -> tuple[type, tuple[str, float, str, str | None]]:
+        return type(self), (self.uri, self.after_s, self.reason, self.run_id)

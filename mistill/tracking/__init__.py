@@ -1,15 +1,26 @@
 """MLflow tracking layer: the server's life, run conventions, and the privacy guard.
 
-``server`` and ``privacy`` do not import MLflow; the names of ``runs`` (which does) are loaded on
-first use, so ``python -m mistill.tracking.server`` stays quick.
+``server``, ``connection`` and ``privacy`` do not import MLflow; the names of ``runs`` (which
+does) are loaded on first use, so ``python -m mistill.tracking.server`` stays quick.
+
+Importing this package bounds every MLflow request to the tracking server by
+``MISTILL_SERVER_TIMEOUT_S`` (default 60 s; see :mod:`mistill.tracking.connection`).
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
 
+from mistill.errors import MistillInputError
+from mistill.tracking.connection import configure_client_timeouts
 from mistill.tracking.privacy import PRIVACY_LEVELS, PrivacyError, PrivacyGuard
+
+try:
+    configure_client_timeouts()
+except MistillInputError as _exc:  # the stage command line reports it (exit code 2)
+    warnings.warn(f"{_exc}; MLflow's own HTTP retry defaults apply", stacklevel=2)
 
 # server names load lazily too: `python -m mistill.tracking.server` must not find the module
 # already imported by its package

@@ -7,6 +7,11 @@ the disk), log in ``<root>/server.log``, and a record ``<root>/server.json`` wit
 process group stops the whole tree (the ``mlflow server`` launcher and its uvicorn worker).
 The ``./mlruns`` file store is never used.
 
+Ports: an explicitly given port is used or :meth:`TrackingServer.start` fails
+(:class:`PortUnavailableError`, saying who holds it); port 0 means any free port; no port means
+the root's last port if it is free, else 5000 if free, else a free one. A live server of the root
+is reused, unless it listens on another port than the one explicitly asked for (an error too).
+
 This module does not import MLflow (it only launches it), so the CLI is quick::
 
     python -m mistill.tracking.server start  [--root R] [--port P]   # prints the tracking URI
@@ -41,10 +46,22 @@ SERVER_ENV: dict[str, str] = {
 }
 """Environment the server runs with (job execution off: healthy in ~5 s instead of ~11 s)."""
 
+DEFAULT_PORT = 5000
+
+
+class PortUnavailableError(RuntimeError):
+    """An explicitly requested port cannot be used: another process listens on it, or the
+    root's server runs on another port."""
+
 
 def port_is_free(host: str, port: int) -> bool:
-    """True iff a TCP socket can bind ``host:port`` now."""
+    """True iff a server could bind and listen on ``host:port`` now.
+
+    Binds with ``SO_REUSEADDR``, as uvicorn does: connections of a stopped server lingering in
+    TIME_WAIT do not make its port look taken, a listening socket does.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -120,21 +137,75 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+def _listener(port: int) -> tuple[int | None, list[list[str]]]:
+    """PID of the process listening on TCP ``port`` and the command lines of it and its two
+    closest ancestors (``mlflow server`` listens through a uvicorn child); ``(None, [])`` if
+    unknown (another user's process, or no ``psutil``)."""
+    try:
+        import psutil
+    except ImportError:
+        return None, []
+    with contextlib.suppress(Exception):
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port \
+                    and conn.pid:
+                lines: list[list[str]] = []
+                with contextlib.suppress(Exception):
+                    proc = psutil.Process(conn.pid)
+                    for p in [proc, *proc.parents()[:2]]:
+                        lines.append(p.cmdline())
+                return conn.pid, lines
+    return None, []
+
+
+def _cmdline_root(cmdlines: list[list[str]]) -> str | None:
+    """The project root of a ``mlflow server`` launched by :class:`TrackingServer` (the
+    directory of its ``--backend-store-uri sqlite:///<root>/mlflow.db``), if any line has it."""
+    for cmdline in cmdlines:
+        for flag, value in zip(cmdline, cmdline[1:]):
+            if flag == "--backend-store-uri" and value.startswith("sqlite:///"):
+                return str(Path(value[len("sqlite:///"):]).parent)
+    return None
+
+
+def describe_port_holder(host: str, port: int, root: Path | None = None) -> str:
+    """Who holds ``host:port``, in words: an MLflow server (of which root), or another process."""
+    pid, cmdlines = _listener(port)
+    command = " ".join(cmdlines[0])[:200] if cmdlines and cmdlines[0] else ""
+    who = f" (pid {pid}: {command})" if pid and command else (f" (pid {pid})" if pid else "")
+    if health_ok(f"http://{host}:{port}", timeout=2.0):
+        other = _cmdline_root(cmdlines)
+        if other is None:
+            return f"an MLflow server not started by mistill{who}"
+        if root is not None and Path(other) == root:
+            return f"an MLflow server of this root missing from its server.json{who}"
+        return f"the MLflow server of another root, {other}{who}"
+    return f"a process that is not an MLflow server{who}"
+
+
 class TrackingServer:
     """The MLflow tracking server of one project root.
 
     Args:
         root: directory holding ``mlflow.db``, ``artifacts/``, ``server.log``, ``server.json``.
         host: interface to bind (``127.0.0.1``: local clients only).
-        port: preferred port; if it is taken (or 0) a free one is chosen.
+        port: the port to use, exactly (:meth:`start` fails if it is taken); 0: any free port;
+            None: the root's last port if free, else 5000 if free, else a free one.
     """
 
     def __init__(self, root: Path | str = Path(".mistill"), host: str = "127.0.0.1",
-                 port: int = 5000) -> None:
+                 port: int | None = None) -> None:
         self.root = Path(root).absolute()
         self.host = host
-        self.port = int(port)
+        self.port = None if port is None else int(port)
+        if self.port is not None and not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {port}")
         self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def explicit_port(self) -> bool:
+        """True iff a specific port was asked for (not None, not 0)."""
+        return bool(self.port)
 
     # ------------------------------------------------------------------------------- paths
     @property
@@ -198,25 +269,27 @@ class TrackingServer:
     def start(self, timeout: float = 90) -> str:
         """Start the server (or reuse the live one recorded for this root); return its URI.
 
-        Raises RuntimeError (with the tail of ``server.log``) if it exits or is not healthy
-        within ``timeout`` seconds.
+        Raises :class:`PortUnavailableError` if an explicitly requested port is taken (saying by
+        whom) or the root's live server listens on another port; RuntimeError (with the tail of
+        ``server.log``) if the server exits or is not healthy within ``timeout`` seconds.
         """
         with self._lock():
             record = self._read_record()
+            last_port: int | None = None
             if record is not None:
+                last_port = record.get("port") if isinstance(record.get("port"), int) else None
                 if self._record_live(record) and health_ok(str(record.get("uri", ""))):
-                    return str(record["uri"])
+                    return self._reused(record)
                 if self._record_live(record):  # alive but not answering: starting, or wedged
                     uri = str(record.get("uri", ""))
                     if self._wait_healthy(uri, int(record["pid"]), min(timeout, 30.0)):
-                        return uri
+                        return self._reused(record)
                     self._kill(int(record["pid"]), int(record.get("pgid", record["pid"])))
                 self.record_path.unlink(missing_ok=True)
             deadline = time.monotonic() + timeout
             last_error = ""
-            for _attempt in range(3):  # a chosen port can be taken before the server binds it
-                port = self.port if self.port and port_is_free(self.host, self.port) \
-                    else free_port(self.host)
+            for attempt in range(3):  # a chosen port can be taken before the server binds it
+                port = self._choose_port(last_port if attempt == 0 else None)
                 uri = f"http://{self.host}:{port}"
                 proc = self._launch(port)
                 if self._wait_healthy(uri, proc.pid, max(1.0, deadline - time.monotonic()),
@@ -231,13 +304,45 @@ class TrackingServer:
                 exited = proc.poll() is not None
                 self._kill(proc.pid, proc.pid, proc=proc)
                 last_error = self._log_tail()
-                if not exited or time.monotonic() >= deadline:
-                    break
-                if "address already in use" not in last_error.lower() and \
-                        "errno 98" not in last_error.lower():
+                port_race = "address already in use" in last_error.lower() or \
+                    "errno 98" in last_error.lower()
+                if exited and port_race and self.explicit_port:
+                    raise self._port_taken(port)
+                if not exited or time.monotonic() >= deadline or not port_race:
                     break
             raise RuntimeError(f"MLflow server for {self.root} did not become healthy within "
                                f"{timeout:.0f} s; tail of {self.log_path}:\n{last_error}")
+
+    def _reused(self, record: dict[str, Any]) -> str:
+        """The URI of the root's live server, if it is on the port asked for."""
+        uri = str(record["uri"])
+        if self.explicit_port and record.get("port") != self.port:
+            raise PortUnavailableError(
+                f"the MLflow server of {self.root} is already running on port "
+                f"{record.get('port')} ({uri}, pid {record.get('pid')}), not on the requested port "
+                f"{self.port}: use {uri}, or stop it first (python -m mistill.tracking.server "
+                f"stop --root {self.root}) and start it again on port {self.port}")
+        return uri
+
+    def _choose_port(self, last_port: int | None) -> int:
+        """The port to launch on: the requested one (checked free), or by the default rule."""
+        if self.explicit_port:
+            assert self.port is not None
+            if not port_is_free(self.host, self.port):
+                raise self._port_taken(self.port)
+            return self.port
+        if self.port is None:
+            for candidate in (last_port, DEFAULT_PORT):
+                if candidate and port_is_free(self.host, candidate):
+                    return candidate
+        return free_port(self.host)
+
+    def _port_taken(self, port: int) -> PortUnavailableError:
+        return PortUnavailableError(
+            f"port {port} on {self.host} is taken by "
+            f"{describe_port_holder(self.host, port, self.root)}; the MLflow server of "
+            f"{self.root} was not started: choose another --port, or leave --port out to get "
+            f"{DEFAULT_PORT} or a free port")
 
     def _launch(self, port: int) -> subprocess.Popen[bytes]:
         self.artifacts_dir.mkdir(parents=True, exist_ok=True)
@@ -269,11 +374,13 @@ class TrackingServer:
         return False
 
     def _log_tail(self, n: int = 4000) -> str:
+        """The last ``n`` bytes the latest launch wrote to ``server.log``."""
         try:
             data = self.log_path.read_bytes()
         except OSError:
             return ""
-        return data[-n:].decode("utf-8", errors="replace")
+        latest = data[data.rfind(b"\n=== ") + 1:] if b"\n=== " in data else data
+        return latest[-n:].decode("utf-8", errors="replace")
 
     # -------------------------------------------------------------------------------- stop
     def stop(self, grace: float = 10.0) -> bool:
@@ -331,10 +438,11 @@ class TrackingServer:
             time.sleep(0.1)
 
 
-def ensure_server(root: Path | str = ".mistill", port: int = 5000) -> str:
+def ensure_server(root: Path | str = ".mistill", port: int | None = None) -> str:
     """Start (or reuse) the server of ``root``, point this process's MLflow clients at it.
 
-    Sets ``MLFLOW_TRACKING_URI`` and ``MLFLOW_DISABLE_TELEMETRY=true``; returns the URI.
+    ``port`` as for :class:`TrackingServer` (None: the root's last port, else 5000, else a free
+    one). Sets ``MLFLOW_TRACKING_URI`` and ``MLFLOW_DISABLE_TELEMETRY=true``; returns the URI.
     """
     uri = TrackingServer(Path(root), port=port).start()
     os.environ["MLFLOW_TRACKING_URI"] = uri
@@ -347,12 +455,19 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Manage the mistill MLflow tracking server.")
     parser.add_argument("command", choices=("start", "stop", "status", "uri"))
     parser.add_argument("--root", default=".mistill", help="project root (default .mistill)")
-    parser.add_argument("--port", type=int, default=5000, help="preferred port (default 5000)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="start on exactly this port, or fail if it is taken; 0: any free "
+                             "port (default: the root's last port if free, else 5000 if free, "
+                             "else a free one)")
     parser.add_argument("--host", default="127.0.0.1")
     args = parser.parse_args(argv)
     server = TrackingServer(Path(args.root), host=args.host, port=args.port)
     if args.command == "start":
-        print(server.start())
+        try:
+            print(server.start())
+        except PortUnavailableError as exc:
+            print(f"mistill server: {exc}", file=sys.stderr)
+            return 2
         return 0
     if args.command == "stop":
         print("stopped" if server.stop() else "not running")
