@@ -11,12 +11,22 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
 from mistill.errors import MistillInputError
+
+SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
+"""A name that may be one path component of a run's files (a note id, a corpus, a subdir):
+letters, digits, ``_``, ``.``, ``-``, not starting with ``.``."""
+
+
+def is_safe_name(value: object) -> bool:
+    """Whether ``value`` matches :data:`SAFE_NAME` as a whole (a trailing newline fails too)."""
+    return isinstance(value, str) and SAFE_NAME.fullmatch(value) is not None and value not in (".", "..")
 
 
 @contextlib.contextmanager

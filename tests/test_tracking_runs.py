@@ -219,10 +219,13 @@ def test_per_note_resume_after_crash(tracking_uri: str, tmp_path: Path) -> None:
                 files = {"events.json": {"note": nid, "margins": [1.5, -0.5]}, "log.txt": nid}
                 if nid == "n3" and crash_at:
                     # crash between the local _DONE and the upload: files on disk only
+                    from mistill.io import sha256_file
+
                     for name, content in files.items():
                         p = run.note_artifact_path("notes", nid, name)
                         p.write_text(json.dumps(content) if name.endswith(".json") else content)
-                    (p.parent / "_DONE").write_text("{}")
+                    sums = {f.name: sha256_file(f) for f in p.parent.iterdir()}
+                    (p.parent / "_DONE").write_text(json.dumps({"files": sums}))
                 else:
                     run.write_note("notes", nid, files)
             return run

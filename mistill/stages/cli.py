@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from mistill.errors import MistillInputError
+from mistill.errors import MistillInputError, TrackingUnavailableError
+from mistill.tracking.lease import LeaseError
 
 
 def parse_args(argv: Sequence[str]) -> dict[str, str]:
@@ -27,8 +28,16 @@ def parse_args(argv: Sequence[str]) -> dict[str, str]:
 
 
 def main(stage_name: str, argv: Sequence[str] | None = None) -> str:
-    """Run one entry point; prints and returns the run id."""
+    """Run one entry point; prints and returns the run id.
+
+    Exits with code 2 on bad input, 3 when the tracking server cannot be reached (the run is
+    left as it was: rerunning the same command resumes it), 4 when an identical run is held by
+    another live process and waiting was refused; the message goes to stderr. Under
+    ``mlflow run``, a run that ``mlflow run`` opened but the stage never adopted (refused input,
+    a refused busy run) is ended and deleted, so a refusal leaves no run behind.
+    """
     from mistill.stages.registry import stages
+    from mistill.tracking.connection import configure_client_timeouts, tracking_errors
 
     stage = stages()[stage_name]
     args = parse_args(sys.argv[1:] if argv is None else argv)
@@ -36,10 +45,45 @@ def main(stage_name: str, argv: Sequence[str] | None = None) -> str:
         print(f"{stage.name}: {stage.help}\nparameters: {stage.config().to_dict()}")
         return ""
     try:
-        cfg = stage.config.from_dict(args, source=f"entry point {stage_name}")
-        run_id = stage.run(cfg)
+        configure_client_timeouts()
+        with tracking_errors():
+            cfg = stage.config.from_dict(args, source=f"entry point {stage_name}")
+            cfg.check_environment()
+            run_id = stage.run(cfg)
     except MistillInputError as exc:
         print(f"mistill {stage_name}: {exc}", file=sys.stderr)
+        discard_launched_run()
         raise SystemExit(2) from None
+    except LeaseError as exc:
+        print(f"mistill {stage_name}: {exc}", file=sys.stderr)
+        discard_launched_run()
+        raise SystemExit(4) from None
+    except TrackingUnavailableError as exc:
+        print(f"mistill {stage_name}: {exc}", file=sys.stderr)
+        raise SystemExit(3) from None
     print(f"mistill {stage_name}: run {run_id}")
     return run_id
+
+
+def discard_launched_run() -> None:
+    """Have the run ``mlflow run`` opened for this process (``MLFLOW_RUN_ID``) deleted once
+    ``mlflow run`` has ended it, when no stage adopted it (it carries no ``mistill.stage`` tag):
+    a refusal leaves no empty FAILED run (:mod:`mistill.tracking.reaper`)."""
+    import os
+
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from mistill.tracking.reaper import spawn_reaper
+    from mistill.tracking.runs import TAG_STAGE
+
+    launched = os.environ.get("MLFLOW_RUN_ID")
+    if not launched:
+        return
+    try:
+        client = MlflowClient()
+        if TAG_STAGE in client.get_run(launched).data.tags:
+            return
+        spawn_reaper(launched, client.tracking_uri)
+    except MlflowException:
+        return

@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -41,8 +42,13 @@ from mlflow.tracking import MlflowClient
 
 from mistill.config import Config
 from mistill.errors import MistillInputError
-from mistill.io import read_json, sha256_file, write_bytes, write_json, write_text
+from mistill.io import is_safe_name, read_json, sha256_file, write_bytes, write_json, write_text
+from mistill.tracking.connection import is_unreachable, unavailable_error
+from mistill.tracking.lease import (ENV_ON_BUSY, ENV_WAIT_MAX, TAG_LEASE_OWNER, Heartbeat, LeaseError,
+                                    LeaseSettings, claim, claim_new_run, describe_owner, generation,
+                                    identity_key, lease_held, lease_tags, new_owner)
 from mistill.tracking.privacy import PrivacyGuard
+from mistill.tracking.reaper import spawn_reaper
 from mistill.tracking.server import ensure_server
 
 # ---------------------------------------------------------------------------------------- tags
@@ -78,7 +84,6 @@ _METRICS_PER_BATCH = 1000
 RESUMABLE_STATUSES: tuple[str, ...] = ("RUNNING", "FAILED", "KILLED")
 SOURCE_DIRS: tuple[str, ...] = ("mistill", "projects", "selection", "analysis")
 SOURCE_SUFFIXES: tuple[str, ...] = (".py", ".yaml", ".yml", ".toml")
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
 
 # ---------------------------------------------------------------------------- code identity
@@ -143,6 +148,19 @@ def canonical_params(params: Mapping[str, Any]) -> str:
     JSON types (``1``, ``1.0`` and ``"1"`` serialise differently), tuples become lists."""
     return json.dumps(_plain(params), sort_keys=True, separators=(",", ":"), ensure_ascii=False,
                       allow_nan=True)
+
+
+CONTENT_SUFFIX = "_sha256"
+
+
+def identity_params(config: Config) -> dict[str, Any]:
+    """What makes a run of ``config`` identical: its typed params plus, for every file it names
+    by path, ``<field>_sha256`` = the sha256 of the file's content
+    (:meth:`~mistill.config.Config.content_digests`). Logged as MLflow params."""
+    params = config.to_dict()
+    for name, digest in sorted(config.content_digests().items()):
+        params[f"{name}{CONTENT_SUFFIX}"] = digest
+    return params
 
 
 def params_digest(params: Mapping[str, Any]) -> str:
@@ -223,7 +241,7 @@ def resolve_tracking_uri(root: Path | str = ".mistill") -> str:
 def experiment_for_corpus(corpus_name: str, *, tracking_uri: str | None = None) -> str:
     """The experiment name ``mistill/<corpus_name>``, created if missing (artifact location
     inherited from the server) or restored if deleted."""
-    if not corpus_name or not _SAFE_NAME.match(corpus_name):
+    if not is_safe_name(corpus_name):
         raise MistillInputError(f"corpus name {corpus_name!r} must be letters, digits, '_', '.', "
                                 f"'-'", field="corpus")
     name = EXPERIMENT_PREFIX + corpus_name
@@ -231,10 +249,21 @@ def experiment_for_corpus(corpus_name: str, *, tracking_uri: str | None = None) 
     return name
 
 
+@contextlib.contextmanager
+def _tolerate_mlflow_errors() -> Any:
+    """Ignore an MLflow error the caller can do without, but never an unreachable server (each
+    ignored outage would cost another wait for the client's bound)."""
+    try:
+        yield
+    except MlflowException as exc:
+        if is_unreachable(exc):
+            raise
+
+
 def _experiment_id(client: MlflowClient, experiment: str, *, create: bool = False) -> str | None:
     exp = client.get_experiment_by_name(experiment)
     if exp is None and not create:
-        with contextlib.suppress(MlflowException):
+        with _tolerate_mlflow_errors():
             exp = client.get_experiment(experiment)  # an id was given
         return exp.experiment_id if exp is not None else None
     if exp is None:
@@ -272,9 +301,11 @@ def _stored_params(client: MlflowClient, run: Run) -> dict[str, Any] | None:
             path = client.download_artifacts(run.info.run_id, CONFIG_ARTIFACT, tmp)
             data = json.loads(Path(path).read_text(encoding="utf-8"))
             if isinstance(data, dict) and isinstance(data.get("config"), dict):
-                return data["config"]
-        except (MlflowException, OSError, json.JSONDecodeError):
-            pass
+                content = data.get("content_sha256") or {}
+                return {**data["config"], **{f"{k}{CONTENT_SUFFIX}": v for k, v in content.items()}}
+        except (MlflowException, OSError, json.JSONDecodeError) as exc:
+            if is_unreachable(exc):
+                raise
     if run.data.params:
         return {k: parse_param(v) for k, v in run.data.params.items()}
     return None
@@ -355,7 +386,7 @@ def run_name(stage: str, model: str | None = None, arm: str | None = None,
 
 
 def _check_component(value: str, what: str) -> str:
-    if not value or not _SAFE_NAME.match(value) or value in (".", ".."):
+    if not is_safe_name(value):
         raise MistillInputError(f"{what} {value!r} is not a safe path component "
                                 f"(letters, digits, '_', '.', '-'; not starting with '.')",
                                 field=what)
@@ -418,7 +449,8 @@ class StageRun:
         self.config = config
         self.corpus = corpus
         self.guard = guard
-        self.params: dict[str, Any] = config.to_dict()
+        self.content_sha256: dict[str, str] = dict(sorted(config.content_digests().items()))
+        self.params: dict[str, Any] = identity_params(config)
         self.model = model if model is not None else self.params.get("model")
         self.arm = arm if arm is not None else self.params.get("arm")
         self.seed = seed if seed is not None else self.params.get("seed")
@@ -442,6 +474,9 @@ class StageRun:
         self.reused = False
         self.resumed = False
         self._active = False
+        self.lease_settings = LeaseSettings.from_env()
+        self.owner = new_owner()
+        self._heartbeat: Heartbeat | None = None
 
     # ------------------------------------------------------------------------ properties
     @property
@@ -474,6 +509,7 @@ class StageRun:
 
     # --------------------------------------------------------------------------- enter/exit
     def __enter__(self) -> StageRun:
+        self.config.check_environment()
         if mlflow.get_tracking_uri() != self.tracking_uri:
             mlflow.set_tracking_uri(self.tracking_uri)
         tags = self.tags()
@@ -484,29 +520,31 @@ class StageRun:
         launched = os.environ.get("MLFLOW_RUN_ID")
 
         previous: Run | None = None
+        gen = 0
         if self.resume:
-            found = find_run(self.experiment_name, self.entry_point, self.params,
-                             self.code_version, self.inputs, "FINISHED",
-                             tracking_uri=self.tracking_uri)
-            if found is not None:
+            kind, found, gen = self._acquire()
+            if kind == "reuse":
                 self.run, self.reused = found, True
                 self._delegate(launched, found.info.run_id)
                 return self
-            previous = find_run(self.experiment_name, self.entry_point, self.params,
-                                self.code_version, self.inputs, RESUMABLE_STATUSES,
-                                tracking_uri=self.tracking_uri)
+            previous = found
 
         nested = mlflow.active_run() is not None
+        lease = lease_tags(self.owner, gen, self.lease_settings)
         if previous is not None:
             self._delegate(launched, previous.info.run_id)
+            self.client.log_batch(previous.info.run_id, tags=[RunTag(k, v) for k, v in lease.items()])
             active = mlflow.start_run(run_id=previous.info.run_id, nested=nested)
             self.resumed = True
         elif launched:
+            self.client.log_batch(launched, tags=[RunTag(k, v) for k, v in lease.items()])
             active = mlflow.start_run(run_id=launched, run_name=self.run_name, nested=nested)
         else:
             active = mlflow.start_run(experiment_id=self.experiment_id, run_name=self.run_name,
-                                      nested=nested)
+                                      nested=nested, tags=lease)
         self._active = True
+        self._heartbeat = Heartbeat(self.client, active.info.run_id, self.owner,
+                                    self.lease_settings).start()
         try:
             self._log_batch(tags=tags)
             # a resumed run, or one launched by `mlflow run` (which logged the entry point's
@@ -518,38 +556,122 @@ class StageRun:
             cfg_path = self.config.save(
                 self.work_dir / CONFIG_ARTIFACT, stage=self.stage, entry_point=self.entry_point,
                 corpus=self.corpus, privacy=self.guard.level, inputs=self.inputs,
-                code_version=self.code_version, git_commit=self.git_commit,
-                params_digest=self.params_digest, run_id=self.run_id)
+                content_sha256=self.content_sha256, code_version=self.code_version,
+                git_commit=self.git_commit, params_digest=self.params_digest, run_id=self.run_id)
             self.log_artifact_file(cfg_path)
-        except BaseException:
+        except BaseException as exc:
+            if is_unreachable(exc):
+                self._abandon(exc)
             self._end("FAILED")
             raise
         return self
 
+    def _acquire(self) -> tuple[str, Run | None, int]:
+        """Find or claim the run this stage works in, waiting while another process holds it.
+
+        Returns ``("reuse", run, 0)`` for an identical FINISHED run, ``("resume", run, g)`` for a
+        resumable run whose lease this process took at generation ``g``, or ``("new", None, 0)``
+        when this process claimed the creation of the run. An identical run under a live lease
+        (another process works on it, or is creating it) is waited for, or refused
+        (:class:`~mistill.tracking.lease.LeaseSettings`).
+        """
+        settings = self.lease_settings
+        key = identity_key(self.experiment_id, self.entry_point, self.params_digest, self.code_version,
+                           self.inputs)
+        waited_since: float | None = None
+        while True:
+            found = find_run(self.experiment_name, self.entry_point, self.params, self.code_version,
+                             self.inputs, "FINISHED", tracking_uri=self.tracking_uri)
+            if found is not None:
+                return "reuse", found, 0
+            previous = find_run(self.experiment_name, self.entry_point, self.params, self.code_version,
+                                self.inputs, RESUMABLE_STATUSES, tracking_uri=self.tracking_uri)
+            if previous is not None:
+                if not lease_held(previous, settings):
+                    gen = generation(previous) + 1
+                    if claim(self.client, f"{previous.info.run_id}/{gen}"):
+                        return "resume", previous, gen
+                holder = (f"run {previous.info.run_id} "
+                          f"({describe_owner(previous.data.tags.get(TAG_LEASE_OWNER, ''))})")
+            elif claim_new_run(self.client, key, settings):
+                return "new", None, 0
+            else:
+                holder = "another process that is creating it"
+            message = (f"{self.stage}: an identical run is being worked on by {holder}")
+            if settings.on_busy == "refuse":
+                raise LeaseError(f"{message}; refusing ({ENV_ON_BUSY}=refuse). Wait for it to "
+                                 f"finish, or rerun with {ENV_ON_BUSY}=wait to reuse its result")
+            now = time.time()
+            if waited_since is None:
+                waited_since = now
+                print(f"{message}; waiting for it to finish", file=sys.stderr, flush=True)
+            elif settings.wait_max_s and now - waited_since > settings.wait_max_s:
+                raise LeaseError(f"{message}; gave up after {settings.wait_max_s:g} s "
+                                 f"({ENV_WAIT_MAX})")
+            time.sleep(settings.poll_s)
+
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         if self.reused or not self._active:
             return False
+        if exc is not None and is_unreachable(exc):
+            self._abandon(exc)
         ok = exc_type is None or (exc_type is SystemExit and exc.code in (0, None))
         self._end("FINISHED" if ok else "FAILED")
         return False
 
-    def _end(self, status: str) -> None:
+    def _abandon(self, exc: BaseException) -> None:
+        """The server is gone: leave the run as it is (no more calls, each would wait out the
+        client's bound), and raise the clear error naming the run a rerun resumes."""
         self._active = False
+        heartbeat, self._heartbeat = self._heartbeat, None
+        if heartbeat is not None:
+            heartbeat.stop(wait=False)
+        run_id = self.run.info.run_id if self.run is not None else None
         active = mlflow.active_run()
-        if active is not None and self.run is not None and active.info.run_id == self.run_id:
-            mlflow.end_run(status)
-        elif active is not None and self.run is None:
-            mlflow.end_run(status)
-        elif self.run is not None:
-            self.client.set_terminated(self.run_id, status)
-        if self.run is not None:
-            self.run = self.client.get_run(self.run_id)
+        run_id = run_id or (active.info.run_id if active is not None else None)
+        if run_id is not None:
+            _pop_fluent_run(run_id)
+        raise unavailable_error(exc, uri=self.tracking_uri, run_id=run_id) from exc
+
+    def _end(self, status: str) -> None:
+        """End the run with ``status`` unless this process lost its lease, or the run is already
+        FINISHED in the store: a FINISHED run's status never changes."""
+        self._active = False
+        heartbeat, self._heartbeat = self._heartbeat, None
+        if heartbeat is not None:
+            heartbeat.stop()
+        run_id = self.run.info.run_id if self.run is not None else None
+        active = mlflow.active_run()
+        if run_id is None and active is not None:
+            run_id = active.info.run_id
+        if run_id is None:
+            return
+        try:
+            keep = heartbeat is not None and not heartbeat.still_owner()
+            if not keep and status != "FINISHED":
+                keep = self.client.get_run(run_id).info.status == "FINISHED"
+            if active is not None and active.info.run_id == run_id and not keep:
+                mlflow.end_run(status)
+            elif not keep:
+                self.client.set_terminated(run_id, status)
+            if self.run is not None:
+                self.run = self.client.get_run(run_id)
+        except Exception as exc:  # noqa: BLE001 - never mask the error that ended the stage
+            if status == "FINISHED" or is_unreachable(exc):
+                raise
+            warnings.warn(f"could not end run {run_id} as {status} ({type(exc).__name__}: {exc}); "
+                          f"its lease lapses and a rerun resumes it", RuntimeWarning, stacklevel=2)
+        finally:
+            _pop_fluent_run(run_id)
 
     def _delegate(self, launched: str | None, target: str) -> None:
-        """A run launched by ``mlflow run`` whose work lives in ``target``: say so, move on."""
+        """A run launched by ``mlflow run`` whose work lives in ``target``: point it there and
+        have it deleted once ``mlflow run`` has ended it (:mod:`mistill.tracking.reaper`), so one
+        ``mlflow run`` leaves one run."""
         if launched and launched != target:
-            with contextlib.suppress(MlflowException):
+            with _tolerate_mlflow_errors():
                 self.client.set_tag(launched, TAG_DELEGATED_TO, target)
+                spawn_reaper(launched, self.tracking_uri)
             os.environ.pop("MLFLOW_RUN_ID", None)
 
     def _require_active(self) -> None:
@@ -557,6 +679,9 @@ class StageRun:
             raise RuntimeError(f"run {self.run_id} was reused (FINISHED): it is not written to")
         if not self._active:
             raise RuntimeError("StageRun is not active (use it as a context manager)")
+        if self._heartbeat is not None and self._heartbeat.lost:
+            raise LeaseError(f"run {self.run_id} was taken over by another process (this one was "
+                             f"presumed dead): stopping without writing to it")
 
     # ------------------------------------------------------------------------------ logging
     def _log_batch(self, *, params: Mapping[str, Any] | None = None,
@@ -773,9 +898,53 @@ class StageRun:
                     raise MistillInputError("per-note artifact not found", file=filename,
                                             note=str(note_id), field=subdir) from None
                 os.replace(got, path)
+        done_path = self.note_dir(subdir, note_id) / DONE_MARKER
+        if not done_path.is_file():
+            with tempfile.TemporaryDirectory(dir=path.parent, prefix=".dl-") as tmp, _quiet_downloads():
+                try:
+                    got = self.client.download_artifacts(
+                        self.run_id, f"{subdir}/{note_id}/{DONE_MARKER}", tmp)
+                except (MlflowException, OSError):
+                    raise MistillInputError(f"run {self.run_id}: note has no {DONE_MARKER} marker",
+                                            file=filename, note=str(note_id), field=subdir) from None
+                os.replace(got, done_path)
+        verify_note_file(path, read_json(done_path), run_id=self.run_id, subdir=subdir, note_id=str(note_id))
         if path.suffix == ".json":
             return read_json(path)
         return path.read_bytes()
+
+
+def verify_note_file(path: Path, done: Mapping[str, Any], *, run_id: str, subdir: str, note_id: str) -> None:
+    """Check one per-note file against the sha256 its note's ``_DONE`` marker recorded.
+
+    Raises:
+        MistillInputError: the file is not listed in ``_DONE``, or its content changed after the
+            note finished (names the run, the note and the file).
+    """
+    where = f"{subdir}/{note_id}/{path.name}"
+    files = done.get("files") if isinstance(done, Mapping) else None
+    want = files.get(path.name) if isinstance(files, Mapping) else None
+    if want is None:
+        raise MistillInputError(f"run {run_id}: {where} is not listed in the note's {DONE_MARKER} marker",
+                                file=path.name, note=note_id, field=subdir)
+    got = sha256_file(path)
+    if got != want:
+        raise MistillInputError(
+            f"run {run_id}: {where} does not match the sha256 recorded when the note finished "
+            f"(recorded {want[:16]}, found {got[:16]}): the artifact was changed afterwards",
+            file=path.name, note=note_id, field=subdir)
+
+
+def _pop_fluent_run(run_id: str) -> None:
+    """Leave MLflow's fluent active-run stack without ending the run in the store (MLflow has
+    no public call for that: ``mlflow.end_run`` always sets a status)."""
+    from mlflow.tracking import fluent
+
+    stack = fluent._active_run_stack.get()
+    if stack and stack[-1].info.run_id == run_id:
+        stack.pop()
+    if os.environ.get("MLFLOW_RUN_ID") == run_id:
+        os.environ.pop("MLFLOW_RUN_ID", None)
 
 
 def markdown_table(df: Any, *, float_format: str = ".6g", index: bool = False) -> str:
@@ -814,6 +983,6 @@ __all__ = [
     "TAG_SEED", "TAG_PRECISION", "TAG_SPLIT", "TAG_GIT_COMMIT", "TAG_CODE_VERSION", "TAG_ENTRY_POINT",
     "TAG_PARAMS_DIGEST", "TAG_INPUT_PREFIX", "TAG_DELEGATED_TO", "RESUMABLE_STATUSES",
     "StageRun", "find_run", "experiment_for_corpus", "code_version", "git_commit",
-    "canonical_params", "params_digest", "param_string", "parse_param", "typed_equal",
-    "run_name", "markdown_table", "resolve_tracking_uri",
+    "canonical_params", "params_digest", "identity_params", "param_string", "parse_param", "typed_equal",
+    "run_name", "markdown_table", "resolve_tracking_uri", "verify_note_file", "DONE_MARKER",
 ]
