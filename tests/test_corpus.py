@@ -267,3 +267,76 @@ def test_select_stratified_filters_eligibility(inv) -> None:
     assert [n.note_id for n in picks] == ["ok"]
     with pytest.raises(MistillInputError):
         select_stratified(notes, 2, inv, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bytes that are not UTF-8, and note ids that cannot name a folder
+# ---------------------------------------------------------------------------------------------
+
+def test_non_utf8_byte_names_file_line_note_and_field(tmp_path, inv) -> None:
+    path = tmp_path / "latin1.jsonl"
+    good = json.dumps(_row(1)).encode("utf-8")
+    bad = json.dumps(_row(2, text="caf\u00e9 note"), ensure_ascii=False).encode("latin-1")  # é as 0xE9
+    path.write_bytes(good + b"\n" + bad + b"\n")
+    with pytest.raises(MistillInputError) as err:
+        Corpus.from_jsonl(path, inventory=inv)
+    e = err.value
+    assert (e.file, e.line, e.note, e.field) == (str(path), 2, "n2", "text")
+    assert "0xE9" in str(e) and f"file {path} line 2" in str(e)
+
+
+def test_non_utf8_byte_in_a_line_that_is_not_json_still_names_the_line(tmp_path, inv) -> None:
+    path = tmp_path / "broken.jsonl"
+    path.write_bytes(json.dumps(_row(1)).encode() + b"\n\n{\"note_id\": \"n2\xff\n")
+    with pytest.raises(MistillInputError) as err:
+        Corpus.from_jsonl(path, inventory=inv)
+    assert (err.value.file, err.value.line, err.value.note, err.value.field) == (str(path), 3, None, None)
+
+
+def test_non_utf8_byte_in_a_code_file_names_file_and_line(tmp_path) -> None:
+    path = tmp_path / "codes.txt"
+    path.write_bytes(b"I10\nN18.9\n# r\xe9sum\xe9 of the list\nE11.9\n")
+    with pytest.raises(MistillInputError) as err:
+        Inventory.from_code_file(path)
+    assert (err.value.file, err.value.line) == (str(path), 3)
+    assert "0xE9" in str(err.value)
+
+
+def test_non_utf8_byte_in_a_csv_split_file_names_file_line_and_column(tmp_path, inv) -> None:
+    _mimic_tables(tmp_path)
+    split = tmp_path / "split.csv"
+    split.write_bytes(b"_id,split\n101,test\n102,tr\xe4in\n103,test\n")
+    with pytest.raises(MistillInputError) as err:
+        load_mimic_edin(tmp_path / "mimiciv_icd10.feather", inv, split_file=split)
+    assert (err.value.file, err.value.line, err.value.field) == (str(split), 3, "split")
+
+
+UNSAFE_IDS = ["../../x", "a/b", "a\\b", ".hidden", "n1\n", "a\tb", "a\x00b", "n 1", "n1/"]
+"""Note ids the old loader accepted although they cannot name a per-note artifact folder."""
+
+
+def test_note_ids_must_name_a_folder(tmp_path, inv) -> None:
+    path = tmp_path / "ids.jsonl"
+    for note_id in UNSAFE_IDS:
+        _write(path, [_row(1), _row(2, note_id=note_id)])
+        with pytest.raises(MistillInputError) as err:
+            Corpus.from_jsonl(path, inventory=inv)
+        e = err.value
+        assert (e.file, e.line, e.note, e.field) == (str(path), 2, note_id, "note_id"), note_id
+        with pytest.raises(MistillInputError) as err:  # hand-built notes too (synthetic, MIMIC)
+            Corpus(name="x", privacy="synthetic", inventory=inv,
+                   notes=[Note(note_id, "p", "test", "text", ("I10",))])
+        assert (err.value.note, err.value.field) == (note_id, "note_id"), note_id
+    # the rule is the artifact folders' rule, no stricter: these load
+    ids = ["n1", "1-DS-1", "_x", "a.b_c-d", "10000032"]
+    _write(path, [_row(i, note_id=nid) for i, nid in enumerate(ids)] + [_row(9, note_id=12345)])
+    assert [n.note_id for n in Corpus.from_jsonl(path, inventory=inv)] == ids + ["12345"]
+
+
+def test_unsafe_mimic_note_id_names_file_note_and_column(tmp_path, inv) -> None:
+    pd.DataFrame({"note_id": ["a", "../b"], "subject_id": [7, 8], "text": ["x y", "z"],
+                  "icd10_diag": ["N189;I10", "E11.9"], "split": ["val", "test"]}
+                 ).to_csv(tmp_path / "t.csv", index=False)
+    with pytest.raises(MistillInputError) as err:
+        load_mimic_edin(tmp_path / "t.csv", inv, id_column="note_id")
+    assert (err.value.file, err.value.note, err.value.field) == (str(tmp_path / "t.csv"), "../b", "note_id")

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from mistill.data.inventory import Inventory, icd10_block
+from mistill.data.inventory import Inventory, icd10_block, undecodable_byte
 from mistill.errors import MistillInputError
 from mistill.io import iter_jsonl, write_jsonl
 
@@ -37,6 +37,7 @@ __all__ = [
     "stratum_thresholds",
     "select_stratified",
     "with_trace",
+    "safe_path_component",
 ]
 
 PRIVACY_LEVELS = ("synthetic", "public", "restricted")
@@ -86,6 +87,15 @@ class Note:
         return row
 
 
+def safe_path_component(value: str) -> bool:
+    """Whether ``value`` may name a per-note artifact folder (``notes/<note_id>/``) or a corpus:
+    the tracking layer's path-component rule (letters, digits, ``_``, ``.``, ``-``; not starting
+    with ``.``), applied to the whole string, so a trailing newline fails too."""
+    from mistill.io import is_safe_name
+
+    return is_safe_name(value)
+
+
 def _check_note(row: Mapping[str, Any], inventory: Inventory, *, file: str | None = None,
                 line: int | None = None) -> Note:
     """Validate one record and build a :class:`Note` (gold codes normalised via the inventory)."""
@@ -102,6 +112,9 @@ def _check_note(row: Mapping[str, Any], inventory: Inventory, *, file: str | Non
         v = row[key]
         if isinstance(v, bool) or not isinstance(v, (str, int)) or str(v).strip() == "":
             raise fail("must be a non-empty string (or integer id)", key)
+    if not safe_path_component(note):
+        raise fail(f"note id {note!r} cannot name the note's artifact folder: use letters, digits, "
+                   f"'_', '.' and '-', not starting with '.'", "note_id")
     if not isinstance(row["split"], str) or not row["split"].strip():
         raise fail("must be a non-empty string", "split")
     if not isinstance(row["text"], str) or not row["text"].strip():
@@ -283,11 +296,12 @@ class Corpus:
         """Read a corpus strictly.
 
         Each line: ``note_id, patient_id, split, text, gold_codes`` and optionally
-        ``teacher_trace``, ``discharge_diagnosis``, ``meta``, ``shortlist``. A malformed line, a
-        missing field, an empty gold list, a code not in the inventory, a duplicate note id, a
-        trace without ``</think>`` or a bad shortlist (not a list, empty, a code outside the
-        inventory or named twice) raises :class:`MistillInputError` naming file, line, note and
-        field.
+        ``teacher_trace``, ``discharge_diagnosis``, ``meta``, ``shortlist``. A byte that is not
+        UTF-8, a malformed line, a missing field, a note id that cannot name a folder
+        (:func:`safe_path_component`), an empty gold list, a code not in the inventory, a
+        duplicate note id, a trace without ``</think>`` or a bad shortlist (not a list, empty, a
+        code outside the inventory or named twice) raises :class:`MistillInputError` naming
+        file, line, note and field.
         inventory: defaults to the full billable ICD-10-CM inventory (order seed 0).
         privacy: defaults to ``"restricted"`` (text never logged) - say so to relax it.
         """
@@ -295,6 +309,7 @@ class Corpus:
         inv = inventory if inventory is not None else Inventory.billable()
         if not p.exists():
             raise MistillInputError("file not found", file=str(p))
+        _check_utf8_jsonl(p)
         notes: list[Note] = []
         seen: dict[str, int] = {}
         for lineno, row in iter_jsonl(p):
@@ -309,6 +324,41 @@ class Corpus:
             raise MistillInputError("corpus file holds no notes", file=str(p))
         return cls(name=name if name is not None else p.stem, privacy=privacy, notes=notes,
                    inventory=inv)
+
+
+def _check_utf8_jsonl(path: Path) -> None:
+    """Refuse a JSONL file holding a byte that is not UTF-8, naming the line and, when the line
+    still parses, its note and the field whose value holds the byte."""
+    with path.open(encoding="utf-8", errors="surrogateescape") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            bad = undecodable_byte(line)
+            if bad is None:
+                continue
+            note, fld = _locate_undecodable(line)
+            raise MistillInputError(f"byte 0x{bad[0]:02X} at byte {bad[1]} of the line is not UTF-8",
+                                    file=str(path), line=lineno, note=note, field=fld)
+
+
+def _printable(text: str) -> str:
+    """``text`` with its undecodable bytes written as ``\\xNN``."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def _locate_undecodable(line: str) -> tuple[str | None, str | None]:
+    """(note id, top-level field) of a JSONL line holding an undecodable byte, where known."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None, None
+    if not isinstance(row, dict):
+        return None, None
+    raw_id = row.get("note_id")
+    note = _printable(str(raw_id)) if isinstance(raw_id, (str, int)) else None
+    for key, value in row.items():
+        text = key + json.dumps(value, ensure_ascii=False)
+        if undecodable_byte(text) is not None:
+            return note, _printable(key)
+    return note, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,12 +412,37 @@ def _parse_codes(value: Any, *, file: str, column: str, note: str) -> list[str]:
                             note=note, field=column)
 
 
+def _check_utf8_csv(path: Path) -> None:
+    """Refuse a CSV table (``.csv`` or gzipped ``.gz``) holding a byte that is not UTF-8, naming
+    the line and, when the line splits into the header's cells, the column."""
+    import csv
+    import gzip
+
+    opener = gzip.open if path.suffix.lower() == ".gz" else open
+    with opener(path, "rt", encoding="utf-8", errors="surrogateescape", newline="") as fh:
+        header: list[str] = []
+        for lineno, line in enumerate(fh, start=1):
+            bad = undecodable_byte(line)
+            if bad is None:
+                if lineno == 1:
+                    header = next(csv.reader([line]), [])
+                continue
+            cells = next(csv.reader([line]), [])
+            column = None
+            if lineno > 1 and len(cells) == len(header):
+                column = next((h for h, c in zip(header, cells) if undecodable_byte(c) is not None), None)
+            raise MistillInputError(f"byte 0x{bad[0]:02X} at byte {bad[1]} of the line is not UTF-8",
+                                    file=str(path), line=lineno, field=column)
+
+
 def _read_table(path: Path):
     import pandas as pd
 
     if not path.exists():
         raise MistillInputError("file not found", file=str(path))
     suffix = path.suffix.lower()
+    if suffix in (".csv", ".gz"):
+        _check_utf8_csv(path)
     try:
         if suffix == ".feather":
             return pd.read_feather(path)
@@ -401,7 +476,8 @@ def load_mimic_edin(path: str | os.PathLike, inventory: Inventory, *,
         counted in ``meta["n_dropped_codes"]``; a note left without codes is skipped).
     detect_discharge_diagnosis: fill ``Note.discharge_diagnosis`` with
         :func:`find_discharge_diagnosis` so prompts can remove it.
-    A missing file or column raises :class:`MistillInputError` naming both.
+    A missing file or column, a byte that is not UTF-8 in a CSV table, or a note id that cannot
+    name a folder (:func:`safe_path_component`) raises :class:`MistillInputError` naming them.
     """
     if unknown_codes not in ("error", "drop"):
         raise ValueError("unknown_codes must be 'error' or 'drop'")
@@ -439,6 +515,10 @@ def load_mimic_edin(path: str | os.PathLike, inventory: Inventory, *,
     records = df.to_dict(orient="records")
     for i, rec in enumerate(records):
         nid = str(rec[id_column])
+        if not safe_path_component(nid):
+            raise MistillInputError(f"note id {nid!r} (row {i}) cannot name the note's artifact folder: use "
+                                    f"letters, digits, '_', '.' and '-', not starting with '.'",
+                                    file=str(p), note=nid, field=id_column)
         if split_of is not None:
             if nid not in split_of:
                 raise MistillInputError("note id not in the split file", file=str(split_file),

@@ -46,6 +46,8 @@ __all__ = [
     "billable_codes",
     "icd10cm_source",
     "as_code_list",
+    "undecodable_byte",
+    "utf8_lines",
 ]
 
 INVENTORY_FORMAT = "mistill-inventory/1"
@@ -54,6 +56,35 @@ INVENTORY_FORMAT = "mistill-inventory/1"
 # up to four more characters: accepts the placeholder "X" and seventh characters ("T36.0X1A").
 # Lower case is upper-cased first.
 _CODE_RE = re.compile(r"^([A-Z](?:[0-9][0-9A-Z]|[A-Z][0-9]))\.?([0-9A-Z]{1,4})?$")
+
+# What ``errors="surrogateescape"`` makes of a byte that is not UTF-8: U+DC80..U+DCFF. Strict
+# UTF-8 decoding never yields these code points, so one in a line read that way is a bad byte.
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")
+
+
+def undecodable_byte(line: str) -> tuple[int, int] | None:
+    """``(byte value, 1-based byte column)`` of the first byte that is not UTF-8 in ``line``
+    (read with ``errors="surrogateescape"``), or None when the whole line is UTF-8."""
+    m = _ESCAPED_BYTE.search(line)
+    if m is None:
+        return None
+    column = len(line[:m.start()].encode("utf-8", "surrogateescape")) + 1
+    return ord(m.group()) - 0xDC00, column
+
+
+def utf8_lines(path: str | os.PathLike, *, field: str | None = None) -> Iterator[tuple[int, str]]:
+    """``(line number, line)`` of a text file that must be UTF-8 (lines split as text mode does).
+
+    A byte that is not UTF-8 raises :class:`MistillInputError` naming the file, the line, the
+    byte and its column (and ``field``), instead of a bare ``UnicodeDecodeError``.
+    """
+    with Path(path).open(encoding="utf-8", errors="surrogateescape") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            bad = undecodable_byte(line)
+            if bad is not None:
+                raise MistillInputError(f"byte 0x{bad[0]:02X} at byte {bad[1]} of the line is not UTF-8",
+                                        file=str(path), line=lineno, field=field)
+            yield lineno, line
 
 
 def _shape(code: str) -> str | None:
@@ -261,23 +292,23 @@ class Inventory:
         """Billable inventory restricted to the codes of a text file, one code per line.
 
         Dotted or undotted codes; blank lines and lines starting with ``#`` are skipped. An
-        unknown code raises :class:`MistillInputError` naming the file, the line and the code.
+        unknown code, or a byte that is not UTF-8, raises :class:`MistillInputError` naming the
+        file, the line and the code (or byte).
         """
         p = Path(path)
         if not p.exists():
             raise MistillInputError("code file not found", file=str(p))
         codes: list[str] = []
-        with p.open(encoding="utf-8") as fh:
-            for lineno, raw in enumerate(fh, start=1):
-                s = raw.strip()
-                if not s or s.startswith("#"):
-                    continue
-                dotted = _shape(s)
-                if dotted is None or dotted not in _billable_set():
-                    what = "malformed code" if dotted is None else "not a billable ICD-10-CM code"
-                    raise MistillInputError(f"{s!r}: {what} ({icd10cm_source()})", file=str(p),
-                                            line=lineno, field="code")
-                codes.append(dotted)
+        for lineno, raw in utf8_lines(p, field="code"):
+            s = raw.strip()
+            if not s or s.startswith("#"):
+                continue
+            dotted = _shape(s)
+            if dotted is None or dotted not in _billable_set():
+                what = "malformed code" if dotted is None else "not a billable ICD-10-CM code"
+                raise MistillInputError(f"{s!r}: {what} ({icd10cm_source()})", file=str(p),
+                                        line=lineno, field="code")
+            codes.append(dotted)
         if not codes:
             raise MistillInputError("code file lists no codes", file=str(p))
         return cls.billable(order_seed=order_seed, codes=codes)

@@ -1,20 +1,31 @@
-"""The ``prepare`` stage: inventory, corpus and prompts, logged as a dataset with its digest."""
+"""The ``prepare`` stage: inventory, corpus and prompts, logged as a dataset with its digest.
+
+Everything a ``prepare`` run reads is checked before its MLflow run exists: the parameters
+(:meth:`PrepareConfig.validate`), every note (strict JSONL, UTF-8, note ids that can name a
+folder, codes in the inventory) and every note's prompt (+ teacher trace) against the model's
+positions. A refused input therefore leaves no run behind.
+"""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
-from mistill.config import Config
-from mistill.data.corpus import Corpus, load_mimic_edin, select_stratified
+from mistill.config import Config, file_digest
+from mistill.data.corpus import PRIVACY_LEVELS, Corpus, load_mimic_edin, safe_path_component, select_stratified
 from mistill.data.inventory import Inventory
+from mistill.data.prompts import build_prompt
 from mistill.data.synthetic import make_synthetic_corpus
 from mistill.errors import MistillInputError
 from mistill.models.loading import EMBEDDED_DEFAULT
-from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE, TAG_DATA_DIR, corpus_index,
-                                   mistill_root, note_input, privacy_guard, save_prepared)
+from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE, TAG_DATA_DIR,
+                                   TAG_DATA_IDENTITY, corpus_index, mistill_root, prepared_data_dir,
+                                   privacy_guard, save_prepared)
+
+MIMIC_PREFIX = "mimic:"
 
 
 @dataclass(frozen=True)
@@ -26,7 +37,11 @@ class PrepareConfig(Config):
     privacy: for JSONL/MIMIC corpora (``restricted`` unless said otherwise); synthetic is synthetic.
     codes_file: explicit code list restricting the inventory (one code per line).
     select_n: stratified greedy selection of App. A (0 keeps every note).
-    model: whose chat template and tokenizer the prompt statistics use.
+    model: whose chat template and tokenizer the prompts use; every note's prompt (+ teacher
+        trace) must fit the model's positions.
+
+    Files named by path (the corpus, ``codes_file``, ``split_file``) join the run's identity by
+    content (:meth:`content_digests`): a file edited in place makes a new run.
     """
 
     corpus: str = "synthetic"
@@ -44,6 +59,46 @@ class PrepareConfig(Config):
     remove_discharge_diagnosis: bool = True
     narrow_instruction: bool = True
 
+    @property
+    def corpus_path(self) -> str:
+        """The file the corpus is read from (the MIMIC table for ``mimic:``); '' for synthetic."""
+        if self.corpus == "synthetic":
+            return ""
+        return self.corpus[len(MIMIC_PREFIX):] if self.corpus.startswith(MIMIC_PREFIX) else self.corpus
+
+    def content_digests(self) -> dict[str, str]:
+        """sha256 of the corpus file (JSONL or MIMIC table), ``codes_file`` and ``split_file``."""
+        paths = {"corpus": self.corpus_path, "codes_file": self.codes_file, "split_file": self.split_file}
+        digests = {name: file_digest(path) for name, path in paths.items()}
+        return {name: d for name, d in digests.items() if d is not None}
+
+    def validate(self) -> None:
+        """Refuse values no run can use, naming the field. Files are looked at by the stage
+        (:func:`build_corpus`, still before its run), not here: a config stays readable where
+        its files are not."""
+        from mistill.validation import (check_at_least, check_choice, check_non_negative, check_not_empty,
+                                        check_seed, fail)
+
+        check_not_empty(self.corpus, "corpus", "'synthetic', a JSONL path or mimic:<table path>")
+        if self.corpus.startswith(MIMIC_PREFIX):
+            check_not_empty(self.corpus_path, "corpus", "the MIMIC table after 'mimic:'")
+        check_choice(self.privacy, PRIVACY_LEVELS, "privacy")
+        check_at_least(self.n_notes, 1, "n_notes")
+        check_at_least(self.inventory_size, 1, "inventory_size")
+        check_seed(self.seed)
+        check_seed(self.order_seed, "order_seed")
+        check_non_negative(self.select_n, "select_n", "0 keeps every note")
+        if self.select_split and not self.select_n:
+            fail("select_split names the split to select from: it needs select_n > 0", "select_split")
+        if self.split_file and not self.corpus.startswith(MIMIC_PREFIX):
+            fail("split_file applies to a mimic:<table> corpus only", "split_file")
+        check_not_empty(self.model, "model", "the model whose tokenizer and chat template build the prompts")
+        name = self.corpus_name or (Path(self.corpus_path).stem if self.corpus_path
+                                    and not self.corpus.startswith(MIMIC_PREFIX) else "")
+        if name and not safe_path_component(name):
+            fail(f"corpus name {name!r} must be letters, digits, '_', '.', '-' (not starting with '.'): it "
+                 "names the experiment and the data folder", "corpus_name")
+
 
 def build_corpus(cfg: PrepareConfig) -> Corpus:
     """The corpus the config names (with its inventory)."""
@@ -54,8 +109,8 @@ def build_corpus(cfg: PrepareConfig) -> Corpus:
     else:
         inventory = (Inventory.from_code_file(cfg.codes_file, order_seed=cfg.order_seed) if cfg.codes_file
                      else Inventory.billable(order_seed=cfg.order_seed))
-        if cfg.corpus.startswith("mimic:"):
-            corpus = load_mimic_edin(cfg.corpus[len("mimic:"):], inventory,
+        if cfg.corpus.startswith(MIMIC_PREFIX):
+            corpus = load_mimic_edin(cfg.corpus_path, inventory,
                                      split_file=cfg.split_file or None, privacy=cfg.privacy)
         else:
             if not Path(cfg.corpus).exists():
@@ -72,22 +127,159 @@ def build_corpus(cfg: PrepareConfig) -> Corpus:
     return corpus
 
 
+# ------------------------------------------------------------------------------ model length
+def model_max_positions(spec: str) -> int | None:
+    """The positions model ``spec`` takes: ``max_position_embeddings`` of its config (what the
+    model stages check), read without loading weights; None when the config has none.
+
+    ``tiny:`` models take ``tiny_model``'s default; layer selections (``@every-other``) keep
+    the base model's positions; ``run:<id>`` reads the trained checkpoint's config.
+    """
+    from mistill.models.loading import _offline, embedded_float_copy, split_layer_spec, tiny_model
+
+    base = split_layer_spec(spec)[0]
+    if base.startswith("run:"):
+        from mistill.tracking.models import resolve_run_spec
+
+        return model_max_positions(resolve_run_spec(base))
+    if base.startswith("tiny:"):
+        return int(inspect.signature(tiny_model).parameters["max_pos"].default)
+    _offline()
+    from transformers import AutoConfig
+
+    if base == EMBEDDED_DEFAULT:
+        path, gguf = str(embedded_float_copy()), ""
+    else:
+        path, _, gguf = base.partition("::")
+    local = Path(path).expanduser()
+    try:
+        config = AutoConfig.from_pretrained(str(local) if local.exists() else path,
+                                            **({"gguf_file": gguf} if gguf else {}))
+    except (OSError, ValueError) as exc:
+        raise MistillInputError(f"cannot read the config of {spec!r} offline ({str(exc).splitlines()[0]})",
+                                field="model") from None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(text, "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+@dataclass(frozen=True)
+class PromptLength:
+    """One note's model input in tokens, as the model stages tokenize it (no special tokens).
+
+    prompt_tokens: the chat-templated prompt; total_tokens: prompt + teacher trace (the
+    prompt alone for a note without a trace).
+    """
+
+    note_id: str
+    prompt_tokens: int
+    total_tokens: int
+    candidate_lines: int
+    has_trace: bool
+
+
+EXACT_MARGIN = 64
+"""Counts within this many tokens of the model's positions are re-counted on the whole text (a
+merge across the one line break at the cut could shift a count by a token or two, not 64)."""
+
+
+def _n_tokens(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def prompt_lengths(corpus: Corpus, tokenizer, *, remove_discharge_diagnosis: bool = True,
+                   narrow_instruction: bool = True, max_positions: int | None = None) -> list[PromptLength]:
+    """Token counts of every note's prompt and prompt + trace (the note's shortlist, else the
+    whole inventory, as :func:`~mistill.stages.common.note_input` builds them).
+
+    Prompts listing the same candidates share their text up to the end of the last candidate
+    line (the shared inventory prefix, about 105k tokens for the paper's 5,651 codes): that
+    prefix is tokenized once, and each note's count is the prefix's plus its own remainder's
+    plus a boundary correction measured on the group's first note by tokenizing it whole
+    (tokenizers split at the line break after the last candidate line, so the correction is the
+    same for every note of a group). A count within :data:`EXACT_MARGIN` of ``max_positions``
+    is re-counted on the whole text, so the limit check never rests on the correction.
+    """
+    groups: dict[str, dict[str, int]] = {}  # prefix text -> its token count and corrections
+    out: list[PromptLength] = []
+    for note in corpus.notes:
+        prompt = build_prompt(note, note.shortlist, corpus.inventory, tokenizer,
+                              remove_discharge_diagnosis=remove_discharge_diagnosis,
+                              narrow_instruction=narrow_instruction)
+        trace = note.teacher_trace or ""
+        cut = prompt.span_in_text("lines")[1]
+        prefix, rest = prompt.text[:cut], prompt.text[cut:]
+        if prefix not in groups:
+            groups[prefix] = {"prefix": _n_tokens(tokenizer, prefix)}
+        group = groups[prefix]
+        counts = {"prompt": (rest, prompt.text)}
+        if trace:
+            counts["total"] = (rest + trace, prompt.text + trace)
+        n: dict[str, int] = {}
+        for kind, (tail, whole) in counts.items():
+            split = group["prefix"] + _n_tokens(tokenizer, tail)
+            if kind not in group:
+                n[kind] = _n_tokens(tokenizer, whole)
+                group[kind] = n[kind] - split
+                continue
+            n[kind] = split + group[kind]
+            if max_positions is not None and abs(n[kind] - max_positions) <= EXACT_MARGIN:
+                n[kind] = _n_tokens(tokenizer, whole)
+        out.append(PromptLength(note_id=note.note_id, prompt_tokens=n["prompt"],
+                                total_tokens=n.get("total", n["prompt"]), candidate_lines=len(prompt.line_spans),
+                                has_trace=bool(trace)))
+    return out
+
+
+def check_prompt_lengths(lengths: list[PromptLength], max_positions: int | None, *, model: str,
+                         file: str | None = None) -> None:
+    """Refuse notes whose prompt (+ teacher trace) exceeds ``max_positions``, naming the first
+    and counting the others."""
+    if max_positions is None:
+        return
+    over = [x for x in lengths if x.total_tokens > max_positions]
+    if not over:
+        return
+    first = over[0]
+    if first.prompt_tokens > max_positions:
+        what, n, fld = "prompt", first.prompt_tokens, "text"
+    else:
+        what, n, fld = "prompt + teacher trace", first.total_tokens, "teacher_trace"
+    others = ""
+    if len(over) > 1:
+        shown = ", ".join(x.note_id for x in over[1:6]) + (", ..." if len(over) > 6 else "")
+        others = f"; {len(over) - 1} more notes too long: {shown}"
+    raise MistillInputError(f"{what} is {n} tokens, beyond the {max_positions} positions of model "
+                            f"{model}{others}", file=file, note=first.note_id, field=fld)
+
+
+# ------------------------------------------------------------------------------------ stage
 def run_prepare(cfg: PrepareConfig) -> str:
-    """Build and log the corpus; returns the run id (an identical finished run is reused)."""
+    """Build, check and log the corpus; returns the run id (an identical finished run is reused).
+
+    Parameters, notes and prompt lengths are checked before the MLflow run is created.
+    """
     from mistill.models.loading import load_tokenizer
     from mistill.tracking.runs import StageRun
 
+    cfg.validate()
     corpus = build_corpus(cfg)
+    tok = load_tokenizer(cfg.model)
+    max_positions = model_max_positions(cfg.model)
+    lengths = prompt_lengths(corpus, tok, remove_discharge_diagnosis=cfg.remove_discharge_diagnosis,
+                             narrow_instruction=cfg.narrow_instruction, max_positions=max_positions)
+    check_prompt_lengths(lengths, max_positions, model=cfg.model, file=cfg.corpus_path or None)
     guard = privacy_guard(corpus)
     with StageRun("prepare", cfg, corpus=corpus.name, guard=guard, corpus_digest=corpus.digest,
                   resume=True, root=mistill_root()) as run:
         if run.reused:
             print(f"prepare: reusing finished run {run.run_id}")
             return run.run_id
-        data_dir = (mistill_root() / "data" / f"{corpus.name}-{corpus.digest[:12]}").resolve()
-        save_prepared(data_dir, corpus, {"remove_discharge_diagnosis": cfg.remove_discharge_diagnosis,
-                                         "narrow_instruction": cfg.narrow_instruction})
-        run.set_tags({TAG_DATA_DIR: str(data_dir)})
+        data_dir = prepared_data_dir(corpus.name, run.run_id)
+        identity = save_prepared(data_dir, corpus, {"remove_discharge_diagnosis": cfg.remove_discharge_diagnosis,
+                                                    "narrow_instruction": cfg.narrow_instruction},
+                                 run_id=run.run_id, identity=run.params)
+        run.set_tags({TAG_DATA_DIR: str(data_dir), TAG_DATA_IDENTITY: identity})
         index = corpus_index(corpus)
         run.log_dataset(index, name=f"{corpus.name}-index", digest=corpus.digest, context="corpus")
         run.log_table("corpus_index", index)
@@ -95,17 +287,9 @@ def run_prepare(cfg: PrepareConfig) -> str:
         if guard.allows_text:
             run.log_artifact_file(data_dir / CORPUS_FILE, "data")
             run.log_artifact_file(data_dir / CORPUS_META_FILE, "data")
-        tok = load_tokenizer(cfg.model)
-        stats = []
-        for note in corpus.notes:
-            if not note.teacher_trace:
-                continue
-            ni = note_input(note, corpus.inventory, tok,
-                            remove_discharge_diagnosis=cfg.remove_discharge_diagnosis,
-                            narrow_instruction=cfg.narrow_instruction)
-            stats.append({"note_id": note.note_id, "prompt_tokens": len(tok(ni.prompt.text, add_special_tokens=False)["input_ids"]),
-                          "total_tokens": int(ni.input_ids.numel()), "candidate_lines": len(ni.prompt.line_spans)})
-        stats_df = pd.DataFrame(stats)
+        stats_df = pd.DataFrame([{"note_id": x.note_id, "prompt_tokens": x.prompt_tokens,
+                                  "total_tokens": x.total_tokens, "candidate_lines": x.candidate_lines}
+                                 for x in lengths if x.has_trace])
         if len(stats_df):
             run.log_table("prompt_stats", stats_df)
         summary = corpus.summary()
