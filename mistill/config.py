@@ -70,7 +70,31 @@ def _coerce(value: Any, annotation: Any, name: str) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Base class: subclasses are frozen dataclasses of plain typed fields."""
+    """Base class: subclasses are frozen dataclasses of plain typed fields.
+
+    Every construction (direct, :meth:`from_dict`, :meth:`replace`) ends in :meth:`validate`,
+    so a config that exists holds valid values. A subclass that needs its own
+    ``__post_init__`` must call ``super().__post_init__()``.
+    """
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Refuse values that cannot be valid, raising
+        :class:`~mistill.errors.MistillInputError` with ``field`` set and the accepted values
+        named (shared checks: :mod:`mistill.validation`). Checks that need another run or the
+        corpus belong to the stage, before its run starts. The default accepts everything."""
+
+    def check_environment(self) -> None:
+        """Checks that depend on this machine, made when a stage starts and before its run is
+        created (not at construction, so a config naming a GPU can be read anywhere): every
+        ``device`` / ``*_device`` field names a device this machine has."""
+        from mistill.validation import check_device_available
+
+        for f in dataclasses.fields(self):
+            if f.name == "device" or f.name.endswith("_device"):
+                check_device_available(str(getattr(self, f.name)), f.name)
 
     def to_dict(self) -> dict[str, Any]:
         out = {}
@@ -98,6 +122,16 @@ class Config:
     def replace(self: C, **changes: Any) -> C:
         return dataclasses.replace(self, **changes)
 
+    def content_digests(self) -> dict[str, str]:
+        """sha256 of the content of every file this config names by path, by field name.
+
+        A run reads what a file holds, not its path: a lock, code list or corpus edited in place
+        must make a different run. The digests join the run's identity as the params
+        ``<field>_sha256`` (see :func:`mistill.tracking.runs.identity_params`). Configs that name
+        files override this; a missing file is left out here and refused by the stage itself.
+        """
+        return {}
+
     def save(self, path: str | os.PathLike, **extra: Any) -> Path:
         """Write ``config.json``: every argument plus library versions and ``extra`` context."""
         payload = {"config": self.to_dict(), "class": f"{type(self).__module__}.{type(self).__qualname__}",
@@ -108,6 +142,19 @@ class Config:
     def load(cls: type[C], path: str | os.PathLike) -> C:
         data = read_json(path)
         return cls.from_dict(data.get("config", data), source=str(path))
+
+
+def file_digest(path: str | os.PathLike) -> str | None:
+    """sha256 of a file's bytes, or None when ``path`` is empty or not a file."""
+    import hashlib
+
+    if not path or not Path(path).is_file():
+        return None
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def library_versions() -> dict[str, str]:

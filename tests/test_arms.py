@@ -1,10 +1,15 @@
-"""Arms are data, and every ablation is one flag away from its base."""
+"""Arms are data, and every ablation is one flag away from its base; a bare arm name stays
+inside the arms folder, an explicit .yaml path is read and its content joins the run's identity,
+and every flag value is validated."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+
 import pytest
 
-from mistill.distill.arms import (ArmConfig, arm_names, read_arm_file, resolve_arm)
+from mistill.distill.arms import ARMS_DIR, ArmConfig, arm_names, read_arm_file, resolve_arm
 from mistill.errors import MistillInputError
 
 ISSUE_ARMS = {"vanilla-fp32", "vanilla-bf16", "feature-kd", "distillm2", "mistill", "randheads", "randpos",
@@ -44,3 +49,66 @@ def test_overrides_and_errors():
         resolve_arm("mistill", "lambda_pp=1")
     with pytest.raises(MistillInputError, match="pool_mode"):
         resolve_arm("mistill", "pool_mode=sideways")
+
+
+# ------------------------------------------------------------------ names, paths and values
+@pytest.mark.parametrize("name", ["../arms/mistill", str(ARMS_DIR / "mistill"), "mistill/../mistill",
+                                  "../../etc/x", "/etc/passwd", "mi still", ""])
+def test_arm_names_outside_the_arms_folder_are_refused(name):
+    """A bare name is letters, digits, '-' and '_'; a path must be given as a .yaml/.yml file."""
+    with pytest.raises(MistillInputError) as err:
+        resolve_arm(name)
+    assert err.value.field == "arm"
+    assert "bare arm name" in str(err.value) and ".yaml" in str(err.value)
+
+
+def test_a_relative_climb_to_a_yaml_outside_is_refused(tmp_path):
+    (tmp_path / "outside.yaml").write_text("base: mistill\nlambda_p1: 0.5\n")
+    climb = os.path.relpath(tmp_path / "outside", ARMS_DIR)  # ../../../<tmp>/outside
+    with pytest.raises(MistillInputError) as err:
+        resolve_arm(climb)
+    assert err.value.field == "arm"
+
+
+def test_an_explicit_arm_file_is_read_and_its_content_joins_the_run_identity(tmp_path):
+    from mistill.stages.distill import TrainStageConfig
+    from mistill.tracking.runs import identity_params
+
+    path = tmp_path / "my-arm.yaml"
+    path.write_text("description: Mistill at lambda 0.05\nbase: mistill\nlambda_p1: 0.05\n")
+    assert resolve_arm(str(path)) == ArmConfig(lambda_p1=0.05)
+    cfg = TrainStageConfig(arm=str(path))
+    first = cfg.content_digests()
+    assert first == {"arm": hashlib.sha256(path.read_bytes()).hexdigest()}
+    assert identity_params(cfg)["arm_sha256"] == first["arm"]
+    path.write_text("description: Mistill at lambda 0.06\nbase: mistill\nlambda_p1: 0.06\n")
+    assert cfg.content_digests() != first  # edited in place: another run
+    assert TrainStageConfig(arm="mistill").content_digests() == {}  # the code version covers it
+    with pytest.raises(MistillInputError) as err:
+        TrainStageConfig(arm=str(tmp_path / "missing.yml"))
+    assert err.value.field == "arm"
+
+
+def test_a_base_must_be_a_bare_name(tmp_path):
+    path = tmp_path / "climbs.yaml"
+    path.write_text("base: ../arms/mistill\nlambda_p1: 0.05\n")
+    with pytest.raises(MistillInputError) as err:
+        resolve_arm(str(path))
+    assert err.value.field == "base"
+
+
+@pytest.mark.parametrize("override", ["lambda_p1=-1", "lambda_p2=-0.1", "lambda_p1=nan", "lambda_p1=inf",
+                                      "pool_k=0", "pool_seed=-1", "window=-1", "event_weight=-1",
+                                      "kl_weight=-0.5", "min_abs_margin=-1"])
+def test_invalid_flag_values_are_refused_naming_the_flag(override):
+    with pytest.raises(MistillInputError) as err:
+        resolve_arm("mistill", override)
+    assert err.value.field == override.partition("=")[0]
+
+
+def test_a_negative_lambda_in_an_arm_file_is_refused(tmp_path):
+    path = tmp_path / "negative.yaml"
+    path.write_text("base: mistill\nlambda_p2: -0.1\n")
+    with pytest.raises(MistillInputError) as err:
+        resolve_arm(str(path))
+    assert err.value.field == "lambda_p2"

@@ -364,6 +364,46 @@ def test_mlflow_run_prepare_entry_point(tracking_uri, tmp_path):
     assert "data/inventory.json" in artifact_paths(client, target)
 
 
+def test_mlflow_run_of_a_reused_or_refused_stage_leaves_one_run(tracking_uri, tmp_path):
+    """`mlflow run` opens a run before the stage starts: when the stage reuses a finished run, or
+    refuses its parameters, that launched run is ended and deleted, so the experiment shows one
+    run per piece of work."""
+    from mlflow.entities import ViewType
+
+    name = unique("mlrun")
+    frozen = freeze_source(tmp_path / "src")
+    env = subprocess_env(tracking_uri, tmp_path / "root")
+    mlflow_cli = str(Path(sys.executable).parent / "mlflow")
+
+    def launch(*params: str) -> subprocess.CompletedProcess:
+        args = [mlflow_cli, "run", ".", "-e", "prepare", "--env-manager", "local",
+                "--experiment-name", f"mistill/{name}", "-P", f"corpus_name={name}", "-P", f"model={TINY}"]
+        for p in params:
+            args += ["-P", p]
+        return subprocess.run(args, cwd=frozen, env=env, capture_output=True, text=True, timeout=240)
+
+    first = launch("n_notes=2")
+    assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
+    second = launch("n_notes=2")
+    assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
+    assert "reusing finished run" in second.stdout + second.stderr
+    refused = launch("n_notes=0")
+    assert refused.returncode != 0
+    assert "n_notes" in refused.stderr
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(f"mistill/{name}")
+    deadline = time.monotonic() + 30  # the launched runs are deleted once `mlflow run` ended them
+    while True:
+        active = client.search_runs([exp.experiment_id], run_view_type=ViewType.ACTIVE_ONLY)
+        if len(active) == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert [(r.info.status, r.data.tags.get("mistill.stage")) for r in active] == [("FINISHED", "prepare")]
+    every = client.search_runs([exp.experiment_id], run_view_type=ViewType.ALL)
+    assert len(every) == 3  # the launched runs of the reuse and of the refusal are deleted
+    assert all(r.info.lifecycle_stage == "deleted" for r in every if r.info.run_id != active[0].info.run_id)
+
+
 # ------------------------------------------------------------------------------- 7. MLproject
 def test_mlproject_is_generated_from_the_registry():
     assert (REPO / "MLproject").read_text() == render(), \

@@ -3,28 +3,52 @@
 Every ablation names its ``base`` (Mistill or another arm) and the one flag it changes, so its
 resolved configuration differs from its base exactly there (a test checks it). The resolved
 :class:`ArmConfig` goes, with every other argument, into the run's ``config.json``.
+
+An arm is named in one of two forms (:func:`arm_file`):
+
+* a bare name (letters, digits, ``-``, ``_``): the file ``projects/configs/arms/<name>.yaml``
+  (covered by the code version, like any file of the repository);
+* an explicit path to a YAML file, recognised by its ``.yaml`` / ``.yml`` suffix (absolute, or
+  relative to the working directory): an arm kept outside the repository, whose content the
+  ``train`` stage adds to its run's identity (:func:`arm_digest`).
+
+Anything else (``../x``, ``/etc/x``, a name with spaces) is refused. A ``base`` is always a
+bare name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from mistill.config import Config
+from mistill.config import Config, file_digest
 from mistill.errors import MistillInputError
+from mistill.validation import (check_choice, check_choices, check_non_negative, check_positive,
+                                check_seed)
 
 ARMS_DIR = Path(__file__).resolve().parents[2] / "projects" / "configs" / "arms"
 OBJECTIVES = ("cot", "mistill", "feature_kd", "distillm2")
 POOL_MODES = ("top", "bottom", "random", "random_all", "uniform")
 TERMS = ("attention", "interaction", "write")
+POSITIONS = ("events", "random")
+PRECISIONS = ("bf16", "fp32")
+ARM_NAME = re.compile(r"[A-Za-z0-9_-]+")
+ARM_FILE_SUFFIXES = (".yaml", ".yml")
 
 
 @dataclass(frozen=True)
 class ArmConfig(Config):
-    """What distinguishes one arm from another (App. J.3, M)."""
+    """What distinguishes one arm from another (App. J.3, M).
+
+    lambda_p1, lambda_p2: weights (>= 0) of the Phase 1 and Phase 2 (P2 and P2C) terms.
+    pool_k: heads in the student's pool (>= 1); pool_seed: seed of the random pool modes.
+    window: rows supervised before each P1 event (>= 0; 0: none).
+    event_weight, kl_weight: CE weight at event tokens and weight of the KL term (>= 0).
+    """
 
     objective: str = "mistill"
     precision: str = "bf16"
@@ -43,18 +67,20 @@ class ArmConfig(Config):
     # left out of the interaction and write terms, so a near-tie cannot blow the term up
     min_abs_margin: float = 0.5
 
-    def __post_init__(self) -> None:
-        if self.objective not in OBJECTIVES:
-            raise MistillInputError(f"objective must be one of {OBJECTIVES}", field="objective")
-        if self.pool_mode not in POOL_MODES:
-            raise MistillInputError(f"pool_mode must be one of {POOL_MODES}", field="pool_mode")
-        if self.positions not in ("events", "random"):
-            raise MistillInputError("positions must be 'events' or 'random'", field="positions")
-        bad = [t for t in self.terms if t not in TERMS]
-        if bad:
-            raise MistillInputError(f"unknown terms {bad}; known {TERMS}", field="terms")
-        if self.precision not in ("bf16", "fp32"):
-            raise MistillInputError("precision must be 'bf16' or 'fp32'", field="precision")
+    def validate(self) -> None:
+        check_choice(self.objective, OBJECTIVES, "objective")
+        check_choice(self.precision, PRECISIONS, "precision")
+        check_choice(self.pool_mode, POOL_MODES, "pool_mode")
+        check_choice(self.positions, POSITIONS, "positions")
+        check_choices(self.terms, TERMS, "terms", non_empty=False)
+        check_non_negative(self.lambda_p1, "lambda_p1")
+        check_non_negative(self.lambda_p2, "lambda_p2")
+        check_positive(self.pool_k, "pool_k")
+        check_seed(self.pool_seed, "pool_seed")
+        check_non_negative(self.window, "window", "0: no window rows")
+        check_non_negative(self.event_weight, "event_weight")
+        check_non_negative(self.kl_weight, "kl_weight", "0: cross-entropy only")
+        check_non_negative(self.min_abs_margin, "min_abs_margin")
 
     @property
     def lambdas(self) -> dict[str, float]:
@@ -65,10 +91,38 @@ def arm_names(arms_dir: Path = ARMS_DIR) -> list[str]:
     return sorted(p.stem for p in arms_dir.glob("*.yaml"))
 
 
+def is_arm_path(arm: str) -> bool:
+    """Whether ``arm`` is given as an explicit path (a ``.yaml`` / ``.yml`` file name)."""
+    return arm.lower().endswith(ARM_FILE_SUFFIXES)
+
+
+def arm_file(arm: str, arms_dir: Path = ARMS_DIR) -> Path:
+    """The YAML file an arm names: ``<arms_dir>/<name>.yaml`` for a bare name, the path itself
+    for an explicit ``.yaml`` / ``.yml`` path; anything else is refused (``field='arm'``)."""
+    if is_arm_path(arm):
+        path = Path(arm).expanduser()
+        if not path.is_file():
+            raise MistillInputError(f"no arm file at {arm!r}", file=arm, field="arm")
+        return path
+    if not ARM_NAME.fullmatch(arm):
+        raise MistillInputError(
+            f"arm {arm!r} is neither a bare arm name (letters, digits, '-', '_'; one of "
+            f"{arm_names(arms_dir)}) nor an explicit path to a .yaml/.yml arm file", field="arm")
+    path = arms_dir / f"{arm}.yaml"
+    if not path.is_file():
+        raise MistillInputError(f"unknown arm {arm!r}; arms: {arm_names(arms_dir)} (or give the path "
+                                "of a .yaml arm file)", file=str(path), field="arm")
+    return path
+
+
+def arm_digest(arm: str) -> str | None:
+    """sha256 of an explicitly given arm file (None for a bare name: the code version covers
+    the repository's arms, and their bases are always bare names)."""
+    return file_digest(Path(arm).expanduser()) if is_arm_path(arm) else None
+
+
 def read_arm_file(name: str, arms_dir: Path = ARMS_DIR) -> dict:
-    path = arms_dir / f"{name}.yaml"
-    if not path.exists():
-        raise MistillInputError(f"unknown arm {name!r}; arms: {arm_names(arms_dir)}", file=str(path), field="arm")
+    path = arm_file(name, arms_dir)
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
@@ -85,6 +139,9 @@ def arm_values(name: str, arms_dir: Path = ARMS_DIR, _seen: tuple[str, ...] = ()
     data = read_arm_file(name, arms_dir)
     base = data.pop("base", None)
     data.pop("description", None)
+    if base is not None and not (isinstance(base, str) and ARM_NAME.fullmatch(base)):
+        raise MistillInputError(f"base {base!r} is not a bare arm name (letters, digits, '-', '_'; one of "
+                                f"{arm_names(arms_dir)})", file=str(arm_file(name, arms_dir)), field="base")
     values = arm_values(base, arms_dir, _seen + (name,)) if base else {}
     values.update(data)
     return values
@@ -102,12 +159,18 @@ def parse_overrides(text: str) -> dict[str, str]:
 
 
 def resolve_arm(name: str, overrides: str | dict = "", arms_dir: Path = ARMS_DIR) -> ArmConfig:
-    """The arm's configuration: defaults <- its file (and bases) <- overrides."""
+    """The arm's configuration: defaults <- its file (and bases) <- overrides.
+
+    Every flag is validated (:meth:`ArmConfig.validate`): an override such as ``lambda_p1=-1``
+    is refused with ``field='lambda_p1'``.
+    """
     values = arm_values(name, arms_dir)
-    values.update(parse_overrides(overrides) if isinstance(overrides, str) else overrides)
+    extra = parse_overrides(overrides) if isinstance(overrides, str) else dict(overrides)
+    values.update(extra)
+    source = str(arm_file(name, arms_dir)) + (f" with overrides {extra}" if extra else "")
     known = {f.name for f in dataclasses.fields(ArmConfig)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise MistillInputError(f"unknown arm flag(s) {unknown}", file=str(arms_dir / f"{name}.yaml"),
+        raise MistillInputError(f"unknown arm flag(s) {unknown}; known: {sorted(known)}", file=source,
                                 field=unknown[0])
-    return ArmConfig.from_dict(values, source=str(arms_dir / f"{name}.yaml"))
+    return ArmConfig.from_dict(values, source=source)

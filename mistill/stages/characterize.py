@@ -32,22 +32,36 @@ from mistill.instrument.patching import Query
 from mistill.instrument.runner import Runner
 from mistill.models.loading import EMBEDDED_DEFAULT, load_model
 from mistill.stages.common import (Prepared, RunReader, load_prepared, log_corpus_input, mistill_root,
-                                   model_positions, note_input, privacy_guard)
+                                   model_positions, note_input, privacy_guard, require_notes)
+from mistill.validation import (check_choices, check_counts, check_device, check_dtype, check_interval,
+                                check_non_negative, check_not_empty, check_positive, check_seed)
 
 NOTES = "notes"
 
 
-def stage_notes(prepared: Prepared, split: str = "", max_notes: int = 0) -> list[Note]:
-    """Notes with a teacher trace, in corpus order, optionally one split, optionally the first n."""
+def stage_notes(prepared: Prepared, split: str = "", max_notes: int = 0, *, field: str = "split") -> list[Note]:
+    """Notes with a teacher trace, in corpus order, optionally one split, optionally the first n
+    (``max_notes`` 0: all). An empty selection is refused (:func:`require_notes`, naming ``field``)."""
     notes = [n for n in prepared.corpus.notes if n.teacher_trace and (not split or n.split == split)]
+    notes = require_notes(notes, split, prepared, field=field)
     return notes[:max_notes] if max_notes else notes
+
+
+SET_NAMES = ("global", "random", "bottom", "own")
+P2C_CAPS = (0, 1, 2)
 
 
 # ----------------------------------------------------------------------------------- events
 
 @dataclass(frozen=True)
 class EventsConfig(Config):
-    """Event extraction (App. C) realized in ``model``'s tokenizer, with the margin audit."""
+    """Event extraction (App. C) realized in ``model``'s tokenizer, with the margin audit.
+
+    split: the notes read (empty: every split); max_notes: the first n of them (0: all).
+    n_null: NULL positions per note (>= 0), at least ``null_min_distance`` tokens from any
+    event; p2c_cap: 2 (first mention + first repeat per pair), 1 (first mention) or 0 (uncapped).
+    device: ``cpu``, ``cuda``, ``cuda:<n>`` or ``mps``.
+    """
 
     prepare_run: str = ""
     model: str = EMBEDDED_DEFAULT
@@ -60,6 +74,19 @@ class EventsConfig(Config):
     p2c_cap: int = 2
     seed: int = 0
     chunk_size: int = 8192
+
+    def validate(self) -> None:
+        check_not_empty(self.model, "model", "a model spec")
+        check_dtype(self.dtype)
+        check_device(self.device)
+        check_non_negative(self.max_notes, "max_notes", "0: every note")
+        check_non_negative(self.n_null, "n_null")
+        check_non_negative(self.null_min_distance, "null_min_distance")
+        if self.p2c_cap not in P2C_CAPS:
+            raise MistillInputError(f"p2c_cap must be one of {P2C_CAPS} (0: uncapped), got {self.p2c_cap}",
+                                    field="p2c_cap")
+        check_seed(self.seed)
+        check_positive(self.chunk_size, "chunk_size")
 
 
 def _stored_realized(r: RealizedEvent, margin_value: float, entropy: float, allows_text: bool) -> dict:
@@ -209,7 +236,8 @@ def _events_input(events_run: str) -> _EventsInput:
     cfg = reader.config
     prepared = load_prepared(cfg["prepare_run"])
     return _EventsInput(reader=reader, prepared=prepared,
-                        notes=stage_notes(prepared, cfg.get("split", ""), cfg.get("max_notes", 0)),
+                        notes=stage_notes(prepared, cfg.get("split", ""), cfg.get("max_notes", 0),
+                                          field="events_run"),
                         model=cfg["model"])
 
 
@@ -217,7 +245,13 @@ def _events_input(events_run: str) -> _EventsInput:
 
 @dataclass(frozen=True)
 class AttributeConfig(Config):
-    """The attribution pass (App. C) and the calibration into global sets (App. C–D)."""
+    """The attribution pass (App. C) and the calibration into global sets (App. C–D).
+
+    top_nominees, global_nominees: heads exactly patched per event (>= 0); null_exact_fraction:
+    the share of NULL events patched exactly, in [0, 1]; fdr_q: the BH level, in (0, 1];
+    selftest_events: events checked against exact patching of every head (0: none);
+    stability_splits: split-half draws (>= 1).
+    """
 
     events_run: str = ""
     dtype: str = "float32"
@@ -235,6 +269,21 @@ class AttributeConfig(Config):
     pool_k: int = 40
     stability_splits: int = 200
     seed: int = 0
+
+    def validate(self) -> None:
+        check_dtype(self.dtype)
+        check_device(self.device)
+        check_non_negative(self.top_nominees, "top_nominees")
+        check_non_negative(self.global_nominees, "global_nominees")
+        check_interval(self.null_exact_fraction, "null_exact_fraction")
+        check_positive(self.batch_size, "batch_size")
+        check_positive(self.grad_batch, "grad_batch")
+        check_positive(self.chunk_size, "chunk_size")
+        check_non_negative(self.selftest_events, "selftest_events", "0: no self-test")
+        check_interval(self.fdr_q, "fdr_q", low_open=True)
+        check_positive(self.pool_k, "pool_k")
+        check_positive(self.stability_splits, "stability_splits")
+        check_seed(self.seed)
 
 
 def _attribution_config(cfg: AttributeConfig) -> AttributionConfig:
@@ -341,18 +390,34 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 @dataclass(frozen=True)
 class KnockinStageConfig(Config):
-    """Necessity and knock-in of the global sets against random, bottom-k and own sets (App. D)."""
+    """Necessity and knock-in of the global sets against random, bottom-k and own sets (App. D).
+
+    k_bins: set sizes (each >= 1, no repeats); sets: any of ``global``, ``random``, ``bottom``,
+    ``own``; range_gate: the donor's margin range gate in nats (>= 0; 0: no gate);
+    events_per_phase: at most this many events per phase and note (0: every event).
+    """
 
     attribute_run: str = ""
     dtype: str = "float32"
     device: str = "cpu"
     k_bins: tuple[int, ...] = (3, 8, 16, 40, 100)
-    sets: tuple[str, ...] = ("global", "random", "bottom", "own")
+    sets: tuple[str, ...] = SET_NAMES
     range_gate: float = 1.0
     events_per_phase: int = 0
     batch_size: int = 256
     chunk_size: int = 8192
     seed: int = 0
+
+    def validate(self) -> None:
+        check_dtype(self.dtype)
+        check_device(self.device)
+        check_counts(self.k_bins, "k_bins")
+        check_choices(self.sets, SET_NAMES, "sets")
+        check_non_negative(self.range_gate, "range_gate", "0: no gate")
+        check_non_negative(self.events_per_phase, "events_per_phase", "0: every event")
+        check_positive(self.batch_size, "batch_size")
+        check_positive(self.chunk_size, "chunk_size")
+        check_seed(self.seed)
 
 
 def subsample_phase_events(queries: Sequence[EventQuery], per_phase: int, note_id: str,

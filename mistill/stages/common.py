@@ -1,16 +1,19 @@
 """What every stage shares: the prepared data of a run, the privacy guard, the model inputs.
 
-A ``prepare`` run leaves its corpus and inventory in a local data directory (tag
-``mistill.data_dir``); synthetic and public corpora are also logged as artifacts, so another
+A ``prepare`` run leaves its corpus and inventory in a local data directory of its own (tag
+``mistill.data_dir``), whose ``corpus_meta.json`` records the run and the data's identity,
+checked on every load; synthetic and public corpora are also logged as artifacts, so another
 machine can download them. Restricted corpora never leave the local directory.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,15 +22,33 @@ from mistill.data.inventory import Inventory
 from mistill.data.prompts import Prompt, build_prompt
 from mistill.errors import MistillInputError
 
+if TYPE_CHECKING:
+    from mlflow.entities import Run
+
 TAG_DATA_DIR = "mistill.data_dir"
+TAG_DATA_IDENTITY = "mistill.data_identity"
+"""sha256 of the prepared data's ``corpus_meta.json`` record (see :func:`save_prepared`)."""
+DATA_DIR_NAME = "data"
 CORPUS_FILE = "corpus.jsonl"
 INVENTORY_FILE = "inventory.json"
 CORPUS_META_FILE = "corpus_meta.json"
+_RECORD_KEYS = ("name", "privacy", "digest", "inventory_digest", "inventory_sha256", "run_id", "identity",
+                "identity_digest")
 
 
 def mistill_root() -> Path:
     """Local state root (``$MISTILL_ROOT`` or ``./.mistill``)."""
     return Path(os.environ.get("MISTILL_ROOT", ".mistill"))
+
+
+def prepared_data_dir(corpus_name: str, run_id: str) -> Path:
+    """The local folder of one run's prepared data: ``<root>/data/<corpus>-<run id>``.
+
+    One folder per run: a run's identity holds every input that shapes the data (typed params
+    and the content of every file read), so two runs that would prepare different data never
+    share, or overwrite, a folder.
+    """
+    return (mistill_root() / DATA_DIR_NAME / f"{corpus_name}-{run_id}").resolve()
 
 
 @dataclass
@@ -42,21 +63,59 @@ class Prepared:
     narrow_instruction: bool = True
 
 
-def save_prepared(data_dir: Path, corpus: Corpus, meta: dict) -> None:
-    from mistill.io import write_json
+def identity_digest(record: Mapping[str, Any]) -> str:
+    """sha256 of a ``corpus_meta.json`` record (canonical JSON, ``identity_digest`` left out)."""
+    from mistill.tracking.runs import params_digest
 
+    return params_digest({k: v for k, v in record.items() if k != "identity_digest"})
+
+
+def save_prepared(data_dir: Path, corpus: Corpus, meta: Mapping[str, Any], *, run_id: str | None = None,
+                  identity: Mapping[str, Any] | None = None) -> str:
+    """Write a run's prepared data (``corpus.jsonl``, ``inventory.json``, ``corpus_meta.json``)
+    and return its identity digest, to be tagged on the run as ``mistill.data_identity``.
+
+    ``corpus_meta.json`` holds ``meta`` (the prompt flags, provenance) and the record
+    :func:`load_prepared` checks: the corpus name, privacy and digest, the inventory's digest and
+    the sha256 of ``inventory.json``, the ``run_id`` that wrote the folder (default: the active
+    MLflow run), ``identity`` (the typed inputs that made the data: for ``prepare`` its params
+    and the sha256 of every file it read) and ``identity_digest`` over all of it.
+    """
+    from mistill.io import dumps, sha256_file, write_json
+
+    if run_id is None:
+        import mlflow
+
+        active = mlflow.active_run()
+        if active is None:
+            raise ValueError("save_prepared needs the run id of the run the data belongs to")
+        run_id = active.info.run_id
+    clash = sorted(set(meta) & set(_RECORD_KEYS))
+    if clash:
+        raise ValueError(f"corpus_meta.json keys {clash} are written by save_prepared itself")
     data_dir.mkdir(parents=True, exist_ok=True)
     corpus.to_jsonl(data_dir / CORPUS_FILE)
     corpus.inventory.to_json(data_dir / INVENTORY_FILE)
-    write_json(data_dir / CORPUS_META_FILE, {"name": corpus.name, "privacy": corpus.privacy,
-                                              "digest": corpus.digest, **meta})
+    record = {"name": corpus.name, "privacy": corpus.privacy, "digest": corpus.digest,
+              "inventory_digest": corpus.inventory.digest,
+              "inventory_sha256": sha256_file(data_dir / INVENTORY_FILE), **meta, "run_id": run_id,
+              "identity": dict(identity or {})}
+    record = json.loads(dumps(record))  # the digest is of what the file will hold
+    record["identity_digest"] = identity_digest(record)
+    write_json(data_dir / CORPUS_META_FILE, record)
+    return record["identity_digest"]
 
 
 def load_prepared(run_id: str) -> Prepared:
-    """Corpus and inventory of a ``prepare`` run (local data dir, else its logged artifacts)."""
+    """Corpus and inventory of a ``prepare`` run (local data dir, else its logged artifacts).
+
+    The folder must be this run's and unchanged (:func:`verify_prepared`); anything else is a
+    :class:`MistillInputError` naming the run, the folder and the field that differs.
+    """
     from mlflow.tracking import MlflowClient
 
     from mistill.io import read_json
+    from mistill.tracking.runs import TAG_CORPUS_DIGEST
 
     client = MlflowClient()
     try:
@@ -64,28 +123,107 @@ def load_prepared(run_id: str) -> Prepared:
     except Exception as exc:  # noqa: BLE001 - MLflow raises several types for a missing run
         raise MistillInputError(f"no prepare run {run_id!r} on the tracking server ({exc.__class__.__name__})",
                                 field="prepare_run") from None
-    data_dir = Path(run.data.tags.get(TAG_DATA_DIR, ""))
-    if not (data_dir / CORPUS_FILE).exists():
+    tagged = run.data.tags.get(TAG_DATA_DIR)
+    data_dir = Path(tagged) if tagged else None
+    if data_dir is None or not (data_dir / CORPUS_FILE).exists():
         if run.data.tags.get("mistill.privacy") not in ("synthetic", "public"):
             raise MistillInputError(
                 f"the restricted corpus of run {run_id} is not in its local data dir {data_dir}; "
                 "restricted text is never stored in MLflow", field="prepare_run")
-        data_dir = mistill_root() / "data" / run_id
+        data_dir = mistill_root() / DATA_DIR_NAME / run_id
         data_dir.mkdir(parents=True, exist_ok=True)
         for name in (CORPUS_FILE, INVENTORY_FILE, CORPUS_META_FILE):
             # the returned path is where the file landed (MLflow 3 drops the "data/" folder)
             got = client.download_artifacts(run_id, f"data/{name}", str(data_dir.parent / f".{run_id}-dl"))
             os.replace(got, data_dir / name)
     meta = read_json(data_dir / CORPUS_META_FILE)
+    verify_prepared(run, data_dir, meta)
     inventory = Inventory.from_json(data_dir / INVENTORY_FILE)
     corpus = Corpus.from_jsonl(data_dir / CORPUS_FILE, name=meta["name"], privacy=meta["privacy"],
                                inventory=inventory)
-    if corpus.digest != meta["digest"]:
-        raise MistillInputError("corpus file changed since prepare (digest mismatch)",
+    tagged_digest = run.data.tags.get(TAG_CORPUS_DIGEST)
+    if corpus.digest != meta["digest"] or (tagged_digest is not None and corpus.digest != tagged_digest):
+        raise MistillInputError(f"corpus file of run {run_id} changed since it was prepared (digest mismatch)",
                                 file=str(data_dir / CORPUS_FILE), field="digest")
     return Prepared(corpus=corpus, inventory=inventory, data_dir=data_dir, run_id=run_id,
                     remove_discharge_diagnosis=bool(meta.get("remove_discharge_diagnosis", True)),
                     narrow_instruction=bool(meta.get("narrow_instruction", True)))
+
+
+def verify_prepared(run: Run, data_dir: Path, meta: Mapping[str, Any]) -> None:
+    """Refuse a data folder that is not ``run``'s prepared data as it was written.
+
+    Checks, in order: the folder records ``run``'s id; its record hashes to the digest it
+    recorded and to the run's ``mistill.data_identity`` tag (a mismatch is traced to the first
+    field that differs from the run's typed params); ``inventory.json`` hashes to the recorded
+    sha256. The corpus digest is checked when the corpus is read (:func:`load_prepared`).
+    """
+    from mistill.io import sha256_file
+
+    run_id = run.info.run_id
+    meta_file = str(data_dir / CORPUS_META_FILE)
+    recorded = meta.get("run_id")
+    if recorded is None:
+        raise MistillInputError(f"data folder {data_dir} of run {run_id} records no run id (prepared before "
+                                "folders recorded their identity): run the stage again", file=meta_file,
+                                field="run_id")
+    if recorded != run_id:
+        diff = _differing_field(run, meta)
+        detail = f": {diff[0]} is {diff[1]!r} there, {diff[2]!r} in run {run_id}" if diff else ""
+        raise MistillInputError(f"data folder {data_dir} holds the prepared data of run {recorded}, not of "
+                                f"run {run_id}{detail}", file=meta_file, field=diff[0] if diff else "run_id")
+    digest = identity_digest(meta)
+    tagged = run.data.tags.get(TAG_DATA_IDENTITY)
+    if digest != meta.get("identity_digest") or (tagged is not None and digest != tagged):
+        diff = _differing_field(run, meta)
+        detail = f": {diff[0]} is {diff[1]!r} there, {diff[2]!r} in the run" if diff else ""
+        raise MistillInputError(f"data folder {data_dir} was changed after run {run_id} prepared it "
+                                f"(identity digest mismatch){detail}", file=meta_file,
+                                field=diff[0] if diff else "identity_digest")
+    inventory_file = data_dir / INVENTORY_FILE
+    if not inventory_file.is_file() or sha256_file(inventory_file) != meta.get("inventory_sha256"):
+        raise MistillInputError(f"inventory file of run {run_id} in {data_dir} changed since it was prepared "
+                                "(sha256 mismatch)", file=str(inventory_file), field="inventory_sha256")
+
+
+def _run_identity(run: Run) -> dict[str, Any]:
+    """A run's typed params and ``<field>_sha256`` content digests, from its ``config.json``
+    (the local work dir's copy, else the artifact); empty when it has none."""
+    import tempfile
+
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from mistill.io import read_json
+    from mistill.tracking.runs import CONFIG_ARTIFACT, CONTENT_SUFFIX
+
+    local = mistill_root() / "work" / run.info.run_id / CONFIG_ARTIFACT
+    try:
+        if local.is_file():
+            data = read_json(local)
+        else:
+            with tempfile.TemporaryDirectory(prefix="mistill-cfg-") as tmp:
+                data = read_json(MlflowClient().download_artifacts(run.info.run_id, CONFIG_ARTIFACT, tmp))
+    except (MlflowException, MistillInputError, OSError):
+        return {}
+    config = data.get("config") if isinstance(data, dict) else None
+    if not isinstance(config, dict):
+        return {}
+    content = data.get("content_sha256") or {}
+    return {**config, **{f"{k}{CONTENT_SUFFIX}": v for k, v in content.items()}}
+
+
+def _differing_field(run: Run, meta: Mapping[str, Any]) -> tuple[str, Any, Any] | None:
+    """The first of the run's typed params (sorted) whose value in ``meta`` (its ``identity``
+    or a top-level entry such as the prompt flags) differs: ``(field, in meta, in the run)``."""
+    from mistill.tracking.runs import typed_equal
+
+    identity = meta.get("identity") if isinstance(meta.get("identity"), dict) else {}
+    for key, value in sorted(_run_identity(run).items()):
+        for source in (identity, meta):
+            if key in source and not typed_equal(source[key], value):
+                return key, source[key], value
+    return None
 
 
 def corpus_index(corpus: Corpus):
@@ -101,6 +239,26 @@ def log_corpus_input(run, prepared: Prepared) -> None:
     """Lineage: the corpus a stage read, as an MLflow dataset input (ids and codes, no text)."""
     corpus = prepared.corpus
     run.log_dataset(corpus_index(corpus), name=f"{corpus.name}-index", digest=corpus.digest, context="input")
+
+
+def require_notes(notes: Sequence[Note], split: str, prepared: Prepared, *, field: str = "split",
+                  need_trace: bool = True) -> list[Note]:
+    """``notes`` (a stage's selection by ``split``; empty split: every note) if any; else refuse,
+    naming the split and the splits the corpus has, with their note and trace counts.
+
+    Called before a stage's run starts, so a split that matches nothing leaves no run behind.
+    need_trace: the selection keeps only notes with a teacher trace (said in the message).
+    """
+    if notes:
+        return list(notes)
+    corpus = prepared.corpus
+    counts = [f"{name!r}: {sum(n.split == name for n in corpus.notes)} notes, "
+              f"{sum(n.split == name and bool(n.teacher_trace) for n in corpus.notes)} with a teacher trace"
+              for name in corpus.splits]
+    what = "notes with a teacher trace" if need_trace else "notes"
+    where = f"split {split!r}" if split else "any split"
+    raise MistillInputError(f"no {what} in {where} of the corpus of run {prepared.run_id}; its splits: "
+                            f"{'; '.join(counts) or 'none (the corpus is empty)'}", field=field)
 
 
 def privacy_guard(corpus: Corpus, extra_texts: Sequence[str] = ()):
@@ -222,6 +380,7 @@ class RunReader:
             raise MistillInputError(f"input run {run_id} is {self.run.info.status}, not FINISHED", field=field)
         self.work_dir = mistill_root() / "work" / run_id
         self._config: dict | None = None
+        self._verified: dict[Path, tuple[int, int]] = {}
 
     @property
     def tags(self) -> dict[str, str]:
@@ -254,4 +413,19 @@ class RunReader:
         return local
 
     def note_file(self, subdir: str, note_id: str, filename: str) -> Path:
-        return self.file(f"{subdir}/{note_id}/{filename}")
+        """Local path of one per-note artifact, verified against the sha256 that the note's
+        ``_DONE`` marker recorded (a file changed after the note finished is refused)."""
+        from mistill.io import read_json
+        from mistill.tracking.runs import DONE_MARKER, verify_note_file
+
+        path = self.file(f"{subdir}/{note_id}/{filename}")
+        stamp = (path.stat().st_mtime_ns, path.stat().st_size)
+        if self._verified.get(path) != stamp:
+            try:
+                done_path = self.file(f"{subdir}/{note_id}/{DONE_MARKER}")
+            except MistillInputError:
+                raise MistillInputError(f"run {self.run_id}: note has no {DONE_MARKER} marker",
+                                        file=filename, note=str(note_id), field=subdir) from None
+            verify_note_file(path, read_json(done_path), run_id=self.run_id, subdir=subdir, note_id=str(note_id))
+            self._verified[path] = stamp
+        return path

@@ -9,7 +9,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from mistill.config import Config
-from mistill.distill.arms import resolve_arm
+from mistill.distill.arms import arm_digest, resolve_arm
 from mistill.distill.note_data import NoteData, build_note_data
 from mistill.distill.losses import make_adapter, uniform_layer_pairs
 from mistill.distill.objective import (FeatureKD, align_trace_rows, compute_note_targets, distillm2_step,
@@ -22,7 +22,9 @@ from mistill.io import npz_bytes
 from mistill.instrument.events import Event
 from mistill.models.loading import load_model, load_tokenizer
 from mistill.stages.characterize import NOTES, _events_input
-from mistill.stages.common import RunReader, log_corpus_input, mistill_root, privacy_guard
+from mistill.stages.common import RunReader, log_corpus_input, mistill_root, privacy_guard, require_notes
+from mistill.validation import (check_device, check_dtype, check_interval, check_non_negative, check_not_empty,
+                                check_positive, check_seed)
 
 EMBEDDED_STUDENT = "embedded:smollm2-135m@every-other"
 
@@ -34,7 +36,12 @@ def _read_events(reader: RunReader, note_id: str) -> list[Event]:
 
 @dataclass(frozen=True)
 class TargetsConfig(Config):
-    """The teacher's targets on the training notes (App. I.5): computed once, no online teacher."""
+    """The teacher's targets on the training notes (App. I.5): computed once, no online teacher.
+
+    split: the training notes among the events run's notes (empty: all of them).
+    pool_k: heads per pooled phase pool (>= 1); window: rows before each P1 event (>= 0);
+    top_k: next-token entries kept per row (>= 1).
+    """
 
     teacher_attribute_run: str = ""
     window_attribute_run: str = ""
@@ -45,6 +52,13 @@ class TargetsConfig(Config):
     dtype: str = "float32"
     device: str = "cpu"
 
+    def validate(self) -> None:
+        check_positive(self.pool_k, "pool_k")
+        check_non_negative(self.window, "window", "0: no window rows")
+        check_positive(self.top_k, "top_k")
+        check_dtype(self.dtype)
+        check_device(self.device)
+
 
 def run_targets(cfg: TargetsConfig) -> str:
     from mistill.tracking.runs import StageRun
@@ -52,9 +66,7 @@ def run_targets(cfg: TargetsConfig) -> str:
     att = RunReader(cfg.teacher_attribute_run, field="teacher_attribute_run")
     ev = _events_input(att.config["events_run"])
     prepared = ev.prepared
-    notes = [n for n in ev.notes if not cfg.split or n.split == cfg.split]
-    if not notes:
-        raise MistillInputError(f"no notes with a teacher trace in split {cfg.split!r}", field="split")
+    notes = require_notes([n for n in ev.notes if not cfg.split or n.split == cfg.split], cfg.split, prepared)
     guard = privacy_guard(prepared.corpus)
     with StageRun("targets", cfg, corpus=prepared.corpus.name, guard=guard, model=ev.model,
                   corpus_digest=prepared.corpus.digest, inputs={"teacher_attribute": cfg.teacher_attribute_run},
@@ -88,7 +100,17 @@ def run_targets(cfg: TargetsConfig) -> str:
 
 @dataclass(frozen=True)
 class TrainStageConfig(Config):
-    """One arm at one seed (App. J.2 recipe). ``overrides``: ``key=value,...`` on the arm's flags."""
+    """One arm at one seed (App. J.2 recipe).
+
+    arm: a bare arm name (letters, digits, ``-``, ``_``) of ``projects/configs/arms/``, or an
+        explicit path to an arm file ending in ``.yaml`` / ``.yml`` (absolute, or relative to the
+        working directory), whose content then joins the run's identity (param ``arm_sha256``);
+        anything else is refused (see :mod:`mistill.distill.arms`).
+    overrides: ``key=value,...`` on the arm's flags (``lambda_p1=0.03``; ``terms=a+b`` for lists).
+    precision: ``bf16`` or ``fp32``; empty keeps the arm's.
+    epochs (>= 1), lr (> 0), warmup_frac (in [0, 1]), grad_accum (>= 1), clip (> 0): the recipe;
+    max_steps: stop after this many optimizer steps (0: the epochs decide).
+    """
 
     targets_run: str = ""
     student_attribute_run: str = ""
@@ -109,6 +131,30 @@ class TrainStageConfig(Config):
     device: str = "cpu"
     register: bool = True
 
+    def arm_overrides(self) -> str:
+        """``overrides`` with ``precision`` appended when it is set."""
+        return self.overrides + (f",precision={self.precision}" if self.precision else "")
+
+    def validate(self) -> None:
+        check_not_empty(self.student, "student", "a model spec")
+        resolve_arm(self.arm, self.arm_overrides())  # the arm name, its file and every flag
+        check_seed(self.seed)
+        check_positive(self.epochs, "epochs")
+        check_positive(self.lr, "lr")
+        check_interval(self.warmup_frac, "warmup_frac")
+        check_positive(self.grad_accum, "grad_accum")
+        check_positive(self.clip, "clip")
+        check_non_negative(self.max_steps, "max_steps", "0: the epochs decide")
+        check_positive(self.logits_chunk, "logits_chunk")
+        check_positive(self.dispreferred_max_new_tokens, "dispreferred_max_new_tokens")
+        check_device(self.device)
+
+    def content_digests(self) -> dict[str, str]:
+        """The content of an arm given by explicit path (the repository's arms are covered by
+        the code version)."""
+        digest = arm_digest(self.arm)
+        return {"arm": digest} if digest else {}
+
 
 @dataclass
 class _Example:
@@ -126,14 +172,14 @@ def _same_vocab(a, b) -> bool:
 def run_train(cfg: TrainStageConfig) -> str:
     from mistill.tracking.runs import StageRun
 
-    overrides = cfg.overrides + (f",precision={cfg.precision}" if cfg.precision else "")
-    arm = resolve_arm(cfg.arm, overrides)
+    arm = resolve_arm(cfg.arm, cfg.arm_overrides())
     targets_run = RunReader(cfg.targets_run, field="targets_run")
     tcfg = targets_run.config
     att = RunReader(tcfg["teacher_attribute_run"], field="teacher_attribute_run")
     ev = _events_input(att.config["events_run"])
     prepared = ev.prepared
-    notes = [n for n in ev.notes if not tcfg.get("split") or n.split == tcfg["split"]]
+    notes = require_notes([n for n in ev.notes if not tcfg.get("split") or n.split == tcfg["split"]],
+                          tcfg.get("split", ""), prepared, field="targets_run")
     if arm.objective == "mistill" and not cfg.student_attribute_run:
         raise MistillInputError("Mistill arms need the student's calibrated ranking (student_attribute_run)",
                                 field="student_attribute_run")

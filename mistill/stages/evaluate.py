@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from mistill.config import Config
 from mistill.errors import MistillInputError
 from mistill.distill.note_data import first_trace_token
-from mistill.evaluation.backends import HFBackend, make_backend
+from mistill.evaluation.backends import BACKENDS, HFBackend, make_backend
 from mistill.evaluation.generation import DecodingConfig, generation_record, note_seed
 from mistill.evaluation.m1 import m1_summary, note_margins, trace_perplexity
 from mistill.evaluation.metrics import bleu4, per_note_metrics, task_metrics
@@ -36,6 +36,8 @@ from mistill.io import write_text
 from mistill.stages.characterize import stage_notes
 from mistill.stages.common import (Subject, load_prepared, log_corpus_input, mistill_root, model_positions,
                                    note_input, privacy_guard, trained_subject)
+from mistill.validation import (check_choice, check_device, check_dtype, check_interval, check_non_negative,
+                                check_positive, check_seed)
 
 NOTES = "notes"
 TAG_ENCLAVE = "mistill.enclave_dir"
@@ -49,6 +51,10 @@ class EvaluateConfig(Config):
         precision come from it); else ``model`` (any spec) with ``arm`` naming the row of
         Table 2 (``teacher``, ``untrained``, ...).
     las_run: a ``las_simulator`` run; empty leaves LAS out.
+    split: the notes read (empty: every split); max_notes: the first n of them (0: all).
+    backend: ``hf`` or ``vllm``; max_new_tokens (>= 1), temperature (> 0), top_p (in (0, 1]),
+        top_k (>= 0; 0: no top-k): the decoding.
+    device: ``cpu``, ``cuda``, ``cuda:<n>`` or ``mps``.
     """
 
     prepare_run: str = ""
@@ -67,6 +73,17 @@ class EvaluateConfig(Config):
     fidelity: bool = True
     device: str = "cpu"
     dtype: str = "float32"
+
+    def validate(self) -> None:
+        check_non_negative(self.max_notes, "max_notes", "0: every note")
+        check_choice(self.backend, BACKENDS, "backend")
+        check_positive(self.max_new_tokens, "max_new_tokens")
+        check_positive(self.temperature, "temperature")
+        check_interval(self.top_p, "top_p", low_open=True)
+        check_non_negative(self.top_k, "top_k", "0: no top-k")
+        check_seed(self.seed)
+        check_device(self.device)
+        check_dtype(self.dtype)
 
 
 def _subject(cfg: EvaluateConfig) -> Subject:
@@ -93,9 +110,7 @@ def run_evaluate(cfg: EvaluateConfig) -> str:
 
     prepared = load_prepared(cfg.prepare_run)
     guard = privacy_guard(prepared.corpus)
-    notes = stage_notes(prepared, cfg.split, cfg.max_notes)
-    if not notes:
-        raise MistillInputError(f"no notes with a teacher trace in split {cfg.split!r}", field="split")
+    notes = stage_notes(prepared, cfg.split, cfg.max_notes)  # refuses a split without notes
     subject = _subject(cfg)
     inputs = {"prepare": cfg.prepare_run}
     if cfg.train_run:

@@ -42,8 +42,11 @@ from mistill.evaluation.parsing import CodeIndex
 from mistill.io import write_text
 from mistill.models.loading import EMBEDDED_DEFAULT, load_tokenizer
 from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE, TAG_DATA_DIR,
-                                   Prepared, corpus_index, load_prepared, log_corpus_input,
-                                   mistill_root, privacy_guard, save_prepared)
+                                   TAG_DATA_IDENTITY, Prepared, corpus_index, load_prepared,
+                                   log_corpus_input, mistill_root, prepared_data_dir, privacy_guard,
+                                   require_notes, save_prepared)
+from mistill.validation import (check_choice, check_device, check_dtype, check_interval, check_non_negative,
+                                check_not_empty, check_positive, check_seed)
 
 NOTES = "notes"
 RECORD_FILE = "generation.json"
@@ -63,9 +66,12 @@ class GenerateConfig(Config):
     model: any model spec (``run:<train run id>``, ``embedded:smollm2-135m``, a directory, ...).
     backend: ``hf`` (HF ``generate``, one note at a time) or ``vllm`` (batched; optional extra).
     split: only this split's notes (empty: every note); max_notes: the first n (0: all).
-    max_new_tokens, temperature, top_p, top_k: the decoding (paper: 16384, 0.6, 0.95, 20).
-    seed: the sampling seed from which each note's seed is derived.
-    device, dtype: where and in what precision the model runs.
+    max_new_tokens, temperature, top_p, top_k: the decoding (paper: 16384, 0.6, 0.95, 20);
+        max_new_tokens >= 1, temperature > 0 (greedy decoding loops in thinking mode),
+        top_p in (0, 1], top_k >= 0 (0: no top-k).
+    seed: the sampling seed from which each note's seed is derived (>= 0).
+    device, dtype: where (``cpu``, ``cuda``, ``cuda:<n>``, ``mps``) and in what precision the
+        model runs.
     batch_size: notes per ``generate_many`` call (what vLLM batches; HF loops over them).
     """
 
@@ -87,28 +93,32 @@ class GenerateConfig(Config):
         return DecodingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               max_new_tokens=self.max_new_tokens, seed=self.seed)
 
+    def validate(self) -> None:
+        check_not_empty(self.model, "model", "a model spec")
+        check_choice(self.backend, BACKENDS, "backend")
+        check_non_negative(self.max_notes, "max_notes", "0: every note")
+        check_positive(self.max_new_tokens, "max_new_tokens")
+        check_positive(self.temperature, "temperature")
+        check_interval(self.top_p, "top_p", low_open=True)
+        check_non_negative(self.top_k, "top_k", "0: no top-k")
+        check_seed(self.seed)
+        check_device(self.device)
+        check_dtype(self.dtype)
+        check_positive(self.batch_size, "batch_size")
+
 
 def check_config(cfg: GenerateConfig) -> None:
-    """Refuse settings that cannot run (each names its field)."""
-    checks = [
-        (bool(cfg.prepare_run), "a prepare run id is required", "prepare_run"),
-        (cfg.backend in BACKENDS, f"unknown backend {cfg.backend!r} (one of {BACKENDS})", "backend"),
-        (cfg.max_new_tokens >= 1, "must be positive", "max_new_tokens"),
-        (cfg.temperature > 0, "must be positive (greedy decoding loops in thinking mode)",
-         "temperature"),
-        (0.0 < cfg.top_p <= 1.0, "must lie in (0, 1]", "top_p"),
-        (cfg.top_k >= 0, "must be >= 0 (0: no top-k)", "top_k"),
-        (cfg.max_notes >= 0, "must be >= 0 (0: every note)", "max_notes"),
-        (cfg.batch_size >= 1, "must be positive", "batch_size"),
-    ]
-    for ok, msg, fld in checks:
-        if not ok:
-            raise MistillInputError(msg, field=fld)
+    """Refuse what the values alone cannot show (they are checked when the config is built):
+    the corpus to read must be named."""
+    if not cfg.prepare_run:
+        raise MistillInputError("a prepare run id is required", field="prepare_run")
 
 
 def selected_notes(prepared: Prepared, split: str = "", max_notes: int = 0) -> list[Note]:
-    """The notes to generate for: one split or all, in corpus order, optionally the first n."""
+    """The notes to generate for: one split or all, in corpus order, optionally the first n
+    (``max_notes`` 0: all). An empty selection is refused (:func:`require_notes`)."""
     notes = [n for n in prepared.corpus.notes if not split or n.split == split]
+    notes = require_notes(notes, split, prepared, need_trace=False)
     return notes[:max_notes] if max_notes else notes
 
 
@@ -156,10 +166,7 @@ def run_generate(cfg: GenerateConfig) -> str:
     check_config(cfg)
     prepared = load_prepared(cfg.prepare_run)
     corpus, inventory = prepared.corpus, prepared.inventory
-    notes = selected_notes(prepared, cfg.split, cfg.max_notes)
-    if not notes:
-        raise MistillInputError(f"no notes{' in split ' + repr(cfg.split) if cfg.split else ''} "
-                                f"in the corpus of run {cfg.prepare_run}", field="split")
+    notes = selected_notes(prepared, cfg.split, cfg.max_notes)  # refuses a split without notes
     guard = privacy_guard(corpus)
     tags = {TAG_SOURCE_PREPARE: cfg.prepare_run, TAG_BACKEND: cfg.backend}
     with StageRun("generate", cfg, corpus=corpus.name, guard=guard, corpus_digest=corpus.digest,
@@ -235,11 +242,13 @@ def _save_traced(run, out: Corpus, prepared: Prepared, cfg: GenerateConfig, allo
     """Save the traced corpus like a prepare run does: data dir, tags, index, data artifacts."""
     from mistill.tracking.runs import TAG_CORPUS_DIGEST
 
-    data_dir = (mistill_root() / "data" / f"{out.name}-{out.digest[:12]}").resolve()
-    save_prepared(data_dir, out, {"remove_discharge_diagnosis": prepared.remove_discharge_diagnosis,
+    data_dir = prepared_data_dir(out.name, run.run_id)
+    identity = save_prepared(data_dir, out, {"remove_discharge_diagnosis": prepared.remove_discharge_diagnosis,
                                   "narrow_instruction": prepared.narrow_instruction,
-                                  "source_prepare_run": cfg.prepare_run, "generate_model": cfg.model})
-    run.set_tags({TAG_DATA_DIR: str(data_dir), TAG_CORPUS_DIGEST: out.digest, TAG_TRACED: len(out)})
+                                  "source_prepare_run": cfg.prepare_run, "generate_model": cfg.model},
+                             run_id=run.run_id, identity=run.params)
+    run.set_tags({TAG_DATA_DIR: str(data_dir), TAG_CORPUS_DIGEST: out.digest, TAG_TRACED: len(out),
+                  TAG_DATA_IDENTITY: identity})
     index_df = corpus_index(out)
     run.log_dataset(index_df, name=f"{out.name}-traced-index", digest=out.digest, context="corpus")
     run.log_table("corpus_index", index_df)

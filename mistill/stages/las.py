@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from mistill.config import Config
 from mistill.errors import MistillInputError
 from mistill.models.loading import EMBEDDED_DEFAULT
+from mistill.validation import (check_at_least, check_device, check_dtype, check_non_negative, check_not_empty,
+                                check_positive, check_seed)
 
 SIMULATOR_DIR = "simulator"
 LOGGED_SUFFIXES = (".safetensors", ".json")
@@ -37,8 +39,9 @@ class LasSimulatorConfig(Config):
         many of them, in corpus order (0: all).
     model: the simulator's base (``embedded:smollm2-135m``; ``tiny:qwen3`` in tests; Qwen3-1.7B
         in the paper).
-    max_steps, lr, seed: plain AdamW, one note (both inputs) per step, seeded shuffled passes.
-    max_answer_tokens: the decoding cap, and the budget the training answer is cut to fit.
+    max_steps, lr, seed: plain AdamW, one note (both inputs) per step, seeded shuffled passes
+        (max_steps >= 1, lr > 0, seed >= 0).
+    max_answer_tokens: the decoding cap, and the budget the training answer is cut to fit (>= 4).
     max_note_words: keep only the first this many words of each note (0: whole notes), in
         training and prediction, so CPU runs stay quick; stored with the checkpoint.
     device, dtype: where and in which precision the simulator trains and predicts.
@@ -57,6 +60,18 @@ class LasSimulatorConfig(Config):
     dtype: str = "float32"
     max_note_words: int = 256
 
+    def validate(self) -> None:
+        check_not_empty(self.split, "split", "the split of the teacher's training traces")
+        check_non_negative(self.max_val_notes, "max_val_notes", "0: every validation note")
+        check_not_empty(self.model, "model", "a model spec")
+        check_positive(self.max_steps, "max_steps")
+        check_positive(self.lr, "lr")
+        check_seed(self.seed)
+        check_at_least(self.max_answer_tokens, 4, "max_answer_tokens")
+        check_device(self.device)
+        check_dtype(self.dtype)
+        check_non_negative(self.max_note_words, "max_note_words", "0: whole notes")
+
 
 def _examples(notes, index):
     from mistill.evaluation.las import teacher_example
@@ -74,15 +89,15 @@ def run_las_simulator(cfg: LasSimulatorConfig) -> str:
     from mistill.evaluation.parsing import CodeIndex
     from mistill.models.loading import load_model
     from mistill.stages.common import (INVENTORY_FILE, load_prepared, log_corpus_input, mistill_root,
-                                       model_positions, privacy_guard)
+                                       model_positions, privacy_guard, require_notes)
     from mistill.tracking.runs import StageRun
 
     if not cfg.prepare_run:
         raise MistillInputError("las_simulator needs a prepare run", field="prepare_run")
-    if cfg.max_steps < 1 or cfg.max_answer_tokens < 4:
-        raise MistillInputError("max_steps must be >= 1 and max_answer_tokens >= 4", field="max_steps")
     prepared = load_prepared(cfg.prepare_run)
     corpus = prepared.corpus
+    train_notes = require_notes([n for n in corpus.notes if n.split == cfg.split and n.teacher_trace],
+                                cfg.split, prepared)
     guard = privacy_guard(corpus)
     with StageRun("las_simulator", cfg, corpus=corpus.name, guard=guard, model=cfg.model,
                   corpus_digest=corpus.digest, inputs={"prepare": cfg.prepare_run}, resume=True,
@@ -92,9 +107,7 @@ def run_las_simulator(cfg: LasSimulatorConfig) -> str:
             return run.run_id
         log_corpus_input(run, prepared)
         index = CodeIndex(list(prepared.inventory.codes))
-        train = _examples(corpus.split(cfg.split).notes if cfg.split in corpus.splits else [], index)
-        if not train:
-            raise MistillInputError(f"no {cfg.split!r} notes with a teacher trace", field="split")
+        train = _examples(train_notes, index)
         lm = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
         positions = model_positions(lm)
         pairs = [encode_pair(ex, lm.tokenizer, max_answer_tokens=cfg.max_answer_tokens,

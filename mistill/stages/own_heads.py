@@ -35,6 +35,9 @@ from mistill.errors import MistillInputError
 from mistill.instrument.passes import PHASES
 from mistill.stages.common import (Prepared, RunReader, Subject, load_prepared, log_corpus_input, mistill_root,
                                    model_positions, privacy_guard, trained_subject)
+from mistill.stages.workflow import LAUNCHES
+from mistill.validation import (check_choice, check_counts, check_device, check_dtype, check_non_negative,
+                                check_positive, check_seed)
 
 NOTES = "notes"
 OWN_NOTES = "own_notes"
@@ -43,7 +46,16 @@ TRACES = ("teacher", "own")
 
 @dataclass(frozen=True)
 class OwnHeadsConfig(Config):
-    """Own-heads readouts of one arm: ``train_run`` (model ``run:<id>``) or a plain ``model``."""
+    """Own-heads readouts of one arm: ``train_run`` (model ``run:<id>``) or a plain ``model``.
+
+    rank_split: the notes the arm's heads are ranked on; test_split: the notes measured (empty:
+        every split); max_notes: the first n of each (0: all).
+    k: own top-k sizes for M4 (each >= 1, no repeats); necessity_k, m2_k (>= 1): the necessity
+        size and the M2/M3/prefix set size; n_random: random floor draws (>= 1).
+    range_gate: the donor's margin range gate in nats (>= 0; 0: no gate); events_per_phase: at
+        most this many events per phase and note (0: every event).
+    launch: how the ranking steps run, ``mlflow`` or ``inline``.
+    """
 
     prepare_run: str = ""
     train_run: str = ""
@@ -67,6 +79,24 @@ class OwnHeadsConfig(Config):
     batch_size: int = 256
     chunk_size: int = 8192
     launch: str = "mlflow"
+
+    def validate(self) -> None:
+        check_counts(self.k, "k")
+        check_positive(self.necessity_k, "necessity_k")
+        check_positive(self.m2_k, "m2_k")
+        check_positive(self.n_random, "n_random")
+        check_non_negative(self.range_gate, "range_gate", "0: no gate")
+        check_non_negative(self.events_per_phase, "events_per_phase", "0: every event")
+        check_positive(self.max_new_tokens, "max_new_tokens")
+        check_non_negative(self.n_null, "n_null")
+        check_positive(self.stability_splits, "stability_splits")
+        check_device(self.device)
+        check_dtype(self.dtype)
+        check_seed(self.seed)
+        check_non_negative(self.max_notes, "max_notes", "0: every note")
+        check_positive(self.batch_size, "batch_size")
+        check_positive(self.chunk_size, "chunk_size")
+        check_choice(self.launch, LAUNCHES, "launch")
 
 
 def _arm(cfg: OwnHeadsConfig) -> Subject:
@@ -99,12 +129,12 @@ def _rank_steps(cfg: OwnHeadsConfig, spec: str, corpus_name: str) -> dict[str, s
 
 
 def _test_notes(prepared: Prepared, cfg: OwnHeadsConfig) -> list[Note]:
+    """The measured notes; refuses an empty ``test_split`` or ``rank_split`` selection (the
+    ranking's events run reads the latter) before any run starts."""
     from mistill.stages.characterize import stage_notes
 
-    notes = stage_notes(prepared, cfg.test_split, cfg.max_notes)
-    if not notes:
-        raise MistillInputError(f"no {cfg.test_split!r} notes with a teacher trace", field="test_split")
-    return notes
+    stage_notes(prepared, cfg.rank_split, cfg.max_notes, field="rank_split")
+    return stage_notes(prepared, cfg.test_split, cfg.max_notes, field="test_split")
 
 
 def _median(values: Sequence[float]) -> float:
@@ -149,8 +179,6 @@ def run_own_heads(cfg: OwnHeadsConfig) -> str:
     from mistill.stages.characterize import _ranks_from_head_sets
     from mistill.tracking.runs import TAG_SPLIT, StageRun
 
-    if not cfg.k or any(k < 1 for k in cfg.k) or cfg.m2_k < 1:
-        raise MistillInputError("k and m2_k must be positive", field="k")
     arm = _arm(cfg)
     prepared = load_prepared(cfg.prepare_run)
     notes = _test_notes(prepared, cfg)

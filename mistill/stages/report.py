@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from mistill.config import Config
 from mistill.errors import MistillInputError
 from mistill.stats import N_BOOTSTRAP, N_BOOTSTRAP_CORPUS
+from mistill.validation import check_not_empty, check_positive, check_seed
 
 
 @dataclass(frozen=True)
@@ -31,9 +32,9 @@ class ReportConfig(Config):
     arms: keep only these arms' evaluate and own-heads runs (plus the reference, ``teacher``
         and ``untrained``); empty keeps every arm.
     split: the notes the evaluate and own-heads runs read must be these (``test``).
-    bootstrap: resamples of the per-note bootstrap intervals (App. L: 1,000).
-    corpus_bootstrap: resamples of the corpus-level micro-F1 difference (App. L: 10,000).
-    seed: seed of every bootstrap.
+    bootstrap: resamples of the per-note bootstrap intervals (App. L: 1,000; >= 1).
+    corpus_bootstrap: resamples of the corpus-level micro-F1 difference (App. L: 10,000; >= 1).
+    seed: seed of every bootstrap (>= 0).
     """
 
     corpus: str = "synthetic"
@@ -44,14 +45,14 @@ class ReportConfig(Config):
     corpus_bootstrap: int = N_BOOTSTRAP_CORPUS
     seed: int = 0
 
-
-def _check(cfg: ReportConfig) -> None:
-    if cfg.bootstrap < 1:
-        raise MistillInputError("bootstrap must be at least 1", field="bootstrap")
-    if cfg.corpus_bootstrap < 1:
-        raise MistillInputError("corpus_bootstrap must be at least 1", field="corpus_bootstrap")
-    if not cfg.reference_arm:
-        raise MistillInputError("reference_arm is empty", field="reference_arm")
+    def validate(self) -> None:
+        check_not_empty(self.corpus, "corpus", "the corpus whose experiment is read")
+        check_not_empty(self.reference_arm, "reference_arm", "the arm every other arm is compared against")
+        if any(not arm.strip() for arm in self.arms):
+            raise MistillInputError(f"arms holds an empty name: {list(self.arms)}", field="arms")
+        check_positive(self.bootstrap, "bootstrap")
+        check_positive(self.corpus_bootstrap, "corpus_bootstrap")
+        check_seed(self.seed)
 
 
 def run_report(cfg: ReportConfig) -> str:
@@ -71,7 +72,6 @@ def run_report(cfg: ReportConfig) -> str:
         resolve_tracking_uri,
     )
 
-    _check(cfg)
     uri = resolve_tracking_uri(mistill_root())
     mlflow.set_tracking_uri(uri)
     client = MlflowClient(tracking_uri=uri)

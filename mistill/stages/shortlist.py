@@ -41,17 +41,22 @@ from mistill.data.shortlist import (
 from mistill.errors import MistillInputError
 from mistill.io import write_text
 from mistill.models.encoder import EMBEDDED_ENCODER
+from mistill.validation import (check_choice, check_counts, check_device, check_interval, check_non_negative,
+                                check_not_empty, check_positive, check_seed)
 from mistill.stages.common import (
     CORPUS_FILE,
     CORPUS_META_FILE,
     INVENTORY_FILE,
     TAG_DATA_DIR,
+    TAG_DATA_IDENTITY,
     Prepared,
     corpus_index,
     load_prepared,
     log_corpus_input,
     mistill_root,
+    prepared_data_dir,
     privacy_guard,
+    require_notes,
     save_prepared,
 )
 
@@ -67,7 +72,8 @@ class ShortlistConfig(Config):
 
     prepare_run: the corpus to shortlist (every note gets a shortlist).
     encoder: ``embedded:all-minilm-l6-v2`` or a local sentence-embedding model directory
-        (gte-large for paper-scale runs); ``device``: ``cpu``, ``cuda`` or ``auto``.
+        (gte-large for paper-scale runs); ``device``: ``cpu``, ``cuda``, ``cuda:<n>``, ``mps``
+        or ``auto`` (CUDA when available).
     chunk_words: words per note chunk; ``batch_size``: encoder batch.
     train_prepare_run: a prepare run whose ``train_split`` notes (all when empty) train the
         head (e.g. the MIMIC-IV train split). When empty and the corpus is synthetic,
@@ -111,6 +117,28 @@ class ShortlistConfig(Config):
     baseline_ks: tuple[int, ...] = (5, 10, 20, 50, 100, 200)
     prompt_order: str = "inventory"
 
+    def validate(self) -> None:
+        check_not_empty(self.encoder, "encoder", "a sentence-embedding model")
+        check_device(self.device, extra=("auto",))
+        check_positive(self.chunk_words, "chunk_words")
+        check_positive(self.batch_size, "batch_size")
+        check_non_negative(self.train_synthetic_notes, "train_synthetic_notes")
+        check_seed(self.train_seed, "train_seed")
+        check_choice(self.fusion, FUSION_RULES, "fusion")
+        check_interval(self.fusion_weight, "fusion_weight")
+        check_non_negative(self.rrf_k, "rrf_k")
+        check_non_negative(self.l2, "l2")
+        check_positive(self.lr, "lr")
+        check_positive(self.epochs, "epochs")
+        check_positive(self.head_batch_size, "head_batch_size")
+        check_seed(self.seed)
+        check_non_negative(self.k, "k", "0: the K rule")
+        check_counts(self.k_grid, "k_grid", non_empty=False, unique=False)
+        check_interval(self.target_recall, "target_recall", low_open=True)
+        check_non_negative(self.siblings_of, "siblings_of")
+        check_counts(self.baseline_ks, "baseline_ks", non_empty=False, unique=False)
+        check_choice(self.prompt_order, PROMPT_ORDERS, "prompt_order")
+
     def settings(self, remove_discharge_diagnosis: bool) -> RetrieverSettings:
         return RetrieverSettings(chunk_words=self.chunk_words, batch_size=self.batch_size,
                                  remove_discharge_diagnosis=remove_discharge_diagnosis,
@@ -120,23 +148,10 @@ class ShortlistConfig(Config):
 
 
 def _check_config(cfg: ShortlistConfig) -> None:
-    checks = [
-        (bool(cfg.prepare_run), "a prepare run id is required", "prepare_run"),
-        (cfg.fusion in FUSION_RULES, f"unknown fusion rule {cfg.fusion!r} (one of {FUSION_RULES})",
-         "fusion"),
-        (0.0 <= cfg.fusion_weight <= 1.0, "must lie in [0, 1]", "fusion_weight"),
-        (cfg.prompt_order in PROMPT_ORDERS, f"must be one of {PROMPT_ORDERS}", "prompt_order"),
-        (0.0 < cfg.target_recall <= 1.0, "must lie in (0, 1]", "target_recall"),
-        (cfg.k >= 0, "must be >= 0 (0: the K rule)", "k"),
-        (cfg.siblings_of >= 0, "must be >= 0", "siblings_of"),
-        (cfg.chunk_words >= 1, "must be positive", "chunk_words"),
-        (cfg.batch_size >= 1, "must be positive", "batch_size"),
-        (all(k >= 1 for k in cfg.k_grid), "every K must be positive", "k_grid"),
-        (all(k >= 1 for k in cfg.baseline_ks), "every k must be positive", "baseline_ks"),
-    ]
-    for ok, msg, fld in checks:
-        if not ok:
-            raise MistillInputError(msg, field=fld)
+    """Refuse what the values alone cannot show (they are checked when the config is built):
+    the corpus to shortlist must be named."""
+    if not cfg.prepare_run:
+        raise MistillInputError("a prepare run id is required", field="prepare_run")
 
 
 def excluded_patients(prepared: Prepared, exclude_runs: tuple[str, ...]) -> set[str]:
@@ -148,14 +163,11 @@ def excluded_patients(prepared: Prepared, exclude_runs: tuple[str, ...]) -> set[
 
 
 def training_pool(cfg: ShortlistConfig, prepared: Prepared) -> list[Note]:
-    """The candidate training notes, before the patient exclusion."""
+    """The candidate training notes, before the patient exclusion (refused when empty)."""
     if cfg.train_prepare_run:
-        train = load_prepared(cfg.train_prepare_run).corpus
-        notes = [n for n in train.notes if not cfg.train_split or n.split == cfg.train_split]
-        if not notes:
-            raise MistillInputError(f"no {cfg.train_split!r} notes in the training corpus of run "
-                                    f"{cfg.train_prepare_run}", field="train_split")
-        return notes
+        train = load_prepared(cfg.train_prepare_run)
+        notes = [n for n in train.corpus.notes if not cfg.train_split or n.split == cfg.train_split]
+        return require_notes(notes, cfg.train_split, train, field="train_split", need_trace=False)
     if prepared.corpus.privacy != "synthetic":
         raise MistillInputError("a non-synthetic corpus needs a training corpus for the linear "
                                 "head (a prepare run of, e.g., the MIMIC-IV train split)",
@@ -207,6 +219,7 @@ def run_shortlist(cfg: ShortlistConfig) -> str:
     if cfg.k > len(inventory):
         raise MistillInputError(f"K = {cfg.k} exceeds the inventory's {len(inventory)} codes",
                                 field="k")
+    pool = training_pool(cfg, prepared)  # its input errors come before any run
     guard = privacy_guard(corpus)
     tags = {TAG_SOURCE_PREPARE: cfg.prepare_run, "mistill.encoder": cfg.encoder}
     if cfg.train_prepare_run:
@@ -219,7 +232,7 @@ def run_shortlist(cfg: ShortlistConfig) -> str:
             return run.run_id
         log_corpus_input(run, prepared)
         excluded = excluded_patients(prepared, cfg.exclude_prepare_runs)
-        train, dropped = split_training_notes(training_pool(cfg, prepared), excluded)
+        train, dropped = split_training_notes(pool, excluded)
         retriever = Retriever(load_encoder(cfg.encoder, device=cfg.device), inventory,
                               cfg.settings(prepared.remove_discharge_diagnosis))
         retriever.fit(train, excluded)
@@ -237,11 +250,13 @@ def run_shortlist(cfg: ShortlistConfig) -> str:
         out = Corpus(name=corpus.name, privacy=corpus.privacy, inventory=inventory, meta=corpus.meta,
                      notes=[replace(n, shortlist=tuple(p)) for n, p in zip(notes, in_prompt)])
 
-        data_dir = (mistill_root() / "data" / f"{out.name}-{out.digest[:12]}").resolve()
-        save_prepared(data_dir, out, {"remove_discharge_diagnosis": prepared.remove_discharge_diagnosis,
+        data_dir = prepared_data_dir(out.name, run.run_id)
+        identity = save_prepared(data_dir, out, {"remove_discharge_diagnosis": prepared.remove_discharge_diagnosis,
                                       "narrow_instruction": prepared.narrow_instruction,
-                                      "source_prepare_run": cfg.prepare_run, "shortlist_k": k})
-        run.set_tags({TAG_DATA_DIR: str(data_dir), TAG_CORPUS_DIGEST: out.digest, TAG_K: k})
+                                      "source_prepare_run": cfg.prepare_run, "shortlist_k": k},
+                                 run_id=run.run_id, identity=run.params)
+        run.set_tags({TAG_DATA_DIR: str(data_dir), TAG_CORPUS_DIGEST: out.digest, TAG_K: k,
+                      TAG_DATA_IDENTITY: identity})
         index = corpus_index(out)
         run.log_dataset(index, name=f"{out.name}-index", digest=out.digest, context="corpus")
         index["n_shortlist"] = [len(s) for s in lists]

@@ -12,12 +12,21 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from mistill.config import Config
+from mistill.config import Config, file_digest
 from mistill.errors import MistillInputError
 from mistill.models.loading import EMBEDDED_DEFAULT
+from mistill.validation import check_choice, check_non_negative, check_not_empty, check_positive
+
+if TYPE_CHECKING:
+    from mistill.stages.characterize import AttributeConfig, EventsConfig, KnockinStageConfig
+    from mistill.stages.prepare import PrepareConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+LAUNCHES = ("mlflow", "inline")
+"""How a workflow runs its steps: ``mlflow`` (``mlflow.projects.run``, a fresh process each) or
+``inline`` (the stage function in this process)."""
 
 
 def _param_strings(cfg: Config) -> dict[str, str]:
@@ -49,16 +58,17 @@ def run_step(stage_name: str, cfg: Config, corpus_name: str, *, launch: str = "m
 
     from mistill.stages.registry import stages
     from mistill.tracking.runs import (TAG_DELEGATED_TO, code_version, experiment_for_corpus,
-                                       find_run)
+                                       find_run, identity_params)
 
     stage = stages()[stage_name]
     experiment = experiment_for_corpus(corpus_name)
-    found = find_run(experiment, stage_name, cfg.to_dict(), code_version(REPO_ROOT), stage.input_runs(cfg))
+    found = find_run(experiment, stage_name, identity_params(cfg), code_version(REPO_ROOT), stage.input_runs(cfg))
     if found is not None:
         print(f"[{stage_name}] reusing finished run {found.info.run_id}")
         return found.info.run_id
     print(f"[{stage_name}] running")
     if launch == "inline":
+        cfg.check_environment()
         return stage.run(cfg)
     # the entry point's `python` must be this interpreter (the project's environment)
     bindir = str(Path(os.sys.executable).parent)
@@ -84,7 +94,12 @@ def run_step(stage_name: str, cfg: Config, corpus_name: str, *, launch: str = "m
 
 @dataclass(frozen=True)
 class CharacterizeConfig(Config):
-    """events -> attribute -> knockin on one prepared corpus (the instrument, App. C–D)."""
+    """events -> attribute -> knockin on one prepared corpus (the instrument, App. C–D).
+
+    Every field is the field of the same name of the step it is passed to (``EventsConfig``,
+    ``AttributeConfig``, ``KnockinStageConfig``) and is validated there; launch: ``mlflow`` or
+    ``inline``.
+    """
 
     prepare_run: str = ""
     model: str = EMBEDDED_DEFAULT
@@ -102,23 +117,40 @@ class CharacterizeConfig(Config):
     seed: int = 0
     launch: str = "mlflow"
 
+    def validate(self) -> None:
+        self.events_config()  # each step's config validates the fields it takes
+        self.attribute_config()
+        self.knockin_config()
+        check_choice(self.launch, LAUNCHES, "launch")
+
+    def events_config(self) -> EventsConfig:
+        from mistill.stages.characterize import EventsConfig
+
+        return EventsConfig(prepare_run=self.prepare_run, model=self.model, dtype=self.dtype, device=self.device,
+                            split=self.split, max_notes=self.max_notes, n_null=self.n_null, seed=self.seed)
+
+    def attribute_config(self, events_run: str = "") -> AttributeConfig:
+        from mistill.stages.characterize import AttributeConfig
+
+        return AttributeConfig(events_run=events_run, dtype=self.dtype, device=self.device,
+                               selftest_events=self.selftest_events, exact_p2=self.exact_p2,
+                               stability_splits=self.stability_splits, seed=self.seed)
+
+    def knockin_config(self, attribute_run: str = "") -> KnockinStageConfig:
+        from mistill.stages.characterize import KnockinStageConfig
+
+        return KnockinStageConfig(attribute_run=attribute_run, dtype=self.dtype, device=self.device,
+                                  k_bins=self.k_bins, range_gate=self.range_gate,
+                                  events_per_phase=self.events_per_phase, seed=self.seed)
+
 
 def characterize_steps(cfg: CharacterizeConfig, corpus_name: str, parent: str | None = None) -> dict[str, str]:
-    from mistill.stages.characterize import AttributeConfig, EventsConfig, KnockinStageConfig
-
     ids = {}
-    ids["events"] = run_step("events", EventsConfig(
-        prepare_run=cfg.prepare_run, model=cfg.model, dtype=cfg.dtype, device=cfg.device, split=cfg.split,
-        max_notes=cfg.max_notes, n_null=cfg.n_null, seed=cfg.seed), corpus_name, launch=cfg.launch,
-        parent=parent)
-    ids["attribute"] = run_step("attribute", AttributeConfig(
-        events_run=ids["events"], dtype=cfg.dtype, device=cfg.device, selftest_events=cfg.selftest_events,
-        exact_p2=cfg.exact_p2, stability_splits=cfg.stability_splits, seed=cfg.seed), corpus_name,
-        launch=cfg.launch, parent=parent)
-    ids["knockin"] = run_step("knockin", KnockinStageConfig(
-        attribute_run=ids["attribute"], dtype=cfg.dtype, device=cfg.device, k_bins=cfg.k_bins,
-        range_gate=cfg.range_gate, events_per_phase=cfg.events_per_phase, seed=cfg.seed), corpus_name, launch=cfg.launch,
-        parent=parent)
+    ids["events"] = run_step("events", cfg.events_config(), corpus_name, launch=cfg.launch, parent=parent)
+    ids["attribute"] = run_step("attribute", cfg.attribute_config(ids["events"]), corpus_name,
+                                launch=cfg.launch, parent=parent)
+    ids["knockin"] = run_step("knockin", cfg.knockin_config(ids["attribute"]), corpus_name, launch=cfg.launch,
+                              parent=parent)
     return ids
 
 
@@ -129,14 +161,30 @@ def _corpus_of_run(run_id: str) -> str:
 
 
 def run_characterize(cfg: CharacterizeConfig) -> str:
-    """The three instrument stages in order; returns the knock-in run id."""
+    """The three instrument stages in order; returns the knock-in run id. A split without
+    notes is refused before any step runs."""
+    from mistill.stages.characterize import stage_notes
+    from mistill.stages.common import load_prepared
+
+    stage_notes(load_prepared(cfg.prepare_run), cfg.split, cfg.max_notes)
     ids = characterize_steps(cfg, _corpus_of_run(cfg.prepare_run))
     return ids["knockin"]
 
 
 @dataclass(frozen=True)
 class PipelineConfig(Config):
-    """The whole platform on one corpus (defaults: the embedded default, sized for a CPU demo)."""
+    """The whole platform on one corpus (defaults: the embedded default, sized for a CPU demo).
+
+    The fields passed on under their own name (``corpus`` ... ``model`` to ``prepare``, ``dtype``
+    ... ``stability_splits`` to ``characterize``) are validated by those steps' configs.
+    student_split, train_split, eval_split: the notes the student is ranked on, the arms train
+    on and are evaluated on; each must hold notes with a teacher trace (checked once the corpus
+    is prepared, before any model step).
+    train_arms: arms to train (names or ``.yaml`` paths, see ``TrainStageConfig.arm``); empty
+    stops after characterization. train_max_steps: 0 lets the epochs decide.
+    A corpus file, codes_file, select_lock and arm files given by path join the run's identity
+    by content.
+    """
 
     corpus: str = "synthetic"
     corpus_name: str = ""
@@ -171,6 +219,68 @@ class PipelineConfig(Config):
     report: bool = True
     launch: str = "mlflow"
 
+    def validate(self) -> None:
+        from mistill.distill.arms import resolve_arm
+
+        self.prepare_config()  # the prepare and characterize steps validate what they take
+        self.characterize_config()
+        check_not_empty(self.student, "student", "a model spec")
+        for arm in self.train_arms:
+            try:
+                resolve_arm(arm)
+            except MistillInputError as exc:
+                raise MistillInputError(f"train_arms: {exc}", field="train_arms") from None
+        check_non_negative(self.train_max_steps, "train_max_steps", "0: the epochs decide")
+        check_positive(self.train_grad_accum, "train_grad_accum")
+        check_positive(self.eval_max_new_tokens, "eval_max_new_tokens")
+        check_not_empty(self.las_model, "las_model", "a model spec")
+        check_positive(self.las_max_steps, "las_max_steps")
+
+    def content_digests(self) -> dict[str, str]:
+        """The content of the files the prepare step reads (a corpus file, ``codes_file``), of
+        ``select_lock`` and of the arms given by path."""
+        import hashlib
+        import json
+
+        from mistill.distill.arms import arm_digest
+
+        out = dict(self.prepare_config().content_digests())
+        lock = file_digest(self.select_lock)
+        if lock is not None:
+            out["select_lock"] = lock
+        arms = {arm: digest for arm in self.train_arms if (digest := arm_digest(arm))}
+        if arms:
+            out["train_arms"] = hashlib.sha256(json.dumps(arms, sort_keys=True).encode()).hexdigest()
+        return out
+
+    def prepare_config(self) -> PrepareConfig:
+        from mistill.stages.prepare import PrepareConfig
+
+        return PrepareConfig(corpus=self.corpus, corpus_name=self.corpus_name, privacy=self.privacy,
+                             n_notes=self.n_notes, seed=self.seed, inventory_size=self.inventory_size,
+                             codes_file=self.codes_file, model=self.model)
+
+    def characterize_config(self, prepare_run: str = "") -> CharacterizeConfig:
+        return CharacterizeConfig(prepare_run=prepare_run, model=self.model, dtype=self.dtype, device=self.device,
+                                  n_null=self.n_null, selftest_events=self.selftest_events,
+                                  exact_p2=self.exact_p2, k_bins=self.k_bins, range_gate=self.range_gate,
+                                  events_per_phase=self.events_per_phase,
+                                  stability_splits=self.stability_splits, seed=self.seed, launch=self.launch)
+
+
+def require_split_notes(cfg: PipelineConfig, prepare_run: str) -> None:
+    """Refuse, before any model step, a ``student_split``, ``train_split`` or ``eval_split``
+    without notes carrying a teacher trace in the prepared corpus (only read when arms train)."""
+    if not cfg.train_arms:
+        return
+    from mistill.stages.characterize import stage_notes
+    from mistill.stages.common import load_prepared
+
+    prepared = load_prepared(prepare_run)
+    for field, split in (("student_split", cfg.student_split), ("train_split", cfg.train_split),
+                         ("eval_split", cfg.eval_split)):
+        stage_notes(prepared, split, field=field)
+
 
 def corpus_run(ids: dict[str, str]) -> str:
     """The prepared corpus the pipeline's model steps read: the shortlist's when it ran."""
@@ -178,22 +288,15 @@ def corpus_run(ids: dict[str, str]) -> str:
 
 
 def pipeline_steps(cfg: PipelineConfig, parent: str | None = None) -> dict[str, str]:
-    from mistill.stages.prepare import PrepareConfig
     from mistill.stages.shortlist import ShortlistConfig
 
     corpus_name = corpus_name_of(cfg.corpus, cfg.corpus_name)
-    ids = {"prepare": run_step("prepare", PrepareConfig(
-        corpus=cfg.corpus, corpus_name=cfg.corpus_name, privacy=cfg.privacy, n_notes=cfg.n_notes,
-        seed=cfg.seed, inventory_size=cfg.inventory_size, codes_file=cfg.codes_file, model=cfg.model),
-        corpus_name, launch=cfg.launch, parent=parent)}
+    ids = {"prepare": run_step("prepare", cfg.prepare_config(), corpus_name, launch=cfg.launch, parent=parent)}
     if cfg.shortlist:  # every later step reads the shortlisted corpus: its prompts list the shortlist
         ids["shortlist"] = run_step("shortlist", ShortlistConfig(prepare_run=ids["prepare"], seed=cfg.seed),
                                     corpus_name, launch=cfg.launch, parent=parent)
-    ids.update(characterize_steps(CharacterizeConfig(
-        prepare_run=corpus_run(ids), model=cfg.model, dtype=cfg.dtype, device=cfg.device, n_null=cfg.n_null,
-        selftest_events=cfg.selftest_events, exact_p2=cfg.exact_p2, k_bins=cfg.k_bins,
-        range_gate=cfg.range_gate, events_per_phase=cfg.events_per_phase, stability_splits=cfg.stability_splits, seed=cfg.seed,
-        launch=cfg.launch), corpus_name, parent=parent))
+    require_split_notes(cfg, corpus_run(ids))
+    ids.update(characterize_steps(cfg.characterize_config(corpus_run(ids)), corpus_name, parent=parent))
     if cfg.train_arms:
         ids.update(distill_steps(cfg, ids, corpus_name, parent))
         ids.update(evaluation_steps(cfg, ids, corpus_name, parent))
