@@ -44,6 +44,9 @@ def test_rows_equal_eager_attention(lm):
             probs = attention_rows(g.layers[l], g, kept[l][0], rows, heads, torch.arange(N_POS))
             eager = out.attentions[l][0][heads][:, rows].transpose(0, 1)  # [row, h, pos]
             assert probs.shape == (len(rows), len(heads), N_POS)
+            # recomputed rows against eager attention (other kernels): probabilities <= 1 agree
+            # to a few float32 eps; atol 1e-6 is about 8 eps (observed: <= 1 eps, default /
+            # AVX2 / AVX-512 kernels)
             torch.testing.assert_close(probs, eager, atol=1e-6, rtol=1e-5)
             # causal: nothing after the row, each row a distribution
             future = torch.arange(N_POS)[None, :] > torch.tensor(rows)[:, None]
@@ -163,8 +166,16 @@ def test_gradient_checkpointing_keeps_the_graph(reentrant):
         lm.model.gradient_checkpointing_disable()
         lm.model.eval()
     assert set(plain) == set(ckpt)
+    eps = torch.finfo(torch.float32).eps
     for n in plain:
-        torch.testing.assert_close(ckpt[n], plain[n], atol=1e-6, rtol=1e-5)
+        # Reentrant checkpointing replays each layer in backward and accumulates a weight's
+        # gradient over the 20 positions and the attention-row terms in another order; a
+        # reordered float32 sum is off by a few eps times the size of its terms, for which the
+        # tensor's largest entry stands (a small entry may be a cancellation of large terms).
+        # Observed: below 5 eps x max|grad| under the default, AVX2 and AVX-512 kernels; a lost
+        # graph would miss whole terms, orders of magnitude more.
+        scale = float(plain[n].abs().max())
+        torch.testing.assert_close(ckpt[n], plain[n], rtol=0.0, atol=32 * eps * scale)
 
 
 def test_contribution_hand_computed():

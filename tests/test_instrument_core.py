@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from mistill.instrument.attribution import exact_importance, fidelity, first_order
+from mistill.instrument.attribution import exact_importance, fidelity, first_order, nominees
 from mistill.instrument.hooks import HeadHook, Patch, head_mask
 from mistill.instrument.patching import (Query, clean_read, knock_in, margins_from_logits,
                                          mean_ablate, sequential_patch)
@@ -167,6 +167,16 @@ def test_runner_and_knock_in_on_other_families(family):
     clean = clean_read(runner, hook, prefix, q)
     m = knock_in(runner, hook, prefix, q, [list(range(g.n_total_heads))], clean.z, hidden_in=clean.hidden_in)
     assert m[0].item() == pytest.approx(clean.margin, abs=1e-5)
+
+
+def test_nominees_break_exact_ties_by_lower_head_index():
+    # 40 heads, |A_h| in three tied groups: 3.0 (heads 30, 5), 1.0 (every tenth from 0), 0 (the rest)
+    imp = torch.zeros(40)
+    imp[[30, 5]] = torch.tensor([3.0, -3.0])
+    imp[[0, 10, 20, 35]] = torch.tensor([1.0, -1.0, 1.0, 1.0])
+    assert nominees(imp, [], top=8) == [5, 30, 0, 10, 20, 35, 1, 2]
+    # running global heads follow, without repeats
+    assert nominees(imp, [2, 39], top=8) == [5, 30, 0, 10, 20, 35, 1, 2, 39]
 
 
 def test_head_mask_rows():

@@ -38,7 +38,7 @@ from mistill.data.shortlist import (
 from mistill.data.synthetic import make_synthetic_corpus
 from mistill.errors import MistillInputError
 from mistill.models.encoder import EMBEDDED_ENCODER, chunk_words, load_encoder
-from mistill.models.linear_head import train_linear_head
+from mistill.models.linear_head import LinearHead, train_linear_head
 from mistill.stages.common import Prepared, load_prepared, note_input
 from mistill.stages.prepare import PrepareConfig, run_prepare
 from mistill.stages.shortlist import ShortlistConfig, run_shortlist, training_pool
@@ -223,7 +223,9 @@ def test_encoder_embeds_like_sentence_transformers(encoder) -> None:
     assert torch.allclose(e.norm(dim=1), torch.ones(3), atol=1e-5)
     sims = e @ e.T
     assert sims[0, 1] > sims[0, 2] + 0.2   # related clinical phrases are nearer
-    # a text's embedding does not depend on its batch companions or their order
+    # a text's embedding does not depend on its batch companions or their order, up to float32
+    # rounding: padding to another length changes the kernels' shapes; unit-norm components
+    # agree to a few eps, 1e-5 is about 80 eps
     again = encoder.encode(["fracture of the arm", "kidney failure"], batch_size=1)
     assert torch.allclose(again[1], e[1], atol=1e-5)
     assert chunk_words("a b c d e", 2) == ["a b", "c d", "e"] and chunk_words("  ", 3) == []
@@ -249,6 +251,68 @@ def test_retriever_is_deterministic(encoder, tiny_corpora) -> None:
     assert all(sorted(r) == sorted(corpus.inventory.codes) for r in runs[0][0])
     # a note's ranking depends on the note alone, not on the notes read with it
     assert r.rank([corpus.notes[2]])[0] == runs[0][0][2]
+
+
+@pytest.fixture(scope="module")
+def fitted(encoder, tiny_corpora) -> Retriever:
+    corpus, train = tiny_corpora
+    r = Retriever(encoder, corpus.inventory, RetrieverSettings(chunk_words=64, epochs=30))
+    r.fit(train.notes)
+    return r
+
+
+def test_retriever_ranks_a_note_alone_as_in_any_batch(fitted, tiny_corpora) -> None:
+    """Batch-invariant by design: every score row is a function of its note alone, computed by
+    the same arithmetic for any batch size and position, so rows are compared bit for bit."""
+    corpus, train = tiny_corpora
+    codes = corpus.inventory.codes
+    notes = list(corpus.notes) + list(train.notes[:4])
+    alone = [[m[0] for m in fitted.scores([n])] for n in notes]
+    batches = [list(range(8))[::-1], [3, 0], [5, 1, 6], [2, 7, 4, 0, 6]]
+    batches += [[(i + s) % 8 for i in range(3)] for s in range(8)]  # every note at every slot of 3
+    for idx in batches:
+        head, zs, fused = fitted.scores([notes[i] for i in idx])
+        for pos, i in enumerate(idx):
+            a_head, a_zs, a_fused = alone[i]
+            assert np.array_equal(head[pos], a_head), (idx, pos)
+            assert np.array_equal(zs[pos], a_zs) and np.array_equal(fused[pos], a_fused), (idx, pos)
+            # the other fusion rule is row-wise too
+            assert np.array_equal(fuse_scores(head, zs, rule="zsum")[pos],
+                                  fuse_scores(a_head, a_zs, rule="zsum")[0]), (idx, pos)
+    # the rankings themselves: the whole set in one call against each note alone
+    for ranking, (_, _, a_fused) in zip(fitted.rank(notes), alone):
+        assert ranking == [codes[j] for j in rank_desc(a_fused[None])[0]]
+
+
+def test_exact_ties_rank_in_inventory_order_alone_and_batched(encoder, tiny_corpora) -> None:
+    """Codes with identical head weights score exactly alike wherever they sit in the inventory
+    (the last code included, where a matrix kernel's edge tile sums in another order) and rank in
+    inventory order; the head alone (fusion weight 1) decides the ranking."""
+    corpus, _ = tiny_corpora
+    inv = corpus.inventory
+    r = Retriever(encoder, inv, RetrieverSettings(chunk_words=64, fusion_weight=1.0))
+    n_feat = 2 * encoder.dim
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(len(inv), n_feat, generator=g) * 0.05
+    tied = [0, 3, 7, 15, len(inv) - 1]
+    weight[tied] = weight[3].clone()
+    bias = torch.randn(len(inv), generator=g)
+    bias[tied] = bias[3].clone()
+    r.head = LinearHead(weight=weight, bias=bias, mean=torch.zeros(n_feat), scale=torch.ones(n_feat))
+    tied_codes = [inv.codes[j] for j in tied]
+    notes = list(corpus.notes)
+    x, _ = r.features(notes, zero_shot=False)
+    for n in range(1, len(notes) + 1):
+        logits = r.head.logits(x[:n])
+        assert (logits[:, tied] == logits[:, [0]]).all()
+    alone = [r.rank([n])[0] for n in notes]
+    for batch in (notes, notes[::-1], notes[1:3]):
+        for note, ranking in zip(batch, r.rank(batch)):
+            assert ranking == alone[notes.index(note)]
+    for ranking in alone:
+        at = [ranking.index(c) for c in tied_codes]
+        assert at == sorted(at)                      # inventory order among the tied codes
+        assert at == list(range(at[0], at[0] + len(at)))   # and nothing between them
 
 
 def test_excluded_patients_never_reach_the_head(encoder, tiny_corpora) -> None:

@@ -18,8 +18,12 @@ The retriever reads a note as chunks of whitespace words, embedded by a frozen s
   ``w * z(head logit) + (1 - w) * z(similarity)``, each standardised over the codes of the note
   (a constant score row standardises to zeros).
 
-``w = 1`` is the head alone, ``w = 0`` zero-shot alone. Every ranking breaks ties by inventory
-order, so it is a deterministic function of the scores.
+``w = 1`` is the head alone, ``w = 0`` zero-shot alone. Every ranking sorts by score,
+descending, and breaks exact ties by inventory order, so it is a deterministic function of the
+scores. The scores of a note are themselves batch-invariant: its chunks are encoded on their own,
+and the head scores each note row by the same float64 arithmetic
+(:meth:`~mistill.models.linear_head.LinearHead.logits`), so a note's scores, and so its ranking,
+are bit-identical whether it is scored alone or in any batch, at any position.
 
 **Completion**: the top ``K`` codes of the fused ranking, then the category siblings (same
 first three characters) of the first ``min(K, siblings_of)`` codes that are not already kept,
@@ -102,7 +106,8 @@ def zero_shot_scores(chunks: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
 
 
 def rank_desc(scores: np.ndarray) -> np.ndarray:
-    """``[n, c] -> [n, c]`` column indices by descending score, ties in index order."""
+    """``[n, c] -> [n, c]`` column indices by descending score; exactly equal scores keep index
+    (inventory) order, a stable sort being the explicit tie rule."""
     scores = np.asarray(scores, dtype=np.float64)
     return np.argsort(-scores, axis=-1, kind="stable")
 
@@ -392,7 +397,11 @@ class Retriever:
         self.train_note_ids = tuple(n.note_id for n in train_notes)
 
     def scores(self, notes: Sequence[Note]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(head, zero_shot, fused)``, each ``[n_notes, n_codes]`` in inventory order."""
+        """``(head, zero_shot, fused)``, each ``[n_notes, n_codes]`` float64 in inventory order.
+
+        Row ``i`` is a function of ``notes[i]`` alone, computed by the same arithmetic whatever
+        the other notes (features per note, head logits per row, fusion per row).
+        """
         if self.head is None:
             raise RuntimeError("Retriever.fit() first")
         x, zero = self.features(notes)

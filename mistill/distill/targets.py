@@ -6,7 +6,8 @@ and the residual stream entering the final norm. From them, per note:
 
 - ``top_ids``, ``top_logp`` ``[trace_pos, top_k]``: the teacher's top-``k`` next-token
   log-probabilities (``log_softmax`` over the whole vocabulary, float32) at every position whose
-  next token is a trace token. Entry ``i`` is the distribution over the token at position
+  next token is a trace token, by log-probability descending, exact ties by lower token id
+  (:func:`top_k_lowest_id_first`). Entry ``i`` is the distribution over the token at position
   ``trace_start + i``, read at position ``trace_start + i - 1``; ``trace_pos = pos - trace_start``.
 - ``rows_pos`` ``[row]``: the supervised rows' positions; ``rows_phase`` ``[row]`` their phases.
 - ``pooled`` ``[row, bucket]``: ``a_bar(r) = sum_h w_h bucketize(attn_h(r))`` over the pool of
@@ -43,7 +44,7 @@ from mistill.io import atomic_open
 from mistill.models.loading import LoadedModel
 
 __all__ = ["TargetRow", "TargetEvent", "PoolLike", "FlatPool", "teacher_targets", "save_targets",
-           "load_targets", "TARGET_KEYS"]
+           "load_targets", "top_k_lowest_id_first", "TARGET_KEYS"]
 
 TARGET_KEYS: tuple[str, ...] = ("top_ids", "top_logp", "rows_pos", "rows_phase", "pooled", "m", "c",
                                 "margin", "event_row", "trace_start")
@@ -141,6 +142,35 @@ def _validate(rows: Sequence[TargetRow], events: Sequence[TargetEvent], n_pos: i
     return event_row
 
 
+def top_k_lowest_id_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest entries of each row: ``x [row, vocab] -> (values, ids)``, each
+    ``[row, k]``, by value descending and, among exactly equal values, by lower id.
+
+    ``torch.topk`` leaves the choice and order among tied entries to its kernel (device,
+    version); here the k-th largest value decides membership, entries equal to it fill the free
+    slots lowest id first, and a stable sort orders the kept entries. A row holding NaN keeps
+    ``torch.topk``'s choice of entries (NaN compares equal to nothing).
+    """
+    top = x.topk(k, dim=-1)
+    kth = top.values[:, -1:]                                   # [row, 1]
+    above = x > kth                                             # [row, vocab]
+    at = x == kth
+    need = k - above.sum(-1, keepdim=True)                      # slots left for the ties
+    take = above | at
+    crowded = (at.sum(-1, keepdim=True) > need).squeeze(-1)     # more ties than free slots
+    if bool(crowded.any()):
+        rows = crowded.nonzero().squeeze(-1)
+        ties = at[rows]
+        take[rows] = above[rows] | (ties & (ties.cumsum(-1) <= need[rows]))
+    nan_rows = take.sum(-1) != k                                # only rows holding NaN
+    if bool(nan_rows.any()):
+        take[nan_rows] = torch.zeros_like(take[nan_rows]).scatter_(-1, top.indices[nan_rows], True)
+    ids = take.nonzero()[:, 1].view(x.shape[0], k)              # ascending ids per row
+    values = x.gather(-1, ids)
+    order = torch.sort(values, dim=-1, descending=True, stable=True).indices
+    return values.gather(-1, order), ids.gather(-1, order)
+
+
 def _bucket_map(bucket_maps: Callable[[Hashable], Any], key: Hashable, n_pos: int, n_buckets: int,
                 device: torch.device, note: str | None) -> torch.Tensor:
     m = torch.as_tensor(bucket_maps(key), dtype=torch.long, device=device).reshape(-1)
@@ -199,7 +229,7 @@ def teacher_targets(lm: LoadedModel, note_input_ids: Sequence[int] | torch.Tenso
     for s in range(0, pred.numel(), logit_chunk):
         p = pred[s:s + logit_chunk]
         logp = torch.log_softmax(g.lm_head(g.final_norm(final.index_select(0, p))).float(), dim=-1)
-        top_logp[s:s + p.numel()], top_ids[s:s + p.numel()] = logp.topk(top_k, dim=-1)
+        top_logp[s:s + p.numel()], top_ids[s:s + p.numel()] = top_k_lowest_id_first(logp, top_k)
 
     # pooled bucket rows, and the pools' head outputs at event rows
     positions = torch.tensor([r.position for r in rows], dtype=torch.long, device=device)

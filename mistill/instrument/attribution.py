@@ -71,9 +71,11 @@ def exact_importance(runner: Runner, hook: HeadHook, prefix: KVPrefix, query: Qu
 
 
 def nominees(first_order_importance: torch.Tensor, running_global: Sequence[int], top: int = 40) -> list[int]:
-    """The event's top ``top`` heads by ``|A_h|`` plus the running global heads, deduplicated."""
+    """The event's top ``top`` heads by ``|A_h|`` (exact ties by lower flat index) plus the
+    running global heads, deduplicated."""
     k = min(top, first_order_importance.numel())
-    picked = torch.topk(first_order_importance.abs(), k).indices.tolist()
+    order = torch.sort(first_order_importance.abs(), descending=True, stable=True).indices
+    picked = order[:k].tolist()
     for h in running_global:
         if h not in picked:
             picked.append(h)

@@ -104,7 +104,10 @@ class SentenceEncoder:
         """Embeddings of ``texts``: ``[len(texts), dim]`` float32 on CPU, rows of unit norm.
 
         Texts longer than ``max_tokens`` are truncated. Batches are formed over the texts sorted
-        by length (stable), so a text's embedding does not depend on the order it was given in.
+        by length (stable). A text's batch companions change its embedding only by float32
+        rounding (a batch is padded to its longest text, so the kernels see another shape):
+        callers that need bit-identical embeddings encode the same group of texts together, as
+        the retriever does with each note's chunks.
         """
         from tqdm.auto import tqdm
 

@@ -5,8 +5,15 @@ start at zero and the biases at the (smoothed) log-odds of each code's training 
 a code never seen in training starts, and stays, near the bottom. The loss is each code's mean
 binary cross-entropy over the notes, summed over codes (independent per-code regressions), plus
 ``l2 / 2 * ||W||^2``; Adam runs ``epochs`` passes over the notes in mini-batches whose order
-comes from a generator seeded with ``seed``. Everything runs in float32 on CPU, so two trainings
+comes from a generator seeded with ``seed``. Training runs in float32 on CPU, so two trainings
 on the same data give the same weights.
+
+Scoring (:meth:`LinearHead.logits`) is batch-invariant: every note's row is computed on its own
+in float64, each code's logit as the same element-wise product and sum over that code's weight
+row. A note's scores are therefore bit-identical whichever notes it is scored with, and codes
+whose weights are identical (e.g. codes never positive in training) get identical logits, so a
+ranking breaks their tie by its own rule rather than by the position of the code in a matrix
+kernel's blocking.
 """
 
 from __future__ import annotations
@@ -18,6 +25,11 @@ import torch
 from mistill.errors import MistillInputError
 
 __all__ = ["LinearHead", "train_linear_head"]
+
+# codes scored at once by LinearHead.logits: a [block, n_features] float64 block of at most this
+# many elements (128 KiB). Below ATen's parallel grain (32768 elements) a block is reduced on one
+# thread, which is also the fastest here; the block size does not change any logit
+_BLOCK_ELEMENTS = 1 << 14
 
 
 @dataclass
@@ -32,11 +44,27 @@ class LinearHead:
 
     @torch.no_grad()
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Scores of every code: ``x [n, n_features] -> [n, n_codes]`` (logits)."""
+        """Scores of every code: ``x [n, n_features] -> [n, n_codes]`` float64 logits.
+
+        Row ``i`` depends on ``x[i]`` alone and is computed the same way for any ``n`` (module
+        doc): no matrix product whose kernel, and so whose summation order, changes with the
+        number of rows.
+        """
         if x.ndim != 2 or x.shape[1] != self.weight.shape[1]:
             raise MistillInputError(f"features of shape {tuple(x.shape)}; the head expects "
                                     f"[n, {self.weight.shape[1]}]", field="features")
-        return ((x.float() - self.mean) / self.scale) @ self.weight.T + self.bias
+        n_codes, n_features = self.weight.shape
+        z = (x.detach().cpu().double() - self.mean.double()) / self.scale.double()  # [n, f]
+        bias = self.bias.double()
+        out = torch.empty(x.shape[0], n_codes, dtype=torch.float64)
+        step = max(1, _BLOCK_ELEMENTS // max(1, n_features))
+        for c0 in range(0, n_codes, step):
+            w = self.weight[c0:c0 + step].double()  # [block, f]
+            for i in range(x.shape[0]):
+                # each code's own reduction over its contiguous weight row: the same for every
+                # code, block and note
+                out[i, c0:c0 + step] = (w * z[i]).sum(-1) + bias[c0:c0 + step]
+        return out
 
 
 def train_linear_head(x: torch.Tensor, y: torch.Tensor, *, l2: float = 1e-3, lr: float = 1e-2,
