@@ -173,3 +173,22 @@ def leaks(places: Iterable[tuple[str, str]], needles: Iterable[str]) -> list[str
         if hit:
             found.append(f"{where}: {hit[0]!r}")
     return found
+
+
+def port_outside_the_ephemeral_range() -> int:
+    """A free port below the kernel's ephemeral range: no client socket of another process can
+    be handed it while the test's server is down (a port from bind(0) could be)."""
+    import random
+
+    from mistill.tracking.server import port_is_free as _port_free
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low // 2), low)
+        if _port_free("127.0.0.1", port):
+            return port
+    raise AssertionError("no free port below the ephemeral range")

@@ -22,7 +22,8 @@ from mistill.tracking.connection import (SERVER_TIMEOUT_ENV, client_timeouts,
                                          configure_client_timeouts, tracking_errors,
                                          unavailable_error)
 from mistill.tracking.server import TrackingServer, _group_alive, free_port, port_is_free
-from stage_fixtures import REPO, SLOW_TINY, TINY, freeze_source, subprocess_env, unique
+from stage_fixtures import (REPO, SLOW_TINY, TINY, freeze_source, port_outside_the_ephemeral_range,
+                            subprocess_env, unique)
 
 BOUND_S = 15
 """``MISTILL_SERVER_TIMEOUT_S`` of the stages under test: the most one request may take."""
@@ -162,7 +163,7 @@ def test_server_killed_mid_stage_exit_3_within_the_bound_and_rerun_resumes(
         tmp_path: Path) -> None:
     frozen = freeze_source(tmp_path / "src")  # one code version for the run and its rerun
     server_root, root = tmp_path / "server", tmp_path / "root"
-    server = TrackingServer(root=server_root, port=0)
+    server = TrackingServer(root=server_root, port=port_outside_the_ephemeral_range())
     uri = server.start()
     port = int(uri.rsplit(":", 1)[1])
     env = _stage_env(uri, root)

@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from stage_fixtures import port_outside_the_ephemeral_range
+
 from mistill.tracking.server import (TrackingServer, _group_alive, _pid_alive, free_port,
                                      health_ok, port_is_free)
 
@@ -128,7 +130,7 @@ def test_start_port_is_used_exactly_or_the_command_fails_saying_who_holds_it(
 
 def test_restart_after_a_crash_comes_back_on_the_same_port(tmp_path: Path) -> None:
     root = tmp_path / "proj"
-    server = TrackingServer(root=root, port=0)
+    server = TrackingServer(root=root, port=port_outside_the_ephemeral_range())
     uri = server.start()
     port = int(uri.rsplit(":", 1)[1])
     try:
