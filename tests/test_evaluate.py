@@ -147,3 +147,43 @@ def test_evaluate_resumes_without_redoing_finished_notes(tracking_uri, tmp_path,
     run_id = ev.run_evaluate(cfg)
     assert len(counted) == 2  # the two notes finished before the crash were not redone
     assert MlflowClient().get_run(run_id).data.metrics["n_notes"] == 4
+
+
+def test_restricted_generations_are_local_files_of_the_enclave(tracking_uri, tmp_path, monkeypatch,
+                                                               pinned_code_version):
+    """For a restricted corpus each generation is a local file of the run's enclave, recorded in
+    its note's _DONE, read back through RunReader, and never an artifact."""
+    from mistill.data.corpus import Corpus
+    from mistill.errors import MistillInputError
+    from mistill.stages.common import RunReader
+    from mistill.stages.evaluate import EvaluateConfig, run_evaluate
+    from mistill.stages.prepare import PrepareConfig, run_prepare
+
+    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path / "root"))
+    syn = make_synthetic_corpus(n_notes=2, seed=0)
+    path = Corpus(name="shaped", privacy="restricted", notes=syn.notes,
+                  inventory=syn.inventory).to_jsonl(tmp_path / "restricted.jsonl")
+    codes = tmp_path / "codes.txt"
+    codes.write_text("\n".join(syn.inventory.codes) + "\n")
+    prep = run_prepare(PrepareConfig(corpus=str(path), corpus_name=unique("eval-restricted"), privacy="restricted",
+                                     codes_file=str(codes), model=TINY))
+    run_id = run_evaluate(EvaluateConfig(prepare_run=prep, model=TINY, arm="untrained", split="",
+                                         max_new_tokens=6, fidelity=False))
+    client = MlflowClient()
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics["n_notes"] == 2
+    paths = artifact_paths(client, run_id)
+    assert not any(p.endswith("generation.txt") for p in paths)
+    enclave = tmp_path / "root" / "work" / run_id / "enclave"
+    assert run.data.tags["mistill.enclave_dir"] == str(enclave.resolve())
+    reader = RunReader(run_id)
+    for note in syn.notes:
+        local = enclave / "notes" / note.note_id / "generation.txt"
+        assert local.is_file() and f"notes/{note.note_id}/prediction.json" in paths
+        done = json.loads(open(client.download_artifacts(run_id, f"notes/{note.note_id}/_DONE",
+                                                         str(tmp_path / note.note_id))).read())
+        assert set(done["local_files"]) == {"generation.txt"} and "generation.txt" not in done["files"]
+        assert reader.note_file("notes", note.note_id, "generation.txt").read_text() == local.read_text()
+    local.write_text(local.read_text() + " changed")
+    with pytest.raises(MistillInputError, match="sha256"):
+        RunReader(run_id).note_file("notes", syn.notes[-1].note_id, "generation.txt")

@@ -17,9 +17,10 @@ import mistill.stages.generate as generate_stage
 from gen_fixtures import scripted_model
 from mistill.data.corpus import Corpus
 from mistill.data.synthetic import make_synthetic_corpus
+from mistill.errors import MistillInputError
 from mistill.models.loading import embedded_tokenizer
 from mistill.stages.characterize import EventsConfig, run_events
-from mistill.stages.common import load_prepared
+from mistill.stages.common import RunReader, load_prepared
 from mistill.stages.generate import GenerateConfig, run_generate
 from mistill.stages.prepare import PrepareConfig, run_prepare
 from stage_fixtures import TINY, artifact_paths, leaks, phrase_needles, runs_of, tracked_texts, unique
@@ -159,18 +160,64 @@ def test_generate_resumes_a_crashed_run_without_redoing_notes(tracking_uri, tmp_
     assert [n.teacher_trace for n in load_prepared(run_id).corpus.notes] == [script] * 3
 
 
+def _restricted_prepare(tmp_path, name: str, syn: Corpus) -> str:
+    """A prepare run of ``syn``'s notes marked restricted (MISTILL_ROOT already set)."""
+    path = Corpus(name="shaped", privacy="restricted", notes=syn.notes,
+                  inventory=syn.inventory).to_jsonl(tmp_path / "restricted.jsonl")
+    codes = tmp_path / "codes.txt"
+    codes.write_text("\n".join(syn.inventory.codes) + "\n")
+    return run_prepare(PrepareConfig(corpus=str(path), corpus_name=name, privacy="restricted",
+                                     codes_file=str(codes), model=TINY))
+
+
+def test_restricted_resume_reads_finished_traces_from_the_enclave_checked(tracking_uri, tmp_path,
+                                                                          monkeypatch, scripted):
+    """A restricted run that crashed resumes from the traces in its enclave, each checked against
+    the sha256 its note's _DONE recorded: a trace changed meanwhile is refused."""
+    model, script, _ = scripted
+    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path / "root"))
+    syn = make_synthetic_corpus(n_notes=3, seed=0)
+    prep = _restricted_prepare(tmp_path, unique("restricted-res"), syn)
+    cfg = GenerateConfig(prepare_run=prep, model=model, max_new_tokens=64, batch_size=1)
+    real = generate_stage.generation_record
+    calls = []
+
+    def crash_on_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("simulated crash during the second note")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generate_stage, "generation_record", crash_on_second)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_generate(cfg)
+    monkeypatch.setattr(generate_stage, "generation_record", real)
+    exp = f"mistill/{load_prepared(prep).corpus.name}"
+    run_id = runs_of(exp, stage="generate")["run_id"].iloc[0]
+    first = syn.notes[0].note_id
+    trace = tmp_path / "root" / "work" / run_id / "enclave" / "notes" / first / "trace.txt"
+    assert trace.read_text() == script
+    assert not any(a.endswith("trace.txt") for a in artifact_paths(MlflowClient(), run_id))
+
+    trace.write_text(script + " changed")
+    with pytest.raises(MistillInputError) as err:
+        run_generate(cfg)
+    msg = str(err.value)
+    assert run_id in msg and f"note {first}" in msg and "trace.txt" in msg and "sha256" in msg
+
+    trace.write_text(script)
+    assert run_generate(cfg) == run_id  # resumed under the same id, the first trace from the enclave
+    assert MlflowClient().get_run(run_id).info.status == "FINISHED"
+    assert [n.teacher_trace for n in load_prepared(run_id).corpus.notes] == [script] * 3
+
+
 def test_restricted_generated_text_never_reaches_the_server(tracking_uri, tmp_path, monkeypatch,
                                                             scripted):
     model, script, code = scripted
     monkeypatch.setenv("MISTILL_ROOT", str(tmp_path / "root"))
     syn = make_synthetic_corpus(n_notes=2, seed=0)
-    path = Corpus(name="shaped", privacy="restricted", notes=syn.notes,
-                  inventory=syn.inventory).to_jsonl(tmp_path / "restricted.jsonl")
-    codes = tmp_path / "codes.txt"
-    codes.write_text("\n".join(syn.inventory.codes) + "\n")
     name = unique("restricted-gen")
-    prep = run_prepare(PrepareConfig(corpus=str(path), corpus_name=name, privacy="restricted",
-                                     codes_file=str(codes), model=TINY))
+    prep = _restricted_prepare(tmp_path, name, syn)
     run_id = run_generate(GenerateConfig(prepare_run=prep, model=model, max_new_tokens=64))
     client = MlflowClient()
     run = client.get_run(run_id)
@@ -179,10 +226,16 @@ def test_restricted_generated_text_never_reaches_the_server(tracking_uri, tmp_pa
     arts = artifact_paths(client, run_id)
     assert not any(a.endswith("trace.txt") for a in arts)
     assert "data/corpus.jsonl" not in arts and "generations.csv" in arts
-    # the traces live in the local enclave the run points to, and in the local traced corpus
-    enclave = run.data.tags["mistill.generate.enclave_dir"]
-    texts = sorted(p.read_text() for p in Path(enclave).glob("*.txt"))
+    # the traces are local files of the run's enclave (both tags name it), recorded in _DONE,
+    # read back through RunReader; and they are in the local traced corpus
+    enclave = Path(run.data.tags["mistill.enclave_dir"])
+    assert run.data.tags["mistill.generate.enclave_dir"] == str(enclave)
+    texts = sorted(p.read_text() for p in enclave.glob("notes/*/trace.txt"))
     assert texts == [script, script]
+    done = json_artifact(client, run_id, f"notes/{syn.notes[0].note_id}/_DONE", tmp_path / "done")
+    assert "trace.txt" in done["local_files"] and "trace.txt" not in done["files"]
+    reader = RunReader(run_id)
+    assert reader.note_file("notes", syn.notes[0].note_id, "trace.txt").read_text() == script
     traced = load_prepared(run_id)
     assert [n.teacher_trace for n in traced.corpus.notes] == [script, script]
     record = json_artifact(client, run_id, f"notes/{syn.notes[0].note_id}/generation.json", tmp_path)

@@ -202,3 +202,30 @@ def test_save_load_roundtrip_and_bad_inputs(lm, tmp_path):
     for field, value in bad.items():
         with pytest.raises(MistillInputError, match="note n7"):
             call(**{field: value})
+
+
+def test_manifest_names_shapes_dtypes_and_digests_and_holds_no_values(lm):
+    """What a restricted corpus uploads of a note's targets: per array its name, shape, dtype and
+    the sha256 of its bytes; a change to any value changes that array's digest and nothing else."""
+    import hashlib
+    import json
+
+    from mistill.distill.targets import targets_manifest
+
+    ids, rows, pools, maps, events = _note(lm)
+    t = teacher_targets(lm, ids, TRACE_START, rows, pools, maps.__getitem__, N_BUCKETS, events)
+    manifest = targets_manifest(t)["arrays"]
+    assert set(manifest) == set(t) >= set(TARGET_KEYS)
+    for key, a in t.items():
+        a = np.ascontiguousarray(a)
+        assert manifest[key] == {"shape": list(a.shape), "dtype": a.dtype.str,
+                                 "sha256": hashlib.sha256(a.tobytes()).hexdigest()}, key
+    assert manifest["top_ids"]["shape"] == [N_POS - TRACE_START, 32]
+    # no values: each entry is a shape (one int per axis), a dtype string and a hex digest
+    for entry in manifest.values():
+        assert set(entry) == {"shape", "dtype", "sha256"} and len(entry["shape"]) <= 2
+        assert all(isinstance(n, int) for n in entry["shape"]) and len(entry["sha256"]) == 64
+    assert len(json.dumps(manifest)) < 4096
+    changed = dict(t, top_ids=t["top_ids"] + 1)
+    other = targets_manifest(changed)["arrays"]
+    assert [k for k in t if other[k] != manifest[k]] == ["top_ids"]

@@ -21,6 +21,10 @@ and the residual stream entering the final norm. From them, per note:
   same rows; ``margin`` ``[event]`` the clean margin; ``event_row`` ``[event]`` its row.
 - ``trace_start``: 0-d.
 
+``top_ids`` / ``top_logp`` are model text: decoding the top-1 ids recovers most trace tokens.
+For a restricted corpus the ``targets`` stage keeps the arrays in its local enclave and uploads
+only :func:`targets_manifest` (names, shapes, dtypes, sha256; no values).
+
 The inputs are plain data (:class:`TargetRow`, :class:`TargetEvent`, any pool with flat
 ``heads`` and ``weights``, a function giving each row's token-to-bucket map), so this module
 does not depend on how buckets, rows or pools are built.
@@ -44,7 +48,7 @@ from mistill.io import atomic_open
 from mistill.models.loading import LoadedModel
 
 __all__ = ["TargetRow", "TargetEvent", "PoolLike", "FlatPool", "teacher_targets", "save_targets",
-           "load_targets", "top_k_lowest_id_first", "TARGET_KEYS"]
+           "load_targets", "targets_manifest", "top_k_lowest_id_first", "TARGET_KEYS"]
 
 TARGET_KEYS: tuple[str, ...] = ("top_ids", "top_logp", "rows_pos", "rows_phase", "pooled", "m", "c",
                                 "margin", "event_row", "trace_start")
@@ -310,6 +314,21 @@ def teacher_targets(lm: LoadedModel, note_input_ids: Sequence[int] | torch.Tenso
         "pooled": np_(pooled), "m": np_(m).astype(np.float32), "c": np_(c), "margin": np_(margins),
         "event_row": np.asarray(event_row, dtype=np.int64), "trace_start": np.asarray(trace_start, dtype=np.int64),
     }
+
+
+def targets_manifest(targets: Mapping[str, Any]) -> dict[str, Any]:
+    """What may be logged of one note's targets for any corpus: each array's name, shape, dtype
+    and the sha256 of its bytes (C order), no values. ``top_ids`` / ``top_logp`` are the
+    teacher's distribution at every trace position (its top-1 ids largely spell the trace), so
+    for a restricted corpus the arrays stay local and only this manifest is uploaded."""
+    import hashlib
+
+    out = {}
+    for name in sorted(targets):
+        a = np.ascontiguousarray(np.asarray(targets[name]))
+        out[name] = {"shape": list(a.shape), "dtype": a.dtype.str,
+                     "sha256": hashlib.sha256(a.tobytes()).hexdigest()}
+    return {"arrays": out}
 
 
 def save_targets(path: str | os.PathLike, targets: Mapping[str, Any]) -> Path:

@@ -4,6 +4,10 @@ A ``prepare`` run leaves its corpus and inventory in a local data directory of i
 ``mistill.data_dir``), whose ``corpus_meta.json`` records the run and the data's identity,
 checked on every load; synthetic and public corpora are also logged as artifacts, so another
 machine can download them. Restricted corpora never leave the local directory.
+
+:class:`RunReader` reads another stage's run; a per-note file that run kept as restricted model
+text (a *local file* in its enclave, see :meth:`mistill.tracking.runs.StageRun.write_note`) is
+read from the enclave on this machine and checked against its ``_DONE`` sha256, never downloaded.
 """
 
 from __future__ import annotations
@@ -226,13 +230,84 @@ def _differing_field(run: Run, meta: Mapping[str, Any]) -> tuple[str, Any, Any] 
     return None
 
 
-def corpus_index(corpus: Corpus):
-    """One row per note: ids, split and gold codes (no text): safe to log for any corpus."""
+PATIENT_ID_MODES = ("auto", "hashed", "clear")
+"""How :func:`corpus_index` shows patient ids (``auto``: hashed for a restricted corpus, clear
+otherwise)."""
+SALT_FILE = "salt"
+SALT_BYTES = 32
+PATIENT_KEY_CHARS = 16
+"""Hex characters kept of a hashed patient id (64 bits: two of a million patients share one with
+a chance of about 3e-8, n^2 / 2^65)."""
+
+
+def local_salt(root: Path | str | None = None) -> bytes:
+    """The random salt of a mistill root: ``<root>/salt`` (default :func:`mistill_root`), 32
+    bytes, created once and readable by its owner only.
+
+    It keys the hashed patient ids of :func:`corpus_index`; it stays on this machine and is never
+    logged. Processes creating it at once agree: each links its own complete file into place,
+    the first link wins, and every process reads the winner.
+    """
+    import secrets
+    import tempfile
+
+    base = mistill_root() if root is None else Path(root)
+    path = base / SALT_FILE
+    if not path.exists():
+        base.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{SALT_FILE}.", dir=base)  # mode 0600
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(secrets.token_bytes(SALT_BYTES))
+                fh.flush()
+                os.fsync(fh.fileno())
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass
+        finally:
+            os.unlink(tmp)
+    salt = path.read_bytes()
+    if len(salt) != SALT_BYTES:
+        raise MistillInputError(f"the salt holds {len(salt)} bytes, not {SALT_BYTES}; a new salt (delete "
+                                "this file) gives every patient a new hashed id", file=str(path))
+    return salt
+
+
+def corpus_index(corpus: Corpus, patient_ids: str = "auto", *, root: Path | str | None = None):
+    """One row per note: ids, split and gold codes (no text): safe to log for any corpus.
+
+    patient_ids (:data:`PATIENT_ID_MODES`): ``hashed`` shows each patient id as the first
+    :data:`PATIENT_KEY_CHARS` hex characters of HMAC-SHA256 keyed by the local salt of ``root``
+    (:func:`local_salt`): one patient keeps one id on this machine, so notes still group by
+    patient, while nobody without the salt can tell whose id it is; ``clear`` shows the ids;
+    ``auto`` is ``hashed`` for a restricted corpus and ``clear`` otherwise. Only this index
+    changes: the corpus (the local data folder) keeps the real ids.
+    """
     import pandas as pd
 
-    return pd.DataFrame([{"note_id": n.note_id, "patient_id": n.patient_id, "split": n.split,
+    shown = shown_patient_ids(corpus.privacy, [n.patient_id for n in corpus.notes], patient_ids, root=root)
+    return pd.DataFrame([{"note_id": n.note_id, "patient_id": pid, "split": n.split,
                           "n_gold": len(n.gold_codes), "gold_codes": " ".join(n.gold_codes),
-                          "has_trace": bool(n.teacher_trace)} for n in corpus.notes])
+                          "has_trace": bool(n.teacher_trace)} for n, pid in zip(corpus.notes, shown)])
+
+
+def shown_patient_ids(privacy: str, patient_ids: Sequence[str], mode: str = "auto", *,
+                      root: Path | str | None = None) -> list[str]:
+    """Patient ids as an artifact may show them (see :func:`corpus_index` for ``mode``)."""
+    import hashlib
+    import hmac
+
+    if mode not in PATIENT_ID_MODES:
+        raise MistillInputError(f"patient_ids must be one of {PATIENT_ID_MODES}, got {mode!r}",
+                                field="patient_ids")
+    if mode == "auto":
+        mode = "hashed" if privacy == "restricted" else "clear"
+    if mode == "clear":
+        return [str(p) for p in patient_ids]
+    salt = local_salt(root)
+    return [hmac.new(salt, str(p).encode("utf-8"), hashlib.sha256).hexdigest()[:PATIENT_KEY_CHARS]
+            for p in patient_ids]
 
 
 def log_corpus_input(run, prepared: Prepared) -> None:
@@ -363,7 +438,8 @@ class RunReader:
     """Read another stage's run: its typed config and its (per-note) artifacts.
 
     Files are read from the local work dir of that run when present (the same machine ran it),
-    else downloaded once into it.
+    else downloaded once into it. A note's local files (restricted model text) are read only from
+    that run's enclave on this machine (:meth:`local_note_file`).
     """
 
     def __init__(self, run_id: str, *, field: str = "run") -> None:
@@ -413,19 +489,74 @@ class RunReader:
         return local
 
     def note_file(self, subdir: str, note_id: str, filename: str) -> Path:
-        """Local path of one per-note artifact, verified against the sha256 that the note's
-        ``_DONE`` marker recorded (a file changed after the note finished is refused)."""
-        from mistill.io import read_json
-        from mistill.tracking.runs import DONE_MARKER, verify_note_file
+        """Local path of one per-note file, verified against the sha256 that the note's
+        ``_DONE`` marker recorded (a file changed after the note finished is refused).
 
+        A file the note recorded as local (restricted model text, ``local_files`` of
+        :meth:`mistill.tracking.runs.StageRun.write_note`) is read from the producing run's
+        enclave on this machine (:meth:`local_note_file`); any other is read from the run's
+        work dir or downloaded.
+        """
+        from mistill.tracking.runs import LOCAL_FILES_KEY, verify_note_file
+
+        done = self.note_done(subdir, note_id, filename)
+        if filename in (done.get(LOCAL_FILES_KEY) or {}):
+            return self.local_note_file(subdir, note_id, filename)
         path = self.file(f"{subdir}/{note_id}/{filename}")
         stamp = (path.stat().st_mtime_ns, path.stat().st_size)
         if self._verified.get(path) != stamp:
-            try:
-                done_path = self.file(f"{subdir}/{note_id}/{DONE_MARKER}")
-            except MistillInputError:
-                raise MistillInputError(f"run {self.run_id}: note has no {DONE_MARKER} marker",
-                                        file=filename, note=str(note_id), field=subdir) from None
-            verify_note_file(path, read_json(done_path), run_id=self.run_id, subdir=subdir, note_id=str(note_id))
+            verify_note_file(path, done, run_id=self.run_id, subdir=subdir, note_id=str(note_id))
+            self._verified[path] = stamp
+        return path
+
+    def note_done(self, subdir: str, note_id: str, filename: str | None = None) -> dict:
+        """One note's ``_DONE`` record (``files`` and, if any, ``local_files``: name -> sha256).
+
+        Raises:
+            MistillInputError: the note has no ``_DONE`` marker (it never finished).
+        """
+        from mistill.io import read_json
+        from mistill.tracking.runs import DONE_MARKER
+
+        try:
+            done_path = self.file(f"{subdir}/{note_id}/{DONE_MARKER}")
+        except MistillInputError:
+            raise MistillInputError(f"run {self.run_id}: note has no {DONE_MARKER} marker",
+                                    file=filename, note=str(note_id), field=subdir) from None
+        done = read_json(done_path)
+        return done if isinstance(done, dict) else {}
+
+    @property
+    def enclave_dirs(self) -> list[Path]:
+        """Where this run's local files may be on this machine: its ``mistill.enclave_dir`` tag,
+        then ``<MISTILL_ROOT>/work/<run id>/enclave``."""
+        from mistill.tracking.runs import ENCLAVE_DIR, TAG_ENCLAVE_DIR
+
+        dirs = [Path(self.tags[TAG_ENCLAVE_DIR])] if self.tags.get(TAG_ENCLAVE_DIR) else []
+        default = self.work_dir / ENCLAVE_DIR
+        return dirs + [default] if default.resolve() not in [d.resolve() for d in dirs] else dirs
+
+    def local_note_file(self, subdir: str, note_id: str, filename: str) -> Path:
+        """Local path of one local per-note file (restricted model text), read from the producing
+        run's enclave on this machine and verified against the sha256 its ``_DONE`` recorded.
+
+        Raises:
+            MistillInputError: the file is not recorded as local, is absent from this machine
+                (kept only on the machine that ran the run), or changed after the note finished.
+        """
+        from mistill.tracking.runs import LOCAL_FILES_KEY, enclave_missing_error, verify_local_note_file
+
+        done = self.note_done(subdir, note_id, filename)
+        if filename not in (done.get(LOCAL_FILES_KEY) or {}):
+            raise MistillInputError(f"run {self.run_id}: {subdir}/{note_id}/{filename} is not a local file "
+                                    "of the note (its _DONE marker lists no such local file)",
+                                    file=filename, note=str(note_id), field=subdir)
+        looked = [d / subdir / str(note_id) for d in self.enclave_dirs]
+        path = next((d / filename for d in looked if (d / filename).is_file()), None)
+        if path is None:
+            raise enclave_missing_error(self.run_id, subdir, str(note_id), filename, looked)
+        stamp = (path.stat().st_mtime_ns, path.stat().st_size)
+        if self._verified.get(path) != stamp:
+            verify_local_note_file(path, done, run_id=self.run_id, subdir=subdir, note_id=str(note_id))
             self._verified[path] = stamp
         return path

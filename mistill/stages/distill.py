@@ -1,4 +1,13 @@
-"""The distillation stages: ``targets`` (the teacher side, once) and ``train`` (one arm, one seed)."""
+"""The distillation stages: ``targets`` (the teacher side, once) and ``train`` (one arm, one seed).
+
+``targets`` writes per note ``notes/<note_id>/targets.npz`` (the teacher's top-k next-token ids
+and log-probs at every trace position, pooled rows, ``m``, ``c``) and ``targets_manifest.json``
+(each array's name, shape, dtype and sha256). The top-k arrays are model text: for a restricted
+corpus ``targets.npz`` is a local file of the run's enclave (tag ``mistill.enclave_dir``), never
+uploaded, and ``train`` reads it there (:class:`~mistill.stages.common.RunReader`), so a
+restricted arm trains on the machine that computed its targets. DistiLLM-2's dispreferred student
+generations are never logged either (for a restricted corpus: local files of the train run).
+"""
 
 from __future__ import annotations
 
@@ -16,6 +25,7 @@ from mistill.distill.objective import (FeatureKD, align_trace_rows, compute_note
                                       feature_kd_step, micro_step_loss, pair_rows)
 from mistill.distill.pools import model_pools
 from mistill.distill.rows import coverage_table
+from mistill.distill.targets import load_targets, targets_manifest
 from mistill.distill.trainer import RecipeConfig, Trainer, prepare_student
 from mistill.errors import MistillInputError
 from mistill.io import npz_bytes
@@ -27,6 +37,10 @@ from mistill.validation import (check_device, check_dtype, check_interval, check
                                 check_positive, check_seed)
 
 EMBEDDED_STUDENT = "embedded:smollm2-135m@every-other"
+TARGETS_FILE = "targets.npz"
+TARGETS_MANIFEST = "targets_manifest.json"
+DISPREFERRED = "dispreferred"
+DISPREFERRED_FILE = "generation.json"
 
 
 def _read_events(reader: RunReader, note_id: str) -> list[Event]:
@@ -53,6 +67,12 @@ class TargetsConfig(Config):
     device: str = "cpu"
 
     def validate(self) -> None:
+        from mistill.validation import check_name, check_no_text_fields, check_run_id
+
+        check_no_text_fields(self)
+        check_run_id(self.teacher_attribute_run, "teacher_attribute_run")
+        check_run_id(self.window_attribute_run, "window_attribute_run")
+        check_name(self.split, "split", "a split", allow_empty=True)
         check_positive(self.pool_k, "pool_k")
         check_non_negative(self.window, "window", "0: no window rows")
         check_positive(self.top_k, "top_k")
@@ -91,11 +111,31 @@ def run_targets(cfg: TargetsConfig) -> str:
                                  narrow_instruction=prepared.narrow_instruction)
             targets = compute_note_targets(lm, nd, pools, window=cfg.window, top_k=cfg.top_k)
             n_rows.append(len(targets["rows_pos"]))
-            run.write_note(NOTES, note.note_id, {"targets.npz": npz_bytes(targets)})
+            files, local = _targets_files(targets, guard.allows_text)
+            run.write_note(NOTES, note.note_id, files, local_files=local)
         run.log_metrics({"n_notes": len(notes), **({"median_rows": float(np.median(n_rows))} if n_rows else {})})
         run.set_tags({"mistill.teacher": ev.model, "mistill.split": cfg.split})
         print(f"targets: {len(notes)} notes -> run {run.run_id}")
         return run.run_id
+
+
+def _targets_files(targets: dict, allows_text: bool) -> tuple[dict, dict]:
+    """One note's files: ``(uploaded, local)``. ``targets.npz`` holds the teacher's top-k ids and
+    log-probs at every trace position (model text): uploaded for a synthetic or public corpus,
+    kept in the run's local enclave for a restricted one. ``targets_manifest.json`` (names,
+    shapes, dtypes, sha256) is uploaded for every corpus."""
+    blob = {TARGETS_FILE: npz_bytes(targets)}
+    files = {TARGETS_MANIFEST: targets_manifest(targets)}
+    if allows_text:
+        return {**blob, **files}, {}
+    return files, blob
+
+
+def _check_targets(reader: RunReader, notes) -> None:
+    """Every training note's targets are readable here and unchanged (sha256 against ``_DONE``):
+    refused before the train run starts (a restricted run's targets live only in its enclave)."""
+    for note in notes:
+        reader.note_file(NOTES, note.note_id, TARGETS_FILE)
 
 
 @dataclass(frozen=True)
@@ -136,6 +176,19 @@ class TrainStageConfig(Config):
         return self.overrides + (f",precision={self.precision}" if self.precision else "")
 
     def validate(self) -> None:
+        import dataclasses
+
+        from mistill.distill.arms import PRECISIONS, ArmConfig
+        from mistill.validation import (check_arm, check_choice, check_model_spec, check_no_text_fields,
+                                        check_overrides, check_run_id)
+
+        check_no_text_fields(self)
+        check_run_id(self.targets_run, "targets_run")
+        check_run_id(self.student_attribute_run, "student_attribute_run")
+        check_model_spec(self.student, "student")
+        check_arm(self.arm, "arm")
+        check_overrides(self.overrides, "overrides", [f.name for f in dataclasses.fields(ArmConfig)])
+        check_choice(self.precision, ("", *PRECISIONS), "precision")
         check_not_empty(self.student, "student", "a model spec")
         resolve_arm(self.arm, self.arm_overrides())  # the arm name, its file and every flag
         check_seed(self.seed)
@@ -183,6 +236,7 @@ def run_train(cfg: TrainStageConfig) -> str:
     if arm.objective == "mistill" and not cfg.student_attribute_run:
         raise MistillInputError("Mistill arms need the student's calibrated ranking (student_attribute_run)",
                                 field="student_attribute_run")
+    _check_targets(targets_run, notes)
     guard = privacy_guard(prepared.corpus)
     inputs = {"targets": cfg.targets_run}
     if cfg.student_attribute_run:
@@ -215,7 +269,7 @@ def run_train(cfg: TrainStageConfig) -> str:
             student = build_note_data(note, prepared.inventory, lm.tokenizer, events,
                                       remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
                                       narrow_instruction=prepared.narrow_instruction)
-            targets = dict(np.load(targets_run.note_file(NOTES, note.note_id, "targets.npz")))
+            targets = load_targets(targets_run.note_file(NOTES, note.note_id, TARGETS_FILE))
             teacher = build_note_data(note, prepared.inventory, teacher_tok, events,
                                       remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
                                       narrow_instruction=prepared.narrow_instruction)
@@ -237,7 +291,8 @@ def run_train(cfg: TrainStageConfig) -> str:
             if not same:
                 raise MistillInputError("DistiLLM-2 needs the teacher's vocabulary (no cross-tokenizer path)",
                                         field="student")
-            dispreferred = _dispreferred(run, lm, examples, cfg)  # the untrained student, before any step
+            # the untrained student, before any step
+            dispreferred = _dispreferred(run, lm, examples, cfg, guard.allows_text)
         model = prepare_student(lm.model, recipe)
         if arm.objective == "feature_kd":  # four layer pairs, the seeded adapter
             adapter = make_adapter(lm.geometry.d_model, teacher_lm.geometry.d_model, cfg.seed,
@@ -270,23 +325,36 @@ def run_train(cfg: TrainStageConfig) -> str:
         return run.run_id
 
 
-def _dispreferred(run, lm, examples: list, cfg: TrainStageConfig) -> dict[int, list[int]]:
+def _dispreferred(run, lm, examples: list, cfg: TrainStageConfig, allows_text: bool) -> dict[int, list[int]]:
     """The untrained student's own generation for each training prompt (DistiLLM-2's dispreferred
-    responses), sampled before any update with the paper's decoding and a seed per note. Kept in
-    the run's local work dir (it is model text: never logged), so a resumed run reuses them."""
+    responses), sampled before any update with the paper's decoding and a seed per note.
+
+    Model text, never logged, and kept so a resumed run reuses it: for a restricted corpus as a
+    local file of the run's enclave (``dispreferred/<note_id>/generation.json``, checked against
+    its ``_DONE`` sha256 when read back), otherwise in the run's work dir
+    (``dispreferred/<note_id>.json``).
+    """
     from mistill.evaluation.generation import DecodingConfig, generate_hf, note_seed
     from mistill.io import read_json, write_json
 
     decoding = DecodingConfig(max_new_tokens=cfg.dispreferred_max_new_tokens, seed=cfg.seed)
+    done = set() if allows_text else run.finished_notes(DISPREFERRED)
     out = {}
     for i, ex in enumerate(tqdm(examples, desc="student generations")):
-        path = run.work_dir / "dispreferred" / f"{ex.student.note.note_id}.json"
-        if path.exists():
+        note_id = ex.student.note.note_id
+        path = run.work_dir / DISPREFERRED / f"{note_id}.json"
+        if allows_text and path.exists():
             out[i] = read_json(path)["token_ids"]
             continue
-        gen = generate_hf(lm, ex.student.inp.prompt.text, decoding, note_seed(decoding, ex.student.note.note_id))
-        write_json(path, {"token_ids": gen.token_ids, "capped": gen.capped, "seed": gen.seed,
-                          "decoding": gen.decoding})
+        if note_id in done:
+            out[i] = run.load_note(DISPREFERRED, note_id, DISPREFERRED_FILE)["token_ids"]
+            continue
+        gen = generate_hf(lm, ex.student.inp.prompt.text, decoding, note_seed(decoding, note_id))
+        record = {"token_ids": gen.token_ids, "capped": gen.capped, "seed": gen.seed, "decoding": gen.decoding}
+        if allows_text:
+            write_json(path, record)
+        else:
+            run.write_note(DISPREFERRED, note_id, {}, local_files={DISPREFERRED_FILE: record})
         out[i] = gen.token_ids
     return out
 
@@ -301,7 +369,7 @@ def _save_and_register(run, model, tokenizer, cfg: TrainStageConfig, precision: 
     model.eval()
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    run.client.log_artifacts(run.run_id, str(out), "model")
+    run.log_artifact_file(out, "model")  # the privacy guard reads every file of the checkpoint
     if not cfg.register:
         return
     client = MlflowClient()

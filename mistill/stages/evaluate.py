@@ -8,10 +8,15 @@ is given. Aggregated: ``metrics.json`` (and MLflow metrics) with task metrics, v
 degenerate rates, mean generated tokens, fidelity (PPL median over notes, BLEU-4 and LAS means
 over notes) and M1 per event kind; ``per_note_metrics`` and ``predictions.jsonl`` (codes and flags).
 
-Nothing the model wrote is logged for a restricted corpus: its generations stay in the run's
-local enclave directory (tag ``mistill.enclave_dir``). A model whose chat template has no
-thinking switch, a generation cut at the cap, an answer that is not JSON and codes outside the
-inventory are counted, never a crash, and codes are never scraped from the reasoning.
+Nothing the model wrote is logged for a restricted corpus: each generation is a local file of
+the run's enclave (``<enclave>/notes/<note_id>/generation.txt``, tag ``mistill.enclave_dir``,
+recorded with its sha256 in the note's ``_DONE``; see
+:meth:`mistill.tracking.runs.StageRun.write_note`); for a synthetic or public corpus it is the
+per-note artifact ``generation.txt``. Either way ``RunReader.note_file`` reads it back.
+
+A model whose chat template has no thinking switch, a generation cut at the cap, an answer that
+is not JSON and codes outside the inventory are counted, never a crash, and codes are never
+scraped from the reasoning.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ from mistill.validation import (check_choice, check_device, check_dtype, check_i
 
 NOTES = "notes"
 TAG_ENCLAVE = "mistill.enclave_dir"
+"""The run's enclave dir, set by :meth:`~mistill.tracking.runs.StageRun.write_note` (``TAG_ENCLAVE_DIR``)."""
+GENERATION_FILE = "generation.txt"
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,16 @@ class EvaluateConfig(Config):
     dtype: str = "float32"
 
     def validate(self) -> None:
+        from mistill.validation import (check_arm, check_model_spec, check_name, check_no_text_fields,
+                                        check_run_id)
+
+        check_no_text_fields(self)
+        check_run_id(self.prepare_run, "prepare_run")
+        check_run_id(self.train_run, "train_run")
+        check_run_id(self.las_run, "las_run")
+        check_model_spec(self.model, "model", allow_empty=True)
+        check_arm(self.arm, "arm", allow_empty=True)
+        check_name(self.split, "split", "a split", allow_empty=True)
         check_non_negative(self.max_notes, "max_notes", "0: every note")
         check_choice(self.backend, BACKENDS, "backend")
         check_positive(self.max_new_tokens, "max_new_tokens")
@@ -129,8 +146,6 @@ def run_evaluate(cfg: EvaluateConfig) -> str:
             print(f"evaluate: reusing finished run {run.run_id}")
             return run.run_id
         log_corpus_input(run, prepared)
-        enclave = (run.work_dir / "enclave").resolve()
-        run.set_tags({TAG_ENCLAVE: str(enclave)})
         lm = load_model(subject.spec, dtype=cfg.dtype, device=cfg.device)
         backend = _backend(cfg, lm, decoding)
         simulator = None
@@ -160,12 +175,11 @@ def run_evaluate(cfg: EvaluateConfig) -> str:
                     fid["las"] = float(simulator.las(note.text, own_reasoning, list(teacher_codes)))
                 files["fidelity.json"] = fid
                 files["m1.json"] = {"events": note_margins(lm, ni, codes)}
+            text = {GENERATION_FILE: gen.text}
             if guard.allows_text:
-                files["generation.txt"] = gen.text
-            else:  # the model's text stays on this machine
-                enclave.mkdir(parents=True, exist_ok=True)
-                write_text(enclave / f"{note.note_id}.txt", gen.text)
-            run.write_note(NOTES, note.note_id, files)
+                run.write_note(NOTES, note.note_id, {**files, **text})
+            else:  # the model's text stays in this machine's enclave
+                run.write_note(NOTES, note.note_id, files, local_files=text)
         metrics, per_note, predictions = _aggregate(run, notes, prepared, cfg)
         metrics["thinking_switch"] = float(template_has_thinking(lm.tokenizer))
         run.log_table("per_note_metrics", per_note)

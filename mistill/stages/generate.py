@@ -10,10 +10,11 @@ JSON list, codes outside the inventory, a chat template without a thinking switc
 in the metrics, never raised.
 
 Per note (resumable, ``notes/<note_id>/``): ``generation.json`` (seed, decoding, flags, codes,
-counts) and, for synthetic and public corpora, ``trace.txt``. For a restricted corpus the trace
-stays in the run's local enclave directory (tag ``mistill.generate.enclave_dir``) and only ids,
-codes, flags and numbers reach MLflow; every generated text joins the privacy guard's
-protected texts.
+counts) and ``trace.txt``: an artifact for synthetic and public corpora; for a restricted corpus
+a local file of the run's enclave (``<enclave>/notes/<note_id>/trace.txt``, tags
+``mistill.enclave_dir`` and ``mistill.generate.enclave_dir``, recorded with its sha256 in the
+note's ``_DONE``; see :meth:`mistill.tracking.runs.StageRun.write_note`), so only ids, codes,
+flags and numbers reach MLflow. Every generated text joins the privacy guard's protected texts.
 
 The run is also a prepared corpus: its notes are the selected notes whose generation is valid
 and closed ``</think>``, each carrying that generation as ``Note.teacher_trace``, saved to a data
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -39,7 +39,6 @@ from mistill.errors import MistillInputError
 from mistill.evaluation.backends import BACKENDS, make_backend
 from mistill.evaluation.generation import DecodingConfig, generation_record, note_seed
 from mistill.evaluation.parsing import CodeIndex
-from mistill.io import write_text
 from mistill.models.loading import EMBEDDED_DEFAULT, load_tokenizer
 from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE, TAG_DATA_DIR,
                                    TAG_DATA_IDENTITY, Prepared, corpus_index, load_prepared,
@@ -51,8 +50,8 @@ from mistill.validation import (check_choice, check_device, check_dtype, check_i
 NOTES = "notes"
 RECORD_FILE = "generation.json"
 TRACE_FILE = "trace.txt"
-ENCLAVE = "enclave"
 TAG_ENCLAVE_DIR = "mistill.generate.enclave_dir"
+"""The run's enclave dir (the same as ``mistill.enclave_dir``), set for a restricted corpus."""
 TAG_SOURCE_PREPARE = "mistill.generate.source_prepare_run"
 TAG_BACKEND = "mistill.generate.backend"
 TAG_TRACED = "mistill.generate.traced_notes"
@@ -94,6 +93,12 @@ class GenerateConfig(Config):
                               max_new_tokens=self.max_new_tokens, seed=self.seed)
 
     def validate(self) -> None:
+        from mistill.validation import check_model_spec, check_name, check_no_text_fields, check_run_id
+
+        check_no_text_fields(self)
+        check_run_id(self.prepare_run, "prepare_run")
+        check_model_spec(self.model, "model")
+        check_name(self.split, "split", "a split", allow_empty=True)
         check_not_empty(self.model, "model", "a model spec")
         check_choice(self.backend, BACKENDS, "backend")
         check_non_negative(self.max_notes, "max_notes", "0: every note")
@@ -176,9 +181,8 @@ def run_generate(cfg: GenerateConfig) -> str:
             print(f"generate: reusing finished run {run.run_id}")
             return run.run_id
         log_corpus_input(run, prepared)
-        enclave = (run.work_dir / ENCLAVE).resolve()
         if not guard.allows_text:
-            run.set_tags({TAG_ENCLAVE_DIR: str(enclave)})
+            run.set_tags({TAG_ENCLAVE_DIR: str(run.enclave_dir)})
         decoding = cfg.decoding()
         done = run.finished_notes(NOTES)
         records: dict[str, dict] = {}
@@ -186,7 +190,7 @@ def run_generate(cfg: GenerateConfig) -> str:
         for note in notes:  # notes finished before a crash: their texts are protected first
             if note.note_id in done:
                 records[note.note_id] = run.load_note(NOTES, note.note_id, RECORD_FILE)
-                traces[note.note_id] = _stored_trace(run, note.note_id, enclave, guard.allows_text)
+                traces[note.note_id] = _stored_trace(run, note.note_id)
                 guard.protect([traces[note.note_id]])
         todo = [n for n in notes if n.note_id not in done]
         thinking = template_has_thinking(load_tokenizer(cfg.model))
@@ -206,12 +210,11 @@ def run_generate(cfg: GenerateConfig) -> str:
                 for note, gen in zip(batch, backend.generate_many(items), strict=True):
                     guard.protect([gen.text])
                     record = generation_record(note, gen, index)
-                    files: dict = {RECORD_FILE: record}
+                    trace = {TRACE_FILE: gen.text}
                     if guard.allows_text:
-                        files[TRACE_FILE] = gen.text
-                    else:  # restricted: the text stays in the local enclave, written first
-                        write_text(enclave / f"{note.note_id}.txt", gen.text)
-                    run.write_note(NOTES, note.note_id, files)
+                        run.write_note(NOTES, note.note_id, {RECORD_FILE: record, **trace})
+                    else:  # restricted: the text stays in this machine's enclave
+                        run.write_note(NOTES, note.note_id, {RECORD_FILE: record}, local_files=trace)
                     records[note.note_id], traces[note.note_id] = record, gen.text
                     bar.update(1)
             bar.close()
@@ -258,17 +261,11 @@ def _save_traced(run, out: Corpus, prepared: Prepared, cfg: GenerateConfig, allo
         run.log_artifact_file(data_dir / CORPUS_META_FILE, "data")
 
 
-def _stored_trace(run, note_id: str, enclave: Path, allows_text: bool) -> str:
-    """A finished note's generated text: its artifact, or (restricted) its enclave file."""
-    if allows_text:
-        return run.load_note(NOTES, note_id, TRACE_FILE).decode("utf-8")
-    path = enclave / f"{note_id}.txt"
-    if not path.is_file():
-        raise MistillInputError("the generated trace of a finished note is missing from the local "
-                                "enclave (restricted traces are never stored in MLflow; resume on "
-                                "the machine that generated it)", file=str(path), note=note_id,
-                                field="teacher_trace")
-    return path.read_text(encoding="utf-8")
+def _stored_trace(run, note_id: str) -> str:
+    """A finished note's generated text: its artifact, or (restricted) its local file in the
+    run's enclave, checked against the note's ``_DONE`` (absent on this machine: an error naming
+    the run; restricted traces are never stored in MLflow)."""
+    return run.load_note(NOTES, note_id, TRACE_FILE).decode("utf-8")
 
 
 __all__ = ["GenerateConfig", "run_generate", "generation_record", "generation_metrics",

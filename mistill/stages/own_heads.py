@@ -14,7 +14,11 @@
 
 Per-note results are written as the notes finish (resume loses none). Reported values are
 medians over notes of the per-note values (App. K "Floors, medians and means"). Generated text
-stays in the run's local work dir (``own_traces/``), never in the tracking store.
+never reaches the tracking store: for a restricted corpus each own generation is a local file of
+the run's enclave (``<enclave>/own_traces/<note_id>/generation.json``, tag ``mistill.enclave_dir``;
+see :meth:`mistill.tracking.runs.StageRun.write_note`), otherwise it stays in the run's work dir
+(``own_traces/``). The per-note readouts (``m4.json``, ``readside.json``, ``generation.json``
+with the token count and seed) are numbers over events and heads, never token ids of the text.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from mistill.validation import (check_choice, check_counts, check_device, check_
 
 NOTES = "notes"
 OWN_NOTES = "own_notes"
+OWN_TRACES = "own_traces"
+OWN_TRACE_FILE = "generation.json"
 TRACES = ("teacher", "own")
 
 
@@ -81,6 +87,14 @@ class OwnHeadsConfig(Config):
     launch: str = "mlflow"
 
     def validate(self) -> None:
+        from mistill.validation import check_model_spec, check_name, check_no_text_fields, check_run_id
+
+        check_no_text_fields(self)
+        check_run_id(self.prepare_run, "prepare_run")
+        check_run_id(self.train_run, "train_run")
+        check_model_spec(self.model, "model", allow_empty=True)
+        check_name(self.rank_split, "rank_split", "a split", allow_empty=True)
+        check_name(self.test_split, "test_split", "a split", allow_empty=True)
         check_counts(self.k, "k")
         check_positive(self.necessity_k, "necessity_k")
         check_positive(self.m2_k, "m2_k")
@@ -270,23 +284,32 @@ def _teacher_pass(run, ctx: _Context, notes: list[Note]) -> None:
         cache.pop(note.note_id, None)
 
 
-def _generate(run, ctx: _Context, note: Note) -> dict:
-    """The arm's own generation of one note, cached in the local work dir (text never logged)."""
+def _generate(run, ctx: _Context, note: Note, done: set[str]) -> dict:
+    """The arm's own generation of one note, kept so a resumed run reuses it; its text is never
+    logged. For a restricted corpus a local file of the run's enclave
+    (``own_traces/<note_id>/generation.json``, checked against its ``_DONE`` sha256 when read
+    back; ``done``: the notes already kept there), otherwise ``own_traces/<note_id>.json`` in
+    the run's work dir."""
     from mistill.evaluation.generation import DecodingConfig, generate_hf, note_seed
     from mistill.io import read_json, write_json
     from mistill.stages.common import note_input
 
-    path = run.work_dir / "own_traces" / f"{note.note_id}.json"
-    if path.exists():
+    allows_text = run.guard.allows_text
+    path = run.work_dir / OWN_TRACES / f"{note.note_id}.json"
+    if allows_text and path.exists():
         return read_json(path)
+    if not allows_text and note.note_id in done:
+        return run.load_note(OWN_TRACES, note.note_id, OWN_TRACE_FILE)
     decoding = DecodingConfig(max_new_tokens=ctx.cfg.max_new_tokens, seed=ctx.cfg.seed)
     prompt = note_input(note, ctx.prepared.inventory, ctx.lm.tokenizer, trace=" ",
                         remove_discharge_diagnosis=ctx.prepared.remove_discharge_diagnosis,
                         narrow_instruction=ctx.prepared.narrow_instruction).prompt
     gen = generate_hf(ctx.lm, prompt.text, decoding, note_seed(decoding, note.note_id))
     rec = {"text": gen.text, "n_tokens": gen.n_tokens, "capped": gen.capped, "seed": gen.seed}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json(path, rec)
+    if allows_text:
+        write_json(path, rec)
+    else:
+        run.write_note(OWN_TRACES, note.note_id, {}, local_files={OWN_TRACE_FILE: rec})
     return rec
 
 
@@ -294,9 +317,10 @@ def _own_pass(run, ctx: _Context, notes: list[Note]) -> dict[str, float]:
     """Generate, keep the usable own traces (closed reasoning, at least one phase event), measure
     each against the next usable one; returns the coverage counts."""
     done = run.finished_notes(OWN_NOTES)
+    kept = set() if run.guard.allows_text else run.finished_notes(OWN_TRACES)
     cases, recs, closed, generated = {}, {}, 0, 0
     for note in tqdm(notes, desc="own_heads generations"):
-        rec = recs[note.note_id] = _generate(run, ctx, note)
+        rec = recs[note.note_id] = _generate(run, ctx, note, kept)
         generated += 1
         if rec["capped"]:
             continue

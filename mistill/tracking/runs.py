@@ -11,6 +11,10 @@
   RUNNING/FAILED/KILLED one under the same run id, or starts a new one.
 * Per-note artifacts live under ``<subdir>/<note_id>/`` with a ``_DONE`` marker written (and
   uploaded) last, so a resumed run skips exactly the finished notes and loses none.
+* Per-note files that are model text of a restricted corpus (token ids or per-position
+  distributions of a note or trace, generated text) are *local files*: kept in the run's enclave
+  ``<work>/enclave/<subdir>/<note_id>/`` on the machine that ran it (tag ``mistill.enclave_dir``),
+  recorded with their sha256 in ``_DONE``, never uploaded (:meth:`StageRun.write_note`).
 * Everything bound for the tracking store passes the corpus's :class:`PrivacyGuard`.
 
 Only a tracking server is accepted (``http(s)://``): never the ``./mlruns`` file store. When no
@@ -513,11 +517,17 @@ class StageRun:
         if mlflow.get_tracking_uri() != self.tracking_uri:
             mlflow.set_tracking_uri(self.tracking_uri)
         tags = self.tags()
+        launched = os.environ.get("MLFLOW_RUN_ID")
+        if launched:
+            # `mlflow run` stored its -P values as this run's params before the stage started: if
+            # they hold protected text, the run is purged from the store, not only refused
+            from mistill.tracking.purge import purge_if_protected
+
+            purge_if_protected(launched, self.guard, tracking_uri=self.tracking_uri, root=self.root)
         self.guard.check_mapping(tags, "tag")
         self.guard.check_mapping(self.params, "param")
         self.experiment_name = experiment_for_corpus(self.corpus, tracking_uri=self.tracking_uri)
         self.experiment_id = _experiment_id(self.client, self.experiment_name) or ""
-        launched = os.environ.get("MLFLOW_RUN_ID")
 
         previous: Run | None = None
         gen = 0
@@ -815,43 +825,97 @@ class StageRun:
         path.parent.mkdir(parents=True, exist_ok=True)
         return path
 
-    def write_note(self, subdir: str, note_id: str, files: Mapping[str, bytes | str | Any]) -> None:
+    def write_note(self, subdir: str, note_id: str, files: Mapping[str, bytes | str | Any], *,
+                   local_files: Mapping[str, bytes | str | Any] | None = None) -> None:
         """Write one note's files atomically, then ``_DONE``, then upload them (``_DONE`` last).
 
         Values: ``bytes`` written as is, ``str`` as UTF-8, anything else as JSON. Every file is
         checked by the privacy guard before anything is uploaded; on refusal the note's local
         files are removed and :class:`PrivacyError` is raised.
+
+        ``local_files`` (same value types) are model text of a restricted corpus: written
+        atomically under the run's enclave ``<work>/enclave/<subdir>/<note_id>/``, recorded in
+        ``_DONE`` with their sha256 (key ``local_files``), never uploaded nor passed to MLflow.
+        The first note with local files tags the run with its enclave dir
+        (``mistill.enclave_dir``). :meth:`load_note` and
+        :meth:`mistill.stages.common.RunReader.note_file` read them back, checked.
         """
         self._require_active()
-        if DONE_MARKER in files:
-            raise MistillInputError(f"{DONE_MARKER} is reserved", note=str(note_id),
-                                    field="filename")
+        local_files = dict(local_files or {})
+        _check_note_filenames(subdir, str(note_id), files, local_files)
         note_dir = self.note_dir(subdir, note_id)
+        enclave_dir = self.enclave_note_dir(subdir, note_id)
         written: list[Path] = []
+        kept: list[Path] = []
         try:
+            for filename, content in local_files.items():  # first: a note never ends half local
+                path = enclave_dir / _check_component(filename, "filename")
+                _write_note_content(path, content)
+                kept.append(path)
             for filename, content in files.items():
                 path = self.note_artifact_path(subdir, note_id, filename)
-                if isinstance(content, bytes):
-                    write_bytes(path, content)
-                elif isinstance(content, str):
-                    write_text(path, content)
-                else:
-                    write_json(path, content)
+                _write_note_content(path, content)
                 written.append(path)
                 self.guard.check_file(path)
+            if kept:
+                self._tag_enclave()
         except BaseException:
             shutil.rmtree(note_dir, ignore_errors=True)
+            shutil.rmtree(enclave_dir, ignore_errors=True)
             raise
-        done = {"files": {p.name: sha256_file(p) for p in written},
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        done: dict[str, Any] = {"files": {p.name: sha256_file(p) for p in written}}
+        if kept:
+            done[LOCAL_FILES_KEY] = {p.name: sha256_file(p) for p in kept}
+        done["time"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         write_json(note_dir / DONE_MARKER, done)
         self._upload_note(subdir, str(note_id))
 
+    @property
+    def enclave_dir(self) -> Path:
+        """The run's local enclave ``<work>/enclave/`` (absolute): the per-note files that are
+        model text of a restricted corpus, kept only on this machine (see :meth:`write_note`)."""
+        return (self.work_dir / ENCLAVE_DIR).resolve()
+
+    def enclave_note_dir(self, subdir: str, note_id: str) -> Path:
+        """Local dir ``<work>/enclave/<subdir>/<note_id>/`` of one note's local files."""
+        return self.enclave_dir / _check_component(subdir, "subdir") / _check_component(
+            str(note_id), "note_id")
+
+    def _tag_enclave(self) -> None:
+        """Tag the run once with its enclave dir (a path on this machine, no text)."""
+        value = str(self.enclave_dir)
+        if getattr(self, "_enclave_tagged", None) == value:
+            return
+        if self.run is None or self.run.data.tags.get(TAG_ENCLAVE_DIR) != value:
+            self.set_tags({TAG_ENCLAVE_DIR: value})
+        self._enclave_tagged = value
+
+    def _note_done(self, subdir: str, note_id: str, filename: str) -> dict[str, Any]:
+        """One note's ``_DONE`` record: the local copy, else downloaded from the run's artifacts."""
+        done_path = self.note_dir(subdir, note_id) / DONE_MARKER
+        if not done_path.is_file():
+            done_path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=done_path.parent, prefix=".dl-") as tmp, \
+                    _quiet_downloads():
+                try:
+                    got = self.client.download_artifacts(
+                        self.run_id, f"{subdir}/{note_id}/{DONE_MARKER}", tmp)
+                except (MlflowException, OSError):
+                    raise MistillInputError(f"run {self.run_id}: note has no {DONE_MARKER} marker",
+                                            file=filename, note=str(note_id), field=subdir) from None
+                os.replace(got, done_path)
+        return read_json(done_path)
+
     def _upload_note(self, subdir: str, note_id: str) -> None:
+        """Upload a finished note's files, ``_DONE`` last; its local files (named under
+        ``local_files`` in ``_DONE``, kept in the enclave) are never uploaded, even if a copy
+        sits beside the others."""
         note_dir = self.note_dir(subdir, note_id)
         artifact_dir = f"{subdir}/{note_id}"
+        local = set(_local_entries(read_json(note_dir / DONE_MARKER)))
         for path in sorted(note_dir.iterdir()):
-            if path.is_file() and not path.name.startswith(".") and path.name != DONE_MARKER:
+            if path.is_file() and not path.name.startswith(".") and path.name != DONE_MARKER \
+                    and path.name not in local:
                 self.client.log_artifact(self.run_id, str(path), artifact_dir)
         self.client.log_artifact(self.run_id, str(note_dir / DONE_MARKER), artifact_dir)
         write_text(note_dir / _UPLOADED_MARKER, "")
@@ -884,31 +948,32 @@ class StageRun:
     def load_note(self, subdir: str, note_id: str, filename: str) -> Any:
         """One per-note file, read locally or downloaded from the run's artifacts.
 
-        ``.json`` files are parsed; anything else is returned as bytes.
+        A local file (``local_files`` of :meth:`write_note`) is read from the run's enclave on
+        this machine, never downloaded; absent, it is an error naming the run. Every file is
+        checked against the sha256 the note's ``_DONE`` recorded. ``.json`` files are parsed;
+        anything else is returned as bytes.
         """
-        path = self.note_dir(subdir, note_id) / _check_component(filename, "filename")
-        if not path.is_file():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent, prefix=".dl-") as tmp, \
-                    _quiet_downloads():
-                try:
-                    got = self.client.download_artifacts(
-                        self.run_id, f"{subdir}/{note_id}/{filename}", tmp)
-                except (MlflowException, OSError):
-                    raise MistillInputError("per-note artifact not found", file=filename,
-                                            note=str(note_id), field=subdir) from None
-                os.replace(got, path)
-        done_path = self.note_dir(subdir, note_id) / DONE_MARKER
-        if not done_path.is_file():
-            with tempfile.TemporaryDirectory(dir=path.parent, prefix=".dl-") as tmp, _quiet_downloads():
-                try:
-                    got = self.client.download_artifacts(
-                        self.run_id, f"{subdir}/{note_id}/{DONE_MARKER}", tmp)
-                except (MlflowException, OSError):
-                    raise MistillInputError(f"run {self.run_id}: note has no {DONE_MARKER} marker",
-                                            file=filename, note=str(note_id), field=subdir) from None
-                os.replace(got, done_path)
-        verify_note_file(path, read_json(done_path), run_id=self.run_id, subdir=subdir, note_id=str(note_id))
+        _check_component(filename, "filename")
+        done = self._note_done(subdir, str(note_id), filename)
+        if filename in _local_entries(done):
+            path = self.enclave_note_dir(subdir, note_id) / filename
+            if not path.is_file():
+                raise enclave_missing_error(self.run_id, subdir, str(note_id), filename, [path.parent])
+            verify_local_note_file(path, done, run_id=self.run_id, subdir=subdir, note_id=str(note_id))
+        else:
+            path = self.note_dir(subdir, note_id) / filename
+            if not path.is_file():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryDirectory(dir=path.parent, prefix=".dl-") as tmp, \
+                        _quiet_downloads():
+                    try:
+                        got = self.client.download_artifacts(
+                            self.run_id, f"{subdir}/{note_id}/{filename}", tmp)
+                    except (MlflowException, OSError):
+                        raise MistillInputError("per-note artifact not found", file=filename,
+                                                note=str(note_id), field=subdir) from None
+                    os.replace(got, path)
+            verify_note_file(path, done, run_id=self.run_id, subdir=subdir, note_id=str(note_id))
         if path.suffix == ".json":
             return read_json(path)
         return path.read_bytes()
@@ -933,6 +998,79 @@ def verify_note_file(path: Path, done: Mapping[str, Any], *, run_id: str, subdir
             f"run {run_id}: {where} does not match the sha256 recorded when the note finished "
             f"(recorded {want[:16]}, found {got[:16]}): the artifact was changed afterwards",
             file=path.name, note=note_id, field=subdir)
+
+
+# ----------------------------------------------------------------------- the local enclave
+TAG_ENCLAVE_DIR = "mistill.enclave_dir"
+"""Where a run keeps its local files: ``<work>/enclave`` on the machine that ran it (a path)."""
+ENCLAVE_DIR = "enclave"
+LOCAL_FILES_KEY = "local_files"
+"""The key of ``_DONE`` that lists a note's local files (name -> sha256)."""
+
+
+def _local_entries(done: Any) -> dict[str, str]:
+    """A ``_DONE`` record's local files (name -> sha256); empty when it has none."""
+    entries = done.get(LOCAL_FILES_KEY) if isinstance(done, Mapping) else None
+    return dict(entries) if isinstance(entries, Mapping) else {}
+
+
+def _write_note_content(path: Path, content: bytes | str | Any) -> None:
+    """Write one per-note file atomically: bytes as is, str as UTF-8, anything else as JSON."""
+    if isinstance(content, bytes):
+        write_bytes(path, content)
+    elif isinstance(content, str):
+        write_text(path, content)
+    else:
+        write_json(path, content)
+
+
+def _check_note_filenames(subdir: str, note_id: str, files: Mapping[str, Any],
+                          local_files: Mapping[str, Any]) -> None:
+    """Refuse ``_DONE`` as a file name, a name both uploaded and local, and ``enclave`` as a
+    subdir (it would nest the uploaded note dirs inside the enclave)."""
+    if DONE_MARKER in files or DONE_MARKER in local_files:
+        raise MistillInputError(f"{DONE_MARKER} is reserved", note=note_id, field="filename")
+    both = sorted(set(files) & set(local_files))
+    if both:
+        raise MistillInputError(f"{both[0]} is given both as an uploaded and as a local file",
+                                note=note_id, field="filename")
+    if subdir == ENCLAVE_DIR:
+        raise MistillInputError(f"subdir {ENCLAVE_DIR!r} is reserved for the local enclave",
+                                note=note_id, field="subdir")
+
+
+def verify_local_note_file(path: Path, done: Mapping[str, Any], *, run_id: str, subdir: str,
+                           note_id: str) -> None:
+    """Check one local (enclave) file against the sha256 its note's ``_DONE`` recorded under
+    ``local_files``.
+
+    Raises:
+        MistillInputError: the file is not a recorded local file, or its content changed after
+            the note finished (names the run, the note and the file).
+    """
+    where = f"{subdir}/{note_id}/{path.name}"
+    want = _local_entries(done).get(path.name)
+    if want is None:
+        raise MistillInputError(f"run {run_id}: {where} is not a local file of the note's "
+                                f"{DONE_MARKER} marker", file=path.name, note=note_id, field=subdir)
+    got = sha256_file(path)
+    if got != want:
+        raise MistillInputError(
+            f"run {run_id}: the local file {where} does not match the sha256 recorded when the note "
+            f"finished (recorded {want[:16]}, found {got[:16]}): it was changed afterwards",
+            file=path.name, note=note_id, field=subdir)
+
+
+def enclave_missing_error(run_id: str, subdir: str, note_id: str, filename: str,
+                          looked: Iterable[Path]) -> MistillInputError:
+    """The error for a local file absent from this machine: it is restricted model text, kept
+    only in the enclave of the machine that ran the run, never in MLflow."""
+    where = ", ".join(str(p) for p in looked)
+    return MistillInputError(
+        f"run {run_id}: {subdir}/{note_id}/{filename} is restricted model text kept only in the "
+        f"local enclave of the machine that ran run {run_id} (not found in {where}); it is never "
+        f"stored in MLflow: run this stage on that machine", file=filename, note=note_id,
+        field=subdir)
 
 
 def _pop_fluent_run(run_id: str) -> None:
@@ -985,4 +1123,5 @@ __all__ = [
     "StageRun", "find_run", "experiment_for_corpus", "code_version", "git_commit",
     "canonical_params", "params_digest", "identity_params", "param_string", "parse_param", "typed_equal",
     "run_name", "markdown_table", "resolve_tracking_uri", "verify_note_file", "DONE_MARKER",
+    "TAG_ENCLAVE_DIR", "ENCLAVE_DIR", "LOCAL_FILES_KEY", "verify_local_note_file", "enclave_missing_error",
 ]
