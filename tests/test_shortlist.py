@@ -337,9 +337,9 @@ def test_training_pool_needs_a_corpus_for_real_data(tiny_corpora, tmp_path) -> N
     restricted = Corpus(name="r", privacy="restricted", notes=corpus.notes, inventory=corpus.inventory)
     prepared = Prepared(corpus=restricted, inventory=corpus.inventory, data_dir=tmp_path, run_id="x")
     with pytest.raises(MistillInputError, match="train_prepare_run"):
-        training_pool(ShortlistConfig(prepare_run="x"), prepared)
+        training_pool(ShortlistConfig(prepare_run="0" * 32), prepared)
     synthetic = Prepared(corpus=corpus, inventory=corpus.inventory, data_dir=tmp_path, run_id="x")
-    pool = training_pool(ShortlistConfig(prepare_run="x", train_synthetic_notes=5, train_seed=9),
+    pool = training_pool(ShortlistConfig(prepare_run="0" * 32, train_synthetic_notes=5, train_seed=9),
                          synthetic)
     assert len(pool) == 5 and {n.split for n in pool} == {"train"}
     assert not {n.patient_id for n in pool} & {n.patient_id for n in corpus.notes}
@@ -391,10 +391,10 @@ def test_bad_shortlist_in_jsonl_names_file_line_note_field(tiny_corpora, tmp_pat
 
 
 def test_bad_config_errors() -> None:
-    for kwargs, fld in [({}, "prepare_run"), ({"prepare_run": "x", "fusion": "max"}, "fusion"),
-                        ({"prepare_run": "x", "prompt_order": "alpha"}, "prompt_order"),
-                        ({"prepare_run": "x", "target_recall": 0.0}, "target_recall"),
-                        ({"prepare_run": "x", "k": -1}, "k")]:
+    for kwargs, fld in [({}, "prepare_run"), ({"prepare_run": "0" * 32, "fusion": "max"}, "fusion"),
+                        ({"prepare_run": "0" * 32, "prompt_order": "alpha"}, "prompt_order"),
+                        ({"prepare_run": "0" * 32, "target_recall": 0.0}, "target_recall"),
+                        ({"prepare_run": "0" * 32, "k": -1}, "k")]:
         with pytest.raises(MistillInputError) as err:
             run_shortlist(ShortlistConfig(**kwargs))
         assert err.value.field == fld

@@ -29,6 +29,7 @@ from mistill.stages.own_heads import OwnHeadsConfig, run_own_heads
 from mistill.stages.prepare import PrepareConfig, run_prepare
 from mistill.stages.registry import stages
 from mistill.stages.report import ReportConfig
+from mistill.stages.select_lambda import SelectLambdaConfig
 from mistill.stages.shortlist import ShortlistConfig, run_shortlist
 from mistill.stages.workflow import CharacterizeConfig, PipelineConfig, pipeline_steps, run_characterize
 from stage_fixtures import TINY, unique
@@ -338,3 +339,120 @@ def test_pipeline_refuses_a_split_without_notes_before_any_model_step(tracking_u
     client = MlflowClient()
     new = [client.get_run(r) for r in _run_ids() - before]
     assert [r.data.tags.get("mistill.stage") for r in new] == ["prepare"]  # no model step ran
+
+
+# ----------------------------------------------------------- string parameters are never text
+SENTENCE = "the quiet heron counted eleven copper lanterns beside the orchard"
+"""Ten words, as a note would hold them."""
+TEXT_FORMS = {"spaced": SENTENCE, "path": f"/data/{SENTENCE}.jsonl", "hyphenated": SENTENCE.replace(" ", "-"),
+              "lines": "heron\nlanterns"}
+"""The sentence as plain words, as a file path, joined into one token, and text over two lines."""
+
+
+def _string_fields() -> list[tuple[str, str, bool]]:
+    """(stage, field, is a tuple) for every ``str`` and ``tuple[str, ...]`` field of every stage
+    config in the registry."""
+    import dataclasses
+    import typing
+
+    out = []
+    for stage in stages().values():
+        hints = typing.get_type_hints(stage.config)
+        for f in dataclasses.fields(stage.config):
+            if hints[f.name] in (str, tuple[str, ...]):
+                out.append((stage.name, f.name, hints[f.name] is not str))
+    return out
+
+
+STRING_FIELDS = _string_fields()
+
+
+@pytest.mark.parametrize("stage,field,is_tuple", STRING_FIELDS, ids=[f"{s}-{f}" for s, f, _ in STRING_FIELDS])
+def test_no_string_parameter_takes_a_sentence(stage, field, is_tuple):
+    """From the command line (as ``mlflow run -P`` passes it) and built directly, each form of the
+    sentence is refused as text, naming the field and never repeating the text."""
+    from mistill.validation import TextValueError
+
+    cls = stages()[stage].config
+    for form, text in TEXT_FORMS.items():
+        builds = {"from_dict": lambda: cls.from_dict({field: text}),
+                  "direct": lambda: cls(**{field: (text,) if is_tuple else text})}
+        for how, build in builds.items():
+            with pytest.raises(TextValueError) as err:
+                build()
+            assert err.value.field == field, (form, how, str(err.value))
+            assert "heron" not in str(err.value) and "lanterns" not in str(err.value), (form, how)
+
+
+def test_string_fields_are_all_covered():
+    """The parametrisation above sees every kind of string parameter (guards its own helper)."""
+    fields = {(s, f) for s, f, _ in STRING_FIELDS}
+    assert {("prepare", "corpus"), ("prepare", "patient_ids"), ("events", "prepare_run"), ("train", "overrides"),
+            ("train", "arm"), ("select_lambda", "storage"), ("shortlist", "exclude_prepare_runs"),
+            ("report", "arms"), ("pipeline", "train_arms"), ("characterize", "launch")} <= fields
+    assert len(fields) >= 80
+
+
+def test_each_kind_of_string_parameter_accepts_its_forms(tmp_path):
+    import uuid
+
+    run_a, run_b = uuid.uuid4().hex, uuid.uuid4().hex
+    spaced = tmp_path / "my notes" / "corpus v2.jsonl"  # an existing file may have spaces
+    spaced.parent.mkdir()
+    spaced.write_text("{}\n")
+    accepted = [
+        EventsConfig(prepare_run=run_a, split="train", model="tiny:qwen3:layers=6:d_model=512"),
+        EventsConfig(model="embedded:smollm2-135m@every-other"),
+        EventsConfig(model=f"run:{run_a}@layers=0,2"),
+        EventsConfig(model="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"),  # a hub id in the HF cache
+        EventsConfig(model="/models/qwen3::Qwen3-14B-Q4_K_M.gguf"),
+        PrepareConfig(corpus="mimic:/data/mimiciv_icd10.feather", split_file="/data/splits.csv",
+                      codes_file="~/codes/icd10.txt", corpus_name="mimic4-icd10", select_split="train",
+                      select_n=10, patient_ids="clear"),
+        PrepareConfig(corpus=str(spaced), corpus_name="spaced"),
+        TrainStageConfig(targets_run=run_a, arm="vanilla-bf16", precision="fp32",
+                         overrides="lambda_p1=0.03,terms=attention+write,pool_k=8"),
+        ReportConfig(corpus="mimic4-icd10", arms=("vanilla-bf16", "mistill"), reference_arm="mistill"),
+        SelectLambdaConfig(storage="postgresql://user@db.example/optuna", corpus_name="c-1", prepare_run=run_b),
+        ShortlistConfig(exclude_prepare_runs=(run_a, run_b), encoder="embedded:all-minilm-l6-v2", val_split=""),
+        EvaluateConfig(train_run=run_a, las_run=run_b, arm="teacher", split=""),
+    ]
+    for cfg in accepted:  # and the same values as the command line gives them
+        assert type(cfg).from_dict({k: _default(v) for k, v in cfg.to_dict().items()}) == cfg
+
+
+@pytest.mark.parametrize("cls,kwargs,field", [
+    (EventsConfig, {"prepare_run": "x"}, "prepare_run"),
+    (EventsConfig, {"prepare_run": "0123456789ABCDEF0123456789ABCDEF"}, "prepare_run"),
+    (ShortlistConfig, {"exclude_prepare_runs": ("",)}, "exclude_prepare_runs"),
+    (EventsConfig, {"split": ".hidden"}, "split"),
+    (EventsConfig, {"split": "s" * 65}, "split"),
+    (EventsConfig, {"model": "run:abc"}, "model"),
+    (EventsConfig, {"model": "tiny:qwen3:layers"}, "model"),
+    (EventsConfig, {"model": "embedded:smollm2-135m@every-third"}, "model"),
+    (EventsConfig, {"model": "/data/my notes/model"}, "model"),
+    (PrepareConfig, {"corpus": "/data/my notes/x.jsonl"}, "corpus"),
+    (PrepareConfig, {"patient_ids": "hidden"}, "patient_ids"),
+    (TrainStageConfig, {"overrides": "lambda_p1=0.03,no_such_flag=1"}, "overrides"),
+    (TrainStageConfig, {"overrides": "terms=attention write"}, "overrides"),
+    (SelectLambdaConfig, {"storage": "selection.db"}, "storage"),
+    (SelectLambdaConfig, {"launch": "ssh"}, "launch"),
+    (ReportConfig, {"arms": ("../x",)}, "arms"),
+])
+def test_each_kind_of_string_parameter_refuses_other_forms(cls, kwargs, field):
+    with pytest.raises(MistillInputError) as err:
+        cls(**kwargs)
+    assert err.value.field == field, str(err.value)
+
+
+def test_text_on_the_command_line_exits_2_without_repeating_it(capsys, monkeypatch, tmp_path):
+    from mistill.stages.cli import main
+
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path))
+    with pytest.raises(SystemExit) as exc:
+        main("prepare", ["--select_split", SENTENCE, "--select_n", "2"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "field 'select_split'" in err and "10 words" in err
+    assert "heron" not in err

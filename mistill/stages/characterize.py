@@ -34,7 +34,8 @@ from mistill.models.loading import EMBEDDED_DEFAULT, load_model
 from mistill.stages.common import (Prepared, RunReader, load_prepared, log_corpus_input, mistill_root,
                                    model_positions, note_input, privacy_guard, require_notes)
 from mistill.validation import (check_choices, check_counts, check_device, check_dtype, check_interval,
-                                check_non_negative, check_not_empty, check_positive, check_seed)
+                                check_model_spec, check_name, check_no_text_fields, check_non_negative,
+                                check_not_empty, check_positive, check_run_id, check_seed)
 
 NOTES = "notes"
 
@@ -76,6 +77,10 @@ class EventsConfig(Config):
     chunk_size: int = 8192
 
     def validate(self) -> None:
+        check_no_text_fields(self)
+        check_run_id(self.prepare_run, "prepare_run")
+        check_model_spec(self.model, "model")
+        check_name(self.split, "split", "a split", allow_empty=True)
         check_not_empty(self.model, "model", "a model spec")
         check_dtype(self.dtype)
         check_device(self.device)
@@ -271,6 +276,8 @@ class AttributeConfig(Config):
     seed: int = 0
 
     def validate(self) -> None:
+        check_no_text_fields(self)
+        check_run_id(self.events_run, "events_run")
         check_dtype(self.dtype)
         check_device(self.device)
         check_non_negative(self.top_nominees, "top_nominees")
@@ -409,6 +416,8 @@ class KnockinStageConfig(Config):
     seed: int = 0
 
     def validate(self) -> None:
+        check_no_text_fields(self)
+        check_run_id(self.attribute_run, "attribute_run")
         check_dtype(self.dtype)
         check_device(self.device)
         check_counts(self.k_bins, "k_bins")

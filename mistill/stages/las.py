@@ -61,7 +61,14 @@ class LasSimulatorConfig(Config):
     max_note_words: int = 256
 
     def validate(self) -> None:
+        from mistill.validation import check_model_spec, check_name, check_no_text_fields, check_run_id
+
+        check_no_text_fields(self)
+        check_run_id(self.prepare_run, "prepare_run")
         check_not_empty(self.split, "split", "the split of the teacher's training traces")
+        check_name(self.split, "split", "the split of the teacher's training traces")
+        check_name(self.val_split, "val_split", "the split of the held-out notes", allow_empty=True)
+        check_model_spec(self.model, "model")
         check_non_negative(self.max_val_notes, "max_val_notes", "0: every validation note")
         check_not_empty(self.model, "model", "a model spec")
         check_positive(self.max_steps, "max_steps")

@@ -21,9 +21,9 @@ from mistill.data.prompts import build_prompt
 from mistill.data.synthetic import make_synthetic_corpus
 from mistill.errors import MistillInputError
 from mistill.models.loading import EMBEDDED_DEFAULT
-from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE, TAG_DATA_DIR,
-                                   TAG_DATA_IDENTITY, corpus_index, mistill_root, prepared_data_dir,
-                                   privacy_guard, save_prepared)
+from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE, PATIENT_ID_MODES,
+                                   TAG_DATA_DIR, TAG_DATA_IDENTITY, corpus_index, mistill_root,
+                                   prepared_data_dir, privacy_guard, save_prepared)
 
 MIMIC_PREFIX = "mimic:"
 
@@ -39,6 +39,10 @@ class PrepareConfig(Config):
     select_n: stratified greedy selection of App. A (0 keeps every note).
     model: whose chat template and tokenizer the prompts use; every note's prompt (+ teacher
         trace) must fit the model's positions.
+    patient_ids: how ``corpus_index`` (the logged index and dataset input) shows patient ids:
+        ``hashed`` (HMAC-SHA256 under the local salt of the mistill root, 16 hex characters:
+        stable on this machine, unlinkable elsewhere), ``clear``, or ``auto`` (hashed for a
+        restricted corpus, clear otherwise). The local corpus always keeps the real ids.
 
     Files named by path (the corpus, ``codes_file``, ``split_file``) join the run's identity by
     content (:meth:`content_digests`): a file edited in place makes a new run.
@@ -58,6 +62,7 @@ class PrepareConfig(Config):
     model: str = EMBEDDED_DEFAULT
     remove_discharge_diagnosis: bool = True
     narrow_instruction: bool = True
+    patient_ids: str = "auto"
 
     @property
     def corpus_path(self) -> str:
@@ -76,12 +81,22 @@ class PrepareConfig(Config):
         """Refuse values no run can use, naming the field. Files are looked at by the stage
         (:func:`build_corpus`, still before its run), not here: a config stays readable where
         its files are not."""
-        from mistill.validation import (check_at_least, check_choice, check_non_negative, check_not_empty,
+        from mistill.validation import (check_at_least, check_choice, check_model_spec, check_name,
+                                        check_no_text_fields, check_non_negative, check_not_empty, check_path,
                                         check_seed, fail)
 
+        check_no_text_fields(self)
         check_not_empty(self.corpus, "corpus", "'synthetic', a JSONL path or mimic:<table path>")
         if self.corpus.startswith(MIMIC_PREFIX):
             check_not_empty(self.corpus_path, "corpus", "the MIMIC table after 'mimic:'")
+        if self.corpus_path:
+            check_path(self.corpus_path, "corpus", "a JSONL file or mimic:<table path>")
+        check_name(self.corpus_name, "corpus_name", "the corpus", allow_empty=True)
+        check_path(self.codes_file, "codes_file", "a code list file", allow_empty=True)
+        check_path(self.split_file, "split_file", "a split file", allow_empty=True)
+        check_name(self.select_split, "select_split", "a split", allow_empty=True)
+        check_model_spec(self.model, "model")
+        check_choice(self.patient_ids, PATIENT_ID_MODES, "patient_ids")
         check_choice(self.privacy, PRIVACY_LEVELS, "privacy")
         check_at_least(self.n_notes, 1, "n_notes")
         check_at_least(self.inventory_size, 1, "inventory_size")
@@ -98,6 +113,9 @@ class PrepareConfig(Config):
         if name and not safe_path_component(name):
             fail(f"corpus name {name!r} must be letters, digits, '_', '.', '-' (not starting with '.'): it "
                  "names the experiment and the data folder", "corpus_name")
+        if name and not self.corpus_name:  # the file's stem names the experiment: a name, not a sentence
+            check_name(name, "corpus", "the corpus (the file's name is the corpus name unless corpus_name "
+                       "is given)")
 
 
 def build_corpus(cfg: PrepareConfig) -> Corpus:
@@ -280,7 +298,7 @@ def run_prepare(cfg: PrepareConfig) -> str:
                                                     "narrow_instruction": cfg.narrow_instruction},
                                  run_id=run.run_id, identity=run.params)
         run.set_tags({TAG_DATA_DIR: str(data_dir), TAG_DATA_IDENTITY: identity})
-        index = corpus_index(corpus)
+        index = corpus_index(corpus, cfg.patient_ids)
         run.log_dataset(index, name=f"{corpus.name}-index", digest=corpus.digest, context="corpus")
         run.log_table("corpus_index", index)
         run.log_artifact_file(data_dir / INVENTORY_FILE, "data")

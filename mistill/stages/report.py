@@ -46,10 +46,17 @@ class ReportConfig(Config):
     seed: int = 0
 
     def validate(self) -> None:
+        from mistill.validation import check_arm, check_arms, check_name, check_no_text_fields
+
+        check_no_text_fields(self)
         check_not_empty(self.corpus, "corpus", "the corpus whose experiment is read")
+        check_name(self.corpus, "corpus", "the corpus whose experiment is read")
         check_not_empty(self.reference_arm, "reference_arm", "the arm every other arm is compared against")
+        check_arm(self.reference_arm, "reference_arm")
+        check_name(self.split, "split", "a split", allow_empty=True)
         if any(not arm.strip() for arm in self.arms):
             raise MistillInputError(f"arms holds an empty name: {list(self.arms)}", field="arms")
+        check_arms(self.arms, "arms")
         check_positive(self.bootstrap, "bootstrap")
         check_positive(self.corpus_bootstrap, "corpus_bootstrap")
         check_seed(self.seed)

@@ -65,6 +65,23 @@ class SelectLambdaConfig(Config):
     grace_period: int = 120
     max_retry: int = 3
 
+    def validate(self) -> None:
+        """Refuse string values of the wrong form, naming the field (numbers are the lock's and the
+        study's to check)."""
+        from mistill.stages.workflow import LAUNCHES
+        from mistill.validation import (check_choice, check_device, check_model_spec, check_name,
+                                        check_no_text_fields, check_path, check_run_id, check_storage_url)
+
+        check_no_text_fields(self)
+        check_path(self.lock, "lock", "a lock file (.yaml)")
+        for field in ("prepare_run", "targets_run", "student_attribute_run"):
+            check_run_id(getattr(self, field), field)
+        check_model_spec(self.student, "student")
+        check_device(self.device)
+        check_storage_url(self.storage, "storage")
+        check_name(self.corpus_name, "corpus_name", "the corpus", allow_empty=True)
+        check_choice(self.launch, LAUNCHES, "launch")
+
     def content_digests(self) -> dict[str, str]:
         """``{"lock": sha256 of the lock file's bytes}`` (the only file this stage reads by path)."""
         digest = file_digest(self.lock)

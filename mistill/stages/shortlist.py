@@ -58,6 +58,7 @@ from mistill.stages.common import (
     privacy_guard,
     require_notes,
     save_prepared,
+    shown_patient_ids,
 )
 
 PROMPT_ORDERS = ("inventory", "rank")
@@ -118,6 +119,16 @@ class ShortlistConfig(Config):
     prompt_order: str = "inventory"
 
     def validate(self) -> None:
+        from mistill.validation import (check_model_spec, check_name, check_no_text_fields, check_run_id,
+                                        check_run_ids)
+
+        check_no_text_fields(self)
+        check_run_id(self.prepare_run, "prepare_run")
+        check_run_id(self.train_prepare_run, "train_prepare_run")
+        check_run_ids(self.exclude_prepare_runs, "exclude_prepare_runs")
+        check_model_spec(self.encoder, "encoder")
+        for field in ("train_split", "val_split", "baseline_split"):
+            check_name(getattr(self, field), field, "a split", allow_empty=True)
         check_not_empty(self.encoder, "encoder", "a sentence-embedding model")
         check_device(self.device, extra=("auto",))
         check_positive(self.chunk_words, "chunk_words")
@@ -271,8 +282,9 @@ def run_shortlist(cfg: ShortlistConfig) -> str:
         run.log_json("k_decision.json", decision)
         run.log_json("shortlists.json", {n.note_id: s for n, s in zip(notes, lists)})
         train_csv = run.work_dir / "artifacts" / "retriever_train_notes.csv"
+        train_ids = shown_patient_ids(corpus.privacy, [n.patient_id for n in train])
         write_text(train_csv, pd.DataFrame({"note_id": [n.note_id for n in train],
-                                            "patient_id": [n.patient_id for n in train]}).to_csv(index=False))
+                                            "patient_id": train_ids}).to_csv(index=False))
         run.log_artifact_file(train_csv)
 
         chosen = [i for i, n in enumerate(notes) if n.split == cfg.baseline_split]

@@ -118,6 +118,9 @@ class CharacterizeConfig(Config):
     launch: str = "mlflow"
 
     def validate(self) -> None:
+        from mistill.validation import check_no_text_fields
+
+        check_no_text_fields(self)
         self.events_config()  # each step's config validates the fields it takes
         self.attribute_config()
         self.knockin_config()
@@ -221,9 +224,18 @@ class PipelineConfig(Config):
 
     def validate(self) -> None:
         from mistill.distill.arms import resolve_arm
+        from mistill.validation import (check_arms, check_model_spec, check_name, check_no_text_fields,
+                                        check_path)
 
+        check_no_text_fields(self)
         self.prepare_config()  # the prepare and characterize steps validate what they take
         self.characterize_config()
+        check_model_spec(self.student, "student")
+        check_model_spec(self.las_model, "las_model")
+        for field in ("student_split", "train_split", "eval_split"):
+            check_name(getattr(self, field), field, "a split", allow_empty=True)
+        check_path(self.select_lock, "select_lock", "a lock file (.yaml)", allow_empty=True)
+        check_arms(self.train_arms, "train_arms")
         check_not_empty(self.student, "student", "a model spec")
         for arm in self.train_arms:
             try:

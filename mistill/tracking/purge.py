@@ -1,0 +1,219 @@
+"""Purge a run from the tracking store: delete it, then remove it for good with ``mlflow gc``.
+
+Deleting an MLflow run only marks it ``deleted``: its params, tags and name stay in the backend
+store, and its artifacts in the artifact store, until ``mlflow gc`` removes them. That is not
+enough for a run that holds protected text, which can happen before any check of ours runs:
+``mlflow run`` opens a run and stores every ``-P`` value as a param *before* the stage starts,
+so the privacy guard of a restricted corpus meets those values only once they are stored.
+:func:`purge_run` deletes such a run and runs ``mlflow gc`` on it: no row of the run (params,
+tags, metrics, the run itself) is left in the backend store and none of its artifacts.
+
+``mlflow gc`` works on the backend store directly, so it needs that store's URI:
+
+* the project's server (:class:`~mistill.tracking.server.TrackingServer` of the mistill root),
+  when it is the tracking server in use: its record names its SQLite backend and artifact folder;
+* otherwise the environment: ``MISTILL_BACKEND_STORE_URI`` (the ``--backend-store-uri`` the
+  server was started with) and, optionally, ``MISTILL_ARTIFACTS_DESTINATION`` (its
+  ``--artifacts-destination``), set by whoever runs a server mistill did not start;
+* when neither is known the run is deleted, and :class:`RunNotPurgedError` gives the operator the
+  ``mlflow gc`` command that finishes the purge.
+
+SQLite keeps the bytes of deleted rows in free pages unless ``secure_delete`` is on; where the
+SQLite library has it off, the purge ends with ``VACUUM``, so the text is gone from the file too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from mlflow.entities import Run
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
+from mlflow.tracking import MlflowClient
+
+from mistill.errors import MistillInputError
+from mistill.tracking.privacy import PrivacyError, PrivacyGuard
+from mistill.tracking.server import TrackingServer
+
+ENV_BACKEND_STORE_URI = "MISTILL_BACKEND_STORE_URI"
+"""The backend store URI of a tracking server mistill did not start (``mlflow server
+--backend-store-uri``), so that a run holding protected text can be purged."""
+
+ENV_ARTIFACTS_DESTINATION = "MISTILL_ARTIFACTS_DESTINATION"
+"""That server's ``--artifacts-destination`` (optional: ``mlflow gc`` deletes proxied artifacts
+through the tracking server)."""
+
+GC_TIMEOUT_S = 300.0
+"""The longest ``mlflow gc`` of one run may take (it starts in a few seconds)."""
+
+_SQLITE = "sqlite:///"
+
+
+class RunNotPurgedError(PrivacyError):
+    """A run holding protected text was deleted but could not be purged: its params and tags are
+    still in the backend store until an operator runs :attr:`command`.
+
+    Attributes:
+        run_id: the deleted run.
+        reason: why it was not purged.
+        command: the ``mlflow gc`` command that purges it.
+        where: what held the protected text (``param split``), when known.
+    """
+
+    def __init__(self, run_id: str, reason: str, command: str, where: str | None = None) -> None:
+        self.run_id, self.reason, self.command = run_id, reason, command
+        self.where = where or f"run {run_id}"
+        held = f"{where} holds protected note text (corpus privacy level 'restricted'); " if where else ""
+        MistillInputError.__init__(
+            self, f"{held}run {run_id} is deleted but NOT purged ({reason}): its params and tags stay in "
+                  f"the backend store until an operator runs: {command}")
+
+
+def _redacted(uri: str) -> str:
+    """``uri`` without the password of its user info (safe to print)."""
+    parts = urlsplit(uri)
+    if parts.password is None:
+        return uri
+    host = parts.hostname or ""
+    netloc = f"{parts.username}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def backend_store(tracking_uri: str, root: Path | str) -> tuple[str, str | None] | None:
+    """``(backend store URI, artifacts destination or None)`` of the tracking server at
+    ``tracking_uri``: the project's server of ``root`` when it is that server, else
+    ``MISTILL_BACKEND_STORE_URI`` (with ``MISTILL_ARTIFACTS_DESTINATION``), else None."""
+    record = TrackingServer(root).status()
+    if record and str(record.get("uri", "")).rstrip("/") == tracking_uri.rstrip("/"):
+        server = TrackingServer(record.get("root", root))
+        return (str(record.get("backend_store_uri") or server.backend_uri),
+                str(record.get("artifacts_destination") or server.artifacts_dir))
+    backend = os.environ.get(ENV_BACKEND_STORE_URI, "").strip()
+    if not backend:
+        return None
+    return backend, os.environ.get(ENV_ARTIFACTS_DESTINATION, "").strip() or None
+
+
+def gc_command(run_id: str, tracking_uri: str, backend: str | None = None,
+               artifacts: str | None = None) -> list[str]:
+    """The ``mlflow gc`` command line that purges the deleted run ``run_id``."""
+    cmd = ["mlflow", "gc", "--backend-store-uri", backend or "<backend store URI>"]
+    if artifacts:
+        cmd += ["--artifacts-destination", artifacts]
+    return cmd + ["--run-ids", run_id, "--tracking-uri", tracking_uri]
+
+
+def _shown_command(cmd: list[str]) -> str:
+    return shlex.join([_redacted(part) if "://" in part else part for part in cmd])
+
+
+def _is_missing(exc: MlflowException) -> bool:
+    return exc.error_code == ErrorCode.Name(RESOURCE_DOES_NOT_EXIST)
+
+
+def purge_run(run_id: str, *, tracking_uri: str | None = None, root: Path | str | None = None) -> None:
+    """Delete ``run_id`` and remove it for good from the tracking store (``mlflow gc``).
+
+    A run that no longer exists is left alone (already purged). ``root`` is the mistill root
+    whose server record names the backend store (default: ``$MISTILL_ROOT`` or ``.mistill``).
+
+    Raises:
+        RunNotPurgedError: the run is deleted, but the backend store is unknown or ``mlflow gc``
+            failed; the message gives the command that purges it.
+    """
+    import mlflow
+
+    uri = tracking_uri or mlflow.get_tracking_uri()
+    root = Path(root if root is not None else os.environ.get("MISTILL_ROOT", ".mistill"))
+    client = MlflowClient(tracking_uri=uri)
+    try:
+        run = client.get_run(run_id)
+    except MlflowException as exc:
+        if _is_missing(exc):
+            return
+        raise
+    if run.info.lifecycle_stage != "deleted":
+        client.delete_run(run_id)
+    store = backend_store(uri, root)
+    if store is None:
+        raise RunNotPurgedError(
+            run_id, f"the backend store of tracking server {uri} is unknown: set {ENV_BACKEND_STORE_URI} "
+                    "to the --backend-store-uri it was started with", _shown_command(gc_command(run_id, uri)))
+    backend, artifacts = store
+    cmd = gc_command(run_id, uri, backend, artifacts)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    env.pop("MLFLOW_RUN_ID", None)
+    try:
+        proc = subprocess.run([sys.executable, "-m", *cmd], env=env, capture_output=True, text=True,
+                              timeout=GC_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        failure = None if proc.returncode == 0 else (
+            f"mlflow gc exited {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1][:300]}")
+    except subprocess.TimeoutExpired:
+        failure = f"mlflow gc did not finish within {GC_TIMEOUT_S:.0f} s"
+    if failure is not None:
+        raise RunNotPurgedError(run_id, failure, _shown_command(cmd))
+    drop_freed_pages(backend)
+
+
+def drop_freed_pages(backend: str) -> None:
+    """For a SQLite backend store whose library leaves deleted rows' bytes in free pages
+    (``PRAGMA secure_delete`` off, the library's default, which the deletion also ran with):
+    ``VACUUM``, which rewrites the file without them. Other stores are left as they are."""
+    if not backend.startswith(_SQLITE):
+        return
+    with contextlib.closing(sqlite3.connect(backend[len(_SQLITE):], timeout=60)) as db:
+        if db.execute("PRAGMA secure_delete").fetchone()[0]:
+            return
+        db.execute("VACUUM")
+
+
+def protected_place(run: Run, guard: PrivacyGuard) -> str | None:
+    """Where ``run`` holds text ``guard`` protects (``param split``, ``tag mlflow.runName``,
+    ``run name``), or None: its params, its tags and its name are checked."""
+    places = ((run.data.params, "param"), (run.data.tags, "tag"), ({"name": run.info.run_name or ""}, "run"))
+    for mapping, kind in places:
+        try:
+            guard.check_mapping(mapping, kind)
+        except PrivacyError as exc:
+            return exc.where
+    return None
+
+
+def purge_if_protected(run_id: str, guard: PrivacyGuard, *, tracking_uri: str | None = None,
+                       root: Path | str | None = None) -> None:
+    """Purge ``run_id`` when its params, tags or name hold text ``guard`` protects, and raise
+    :class:`PrivacyError` naming where (never the text); otherwise (or when the run does not
+    exist) return.
+
+    Raises:
+        PrivacyError: the run held protected text and is purged.
+        RunNotPurgedError: the run held protected text and is deleted, but not purged.
+    """
+    if guard.allows_text:
+        return
+    client = MlflowClient(tracking_uri=tracking_uri)
+    try:
+        run = client.get_run(run_id)
+    except MlflowException as exc:
+        if _is_missing(exc):
+            return
+        raise
+    where = protected_place(run, guard)
+    if where is None:
+        return
+    try:
+        purge_run(run_id, tracking_uri=tracking_uri, root=root)
+    except RunNotPurgedError as exc:
+        raise RunNotPurgedError(run_id, exc.reason, exc.command, where=where) from None
+    raise PrivacyError(f"{where} (held by run {run_id}, now deleted and purged from the tracking store)")
+
+
+__all__ = ["ENV_ARTIFACTS_DESTINATION", "ENV_BACKEND_STORE_URI", "RunNotPurgedError", "backend_store",
+           "drop_freed_pages", "gc_command", "protected_place", "purge_if_protected", "purge_run"]
