@@ -192,3 +192,48 @@ def port_outside_the_ephemeral_range() -> int:
         if _port_free("127.0.0.1", port):
             return port
     raise AssertionError("no free port below the ephemeral range")
+
+
+CANARY_ID = "CANARY-7f3a9c-51d2"
+CANARY_SENTENCE = ("the quiet marmalade heron counted eleven copper lanterns beside the frozen "
+                   "orchard at dusk")
+
+
+def planted_corpus(tmp_path: Path, splits: tuple[str, ...] = ("train",) * 3) -> tuple[Path, Path]:
+    """Restricted notes (JSONL, one per entry of ``splits``, in that split) with the canary planted
+    in their texts and traces, and the code file of the synthetic inventory (120 codes).
+
+    Each trace reasons like a synthetic one in brief: regions, a sibling set aside, the code
+    endorsed, a recap and the JSON answer, so it has P1, P2, P2C and NULL events. Unlike the
+    synthetic notes, nothing quotes an inventory description and each note has two gold codes:
+    with quoted descriptions or three gold codes listed in trace order, ``prepare`` itself is
+    refused (a library bug, see ``test_restricted_prepare_of_synthetic_shaped_notes``).
+    """
+    from mistill.data.corpus import Corpus, Note
+    from mistill.data.synthetic import make_synthetic_corpus
+
+    inv = make_synthetic_corpus(n_notes=1, seed=0).inventory
+    cats = [c for c in inv.categories() if len(inv.codes_in_category(c)) >= 2]
+    notes = []
+    for i, split in enumerate(splits):
+        sib, c1 = inv.codes_in_category(cats[i])[:2]
+        c2 = inv.codes_in_category(cats[i + 7])[0]
+        text = (f"Discharge summary {i} (planted test note).\n"
+                f"Chart reference {CANARY_ID} was reviewed on admission. {CANARY_SENTENCE.capitalize()}.\n"
+                "The patient was admitted for a worsening problem, treated on the ward and improved.\n"
+                f"The reviewer filed {CANARY_ID} with the summary.\n")
+        trace = (f"<think>\nLet me read the summary. The chart reference {CANARY_ID} is noted first, "
+                 f"and the note says {CANARY_SENTENCE}.\n"
+                 f"The findings point to the {c1[0]} codes and then to the {c2[0]} codes.\n"
+                 f"For the first finding the candidates are {sib} and {c1}. {sib} does not fit the "
+                 f"history; set aside. So the code here is {c1}.\n"
+                 f"For the second finding the code is {c2}, which matches the hospital course.\n"
+                 f"Aside: {CANARY_SENTENCE}, as the reviewer wrote near {CANARY_ID}.\n"
+                 f"Recap: {c1} and {c2}.\n</think>\n\n" + json.dumps([c1, c2]))
+        notes.append(Note(note_id=f"pl-{i:03d}", patient_id=f"plp-{i:03d}", split=split,
+                          text=text, gold_codes=(c1, c2), teacher_trace=trace))
+    planted = Corpus(name="planted", privacy="restricted", notes=notes, inventory=inv)
+    path = planted.to_jsonl(tmp_path / "planted.jsonl")
+    codes = tmp_path / "codes.txt"
+    codes.write_text("\n".join(inv.codes) + "\n")
+    return Path(path), codes

@@ -28,8 +28,8 @@ from mistill.stages.prepare import PrepareConfig, run_prepare
 from mistill.stages.registry import stages
 from mistill.stages.workflow import PipelineConfig, pipeline_steps, run_step
 from mistill.tracking.privacy import PrivacyError
-from stage_fixtures import (REPO, SLOW_TINY, SMALL, TINY, TINY_HEADS, artifact_paths,
-                            freeze_source, leaks, n_runs, phrase_needles, runs_of,
+from stage_fixtures import (CANARY_ID, CANARY_SENTENCE, REPO, SLOW_TINY, SMALL, TINY, TINY_HEADS, artifact_paths,
+                            freeze_source, leaks, n_runs, phrase_needles, planted_corpus, runs_of,
                             subprocess_env, tracked_texts, unique)
 
 STEPS = ("prepare", "events", "attribute", "knockin")
@@ -230,46 +230,6 @@ def test_events_resume_after_sigkill_keeps_finished_notes(tracking_uri, tmp_path
 
 
 # --------------------------------------------------------------------------- 5. privacy canary
-CANARY_ID = "CANARY-7f3a9c-51d2"
-CANARY_SENTENCE = ("the quiet marmalade heron counted eleven copper lanterns beside the frozen "
-                   "orchard at dusk")
-
-
-def _planted_corpus(tmp_path: Path) -> tuple[Path, Path]:
-    """Three restricted notes (JSONL) with the canary planted in their texts and traces, and the
-    code file of the synthetic inventory (120 codes).
-
-    Each trace reasons like a synthetic one in brief: regions, a sibling set aside, the code
-    endorsed, a recap and the JSON answer, so it has P1, P2, P2C and NULL events. Unlike the
-    synthetic notes, nothing quotes an inventory description and each note has two gold codes:
-    with quoted descriptions or three gold codes listed in trace order, ``prepare`` itself is
-    refused (a library bug, see ``test_restricted_prepare_of_synthetic_shaped_notes``).
-    """
-    inv = make_synthetic_corpus(n_notes=1, seed=0).inventory
-    cats = [c for c in inv.categories() if len(inv.codes_in_category(c)) >= 2]
-    notes = []
-    for i in range(3):
-        sib, c1 = inv.codes_in_category(cats[i])[:2]
-        c2 = inv.codes_in_category(cats[i + 7])[0]
-        text = (f"Discharge summary {i} (planted test note).\n"
-                f"Chart reference {CANARY_ID} was reviewed on admission. {CANARY_SENTENCE.capitalize()}.\n"
-                "The patient was admitted for a worsening problem, treated on the ward and improved.\n"
-                f"The reviewer filed {CANARY_ID} with the summary.\n")
-        trace = (f"<think>\nLet me read the summary. The chart reference {CANARY_ID} is noted first, "
-                 f"and the note says {CANARY_SENTENCE}.\n"
-                 f"The findings point to the {c1[0]} codes and then to the {c2[0]} codes.\n"
-                 f"For the first finding the candidates are {sib} and {c1}. {sib} does not fit the "
-                 f"history; set aside. So the code here is {c1}.\n"
-                 f"For the second finding the code is {c2}, which matches the hospital course.\n"
-                 f"Aside: {CANARY_SENTENCE}, as the reviewer wrote near {CANARY_ID}.\n"
-                 f"Recap: {c1} and {c2}.\n</think>\n\n" + json.dumps([c1, c2]))
-        notes.append(Note(note_id=f"pl-{i:03d}", patient_id=f"plp-{i:03d}", split="train",
-                          text=text, gold_codes=(c1, c2), teacher_trace=trace))
-    planted = Corpus(name="planted", privacy="restricted", notes=notes, inventory=inv)
-    path = planted.to_jsonl(tmp_path / "planted.jsonl")
-    codes = tmp_path / "codes.txt"
-    codes.write_text("\n".join(inv.codes) + "\n")
-    return Path(path), codes
 
 
 # Regression: prepare once refused its own index, dataset and inventory.json for a restricted
@@ -291,7 +251,7 @@ def test_restricted_prepare_of_synthetic_shaped_notes(tracking_uri, tmp_path, mo
 
 def test_restricted_text_never_reaches_the_server(pipeline, tracking_uri, tmp_path, monkeypatch):
     monkeypatch.setenv("MISTILL_ROOT", str(tmp_path / "root"))
-    corpus_file, codes_file = _planted_corpus(tmp_path)
+    corpus_file, codes_file = planted_corpus(tmp_path)
     assert CANARY_ID in corpus_file.read_text()
     name = unique("restricted")
     cfg = PipelineConfig(corpus=str(corpus_file), corpus_name=name, privacy="restricted",
