@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from mistill.config import Config
 from mistill.errors import MistillInputError
 from mistill.distill.note_data import first_trace_token
-from mistill.evaluation.backends import BACKENDS, HFBackend, make_backend
+from mistill.evaluation.backends import HFBackend, make_backend
 from mistill.evaluation.generation import DecodingConfig, generation_record, note_seed
 from mistill.evaluation.m1 import m1_summary, note_margins, trace_perplexity
 from mistill.evaluation.metrics import bleu4, per_note_metrics, task_metrics
@@ -41,8 +41,7 @@ from mistill.io import write_text
 from mistill.stages.characterize import stage_notes
 from mistill.stages.common import (Subject, load_prepared, log_corpus_input, mistill_root, model_positions,
                                    note_input, privacy_guard, trained_subject)
-from mistill.validation import (check_choice, check_device, check_dtype, check_interval, check_non_negative,
-                                check_positive, check_seed)
+from mistill.validation import check_decoding
 
 NOTES = "notes"
 TAG_ENCLAVE = "mistill.enclave_dir"
@@ -92,15 +91,7 @@ class EvaluateConfig(Config):
         check_model_spec(self.model, "model", allow_empty=True)
         check_arm(self.arm, "arm", allow_empty=True)
         check_name(self.split, "split", "a split", allow_empty=True)
-        check_non_negative(self.max_notes, "max_notes", "0: every note")
-        check_choice(self.backend, BACKENDS, "backend")
-        check_positive(self.max_new_tokens, "max_new_tokens")
-        check_positive(self.temperature, "temperature")
-        check_interval(self.top_p, "top_p", low_open=True)
-        check_non_negative(self.top_k, "top_k", "0: no top-k")
-        check_seed(self.seed)
-        check_device(self.device)
-        check_dtype(self.dtype)
+        check_decoding(self)
 
 
 def _subject(cfg: EvaluateConfig) -> Subject:

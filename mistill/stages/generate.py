@@ -36,7 +36,7 @@ from mistill.config import Config
 from mistill.data.corpus import Corpus, Note
 from mistill.data.prompts import build_prompt, template_has_thinking
 from mistill.errors import MistillInputError
-from mistill.evaluation.backends import BACKENDS, make_backend
+from mistill.evaluation.backends import make_backend
 from mistill.evaluation.generation import DecodingConfig, generation_record, note_seed
 from mistill.evaluation.parsing import CodeIndex
 from mistill.models.loading import EMBEDDED_DEFAULT, load_tokenizer
@@ -44,8 +44,7 @@ from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE
                                    TAG_DATA_IDENTITY, Prepared, corpus_index, load_prepared,
                                    log_corpus_input, mistill_root, prepared_data_dir, privacy_guard,
                                    require_notes, save_prepared)
-from mistill.validation import (check_choice, check_device, check_dtype, check_interval, check_non_negative,
-                                check_not_empty, check_positive, check_seed)
+from mistill.validation import check_decoding, check_not_empty, check_positive
 
 NOTES = "notes"
 RECORD_FILE = "generation.json"
@@ -100,15 +99,7 @@ class GenerateConfig(Config):
         check_model_spec(self.model, "model")
         check_name(self.split, "split", "a split", allow_empty=True)
         check_not_empty(self.model, "model", "a model spec")
-        check_choice(self.backend, BACKENDS, "backend")
-        check_non_negative(self.max_notes, "max_notes", "0: every note")
-        check_positive(self.max_new_tokens, "max_new_tokens")
-        check_positive(self.temperature, "temperature")
-        check_interval(self.top_p, "top_p", low_open=True)
-        check_non_negative(self.top_k, "top_k", "0: no top-k")
-        check_seed(self.seed)
-        check_device(self.device)
-        check_dtype(self.dtype)
+        check_decoding(self)
         check_positive(self.batch_size, "batch_size")
 
 

@@ -35,16 +35,6 @@ def spawn_reaper(run_id: str, tracking_uri: str, watch_pid: int | None = None) -
                      start_new_session=True, close_fds=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def reap(run_id: str, watch_pid: int, timeout_s: float | None = None) -> str:
     """Wait for ``run_id`` to leave RUNNING, then delete it; returns what happened.
 
@@ -55,6 +45,8 @@ def reap(run_id: str, watch_pid: int, timeout_s: float | None = None) -> str:
     """
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
+
+    from mistill.tracking.server import _pid_alive
 
     client = MlflowClient()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -67,7 +59,7 @@ def reap(run_id: str, watch_pid: int, timeout_s: float | None = None) -> str:
             if run.info.status != "RUNNING":
                 client.delete_run(run_id)
                 return "deleted"
-            if not _alive(watch_pid):
+            if not _pid_alive(watch_pid):
                 orphaned_since = orphaned_since or time.monotonic()
                 if time.monotonic() - orphaned_since > 2.0:
                     client.set_terminated(run_id, "FAILED")

@@ -893,18 +893,24 @@ class StageRun:
     def _note_done(self, subdir: str, note_id: str, filename: str) -> dict[str, Any]:
         """One note's ``_DONE`` record: the local copy, else downloaded from the run's artifacts."""
         done_path = self.note_dir(subdir, note_id) / DONE_MARKER
-        if not done_path.is_file():
-            done_path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=done_path.parent, prefix=".dl-") as tmp, \
-                    _quiet_downloads():
-                try:
-                    got = self.client.download_artifacts(
-                        self.run_id, f"{subdir}/{note_id}/{DONE_MARKER}", tmp)
-                except (MlflowException, OSError):
-                    raise MistillInputError(f"run {self.run_id}: note has no {DONE_MARKER} marker",
-                                            file=filename, note=str(note_id), field=subdir) from None
-                os.replace(got, done_path)
+        self._fetch_note_file(subdir, note_id, DONE_MARKER, done_path,
+                              f"run {self.run_id}: note has no {DONE_MARKER} marker", filename)
         return read_json(done_path)
+
+    def _fetch_note_file(self, subdir: str, note_id: str, name: str, path: Path, missing: str,
+                         filename: str) -> None:
+        """Download ``<subdir>/<note_id>/<name>`` of this run to ``path`` unless it is there."""
+        if path.is_file():
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".dl-") as tmp, _quiet_downloads():
+            try:
+                got = self.client.download_artifacts(self.run_id, f"{subdir}/{note_id}/{name}", tmp)
+            except (MlflowException, OSError) as exc:
+                if is_unreachable(exc):
+                    raise
+                raise MistillInputError(missing, file=filename, note=str(note_id), field=subdir) from None
+            os.replace(got, path)
 
     def _upload_note(self, subdir: str, note_id: str) -> None:
         """Upload a finished note's files, ``_DONE`` last; its local files (named under
@@ -962,17 +968,7 @@ class StageRun:
             verify_local_note_file(path, done, run_id=self.run_id, subdir=subdir, note_id=str(note_id))
         else:
             path = self.note_dir(subdir, note_id) / filename
-            if not path.is_file():
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with tempfile.TemporaryDirectory(dir=path.parent, prefix=".dl-") as tmp, \
-                        _quiet_downloads():
-                    try:
-                        got = self.client.download_artifacts(
-                            self.run_id, f"{subdir}/{note_id}/{filename}", tmp)
-                    except (MlflowException, OSError):
-                        raise MistillInputError("per-note artifact not found", file=filename,
-                                                note=str(note_id), field=subdir) from None
-                    os.replace(got, path)
+            self._fetch_note_file(subdir, str(note_id), filename, path, "per-note artifact not found", filename)
             verify_note_file(path, done, run_id=self.run_id, subdir=subdir, note_id=str(note_id))
         if path.suffix == ".json":
             return read_json(path)
