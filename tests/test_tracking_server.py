@@ -148,8 +148,13 @@ def test_restart_after_a_crash_comes_back_on_the_same_port(tmp_path: Path) -> No
         assert restarted.stdout.strip() == uri
         assert health_ok(uri)
 
-        # no port asked: the root's last port, so stages that were given the URI find it again
+        # no port asked: the root's last port once it is free, so stages that were given the URI
+        # find it again (on a loaded machine the kernel can take a moment to release it)
         _crash(root)
+        deadline = time.monotonic() + 30
+        while not port_is_free("127.0.0.1", port) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert port_is_free("127.0.0.1", port), f"port {port} still taken 30 s after the crash"
         assert TrackingServer(root=root).start() == uri
         assert health_ok(uri)
     finally:
