@@ -52,12 +52,15 @@ class CellRun:
 
 @dataclass(frozen=True)
 class CellResult:
-    """A cell's outcome: the selection metric, the tie-break metric (NaN when not measurable) and
-    the ids of the runs that produced them (``{"train": ..., "evaluate": ...}``)."""
+    """A cell's outcome: the selection metric, the tie-break metric (NaN when not measurable or
+    when the lock breaks ties by the smallest λ), the valid-answer rate (NaN when not measured;
+    read against the lock's validity floor) and the ids of the runs that produced them
+    (``{"train": ..., "evaluate": ...}``)."""
 
     metric: float
     tie_break: float = math.nan
     run_ids: dict[str, str] = field(default_factory=dict)
+    validity: float = math.nan
 
 
 Runner = Callable[[CellRun], CellResult]

@@ -62,6 +62,7 @@ ATTR_LOCK_TEXT = "lock_text"
 ATTR_CELL = "cell"
 ATTR_MLFLOW_RUN = "mlflow_run"
 ATTR_TIE_BREAK = "tie_break"
+ATTR_VALIDITY = "validity"
 ATTR_RUN_IDS = "run_ids"
 ATTR_ERROR = "error"
 STALE_ERROR = "worker stopped: heartbeat stale, retries used up"
@@ -258,11 +259,13 @@ class CellReport:
 
 @dataclass(frozen=True)
 class TrialTracking:
-    """Where trial runs go: nested under ``parent_run``; metric names as the lock names them."""
+    """Where trial runs go: nested under ``parent_run``; metric names as the lock names them
+    (``tie_break`` empty when ties go to the smallest λ; ``validity`` the valid-answer rate's)."""
 
     parent_run: str
     metric: str
     tie_break: str
+    validity: str = ""
 
 
 @dataclass(frozen=True)
@@ -309,8 +312,10 @@ def _end_trial_run(run_id: str, tracking: TrialTracking, result: CellResult | No
     now = int(time.time() * 1000)
     if result is not None:
         metrics = [Metric(tracking.metric, float(result.metric), now, 0)]
-        if math.isfinite(result.tie_break):
+        if tracking.tie_break and math.isfinite(result.tie_break):
             metrics.append(Metric(tracking.tie_break, float(result.tie_break), now, 0))
+        if tracking.validity and math.isfinite(result.validity):
+            metrics.append(Metric(tracking.validity, float(result.validity), now, 0))
         tags = [RunTag(f"mistill.selection.run.{k}", v) for k, v in result.run_ids.items()]
         client.log_batch(run_id, metrics=metrics, tags=tags)
     if error is not None:
@@ -426,6 +431,7 @@ def _run_claimed(handle: SelectionStudy, study: Any, claim: Claim, runner: Runne
             queue_retry(study, handle.storage, told)
         raise
     attrs = {ATTR_TIE_BREAK: result.tie_break if math.isfinite(result.tie_break) else None,
+             ATTR_VALIDITY: result.validity if math.isfinite(result.validity) else None,
              ATTR_RUN_IDS: dict(result.run_ids)}
     if _tell(handle, study, claim, attrs, float(result.metric)) is None:
         if mlflow_run:
@@ -533,9 +539,10 @@ def study_cells(handle: SelectionStudy) -> StudyCells:
                 "retry_of": retried_from(t)})
     for cell, t in _deciding_trials(trials).items():
         if t.state.name == "COMPLETE":
-            tb = t.user_attrs.get(ATTR_TIE_BREAK)
+            tb, valid = t.user_attrs.get(ATTR_TIE_BREAK), t.user_attrs.get(ATTR_VALIDITY)
             out.results[cell] = CellResult(metric=float(t.value), tie_break=math.nan if tb is None else float(tb),
-                                           run_ids=dict(t.user_attrs.get(ATTR_RUN_IDS, {})))
+                                           run_ids=dict(t.user_attrs.get(ATTR_RUN_IDS, {})),
+                                           validity=math.nan if valid is None else float(valid))
         elif t.state.name == "FAIL":
             out.failed[cell] = _error_of(t)
         elif t.state.name == "RUNNING":

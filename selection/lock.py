@@ -1,7 +1,8 @@
-"""The selection lock: a YAML file that fixes the λ selection before any trial runs (App. I.3, M.2).
+"""The selection lock: a YAML file that fixes the λ selection before any trial runs (App. I.3, I.4,
+M.2, O).
 
 A lock names the grid, the arm, the training size and seed, the selection metric, the inclusive
-tie band, the tie-break and the edge rule. Its sha256 (over the file's bytes) is written into the
+tie band, the tie rule and the edge rule. Its sha256 (over the file's bytes) is written into the
 Optuna study when the study is created; a later load under a different lock is refused
 (:func:`selection.grid.open_study`). The same sha256 is part of the ``select_lambda`` run's
 identity (the param ``lock_sha256``), so a run made under other lock bytes is never reused.
@@ -18,6 +19,36 @@ Example (``projects/configs/locks/embedded-3cell.yaml``)::
 ``grid.lambda_p1`` and ``grid.lambda_p2`` (their product is the grid). ``edge.outward`` may fix the
 first outward value per axis and side (``{lambda: {low: 0.01, high: 1.0}}``); otherwise one grid
 step outward is used (a ratio for ``scale: log``, a difference for ``scale: linear``).
+
+Two tie rules (``selection.tie_break``):
+
+* **a metric name** (App. I.3, I.4, M.2: ``m1.P2C.p_pos``, M1 at P2C): among the cells within
+  ``tie_band`` of the best, the one with the higher value of that metric. When that does not
+  decide (**[recon]**, the paper states no fallback): a cell whose tie-break metric is NaN ranks
+  last, then ``selection.tie_fallback`` in order, default ``[metric, smaller_lambda]`` (the
+  higher selection metric, then the smaller λ); its entries are ``metric``, ``smaller_lambda``
+  and ``larger_lambda``, and it ends with exactly one λ order, which always decides.
+* **the literal** ``smallest_lambda`` (App. O): among the cells within ``tie_band`` of the best,
+  the smallest λ. On an untied grid "smallest" compares ``(λ_P1, λ_P2)`` in that order
+  (**[recon]**: the paper's App. O grid is tied).
+
+A validity floor (App. O: "among cells with a valid-answer rate of at least 0.95"):
+``selection.validity_floor`` (a number in [0, 1]; absent = no floor) makes every cell whose
+``selection.validity_metric`` (default ``valid_rate``, the valid-answer rate the ``evaluate``
+stage logs) is below the floor, or not measured, ineligible: it is recorded with the reason and
+is neither the best, nor in the band, nor the pick. The floor is inclusive.
+
+App. O's lock, for example::
+
+    selection: {metric: answer_f1, split: val, tie_band: 0.017, tie_break: smallest_lambda,
+                validity_floor: 0.95}
+    edge: {extend: true, max_extensions: 1, outward: {lambda: {low: 0.01, high: 1.0}}}
+
+The edge rule (``edge``; :mod:`selection.decide` applies it): when the pick sits on the grid's
+edge the cell one step outward is run and joins the grid, and the band and the tie rule are
+applied again over the extended grid; a further extension, beyond the new edge, is run only if
+the new edge cell beats the previous pick by more than the band (App. I.4's "second-extension
+condition"), up to ``edge.max_extensions`` outward cells in all.
 """
 
 from __future__ import annotations
@@ -39,7 +70,8 @@ _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 _SECTIONS: dict[str, set[str]] = {
     "grid": {"tied", "scale", TIED_AXIS, *UNTIED_AXES},
     "training": {"seed", "max_steps", "epochs", "grad_accum", "precision"},
-    "selection": {"metric", "split", "tie_band", "tie_break", "max_new_tokens"},
+    "selection": {"metric", "split", "tie_band", "tie_break", "max_new_tokens", "validity_floor",
+                  "validity_metric", "tie_fallback"},
     "edge": {"extend", "max_extensions", "outward"},
 }
 _REQUIRED: dict[str, tuple[str, ...]] = {
@@ -49,6 +81,16 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "edge": ("extend",),
 }
 _TOP = {"study", "arm", "description", *_SECTIONS}
+
+SMALLEST_LAMBDA = "smallest_lambda"
+"""``selection.tie_break``'s literal for App. O's tie rule: the smallest λ within the band."""
+VALID_RATE = "valid_rate"
+"""The valid-answer rate the ``evaluate`` stage logs (the default ``selection.validity_metric``)."""
+FALLBACK_METRIC = "metric"
+SMALLER_LAMBDA = "smaller_lambda"
+LARGER_LAMBDA = "larger_lambda"
+LAMBDA_ORDERS = (SMALLER_LAMBDA, LARGER_LAMBDA)
+DEFAULT_TIE_FALLBACK = (FALLBACK_METRIC, SMALLER_LAMBDA)
 
 
 @dataclass(frozen=True)
@@ -77,20 +119,46 @@ class TrainingSpec:
 
 @dataclass(frozen=True)
 class SelectionRule:
-    """Select by ``metric`` on ``split``; cells within ``tie_band`` (inclusive) of the best tie and
-    the tie is broken by the higher ``tie_break``."""
+    """Select by ``metric`` on ``split``; cells within ``tie_band`` (inclusive) of the best tie.
+
+    tie_break: a metric name (the higher value wins the tie) or :data:`SMALLEST_LAMBDA` (the
+        smallest λ wins, App. O).
+    validity_floor: cells whose ``validity_metric`` is below it (or not measured) are ineligible
+        (App. O's 0.95); None = no floor.
+    validity_metric: the valid-answer rate's metric name (the ``evaluate`` stage's ``valid_rate``).
+    tie_fallback: **[recon]** what decides a tie the tie-break metric leaves (after a NaN
+        tie-break ranks last): entries of ``metric`` (the higher selection metric),
+        ``smaller_lambda``, ``larger_lambda``, ending with exactly one λ order. Unused with
+        :data:`SMALLEST_LAMBDA`.
+    """
 
     metric: str
     split: str
     tie_band: float
     tie_break: str
     max_new_tokens: int = 16384  # the evaluation's generation cap (the paper's 16,384)
+    validity_floor: float | None = None
+    validity_metric: str = VALID_RATE
+    tie_fallback: tuple[str, ...] = DEFAULT_TIE_FALLBACK
+
+    @property
+    def by_smallest_lambda(self) -> bool:
+        """True iff ties go to the smallest λ (App. O), not to a tie-break metric."""
+        return self.tie_break == SMALLEST_LAMBDA
+
+    @property
+    def tie_break_metric(self) -> str | None:
+        """The tie-break metric's name, or None under :data:`SMALLEST_LAMBDA`."""
+        return None if self.by_smallest_lambda else self.tie_break
 
 
 @dataclass(frozen=True)
 class EdgeRule:
-    """When the pick sits on the grid's edge, run one cell one step outward and adopt it only if it
-    beats the pick by more than the band; at most ``max_extensions`` times in a row."""
+    """When the pick sits on the grid's edge, run the cell one step outward; it joins the grid and
+    the band and the tie rule are applied again. A further extension beyond the new edge runs only
+    if the new edge cell beats the previous pick by more than the band; at most
+    ``max_extensions`` outward cells in all. ``outward`` fixes the first outward value per axis
+    and side."""
 
     extend: bool
     max_extensions: int = 1
@@ -116,7 +184,8 @@ class Lock:
         return {"path": self.path, "sha256": self.sha256, "study": self.study, "arm": self.arm,
                 "grid": {"tied": self.grid.tied, "scale": self.grid.scale,
                          **{k: list(v) for k, v in self.grid.axes.items()}},
-                "training": vars(self.training).copy(), "selection": vars(self.selection).copy(),
+                "training": vars(self.training).copy(),
+                "selection": {**vars(self.selection), "tie_fallback": list(self.selection.tie_fallback)},
                 "edge": {"extend": self.edge.extend, "max_extensions": self.edge.max_extensions,
                          "outward": self.edge.outward}}
 
@@ -198,16 +267,34 @@ def _training(path: str, data: Any) -> TrainingSpec:
     return spec
 
 
+def _tie_fallback(r: _Reader) -> tuple[str, ...]:
+    raw = r.get("tie_fallback", list, list(DEFAULT_TIE_FALLBACK))
+    known = (FALLBACK_METRIC, *LAMBDA_ORDERS)
+    if any(not isinstance(v, str) or v not in known for v in raw) or len(set(raw)) != len(raw):
+        raise r.fail("tie_fallback", f"expected distinct entries of {list(known)}, got {raw!r}")
+    orders = [v for v in raw if v in LAMBDA_ORDERS]
+    if len(orders) != 1 or raw[-1] not in LAMBDA_ORDERS:
+        raise r.fail("tie_fallback", f"must end with exactly one of {list(LAMBDA_ORDERS)} (a λ order always "
+                                     f"decides), got {raw!r}")
+    return tuple(raw)
+
+
 def _selection(path: str, data: Any) -> SelectionRule:
     r = _Reader(path, "selection", data)
     rule = SelectionRule(metric=r.get("metric", str), split=r.get("split", str),
                          tie_band=r.get("tie_band", float), tie_break=r.get("tie_break", str),
-                         max_new_tokens=r.get("max_new_tokens", int, 16384))
+                         max_new_tokens=r.get("max_new_tokens", int, 16384),
+                         validity_floor=None if data.get("validity_floor") is None
+                         else r.get("validity_floor", float),
+                         validity_metric=r.get("validity_metric", str, VALID_RATE),
+                         tie_fallback=_tie_fallback(r))
     if rule.max_new_tokens < 1:
         raise r.fail("max_new_tokens", f"must be >= 1, got {rule.max_new_tokens!r}")
     if rule.tie_band < 0:
         raise r.fail("tie_band", f"must be >= 0, got {rule.tie_band!r}")
-    for key in ("metric", "split", "tie_break"):
+    if rule.validity_floor is not None and not 0.0 <= rule.validity_floor <= 1.0:
+        raise r.fail("validity_floor", f"must be in [0, 1] (a rate), got {rule.validity_floor!r}")
+    for key in ("metric", "split", "tie_break", "validity_metric"):
         if not getattr(rule, key).strip():
             raise r.fail(key, "must not be empty")
     return rule

@@ -2,8 +2,9 @@
 
 ``train`` gets ``overrides="lambda_p1=<λ_P1>,lambda_p2=<λ_P2>"`` and the lock's arm, seed and size;
 ``evaluate`` (``mistill.stages.evaluate.EvaluateConfig``: ``prepare_run``, ``train_run``,
-``split``, ``device``) logs the selection metric (``micro_f1``) and the tie-break
-(``m1.P2C.p_pos``: P(margin > 0) at P2C events), read back from its run. Both go through
+``split``, ``device``) logs the selection metric (``micro_f1``), the tie-break
+(``m1.P2C.p_pos``: P(margin > 0) at P2C events) and the valid-answer rate (``valid_rate``), read
+back from its run (:func:`cell_result`). Both go through
 :func:`mistill.stages.workflow.run_step`, so identical finished runs are reused, and new ones are
 nested under the cell's MLflow run.
 """
@@ -11,6 +12,7 @@ nested under the cell's MLflow run.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from mistill.errors import MistillInputError
@@ -66,10 +68,25 @@ class TrainEvaluateRunner:
                                   max_new_tokens=self.lock.selection.max_new_tokens)
         eval_run = run_step("evaluate", eval_cfg, self.corpus_name, launch=self.launch, parent=run.mlflow_run)
         metrics = MlflowClient().get_run(eval_run).data.metrics
-        name = self.lock.selection.metric
+        return cell_result(self.lock, metrics, {"train": train_run, "evaluate": eval_run})
+
+
+def cell_result(lock: Lock, metrics: Mapping[str, float], run_ids: Mapping[str, str]) -> CellResult:
+    """A cell's result from its ``evaluate`` run's metrics: the selection metric (required), the
+    tie-break metric (NaN when absent or when ties go to the smallest λ) and the valid-answer
+    rate (required when the lock sets a validity floor, else NaN when absent).
+
+    Raises:
+        MistillInputError: a metric the lock needs is not among ``metrics`` (names the field).
+    """
+    rule = lock.selection
+    where = run_ids.get("evaluate", "")
+    needed = [("selection.metric", rule.metric)]
+    if rule.validity_floor is not None:
+        needed.append(("selection.validity_metric", rule.validity_metric))
+    for field, name in needed:
         if name not in metrics:
-            raise MistillInputError(f"evaluate run {eval_run} has no metric {name!r}", file=self.lock.path,
-                                    field="selection.metric")
-        tie_break = metrics.get(self.lock.selection.tie_break, math.nan)
-        return CellResult(metric=float(metrics[name]), tie_break=float(tie_break),
-                          run_ids={"train": train_run, "evaluate": eval_run})
+            raise MistillInputError(f"evaluate run {where} has no metric {name!r}", file=lock.path, field=field)
+    tie_break = metrics.get(rule.tie_break_metric, math.nan) if rule.tie_break_metric else math.nan
+    return CellResult(metric=float(metrics[rule.metric]), tie_break=float(tie_break), run_ids=dict(run_ids),
+                      validity=float(metrics.get(rule.validity_metric, math.nan)))

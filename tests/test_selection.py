@@ -22,6 +22,8 @@ from selection.cells import Cell, CellResult, CellRun, grid_cells, outward_cell
 from selection.decide import (
     BEST_OUTRIGHT,
     EDGE_EXTENSION,
+    FURTHER_LIMIT,
+    FURTHER_NOT_MET,
     INCOMPLETE,
     TIE_BAND,
     decide,
@@ -262,7 +264,7 @@ def test_the_band_is_inclusive_despite_float_error(lock3):
     assert d.gaps[tied(0.03)] == pytest.approx(0.0040204002, abs=1e-15)
 
 
-def test_edge_extension_adopted_when_it_beats_by_more_than_the_band(tmp_path):
+def test_an_outward_cell_beating_the_pick_by_more_than_the_band_is_picked(tmp_path):
     lock = load_lock(write_lock(tmp_path, edge={"extend": True, "max_extensions": 1,
                                                 "outward": {"lambda": {"low": 0.01}}}))
     results = {tied(0.03): res(0.181, 0.5), tied(0.1): res(0.170, 0.5), tied(0.3): res(0.160, 0.5)}
@@ -270,19 +272,24 @@ def test_edge_extension_adopted_when_it_beats_by_more_than_the_band(tmp_path):
     assert d.pending == tied(0.01) and d.pick == tied(0.03) and not d.complete  # run it first
     results[tied(0.01)] = res(0.190, 0.1)
     d = decide(lock, results)
-    assert d.complete and d.rule == EDGE_EXTENSION and d.pick == tied(0.01)
-    assert [(e.cell, e.from_cell, e.adopted) for e in d.extensions] == [(tied(0.01), tied(0.03), True)]
+    assert d.complete and d.rule == EDGE_EXTENSION and d.pick == tied(0.01) and d.band_rule == BEST_OUTRIGHT
+    assert [(e.cell, e.from_cell, e.picked) for e in d.extensions] == [(tied(0.01), tied(0.03), True)]
     assert d.extensions[0].gain == pytest.approx(0.009)
+    # the further-extension condition holds, but one outward cell is all this lock allows
+    assert d.extensions[0].further_met and d.extensions[0].further == FURTHER_LIMIT and d.pending is None
 
 
-def test_edge_extension_taken_but_not_adopted(tmp_path):
-    lock = load_lock(write_lock(tmp_path, edge={"extend": True, "max_extensions": 1,
+def test_an_outward_cell_tied_exactly_at_the_band_joins_the_tie(tmp_path):
+    lock = load_lock(write_lock(tmp_path, edge={"extend": True, "max_extensions": 2,
                                                 "outward": {"lambda": {"high": 1.0}}}))
     results = {tied(0.03): res(0.10, 0.5), tied(0.1): res(0.11, 0.5), tied(0.3): res(0.150, 0.5),
-               tied(1.0): res(0.154, 0.99)}  # beats by exactly the band: not more
+               tied(1.0): res(0.154, 0.99)}  # 0.004 ahead: inside the inclusive band, not beyond it
     d = decide(lock, results)
-    assert d.complete and d.rule == BEST_OUTRIGHT and d.pick == tied(0.3)
-    assert [(e.cell, e.ran, e.adopted) for e in d.extensions] == [(tied(1.0), True, False)]
+    assert d.complete and d.grid_pick == tied(0.3)
+    assert d.rule == EDGE_EXTENSION and d.band_rule == TIE_BAND and d.pick == tied(1.0)  # M1 breaks the tie
+    assert set(d.tied) == {tied(0.3), tied(1.0)}
+    [ext] = d.extensions
+    assert ext.ran and ext.picked and not ext.further_met and ext.further == FURTHER_NOT_MET
 
 
 def test_outward_steps_without_explicit_values(tmp_path):
@@ -324,9 +331,10 @@ def test_select_lambda_stage_nests_cells_and_logs_the_decision(tracking_uri, tmp
     monkeypatch.setenv("MISTILL_ROOT", str(tmp_path / "root"))
     lock_path = write_lock(tmp_path, edge={"extend": True, "max_extensions": 2,
                                            "outward": {"lambda": {"low": 0.01}}})
-    # 0.03 wins on the edge; 0.01 beats it by more than the band; 0.003 (the next step) does not
+    # 0.03 wins on the edge; 0.01 beats it by more than the band, so 0.003 (the next step) runs
+    # too; 0.003 ties 0.01 and loses the tie on M1 at P2C
     table = {0.03: (0.181, 0.70), 0.1: (0.170, 0.80), 0.3: (0.150, 0.90), 0.01: (0.190, 0.60),
-             0.003: (0.192, 0.99)}
+             0.003: (0.192, 0.10)}
     calls: list = []
     cfg = SelectLambdaConfig(lock=str(lock_path), corpus_name="selection-test", workers=2)
     run_id = run_select_lambda(cfg, runner=fixed_runner(table, calls))
@@ -355,9 +363,16 @@ def test_select_lambda_stage_nests_cells_and_logs_the_decision(tracking_uri, tmp
     local = client.download_artifacts(run_id, "decision.json", str(tmp_path / "dl"))
     record = json.loads(Path(local).read_text())
     assert record["decision"]["rule"] == EDGE_EXTENSION and record["decision"]["pick"] == "lambda=0.01"
-    assert [(e["cell"], e["adopted"]) for e in record["decision"]["extensions"]] == \
+    assert [(e["cell"], e["picked"]) for e in record["decision"]["extensions"]] == \
         [("lambda=0.01", True), ("lambda=0.003", False)]
-    assert record["decision"]["gaps_to_best"]["lambda=0.1"] == 0.181 - 0.170
+    first, second = record["decision"]["extensions"]
+    assert first["further_condition"]["met"] and first["further_condition"]["gap"] == 0.190 - 0.181
+    assert not second["further_condition"]["met"]  # 0.003 is not 0.004 ahead of 0.01
+    assert record["decision"]["extended_grid"] == ["lambda=0.003", "lambda=0.01", "lambda=0.03", "lambda=0.1",
+                                                   "lambda=0.3"]
+    assert record["decision"]["band_rule"] == TIE_BAND and record["decision"]["grid_pick"] == "lambda=0.03"
+    assert record["decision"]["best"] == "lambda=0.003"  # gaps are to the extended grid's best
+    assert record["decision"]["gaps_to_best"]["lambda=0.1"] == 0.192 - 0.170
     assert record["lock"]["sha256"] == lock.sha256
     assert {r["band"] for r in record["sensitivity"]} >= {0.004, 0.002, 0.008}
     arts = {a.path for a in client.list_artifacts(run_id)}

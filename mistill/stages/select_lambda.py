@@ -3,8 +3,9 @@
 Thin: the lock (``selection.lock``), the study and its trials (``selection.grid``), liveness
 (``selection.heartbeat``), the rule (``selection.decide``) and the record (``selection.report``)
 live in the ``selection`` package. One run: open (or resume) the lock's study, run each grid cell
-to completion once as a nested run, decide, run the outward cell when the edge rule asks for one,
-decide again, log the decision.
+to completion once as a nested run, decide, run the outward cell when the edge rule asks for one
+(it joins the grid and the rule is applied again; a further outward cell only under the
+further-extension condition), decide again, log the decision (``decision.json``).
 
 Crashes and concurrency: several ``select_lambda`` processes may work on one study at once. A
 process that finds a cell running in another waits for it and then reaches the same decision;
@@ -123,7 +124,7 @@ def run_select_lambda(cfg: SelectLambdaConfig, runner: Runner | None = None) -> 
     from mistill.stages.common import mistill_root
     from mistill.tracking.privacy import PrivacyGuard
     from mistill.tracking.runs import StageRun, param_string
-    from selection.decide import decide
+    from selection.decide import NO_ELIGIBLE, decide
     from selection.grid import (
         TAG_STUDY,
         TrialTracking,
@@ -173,7 +174,8 @@ def run_select_lambda(cfg: SelectLambdaConfig, runner: Runner | None = None) -> 
                        "lock.selection": lock.to_dict()["selection"], "lock.edge": lock.to_dict()["edge"]}
         run.client.log_batch(run.run_id, params=[Param(k, param_string(v)) for k, v in lock_params.items()
                                                  if k not in existing])
-        tracking = TrialTracking(run.run_id, lock.selection.metric, lock.selection.tie_break)
+        tracking = TrialTracking(run.run_id, lock.selection.metric, lock.selection.tie_break_metric or "",
+                                 lock.selection.validity_metric)
         reports = {"grid": run_cells(handle, lock.grid.search_space(), runner, scale=lock.grid.scale,
                                      workers=cfg.workers, tracking=tracking)}
         cells = study_cells(handle)
@@ -194,11 +196,16 @@ def run_select_lambda(cfg: SelectLambdaConfig, runner: Runner | None = None) -> 
         run.set_tags({TAG_RULE: decision.rule if decision.complete else "incomplete",
                       TAG_PICK: decision.pick.key if decision.complete else "",
                       "mistill.selection.extension": "; ".join(
-                          f"{e.cell.key} {'adopted' if e.adopted else 'not adopted'}" for e in taken) or "none"})
+                          f"{e.cell.key} {'picked' if e.picked else 'not picked'}" for e in taken) or "none"})
         for key, cell_report in reports.items():
             print(f"select_lambda [{key}]: ran {cell_report.ran}, complete before {cell_report.complete_before}, "
                   f"failed {dict(cell_report.failed_before, **cell_report.failed_now)}, "
                   f"waited for {cell_report.running_elsewhere}, stale (retried) {cell_report.stale}")
+        if decision.rule == NO_ELIGIBLE:
+            why = {c.key: reason for c, reason in decision.ineligible.items()}
+            raise MistillInputError(f"no pick: no grid cell is eligible under the validity floor {why} (see "
+                                    f"decision.json of run {run.run_id})", file=lock.path,
+                                    field="selection.validity_floor")
         if not decision.complete:
             unresolved = {c.key: cells.failed.get(c, "running" if c in cells.running else
                                                   "queued for retry" if c in cells.waiting else "not run")
