@@ -12,14 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from mistill.errors import MistillInputError
 from mistill.tracking.runs import (
+    CONFIG_ARTIFACT,
     TAG_ARM,
     TAG_CORPUS,
+    TAG_INPUT_PREFIX,
     TAG_MODEL,
     TAG_PRECISION,
     TAG_PRIVACY,
@@ -33,17 +36,28 @@ from mistill.tracking.runs import (
 __all__ = [
     "RUN_KEY",
     "TAG_COLUMNS",
+    "TAG_DEVIATION",
     "ArtifactLoad",
     "experiment_id",
     "latest_runs",
+    "metric_history",
     "per_note_table",
+    "read_json_artifact",
+    "run_config",
     "stage_runs",
 ]
 
+TAG_DEVIATION = "mistill.deviation"
+"""A run's own account of where it departs from the paper: comma-separated deviation codes."""
+
 TAG_COLUMNS: dict[str, str] = {"stage": TAG_STAGE, "model": TAG_MODEL, "arm": TAG_ARM,
                                "seed": TAG_SEED, "precision": TAG_PRECISION,
-                               "corpus": TAG_CORPUS, "privacy": TAG_PRIVACY, "split": TAG_SPLIT}
-"""Column name -> the tag it is read from."""
+                               "corpus": TAG_CORPUS, "privacy": TAG_PRIVACY, "split": TAG_SPLIT,
+                               "train_run": TAG_INPUT_PREFIX + "train",
+                               "attribute_run": TAG_INPUT_PREFIX + "attribute",
+                               "deviation": TAG_DEVIATION}
+"""Column name -> the tag it is read from (``train_run``, ``attribute_run``: the lineage tags
+naming the train or attribute run a run read)."""
 
 RUN_KEY: tuple[str, ...] = ("model", "arm", "precision", "seed")
 """What identifies one cell of a table: a run of the same key written later replaces it."""
@@ -68,10 +82,12 @@ def stage_runs(client: MlflowClient, experiment: str, stage: str, *,
         status: run status to keep (``FINISHED``: runs still being written are left out).
 
     Columns: ``run_id, run_name, start_time``, :data:`TAG_COLUMNS` (``seed`` as a nullable
-    integer, missing tags as None) and one float column per metric name logged by any run.
+    integer, missing tags as None), ``checkpoint`` (the model spec as tagged) and one float
+    column per metric name logged by any run. ``model`` is the tagged model, except for a run
+    on a trained checkpoint (``run:<train run id>``): there, the model that train run trained.
     An absent experiment gives an empty frame with those columns.
     """
-    columns = ["run_id", "run_name", "start_time", *TAG_COLUMNS]
+    columns = ["run_id", "run_name", "start_time", *TAG_COLUMNS, "checkpoint"]
     exp_id = experiment_id(client, experiment)
     if exp_id is None:
         return pd.DataFrame(columns=columns)
@@ -92,10 +108,35 @@ def stage_runs(client: MlflowClient, experiment: str, stage: str, *,
         if not token:
             break
     df = pd.DataFrame.from_records(records, columns=None if records else columns)
+    df = _base_models(client, df)
     if arms:
         df = df[df["arm"].isin(list(arms))]
     df["seed"] = pd.to_numeric(df["seed"], errors="coerce").astype("Int64")
     return df.reset_index(drop=True)
+
+
+CHECKPOINT_PREFIX = "run:"
+"""A model spec naming a train run's checkpoint (``run:<train run id>``)."""
+
+
+def _base_models(client: MlflowClient, df: pd.DataFrame) -> pd.DataFrame:
+    """``model`` of a run on a trained checkpoint (``run:<id>``) replaced by the model that train
+    run trained (its ``mistill.model`` tag), so that the arms of one student share a model; the
+    spec itself is kept in ``checkpoint``."""
+    df = df.copy()
+    df["checkpoint"] = df["model"] if "model" in df else None
+    if df.empty:
+        return df
+    base: dict[str, str | None] = {}
+    for spec in df["model"].dropna().unique():
+        if str(spec).startswith(CHECKPOINT_PREFIX):
+            try:
+                base[spec] = client.get_run(str(spec)[len(CHECKPOINT_PREFIX):]).data.tags.get(
+                    TAG_MODEL)
+            except Exception:  # noqa: BLE001  (a deleted train run keeps its spec)
+                base[spec] = None
+    df["model"] = [base.get(m) or m for m in df["model"]]
+    return df
 
 
 def latest_runs(runs: pd.DataFrame, key: Sequence[str] = RUN_KEY) -> pd.DataFrame:
@@ -147,3 +188,26 @@ def per_note_table(runs: pd.DataFrame, artifact: str, required: Iterable[str],
     if "seed" in out.columns:
         out["seed"] = pd.to_numeric(out["seed"], errors="coerce").astype("Int64")
     return ArtifactLoad(out, missing)
+
+
+def read_json_artifact(run_id: str, artifact: str) -> Any:
+    """A JSON artifact of a run; None when the run lacks it or it does not parse."""
+    from mistill.io import read_json
+    from mistill.stages.common import RunReader
+
+    try:
+        return read_json(RunReader(run_id, field=artifact).file(artifact))
+    except (MistillInputError, OSError, ValueError):
+        return None
+
+
+def run_config(run_id: str) -> dict[str, Any] | None:
+    """A run's whole ``config.json`` (``config``, ``class``, ...); None when it is missing."""
+    doc = read_json_artifact(run_id, CONFIG_ARTIFACT)
+    return doc if isinstance(doc, dict) else None
+
+
+def metric_history(client: MlflowClient, run_id: str, key: str) -> dict[int, float]:
+    """``step -> value`` of one metric of a run (the last value logged at a step wins)."""
+    return {int(m.step): float(m.value) for m in sorted(client.get_metric_history(run_id, key),
+                                                        key=lambda m: (m.step, m.timestamp))}

@@ -7,8 +7,14 @@ arm, precision and seed); :func:`build_report` turns them into a :class:`Report`
 ``report`` stage (:mod:`mistill.stages.report`) logs the result.
 
 A kind of run that is absent (no ``evaluate``, ``own_heads``, ``knockin`` or ``select_lambda``
-runs, no reference arm, a missing artifact) skips the tables that need it with a note in the
-report; it never stops the report.
+runs, no reference arm, a missing artifact) skips Tables 1/10, 2, 43 and 3/45 with a note in the
+report; it never stops the report. Tables 11, 15, 39-42 and 47-51 are always listed: where the
+runs read hold no data for them, their rows are empty and say why (:attr:`ReportTable.reason`
+and the ``note`` column).
+
+The report also names every deviation from the paper it finds in the runs it reads
+(:mod:`analysis.run_deviations`): registry parameters at a value other than the default or the
+paper's, and the runs' own ``mistill.deviation`` tags.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ from typing import Any
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
-from analysis import figures, query, tables
+from analysis import ablation_tables, characterization, figures, query, run_deviations, tables
+from analysis import selection_tables as seltab
 from mistill import stats
 from mistill.errors import MistillInputError
 from mistill.instrument.settables import to_markdown
@@ -28,7 +35,10 @@ from mistill.instrument.settables import to_markdown
 __all__ = ["STAGES", "Report", "ReportInputs", "ReportTable", "build_report", "collect_inputs"]
 
 STAGES: tuple[str, ...] = ("knockin", "evaluate", "own_heads", "select_lambda")
-"""The kinds of run the report reads (``mistill.stage`` tag)."""
+"""The kinds of run the report reads (``mistill.stage`` tag) for Tables 1/10, 2, 43 and 3/45,
+the newest of each cell; it also reads the ``attribute`` runs the knockin runs name, every
+``train`` run, and every ``evaluate`` and ``own_heads`` run of any split
+(:attr:`ReportInputs.extra`)."""
 
 PER_NOTE_METRICS = "per_note_metrics.csv"
 OWN_HEADS_PER_NOTE = "own_heads_per_note.csv"
@@ -48,16 +58,33 @@ class ReportInputs:
 
     experiment: str
     runs: dict[str, pd.DataFrame]
+    extra: dict[str, pd.DataFrame] = field(default_factory=dict)
+    """``attribute``, ``train``, ``evaluate_all`` and ``own_heads_all``: runs read beyond the
+    newest of each cell (the last two: every split, every run)."""
+
+    def frames(self) -> list[pd.DataFrame]:
+        return [df for df in (*self.runs.values(), *self.extra.values()) if not df.empty]
 
     def lineage(self) -> dict[str, str]:
         """``{"<stage>.<run id>": run id}`` for every input run (the report run's inputs)."""
-        return {f"{stage}.{rid}": rid for stage, df in self.runs.items()
-                for rid in (df["run_id"] if not df.empty else [])}
+        out = {f"{stage}.{rid}": rid for stage, df in self.runs.items()
+               for rid in (df["run_id"] if not df.empty else [])}
+        for df in self.extra.values():
+            for stage, rid in zip(df.get("stage", []), df.get("run_id", [])):
+                out.setdefault(f"{stage}.{rid}", rid)
+        return out
+
+    def all_runs(self) -> list[dict[str, Any]]:
+        """Every input run once (its row: run id, name, stage, arm, tags)."""
+        seen: dict[str, dict[str, Any]] = {}
+        for df in self.frames():
+            for rec in df.to_dict("records"):
+                seen.setdefault(str(rec["run_id"]), rec)
+        return list(seen.values())
 
     def privacy(self) -> str:
         """The strictest privacy level among the inputs (``restricted`` when none is known)."""
-        levels = {str(v) for df in self.runs.values() if not df.empty
-                  for v in df["privacy"].dropna()}
+        levels = {str(v) for df in self.frames() for v in df["privacy"].dropna()}
         if not levels or "restricted" in levels or not levels <= {"public", "synthetic"}:
             return "restricted"
         return "public" if "public" in levels else "synthetic"
@@ -72,6 +99,8 @@ class ReportTable:
     caption: str
     numeric: pd.DataFrame
     display: pd.DataFrame
+    reason: str = ""
+    """Why the table has no rows (empty when it has some)."""
 
 
 @dataclass
@@ -84,12 +113,42 @@ class Report:
     figures: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
+    deviations: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(
+        columns=list(run_deviations.FINDING_COLUMNS)))
+    deviation_tags: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(
+        columns=list(run_deviations.TAG_COLUMNS)))
+    deviation_problems: list[str] = field(default_factory=list)
 
     def table(self, name: str) -> ReportTable:
         for t in self.tables:
             if t.name == name:
                 return t
         raise KeyError(name)
+
+    def deviations_json(self) -> dict[str, Any]:
+        """The ``deviations.json`` artifact: findings, tags and unreadable runs."""
+        return {"findings": _records(self.deviations), "tags": _records(self.deviation_tags),
+                "problems": list(self.deviation_problems)}
+
+    def deviations_markdown(self) -> list[str]:
+        """The "Deviations in these runs" section."""
+        lines = ["## Deviations in these runs", "",
+                 "Registry parameters (docs/DEVIATIONS.md) whose recorded value in a run read is "
+                 "not the platform's default, or is the default where the paper states another "
+                 "value; then the runs' own `mistill.deviation` tags.", ""]
+        if self.deviations.empty and self.deviation_tags.empty:
+            lines += ["None found.", ""]
+        if not self.deviations.empty:
+            shown = self.deviations.rename(columns={"run_id": "run", "paper_value": "paper"})
+            shown = shown[["run", "stage", "arm", "parameter", "value", "default", "paper",
+                           "kind"]].astype(object).map(_cell_text)
+            lines += [to_markdown(shown)]
+        if not self.deviation_tags.empty:
+            lines += ["Tags:", "", to_markdown(self.deviation_tags[
+                ["run_id", "stage", "arm", "codes"]].rename(columns={"run_id": "run"}))]
+        if self.deviation_problems:
+            lines += [f"- {p}" for p in self.deviation_problems] + [""]
+        return lines
 
     def markdown(self) -> str:
         """The whole report as one Markdown document."""
@@ -98,12 +157,39 @@ class Report:
                  "model, arm, precision and seed): "
                  + ", ".join(f"{k} {v}" for k, v in self.counts.items()) + ".", ""]
         for t in self.tables:
-            lines += [f"## {t.title}", "", t.caption, "", to_markdown(t.display)]
+            lines += [f"## {t.title}", "", t.caption, ""]
+            if t.reason:
+                lines += [f"No rows: {t.reason}.", ""]
+            lines += [to_markdown(t.display)]
+        lines += self.deviations_markdown()
         if self.figures:
             lines += ["## Figures", ""] + [f"- `figures/{n}.html`" for n in self.figures] + [""]
         if self.notes:
             lines += ["## Skipped and missing", ""] + [f"- {n}" for n in self.notes] + [""]
         return "\n".join(lines)
+
+
+def _records(df: pd.DataFrame) -> list[dict[str, Any]]:
+    return [{k: _plain(v) for k, v in rec.items()} for rec in df.to_dict("records")]
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-ready value (tuples as lists, NaN as None, numpy scalars as Python)."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):
+        value = value.item()
+    if isinstance(value, float) and value != value:
+        return None
+    return value
+
+
+def _cell_text(value: Any) -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return ""
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(map(str, value)) + "]"
+    return str(value)
 
 
 def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str] = (),
@@ -115,26 +201,80 @@ def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str]
     validation evaluations are not test results; runs without a split tag are kept)."""
     keep = tuple(dict.fromkeys([*arms, reference_arm, tables.TEACHER_ARM,
                                 tables.UNTRAINED_ARM])) if arms else ()
-    runs = {}
+    runs = {"select_lambda": query.latest_runs(query.stage_runs(client, experiment,
+                                                                "select_lambda"),
+                                               _KEYS["select_lambda"])}
+    cell_train = _cell_train_runs(runs["select_lambda"])
     for stage in STAGES:
+        if stage in runs:
+            continue
         df = query.stage_runs(client, experiment, stage, arms=keep if stage in _ARMED else ())
         if stage in _ARMED and not df.empty:
-            df = df[df["split"].isna() | (df["split"] == split)]
+            df = df[(df["split"].isna() | (df["split"] == split))
+                    & ~df["train_run"].isin(cell_train)]
         runs[stage] = query.latest_runs(df, _KEYS[stage])
-    return ReportInputs(experiment, runs)
+    runs = {stage: runs[stage] for stage in STAGES}
+    extra = {"evaluate_all": query.stage_runs(client, experiment, "evaluate"),
+             "own_heads_all": query.stage_runs(client, experiment, "own_heads"),
+             "train": query.stage_runs(client, experiment, "train")}
+    named = set(runs["knockin"]["attribute_run"].dropna()) if not runs["knockin"].empty else set()
+    attribute = query.stage_runs(client, experiment, "attribute")
+    extra["attribute"] = attribute[attribute["run_id"].isin(named)].reset_index(drop=True) \
+        if not attribute.empty else attribute
+    return ReportInputs(experiment, runs, extra)
+
+
+@dataclass(frozen=True)
+class TableChoices:
+    """**[recon]** Choices of the tables the paper leaves open (``ReportConfig`` fields).
+
+    importance_heads: Table 11 lists the heads in the top-``importance_heads`` of any phase.
+    profile_k: a head "ranks high" in a phase (its write-side profile) when in the top
+        ``profile_k``.
+    layer_blocks: Table 11's layer blocks as fractions of the depth (the paper's 0-11 / 12-23 /
+        24-31 / 32-39 of 40 layers).
+    ce_steps: Table 48's optimiser steps.
+    """
+
+    importance_heads: int = 8
+    profile_k: int = 40
+    layer_blocks: tuple[float, ...] = (0.3, 0.6, 0.8)
+    ce_steps: tuple[int, ...] = (5, 20, 60, 120)
+
+
+def _cell_train_runs(selections: pd.DataFrame) -> set[str]:
+    """The train runs of every λ-selection cell (their readouts are Table 42's, not an arm's)."""
+    out: set[str] = set()
+    for rid in selections.get("run_id", []):
+        cells = query.per_note_table(selections[selections["run_id"] == rid], LAMBDA_CELLS,
+                                     ["train_run"], ("run_id",)).frame
+        out |= set(cells["train_run"].dropna().astype(str))
+    return out
 
 
 def build_report(inputs: ReportInputs, *, reference_arm: str,
                  n_resamples: int = stats.N_BOOTSTRAP,
-                 corpus_resamples: int = stats.N_BOOTSTRAP_CORPUS, seed: int = 0) -> Report:
+                 corpus_resamples: int = stats.N_BOOTSTRAP_CORPUS, seed: int = 0,
+                 choices: TableChoices = TableChoices(), split: str = "test",
+                 client: MlflowClient | None = None) -> Report:
     """Every table and figure the inputs allow; the rest named in :attr:`Report.notes`."""
+    client = client or MlflowClient()
     rep = Report(inputs.experiment, reference_arm,
                  counts={s: len(df) for s, df in inputs.runs.items()})
     _global_sets(rep, inputs.runs["knockin"])
     task_notes = _task(rep, inputs.runs["evaluate"], n_resamples, corpus_resamples, seed)
     _own_heads(rep, inputs.runs["own_heads"], inputs.runs["evaluate"], task_notes,
                n_resamples, seed)
-    _lambda(rep, inputs.runs["select_lambda"])
+    cells = _lambda(rep, inputs.runs["select_lambda"])
+    extra = _Extra.load(inputs, split)
+    rep.counts.update({s: len(inputs.extra[s]) for s in ("attribute", "train")
+                       if s in inputs.extra})
+    _characterization(rep, client, extra, choices, n_resamples, seed)
+    _selection(rep, inputs.runs["select_lambda"], cells, extra, n_resamples, seed)
+    _ablations(rep, client, extra, cells, choices, n_resamples, seed)
+    rep.deviations, rep.deviation_problems = run_deviations.run_deviations(inputs.all_runs())
+    rep.deviation_tags = run_deviations.deviation_tags(inputs.all_runs())
+    rep.notes = list(dict.fromkeys(rep.notes))
     return rep
 
 
@@ -235,8 +375,9 @@ def _own_heads(rep: Report, runs: pd.DataFrame, eval_runs: pd.DataFrame,
     what = "Tables 3/45 (own-heads readouts) and the own-heads recovery figure"
     if runs.empty:
         return _skip(rep, what, "no FINISHED own_heads runs")
-    per_note = _load(rep, runs, OWN_HEADS_PER_NOTE,
-                     ["note_id", "phase", "k", "recovery_own", "recovery_random"])
+    per_note = ablation_tables._traces(_load(
+        rep, runs, OWN_HEADS_PER_NOTE, ["note_id", "phase", "k", "recovery_own",
+                                        "recovery_random"]), "teacher")
     if per_note.empty:
         return _skip(rep, what, f"no own_heads run has {OWN_HEADS_PER_NOTE}")
     seeds = tables.own_heads_seed_table(per_note, runs, eval_runs, rep.reference_arm)
@@ -309,13 +450,16 @@ def _lambda_cells(rep: Report, runs: pd.DataFrame) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
-def _lambda(rep: Report, runs: pd.DataFrame) -> None:
+def _lambda(rep: Report, runs: pd.DataFrame) -> pd.DataFrame:
+    """The λ cells table and frontier figure; returns every run's cells (empty without)."""
     what = "The λ validation frontier"
     if runs.empty:
-        return _skip(rep, what, "no FINISHED select_lambda runs")
+        _skip(rep, what, "no FINISHED select_lambda runs")
+        return pd.DataFrame()
     cells = _lambda_cells(rep, runs)
     if cells.empty:
-        return _skip(rep, what, f"no select_lambda run has a readable {LAMBDA_CELLS}")
+        _skip(rep, what, f"no select_lambda run has a readable {LAMBDA_CELLS}")
+        return cells
     names = dict(zip(runs["run_id"], runs["run_name"]))
     cells.insert(0, "selection", cells["run_id"].map(names).fillna(cells["run_id"]))
     cells["picked"] = cells["picked"].astype(str).str.lower().isin(["true", "1"])
@@ -327,3 +471,280 @@ def _lambda(rep: Report, runs: pd.DataFrame) -> None:
         "lambda_cells", "λ selection cells",
         "Validation metric and tie-break per grid cell, the pick marked.", shown, shown))
     rep.figures["lambda_frontier"] = figures.lambda_frontier_figure(cells)
+    return cells
+
+
+# ------------------------------------------------------------------ always-listed tables
+def _listed(rep: Report, name: str, title: str, caption: str, numeric: pd.DataFrame,
+            display: pd.DataFrame, reason: str = "", columns: Sequence[str] = ()) -> None:
+    """Add a table that is listed whether or not it has rows: without rows its display is one
+    row of empty cells whose ``note`` says why (``reason``)."""
+    if numeric.empty and not reason:
+        reason = "no rows"
+    if numeric.empty:
+        cols = list(display.columns) or list(columns)
+        display = pd.DataFrame([{**{c: "" for c in cols if c != "note"}, "note": reason}])
+        numeric = pd.DataFrame(columns=list(numeric.columns) or [*cols, "note"])
+    rep.tables.append(ReportTable(name, title, caption, numeric, display,
+                                  reason if numeric.empty else ""))
+
+
+_PER_NOTE_RUN_COLUMNS = ("run_id", "split", *query.RUN_KEY)
+
+
+@dataclass
+class _Extra:
+    """The runs beyond the newest of each cell, with their per-note tables."""
+
+    attribute: pd.DataFrame
+    train: pd.DataFrame
+    evaluate: pd.DataFrame
+    own: pd.DataFrame
+    eval_notes: pd.DataFrame
+    own_notes: pd.DataFrame
+    split: str
+
+    @classmethod
+    def load(cls, inputs: ReportInputs, split: str) -> _Extra:
+        empty = pd.DataFrame(columns=["run_id", "run_name", "start_time", *query.TAG_COLUMNS])
+        get = inputs.extra.get
+        evaluate, own = get("evaluate_all", empty), get("own_heads_all", empty)
+        eval_notes = query.per_note_table(evaluate, PER_NOTE_METRICS, ["note_id", "micro_f1"],
+                                          _PER_NOTE_RUN_COLUMNS).frame
+        own_notes = query.per_note_table(own, OWN_HEADS_PER_NOTE,
+                                         ["note_id", "phase", "k", "recovery_own",
+                                          "recovery_random"], _PER_NOTE_RUN_COLUMNS).frame
+        return cls(get("attribute", empty), get("train", empty), evaluate, own,
+                   _norm(eval_notes), _norm(own_notes), split)
+
+    def test_runs(self, frame: pd.DataFrame, cell_train: set[str]) -> pd.DataFrame:
+        """The newest run of each cell on the report's split (runs without a split tag kept),
+        leaving out the readouts of λ-selection cells (``cell_train``: their train runs)."""
+        if frame.empty:
+            return frame
+        on = frame[(frame["split"].isna() | (frame["split"] == self.split))
+                   & ~frame["train_run"].isin(cell_train)]
+        return query.latest_runs(on)
+
+
+def _norm(frame: pd.DataFrame) -> pd.DataFrame:
+    if frame.empty:
+        return frame
+    out = frame.copy()
+    for col in ("model", "arm", "precision", "split"):
+        if col in out.columns:
+            out[col] = out[col].fillna("").astype(str)
+    return out
+
+
+# ---------------------------------------------------------------------- Tables 11 and 15
+def _characterization(rep: Report, client: MlflowClient, extra: _Extra, choices: TableChoices,
+                      n_resamples: int, seed: int) -> None:
+    runs = extra.attribute
+    why = "" if not runs.empty else \
+        "no knockin run read names an attribute run (the characterization's ranking)"
+    t11, t11d, layers = [], [], []
+    for _, run in runs.iterrows():
+        try:
+            data = characterization.load_calibration(client, run["run_id"], str(run["model"]))
+            table = characterization.importance_table(
+                data, top_k=choices.importance_heads, profile_k=choices.profile_k,
+                n_resamples=n_resamples, seed=seed)
+            t11.append(table)
+            t11d.append(characterization.importance_display(table))
+            layers.append(characterization.layer_table(data, bounds=choices.layer_blocks))
+        except MistillInputError as exc:
+            why = str(exc)
+    cat = (lambda frames: pd.concat(frames, ignore_index=True) if frames else pd.DataFrame())
+    _listed(rep, "table11_importance", "Table 11: decision-specific importance of representative "
+            "heads",
+            f"I_c (nats; mean over notes of per-note I_c) with its percentile bootstrap 95% "
+            f"interval over notes ({n_resamples} resamples) and its rank among all heads, per "
+            f"phase, for the heads in the top {choices.importance_heads} of any phase; profile: "
+            f"the phases in whose top {choices.profile_k} the head ranks (all: shared, one: "
+            "specific); P2C raw I: the raw importance, exact where measured, not "
+            "NULL-calibrated.", cat(t11), cat(t11d), why,
+            ["model", "head", "P1 I_c [95% CI]", "P1 rank", "P2 I_c [95% CI]", "P2 rank",
+             "P2C I_c [95% CI]", "P2C rank", "profile", "P2C raw I"])
+    layer_frame = cat(layers)
+    _listed(rep, "table11_layers", "Table 11 (last row): layers of the chapter top-40",
+            "Heads of the P1 top-40 in each block of layers and their share of its summed I_c.",
+            layer_frame, layer_frame.drop(columns=["run_id"], errors="ignore"), why,
+            ["model", "phase", "top_k", "layers", "n_heads", "share_I_c"])
+    t15 = characterization.stability_table(runs) if not runs.empty else pd.DataFrame()
+    why15 = why if runs.empty else ("the attribute run logged no split-half stability (it needs "
+                                    "notes of at least four patients)")
+    _listed(rep, "table15_stability", "Table 15: split-half stability of the head discovery",
+            "The I_c ranking on one random half of the patients against the other: medians over "
+            "splits of the Spearman correlation over all heads and of the top-k overlaps, and of "
+            "each half's top-40 overlap with the full ranking.", t15,
+            characterization.stability_display(t15) if not t15.empty else pd.DataFrame(), why15,
+            ["model", "phase", *(label for _, label in characterization.STABILITY_COLUMNS)])
+
+
+# --------------------------------------------------------------------------- Tables 39-42
+def _selections(rep: Report, runs: pd.DataFrame, cells: pd.DataFrame
+                ) -> list[seltab.Selection]:
+    out = []
+    for _, run in runs.iterrows():
+        mine = cells[cells["run_id"] == run["run_id"]] if not cells.empty else pd.DataFrame()
+        doc = query.read_json_artifact(run["run_id"], DECISION)
+        sel = seltab.load_selection(run.to_dict(), mine, doc if isinstance(doc, dict) else None)
+        out.append(sel)
+    return out
+
+
+def _train_arms(train_runs: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Train run id -> its resolved arm (runs without one left out)."""
+    out = {}
+    for rid in train_runs:
+        arm = run_deviations.resolved_arm(rid, query.run_config(rid))
+        if arm is not None:
+            out[rid] = arm
+    return out
+
+
+def _selection(rep: Report, runs: pd.DataFrame, cells: pd.DataFrame, extra: _Extra,
+               n_resamples: int, seed: int) -> None:
+    sels = _selections(rep, runs, cells)
+    none = "no FINISHED select_lambda runs" if runs.empty else ""
+    ref = rep.reference_arm
+    t39 = seltab.grid_table(sels, extra.evaluate, ref) if sels else pd.DataFrame()
+    decisions = " ".join(seltab.decision_summary(s) + "." for s in sels)
+    _listed(rep, "table39_selection", "Table 39: the λ selection on the validation notes",
+            "Every cell of each selection (*: picked, +: within the tie band of the best) with "
+            "the lock's metric and tie-break and its evaluation's valid and cap rates and M1 per "
+            f"phase; anchor rows: untrained, teacher and {ref} evaluated on the selection's "
+            f"notes. {decisions}".strip(), t39,
+            seltab.grid_display(t39) if not t39.empty else pd.DataFrame(),
+            none or "the select_lambda runs have no cells",
+            ["selection", "cell", "λ_P1", "λ_P2", "state", "metric", "tie-break", "gap"])
+    t40 = seltab.dose_response_table(sels, extra.eval_notes, ref, n_resamples=n_resamples,
+                                     seed=seed) if sels else pd.DataFrame()
+    _listed(rep, "table40_dose_response", "Table 40: dose response of M1 on the validation notes",
+            f"Per cell, M1 (share of events with a positive margin, per note) minus {ref}'s on "
+            "the selection's notes with events in every phase: mean per-note difference, notes "
+            "higher/lower, exact sign-test p.", t40,
+            seltab.dose_response_display(t40) if not t40.empty else pd.DataFrame(),
+            none or "the select_lambda runs have no cells",
+            ["selection", "cell", "phase", "notes", "Δ M1 (mean per note)", "higher/lower",
+             "sign p"])
+    picked_train = [t for s in sels for t in (extra.evaluate[
+        (extra.evaluate["split"] == s.split) & (extra.evaluate["arm"] == s.arm)]["train_run"]
+        .dropna().unique() if not extra.evaluate.empty else [])]
+    arms = _train_arms(sorted(set(picked_train)))
+    levels, pairs, whys = [], [], []
+    for sel in sels:
+        lv, pr, why = seltab.confirmation_tables(
+            sel, extra.evaluate, extra.eval_notes, seltab.selected_train_runs(sel, arms), ref,
+            n_resamples=n_resamples, seed=seed)
+        levels.append(lv)
+        pairs.append(pr)
+        if why:
+            whys.append(f"{sel.name}: {why}")
+    lv = pd.concat(levels, ignore_index=True) if levels else pd.DataFrame()
+    pr = pd.concat(pairs, ignore_index=True) if pairs else pd.DataFrame()
+    _listed(rep, "table41_confirmation", "Table 41: the selected λ against the reference, "
+            "every seed", f"The lock's arm at the picked λ and {ref}, each over its seeds on the "
+            "selection's notes (mean ± sd), with the untrained student and the teacher as "
+            "anchors.", lv,
+            seltab.confirmation_display(lv) if not lv.empty else pd.DataFrame(),
+            none or "; ".join(whys) or "no evaluations on the selection's notes",
+            ["selection", "row", "seeds", "task micro-F1", "M1 P1", "M1 P2", "M1 P2C"])
+    _listed(rep, "table41_paired", "Table 41 (paired): seed-matched comparisons",
+            f"The selected arm minus {ref}, seed i against seed i (a one-seed side pairs with "
+            "every seed), note-clustered: per note the mean of its seed pairs' differences, then "
+            "the tests over notes.", pr,
+            tables.paired_display(pr) if not pr.empty else pd.DataFrame(),
+            none or "; ".join(whys) or "no paired lines",
+            ["model", "arm", "reference", "measure", "seed pairs", "notes", "Δ mean [95% CI]"])
+    t42 = pd.concat([seltab.reselection_table(
+        s, extra.evaluate, extra.eval_notes, extra.own, _own_teacher(extra.own_notes), ref,
+        extra.split, n_resamples=n_resamples, seed=seed) for s in sels], ignore_index=True) \
+        if sels else pd.DataFrame()
+    _listed(rep, "table42_reselection", "Table 42: the selection's cells on the test notes and "
+            "their own heads",
+            f"Per cell: the validation metric and tie-break; micro-F1 on the {extra.split} notes "
+            "and the own top-40 P2C recovery of the cell's train run; Δ: note-clustered against "
+            f"every seed of {ref} at the cell's precision (mean [95% CI]).", t42,
+            seltab.reselection_display(t42) if not t42.empty else pd.DataFrame(),
+            none or "the select_lambda runs have no cells",
+            ["selection", "cell", "val metric", "test micro-F1", "own P2C k40"])
+
+
+def _own_teacher(own_notes: pd.DataFrame) -> pd.DataFrame:
+    return ablation_tables._traces(own_notes, "teacher")
+
+
+# --------------------------------------------------------------------------- Tables 47-51
+def _ablations(rep: Report, client: MlflowClient, extra: _Extra, cells: pd.DataFrame,
+               choices: TableChoices, n_resamples: int, seed: int) -> None:
+    cell_train = set(cells["train_run"].dropna()) if "train_run" in cells.columns else set()
+    evaluate = extra.test_runs(extra.evaluate, cell_train)
+    own = extra.test_runs(extra.own, cell_train)
+    train = extra.train[~extra.train["run_id"].isin(cell_train)] if not extra.train.empty \
+        else extra.train
+    train = query.latest_runs(train) if not train.empty else train
+    ev_notes = extra.eval_notes[extra.eval_notes["run_id"].isin(evaluate["run_id"])] \
+        if not extra.eval_notes.empty else extra.eval_notes
+    own_notes = extra.own_notes[extra.own_notes["run_id"].isin(own["run_id"])] \
+        if not extra.own_notes.empty else extra.own_notes
+    t47 = ablation_tables.precision_table(evaluate, ev_notes, train, n_resamples=n_resamples,
+                                          seed=seed)
+    _listed(rep, "table47_precision", "Table 47: precision control, task side",
+            f"Test micro-F1, valid and cap rate, mean ± sd over seeds; Δ: paired per-note "
+            "micro-F1 difference from each Vanilla CoT-KD arm's seed-averaged notes with its "
+            "bootstrap 95% interval.", t47, ablation_tables.precision_display(t47))
+    precision_train = train[train["arm"].isin(ablation_tables.PRECISION_ARMS)] \
+        if not train.empty else train
+    history = {rid: query.metric_history(client, rid, "train/ce")
+               for rid in precision_train.get("run_id", [])}
+    t48 = ablation_tables.training_ce_table(train, history, choices.ce_steps)
+    shown48 = t48.drop(columns=["last_step"]).astype(object).map(
+        lambda v: "" if v is None or (isinstance(v, float) and v != v) else
+        f"{v:.3f}" if isinstance(v, float) else str(v))
+    _listed(rep, "table48_training_ce", "Table 48: training cross-entropy per seed",
+            f"Cross-entropy on the trace tokens (train/ce) at optimiser steps "
+            f"{', '.join(map(str, choices.ce_steps))} and at the run's last step "
+            "(empty: the run logged no value at that step).", t48, shown48)
+    arms = ablation_tables.ablation_arms()
+    t49, p49 = ablation_tables.own_traces_table(
+        own, own_notes, train, [*ablation_tables.PRECISION_ARMS, *arms],
+        n_resamples=n_resamples, seed=seed)
+    _listed(rep, "table49_own_traces", "Table 49: own-heads knock-in on each student's own traces",
+            "P2C knock-in recovery of the own top-k on the arm's own generated traces (mean over "
+            "notes, random floor in parentheses; coverage: notes with a measurable own-trace "
+            "recovery) beside the teacher-forced cell on the same notes.", t49,
+            ablation_tables.own_traces_display(t49))
+    _listed(rep, "table49_paired", "Table 49 (bottom): Mistill minus Vanilla CoT-KD on own traces",
+            "On the notes both arms have own-trace events for: per seed pair, and note-clustered "
+            "over the notes with at least one pair.", p49,
+            _own_pairs_display(p49) if not p49.empty else pd.DataFrame(),
+            "no own-trace readouts of both mistill and a Vanilla CoT-KD arm",
+            ["comparison", "k", "seeds", "notes", "Δ mean [95% CI]"])
+    t51 = ablation_tables.ablation_table(own, own_notes, evaluate, ev_notes, train, arms,
+                                         n_resamples=n_resamples, seed=seed)
+    t50 = ablation_tables.ablation_plan_table(arms, t51)
+    _listed(rep, "table50_ablation_plan", "Table 50: the ablations and the direction of their "
+            "effects", "Each ablation arm, its base and the flags it changes, and its measured "
+            "P2C recovery and micro-F1 against Mistill (higher / lower: every Mistill seed's "
+            "sign test, or the micro-F1 interval, excludes no difference; level: none does; "
+            "mixed otherwise).", t50, t50)
+    _listed(rep, "table51_ablations", "Table 51: ablations on each arm's own heads",
+            "P2C and P2: own top-40 knock-in recovery, median over notes (mean over seeds), "
+            "random floor in parentheses; Δ P2C: per-note paired median difference against "
+            "each Mistill seed (sign-test p); vs base: notes higher/lower than the untrained "
+            "student; M2: P2C region lift (random); prefix: share on the emitted prefix; "
+            "micro-F1 with the paired difference from Mistill's seed-averaged notes [95% "
+            "interval].", t51, ablation_tables.ablation_display(t51))
+
+
+def _own_pairs_display(table: pd.DataFrame) -> pd.DataFrame:
+    out = []
+    for _, r in table.iterrows():
+        out.append({"comparison": r["comparison"], "k": int(r["k"]), "seeds": r["seeds"],
+                    "notes": int(r["n"]),
+                    "Δ mean [95% CI]": tables.fmt_ci(r["mean_diff"], r["ci_low"], r["ci_high"]),
+                    "higher/lower": f"{int(r['n_higher'])}/{int(r['n_lower'])}",
+                    "sign p": tables.format_cell(r["sign_p"], p_value=True)})
+    return pd.DataFrame.from_records(out)

@@ -34,12 +34,24 @@ def make_run(uri: str, corpus: str, stage: str, root: Path, *, arm: str | None =
              seed: int | None = None, precision: str | None = None, model: str = STUDENT,
              metrics: dict[str, float] | None = None,
              tables: dict[str, pd.DataFrame] | None = None,
-             jsons: dict[str, Any] | None = None, tags: dict[str, str] | None = None) -> str:
-    """One FINISHED run of ``stage`` with these tags, metrics, CSV and JSON artifacts."""
-    cfg = FakeStageConfig(arm=arm or "", seed=seed or 0, tag=f"{stage}-{arm}-{seed}-{model}")
+             jsons: dict[str, Any] | None = None, tags: dict[str, str] | None = None,
+             cfg: Config | None = None, inputs: dict[str, str] | None = None,
+             notes: dict[str, dict[str, Any]] | None = None,
+             history: dict[str, dict[int, float]] | None = None) -> str:
+    """One FINISHED run of ``stage`` with these tags, metrics, CSV and JSON artifacts.
+
+    cfg: the run's config (default a :class:`FakeStageConfig`); inputs: lineage
+    (``mistill.input.<name>``); notes: per-note files under ``notes/<note_id>/``; history:
+    metric -> ``{step: value}``."""
+    cfg = cfg or FakeStageConfig(arm=arm or "", seed=seed or 0, tag=f"{stage}-{arm}-{seed}-{model}")
     with StageRun(stage, cfg, corpus=corpus, guard=PrivacyGuard([], "synthetic"), model=model,
                   arm=arm, seed=seed, precision=precision, root=root, code_version="test",
-                  tracking_uri=uri, tags=tags) as run:
+                  tracking_uri=uri, tags=tags, inputs=inputs) as run:
+        for note_id, files in (notes or {}).items():
+            run.write_note("notes", note_id, files)
+        for key, values in (history or {}).items():
+            for step, value in sorted(values.items()):
+                run.log_metrics({key: value}, step=step)
         if metrics:
             run.log_metrics(metrics)
         for name, df in (tables or {}).items():
@@ -175,3 +187,189 @@ def build_run_set(uri: str, corpus: str, root: Path, *, kinds=("evaluate", "own_
             uri, corpus, "select_lambda", root, arm="randheads", seed=0,
             tables={"cells": stage_lambda_cells()}, jsons={"decision": DECISION})
     return ids
+
+
+# ------------------------------------------------------------- the extended run set
+ATTR_NOTES = [f"a{i}" for i in range(8)]
+ATTR_KINDS = ["P1", "P1", "P2", "P2C", "NULL", "NULL"]
+ATTR_GEOMETRY = {"n_layers": 3, "n_heads": 2}
+ATTR_HEAD_OFFSETS = {"P1": [0.9, 0.1, 0.5, 0.0, -0.3, 0.2], "P2": [0.1, 0.8, 0.0, 0.6, 0.2, 0.0],
+                     "P2C": [0.0, 0.2, 0.1, 0.0, 0.9, 0.7], "NULL": [0.05] * 6}
+"""Per phase, each head's mean importance at the events of the phase (heads L0H0 ... L2H1)."""
+STABILITY = {"stability.P1.spearman": 0.93, "stability.P1.top_overlap.8": 6.0,
+             "stability.P1.top_overlap.40": 6.0, "stability.P1.full_overlap": 6.0,
+             "stability.P1.n_splits": 50.0, "stability.P1.n_patients": 8.0,
+             "stability.P1.n_notes": 8.0}
+
+
+def attribution_arrays(note_index: int) -> dict[str, np.ndarray]:
+    """One note's ``attribution.npz``: first-order importances around the heads' phase means
+    (a note-specific draw), no exact patches."""
+    rng = np.random.default_rng(500 + note_index)
+    fo = np.stack([np.asarray(ATTR_HEAD_OFFSETS[k]) + rng.normal(0, 0.1, 6)
+                   for k in ATTR_KINDS]).astype(np.float32)
+    n = len(ATTR_KINDS)
+    return {"event_ids": np.array([f"e{i}" for i in range(n)]), "kinds": np.array(ATTR_KINDS),
+            "positions": np.arange(n), "margins": np.ones(n, dtype=np.float32),
+            "first_order": fo, "exact": np.full_like(fo, np.nan)}
+
+
+def attribute_head_sets() -> dict:
+    from mistill.instrument.calibration import NoteImportance, calibrate, head_sets_json
+
+    notes = [NoteImportance(note_id=n, patient_id=n, kinds=np.array(ATTR_KINDS),
+                            importance=attribution_arrays(i)["first_order"])
+             for i, n in enumerate(ATTR_NOTES)]
+    names = [f"L{h // 2}H{h % 2}" for h in range(6)]
+    sets = head_sets_json(calibrate(notes, q=0.1), names, ks=(2, 4), pool_k=4)
+    sets["meta"]["geometry"] = dict(ATTR_GEOMETRY)
+    return sets
+
+
+def val_notes(arm: str, seed: int, delta: float = 0.0) -> pd.DataFrame:
+    """Validation per-note metrics with per-phase M1: the reference's M1 fixed per note, an arm
+    at ``delta`` above it; note n00 has no P1 events (left out of Table 40)."""
+    base = np.linspace(0.4, 0.7, len(NOTES))
+    df = eval_notes("vanilla-bf16", seed).assign(micro_f1=base + delta)
+    for phase in ("P1", "P2", "P2C"):
+        df[f"m1_{phase}_p_pos"] = base + delta
+        df[f"m1_{phase}_n"] = [0 if (phase == "P1" and i == 0) else 5 for i in range(len(NOTES))]
+    return df
+
+
+CELL_DELTA = {0.03: 0.02, 0.1: 0.04, 0.3: -0.01}
+"""Each cell's validation M1 and micro-F1 above the reference's, per note."""
+TEST_DELTA = 0.1
+"""mistill's test micro-F1 and own-trace recovery above vanilla-bf16's on every note."""
+OWN_TRACE_DELTA = 0.03
+CE = {"mistill": {1: 2.0, 2: 1.5, 5: 1.0, 6: 0.9}, "vanilla-bf16": {1: 2.0, 2: 1.4, 5: 0.8, 6: 0.7}}
+
+
+def own_notes_both(arm: str, seed: int, delta: float) -> pd.DataFrame:
+    """Teacher-forced and own-trace rows: own traces at ``delta`` above the teacher-forced
+    recovery on every note but n11 (no own-trace events)."""
+    teacher = own_notes(arm, seed).assign(traces="teacher")
+    own = own_notes("vanilla-bf16", seed).assign(traces="own")
+    own["recovery_own"] = own["recovery_own"] + delta
+    own = own[own["note_id"] != NOTES[-1]]
+    return pd.concat([teacher, own], ignore_index=True)
+
+
+def train_arm(arm: str, **flags: Any) -> dict:
+    from mistill.distill.arms import resolve_arm
+
+    return {**resolve_arm(arm).to_dict(), **flags}
+
+
+def build_extended_run_set(uri: str, corpus: str, root: Path) -> dict[str, Any]:
+    """Runs for Tables 11, 15, 39-42 and 47-51: the characterization's attribute run (per-note
+    attributions, stability metrics) named by a knockin run; train runs of mistill,
+    vanilla-bf16 (seeds 0, 1), top8 and randheads; their test evaluations and own-heads
+    readouts (own traces included); a λ selection with cell runs, validation evaluations and a
+    second seed at the pick."""
+    from mistill.io import npz_bytes
+    from mistill.stages.characterize import AttributeConfig
+
+    ids: dict[str, Any] = {"train": {}, "evaluate": {}, "own_heads": {}}
+    notes = {n: {"attribution.npz": npz_bytes(attribution_arrays(i))}
+             for i, n in enumerate(ATTR_NOTES)}
+    ids["attribute"] = make_run(uri, corpus, "attribute", root, model=TEACHER,
+                                cfg=AttributeConfig(fdr_q=0.1, stability_splits=50),
+                                notes=notes, metrics=STABILITY,
+                                jsons={"head_sets": attribute_head_sets()})
+    ids["knockin"] = make_run(uri, corpus, "knockin", root, model=TEACHER,
+                              inputs={"attribute": ids["attribute"]},
+                              tables={"per_note_sets": knockin_rows()})
+    for arm, seeds in (("mistill", (0, 1)), ("vanilla-bf16", (0, 1)), ("top8", (0,)),
+                       ("randheads", (0,))):
+        for seed in seeds:
+            ids["train"][(arm, seed)] = make_run(
+                uri, corpus, "train", root, arm=arm, seed=seed, precision="bf16",
+                jsons={"arm": train_arm(arm)}, history={"train/ce": CE.get(arm, {1: 1.0})})
+    f1_delta = {"mistill": TEST_DELTA, "vanilla-bf16": 0.0, "top8": 0.05, "untrained": -0.2}
+    own_delta = {"mistill": OWN_TRACE_DELTA, "vanilla-bf16": 0.0, "top8": 0.0, "untrained": 0.0}
+    for arm, seeds in (("mistill", (0, 1)), ("vanilla-bf16", (0, 1)), ("top8", (0,)),
+                       ("untrained", (0,))):
+        for seed in seeds:
+            train = ids["train"].get((arm, seed))
+            link = {"train": train} if train else None
+            # the top8 evaluation names its checkpoint, as the evaluate stage does
+            model = f"run:{train}" if arm == "top8" else STUDENT
+            per_note = eval_notes("vanilla-bf16", seed)
+            per_note["micro_f1"] = per_note["micro_f1"] + f1_delta[arm]
+            ids["evaluate"][(arm, seed)] = make_run(
+                uri, corpus, "evaluate", root, arm=arm, seed=seed, precision="bf16", model=model,
+                inputs=link, metrics={**eval_metrics("mistill", 0),
+                                      "micro_f1": float(per_note["micro_f1"].mean())},
+                tables={"per_note_metrics": per_note}, tags={"mistill.split": "test"})
+            own_m = own_metrics(arm, seed)
+            own_m["m4.P2C.k40.recovery_own"] = 0.6 + (0.1 if arm == "mistill" else 0.0)
+            own_m["m4.P2.k40.recovery_own"], own_m["m4.P2.k40.recovery_random"] = 0.55, 0.04
+            ids["own_heads"][(arm, seed)] = make_run(
+                uri, corpus, "own_heads", root, arm=arm, seed=seed, precision="bf16",
+                inputs=link, metrics=own_m, tags={"mistill.split": "test"},
+                tables={"own_heads_per_note": own_notes_both(
+                    "mistill" if arm == "mistill" else "vanilla-bf16", seed, own_delta[arm])})
+    ids.update(_selection_runs(uri, corpus, root))
+    return ids
+
+
+DECISION_RECORD = {
+    "lock": {"arm": "mistill", "training": {"seed": 0},
+             "selection": {"metric": "micro_f1", "split": "val", "tie_band": 0.004,
+                           "tie_break": "m1.P2C.p_pos"}},
+    "decision": {"rule": "best_outright", "pick": "lambda=0.1", "pick_lambda_p1": 0.1,
+                 "pick_lambda_p2": 0.1, "band": 0.004, "tied": ["lambda=0.1"],
+                 "gaps_to_best": {"lambda=0.03": 0.02, "lambda=0.1": 0.0, "lambda=0.3": 0.05},
+                 "extensions": [], "extended_grid": ["lambda=0.01"]}}
+"""``decision.json`` with the required fields and one newer optional field."""
+
+
+def _selection_runs(uri: str, corpus: str, root: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {"cells": {}}
+    ref_val = {}
+    for seed in (0, 1):
+        ref_val[seed] = make_run(uri, corpus, "evaluate", root, arm="vanilla-bf16", seed=seed,
+                                 precision="bf16", metrics={"micro_f1": 0.5},
+                                 tables={"per_note_metrics": val_notes("vanilla-bf16", seed)},
+                                 tags={"mistill.split": "val"})
+    out["val_reference"] = ref_val
+    rows = []
+    for lam, delta in CELL_DELTA.items():
+        train = make_run(uri, corpus, "train", root, arm="mistill", seed=0, precision="bf16",
+                         jsons={"arm": train_arm("mistill", lambda_p1=lam, lambda_p2=lam)},
+                         cfg=FakeStageConfig(arm="mistill", tag=f"cell-{lam}"))
+        ev = make_run(uri, corpus, "evaluate", root, arm="mistill", seed=0, precision="bf16",
+                      inputs={"train": train}, metrics={"micro_f1": 0.5 + delta,
+                                                        "m1.P2C.p_pos": 0.5 + delta,
+                                                        "valid_rate": 0.9},
+                      tables={"per_note_metrics": val_notes("mistill", 0, delta)},
+                      tags={"mistill.split": "val"})
+        out["cells"][lam] = {"train": train, "evaluate": ev}
+        rows.append({"cell": f"lambda={lam!r}", "lambda_p1": lam, "lambda_p2": lam,
+                     "in_grid": True, "state": "complete", "micro_f1": 0.5 + delta,
+                     "m1.P2C.p_pos": 0.5 + delta, "gap_to_best": repr(0.04 - delta),
+                     "in_band": lam == 0.1, "picked": lam == 0.1, "train_run": train,
+                     "evaluate_run": ev})
+    # a second seed at the pick, evaluated on the validation notes (Table 41)
+    train1 = make_run(uri, corpus, "train", root, arm="mistill", seed=1, precision="bf16",
+                      jsons={"arm": train_arm("mistill")},
+                      cfg=FakeStageConfig(arm="mistill", seed=1, tag="confirm"))
+    out["confirm_val"] = make_run(uri, corpus, "evaluate", root, arm="mistill", seed=1,
+                                  precision="bf16", inputs={"train": train1},
+                                  metrics={"micro_f1": 0.54},
+                                  tables={"per_note_metrics": val_notes("mistill", 1, 0.04)},
+                                  tags={"mistill.split": "val"})
+    # the picked cell's train run on the test notes
+    pick_train = out["cells"][0.1]["train"]
+    per_note = eval_notes("vanilla-bf16", 0)
+    per_note["micro_f1"] = per_note["micro_f1"] + 0.02
+    out["cell_test"] = make_run(uri, corpus, "evaluate", root, arm="mistill", seed=0,
+                                precision="bf16", inputs={"train": pick_train},
+                                metrics={"micro_f1": float(per_note["micro_f1"].mean())},
+                                tables={"per_note_metrics": per_note},
+                                tags={"mistill.split": "test"})
+    out["select_lambda"] = make_run(uri, corpus, "select_lambda", root, arm="mistill", seed=0,
+                                    precision="bf16", tables={"cells": pd.DataFrame(rows)},
+                                    jsons={"decision": DECISION_RECORD})
+    return out

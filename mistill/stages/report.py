@@ -1,10 +1,14 @@
 """MLflow entry point ``report``: the paper's tables and figures from the tracking store.
 
 Reads the FINISHED ``knockin``, ``evaluate``, ``own_heads`` and ``select_lambda`` runs of
-experiment ``mistill/<corpus>`` (the newest of each model, arm, precision and seed), builds
-Tables 1/10, 2, 43, 3/45 and the λ cells with :mod:`analysis`, and logs to one ``report`` run:
+experiment ``mistill/<corpus>`` (the newest of each model, arm, precision and seed), the
+``attribute`` runs the knockin runs name and every ``train`` run, builds Tables 1/10, 2, 43,
+3/45, the λ cells, Tables 11, 15, 39-42 and 47-51 with :mod:`analysis`, and logs to one
+``report`` run:
 
-* ``report.md``: every table, and which tables were skipped and why;
+* ``report.md``: every table, which tables were skipped or have no rows and why, and the
+  deviations from the paper found in the runs read;
+* ``deviations.json``: those deviations (registry findings, ``mistill.deviation`` tags);
 * ``tables/<name>.csv`` and ``.md`` (numeric), ``tables/<name>_display.md`` and ``.tex``;
 * ``figures/<name>.html``: plotly figures with plotly.js embedded (open in the MLflow UI).
 
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 from mistill.config import Config
 from mistill.errors import MistillInputError
 from mistill.stats import N_BOOTSTRAP, N_BOOTSTRAP_CORPUS
-from mistill.validation import check_not_empty, check_positive, check_seed
+from mistill.validation import check_counts, check_not_empty, check_positive, check_seed
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,13 @@ class ReportConfig(Config):
     bootstrap: resamples of the per-note bootstrap intervals (App. L: 1,000; >= 1).
     corpus_bootstrap: resamples of the corpus-level micro-F1 difference (App. L: 10,000; >= 1).
     seed: seed of every bootstrap (>= 0).
+    importance_heads: **[recon]** Table 11 lists the heads in the top ``importance_heads`` of
+        any phase (>= 1).
+    profile_k: **[recon]** a head's write-side profile names the phases in whose top
+        ``profile_k`` it ranks (>= 1).
+    layer_blocks: **[recon]** Table 11's layer blocks, as increasing fractions of the depth in
+        (0, 1) (the paper's 0-11 / 12-23 / 24-31 / 32-39 of 40 layers).
+    ce_steps: Table 48's optimiser steps (each >= 1, no repeats).
     """
 
     corpus: str = "synthetic"
@@ -44,6 +55,10 @@ class ReportConfig(Config):
     bootstrap: int = N_BOOTSTRAP
     corpus_bootstrap: int = N_BOOTSTRAP_CORPUS
     seed: int = 0
+    importance_heads: int = 8
+    profile_k: int = 40
+    layer_blocks: tuple[float, ...] = (0.3, 0.6, 0.8)
+    ce_steps: tuple[int, ...] = (5, 20, 60, 120)
 
     def validate(self) -> None:
         from mistill.validation import check_arm, check_arms, check_name, check_no_text_fields
@@ -60,6 +75,20 @@ class ReportConfig(Config):
         check_positive(self.bootstrap, "bootstrap")
         check_positive(self.corpus_bootstrap, "corpus_bootstrap")
         check_seed(self.seed)
+        check_positive(self.importance_heads, "importance_heads")
+        check_positive(self.profile_k, "profile_k")
+        check_counts(self.ce_steps, "ce_steps")
+        bounds = list(self.layer_blocks)
+        if any(not 0 < b < 1 for b in bounds) or bounds != sorted(set(bounds)):
+            raise MistillInputError(f"layer_blocks must be increasing fractions in (0, 1), got "
+                                    f"{bounds}", field="layer_blocks")
+
+    def choices(self):
+        """The table choices :func:`analysis.report.build_report` takes."""
+        from analysis.report import TableChoices
+
+        return TableChoices(importance_heads=self.importance_heads, profile_k=self.profile_k,
+                            layer_blocks=tuple(self.layer_blocks), ce_steps=tuple(self.ce_steps))
 
 
 def run_report(cfg: ReportConfig) -> str:
@@ -91,7 +120,8 @@ def run_report(cfg: ReportConfig) -> str:
             print(f"report: reusing finished run {run.run_id}")
             return run.run_id
         rep = build_report(inputs, reference_arm=cfg.reference_arm, n_resamples=cfg.bootstrap,
-                           corpus_resamples=cfg.corpus_bootstrap, seed=cfg.seed)
+                           corpus_resamples=cfg.corpus_bootstrap, seed=cfg.seed,
+                           choices=cfg.choices(), split=cfg.split, client=client)
         tables_dir = run.work_dir / "artifacts" / "tables"
         for t in rep.tables:
             run.log_table(f"tables/{t.name}", t.numeric)
@@ -102,12 +132,14 @@ def run_report(cfg: ReportConfig) -> str:
                 run.log_artifact_file(path, "tables")
         for name, fig in rep.figures.items():
             run.log_figure(fig, f"figures/{name}")
+        run.log_json("deviations.json", rep.deviations_json())
         report_path = run.work_dir / "artifacts" / "report.md"
         write_text(report_path, rep.markdown())
         run.log_artifact_file(report_path)
         run.log_metrics({**{f"n_runs.{s}": n for s, n in rep.counts.items()},
                          "n_tables": len(rep.tables), "n_figures": len(rep.figures),
-                         "n_notes": len(rep.notes)})
+                         "n_notes": len(rep.notes), "n_deviations": len(rep.deviations),
+                         "n_deviation_tags": len(rep.deviation_tags)})
         print(f"report: {len(rep.tables)} tables, {len(rep.figures)} figures, "
               f"{len(rep.notes)} notes ({experiment.removeprefix(EXPERIMENT_PREFIX)}) "
               f"-> run {run.run_id}")
