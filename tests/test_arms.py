@@ -99,7 +99,10 @@ def test_a_base_must_be_a_bare_name(tmp_path):
 
 @pytest.mark.parametrize("override", ["lambda_p1=-1", "lambda_p2=-0.1", "lambda_p1=nan", "lambda_p1=inf",
                                       "pool_k=0", "pool_seed=-1", "window=-1", "event_weight=-1",
-                                      "kl_weight=-0.5", "min_abs_margin=-1"])
+                                      "kl_weight=-0.5", "min_abs_margin=-1", "attention_eps=0",
+                                      "uld_alignment=nearest", "fkd_pairs=0", "fkd_positions=0",
+                                      "fkd_layer_map=middle", "fkd_hidden_site=attention",
+                                      "fkd_adapter=none", "fkd_rms_eps=-1"])
 def test_invalid_flag_values_are_refused_naming_the_flag(override):
     with pytest.raises(MistillInputError) as err:
         resolve_arm("mistill", override)

@@ -129,6 +129,27 @@ def test_cross_tokenizer_student_trains_with_uld_and_drops_unrealizable_events(s
     assert student.geometry.embed.weight.grad.abs().sum() > 0
 
 
+def test_uld_alignment_modes(setup):
+    """``char_offset``: the teacher row holding the student token's first character (the identity
+    under one tokenizer); ``index``: row ``j`` reads teacher row ``j`` (clipped to the trace)."""
+    from tok_fixtures import merging_tokenizer
+
+    from mistill.distill.objective import align_trace_rows
+
+    corpus, note, teacher, events, nd_t, pools_t, targets = setup
+    n_t = nd_t.input_ids.numel() - nd_t.trace_start
+    assert np.array_equal(align_trace_rows(nd_t, nd_t), np.arange(n_t))
+    assert np.array_equal(align_trace_rows(nd_t, nd_t, "index"), np.arange(n_t))
+    tok = merging_tokenizer(("18", "28", "65", "95", "11"))
+    tok.chat_template = teacher.tokenizer.chat_template
+    nd_s = build_note_data(note, corpus.inventory, tok, events)
+    n_s = nd_s.input_ids.numel() - nd_s.trace_start
+    by_index = align_trace_rows(nd_s, nd_t, "index")
+    assert np.array_equal(by_index, np.minimum(np.arange(n_s), n_t - 1))
+    by_char = align_trace_rows(nd_s, nd_t)
+    assert not np.array_equal(by_char, by_index) and np.all(np.diff(by_char) >= 0)
+
+
 def test_feature_kd_step_with_the_online_teacher(setup):
     from mistill.distill.losses import make_adapter, uniform_layer_pairs
     from mistill.distill.objective import FeatureKD, feature_kd_step

@@ -36,6 +36,10 @@ POOL_MODES = ("top", "bottom", "random", "random_all", "uniform")
 TERMS = ("attention", "interaction", "write")
 POSITIONS = ("events", "random")
 PRECISIONS = ("bf16", "fp32")
+FKD_LAYER_MAPS = ("block_end", "linspace")  # mistill.distill.losses.uniform_layer_pairs
+FKD_HIDDEN_SITES = ("input", "output")
+FKD_ADAPTERS = ("shared", "per_pair")
+ULD_ALIGNMENTS = ("char_offset", "index")
 ARM_NAME = re.compile(r"[A-Za-z0-9_-]+")
 ARM_FILE_SUFFIXES = (".yaml", ".yml")
 
@@ -48,6 +52,29 @@ class ArmConfig(Config):
     pool_k: heads in the student's pool (>= 1); pool_seed: seed of the random pool modes.
     window: rows supervised before each P1 event (>= 0; 0: none).
     event_weight, kl_weight: CE weight at event tokens and weight of the KL term (>= 0).
+    attention_eps: clamp of both distributions inside the attention KL (Mistill's attention
+        term and Feature-KD's). **[recon]**: the paper states no clamp.
+    min_abs_margin: events whose teacher or student margin is below this (nats) leave the
+        interaction and write terms (0: none by size); see
+        :func:`mistill.distill.objective.event_filter`. **[recon]**: not in the paper. ``c``
+        divides by the margin, so the interaction term's gradient grows as 1 / margin^2; on the
+        embedded default (``benchmarks/min_abs_margin.py``) one event at |margin| 0.018 made the
+        term's gradient norm 10^4 times that with the guard, which drops 22-29% of the events.
+    uld_alignment: which teacher trace row serves each student trace row when the tokenizers
+        differ (ULD; :func:`mistill.distill.objective.align_trace_rows`). **[recon]**.
+
+    Feature-KD (App. J.3; ``objective: feature_kd``):
+    fkd_pairs: layer pairs (4); fkd_positions: trace positions sampled per note for the
+        attention term (64); the hidden-state term reads every trace position.
+    fkd_layer_map: the "uniformly mapped" rule (:func:`~mistill.distill.losses.uniform_layer_pairs`).
+        **[recon]**.
+    fkd_hidden_site: the hidden state "at a layer": the residual stream entering it
+        (``input``, the state its attention rows are recomputed from) or leaving it
+        (``output``). **[recon]**.
+    fkd_adapter: one linear adapter shared by the pairs (``shared``, the single ``W_h`` of
+        TinyBERT) or one per pair (``per_pair``). **[recon]**.
+    fkd_adapter_bias: whether the adapter has a bias. **[recon]**.
+    fkd_rms_eps: epsilon inside the per-position RMS normalisation. **[recon]**.
     """
 
     objective: str = "mistill"
@@ -63,9 +90,16 @@ class ArmConfig(Config):
     window: int = 8
     event_weight: float = 1.0
     kl_weight: float = 1.0
-    # c divides by the margin: events whose teacher or student margin is below this (nats) are
-    # left out of the interaction and write terms, so a near-tie cannot blow the term up
+    attention_eps: float = 1e-8
     min_abs_margin: float = 0.5
+    uld_alignment: str = "char_offset"
+    fkd_pairs: int = 4
+    fkd_positions: int = 64
+    fkd_layer_map: str = "block_end"
+    fkd_hidden_site: str = "input"
+    fkd_adapter: str = "shared"
+    fkd_adapter_bias: bool = True
+    fkd_rms_eps: float = 1e-6
 
     def validate(self) -> None:
         check_choice(self.objective, OBJECTIVES, "objective")
@@ -81,6 +115,14 @@ class ArmConfig(Config):
         check_non_negative(self.event_weight, "event_weight")
         check_non_negative(self.kl_weight, "kl_weight", "0: cross-entropy only")
         check_non_negative(self.min_abs_margin, "min_abs_margin")
+        check_positive(self.attention_eps, "attention_eps")
+        check_choice(self.uld_alignment, ULD_ALIGNMENTS, "uld_alignment")
+        check_positive(self.fkd_pairs, "fkd_pairs")
+        check_positive(self.fkd_positions, "fkd_positions")
+        check_choice(self.fkd_layer_map, FKD_LAYER_MAPS, "fkd_layer_map")
+        check_choice(self.fkd_hidden_site, FKD_HIDDEN_SITES, "fkd_hidden_site")
+        check_choice(self.fkd_adapter, FKD_ADAPTERS, "fkd_adapter")
+        check_positive(self.fkd_rms_eps, "fkd_rms_eps")
 
     @property
     def lambdas(self) -> dict[str, float]:

@@ -12,17 +12,19 @@ token the teacher emitted there ``y_t`` and the teacher's precomputed top-32 ``(
 
 - ``ce_t  = logsumexp(z_t) - z_t[y_t]`` with ``z_t = W_U h_t`` the student's logits;
 - ``kl_t  = sum_{v in ids_t} p_T(v) (log p_T(v) - log p_S(v))`` (``mode="kl"``), where
-  ``p_T = softmax(l_t)`` is the teacher renormalised over its own top-32 and ``log p_S(v) =
+  ``p_T = softmax(l_t)`` is the teacher renormalised over its own top-32 (**[recon]**: the paper
+  says "the top-32 KL", not how the mass outside the top-32 is treated) and ``log p_S(v) =
   z_t[v] - logsumexp(z_t)`` the student's *full-softmax* log-probability at those ids;
 - ``uld_t = sum_{i=1..32} | q_(i) - p_(i) |`` (``mode="uld"``), the ULD distance of Boizard et
   al. (2025), "Towards Cross-Tokenizer Distillation: the Universal Logit Distillation Loss for
   LLMs": their loss is ``L_CE + lambda * sum_t sum_i |p_S(sigma_S(i)|t) - p_T(sigma_T(i)|t)|``,
   the closed form of the Wasserstein-1 distance between the two next-token distributions when
   every token is at unit cost from every other, with each distribution's probabilities sorted in
-  decreasing order (``sigma``) and the shorter vector zero-padded. Here both sides are truncated
-  to 32 ranks: ``p_(i)`` is the i-th largest of the teacher's top-32 probabilities renormalised
-  over its top-32 (the same target as the KL), ``q_(i)`` the i-th largest *full-softmax*
-  probability of the student (not renormalised). The term is zero exactly when the student's
+  decreasing order (``sigma``) and the shorter vector zero-padded. **[recon]** Here both sides
+  are truncated to 32 ranks (the teacher's stored top-k, ``TargetsConfig.top_k``; App. J.3 says
+  only "the same number of bins"): ``p_(i)`` is the i-th largest of the teacher's top-32
+  probabilities renormalised over its top-32 (the same target as the KL), ``q_(i)`` the i-th
+  largest *full-softmax* probability of the student (not renormalised). The term is zero exactly when the student's
   32 largest probabilities equal the renormalised teacher's, which forces the student's mass
   outside its top-32 to zero, as the KL's minimum does. No vocabulary is shared: the teacher's
   ids are not read in this mode.
@@ -41,9 +43,11 @@ logits are computed ``chunk`` positions at a time under ``torch.utils.checkpoint
   App. I.2; ``normalize=True`` is ``--write-norm``);
 - ``L = L_CoT + sum_P lambda_P (sum of the enabled terms)`` (:func:`mistill_objective`).
 
-**Feature-KD** (App. J.3; :func:`feature_kd_loss`, :func:`uniform_layer_pairs`,
-:func:`sample_positions`, :func:`make_adapter`) and **DistiLLM-2** (Ko et al., 2025;
-:func:`distillm2_loss`): see their docstrings for the exact formulas.
+**Feature-KD** (App. J.3; :func:`feature_kd_loss`, :func:`feature_kd_hidden_term`,
+:func:`uniform_layer_pairs`, :func:`sample_positions`, :func:`make_adapter`): the attention KL
+at 64 trace positions sampled per note, the hidden-state MSE at every trace position, chunked;
+and **DistiLLM-2** (Ko et al., 2025; :func:`distillm2_loss`): see their docstrings for the
+exact formulas.
 """
 
 from __future__ import annotations
@@ -67,7 +71,8 @@ ATTENTION_EPS = 1e-8  # clamp of the attention distributions inside the KL
 MISTILL_TERMS = ("attention", "interaction", "write")  # names accepted in ``terms``
 DEFAULT_MISTILL_TERMS = ("attention", "interaction")  # the objective as run (write removed)
 FEATURE_KD_PAIRS = 4  # uniformly mapped layer pairs
-FEATURE_KD_POSITIONS = 64  # attention positions sampled per note
+FEATURE_KD_POSITIONS = 64  # attention positions sampled per note (the hidden term reads every one)
+FEATURE_KD_HIDDEN_CHUNK = 1024  # trace positions per chunk of the hidden-state term
 FEATURE_KD_ATTN_WEIGHT = 1.0
 FEATURE_KD_HIDDEN_WEIGHT = 1.0
 RMS_EPS = 1e-6  # inside the square root of the per-position RMS normalisation
@@ -428,21 +433,40 @@ def mistill_objective(cot_loss: Tensor, phase_terms: Mapping[str, Mapping[str, T
 # Feature-KD (App. J.3)
 # ---------------------------------------------------------------------------------------------
 
+FEATURE_KD_LAYER_MAPS = ("block_end", "linspace")  # rules of uniform_layer_pairs
+
+
 def uniform_layer_pairs(n_student_layers: int, n_teacher_layers: int,
-                        n_pairs: int = FEATURE_KD_PAIRS) -> list[tuple[int, int]]:
+                        n_pairs: int = FEATURE_KD_PAIRS, rule: str = "block_end",
+                        ) -> list[tuple[int, int]]:
     """The ``n_pairs`` uniformly mapped ``(student_layer, teacher_layer)`` pairs (0-based).
 
-    Rule: split each model's layers into ``n_pairs`` equal blocks and take the last layer of each
-    block, ``layer_k = ceil((k + 1) * n_layers / n_pairs) - 1`` for ``k = 0..n_pairs-1``; the
-    k-th student layer pairs with the k-th teacher layer. The last pair is always the two last
-    layers. E.g. 36 and 64 layers, 4 pairs: ``(8, 15), (17, 31), (26, 47), (35, 63)``.
+    **[recon]** The paper says "four uniformly mapped layer pairs" (App. J.3) and no more; the
+    rule is ``ArmConfig.fkd_layer_map``:
+
+    - ``"block_end"`` (default): split each model's layers into ``n_pairs`` equal blocks and take
+      the last layer of each block, ``layer_k = ceil((k + 1) * n_layers / n_pairs) - 1`` for
+      ``k = 0..n_pairs-1``; the last pair is always the two last layers. E.g. 36 and 64 layers,
+      4 pairs: ``(8, 15), (17, 31), (26, 47), (35, 63)``.
+    - ``"linspace"``: ``layer_k = round(k * (n_layers - 1) / (n_pairs - 1))``, from the first
+      layer to the last (the first layer alone when ``n_pairs = 1``). E.g. 36 and 64 layers:
+      ``(0, 0), (12, 21), (23, 42), (35, 63)``.
+
+    The k-th student layer pairs with the k-th teacher layer.
     """
     _check(n_pairs >= 1, f"n_pairs must be >= 1, got {n_pairs}", "n_pairs")
+    _check(rule in FEATURE_KD_LAYER_MAPS, f"rule must be one of {FEATURE_KD_LAYER_MAPS}, "
+           f"got {rule!r}", "rule")
     _check(n_student_layers >= n_pairs and n_teacher_layers >= n_pairs,
            f"need at least {n_pairs} layers per model, got {n_student_layers} and "
            f"{n_teacher_layers}", "n_layers")
 
     def ends(n: int) -> list[int]:
+        if rule == "linspace":
+            if n_pairs == 1:
+                return [0]
+            # half-up rounding of k (n - 1) / (n_pairs - 1), in integers (no float ties)
+            return [(2 * k * (n - 1) + (n_pairs - 1)) // (2 * (n_pairs - 1)) for k in range(n_pairs)]
         return [-(-((k + 1) * n) // n_pairs) - 1 for k in range(n_pairs)]
 
     return list(zip(ends(n_student_layers), ends(n_teacher_layers)))
@@ -453,7 +477,8 @@ def sample_positions(n_positions: int, k: int = FEATURE_KD_POSITIONS,
     """``k`` distinct indices into ``[0, n_positions)`` drawn uniformly without replacement with
     ``generator`` (the global RNG when None), returned sorted, ``[min(k, n_positions)]`` long
     (every position when there are at most ``k``). The indices address the caller's list of
-    trace positions."""
+    trace positions. Feature-KD's attention term reads these positions (App. J.3: "at 64 trace
+    positions sampled per note"); its hidden-state term reads every trace position."""
     _check(n_positions >= 0 and k >= 0, "n_positions and k must be >= 0", "k")
     if n_positions <= k:
         return torch.arange(n_positions, dtype=torch.long)
@@ -466,10 +491,12 @@ def make_adapter(d_S: int, d_T: int, seed: int, *, bias: bool = True,
                  device: torch.device | str | None = None) -> nn.Linear:
     """The Feature-KD adapter ``nn.Linear(d_S -> d_T)``, initialised from ``seed`` alone.
 
-    The parameters are drawn from a local ``torch.Generator(seed)`` with torch's default
-    ``nn.Linear`` distribution (weight and bias ``U(-1/sqrt(d_S), 1/sqrt(d_S))``); the global
-    RNG is neither read nor advanced, so the initialisation does not depend on what ran before
-    (the adapter-seed caveat of App. J.3).
+    **[recon]** The paper names "a linear adapter to the teacher's width" and that its
+    initialisation must follow the seed (the adapter-seed caveat of App. J.3), not its
+    distribution or whether it has a bias. The parameters are drawn from a local
+    ``torch.Generator(seed)`` with torch's default ``nn.Linear`` distribution (weight and bias
+    ``U(-1/sqrt(d_S), 1/sqrt(d_S))``); ``bias`` is ``ArmConfig.fkd_adapter_bias``. The global RNG
+    is neither read nor advanced, so the initialisation does not depend on what ran before.
     """
     _check(d_S >= 1 and d_T >= 1, f"adapter widths must be >= 1, got {d_S}, {d_T}", "d_S")
     layer = nn.utils.skip_init(nn.Linear, d_S, d_T, bias=bias, dtype=dtype,
@@ -486,50 +513,132 @@ def make_adapter(d_S: int, d_T: int, seed: int, *, bias: bool = True,
 
 
 def rms_normalize(h: Tensor, eps: float = RMS_EPS) -> Tensor:
-    """``h / sqrt(mean_d h^2 + eps)`` per position: ``[..., d] -> [..., d]`` (no scale)."""
+    """``h / sqrt(mean_d h^2 + eps)`` per position: ``[..., d] -> [..., d]`` (no scale).
+
+    **[recon]** The paper RMS-normalises "per position" (App. J.3) without an epsilon;
+    ``eps`` (``ArmConfig.fkd_rms_eps``, default 1e-6) keeps an all-zero state finite."""
     h = h.to(_compute_dtype(h))
     return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def feature_kd_loss(a_T: Tensor, a_S: Tensor, h_T: Tensor, h_S: Tensor, adapter: nn.Linear, *,
-                    attn_weight: float = FEATURE_KD_ATTN_WEIGHT,
-                    hidden_weight: float = FEATURE_KD_HIDDEN_WEIGHT,
-                    eps: float = ATTENTION_EPS) -> tuple[Tensor, dict[str, Tensor]]:
-    """Feature-KD (App. J.3): attention KL + hidden-state MSE over the mapped layer pairs.
+def _pair_list(h: Tensor | Sequence[Tensor], name: str) -> list[Tensor]:
+    """``[pair, pos, d]`` or a sequence of ``[pos, d]`` -> a list of ``[pos, d]``."""
+    if isinstance(h, Tensor):
+        _check(h.dim() == 3, f"{name} must be [pair, pos, d], got {tuple(h.shape)}", name)
+        return list(h.unbind(0))
+    out = list(h)
+    _check(bool(out) and all(t.dim() == 2 for t in out),
+           f"{name} must be a non-empty sequence of [pos, d] tensors", name)
+    return out
+
+
+def _adapter_list(adapter: nn.Linear | Sequence[nn.Linear], n_pairs: int) -> list[nn.Linear]:
+    """One shared adapter (repeated per pair) or one per pair."""
+    if isinstance(adapter, nn.Linear):
+        return [adapter] * n_pairs
+    out = list(adapter)
+    _check(len(out) == n_pairs, f"{len(out)} adapters for {n_pairs} layer pairs", "adapter")
+    return out
+
+
+def _hidden_chunk_sum(h_s: Tensor, h_t: Tensor, adapter: nn.Linear, *, eps: float,
+                      dtype: torch.dtype) -> Tensor:
+    """Summed squared error of one chunk: ``h_s [c, d_S]``, ``h_t [c, d_T]`` -> scalar. The
+    chunk's adapted ``[c, d_T]`` states exist only inside this function (recomputed in the
+    backward under checkpoint)."""
+    adapted = adapter(h_s.to(adapter.weight.dtype))
+    diff = rms_normalize(adapted, eps).to(dtype) - rms_normalize(h_t.detach(), eps).to(dtype)
+    return diff.pow(2).sum()
+
+
+def feature_kd_hidden_term(h_T: Tensor | Sequence[Tensor], h_S: Tensor | Sequence[Tensor],
+                           adapter: nn.Linear | Sequence[nn.Linear], *,
+                           chunk: int = FEATURE_KD_HIDDEN_CHUNK, eps: float = RMS_EPS) -> Tensor:
+    """Feature-KD's hidden-state term at every trace position (App. J.3):
+    ``mean_{pair, pos, d_T} (rms(h_T) - rms(adapter(h_S)))^2``.
 
     Args:
-        a_T, a_S: ``[pair, pos, bucket]``, head-averaged (all heads, equal weights) bucket-pooled
-            attention of teacher and student at the sampled positions (64 per note) of each
-            layer pair.
-        h_T: ``[pair, pos_h, d_T]``, the teacher's hidden states at the pairs' teacher layers.
-        h_S: ``[pair, pos_h, d_S]``, the student's at the pairs' student layers (``pos_h`` may
-            differ from ``pos``: the paper takes every trace position).
-        adapter: ``nn.Linear(d_S -> d_T)`` shared by the pairs (:func:`make_adapter`).
+        h_T: ``[pair, pos, d_T]`` (or one ``[pos, d_T]`` per pair), the teacher's hidden states
+            at every trace position of the pairs' teacher layers (constants; any float dtype,
+            cast chunk by chunk).
+        h_S: ``[pair, pos, d_S]`` (or one ``[pos, d_S]`` per pair), the student's at the pairs'
+            student layers, row ``i`` aligned with the teacher's row ``i``.
+        adapter: one ``nn.Linear(d_S -> d_T)`` shared by the pairs, or one per pair.
+        chunk: positions per chunk (>= 1). The adapter projection and the squared error run
+            ``chunk`` positions at a time under ``torch.utils.checkpoint``, so no
+            ``[pos, d_T]`` intermediate of the student side is held; the result and its
+            gradients equal the unchunked mean up to floating-point summation order.
+        eps: inside the square root of :func:`rms_normalize`.
+    """
+    _check(isinstance(chunk, int) and chunk >= 1, f"chunk must be a positive int, got {chunk!r}",
+           "chunk")
+    hs, ht = _pair_list(h_S, "h_S"), _pair_list(h_T, "h_T")
+    _check(len(hs) == len(ht), f"{len(hs)} student and {len(ht)} teacher layer pairs", "h_S")
+    adapters = _adapter_list(adapter, len(hs))
+    for s, t, a in zip(hs, ht, adapters):
+        _check(s.shape[0] == t.shape[0] and s.shape[0] > 0,
+               f"h_S {tuple(s.shape)} and h_T {tuple(t.shape)} must hold the same positions",
+               "h_S")
+        _check(a.in_features == s.shape[-1] and a.out_features == t.shape[-1],
+               f"adapter maps {a.in_features} -> {a.out_features}, hidden states are "
+               f"{s.shape[-1]} -> {t.shape[-1]}", "adapter")
+    dtype = _compute_dtype(hs[0])
+    use_ckpt = torch.is_grad_enabled()
+    total = _zero_like_graph(*hs).to(dtype)
+    count = 0
+    for s, t, a in zip(hs, ht, adapters):
+        fn = partial(_hidden_chunk_sum, adapter=a, eps=eps, dtype=dtype)
+        for start in range(0, s.shape[0], chunk):
+            sl = slice(start, min(start + chunk, s.shape[0]))
+            part = (checkpoint(fn, s[sl], t[sl], use_reentrant=False) if use_ckpt
+                    else fn(s[sl], t[sl]))
+            total = total + part
+        count += s.shape[0] * t.shape[-1]
+    return total / count
+
+
+def feature_kd_loss(a_T: Tensor, a_S: Tensor, h_T: Tensor | Sequence[Tensor],
+                    h_S: Tensor | Sequence[Tensor], adapter: nn.Linear | Sequence[nn.Linear], *,
+                    attn_weight: float = FEATURE_KD_ATTN_WEIGHT,
+                    hidden_weight: float = FEATURE_KD_HIDDEN_WEIGHT,
+                    eps: float = ATTENTION_EPS, rms_eps: float = RMS_EPS,
+                    hidden_chunk: int = FEATURE_KD_HIDDEN_CHUNK,
+                    ) -> tuple[Tensor, dict[str, Tensor]]:
+    """Feature-KD (App. J.3): attention KL at the sampled positions + hidden-state MSE at every
+    trace position, over the mapped layer pairs.
+
+    Args:
+        a_T, a_S: ``[pair, pos_a, bucket]``, head-averaged (all heads, equal weights)
+            bucket-pooled attention of teacher and student at the sampled positions (64 per
+            note, :func:`sample_positions`) of each layer pair.
+        h_T: ``[pair, pos, d_T]`` (or one ``[pos, d_T]`` per pair), the teacher's hidden states
+            at every trace position of the pairs' teacher layers.
+        h_S: ``[pair, pos, d_S]`` (or one ``[pos, d_S]`` per pair), the student's at the pairs'
+            student layers, aligned with ``h_T`` row by row.
+        adapter: ``nn.Linear(d_S -> d_T)`` shared by the pairs, or one per pair
+            (:func:`make_adapter`).
         attn_weight, hidden_weight: the two weights (1 and 1); a zero weight skips its term.
+        eps: clamp of the attention distributions inside the KL; rms_eps: inside the RMS
+            normalisation; hidden_chunk: positions per chunk of the hidden term.
 
     Returns ``(loss, parts)`` with
-    ``loss = attn_weight * mean_{pair,pos} KL(a_T || a_S)
+    ``loss = attn_weight * mean_{pair,pos_a} KL(a_T || a_S)
            + hidden_weight * mean_{pair,pos,d_T} (rms(h_T) - rms(adapter(h_S)))^2``,
-    the KL as in :func:`attention_term` (rows without teacher mass left out) and
-    ``rms(x) = x / sqrt(mean_d x^2 + 1e-6)`` per position; parts ``attn``, ``hidden``
-    (detached, unweighted).
+    the KL as in :func:`attention_term` (rows without teacher mass left out; **[recon]**: the
+    paper names "a KL divergence between the teacher's and the student's" attention, the
+    direction teacher-to-student is the platform's, as in Mistill's attention term) and the
+    hidden term from :func:`feature_kd_hidden_term`; parts ``attn``, ``hidden`` (detached,
+    unweighted).
     """
     _check(a_T.dim() == 3 and a_T.shape == a_S.shape,
            f"a_T and a_S must both be [pair, pos, bucket], got {tuple(a_T.shape)} and "
            f"{tuple(a_S.shape)}", "a_S")
-    _check(h_T.dim() == 3 and h_S.dim() == 3 and h_T.shape[:2] == h_S.shape[:2],
-           f"h_T [pair, pos, d_T] and h_S [pair, pos, d_S] disagree: {tuple(h_T.shape)} and "
-           f"{tuple(h_S.shape)}", "h_S")
-    _check(h_T.shape[0] == a_T.shape[0], "attention and hidden states have different pairs",
-           "h_T")
-    _check(adapter.in_features == h_S.shape[-1] and adapter.out_features == h_T.shape[-1],
-           f"adapter maps {adapter.in_features} -> {adapter.out_features}, hidden states are "
-           f"{h_S.shape[-1]} -> {h_T.shape[-1]}", "adapter")
-    dtype = _compute_dtype(h_S)
+    hs = _pair_list(h_S, "h_S")
+    _check(len(hs) == a_T.shape[0], "attention and hidden states have different pairs", "h_T")
+    dtype = _compute_dtype(hs[0])
     attn = _mean_row_kl(a_T.reshape(-1, a_T.shape[-1]), a_S.reshape(-1, a_S.shape[-1]), eps)
-    adapted = adapter(h_S.to(adapter.weight.dtype))
-    hidden = F.mse_loss(rms_normalize(adapted).to(dtype), rms_normalize(h_T.detach()).to(dtype))
-    loss = _zero_like_graph(a_S, h_S).to(dtype)
+    hidden = feature_kd_hidden_term(h_T, hs, adapter, chunk=hidden_chunk, eps=rms_eps)
+    loss = _zero_like_graph(a_S, *hs).to(dtype)
     if attn_weight != 0:
         loss = loss + attn_weight * attn.to(dtype)
     if hidden_weight != 0:
@@ -675,9 +784,11 @@ def distillm2_loss(student_logits_pref: Tensor, teacher_logits_pref: Tensor, lab
 __all__ = [
     "ATTENTION_EPS", "DEFAULT_LOGIT_CHUNK", "DEFAULT_MISTILL_TERMS", "DISTILLM2_ALPHA",
     "DISTILLM2_BETA", "EVENT_WEIGHT", "FEATURE_KD_ATTN_WEIGHT", "FEATURE_KD_HIDDEN_WEIGHT",
-    "FEATURE_KD_PAIRS", "FEATURE_KD_POSITIONS", "IGNORE_INDEX", "MISTILL_TERMS", "RMS_EPS",
+    "FEATURE_KD_HIDDEN_CHUNK", "FEATURE_KD_LAYER_MAPS", "FEATURE_KD_PAIRS", "FEATURE_KD_POSITIONS",
+    "IGNORE_INDEX", "MISTILL_TERMS", "RMS_EPS",
     "TEACHER_TOP_K", "attention_term", "chunked_cot_loss", "distillm2_loss",
-    "event_token_weights", "feature_kd_loss", "interaction_term", "make_adapter",
+    "event_token_weights", "feature_kd_hidden_term", "feature_kd_loss", "interaction_term",
+    "make_adapter",
     "mistill_objective", "rms_normalize", "sample_positions", "uniform_layer_pairs",
     "write_term",
 ]

@@ -2,8 +2,10 @@
 
 Teacher side (computed once, no online teacher): at every supervised row the pooled bucket
 row ``a_T(r) = sum_h w_h bucketize(attn_h(r))`` over the teacher's pool for the row's phase (its
-P1 window rows use the ``P1_window`` pool), and at every event the region mass ``m_T`` and the
-contribution ``c_T``; plus the top-32 next-token distribution at every trace position.
+P1 window rows use the ``P1_window`` pool: the teacher's prose-time set when ``targets`` is given
+one, else its P1 emission set, a departure from App. I.1 that the runs carry as the tag
+``mistill.deviation=p1_window_pool=emission``), and at every event the region mass ``m_T`` and
+the contribution ``c_T``; plus the top-32 next-token distribution at every trace position.
 
 Student side (every micro-step): one forward of the student keeping the inputs of its pool
 layers; the attention rows of the pooled heads are recomputed only at the supervised positions
@@ -30,6 +32,7 @@ from mistill.distill.note_data import NoteData
 from mistill.distill.pools import Pool
 from mistill.distill.rows import SupervisedRow, supervised_rows
 from mistill.distill.targets import TargetEvent, TargetRow, teacher_targets
+from mistill.errors import MistillInputError
 from mistill.instrument.passes import stable_seed
 from mistill.models.loading import LoadedModel
 
@@ -103,10 +106,26 @@ def pair_rows(student: NoteData, teacher_realized, targets: Mapping[str, np.ndar
     return Pairing(rows=kept, teacher_row=np.array(t_row, dtype=np.int64), teacher_event=np.array(t_ev, dtype=np.int64))
 
 
-def align_trace_rows(student: NoteData, teacher: NoteData) -> np.ndarray:
-    """Cross-tokenizer students (ULD): for each student trace row (predicting student trace token
-    ``j``), the teacher trace row predicting the teacher token that holds the same first trace
-    character. ``[student trace tokens]`` indices into the teacher's top-32 arrays."""
+def align_trace_rows(student: NoteData, teacher: NoteData, mode: str = "char_offset") -> np.ndarray:
+    """Cross-tokenizer students (ULD): the teacher trace row whose top-32 serves each student
+    trace row. ``[student trace tokens]`` indices into the teacher's top-32 arrays.
+
+    **[recon]** (``ArmConfig.uld_alignment``). The paper says ULD "compares the teacher's and the
+    student's sorted probabilities over the same number of bins and needs no shared vocabulary"
+    (App. J.3), not which teacher position a student position is compared with:
+
+    - ``"char_offset"`` (default): student trace row ``j`` (predicting student trace token
+      ``j``) reads the teacher row predicting the teacher token that holds the first character
+      of student token ``j`` (the last teacher token starting at or before it);
+    - ``"index"``: row ``j`` reads teacher row ``min(j, n_T - 1)``, the position-index pairing of
+      Boizard et al.'s ULD.
+    """
+    n_t = int(teacher.input_ids.numel()) - teacher.trace_start
+    n_s = int(student.input_ids.numel()) - student.trace_start
+    if mode == "index":
+        return np.minimum(np.arange(n_s, dtype=np.int64), n_t - 1)
+    if mode != "char_offset":
+        raise MistillInputError(f"unknown ULD alignment {mode!r}", field="uld_alignment")
     t_starts = np.array([s for s, _ in teacher.inp.offsets[teacher.trace_start:]]) - teacher.inp.trace_offset
     out = []
     for s, _ in student.inp.offsets[student.trace_start:]:
@@ -374,6 +393,24 @@ def micro_step_loss(model: torch.nn.Module, lm: LoadedModel, student: NoteData, 
     return total, logs
 
 
+def event_filter(teacher_margin: torch.Tensor, student_margin: torch.Tensor, teacher_c: torch.Tensor,
+                 min_abs_margin: float) -> torch.Tensor:
+    """Which events enter the interaction and write terms: ``[event]`` bool.
+
+    ``c = (direct-path margin change) / margin``, so ``c`` is undefined at a margin of exactly 0
+    and the teacher's stored ``c`` is then ``inf`` or ``NaN``: such events are always left out
+    (whatever ``min_abs_margin``), as are events whose teacher ``c`` or either margin is not
+    finite. **[recon]** (``ArmConfig.min_abs_margin``, not in the paper): events with
+    ``|teacher margin| < min_abs_margin`` or ``|student margin| < min_abs_margin`` (nats) are
+    left out too; 0 leaves out only the undefined ones.
+
+    teacher_margin, student_margin, teacher_c: ``[event]`` (the student's margin detached).
+    """
+    t, s = teacher_margin.abs(), student_margin.abs()
+    defined = (t > 0) & (s > 0) & torch.isfinite(t) & torch.isfinite(s) & torch.isfinite(teacher_c)
+    return defined & (t >= min_abs_margin) & (s >= min_abs_margin)
+
+
 def _phase_terms(plan, computed, student: NoteData, targets: Mapping[str, np.ndarray], pairing: Pairing,
                  positions: Sequence[int], arm: ArmConfig, g, hidden_last: torch.Tensor, final: torch.Tensor,
                  device: torch.device) -> dict[str, dict[str, torch.Tensor]]:
@@ -391,7 +428,7 @@ def _phase_terms(plan, computed, student: NoteData, targets: Mapping[str, np.nda
                      for _, sel, _ in mine]
         event_info = next(((sel, res[0], res[1]) for role, sel, res in mine if role == "event"), None)
         if "attention" in arm.terms:
-            terms["attention"] = attention_term(torch.cat(a_t_parts), torch.cat(a_s_parts))
+            terms["attention"] = attention_term(torch.cat(a_t_parts), torch.cat(a_s_parts), eps=arm.attention_eps)
         if event_info is not None and ({"interaction", "write"} & set(arm.terms)):
             sel, a_s, (z, heads, w) = event_info
             event_ids = [pairing.rows[i].event_id for i in sel]
@@ -404,11 +441,9 @@ def _phase_terms(plan, computed, student: NoteData, targets: Mapping[str, np.nda
             m_t = torch.as_tensor(targets["m"][ev], device=device, dtype=torch.float32)
             c_t = torch.as_tensor(targets["c"][ev], device=device, dtype=torch.float32)
             t_margin = torch.as_tensor(targets["margin"][ev], device=device, dtype=torch.float32)
-            ok = (t_margin.abs() >= arm.min_abs_margin) & (margins.detach().abs() >= arm.min_abs_margin)
-            # keep the term defined when every margin is a near-tie (no host round trip)
-            ok = ok | ~ok.any()
-            # c divides by the margin: a left-out near-tie must not reach the backward as 0 * inf
-            safe = torch.where(ok & (margins.detach().abs() > 1e-6), margins, torch.ones_like(margins))
+            ok = event_filter(t_margin, margins.detach(), c_t, arm.min_abs_margin)
+            # c divides by the margin: a left-out event must not reach the backward as 0 * inf
+            safe = torch.where(ok, margins, torch.ones_like(margins))
             c_s = contribution(z, heads, w, g, final.index_select(0, pos_t), target, comp, comp_logits, safe)
             m_s = region_mass(a_s, region)
             m_s, c_s, m_t, c_t = m_s[ok], c_s[ok], m_t[ok], c_t[ok]
@@ -425,13 +460,46 @@ def _phase_terms(plan, computed, student: NoteData, targets: Mapping[str, np.nda
 @dataclass
 class FeatureKD:
     """What the Feature-KD arm needs beyond the CoT targets: the online teacher, the layer pairs
-    and the adapter (App. J.3: four uniformly mapped layer pairs, 64 sampled trace positions,
-    head-averaged bucket-pooled attention KL + RMS-normalised hidden MSE through the adapter)."""
+    and the adapter(s) (App. J.3: four uniformly mapped layer pairs; head-averaged bucket-pooled
+    attention KL at 64 trace positions sampled per note; RMS-normalised hidden-state MSE through
+    a linear adapter at every trace position; weights 1 and 1).
+
+    adapter: one ``nn.Linear(d_S -> d_T)`` shared by the pairs, or a ``ModuleList`` with one per
+    pair (``ArmConfig.fkd_adapter``). n_positions: the attention term's sampled positions per
+    note (``ArmConfig.fkd_positions``). hidden_site: ``ArmConfig.fkd_hidden_site``. hidden_chunk:
+    trace positions per chunk of the hidden term (memory only; the loss does not depend on it).
+    """
 
     teacher: LoadedModel
     pairs: list[tuple[int, int]]
-    adapter: torch.nn.Linear
+    adapter: torch.nn.Linear | torch.nn.ModuleList
     n_positions: int = 64
+    hidden_site: str = "input"
+    rms_eps: float = 1e-6
+    hidden_chunk: int = 1024
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.adapter.parameters())
+
+
+def make_feature_kd(teacher: LoadedModel, student: LoadedModel, arm: ArmConfig, seed: int, *,
+                    device: torch.device | str | None = None) -> FeatureKD:
+    """The arm's :class:`FeatureKD` from its flags: the layer pairs by ``fkd_layer_map``, the
+    adapter(s) drawn from the run's seed (pair ``k`` of ``per_pair`` from ``stable_seed(seed,
+    "feature-kd-adapter", k)``)."""
+    from mistill.distill.losses import make_adapter, uniform_layer_pairs
+
+    d_s, d_t = student.geometry.d_model, teacher.geometry.d_model
+    pairs = uniform_layer_pairs(student.geometry.n_layers, teacher.geometry.n_layers, arm.fkd_pairs,
+                                rule=arm.fkd_layer_map)
+    if arm.fkd_adapter == "shared":
+        adapter = make_adapter(d_s, d_t, seed, bias=arm.fkd_adapter_bias, device=device)
+    else:
+        adapter = torch.nn.ModuleList(
+            make_adapter(d_s, d_t, stable_seed(seed, "feature-kd-adapter", k) % 2 ** 63,
+                         bias=arm.fkd_adapter_bias, device=device) for k in range(len(pairs)))
+    return FeatureKD(teacher=teacher, pairs=pairs, adapter=adapter, n_positions=arm.fkd_positions,
+                     hidden_site=arm.fkd_hidden_site, rms_eps=arm.fkd_rms_eps)
 
 
 def _layer_pool(lm: LoadedModel, layer: int) -> Pool:
@@ -440,13 +508,38 @@ def _layer_pool(lm: LoadedModel, layer: int) -> Pool:
                 name=f"L{layer}:all", n_heads=n)
 
 
+def feature_kd_positions(student: NoteData, seed: int, k: int) -> torch.Tensor:
+    """The attention term's positions: ``k`` of the student's trace positions drawn uniformly
+    without replacement with ``(seed, note)`` (the same draw every epoch), sorted, as indices
+    relative to the trace start ``[min(k, trace tokens)]``."""
+    from mistill.distill.losses import sample_positions
+
+    gen = torch.Generator().manual_seed(stable_seed(seed, student.note.note_id, "feature-kd") % 2 ** 63)
+    return sample_positions(int(student.input_ids.numel()) - student.trace_start, k, gen)
+
+
+def _hidden_layers(pairs_side: Sequence[int], site: str) -> list[int]:
+    """The layers whose inputs hold each pair layer's hidden state: the layer itself
+    (``input``) or the next one (``output``; ``-1`` for the last layer: the final residual)."""
+    return list(pairs_side) if site == "input" else [l + 1 for l in pairs_side]
+
+
+def _hidden_at(kept: LayerInputs, layer: int, n_layers: int) -> torch.Tensor:
+    """``[pos, d_model]``: the input of ``layer``, or the final residual when ``layer`` is past
+    the last layer."""
+    return kept.final[0] if layer >= n_layers else kept[layer][0]
+
+
 def feature_kd_step(model: torch.nn.Module, lm: LoadedModel, student: NoteData, teacher_nd: NoteData,
                     targets: Mapping[str, np.ndarray], fkd: FeatureKD, arm: ArmConfig, *, seed: int,
                     kl_mode: str = "kl", logits_chunk: int = 1024, teacher_positions: np.ndarray | None = None):
     """One note's Feature-KD loss: ``L_CoT + feature_kd_loss`` (weights 1 and 1).
 
-    Positions: 64 trace positions of the student drawn with (seed, note); each reads the teacher
-    at the aligned teacher trace position (the same position when the tokenizers agree).
+    Attention term: ``fkd.n_positions`` (64) trace positions of the student drawn with (seed,
+    note) (:func:`feature_kd_positions`); hidden-state term: every trace position of the student.
+    Student trace token ``j`` reads the teacher at teacher trace token ``teacher_positions[j]``
+    (the token holding the same first character, :func:`align_trace_rows`), or at ``j`` when the
+    tokenizers agree.
     """
     from mistill.distill.losses import feature_kd_loss
 
@@ -454,22 +547,29 @@ def feature_kd_step(model: torch.nn.Module, lm: LoadedModel, student: NoteData, 
     device = next(model.parameters()).device
     ids = student.input_ids.to(device)
     ts, n = student.trace_start, ids.numel()
-    gen = torch.Generator().manual_seed(stable_seed(seed, student.note.note_id, "feature-kd") % 2 ** 63)
-    k = min(fkd.n_positions, n - ts)
-    rel = torch.randperm(n - ts, generator=gen)[:k].sort().values
+    rel = feature_kd_positions(student, seed, fkd.n_positions)
     s_pos = (rel + ts).tolist()
-    t_rel = rel.numpy() if teacher_positions is None else teacher_positions[rel.numpy()]
-    t_pos = (np.asarray(t_rel) + teacher_nd.trace_start).tolist()
+    t_rel_all = np.arange(n - ts) if teacher_positions is None else np.asarray(teacher_positions)
+    t_pos = (t_rel_all[rel.numpy()] + teacher_nd.trace_start).tolist()
+    t_all = torch.as_tensor(t_rel_all + teacher_nd.trace_start, dtype=torch.long, device=device)
     s_layers = sorted({s for s, _ in fkd.pairs})
     t_layers = sorted({t for _, t in fkd.pairs})
-    with torch.no_grad(), LayerInputs(fkd.teacher.geometry, t_layers) as tk:
+    tg = fkd.teacher.geometry
+    t_h_layers = _hidden_layers([t for _, t in fkd.pairs], fkd.hidden_site)
+    s_h_layers = _hidden_layers([s for s, _ in fkd.pairs], fkd.hidden_site)
+    t_keep = sorted(set(t_layers) | {l for l in t_h_layers if l < tg.n_layers})
+    s_keep = sorted(set(s_layers) | {l for l in s_h_layers if l < g.n_layers})
+    t_final = any(l >= tg.n_layers for l in t_h_layers)
+    s_final = any(l >= g.n_layers for l in s_h_layers)
+    with torch.no_grad(), LayerInputs(tg, t_keep, final_residual=t_final) as tk:
         fkd.teacher.model.model(input_ids=teacher_nd.input_ids.to(device).unsqueeze(0), use_cache=False)
         t_hidden = {l: tk[l][0] for l in t_layers}
         t_maps = teacher_nd.base_map.to(device).unsqueeze(0).expand(len(t_pos), -1)
         a_t = torch.stack([pooled_rows(t_hidden, _layer_pool(fkd.teacher, t), fkd.teacher, t_pos, t_maps,
                                        teacher_nd.axis.n)[0] for _, t in fkd.pairs])
-        h_t = torch.stack([t_hidden[t][t_pos].float() for _, t in fkd.pairs])
-    with LayerInputs(g, s_layers) as kept:
+        # every trace position, in the teacher's dtype (cast chunk by chunk inside the loss)
+        h_t = [_hidden_at(tk, l, tg.n_layers).index_select(0, t_all) for l in t_h_layers]
+    with LayerInputs(g, s_keep, final_residual=s_final) as kept:
         out = model.model(input_ids=ids.unsqueeze(0), use_cache=False)
         hidden_last = out.last_hidden_state[0]
         top_ids = torch.as_tensor(targets["top_ids"], device=device)
@@ -482,10 +582,14 @@ def feature_kd_step(model: torch.nn.Module, lm: LoadedModel, student: NoteData, 
         s_maps = student.base_map.to(device).unsqueeze(0).expand(len(s_pos), -1)
         a_s = torch.stack([pooled_rows(s_hidden, _layer_pool(lm, s), lm, s_pos, s_maps, student.axis.n)[0]
                            for s, _ in fkd.pairs])
-        h_s = torch.stack([s_hidden[s][s_pos].float() for s, _ in fkd.pairs])
-        fk, fparts = feature_kd_loss(a_t, a_s, h_t, h_s, fkd.adapter)
+        h_s = [_hidden_at(kept, l, g.n_layers)[ts:n] for l in s_h_layers]  # views: no copy
+        adapters = fkd.adapter if isinstance(fkd.adapter, torch.nn.Linear) else list(fkd.adapter)
+        fk, fparts = feature_kd_loss(a_t, a_s, h_t, h_s, adapters, eps=arm.attention_eps, rms_eps=fkd.rms_eps,
+                                     hidden_chunk=fkd.hidden_chunk)
     total = cot + fk
     logs = {k: float(v) for k, v in parts.items()} | {f"feature_kd/{k}": float(v) for k, v in fparts.items()}
+    logs["feature_kd/n_attn_positions"] = float(len(s_pos))
+    logs["feature_kd/n_hidden_positions"] = float(n - ts)
     logs["loss"] = float(total.detach())
     return total, logs
 

@@ -214,6 +214,10 @@ def model_pools(head_sets: Mapping[str, Any], head_names: Sequence[str], *, k: i
     ``P1_window`` is built from ``window_head_sets`` (the prose-time set, same document
     format, phase key ``P1``) with the same ``k``/``mode``/``seed`` when given, else it is the
     P1 pool. It is present whenever ``P1`` is among ``phases`` or ``window_head_sets`` is given.
+    The teacher's window pool is its prose-time set in the paper (App. I.1); the fallback to the
+    P1 (emission) pool is a departure the ``targets`` and ``train`` runs tag
+    (:data:`mistill.stages.distill.DEVIATION_P1_WINDOW_EMISSION`). The student's window rows read
+    its own P1 pool, as in the paper.
     """
     pools = {ph: pool_from_head_sets(head_sets, ph, head_names, k=k, mode=mode, seed=seed)
              for ph in phases}

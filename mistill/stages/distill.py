@@ -12,17 +12,18 @@ generations are never logged either (for a restricted corpus: local files of the
 from __future__ import annotations
 
 import json
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from mistill.config import Config
-from mistill.distill.arms import arm_digest, resolve_arm
+from mistill.distill.arms import ArmConfig, arm_digest, resolve_arm
 from mistill.distill.note_data import NoteData, build_note_data
-from mistill.distill.losses import make_adapter, uniform_layer_pairs
-from mistill.distill.objective import (FeatureKD, align_trace_rows, compute_note_targets, distillm2_step,
-                                      feature_kd_step, micro_step_loss, pair_rows)
+from mistill.distill.objective import (align_trace_rows, compute_note_targets, distillm2_step, feature_kd_step,
+                                      make_feature_kd, micro_step_loss, pair_rows)
 from mistill.distill.pools import model_pools
 from mistill.distill.rows import coverage_table
 from mistill.distill.targets import load_targets, targets_manifest
@@ -41,6 +42,13 @@ TARGETS_FILE = "targets.npz"
 TARGETS_MANIFEST = "targets_manifest.json"
 DISPREFERRED = "dispreferred"
 DISPREFERRED_FILE = "generation.json"
+TAG_DEVIATION = "mistill.deviation"
+"""Tag of a run that departs from the paper's procedure: a comma-separated, sorted list of
+deviation codes (one per departure)."""
+DEVIATION_P1_WINDOW_EMISSION = "p1_window_pool=emission"
+"""The teacher's P1 window rows are pooled over its P1 (emission) set: no prose-time head set
+was given to ``targets`` (``window_attribute_run``), where the paper pools them over the
+teacher's prose-time set (App. I.1, "The window, and its asymmetry.")."""
 
 
 def _read_events(reader: RunReader, note_id: str) -> list[Event]:
@@ -101,6 +109,8 @@ def run_targets(cfg: TargetsConfig) -> str:
                        if cfg.window_attribute_run else None)
         pools = model_pools(head_sets, lm.geometry.head_names(), k=cfg.pool_k, window_head_sets=window_sets)
         run.log_json("teacher_pools.json", {k: p.to_dict() for k, p in pools.items()})
+        if cfg.window > 0 and not cfg.window_attribute_run:
+            _mark_deviations(run, (DEVIATION_P1_WINDOW_EMISSION,), "targets")
         done = run.finished_notes(NOTES)
         n_rows = []
         for note in tqdm(notes, desc="targets"):
@@ -209,6 +219,34 @@ class TrainStageConfig(Config):
         return {"arm": digest} if digest else {}
 
 
+def train_deviations(arm: ArmConfig, targets_config: Mapping) -> tuple[str, ...]:
+    """The deviation codes of a train run of ``arm`` on targets computed with ``targets_config``
+    (the targets run's ``config.json``), sorted.
+
+    ``p1_window_pool=emission``: a Mistill arm that supervises P1 window rows (``window > 0`` in
+    both the arm and the targets, ``lambda_p1 > 0``) on targets whose teacher window pool fell back
+    to the P1 emission pool (no ``window_attribute_run``).
+    """
+    codes = []
+    window = min(arm.window, int(targets_config.get("window", TargetsConfig.window)))
+    if (arm.objective == "mistill" and window > 0 and arm.lambda_p1 > 0
+            and not targets_config.get("window_attribute_run")):
+        codes.append(DEVIATION_P1_WINDOW_EMISSION)
+    return tuple(sorted(codes))
+
+
+def _mark_deviations(run, codes: tuple[str, ...], stage: str) -> None:
+    """Tag the run with its deviation codes and say so on stderr (nothing when there are none)."""
+    if not codes:
+        return
+    run.set_tags({TAG_DEVIATION: ",".join(codes)})
+    for code in codes:
+        if code == DEVIATION_P1_WINDOW_EMISSION:
+            print(f"{stage}: warning: the teacher's P1 window rows are pooled over its P1 emission set "
+                  "(no prose-time head set given as window_attribute_run); the paper pools them over the "
+                  f"prose-time set. Tagged {TAG_DEVIATION}={code}.", file=sys.stderr)
+
+
 @dataclass
 class _Example:
     student: NoteData
@@ -249,6 +287,7 @@ def run_train(cfg: TrainStageConfig) -> str:
             return run.run_id
         log_corpus_input(run, prepared)
         run.log_json("arm.json", arm.to_dict())
+        _mark_deviations(run, train_deviations(arm, tcfg), "train")
         recipe = RecipeConfig(seed=cfg.seed, precision=arm.precision, epochs=cfg.epochs, lr=cfg.lr,
                               warmup_frac=cfg.warmup_frac, grad_accum=cfg.grad_accum, clip=cfg.clip,
                               max_steps=cfg.max_steps, gradient_checkpointing=cfg.gradient_checkpointing)
@@ -275,7 +314,7 @@ def run_train(cfg: TrainStageConfig) -> str:
                                       narrow_instruction=prepared.narrow_instruction)
             pairing = pair_rows(student, teacher.realized.values(), targets, window=arm.window,
                                 teacher_trace_start=int(targets["trace_start"]))
-            t_pos = None if same else align_trace_rows(student, teacher)
+            t_pos = None if same else align_trace_rows(student, teacher, arm.uld_alignment)
             examples.append(_Example(student, targets, pairing, t_pos, teacher))
             realized_t[note.note_id] = list(teacher.realized.values())
             realized_s[note.note_id] = list(student.realized.values())
@@ -294,12 +333,11 @@ def run_train(cfg: TrainStageConfig) -> str:
             # the untrained student, before any step
             dispreferred = _dispreferred(run, lm, examples, cfg, guard.allows_text)
         model = prepare_student(lm.model, recipe)
-        if arm.objective == "feature_kd":  # four layer pairs, the seeded adapter
-            adapter = make_adapter(lm.geometry.d_model, teacher_lm.geometry.d_model, cfg.seed,
-                                   device=cfg.device)
-            fkd = FeatureKD(teacher=teacher_lm, adapter=adapter,
-                            pairs=uniform_layer_pairs(lm.geometry.n_layers, teacher_lm.geometry.n_layers))
-            run.log_json("feature_kd.json", {"layer_pairs": fkd.pairs, "positions": fkd.n_positions})
+        if arm.objective == "feature_kd":  # the layer pairs, the seeded adapter(s)
+            fkd = make_feature_kd(teacher_lm, lm, arm, cfg.seed, device=cfg.device)
+            run.log_json("feature_kd.json", {"layer_pairs": fkd.pairs, "attention_positions": fkd.n_positions,
+                                             "hidden_at_every_trace_position": True,
+                                             "hidden_site": fkd.hidden_site, "adapter": arm.fkd_adapter})
 
         def micro_step(m, idx):
             ex = examples[idx]
@@ -315,7 +353,7 @@ def run_train(cfg: TrainStageConfig) -> str:
         trainer = Trainer(model, len(examples), recipe, micro_step, state_dir=run.work_dir / "trainer",
                           log=lambda metrics, step: run.log_metrics({f"train/{k}": v for k, v in metrics.items()},
                                                                     step=step),
-                          extra_params=list(fkd.adapter.parameters()) if fkd else ())
+                          extra_params=fkd.parameters() if fkd else ())
         if run.resumed and trainer.load_state():
             print(f"train: resumed at step {trainer.step}")
         trainer.train()

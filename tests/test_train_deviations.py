@@ -1,0 +1,72 @@
+"""A train run that departs from the paper's procedure says so: the tag ``mistill.deviation``.
+
+Until a prose-time head set is given to ``targets`` (``window_attribute_run``), the teacher's P1
+window rows are pooled over its P1 emission set; a Mistill arm that supervises them carries
+``p1_window_pool=emission``. An arm without window rows, or not Mistill, does not."""
+
+from __future__ import annotations
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from mistill.distill.arms import resolve_arm
+from mistill.stages.distill import (DEVIATION_P1_WINDOW_EMISSION, TAG_DEVIATION, TrainStageConfig,
+                                    run_train, train_deviations)
+from stage_fixtures import SMALL, unique
+
+pytestmark = pytest.mark.usefixtures("pinned_code_version")
+
+
+@pytest.mark.parametrize("arm,targets,expected", [
+    ("mistill", {"window": 8, "window_attribute_run": ""}, (DEVIATION_P1_WINDOW_EMISSION,)),
+    ("mistill", {}, (DEVIATION_P1_WINDOW_EMISSION,)),  # the targets' defaults: window 8, no set
+    ("randpos", {"window": 8}, (DEVIATION_P1_WINDOW_EMISSION,)),
+    ("no-window", {"window": 8}, ()),
+    ("p2-only", {"window": 8}, ()),  # lambda_P1 = 0: no window row is supervised
+    ("mistill", {"window": 0}, ()),  # targets without window rows
+    ("mistill", {"window": 8, "window_attribute_run": "0123456789abcdef0123456789abcdef"}, ()),
+    ("vanilla-bf16", {"window": 8}, ()),
+    ("feature-kd", {"window": 8}, ()),
+])
+def test_train_deviations(arm, targets, expected):
+    assert train_deviations(resolve_arm(arm), targets) == expected
+
+
+def test_deviation_codes_are_stable():
+    assert TAG_DEVIATION == "mistill.deviation"
+    assert DEVIATION_P1_WINDOW_EMISSION == "p1_window_pool=emission"
+
+
+@pytest.fixture(scope="module")
+def targets_ids(tracking_uri, tmp_path_factory, pinned_code_version):
+    """A characterized synthetic corpus (tiny models), the student's ranking and the teacher's
+    targets without a prose-time head set."""
+    from mistill.stages.workflow import PipelineConfig, distill_steps, pipeline_steps
+
+    root = tmp_path_factory.mktemp("deviations-root")
+    name = unique("dev")
+    cfg = PipelineConfig(corpus="synthetic", corpus_name=name, n_notes=3, **SMALL)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MISTILL_ROOT", str(root))
+        ids = pipeline_steps(cfg)
+        ids.update(distill_steps(cfg.replace(train_arms=(), student="tiny:qwen3:seed=2", select_lock=""),
+                                 ids, name, None))
+    return {"ids": ids, "root": root}
+
+
+def test_train_runs_carry_the_window_pool_deviation(targets_ids, monkeypatch, capsys):
+    monkeypatch.setenv("MISTILL_ROOT", str(targets_ids["root"]))
+    ids = targets_ids["ids"]
+    client = MlflowClient()
+    assert client.get_run(ids["targets"]).data.tags[TAG_DEVIATION] == DEVIATION_P1_WINDOW_EMISSION
+    tags = {}
+    for arm in ("mistill", "no-window", "vanilla-bf16"):
+        run_id = run_train(TrainStageConfig(targets_run=ids["targets"], student_attribute_run=ids["student_attribute"],
+                                            student="tiny:qwen3:seed=2", arm=arm, max_steps=1, grad_accum=1,
+                                            register=False))
+        tags[arm] = client.get_run(run_id).data.tags
+    assert tags["mistill"][TAG_DEVIATION] == DEVIATION_P1_WINDOW_EMISSION
+    assert TAG_DEVIATION not in tags["no-window"]
+    assert TAG_DEVIATION not in tags["vanilla-bf16"]
+    err = capsys.readouterr().err
+    assert "train: warning:" in err and f"{TAG_DEVIATION}={DEVIATION_P1_WINDOW_EMISSION}" in err
