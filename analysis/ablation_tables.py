@@ -421,7 +421,8 @@ def _base_of(arm: str) -> str | None:
     return doc.get("base")
 
 
-def ablation_plan_table(arms: Sequence[str], ablations: pd.DataFrame) -> pd.DataFrame:
+def ablation_plan_table(arms: Sequence[str], ablations: pd.DataFrame, *, alpha: float = 0.05
+                        ) -> pd.DataFrame:
     """Table 50: per ablation arm, its base, the flags it changes, the description of its arm
     file, and the direction of its measured P2C and micro-F1 differences from Mistill (from
     :func:`ablation_table`: ``higher`` / ``lower`` / ``level`` when every Mistill seed's sign
@@ -441,23 +442,20 @@ def ablation_plan_table(arms: Sequence[str], ablations: pd.DataFrame) -> pd.Data
         mine = ablations[ablations["arm"] == arm] if not ablations.empty else ablations
         rec = {"arm": arm, "base": base, "changes": flags,
                "description": str(doc.get("description", "")),
-               "P2C vs mistill": _direction_p2c(mine), "micro-F1 vs mistill": _direction_f1(mine),
+               "P2C vs mistill": _direction_p2c(mine, alpha), "micro-F1 vs mistill": _direction_f1(mine),
                "note": "; ".join(n for n in mine.get("note", pd.Series(dtype=str)).dropna()
                                  if n) if len(mine) else ""}
         rows.append(rec)
     return pd.DataFrame.from_records(rows)
 
 
-ALPHA = 0.05
-
-
-def _direction_p2c(rows: pd.DataFrame) -> str:
+def _direction_p2c(rows: pd.DataFrame, alpha: float) -> str:
     dirs = set()
     for _, r in rows.iterrows():
         for c in r.index:
             if c.startswith("vs mistill seed") and c.endswith(".median_diff") and pd.notna(r[c]):
                 p = r[c.replace(".median_diff", ".sign_p")]
-                dirs.add("level" if not p < ALPHA else "higher" if r[c] > 0 else "lower")
+                dirs.add("level" if not p < alpha else "higher" if r[c] > 0 else "lower")
     return "" if not dirs else dirs.pop() if len(dirs) == 1 else "mixed"
 
 

@@ -28,13 +28,17 @@ PAPER_SILENT = "silent"
 class Deviation:
     """One choice: what the paper says, what the platform does, and the parameter that changes it.
 
+    choice: a short name; section: the paper's section(s) the ``paper`` column cites.
+    default: the platform's default of ``parameter`` (:data:`SET_BY_LOCK` for a lock field that
+        every lock states).
     paper_value: the paper's value where it states one, else :data:`PAPER_SILENT`.
-    default: the platform's default value of ``parameter``.
     """
 
-    parameter: str
+    choice: str
+    section: str
     paper: str
     platform: str
+    parameter: str
     why: str
     default: Any
     paper_value: Any = PAPER_SILENT
@@ -53,8 +57,203 @@ class Deviation:
         return self.parameter.split(".", 1)[1]
 
 
-DEVIATIONS: tuple[Deviation, ...] = ()
-"""Filled below, one entry per row of ``docs/DEVIATIONS.md``."""
+@dataclass(frozen=True)
+class Convention:
+    """A fixed rule the paper does not state and no parameter changes (listed, not flagged)."""
+
+    choice: str
+    section: str
+    platform: str
+    where: str
+    why: str
+
+
+SET_BY_LOCK = "set by the lock"
+"""``Deviation.default`` of a lock field with no default: every lock file states it."""
+
+_D = Deviation
+DEVIATIONS: tuple[Deviation, ...] = (
+    # --- the Mistill objective ---
+    _D("near-tie guard on c", "App. I.1",
+       "no filter: the interaction term averages over every event",
+       "events whose teacher or student |margin| is below 0.5 nats leave the interaction and "
+       "write terms; events with margin exactly 0 or a non-finite c always leave",
+       "ArmConfig.min_abs_margin",
+       "c divides by the margin; on the embedded default, without the guard one P1 event at "
+       "|margin| 0.018 made the interaction gradient about 10^4 times larger in the first step "
+       "(benchmarks/RESULTS.md, min_abs_margin); at 0.5 it drops 22-29% of events per phase",
+       0.5, 0.0),
+    _D("teacher pool on the P1 window", "App. I.1",
+       "the teacher's prose-time set supervises the W = 8 rows before each P1 event",
+       "the P1 emission pool when no prose-time head-sets run is given; the targets and train "
+       "runs carry the tag mistill.deviation=p1_window_pool=emission and print a warning",
+       "TargetsConfig.window_attribute_run",
+       "the prose-time set comes from the locus pass, which a targets run may name when it exists",
+       ""),
+    _D("attention KL clamp", "App. J.3",
+       "a KL divergence between pooled rows; direction and clamp not stated",
+       "KL(teacher || student), both rows clamped at 1e-8",
+       "ArmConfig.attention_eps", "keeps the KL finite on empty buckets", 1e-8),
+    _D("ULD position alignment", "App. J.3",
+       "ULD needs no shared vocabulary; how positions pair is not stated",
+       "character offsets: each student token pairs with the teacher token holding its first "
+       "character (index: pair by position, Boizard et al.)",
+       "ArmConfig.uld_alignment", "the two tokenizations cover the same text", "char_offset"),
+    _D("top-32 targets", "App. I, J.3",
+       "KL to the teacher's top-32 distribution; ULD over the same number of bins",
+       "the teacher renormalised over its top-32, the student's full softmax; ULD cuts both to "
+       "the teacher's top-32", "TargetsConfig.top_k", "only the top-k are stored", 32, 32),
+    _D("matmul precision on CUDA", "App. J.2",
+       "bf16 weights or fp32 master weights; matmul precision not stated",
+       "float32 matmuls in TF32 on CUDA (the recomputed attention rows)",
+       "TrainStageConfig.tf32", "the q.k inputs are bf16 projections; no effect on the CPU", True),
+    # --- Feature-KD ---
+    _D("Feature-KD attention positions", "App. J.3, J.4",
+       "64 trace positions sampled per note; a seed fixes them",
+       "64 drawn uniformly without replacement, fixed per (seed, note) across epochs",
+       "ArmConfig.fkd_positions", "the paper's count; the draw is reproducible", 64, 64),
+    _D("Feature-KD layer pairs", "App. J.3",
+       "four uniformly mapped layer pairs",
+       "the last layer of each of four equal blocks of each model",
+       "ArmConfig.fkd_layer_map", "the last layers always pair", "block_end"),
+    _D("Feature-KD hidden site", "App. J.3",
+       "hidden states at those layers",
+       "the residual stream entering the layer",
+       "ArmConfig.fkd_hidden_site", "the state the attention rows are computed from", "input"),
+    _D("Feature-KD adapter count", "App. J.3",
+       "a linear adapter",
+       "one adapter shared by all four pairs",
+       "ArmConfig.fkd_adapter", "singular in the text (TinyBERT's single W_h)", "shared"),
+    _D("Feature-KD adapter bias", "App. J.3",
+       "the seed controls the adapter's initialisation; its form is not stated",
+       "nn.Linear's default U(+-1/sqrt(d_S)) from a generator seeded by the run's seed, with bias",
+       "ArmConfig.fkd_adapter_bias", "reproducible and independent of the global RNG", True),
+    _D("Feature-KD RMS epsilon", "App. J.3",
+       "hidden states RMS-normalised per position; no epsilon stated",
+       "epsilon 1e-6", "ArmConfig.fkd_rms_eps", "keeps an all-zero state finite", 1e-6),
+    # --- the instrument ---
+    _D("exact P2 nominees", "App. C",
+       "the P2 re-run patches the event's top-24 by |A_h| and the running global top-8 exactly",
+       "P2 events patched exactly with those nominees", "AttributeConfig.exact_p2",
+       "the paper's exact procedure", True, True),
+    _D("P2 nominees per event", "App. C", "top-24 by |A_h|", "top-24",
+       "AttributeConfig.p2_top_nominees", "the paper's", 24, 24),
+    _D("P2 global nominees", "App. C", "the running global top-8", "top-8",
+       "AttributeConfig.p2_global_nominees", "the paper's", 8, 8),
+    _D("P2C nominees per event", "App. D",
+       "the exact contrastive refinement patches the event's top-40", "top-40",
+       "AttributeConfig.p2c_top_nominees", "the paper's", 40, 40),
+    _D("P2C global nominees", "App. D", "and the running global top-16", "top-16",
+       "AttributeConfig.p2c_global_nominees", "the paper's", 16, 16),
+    _D("running global ranking of P2/P2C nominees", "App. C",
+       "the running global ranking is defined over chapter events only",
+       "the chapter ranking supplies the global nominees of every kind",
+       "AttributeConfig.phase_running_global", "the only ranking the paper defines", False),
+    _D("teacher ranking population", "Sec. 4.2, App. C",
+       "the teacher is ranked on the 100 characterization notes, the validation notes",
+       "the pipeline ranks and knocks in the teacher on the validation split",
+       "PipelineConfig.teacher_split", "the paper's", "val", "val"),
+    _D("last note's knock-in donor", "Sec. 2.3",
+       "the corrupted run is the next note in the corpus",
+       "the last note's next note is the first", "KnockinStageConfig.donor_wrap",
+       "the paper reports knock-in on every note, so the last note had a donor", True),
+    _D("no matched event in the next note", "Sec. 2.3",
+       "a matched event with a different emitted choice; what happens without one is not stated",
+       "the event goes to the first later note that has a match (drop: left out)",
+       "KnockinStageConfig.donor_no_match",
+       "the paper reports P2C knock-in on 92 of 92 notes, which dropping would not give", "next"),
+    _D("own-heads M4 donor (last note)", "App. L.4",
+       "the donor of the arm's own traces is not stated",
+       "the next usable own trace; the last wraps to the first", "OwnHeadsConfig.donor_wrap",
+       "the teacher's rule", True),
+    _D("own-heads M4 donor (no match)", "App. L.4", "not stated",
+       "the first later own trace with a match", "OwnHeadsConfig.donor_no_match",
+       "the teacher's rule", "next"),
+    _D("M4 random floor", "App. K",
+       "the count-matched random set is redrawn for every bin",
+       "one draw per note, phase and bin", "OwnHeadsConfig.n_random", "the paper's", 1, 1),
+    # --- evaluation ---
+    _D("LAS simulator note length", "App. K",
+       "the simulator reads the note", "the whole note",
+       "LasSimulatorConfig.max_note_words", "the paper's", 0, 0),
+    _D("LAS note cap in the pipeline", "App. K",
+       "the simulator reads the note",
+       "the pipeline caps the simulator's note at 256 words",
+       "PipelineConfig.las_max_note_words",
+       "a CPU cost control for the embedded default; pass 0 for whole notes", 256, 0),
+    _D("LAS answer length", "App. K", "not stated",
+       "the answer target fitted to 96 tokens", "LasSimulatorConfig.max_answer_tokens",
+       "the simulator needs a bounded target", 96),
+    # --- lambda selection ---
+    _D("tie-break fallback", "App. I.3, I.4, M.2",
+       "ties within the band broken by M1 at P2C; no fallback stated",
+       "a NaN tie-break ranks last; a tie left by the tie-break goes to the higher selection "
+       "metric, then to the smaller lambda", "SelectionRule.tie_fallback",
+       "a pick must always be reached", ("metric", "smaller_lambda")),
+    _D("tie rule", "App. I.3, I.4, M.2, O",
+       "M1 at P2C (App. I, M.2); the smallest lambda within the band (App. O)",
+       "either, as the lock states; smallest lambda on an untied grid compares (lambda_P1, "
+       "lambda_P2) in that order", "SelectionRule.tie_break",
+       "App. O's grid is tied; a pair has no single smallest", SET_BY_LOCK),
+    _D("validity floor", "App. O",
+       "among cells with a valid-answer rate of at least 0.95",
+       "optional; a cell whose valid-answer rate was not measured is ineligible",
+       "SelectionRule.validity_floor",
+       "an unmeasured cell cannot be shown to meet the floor", None),
+    _D("tie band of the bf16 selection", "App. I.3",
+       "the pre-registered rule names no band",
+       "the i3-bf16-selection lock uses a band of 0", "SelectionRule.tie_band",
+       "the measured 0.004 band belongs to App. I.4", SET_BY_LOCK),
+    _D("further extensions", "App. I.4",
+       "the second-extension condition: a further cell only if the new edge cell beats the "
+       "previous pick by more than the band",
+       "extensions continue only beyond the last added cell, up to max_extensions (the "
+       "i4-fp32-reselection lock: 2, so the condition can trigger a run)",
+       "EdgeRule.max_extensions", "the paper is silent on the other side of the grid", 1),
+    # --- the report ---
+    _D("Table 11 heads", "App. D", "representative heads",
+       "the heads in the top 8 of any calibrated phase", "ReportConfig.importance_heads",
+       "the paper does not say how its heads were chosen", 8),
+    _D("write-side profile", "App. D",
+       "shared heads rank high in all three phases, specific ones in one",
+       "ranks high = in the phase's top 40", "ReportConfig.profile_k",
+       "'rank high' is not defined", 40),
+    _D("Table 11 layer blocks", "App. D",
+       "0-11 / 12-23 / 24-31 / 32-39 of 40 layers",
+       "the same blocks as fractions 0.3 / 0.6 / 0.8 of any model's depth",
+       "ReportConfig.layer_blocks", "students have other depths", (0.3, 0.6, 0.8)),
+    _D("Table 40/41 reference", "App. I.3",
+       "Vanilla CoT-KD trained on the same notes, seed 0",
+       "the report's reference arm on the lock's split, at the lock's seed when present, else "
+       "seeds averaged", "ReportConfig.reference_arm",
+       "the platform has no separate same-notes Vanilla run", "vanilla-bf16"),
+    _D("Table 50 direction", "App. M, Table 50",
+       "pre-registered expectations marked met or not",
+       "direction only (higher / lower / level) at a paired sign-test alpha of 0.05",
+       "ReportConfig.sign_alpha", "no machine-readable expectations exist", 0.05),
+)
+"""One entry per row of ``docs/DEVIATIONS.md``'s table."""
+
+CONVENTIONS: tuple[Convention, ...] = (
+    Convention("matched donor event", "Sec. 2.3",
+               "same kind, a different emitted choice, the same character index where one exists, "
+               "else the nearest position as a fraction of the trace (ties to the lower position)",
+               "mistill.instrument.passes.match_donor_event",
+               "closest to 'matched'; a fraction of the whole input would be dominated by the "
+               "prompt's length"),
+    Convention("random sets within a bin", "App. K",
+               "one random set per (seed, note, phase, k), shared by the note's events in the bin",
+               "mistill.evaluation.own_heads", "reproducible"),
+    Convention("calibration bookkeeping", "App. D",
+               "notes without NULL events are left out of I_c; split halves seeded by note id; "
+               "ties in a ranking go to the lower head index; stability splits by patient",
+               "mistill.instrument.calibration",
+               "deterministic rankings; no patient on both sides of a split"),
+    Convention("LAS input format", "App. K",
+               "the simulator's prompt layout; F1 of an empty predicted set against an empty "
+               "gold set is 1", "mistill.evaluation.las", "needed to run; the paper is silent"),
+)
+"""Rules the paper does not state that no parameter changes (the second table of the doc)."""
 
 
 def config_classes() -> dict[str, type]:
@@ -120,3 +319,58 @@ def deviations_in(config_class: str, config: Mapping[str, Any]) -> list[dict[str
         out.append({"parameter": d.parameter, "value": value, "default": d.default,
                     "paper_value": None if d.recon else d.paper_value, "kind": kind})
     return out
+
+
+def _text(text: str) -> str:
+    """A table cell's text: ``|`` escaped so it does not end the cell."""
+    return text.replace("|", "\\|")
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, str) and value in (PAPER_SILENT, SET_BY_LOCK):
+        return value
+    if isinstance(value, (tuple, list)):
+        return "`" + ", ".join(str(v) for v in value) + "`"
+    return "`" + ("''" if value == "" else repr(value) if value is None else str(value)) + "`"
+
+
+def markdown() -> str:
+    """``docs/DEVIATIONS.md``: the registry as one table, then the fixed conventions
+    (``python -m mistill.deviations > docs/DEVIATIONS.md``; a test checks the file is current)."""
+    lines = [
+        "# Where the platform differs from the paper",
+        "",
+        "Generated from `mistill/deviations.py` (`python -m mistill.deviations > docs/DEVIATIONS.md`);",
+        "a test checks that this file is current and that every parameter below exists in a config.",
+        "",
+        "Each row is a rule a reader cannot find in the paper (**[recon]**: the paper states no value)",
+        "or a place where the paper states a value, with the parameter that changes it. Every run",
+        "records these values in its `config.json` (an arm's flags in `arm.json`), and the `report`",
+        "lists, for the runs it reads, every value that is not the default or differs from the paper's",
+        "(section \"Deviations in these runs\"), and every run tagged `mistill.deviation`.",
+        "",
+        "| choice | the paper (section) | the platform | parameter | default | paper's value | why |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for d in DEVIATIONS:
+        paper_value = "**[recon]**" if d.recon else _cell(d.paper_value)
+        lines.append(f"| {_text(d.choice)} | {_text(d.paper)} ({d.section}) | {_text(d.platform)} | "
+                     f"`{d.parameter}` | {_cell(d.default)} | {paper_value} | {_text(d.why)} |")
+    lines += [
+        "",
+        "## Conventions no parameter changes",
+        "",
+        "Rules the paper does not state that are fixed in code (**[recon]**); they are listed so a",
+        "reader can find them, and a change to one is a change of code version.",
+        "",
+        "| choice | section | the platform | where | why |",
+        "|---|---|---|---|---|",
+    ]
+    for c in CONVENTIONS:
+        lines.append(f"| {_text(c.choice)} | {c.section} | {_text(c.platform)} | `{c.where}` | "
+                     f"{_text(c.why)} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

@@ -71,9 +71,9 @@ def test_own_m4_is_the_instruments_knockin_of_the_own_set(tiny):
     # the instrument directly, same head sets
     cfg = KnockinConfig(k_bins=(3, 8), sets=("global",), range_gate=gate)
     clean = knockin_sweep(runner, hook, target.note_id, target.inp.input_ids, target.queries, cfg, rank,
-                          progress=False)
+                          trace_start=target.trace_start, progress=False)
     ref = knockin_sweep(runner, hook, donor.note_id, donor.inp.input_ids, donor.queries, cfg, rank,
-                        previous=clean.clean, previous_len=target.n_tokens, progress=False)
+                        previous=clean.clean, trace_start=donor.trace_start, progress=False)
     ref_rows = {(r["event_id"], r["k"]): r for r in ref.knockin}
     own_rows = {(r["event_id"], r["k"]): r for r in kin if r["set"] == "global"}
     assert ref_rows and set(own_rows) == set(ref_rows)

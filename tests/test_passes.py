@@ -35,12 +35,13 @@ def test_attribution_pass_shapes_exact_and_selftest(lm):
     ids = torch.randint(0, 2000, (150,), generator=torch.Generator().manual_seed(0))
     kinds = ["P1", "P2", "P1", "NULL", "NULL", "P2C", "NULL", "NULL"]
     events = _events(ids, [140, 130, 120, 100, 90, 90, 70, 60], kinds, "n0")  # a shared position, as P2 and P2C can have
-    cfg = AttributionConfig(top_nominees=5, global_nominees=2, chunk_size=64, selftest_events=1, grad_batch=3)
+    cfg = AttributionConfig(top_nominees=5, global_nominees=2, exact_kinds=("P1", "NULL"), chunk_size=64,
+                            selftest_events=1, grad_batch=3)
     att = attribute_note(Runner(lm, chunk_size=64), HeadHook(g), "n0", ids, events, cfg,
                          running_global=[0, 1], progress=False)
     assert att.first_order.shape == (8, g.n_total_heads)
     exact_rows = ~np.isnan(att.exact).all(axis=1)
-    # P1 events and half (2 of 4) of the NULL events get exact patches; P2/P2C do not
+    # P1 events and half (2 of 4) of the NULL events get exact patches; P2/P2C do not (exact_kinds)
     assert exact_rows.tolist()[:3] == [True, False, True] and not exact_rows[5]
     assert exact_rows[[3, 4, 6, 7]].sum() == 2
     # every exact row covers the top-5 nominees plus the running global heads

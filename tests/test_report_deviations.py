@@ -18,10 +18,10 @@ from mistill.stages.report import ReportConfig, run_report
 
 pytestmark = pytest.mark.usefixtures("pinned_code_version")
 
-MARGIN = Deviation(parameter="ArmConfig.min_abs_margin", paper="the paper states no filter",
+MARGIN = Deviation(choice="near-tie guard", section="App. I.1", parameter="ArmConfig.min_abs_margin", paper="the paper states no filter",
                    platform="events with a margin below 0.5 nats leave the interaction term",
                    why="c divides by the margin", default=0.5)
-FDR = Deviation(parameter="AttributeConfig.fdr_q", paper="BH at FDR 0.05 (App. C)",
+FDR = Deviation(choice="BH level", section="App. C", parameter="AttributeConfig.fdr_q", paper="BH at FDR 0.05 (App. C)",
                 platform="BH at fdr_q", why="a parameter", default=0.05, paper_value=0.05)
 
 

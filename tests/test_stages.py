@@ -43,7 +43,7 @@ def pipeline(tracking_uri: str, tmp_path_factory: pytest.TempPathFactory, pinned
     """One inline pipeline on 3 synthetic notes with the tiny model, in its own experiment."""
     root = tmp_path_factory.mktemp("stages-root")
     name = unique("syn")
-    cfg = PipelineConfig(corpus="synthetic", corpus_name=name, n_notes=3, **SMALL)
+    cfg = PipelineConfig(corpus="synthetic", corpus_name=name, n_notes=3, teacher_split="", **SMALL)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MISTILL_ROOT", str(root))
         t0 = time.monotonic()

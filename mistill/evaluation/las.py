@@ -10,13 +10,15 @@ alone. Per note,
 with ``r`` the rationale being scored (the teacher's own, or a student's) and ``a_T`` the
 teacher's answer. The note-only term does not depend on ``r``, so only the difference is read.
 
-Conventions (all documented where they are defined):
+Conventions (all documented where they are defined; the paper states none of them, each is
+**[recon]**):
 
 - The two input formats are :func:`format_with_rationale` and :func:`format_note_only`; the
   answer is never part of either, it is the target :func:`answer_target` that follows them.
 - The note is the text the caller passes (``Note.text`` as stored), cut to its first
   ``max_note_words`` whitespace-separated words when that cap is positive, in training and in
-  prediction alike (the cap is stored with the checkpoint).
+  prediction alike (the cap is stored with the checkpoint). The paper's simulator reads the
+  whole note (cap 0, ``LasSimulatorConfig.max_note_words``'s default); a cap is a cost control.
 - The training target is the teacher's answer as a JSON list, shortened to the longest prefix of
   codes whose encoding fits ``max_answer_tokens`` (with the end-of-sequence token), so the
   simulator learns to close its list within the decoding cap.

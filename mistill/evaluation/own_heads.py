@@ -3,11 +3,14 @@
 The arm's heads are ranked by the instrument (events + attribute, teacher-forced on the
 validation notes); this module measures that ranking on other notes:
 
-- **M4**: knock-in recovery of the own top-k into the next note's context (the donor), beside
-  count-matched random floors, and necessity (mean-ablation of the own top-k at the note's own
-  events). Both are the instrument's own pass, :func:`mistill.instrument.passes.knockin_sweep`,
-  run with the arm's ranking as the "global" set; the random floor is the instrument's
-  ``random`` set (redrawn per note, phase and k), drawn ``n_random`` times with different seeds.
+- **M4**: knock-in recovery of the own top-k into the next note's context (the donor, at a
+  matched event with a different emitted choice, Sec. 2.3; the donor rules are the
+  instrument's, :func:`mistill.instrument.passes.plan_donors`), beside count-matched random
+  floors, and necessity (mean-ablation of the own top-k at the note's own events). Both are the
+  instrument's own pass, :func:`mistill.instrument.passes.knockin_sweep`, run with the arm's
+  ranking as the "global" set; the random floor is the instrument's ``random`` set, one draw
+  per note, phase and bin, redrawn for every bin (App. K "Floors, medians and means").
+  **[recon]** ``n_random`` > 1 averages that many seeded draws per bin (the paper: one).
 - **M2 / M3 / prefix share**: the read side of the own top-16 (:mod:`mistill.instrument.readside`)
   beside a fixed panel of 16 random heads.
 
@@ -18,7 +21,7 @@ the mean over draws); necessity the mean over its events. The stage reports medi
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +32,8 @@ from mistill.data.inventory import Inventory
 from mistill.distill.buckets import build_axis, row_buckets, token_buckets
 from mistill.instrument.events import RealizedEvent
 from mistill.instrument.hooks import HeadHook
-from mistill.instrument.passes import PHASES, EventQuery, KnockinConfig, knockin_sweep, stable_seed
+from mistill.instrument.passes import (PHASES, DonorCandidate, DonorWork, EventQuery, KnockinConfig, knockin_sweep,
+                                       plan_donors, stable_seed)
 from mistill.instrument.readside import (bucket_rows, chapter_region, event_chapter, head_attention_rows,
                                          line_buckets, note_region_lift, note_share, region_lift, slot_share,
                                          token_counts)
@@ -55,6 +59,17 @@ class NoteCase:
     @property
     def n_tokens(self) -> int:
         return int(self.inp.input_ids.numel())
+
+    @property
+    def trace_start(self) -> int:
+        """The index of the first trace token."""
+        from mistill.stages.characterize import trace_start_token
+
+        return trace_start_token(self.inp)
+
+    def candidate(self) -> DonorCandidate:
+        """The note as a possible donor."""
+        return DonorCandidate(self.note_id, self.queries, self.n_tokens, self.trace_start)
 
     def phase_events(self) -> int:
         return sum(1 for q in self.queries if q.kind in PHASES)
@@ -95,14 +110,17 @@ def draw_config(k_bins: Sequence[int], draw: int, seed: int, *, range_gate: floa
                          seed=stable_seed(seed, "own-heads-floor", draw) % (2 ** 31))
 
 
-def own_knockin(runner: Runner, hook: HeadHook, target: NoteCase, donor: NoteCase,
-                rank: Mapping[str, Sequence[int]], k_bins: Sequence[int], *, n_random: int = 3,
-                seed: int = 0, range_gate: float = 1.0, batch_size: int = 256,
+def own_knockin(runner: Runner, hook: HeadHook, target: NoteCase, donors: NoteCase | Iterable[NoteCase],
+                rank: Mapping[str, Sequence[int]], k_bins: Sequence[int], *, n_random: int = 1,
+                seed: int = 0, range_gate: float = 1.0, batch_size: int = 256, no_match: str = "next",
                 progress: bool = False) -> tuple[list[dict], list[dict]]:
-    """Necessity rows of ``target``'s events and knock-in rows of its events run in ``donor``'s
-    context, for the own ranking ``rank`` (``{phase: flat heads, best first}``) and ``n_random``
+    """Necessity rows of ``target``'s events and knock-in rows of its events run in the donors'
+    contexts, for the own ranking ``rank`` (``{phase: flat heads, best first}``) and ``n_random``
     count-matched random draws.
 
+    donors: the next note, or the candidate donors in corpus order (the next note first; read
+    lazily), each event going to the first that matches it (``no_match="next"``) or only to the
+    next note (``"drop"``), :func:`mistill.instrument.passes.plan_donors`.
     Rows are the instrument's (:func:`knockin_sweep`); own-set rows have ``set == "global"``,
     floor rows ``set == "random"``; every knock-in row carries its ``draw``.
     """
@@ -111,19 +129,30 @@ def own_knockin(runner: Runner, hook: HeadHook, target: NoteCase, donor: NoteCas
     cfg0 = draw_config(k_bins, 0, seed, range_gate=range_gate, batch_size=batch_size,
                        chunk_size=runner.chunk_size)
     clean = knockin_sweep(runner, hook, target.note_id, target.inp.input_ids, target.queries, cfg0, rank,
-                          progress=progress)
+                          trace_start=target.trace_start, progress=progress)
     necessity = [r for r in clean.necessity if r["set"] == "global" and r["phase"] in rank]
+    cases = [donors] if isinstance(donors, NoteCase) else donors
+    by_id: dict[str, NoteCase] = {}
+
+    def candidates():
+        for case in cases:
+            by_id[case.note_id] = case
+            yield case.candidate()
+
+    plan = plan_donors(target.queries, target.n_tokens, target.trace_start, candidates(), no_match=no_match,
+                       kinds=tuple(rank))
     knockin: list[dict] = []
     for d in range(draws):
         cfg = draw_config(k_bins, d, seed, range_gate=range_gate, batch_size=batch_size,
                           chunk_size=runner.chunk_size)
         if n_random <= 0:
             cfg = cfg.replace(sets=("global",))
-        sweep = knockin_sweep(runner, hook, donor.note_id, donor.inp.input_ids, donor.queries, cfg, rank,
-                              previous=clean.clean, previous_len=target.n_tokens, progress=progress)
-        for r in sweep.knockin:
-            if r["phase"] in rank:
-                knockin.append({**r, "draw": d})
+        for cand, matches in plan:
+            donor = by_id[cand.note_id]
+            sweep = knockin_sweep(runner, hook, donor.note_id, donor.inp.input_ids, [], cfg, rank,
+                                  work=[DonorWork(clean.clean, matches)], trace_start=cand.trace_start,
+                                  progress=progress)
+            knockin += [{**r, "draw": d} for r in sweep.knockin if r["phase"] in rank]
     return necessity, knockin
 
 

@@ -18,17 +18,22 @@ written by the attribution pass. Everything here is arithmetic over notes:
 * **Global set** of a phase: top-k by ``I_c``; **pooled weights** ``softmax(I_c / tau)`` over
   the set, ``tau`` the standard deviation of the set's ``I_c``.
 
-Choices this module makes (the paper leaves them open):
+Choices this module makes (the paper leaves them open; each **[recon]**):
 
-* A note enters ``I_c`` of a phase only if it has events of that phase *and* NULL events; the
-  raw phase importance averages over every note with events of the phase (as Table 13 does).
-* The split-half NULL halves are drawn per note from a generator seeded by ``(seed, sha256 of
-  the note id)``, so the check does not depend on note order. A note with fewer than two NULL
-  events has no split. With an odd count the first half is the smaller one.
-* Rankings are descending with ties broken by the lower flat head index; bottom sets are the
-  most negative first, ties again by the lower index. A requested ``k`` larger than the number
-  of heads is clipped to it.
-* Split-half stability splits *patients*: every note of a patient goes to the same half.
+* **[recon]** A note enters ``I_c`` of a phase only if it has events of that phase *and* NULL
+  events; the raw phase importance averages over every note with events of the phase (as
+  Table 13 does).
+* **[recon]** The split-half NULL halves are drawn per note from a generator seeded by
+  ``(seed, sha256 of the note id)``, so the check does not depend on note order. A note with
+  fewer than two NULL events has no split. With an odd count the first half is the smaller one.
+  The noise floor is the paper's (App. D "Sparsity": the 95th percentile of the absolute
+  split-half NULL difference).
+* **[recon]** Rankings are descending with ties broken by the lower flat head index; bottom
+  sets are the most negative first, ties again by the lower index. A requested ``k`` larger
+  than the number of heads is clipped to it.
+* **[recon]** Split-half stability splits *patients*: every note of a patient goes to the same
+  half (the paper splits "the full corpus into two halves", App. D; its 6 second prompt
+  variants of a patient would otherwise sit on both sides).
 """
 
 from __future__ import annotations

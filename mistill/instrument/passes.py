@@ -9,7 +9,7 @@ at one position.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,11 +46,23 @@ class EventQuery:
 
 @dataclass(frozen=True)
 class AttributionConfig(Config):
-    """Settings of the attribution pass (App. C "Exact patching of the nominated heads")."""
+    """Settings of the attribution pass (App. C "Exact patching of the nominated heads").
+
+    Nominees per exactly patched event: the event's top ``<kind>`` nominees by ``|A_h|`` plus
+    the first ``<kind>`` global nominees of the running global ranking. P1 and NULL: top-40 and
+    global top-16 (App. C). P2: top-24 and global top-8, the character nominees of the paper's
+    intact-hook re-run (App. C "The character ranking under the intact hook"). P2C: top-40 and
+    global top-16, the nominees of the exact contrastive refinement (App. D). ``exact_kinds``:
+    the kinds patched exactly (NULL: a seeded ``null_exact_fraction`` of them).
+    """
 
     top_nominees: int = 40
     global_nominees: int = 16
-    exact_kinds: tuple[str, ...] = ("P1", "NULL")
+    p2_top_nominees: int = 24
+    p2_global_nominees: int = 8
+    p2c_top_nominees: int = 40
+    p2c_global_nominees: int = 16
+    exact_kinds: tuple[str, ...] = ("P1", "NULL", "P2", "P2C")
     null_exact_fraction: float = 0.5
     detach: bool = False
     batch_size: int = 256
@@ -58,6 +70,14 @@ class AttributionConfig(Config):
     chunk_size: int = 8192
     selftest_events: int = 0
     seed: int = 0
+
+    def nominee_counts(self, kind: str) -> tuple[int, int]:
+        """``(top, global)`` nominee counts of an event kind."""
+        if kind == "P2":
+            return self.p2_top_nominees, self.p2_global_nominees
+        if kind == "P2C":
+            return self.p2c_top_nominees, self.p2c_global_nominees
+        return self.top_nominees, self.global_nominees
 
 
 @dataclass
@@ -106,14 +126,20 @@ def prefill_note(runner: Runner, hook: HeadHook, input_ids: torch.Tensor) -> tup
 
 def attribute_note(runner: Runner, hook: HeadHook, note_id: str, input_ids: torch.Tensor,
                    events: Sequence[EventQuery], cfg: AttributionConfig,
-                   running_global: Sequence[int] = (), *, progress: bool = True) -> NoteAttribution:
+                   running_global: Sequence[int] | Mapping[str, Sequence[int]] = (), *,
+                   progress: bool = True) -> NoteAttribution:
     """First-order attribution of every head at every event, exact patches of the nominees.
 
-    Exact mean-ablation of the event's top ``cfg.top_nominees`` by ``|A_h|`` plus the running
-    global heads, at every event whose kind is in ``cfg.exact_kinds`` (NULL: a seeded
-    ``cfg.null_exact_fraction`` of them). With ``cfg.selftest_events > 0`` the first such
-    P1 events (in visiting order) also get every head patched exactly and the detached-hook
-    attribution, reported by :func:`~mistill.instrument.attribution.fidelity`.
+    Exact mean-ablation of the event's top nominees by ``|A_h|`` plus the first global nominees
+    of the running global ranking (counts per kind: :meth:`AttributionConfig.nominee_counts`),
+    at every event whose kind is in ``cfg.exact_kinds`` (NULL: a seeded
+    ``cfg.null_exact_fraction`` of them). ``running_global``: one ranking for every kind, or
+    ``{kind: ranking}`` (a kind it lacks gets no global nominees). With
+    ``cfg.selftest_events > 0`` the first such P1 events (in visiting order) also get every
+    head patched exactly and the detached-hook attribution, reported by
+    :func:`~mistill.instrument.attribution.fidelity`.
+
+    input_ids: ``[pos]``; every event's ``query.position`` indexes it.
     """
     g = runner.geometry
     prefix, mean = prefill_note(runner, hook, input_ids)
@@ -139,7 +165,8 @@ def attribute_note(runner: Runner, hook: HeadHook, note_id: str, input_ids: torc
             fo_all[i] = fo.importance.numpy()
             margins[i] = fo.margin
             if ev.kind in cfg.exact_kinds and (ev.kind != "NULL" or i in null_exact):
-                heads = nominees(fo.importance, running_global, cfg.top_nominees)
+                top, n_global = cfg.nominee_counts(ev.kind)
+                heads = nominees(fo.importance, _running_for(running_global, ev.kind)[:n_global], top)
                 imp = exact_importance(runner, hook, prefix, ev.query, mean, heads, fo.margin,
                                        hidden_in=fo.hidden_in, batch_size=cfg.batch_size)
                 exact_all[i, heads] = imp.numpy()
@@ -160,6 +187,12 @@ def attribute_note(runner: Runner, hook: HeadHook, note_id: str, input_ids: torc
                            margins=margins, first_order=fo_all, exact=exact_all, selftest=selftest)
 
 
+def _running_for(running_global: Sequence[int] | Mapping[str, Sequence[int]], kind: str) -> list[int]:
+    if isinstance(running_global, Mapping):
+        return list(running_global.get(kind, ()))
+    return list(running_global)
+
+
 def running_global_top(p1_means: Sequence[np.ndarray], k: int) -> list[int]:
     """Heads with the largest mean first-order importance over the chapter events seen so far."""
     if not p1_means:
@@ -170,9 +203,19 @@ def running_global_top(p1_means: Sequence[np.ndarray], k: int) -> list[int]:
 
 # -- necessity and knock-in ----------------------------------------------------------------------
 
+DONOR_NO_MATCH = ("next", "drop")
+"""What an event whose next note has no matched event gets (:func:`plan_donors`)."""
+
+
 @dataclass(frozen=True)
 class KnockinConfig(Config):
-    """Settings of the necessity / knock-in pass (App. C–D)."""
+    """Settings of the necessity / knock-in pass (App. C–D).
+
+    range_gate: an event's recovery is read only where ``m_all - m_corr >= range_gate`` (the
+    1-nat gate of App. C / I.1). Random sets: one count-matched draw per note, phase and bin,
+    redrawn for every bin (App. K "Floors, medians and means"); **[recon]** the draw is seeded
+    by ``(seed, note, phase, k)`` and shared by the note's events.
+    """
 
     k_bins: tuple[int, ...] = K_BINS
     sets: tuple[str, ...] = ("global", "random", "bottom", "own")
@@ -184,12 +227,16 @@ class KnockinConfig(Config):
 
 @dataclass
 class CleanEvents:
-    """A note's clean reads at its events: margins and head outputs ``[event, layer, head, d_head]``."""
+    """A note's clean reads at its events: margins ``[event]`` and head outputs
+    ``z`` ``[event, layer, head, d_head]``; ``n_tokens`` and ``trace_start`` (the first trace
+    token) place its events in its trace for donor matching."""
 
     note_id: str
     events: list[EventQuery]
     margins: np.ndarray
     z: torch.Tensor
+    n_tokens: int = 0
+    trace_start: int = 0
 
 
 def set_variants(phase: str, note_id: str, cfg: KnockinConfig, global_rank: Mapping[str, Sequence[int]],
@@ -212,22 +259,105 @@ def set_variants(phase: str, note_id: str, cfg: KnockinConfig, global_rank: Mapp
     return out
 
 
+# -- the donor: the next note in the corpus at a matched event (Sec. 2.3) -------------------------
+
+def trace_fraction(position: int, n_tokens: int, trace_start: int = 0) -> float:
+    """Where ``position`` lies in the trace ``[trace_start, n_tokens)``, as a fraction of its
+    length (``trace_start`` 0: of the whole input)."""
+    return (position - trace_start) / max(n_tokens - trace_start, 1)
+
+
 def match_donor_event(event: EventQuery, rel_pos: float, donor: Sequence[EventQuery],
-                      donor_len: int) -> EventQuery | None:
-    """The donor's matched event: same kind, a different emitted choice, the same character index
-    when one exists, nearest relative position in the trace; ``None`` if there is none."""
+                      donor_len: int, donor_start: int = 0) -> EventQuery | None:
+    """The donor's matched event for ``event``, ``None`` if the donor has none.
+
+    The paper fixes "a matched event with a different emitted choice" (Sec. 2.3). **[recon]**
+    which of the donor's events is matched: the same kind, a different target (the emitted
+    choice), the same character index when such an event exists, then the nearest position in
+    the trace as a fraction of the trace's length (:func:`trace_fraction`; ``rel_pos`` is the
+    clean event's), ties by the lower position.
+    """
     cands = [d for d in donor if d.kind == event.kind and d.target != event.target]
     same_char = [d for d in cands if d.char_index == event.char_index]
     cands = same_char or cands
     if not cands:
         return None
-    return min(cands, key=lambda d: (abs(d.query.position / max(donor_len, 1) - rel_pos), d.query.position))
+    return min(cands, key=lambda d: (abs(trace_fraction(d.query.position, donor_len, donor_start) - rel_pos),
+                                     d.query.position))
+
+
+def donor_order(n_notes: int, index: int, *, wrap: bool = True) -> list[int]:
+    """The candidate donors of note ``index`` among ``n_notes`` in corpus order, nearest first:
+    the notes after it, then (``wrap``) the notes before it from the first. A note is never its
+    own donor.
+
+    The paper's corrupted run is "the next note in the corpus" (Sec. 2.3). **[recon]** the last
+    note's next note: with ``wrap`` the first note (the paper reports knock-in on every one of
+    its 100 notes, so the last note had a donor), without it the last note has none.
+    """
+    after = list(range(index + 1, n_notes))
+    return after + (list(range(0, index)) if wrap else [])
+
+
+@dataclass(frozen=True)
+class DonorCandidate:
+    """A possible donor note: its id, its events and where its trace lies in its input."""
+
+    note_id: str
+    events: Sequence[EventQuery]
+    n_tokens: int
+    trace_start: int = 0
+
+
+def plan_donors(events: Sequence[EventQuery], n_tokens: int, trace_start: int,
+                candidates: Iterable[DonorCandidate], *, no_match: str = "next",
+                kinds: Collection[str] = PHASES) -> list[tuple[DonorCandidate, list[tuple[int, EventQuery]]]]:
+    """Assign each event of ``kinds`` to a donor note and its matched event there.
+
+    candidates: the donor notes in the order they are tried (:func:`donor_order`; read lazily,
+    only as far as needed). The first candidate is the next note; an event is matched there
+    (:func:`match_donor_event`) when it can be. **[recon]** an event the next note cannot match:
+    ``no_match="next"`` tries the following candidates in order and takes the first that
+    matches (the paper's knock-in counts every note with contrastive events, 92 of 92, which
+    dropping would not give); ``"drop"`` leaves it without a knock-in. Returns
+    ``[(candidate, [(event index, matched donor event), ...])]`` for the candidates used, in
+    candidate order.
+    """
+    if no_match not in DONOR_NO_MATCH:
+        raise ValueError(f"no_match must be one of {DONOR_NO_MATCH}, got {no_match!r}")
+    todo = [i for i, e in enumerate(events) if e.kind in kinds]
+    plan: list[tuple[DonorCandidate, list[tuple[int, EventQuery]]]] = []
+    if not todo:
+        return plan
+    for cand in candidates:
+        matched, left = [], []
+        for i in todo:
+            ev = events[i]
+            m = match_donor_event(ev, trace_fraction(ev.query.position, n_tokens, trace_start), cand.events,
+                                  cand.n_tokens, cand.trace_start)
+            (matched if m is not None else left).append((i, m) if m is not None else i)
+        if matched:
+            plan.append((cand, matched))
+        todo = left
+        if not todo or no_match == "drop":
+            break
+    return plan
+
+
+@dataclass
+class DonorWork:
+    """Events of a clean note to knock into the swept (donor) note: the clean reads, the
+    ``(index into clean.events, matched donor event)`` pairs and the clean note's own ranking."""
+
+    clean: CleanEvents
+    matches: Sequence[tuple[int, EventQuery]]
+    own_rank: Mapping[str, Sequence[int]] | None = None
 
 
 @dataclass
 class SweepResult:
     """What one note's knock-in sweep yields: its clean reads, the necessity rows of its own
-    events, and the knock-in rows of the previous note's events (run in this note's context)."""
+    events, and the knock-in rows of the clean notes' events run in this note's context."""
 
     clean: CleanEvents
     necessity: list[dict]
@@ -240,34 +370,42 @@ def knockin_sweep(runner: Runner, hook: HeadHook, note_id: str, input_ids: torch
                   own_rank: Mapping[str, Sequence[int]] | None = None,
                   previous: CleanEvents | None = None, previous_len: int = 0,
                   previous_own_rank: Mapping[str, Sequence[int]] | None = None, *,
+                  work: Sequence[DonorWork] = (), trace_start: int = 0,
                   progress: bool = True) -> SweepResult:
     """One prefill of ``note_id``, then one sweep in decreasing position over
 
     - its own events: the clean read (margin, head outputs for later knock-in) and, at phase
       events, the margin with each set mean-ablated (necessity = share of the clean margin
       destroyed);
-    - the previous note's events, each at its matched position in this note (the donor): the
-      corrupted margin, ``m_all`` (every head knocked in) and each set knocked in; recovery
-      ``(m_set - m_corr) / (m_all - m_corr)`` where ``m_all - m_corr >= cfg.range_gate``.
+    - the clean notes' events this note is the donor of (``work``; or every phase event of
+      ``previous`` that this note can match, :func:`match_donor_event`), each at its matched
+      position here, where the clean token is run: the corrupted margin, ``m_all`` (every head
+      knocked in) and each set knocked in; recovery ``(m_set - m_corr) / (m_all - m_corr)``
+      where ``m_all - m_corr >= cfg.range_gate``.
+
+    input_ids: ``[pos]``; trace_start: its first trace token; previous_len: ``previous``'s
+    token count when its ``n_tokens`` is unset.
     """
     g = runner.geometry
     prefix, mean = prefill_note(runner, hook, input_ids)
     all_heads = list(range(g.n_total_heads))
     n_own = len(events)
+    n_tokens = int(input_ids.numel())
     z = torch.zeros(n_own, g.n_layers, g.n_heads, g.d_head, dtype=runner.dtype)
     margins = np.zeros(n_own, dtype=np.float32)
-    work: list[tuple[int, str, int, EventQuery | None]] = [(e.query.position, "own", i, None)
-                                                             for i, e in enumerate(events)]
+    work = list(work)
     if previous is not None:
-        donor_len = int(input_ids.numel())
-        for j, ev in enumerate(previous.events):
-            if ev.kind in PHASES:
-                match = match_donor_event(ev, ev.query.position / max(previous_len, 1), events, donor_len)
-                if match is not None:
-                    work.append((match.query.position, "donor", j, match))
+        prev_len = previous.n_tokens or previous_len
+        here = DonorCandidate(note_id, list(events), n_tokens, trace_start)
+        plan = plan_donors(previous.events, prev_len, previous.trace_start, [here], no_match="drop")
+        work.append(DonorWork(previous, plan[0][1] if plan else [], previous_own_rank))
+    todo: list[tuple[int, str, int, int, EventQuery | None]] = [(e.query.position, "own", i, -1, None)
+                                                                  for i, e in enumerate(events)]
+    for w, item in enumerate(work):
+        todo += [(match.query.position, "donor", i, w, match) for i, match in item.matches]
     necessity, knockin = [], []
-    for position, role, i, match in tqdm(sorted(work, key=lambda w: -w[0]), desc=f"knock-in {note_id}",
-                                         leave=False, disable=not progress):
+    for position, role, i, w, match in tqdm(sorted(todo, key=lambda t: -t[0]), desc=f"knock-in {note_id}",
+                                            leave=False, disable=not progress):
         prefix.crop(position)
         if role == "own":
             ev = events[i]
@@ -286,26 +424,34 @@ def knockin_sweep(runner: Runner, hook: HeadHook, note_id: str, input_ids: torch
                                   "necessity": (clean.margin - float(m)) / clean.margin
                                   if abs(clean.margin) > 1e-6 else float("nan")})
         else:
-            ev = previous.events[i]
-            q = Query(position=position, token_id=ev.query.token_id, target_id=ev.query.target_id,
-                      competitor_ids=ev.query.competitor_ids)
-            sets = set_variants(ev.kind, previous.note_id, cfg, global_rank, previous_own_rank,
-                                g.n_total_heads)
-            keys = list(sets)
-            corr = clean_read(runner, hook, prefix, q)
-            ms = knock_in(runner, hook, prefix, q, [all_heads] + [sets[k] for k in keys],
-                          previous.z[i].to(runner.device), hidden_in=corr.hidden_in,
-                          batch_size=cfg.batch_size).numpy()
-            m_all, m_corr = float(ms[0]), corr.margin
-            gated = (m_all - m_corr) >= cfg.range_gate
-            for (set_name, k), m in zip(keys, ms[1:]):
-                knockin.append({"note_id": previous.note_id, "event_id": ev.event_id, "donor_id": note_id,
-                                "donor_event_id": match.event_id, "phase": ev.kind, "set": set_name,
-                                "k": k, "m_corr": m_corr, "m_all": m_all, "m_set": float(m),
-                                "clean_margin": float(previous.margins[i]), "gated": bool(gated),
-                                "recovery": (float(m) - m_corr) / (m_all - m_corr) if gated else float("nan")})
-    return SweepResult(clean=CleanEvents(note_id=note_id, events=list(events), margins=margins, z=z),
+            knockin += _knockin_rows(runner, hook, prefix, cfg, global_rank, work[w], i, match, note_id,
+                                     all_heads)
+    return SweepResult(clean=CleanEvents(note_id=note_id, events=list(events), margins=margins, z=z,
+                                         n_tokens=n_tokens, trace_start=trace_start),
                        necessity=necessity, knockin=knockin)
+
+
+def _knockin_rows(runner: Runner, hook: HeadHook, prefix: KVPrefix, cfg: KnockinConfig,
+                  global_rank: Mapping[str, Sequence[int]], item: DonorWork, i: int, match: EventQuery,
+                  donor_id: str, all_heads: list[int]) -> list[dict]:
+    """The knock-in rows of the clean event ``item.clean.events[i]`` at ``match`` (prefix cropped
+    to its position): the clean token run in the donor's context, every set knocked in."""
+    clean = item.clean
+    ev = clean.events[i]
+    q = Query(position=match.query.position, token_id=ev.query.token_id, target_id=ev.query.target_id,
+              competitor_ids=ev.query.competitor_ids)
+    sets = set_variants(ev.kind, clean.note_id, cfg, global_rank, item.own_rank, len(all_heads))
+    keys = list(sets)
+    corr = clean_read(runner, hook, prefix, q)
+    ms = knock_in(runner, hook, prefix, q, [all_heads] + [sets[k] for k in keys], clean.z[i].to(runner.device),
+                  hidden_in=corr.hidden_in, batch_size=cfg.batch_size).numpy()
+    m_all, m_corr = float(ms[0]), corr.margin
+    gated = (m_all - m_corr) >= cfg.range_gate
+    return [{"note_id": clean.note_id, "event_id": ev.event_id, "donor_id": donor_id,
+             "donor_event_id": match.event_id, "phase": ev.kind, "set": set_name, "k": k, "m_corr": m_corr,
+             "m_all": m_all, "m_set": float(m), "clean_margin": float(clean.margins[i]), "gated": bool(gated),
+             "recovery": (float(m) - m_corr) / (m_all - m_corr) if gated else float("nan")}
+            for (set_name, k), m in zip(keys, ms[1:])]
 
 
 def per_note_set_rows(necessity: Sequence[dict], knockin: Sequence[dict]) -> list[dict]:
@@ -323,4 +469,7 @@ def per_note_set_rows(necessity: Sequence[dict], knockin: Sequence[dict]) -> lis
     if not parts:
         return []
     df = pd.concat(parts, axis=1).reset_index()
+    for col, empty in (("necessity", float("nan")), ("n_events", 0), ("recovery", float("nan")), ("n_gated", 0)):
+        if col not in df:  # a note without knock-in (no donor) or without necessity rows
+            df[col] = empty
     return df.to_dict("records")

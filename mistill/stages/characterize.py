@@ -25,15 +25,16 @@ from mistill.instrument.events import (RealizedEvent, coverage_report, entropy_o
                                        event_counts, extract_events, margin, margin_audit,
                                        realize_events)
 from mistill.instrument.hooks import HeadHook
-from mistill.instrument.passes import (AttributionConfig, CleanEvents, EventQuery, KnockinConfig,
-                                       NoteAttribution, attribute_note, knockin_sweep,
-                                       per_note_set_rows, running_global_top)
+from mistill.instrument.passes import (DONOR_NO_MATCH, AttributionConfig, CleanEvents, DonorCandidate,
+                                       DonorWork, EventQuery, KnockinConfig, NoteAttribution, attribute_note,
+                                       donor_order, knockin_sweep, per_note_set_rows, plan_donors,
+                                       running_global_top)
 from mistill.instrument.patching import Query
 from mistill.instrument.runner import Runner
 from mistill.models.loading import EMBEDDED_DEFAULT, load_model
-from mistill.stages.common import (Prepared, RunReader, load_prepared, log_corpus_input, mistill_root,
-                                   model_positions, note_input, privacy_guard, require_notes)
-from mistill.validation import (check_choices, check_counts, check_device, check_dtype, check_interval,
+from mistill.stages.common import (NoteInput, Prepared, RunReader, load_prepared, log_corpus_input,
+                                   mistill_root, model_positions, note_input, privacy_guard, require_notes)
+from mistill.validation import (check_choice, check_choices, check_counts, check_device, check_dtype, check_interval,
                                 check_model_spec, check_name, check_no_text_fields, check_non_negative,
                                 check_not_empty, check_positive, check_run_id, check_seed)
 
@@ -252,18 +253,35 @@ def _events_input(events_run: str) -> _EventsInput:
 class AttributeConfig(Config):
     """The attribution pass (App. C) and the calibration into global sets (App. C–D).
 
-    top_nominees, global_nominees: heads exactly patched per event (>= 0); null_exact_fraction:
-    the share of NULL events patched exactly, in [0, 1]; fdr_q: the BH level, in (0, 1];
-    selftest_events: events checked against exact patching of every head (0: none);
-    stability_splits: split-half draws (>= 1).
+    split: the notes ranked, among the events run's notes (empty: all of them); the paper ranks
+    the teacher on its 100 characterization notes, the validation notes (Sec. 4.2).
+    top_nominees, global_nominees: heads exactly patched per P1 and NULL event, the event's
+    top-k by ``|A_h|`` and the running global top-k (App. C: 40 and 16; >= 0).
+    exact_p2: patch P2 and P2C events exactly too, with ``p2_top_nominees`` /
+    ``p2_global_nominees`` (App. C, the intact-hook re-run: the event's top-24 and the running
+    global top-8) and ``p2c_top_nominees`` / ``p2c_global_nominees`` (App. D, the exact
+    contrastive refinement: top-40 and global top-16); False keeps them first-order, as the
+    paper's first pass did.
+    phase_running_global: **[recon]** the running global ranking the P2 and P2C nominees come
+    from: False, the paper's definition (App. C: mean first-order importance over the chapter
+    events of the notes already processed) for every kind; True, each phase's own events.
+    null_exact_fraction: the share of NULL events patched exactly, in [0, 1]; fdr_q: the BH
+    level, in (0, 1]; selftest_events: events checked against exact patching of every head
+    (0: none); stability_splits: split-half draws (>= 1).
     """
 
     events_run: str = ""
+    split: str = ""
     dtype: str = "float32"
     device: str = "cpu"
     top_nominees: int = 40
     global_nominees: int = 16
-    exact_p2: bool = False
+    exact_p2: bool = True
+    p2_top_nominees: int = 24
+    p2_global_nominees: int = 8
+    p2c_top_nominees: int = 40
+    p2c_global_nominees: int = 16
+    phase_running_global: bool = False
     null_exact_fraction: float = 0.5
     detach: bool = False
     batch_size: int = 256
@@ -278,10 +296,12 @@ class AttributeConfig(Config):
     def validate(self) -> None:
         check_no_text_fields(self)
         check_run_id(self.events_run, "events_run")
+        check_name(self.split, "split", "a split", allow_empty=True)
         check_dtype(self.dtype)
         check_device(self.device)
-        check_non_negative(self.top_nominees, "top_nominees")
-        check_non_negative(self.global_nominees, "global_nominees")
+        for name in ("top_nominees", "global_nominees", "p2_top_nominees", "p2_global_nominees",
+                     "p2c_top_nominees", "p2c_global_nominees"):
+            check_non_negative(getattr(self, name), name)
         check_interval(self.null_exact_fraction, "null_exact_fraction")
         check_positive(self.batch_size, "batch_size")
         check_positive(self.grad_batch, "grad_batch")
@@ -296,9 +316,36 @@ class AttributeConfig(Config):
 def _attribution_config(cfg: AttributeConfig) -> AttributionConfig:
     kinds = ("P1", "NULL") + (("P2", "P2C") if cfg.exact_p2 else ())
     return AttributionConfig(top_nominees=cfg.top_nominees, global_nominees=cfg.global_nominees,
+                             p2_top_nominees=cfg.p2_top_nominees, p2_global_nominees=cfg.p2_global_nominees,
+                             p2c_top_nominees=cfg.p2c_top_nominees, p2c_global_nominees=cfg.p2c_global_nominees,
                              exact_kinds=kinds, null_exact_fraction=cfg.null_exact_fraction,
                              detach=cfg.detach, batch_size=cfg.batch_size, grad_batch=cfg.grad_batch,
                              chunk_size=cfg.chunk_size, selftest_events=cfg.selftest_events, seed=cfg.seed)
+
+
+def running_globals(means: dict[str, list[np.ndarray]], cfg: AttributeConfig) -> dict[str, list[int]]:
+    """The running global ranking each kind's global nominees come from, ``{kind: flat heads}``
+    (as long as the largest global nominee count): the chapter events' for every kind (App. C),
+    or with ``cfg.phase_running_global`` each phase's own (NULL: the chapter events').
+
+    means: ``{phase: [per-note mean first-order importance over its events of the phase, [head]]}``
+    over the notes already processed.
+    """
+    k = max(cfg.global_nominees, cfg.p2_global_nominees, cfg.p2c_global_nominees)
+    p1 = running_global_top(means.get("P1", []), k)
+    out = {"P1": p1, "NULL": p1, "P2": p1, "P2C": p1}
+    if cfg.phase_running_global:
+        for phase in ("P2", "P2C"):
+            out[phase] = running_global_top(means.get(phase, []), k)
+    return out
+
+
+def attribute_notes(ev: _EventsInput, split: str) -> list[Note]:
+    """The notes an attribute run ranks (and its knock-in runs on): the events run's notes of
+    ``split`` (all when empty), in corpus order; an empty selection is refused."""
+    if not split:
+        return list(ev.notes)
+    return require_notes([n for n in ev.notes if n.split == split], split, ev.prepared, field="split")
 
 
 def run_attribute(cfg: AttributeConfig) -> str:
@@ -308,6 +355,7 @@ def run_attribute(cfg: AttributeConfig) -> str:
 
     ev = _events_input(cfg.events_run)
     prepared = ev.prepared
+    notes = attribute_notes(ev, cfg.split)
     guard = privacy_guard(prepared.corpus)
     with StageRun("attribute", cfg, corpus=prepared.corpus.name, guard=guard, model=ev.model,
                   corpus_digest=prepared.corpus.digest, inputs={"events": cfg.events_run},
@@ -321,9 +369,9 @@ def run_attribute(cfg: AttributeConfig) -> str:
         acfg = _attribution_config(cfg)
         done = run.finished_notes(NOTES)
         reader = _SelfReader(run)
-        p1_means: list[np.ndarray] = []
+        kind_means: dict[str, list[np.ndarray]] = {p: [] for p in ("P1", "P2", "P2C")}
         selftests: list[dict] = []
-        for note in tqdm(ev.notes, desc="attribute"):
+        for note in tqdm(notes, desc="attribute"):
             if note.note_id in done:
                 att = NoteAttribution.from_npz(reader._path(note.note_id, "attribution.npz"), note.note_id)
                 selftests += reader.json(note.note_id, "selftest.json")["rows"]
@@ -332,17 +380,18 @@ def run_attribute(cfg: AttributeConfig) -> str:
                                 remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
                                 narrow_instruction=prepared.narrow_instruction)
                 queries = event_queries(read_realized(ev.reader, note.note_id), ni.input_ids)
-                glob = running_global_top(p1_means, cfg.global_nominees)
-                att = attribute_note(runner, hook, note.note_id, ni.input_ids, queries, acfg, glob)
+                att = attribute_note(runner, hook, note.note_id, ni.input_ids, queries, acfg,
+                                     running_globals(kind_means, cfg))
                 run.write_note(NOTES, note.note_id, {"attribution.npz": npz_bytes(att.arrays()),
                                                      "selftest.json": {"rows": att.selftest}})
                 selftests += att.selftest
-            p1 = [i for i, k in enumerate(att.kinds) if k == "P1"]
-            if p1:
-                p1_means.append(att.first_order[p1].mean(axis=0))
+            for phase, means in kind_means.items():
+                rows = [i for i, k in enumerate(att.kinds) if k == phase]
+                if rows:
+                    means.append(att.first_order[rows].mean(axis=0))
         # calibration over every note
         importances = []
-        for note in ev.notes:
+        for note in notes:
             att = NoteAttribution.from_npz(reader._path(note.note_id, "attribution.npz"), note.note_id)
             importances.append(NoteImportance(note_id=note.note_id, patient_id=note.patient_id,
                                               kinds=np.array(att.kinds), importance=att.importance,
@@ -368,7 +417,7 @@ def run_attribute(cfg: AttributeConfig) -> str:
                              f"sparsity.{phase}.n_carry_80": sp["n_carry"]})
             rec = recurrence(importances, phase, head_names=names)
             run.log_table(f"recurrence_{phase}", rec[rec["recurrent"]].head(50) if "recurrent" in rec else rec)
-            patients = {n.patient_id for n in ev.notes}
+            patients = {n.patient_id for n in notes}
             if len(patients) >= 4:
                 stab = split_half_stability(importances, phase, n_splits=cfg.stability_splits, seed=cfg.seed)
                 run.log_metrics({f"stability.{phase}.{k}": float(v) for k, v in _flatten(stab).items()
@@ -378,7 +427,7 @@ def run_attribute(cfg: AttributeConfig) -> str:
             st = pd.DataFrame(selftests)
             run.log_table("selftest", st)
             run.log_metrics({f"selftest.{c}": float(st[c].median()) for c in st.columns if c != "event_id"})
-        print(f"attribute: {len(ev.notes)} notes calibrated -> run {run.run_id}")
+        print(f"attribute: {len(notes)} notes calibrated -> run {run.run_id}")
         return run.run_id
 
 
@@ -399,6 +448,12 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 class KnockinStageConfig(Config):
     """Necessity and knock-in of the global sets against random, bottom-k and own sets (App. D).
 
+    The notes are the attribute run's (its ``split``). Each note's events are knocked into the
+    next note in corpus order at a matched event with a different emitted choice (Sec. 2.3;
+    :func:`~mistill.instrument.passes.plan_donors`). donor_wrap: **[recon]** the last note's
+    donor is the first note (False: the last note gets no knock-in); donor_no_match: **[recon]**
+    an event the next note cannot match is matched in the first later note that can
+    (``next``) or left without a knock-in (``drop``).
     k_bins: set sizes (each >= 1, no repeats); sets: any of ``global``, ``random``, ``bottom``,
     ``own``; range_gate: the donor's margin range gate in nats (>= 0; 0: no gate);
     events_per_phase: at most this many events per phase and note (0: every event).
@@ -410,6 +465,8 @@ class KnockinStageConfig(Config):
     k_bins: tuple[int, ...] = (3, 8, 16, 40, 100)
     sets: tuple[str, ...] = SET_NAMES
     range_gate: float = 1.0
+    donor_wrap: bool = True
+    donor_no_match: str = "next"
     events_per_phase: int = 0
     batch_size: int = 256
     chunk_size: int = 8192
@@ -423,10 +480,33 @@ class KnockinStageConfig(Config):
         check_counts(self.k_bins, "k_bins")
         check_choices(self.sets, SET_NAMES, "sets")
         check_non_negative(self.range_gate, "range_gate", "0: no gate")
+        check_choice(self.donor_no_match, DONOR_NO_MATCH, "donor_no_match")
         check_non_negative(self.events_per_phase, "events_per_phase", "0: every event")
         check_positive(self.batch_size, "batch_size")
         check_positive(self.chunk_size, "chunk_size")
         check_seed(self.seed)
+
+
+def trace_start_token(ni: NoteInput) -> int:
+    """The index of the note's first trace token: the first token ending after the trace's
+    first character (``ni.offsets`` are character spans of ``ni.full_text``)."""
+    start = ni.trace_offset
+    return next((i for i, (_, end) in enumerate(ni.offsets) if end > start), len(ni.offsets))
+
+
+def donor_steps(n_notes: int, plans: dict[int, list[int]]) -> dict[int, list[tuple[int, int]]]:
+    """When each (clean note, donor note) pair is swept, ``{step: [(clean, donor), ...]}``.
+
+    Step ``s`` prefills note ``s % n_notes`` once: for its own clean reads when ``s < n_notes``
+    and as the donor of every clean note planned there. A donor after its clean note in corpus
+    order is swept at its own step, one before it (a wrapped donor) at ``n_notes`` + its index,
+    so every clean note's reads exist before its donors are swept.
+    """
+    out: dict[int, list[tuple[int, int]]] = {}
+    for clean, donors in plans.items():
+        for d in donors:
+            out.setdefault(d if d > clean else n_notes + d, []).append((clean, d))
+    return out
 
 
 def subsample_phase_events(queries: Sequence[EventQuery], per_phase: int, note_id: str,
@@ -468,6 +548,104 @@ def _own_ranks(att: NoteAttribution, patient_id: str) -> dict[str, list[int]]:
     return out
 
 
+@dataclass
+class _NoteInputs:
+    """What the knock-in pass needs of one note: token ids, queries, trace start, own ranking."""
+
+    input_ids: torch.Tensor
+    queries: list[EventQuery]
+    trace_start: int
+    own_rank: dict[str, list[int]]
+
+    def candidate(self, note_id: str) -> DonorCandidate:
+        return DonorCandidate(note_id, self.queries, int(self.input_ids.numel()), self.trace_start)
+
+
+class _KnockinInputs:
+    """Per-note inputs of the knock-in pass, built on first use and kept until released."""
+
+    def __init__(self, prepared: Prepared, ev: _EventsInput, att_reader: RunReader, lm, cfg: KnockinStageConfig):
+        self.prepared, self.ev, self.att_reader, self.lm, self.cfg = prepared, ev, att_reader, lm, cfg
+        self.cache: dict[str, _NoteInputs] = {}
+
+    def __call__(self, note: Note) -> _NoteInputs:
+        if note.note_id not in self.cache:
+            p = self.prepared
+            ni = note_input(note, p.inventory, self.lm.tokenizer,
+                            remove_discharge_diagnosis=p.remove_discharge_diagnosis,
+                            narrow_instruction=p.narrow_instruction)
+            queries = subsample_phase_events(event_queries(read_realized(self.ev.reader, note.note_id), ni.input_ids),
+                                             self.cfg.events_per_phase, note.note_id, self.cfg.seed)
+            att = NoteAttribution.from_npz(self.att_reader.note_file(NOTES, note.note_id, "attribution.npz"),
+                                           note.note_id)
+            self.cache[note.note_id] = _NoteInputs(ni.input_ids, queries, trace_start_token(ni),
+                                                   _own_ranks(att, note.patient_id))
+        return self.cache[note.note_id]
+
+    def release(self, note: Note) -> None:
+        self.cache.pop(note.note_id, None)
+
+
+def _donor_plans(notes: list[Note], todo: list[int], inputs: _KnockinInputs,
+                 cfg: KnockinStageConfig) -> dict[int, list[tuple[int, list[tuple[int, EventQuery]]]]]:
+    """Per unfinished note: ``[(donor index, [(event index, matched donor event)])]``, the
+    donors in corpus order from the next note (:func:`~mistill.instrument.passes.plan_donors`)."""
+    n = len(notes)
+    plans = {}
+    for j in todo:
+        order = donor_order(n, j, wrap=cfg.donor_wrap)
+        index = {notes[d].note_id: d for d in order}
+        mine = inputs(notes[j])
+        cands = (inputs(notes[d]).candidate(notes[d].note_id) for d in order)
+        plans[j] = [(index[c.note_id], m) for c, m in plan_donors(
+            mine.queries, int(mine.input_ids.numel()), mine.trace_start, cands, no_match=cfg.donor_no_match)]
+    return plans
+
+
+def _knockin_notes(run, notes: list[Note], done: set[str], inputs: _KnockinInputs, runner: Runner,
+                   hook: HeadHook, kcfg: KnockinConfig, global_rank: dict[str, list[int]],
+                   cfg: KnockinStageConfig) -> None:
+    """Sweep the notes in corpus order (one prefill per step, :func:`donor_steps`) and write each
+    unfinished note once its necessity and every knock-in of its events are measured."""
+    n = len(notes)
+    index_of = {note.note_id: i for i, note in enumerate(notes)}
+    todo = [j for j in range(n) if notes[j].note_id not in done]
+    plans = _donor_plans(notes, todo, inputs, cfg)
+    schedule = donor_steps(n, {j: [d for d, _ in plans[j]] for j in todo})
+    last_use = {j: j for j in range(n)}
+    for step, pairs in schedule.items():
+        for c, d in pairs:
+            last_use[c], last_use[d] = max(last_use[c], step), max(last_use[d], step)
+    left = {j: len(plans[j]) for j in todo}
+    clean: dict[int, CleanEvents] = {}
+    necessity: dict[int, list[dict]] = {}
+    knockin: dict[int, list[dict]] = {j: [] for j in todo}
+    for step in tqdm(sorted(set(todo) | set(schedule)), desc="knock-in"):
+        d = step % n
+        own = step < n and d in left
+        mine = inputs(notes[d])
+        work = [DonorWork(clean[c], matches, inputs(notes[c]).own_rank)
+                for c, _ in schedule.get(step, []) for donor, matches in plans[c] if donor == d]
+        sweep = knockin_sweep(runner, hook, notes[d].note_id, mine.input_ids, mine.queries if own else [], kcfg,
+                              global_rank, mine.own_rank, work=work, trace_start=mine.trace_start)
+        if own:
+            clean[d], necessity[d] = sweep.clean, sweep.necessity
+        for row in sweep.knockin:
+            knockin[index_of[row["note_id"]]].append(row)
+        finished = [c for c, _ in schedule.get(step, [])]
+        for c in finished:
+            left[c] -= 1
+        for c in sorted(set(finished) | ({d} if own else set())):
+            if left[c] == 0:  # every knock-in of the note's events is measured
+                run.write_note(NOTES, notes[c].note_id, {
+                    "necessity.jsonl": "".join(json.dumps(r) + "\n" for r in necessity.pop(c)),
+                    "knockin.jsonl": "".join(json.dumps(r) + "\n" for r in knockin.pop(c))})
+                clean.pop(c, None)
+                del left[c]
+        for j in [j for j, last in last_use.items() if last <= step]:
+            inputs.release(notes[j])
+
+
 def run_knockin(cfg: KnockinStageConfig) -> str:
     from mistill.instrument.settables import sets_table, to_latex, to_markdown
     from mistill.tracking.runs import StageRun
@@ -490,50 +668,10 @@ def run_knockin(cfg: KnockinStageConfig) -> str:
         global_rank = _ranks_from_head_sets(head_sets, names)
         kcfg = KnockinConfig(k_bins=cfg.k_bins, sets=cfg.sets, range_gate=cfg.range_gate,
                              batch_size=cfg.batch_size, chunk_size=cfg.chunk_size, seed=cfg.seed)
-        notes = ev.notes
+        notes = attribute_notes(ev, att_reader.config.get("split", ""))
         done = run.finished_notes(NOTES)
-        inputs: dict[str, tuple] = {}
-
-        def prepare_note(note: Note):
-            if note.note_id not in inputs:
-                ni = note_input(note, prepared.inventory, lm.tokenizer,
-                                remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
-                                narrow_instruction=prepared.narrow_instruction)
-                queries = subsample_phase_events(event_queries(read_realized(ev.reader, note.note_id),
-                                                               ni.input_ids),
-                                                 cfg.events_per_phase, note.note_id, cfg.seed)
-                att = NoteAttribution.from_npz(att_reader.note_file(NOTES, note.note_id, "attribution.npz"),
-                                               note.note_id)
-                inputs[note.note_id] = (ni, queries, _own_ranks(att, note.patient_id))
-            return inputs[note.note_id]
-
-        pending: dict[str, tuple[CleanEvents, list[dict]]] = {}
-        n = len(notes)
-        for i in tqdm(range(n + 1), desc="knock-in"):
-            cur = notes[i % n]
-            prev = notes[i - 1] if i >= 1 else None
-            need_prev = prev is not None and prev.note_id not in done
-            need_cur = i < n and cur.note_id not in done
-            if not (need_prev or need_cur):
-                continue
-            if need_prev and prev.note_id not in pending:  # resumed: recompute the previous note's clean reads
-                ni_p, q_p, own_p = prepare_note(prev)
-                s = knockin_sweep(runner, hook, prev.note_id, ni_p.input_ids, q_p, kcfg, global_rank, own_p)
-                pending[prev.note_id] = (s.clean, s.necessity)
-            ni, queries, own = prepare_note(cur)
-            previous = pending[prev.note_id][0] if need_prev else None
-            prev_len = int(prepare_note(prev)[0].input_ids.numel()) if need_prev else 0
-            sweep = knockin_sweep(runner, hook, cur.note_id, ni.input_ids, queries, kcfg, global_rank, own,
-                                  previous=previous, previous_len=prev_len,
-                                  previous_own_rank=prepare_note(prev)[2] if need_prev else None)
-            if i < n:
-                pending[cur.note_id] = (sweep.clean, sweep.necessity)
-            if need_prev:
-                _, nec = pending.pop(prev.note_id)
-                run.write_note(NOTES, prev.note_id, {
-                    "necessity.jsonl": "".join(json.dumps(r) + "\n" for r in nec),
-                    "knockin.jsonl": "".join(json.dumps(r) + "\n" for r in sweep.knockin)})
-                inputs.pop(prev.note_id, None)
+        _knockin_notes(run, notes, done, _KnockinInputs(prepared, ev, att_reader, lm, cfg), runner, hook, kcfg,
+                       global_rank, cfg)
         # tables over every note
         reader = _SelfReader(run)
         rows = []

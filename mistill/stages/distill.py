@@ -61,6 +61,9 @@ class TargetsConfig(Config):
     """The teacher's targets on the training notes (App. I.5): computed once, no online teacher.
 
     split: the training notes among the events run's notes (empty: all of them).
+    window_attribute_run: the teacher's prose-time head sets for the P1 window rows; **[recon]**
+        when empty the window rows are pooled over the P1 emission set and the run is tagged
+        ``mistill.deviation`` (the paper pools them over the prose-time set, App. I.1).
     pool_k: heads per pooled phase pool (>= 1); window: rows before each P1 event (>= 0);
     top_k: next-token entries kept per row (>= 1).
     """
@@ -160,6 +163,8 @@ class TrainStageConfig(Config):
     precision: ``bf16`` or ``fp32``; empty keeps the arm's.
     epochs (>= 1), lr (> 0), warmup_frac (in [0, 1]), grad_accum (>= 1), clip (> 0): the recipe;
     max_steps: stop after this many optimizer steps (0: the epochs decide).
+    tf32: **[recon]** float32 matmuls on CUDA in TF32 (the paper states no matmul precision; the
+        recomputed attention rows' q.k inputs are bf16 projections); no effect on the CPU.
     """
 
     targets_run: str = ""
@@ -176,6 +181,7 @@ class TrainStageConfig(Config):
     clip: float = 1.0
     max_steps: int = 0
     gradient_checkpointing: bool = True
+    tf32: bool = True
     logits_chunk: int = 1024
     dispreferred_max_new_tokens: int = 16384
     device: str = "cpu"
@@ -290,7 +296,8 @@ def run_train(cfg: TrainStageConfig) -> str:
         _mark_deviations(run, train_deviations(arm, tcfg), "train")
         recipe = RecipeConfig(seed=cfg.seed, precision=arm.precision, epochs=cfg.epochs, lr=cfg.lr,
                               warmup_frac=cfg.warmup_frac, grad_accum=cfg.grad_accum, clip=cfg.clip,
-                              max_steps=cfg.max_steps, gradient_checkpointing=cfg.gradient_checkpointing)
+                              max_steps=cfg.max_steps, gradient_checkpointing=cfg.gradient_checkpointing,
+                              tf32=cfg.tf32)
         lm = load_model(cfg.student, dtype="float32", device=cfg.device)
         pools = {}
         if arm.objective == "mistill":

@@ -41,9 +41,11 @@ class LasSimulatorConfig(Config):
         in the paper).
     max_steps, lr, seed: plain AdamW, one note (both inputs) per step, seeded shuffled passes
         (max_steps >= 1, lr > 0, seed >= 0).
-    max_answer_tokens: the decoding cap, and the budget the training answer is cut to fit (>= 4).
-    max_note_words: keep only the first this many words of each note (0: whole notes), in
-        training and prediction, so CPU runs stay quick; stored with the checkpoint.
+    max_answer_tokens: **[recon]** the decoding cap, and the budget the training answer is cut
+        to fit (>= 4).
+    max_note_words: keep only the first this many words of each note (0: whole notes, the
+        paper's simulator, App. K), in training and prediction; a positive cap keeps CPU runs
+        quick (the pipeline's demo passes 256); stored with the checkpoint.
     device, dtype: where and in which precision the simulator trains and predicts.
     """
 
@@ -58,7 +60,7 @@ class LasSimulatorConfig(Config):
     max_answer_tokens: int = 96
     device: str = "cpu"
     dtype: str = "float32"
-    max_note_words: int = 256
+    max_note_words: int = 0
 
     def validate(self) -> None:
         from mistill.validation import check_model_spec, check_name, check_no_text_fields, check_run_id

@@ -5,12 +5,14 @@
    :func:`mistill.stages.workflow.run_step`, so an identical finished ranking is reused (every
    readout of one arm shares it) and the ranking runs stay visible with their own lineage.
 2. On the ``test_split`` notes, teacher-forced on the teacher's traces: M4 (knock-in recovery of
-   the own top-k beside count-matched random floors, necessity), M2 (region lift of the own
+   the own top-k into the next note's context at matched events, beside count-matched random
+   floors, and necessity), M2 (region lift of the own
    top-16 at P1 and P2C), M3 (near-miss share) and the prefix share of the own top-16 P2C heads
    (:mod:`mistill.evaluation.own_heads`).
 3. The same on the arm's own generations of the test notes: events from its own reasoning (only
    traces whose reasoning block closes before the cap), the donor being its next usable own
-   trace; coverage counts say how many notes and events were usable.
+   trace (**[recon]**: the paper does not say which own trace is the donor); coverage counts say
+   how many notes and events were usable.
 
 Per-note results are written as the notes finish (resume loses none). Reported values are
 medians over notes of the per-note values (App. K "Floors, medians and means"). Generated text
@@ -36,7 +38,7 @@ from tqdm.auto import tqdm
 from mistill.config import Config
 from mistill.data.corpus import Note
 from mistill.errors import MistillInputError
-from mistill.instrument.passes import PHASES
+from mistill.instrument.passes import DONOR_NO_MATCH, PHASES, donor_order
 from mistill.stages.common import (Prepared, RunReader, Subject, load_prepared, log_corpus_input, mistill_root,
                                    model_positions, privacy_guard, trained_subject)
 from mistill.stages.workflow import LAUNCHES
@@ -57,9 +59,14 @@ class OwnHeadsConfig(Config):
     rank_split: the notes the arm's heads are ranked on; test_split: the notes measured (empty:
         every split); max_notes: the first n of each (0: all).
     k: own top-k sizes for M4 (each >= 1, no repeats); necessity_k, m2_k (>= 1): the necessity
-        size and the M2/M3/prefix set size; n_random: random floor draws (>= 1).
+        size and the M2/M3/prefix set size; n_random: random floor draws per bin, averaged
+        (>= 1; the paper draws one per bin, redrawn for every bin, App. K; **[recon]** more
+        draws average them).
     range_gate: the donor's margin range gate in nats (>= 0; 0: no gate); events_per_phase: at
         most this many events per phase and note (0: every event).
+    donor_wrap, donor_no_match: the donor rules of the knock-in stage (``KnockinStageConfig``):
+        **[recon]** the last note's donor is the first (False: none); an event the next note
+        cannot match goes to the first later note that can (``next``) or is dropped (``drop``).
     launch: how the ranking steps run, ``mlflow`` or ``inline``.
     """
 
@@ -71,8 +78,10 @@ class OwnHeadsConfig(Config):
     k: tuple[int, ...] = (8, 40)
     necessity_k: int = 40
     m2_k: int = 16
-    n_random: int = 3
+    n_random: int = 1
     range_gate: float = 1.0
+    donor_wrap: bool = True
+    donor_no_match: str = "next"
     events_per_phase: int = 0
     own_traces: bool = True
     max_new_tokens: int = 16384
@@ -100,6 +109,7 @@ class OwnHeadsConfig(Config):
         check_positive(self.m2_k, "m2_k")
         check_positive(self.n_random, "n_random")
         check_non_negative(self.range_gate, "range_gate", "0: no gate")
+        check_choice(self.donor_no_match, DONOR_NO_MATCH, "donor_no_match")
         check_non_negative(self.events_per_phase, "events_per_phase", "0: every event")
         check_positive(self.max_new_tokens, "max_new_tokens")
         check_non_negative(self.n_null, "n_null")
@@ -250,18 +260,21 @@ class _Context:
                       max_positions=model_positions(self.lm))
         return subsample_case(c, self.cfg.events_per_phase, self.cfg.seed)
 
-    def measure(self, target, donor) -> dict:
-        """One note's files: its M4 rows (in ``donor``'s context) and its read side."""
+    def measure(self, target, donors) -> dict:
+        """One note's files: its M4 rows (in the donors' contexts; ``donors``: the candidate
+        donor notes, next note first, read lazily) and its read side."""
         from mistill.evaluation.own_heads import m4_rows, own_knockin, readside_note
 
         cfg = self.cfg
         k_bins = tuple(sorted(set(cfg.k) | {cfg.necessity_k}))
-        nec, kin = own_knockin(self.runner, self.hook, target, donor, self.rank, k_bins, n_random=cfg.n_random,
-                               seed=cfg.seed, range_gate=cfg.range_gate, batch_size=cfg.batch_size)
+        nec, kin = own_knockin(self.runner, self.hook, target, donors, self.rank, k_bins, n_random=cfg.n_random,
+                               seed=cfg.seed, range_gate=cfg.range_gate, batch_size=cfg.batch_size,
+                               no_match=cfg.donor_no_match)
         rows = m4_rows(target.note_id, nec, kin, k_bins)
         read = readside_note(self.lm, target, self.prepared.inventory, self.groups)
         counts = {p: sum(1 for q in target.queries if q.kind == p) for p in PHASES}
-        return {"m4.json": {"rows": rows, "donor_id": donor.note_id},
+        donor_ids = list(dict.fromkeys(r["donor_id"] for r in kin))
+        return {"m4.json": {"rows": rows, "donor_ids": donor_ids},
                 "readside.json": {"values": {k: (v if math.isfinite(v) else None) for k, v in read.items()},
                                   "n_events": counts}}
 
@@ -279,9 +292,10 @@ def _teacher_pass(run, ctx: _Context, notes: list[Note]) -> None:
     for i, note in enumerate(tqdm(notes, desc="own_heads teacher traces")):
         if note.note_id in done:
             continue
-        donor = notes[(i + 1) % n]
-        run.write_note(NOTES, note.note_id, ctx.measure(case(note), case(donor)))
-        cache.pop(note.note_id, None)
+        donors = (case(notes[d]) for d in donor_order(n, i, wrap=ctx.cfg.donor_wrap))
+        run.write_note(NOTES, note.note_id, ctx.measure(case(note), donors))
+        for key in [k for k in cache if k != notes[(i + 1) % n].note_id]:
+            cache.pop(key)
 
 
 def _generate(run, ctx: _Context, note: Note, done: set[str]) -> dict:
@@ -335,8 +349,8 @@ def _own_pass(run, ctx: _Context, notes: list[Note]) -> dict[str, float]:
     for i, note in enumerate(tqdm(usable, desc="own_heads own traces")):
         if note.note_id in done:
             continue
-        donor = usable[(i + 1) % len(usable)]
-        files = ctx.measure(cases[note.note_id], cases[donor.note_id])
+        donors = (cases[usable[d].note_id] for d in donor_order(len(usable), i, wrap=ctx.cfg.donor_wrap))
+        files = ctx.measure(cases[note.note_id], donors)
         files["generation.json"] = {"n_tokens": recs[note.note_id]["n_tokens"], "seed": recs[note.note_id]["seed"]}
         run.write_note(OWN_NOTES, note.note_id, files)
     return {"own.coverage.n_notes": float(len(notes)), "own.coverage.n_generated": float(generated),

@@ -32,7 +32,8 @@ class ReportConfig(Config):
     """What the report reads and how it tests.
 
     corpus: the corpus name; the runs read and the report run are in ``mistill/<corpus>``.
-    reference_arm: the arm every other arm of the same model is compared against.
+    reference_arm: the arm every other arm of the same model is compared against (**[recon]**
+        Tables 40/41: the paper's same-notes Vanilla run is this arm on the lock's split).
     arms: keep only these arms' evaluate and own-heads runs (plus the reference, ``teacher``
         and ``untrained``); empty keeps every arm.
     split: the notes the evaluate and own-heads runs read must be these (``test``).
@@ -46,6 +47,8 @@ class ReportConfig(Config):
     layer_blocks: **[recon]** Table 11's layer blocks, as increasing fractions of the depth in
         (0, 1) (the paper's 0-11 / 12-23 / 24-31 / 32-39 of 40 layers).
     ce_steps: Table 48's optimiser steps (each >= 1, no repeats).
+    sign_alpha: **[recon]** Table 50's direction: an ablation is higher or lower than Mistill
+        at P2C when the paired sign test's p is below this, else level (in (0, 1)).
     """
 
     corpus: str = "synthetic"
@@ -59,6 +62,7 @@ class ReportConfig(Config):
     profile_k: int = 40
     layer_blocks: tuple[float, ...] = (0.3, 0.6, 0.8)
     ce_steps: tuple[int, ...] = (5, 20, 60, 120)
+    sign_alpha: float = 0.05
 
     def validate(self) -> None:
         from mistill.validation import check_arm, check_arms, check_name, check_no_text_fields
@@ -78,6 +82,8 @@ class ReportConfig(Config):
         check_positive(self.importance_heads, "importance_heads")
         check_positive(self.profile_k, "profile_k")
         check_counts(self.ce_steps, "ce_steps")
+        if not 0 < self.sign_alpha < 1:
+            raise MistillInputError(f"sign_alpha must lie in (0, 1), got {self.sign_alpha}", field="sign_alpha")
         bounds = list(self.layer_blocks)
         if any(not 0 < b < 1 for b in bounds) or bounds != sorted(set(bounds)):
             raise MistillInputError(f"layer_blocks must be increasing fractions in (0, 1), got "
@@ -88,7 +94,8 @@ class ReportConfig(Config):
         from analysis.report import TableChoices
 
         return TableChoices(importance_heads=self.importance_heads, profile_k=self.profile_k,
-                            layer_blocks=tuple(self.layer_blocks), ce_steps=tuple(self.ce_steps))
+                            layer_blocks=tuple(self.layer_blocks), ce_steps=tuple(self.ce_steps),
+                            sign_alpha=self.sign_alpha)
 
 
 def run_report(cfg: ReportConfig) -> str:

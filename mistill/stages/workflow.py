@@ -97,8 +97,9 @@ class CharacterizeConfig(Config):
     """events -> attribute -> knockin on one prepared corpus (the instrument, App. C–D).
 
     Every field is the field of the same name of the step it is passed to (``EventsConfig``,
-    ``AttributeConfig``, ``KnockinStageConfig``) and is validated there; launch: ``mlflow`` or
-    ``inline``.
+    ``AttributeConfig``, ``KnockinStageConfig``) and is validated there, except ``rank_split``:
+    ``AttributeConfig.split``, the notes ranked and knocked in among the events run's (empty:
+    all of them); launch: ``mlflow`` or ``inline``.
     """
 
     prepare_run: str = ""
@@ -106,10 +107,11 @@ class CharacterizeConfig(Config):
     dtype: str = "float32"
     device: str = "cpu"
     split: str = ""
+    rank_split: str = ""
     max_notes: int = 0
     n_null: int = 20
     selftest_events: int = 0
-    exact_p2: bool = False
+    exact_p2: bool = True
     k_bins: tuple[int, ...] = (3, 8, 16, 40, 100)
     range_gate: float = 1.0
     events_per_phase: int = 0
@@ -135,7 +137,7 @@ class CharacterizeConfig(Config):
     def attribute_config(self, events_run: str = "") -> AttributeConfig:
         from mistill.stages.characterize import AttributeConfig
 
-        return AttributeConfig(events_run=events_run, dtype=self.dtype, device=self.device,
+        return AttributeConfig(events_run=events_run, split=self.rank_split, dtype=self.dtype, device=self.device,
                                selftest_events=self.selftest_events, exact_p2=self.exact_p2,
                                stability_splits=self.stability_splits, seed=self.seed)
 
@@ -167,9 +169,12 @@ def run_characterize(cfg: CharacterizeConfig) -> str:
     """The three instrument stages in order; returns the knock-in run id. A split without
     notes is refused before any step runs."""
     from mistill.stages.characterize import stage_notes
-    from mistill.stages.common import load_prepared
+    from mistill.stages.common import load_prepared, require_notes
 
-    stage_notes(load_prepared(cfg.prepare_run), cfg.split, cfg.max_notes)
+    prepared = load_prepared(cfg.prepare_run)
+    notes = stage_notes(prepared, cfg.split, cfg.max_notes)
+    if cfg.rank_split:
+        require_notes([n for n in notes if n.split == cfg.rank_split], cfg.rank_split, prepared, field="rank_split")
     ids = characterize_steps(cfg, _corpus_of_run(cfg.prepare_run))
     return ids["knockin"]
 
@@ -180,9 +185,15 @@ class PipelineConfig(Config):
 
     The fields passed on under their own name (``corpus`` ... ``model`` to ``prepare``, ``dtype``
     ... ``stability_splits`` to ``characterize``) are validated by those steps' configs.
+    teacher_split: the notes the teacher is ranked and knocked in on (``CharacterizeConfig.rank_split``;
+    the teacher's events cover every note, so the targets can read the training notes'): the
+    validation notes, the paper's 100 characterization notes (Sec. 4.2; empty: every note).
     student_split, train_split, eval_split: the notes the student is ranked on, the arms train
-    on and are evaluated on; each must hold notes with a teacher trace (checked once the corpus
-    is prepared, before any model step).
+    on and are evaluated on. Each split must hold notes with a teacher trace (checked once the
+    corpus is prepared, before any model step).
+    las_max_note_words: the LAS simulator's note cap (``LasSimulatorConfig.max_note_words``);
+    256 keeps the CPU demo quick, a demo setting (the paper's simulator reads the whole note:
+    0).
     train_arms: arms to train (names or ``.yaml`` paths, see ``TrainStageConfig.arm``); empty
     stops after characterization. train_max_steps: 0 lets the epochs decide.
     A corpus file, codes_file, select_lock and arm files given by path join the run's identity
@@ -192,7 +203,7 @@ class PipelineConfig(Config):
     corpus: str = "synthetic"
     corpus_name: str = ""
     privacy: str = "restricted"
-    n_notes: int = 4
+    n_notes: int = 8
     seed: int = 0
     inventory_size: int = 120
     codes_file: str = ""
@@ -201,11 +212,12 @@ class PipelineConfig(Config):
     device: str = "cpu"
     n_null: int = 10
     selftest_events: int = 1
-    exact_p2: bool = False
+    exact_p2: bool = True
     k_bins: tuple[int, ...] = (3, 8, 16, 40)
     range_gate: float = 1.0
     events_per_phase: int = 10
     stability_splits: int = 50
+    teacher_split: str = "val"
     student: str = "embedded:smollm2-135m@every-other"
     student_split: str = "val"
     train_split: str = "train"
@@ -218,6 +230,7 @@ class PipelineConfig(Config):
     eval_max_new_tokens: int = 96
     las_model: str = EMBEDDED_DEFAULT
     las_max_steps: int = 4
+    las_max_note_words: int = 256
     own_heads: bool = True
     report: bool = True
     launch: str = "mlflow"
@@ -232,7 +245,7 @@ class PipelineConfig(Config):
         self.characterize_config()
         check_model_spec(self.student, "student")
         check_model_spec(self.las_model, "las_model")
-        for field in ("student_split", "train_split", "eval_split"):
+        for field in ("teacher_split", "student_split", "train_split", "eval_split"):
             check_name(getattr(self, field), field, "a split", allow_empty=True)
         check_path(self.select_lock, "select_lock", "a lock file (.yaml)", allow_empty=True)
         check_arms(self.train_arms, "train_arms")
@@ -247,6 +260,7 @@ class PipelineConfig(Config):
         check_positive(self.eval_max_new_tokens, "eval_max_new_tokens")
         check_not_empty(self.las_model, "las_model", "a model spec")
         check_positive(self.las_max_steps, "las_max_steps")
+        check_non_negative(self.las_max_note_words, "las_max_note_words", "0: whole notes")
 
     def content_digests(self) -> dict[str, str]:
         """The content of the files the prepare step reads (a corpus file, ``codes_file``), of
@@ -274,23 +288,26 @@ class PipelineConfig(Config):
 
     def characterize_config(self, prepare_run: str = "") -> CharacterizeConfig:
         return CharacterizeConfig(prepare_run=prepare_run, model=self.model, dtype=self.dtype, device=self.device,
-                                  n_null=self.n_null, selftest_events=self.selftest_events,
+                                  rank_split=self.teacher_split, n_null=self.n_null,
+                                  selftest_events=self.selftest_events,
                                   exact_p2=self.exact_p2, k_bins=self.k_bins, range_gate=self.range_gate,
                                   events_per_phase=self.events_per_phase,
                                   stability_splits=self.stability_splits, seed=self.seed, launch=self.launch)
 
 
 def require_split_notes(cfg: PipelineConfig, prepare_run: str) -> None:
-    """Refuse, before any model step, a ``student_split``, ``train_split`` or ``eval_split``
-    without notes carrying a teacher trace in the prepared corpus (only read when arms train)."""
-    if not cfg.train_arms:
-        return
+    """Refuse, before any model step, a ``teacher_split`` (and, when arms train, a
+    ``student_split``, ``train_split`` or ``eval_split``) without notes carrying a teacher trace
+    in the prepared corpus."""
     from mistill.stages.characterize import stage_notes
     from mistill.stages.common import load_prepared
 
     prepared = load_prepared(prepare_run)
-    for field, split in (("student_split", cfg.student_split), ("train_split", cfg.train_split),
-                         ("eval_split", cfg.eval_split)):
+    splits = [("teacher_split", cfg.teacher_split)]
+    if cfg.train_arms:
+        splits += [("student_split", cfg.student_split), ("train_split", cfg.train_split),
+                   ("eval_split", cfg.eval_split)]
+    for field, split in splits:
         stage_notes(prepared, split, field=field)
 
 
@@ -331,7 +348,8 @@ def evaluation_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str,
     data = corpus_run(ids)
     out = {"las_simulator": run_step("las_simulator", LasSimulatorConfig(
         prepare_run=data, model=cfg.las_model, max_steps=cfg.las_max_steps, max_answer_tokens=32, max_val_notes=1,
-        seed=cfg.seed, device=cfg.device), corpus_name, launch=cfg.launch, parent=parent)}
+        max_note_words=cfg.las_max_note_words, seed=cfg.seed, device=cfg.device), corpus_name, launch=cfg.launch,
+        parent=parent)}
     common = {"prepare_run": data, "split": cfg.eval_split, "max_new_tokens": cfg.eval_max_new_tokens,
               "seed": cfg.seed, "las_run": out["las_simulator"], "device": cfg.device, "dtype": cfg.dtype}
     subjects = [("teacher", {"model": cfg.model, "arm": "teacher"}),

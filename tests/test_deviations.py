@@ -1,0 +1,99 @@
+"""docs/DEVIATIONS.md against the registry and the configs it names."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from mistill import deviations
+from mistill.deviations import (CONVENTIONS, DEVIATIONS, PAPER_SILENT, SET_BY_LOCK, Deviation,
+                                config_classes, deviations_in, field_default, markdown)
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "DEVIATIONS.md"
+PARAMETER = re.compile(r"^`([A-Za-z]+)\.([a-z_0-9]+)`$")
+
+
+def _doc_parameters() -> list[str]:
+    """Every ``Class.field`` in the parameter column of the document's first table."""
+    out = []
+    for line in DOC.read_text().splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        if len(cells) == 7 and PARAMETER.match(cells[3]):
+            m = PARAMETER.match(cells[3])
+            out.append(f"{m.group(1)}.{m.group(2)}")
+    return out
+
+
+def test_the_document_is_the_registry_rendered():
+    assert DOC.read_text() == markdown(), "regenerate: python -m mistill.deviations > docs/DEVIATIONS.md"
+
+
+def test_every_parameter_named_in_the_document_exists_in_a_config():
+    named = _doc_parameters()
+    assert len(named) == len(DEVIATIONS) > 0
+    classes = config_classes()
+    for parameter in named:
+        cls_name, name = parameter.split(".", 1)
+        assert cls_name in classes, f"{parameter}: no config class {cls_name}"
+        assert name in {f.name for f in dataclasses.fields(classes[cls_name])}, f"{parameter}: no such field"
+
+
+@pytest.mark.parametrize("d", DEVIATIONS, ids=lambda d: d.parameter)
+def test_the_registry_default_is_the_code_default(d: Deviation):
+    if d.default == SET_BY_LOCK:
+        with pytest.raises(KeyError, match="no default"):
+            field_default(d.parameter)
+    else:
+        assert deviations._same(field_default(d.parameter), d.default), d.parameter
+
+
+def test_each_parameter_is_listed_once_and_every_row_says_why():
+    params = [d.parameter for d in DEVIATIONS]
+    assert len(params) == len(set(params))
+    for d in (*DEVIATIONS, *CONVENTIONS):
+        assert d.choice and d.section.startswith(("App.", "Sec.")) and d.platform and d.why
+
+
+def _labelled_recon(cls: type, name: str) -> bool:
+    """True iff the class docstring says **[recon]** within 160 characters after naming
+    ``name``, or a comment in the 4 lines above the field's definition says it."""
+    import inspect
+
+    doc = inspect.getdoc(cls) or ""
+    for m in re.finditer(rf"\b{name}\b", doc):
+        if "[recon]" in doc[m.start():m.end() + 160]:
+            return True
+    lines = inspect.getsource(cls).splitlines()
+    for i, line in enumerate(lines):
+        if re.match(rf"\s+{name}\s*:", line) and "[recon]" in "\n".join(lines[max(0, i - 4):i + 1]):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("d", [d for d in DEVIATIONS if d.recon], ids=lambda d: d.parameter)
+def test_a_reconstruction_is_labelled_where_its_parameter_is_documented(d: Deviation):
+    assert _labelled_recon(config_classes()[d.class_name], d.field), \
+        f"{d.parameter}: the config's docstring does not label it **[recon]**"
+
+
+def test_deviations_in_flags_non_default_and_against_paper_values():
+    # the registry's own rows: min_abs_margin's default (0.5) differs from the paper's (0.0)
+    at_default = deviations_in("ArmConfig", {"min_abs_margin": 0.5, "pool_k": 40})
+    assert [(f["parameter"], f["kind"]) for f in at_default] == [("ArmConfig.min_abs_margin", "against_paper")]
+    off = deviations_in("ArmConfig", {"min_abs_margin": 0.0})
+    assert [f["kind"] for f in off] == ["non_default"]
+    # a paper-stated value at its default is not a finding; another value is
+    assert deviations_in("OwnHeadsConfig", {"n_random": 1}) == []
+    assert [f["value"] for f in deviations_in("OwnHeadsConfig", {"n_random": 3})] == [3]
+    # a [recon] value at its default is not a finding
+    assert deviations_in("ArmConfig", {"uld_alignment": "char_offset"}) == []
+    # another class's field of the same name is not read
+    assert deviations_in("TrainStageConfig", {"min_abs_margin": 0.0}) == []
+
+
+def test_paper_silent_rows_are_exactly_the_reconstructions():
+    for d in DEVIATIONS:
+        assert d.recon == (d.paper_value == PAPER_SILENT)
