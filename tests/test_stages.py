@@ -512,6 +512,13 @@ def test_selection_evaluation_own_heads_and_report_steps(pipeline, monkeypatch, 
     report = client.get_run(run_report(ReportConfig(corpus=pipeline["corpus"])))
     assert report.info.status == "FINISHED"
     assert any(p.endswith(".tex") for p in artifact_paths(client, report.info.run_id))
+    text = Path(client.download_artifacts(report.info.run_id, "report.md")).read_text()
+    for title in ("Table 11:", "Table 15:", "Table 39:", "Table 40:", "Table 41:", "Table 42:",
+                  "Table 47:", "Table 48:", "Table 49:", "Table 50:", "Table 51:",
+                  "## Deviations in these runs"):
+        assert title in text, title
+    # the fixture's Mistill arm has no prose-time set: its P1 window deviation is named
+    assert "p1_window_pool=emission" in text
 
 
 def resolve_arm_of(run) -> dict:
