@@ -121,10 +121,12 @@ class TrainingSpec:
 class SelectionRule:
     """Select by ``metric`` on ``split``; cells within ``tie_band`` (inclusive) of the best tie.
 
+    tie_band: the inclusive band (App. I.4's measured 0.004; **[recon]** the App. I.3 lock uses 0,
+        its pre-registered rule naming no band).
     tie_break: a metric name (the higher value wins the tie) or :data:`SMALLEST_LAMBDA` (the
-        smallest λ wins, App. O).
-    validity_floor: cells whose ``validity_metric`` is below it (or not measured) are ineligible
-        (App. O's 0.95); None = no floor.
+        smallest λ wins, App. O; **[recon]** on an untied grid (λ_P1, λ_P2) compare in that order).
+    validity_floor: cells whose ``validity_metric`` is below it are ineligible (App. O's 0.95);
+        **[recon]** a cell whose rate was not measured is ineligible too; None = no floor.
     validity_metric: the valid-answer rate's metric name (the ``evaluate`` stage's ``valid_rate``).
     tie_fallback: **[recon]** what decides a tie the tie-break metric leaves (after a NaN
         tie-break ranks last): entries of ``metric`` (the higher selection metric),
@@ -157,8 +159,8 @@ class EdgeRule:
     """When the pick sits on the grid's edge, run the cell one step outward; it joins the grid and
     the band and the tie rule are applied again. A further extension beyond the new edge runs only
     if the new edge cell beats the previous pick by more than the band; at most
-    ``max_extensions`` outward cells in all. ``outward`` fixes the first outward value per axis
-    and side."""
+    ``max_extensions`` outward cells in all (**[recon]**: extensions continue only beyond the cell
+    last added). ``outward`` fixes the first outward value per axis and side."""
 
     extend: bool
     max_extensions: int = 1
