@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 from mistill.config import Config, file_digest
 from mistill.errors import MistillInputError
 from mistill.models.loading import EMBEDDED_DEFAULT
-from mistill.validation import check_choice, check_non_negative, check_not_empty, check_positive
+from mistill.validation import (check_choice, check_name, check_non_negative, check_not_empty,
+                                check_positive)
 
 if TYPE_CHECKING:
     from mistill.stages.characterize import AttributeConfig, EventsConfig, KnockinStageConfig
@@ -123,6 +124,7 @@ class CharacterizeConfig(Config):
         from mistill.validation import check_no_text_fields
 
         check_no_text_fields(self)
+        check_name(self.rank_split, "rank_split", "a split", allow_empty=True)
         self.events_config()  # each step's config validates the fields it takes
         self.attribute_config()
         self.knockin_config()
@@ -241,12 +243,12 @@ class PipelineConfig(Config):
                                         check_path)
 
         check_no_text_fields(self)
+        for field in ("teacher_split", "student_split", "train_split", "eval_split"):
+            check_name(getattr(self, field), field, "a split", allow_empty=True)
         self.prepare_config()  # the prepare and characterize steps validate what they take
         self.characterize_config()
         check_model_spec(self.student, "student")
         check_model_spec(self.las_model, "las_model")
-        for field in ("teacher_split", "student_split", "train_split", "eval_split"):
-            check_name(getattr(self, field), field, "a split", allow_empty=True)
         check_path(self.select_lock, "select_lock", "a lock file (.yaml)", allow_empty=True)
         check_arms(self.train_arms, "train_arms")
         check_not_empty(self.student, "student", "a model spec")
