@@ -1,4 +1,7 @@
-"""MLflow entry point `characterize`: parse the parameters, run the stage (see mistill.stages.registry)."""
+"""MLflow entry point `characterize`: parse the parameters, run the stage (see mistill.stages.registry).
+
+The same as `mistill characterize ...`; `--help` lists the parameters with their meaning and default.
+"""
 
 import sys
 from pathlib import Path

@@ -1,41 +1,344 @@
-"""Command line of the entry point scripts: ``--name value`` pairs into the stage's config."""
+"""Command line of every stage: ``mistill <stage> --name value ...``, ``python projects/<stage>.py``.
+
+The options are generated from the stage's config dataclass (:mod:`mistill.stages.registry`):
+one ``--<field>`` per field, whose help gives the field's meaning (read from the config class's
+docstring, :func:`field_meanings`), type and default. ``--name value``, ``--name=value`` and
+``--name-with-dashes`` are accepted; every value is passed as given to ``Config.from_dict``, which
+checks it against the field's type, so a boolean reads ``true``/``false`` as ``mlflow run`` passes
+it (``--flag`` alone means ``true``).
+
+Before a run is created the command line refuses, with exit code 2, an unknown option (naming the
+closest known one), a value that does not fit its field, and a required input run left empty; it
+then makes one request to the tracking server, so an unreachable server is reported (exit code 3)
+before the stage loads anything.
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import difflib
+import inspect
+import re
 import sys
+import textwrap
+import typing
 from collections.abc import Sequence
+from typing import Any
 
 from mistill.errors import MistillInputError, TrackingUnavailableError
-from mistill.tracking.lease import LeaseError
-from mistill.tracking.privacy import PrivacyError
-from mistill.tracking.purge import RunNotPurgedError
-from mistill.validation import TextValueError
+
+if typing.TYPE_CHECKING:
+    from mistill.stages.registry import Stage
+
+EXIT_INPUT, EXIT_UNREACHABLE, EXIT_BUSY = 2, 3, 4
+CLOSE_MATCH = 0.5
+"""Least :class:`difflib.SequenceMatcher` ratio at which an unknown option or stage is shown the
+known one it is closest to (``n_notez`` -> ``n_notes``: 0.86; ``lambda_p1`` -> ``max_steps``:
+0.33, not shown)."""
+EXIT_STATUS = ("exit status: 0 done; 2 bad input; 3 tracking server unreachable "
+               "(rerun the same command once it is back: the run resumes); 4 an identical run is "
+               "held by another live process")
 
 
-def parse_args(argv: Sequence[str]) -> dict[str, str]:
-    out: dict[str, str] = {}
+# ----------------------------------------------------------------------- meanings from docstrings
+_IDENT = re.compile(r"[a-z_][a-z0-9_]*")
+_SEPARATOR = re.compile(r"[ \t]*(?:,|/|and(?=\s))\s*")
+_ROLE = re.compile(r":[a-z]+:`(~?)([^`]*)`")
+_PARAGRAPH_END = re.compile(r"\n[ \t]*\n")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Label:
+    """``name (constraint), other: `` in a docstring: where it starts and ends, what it names."""
+
+    start: int
+    end: int
+    names: tuple[str, ...]
+    constraints: dict[str, str]
+
+
+def _bracket_end(text: str, i: int) -> int:
+    """Index just past the bracketed group that opens at ``text[i]``, or -1 if it never closes.
+
+    ``(`` and ``[`` open, ``)`` and ``]`` close, so that half-open intervals such as
+    ``(in (0, 1])`` close where a reader expects."""
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] in "([":
+            depth += 1
+        elif text[j] in ")]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return -1
+
+
+def _skip_blanks(text: str, j: int) -> int:
+    while j < len(text) and text[j] in " \t":
+        j += 1
+    return j
+
+
+def _label_at(text: str, i: int, fields: set[str]) -> _Label | None:
+    """The label starting at ``text[i]``, if one does: field names (each optionally in double
+    backticks and followed by a bracketed constraint) separated by ``,``, ``/`` or ``and``, then
+    ``:`` and a blank. Every name must be a field."""
+    names: list[str] = []
+    constraints: dict[str, str] = {}
+    j = i
+    while True:
+        ticks = text.startswith("``", j)
+        match = _IDENT.match(text, j + 2 if ticks else j)
+        if match is None or match.group() not in fields:
+            return None
+        j = match.end()
+        if ticks:
+            if not text.startswith("``", j):
+                return None
+            j += 2
+        names.append(match.group())
+        k = _skip_blanks(text, j)
+        if text.startswith("(", k):
+            end = _bracket_end(text, k)
+            if end < 0:
+                return None
+            constraints[match.group()] = " ".join(text[k + 1:end - 1].split())
+            j = end
+            k = _skip_blanks(text, j)
+        if text.startswith(":", k) and (k + 1 == len(text) or text[k + 1].isspace()):
+            if len(constraints) == 1 and names[-1] in constraints:  # ``a, b (>= 1):`` bounds both
+                constraints = dict.fromkeys(names, constraints[names[-1]])
+            return _Label(i, k + 1, tuple(names), constraints)
+        sep = _SEPARATOR.match(text, j)
+        if sep is None or sep.end() == j:
+            return None
+        j = sep.end()
+
+
+def _may_start_label(text: str, i: int) -> bool:
+    """A label starts a line, follows ``;`` or ``.`` and a blank, or (in double backticks)
+    follows any blank."""
+    if text[i] not in "`abcdefghijklmnopqrstuvwxyz_" or (i > 0 and (text[i - 1].isalnum()
+                                                                      or text[i - 1] in "_`")):
+        return False
+    before = text[:i].rstrip(" \t")
+    if not before or before.endswith("\n"):
+        return True
+    if len(before) == i:  # no blank before it
+        return False
+    return before.endswith((";", ".")) or text[i] == "`"
+
+
+def _clean(text: str) -> str:
+    """Docstring markup to plain text on one line, without a trailing separator."""
+    text = _ROLE.sub(lambda m: m.group(2).rsplit(".", 1)[-1] if m.group(1) else m.group(2), text)
+    text = text.replace("``", "").replace("**", "")
+    return " ".join(text.split()).rstrip(" ;,.")
+
+
+def field_meanings(cls: type) -> dict[str, str]:
+    """What each field of a config class means, from its docstring: field -> meaning.
+
+    The docstrings describe fields as ``name: meaning``, ``name (constraint): meaning`` or
+    ``a, b (constraint), c: shared meaning``, at the start of a line or after ``;`` or ``.``;
+    a meaning runs to the next such label or the end of its paragraph. A constraint is appended
+    to the meaning in brackets; one after the last of several names, the others having none,
+    bounds them all. Fields the docstring does not describe are left out.
+    """
+    doc = inspect.cleandoc(cls.__doc__ or "")
+    body = doc.split("\n", 1)[1] if "\n" in doc else ""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    labels: list[_Label] = []
     i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--"):
-            raise MistillInputError(f"expected --name value, got {arg!r}", field="argv")
-        key, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(argv):
-                raise MistillInputError(f"--{key} needs a value", field=key)
-            value = argv[i + 1]
+    while i < len(body):
+        label = _label_at(body, i, fields) if _may_start_label(body, i) else None
+        if label is None:
             i += 1
-        out[key.replace("-", "_")] = value
-        i += 1
+            continue
+        labels.append(label)
+        i = label.end
+    out: dict[str, str] = {}
+    for label, following in zip(labels, [*labels[1:], None]):
+        text = body[label.end:following.start if following is not None else len(body)]
+        meaning = _clean(_PARAGRAPH_END.split(text, 1)[0])
+        for name in label.names:
+            full = f"{meaning} ({label.constraints[name]})" if name in label.constraints else meaning
+            if full:
+                out[name] = f"{out[name]}; {full}" if name in out else full
     return out
 
 
-def main(stage_name: str, argv: Sequence[str] | None = None) -> str:
+# ---------------------------------------------------------------------------------- the parser
+class _UsageError(Exception):
+    """argparse refused the command line (raised instead of exiting, so the stage's message
+    and exit code apply)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        raise _UsageError(message)
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Help wrapped at blanks only: a default such as ``embedded:smollm2-135m`` stays whole."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=30, width=100)
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_long_words=False, break_on_hyphens=False)
+
+
+def param_text(value: Any) -> str:
+    """A value as the command line (and ``MLproject``) writes it: ``true``/``false``,
+    comma-separated lists, ``''`` for the empty string."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (tuple, list)):
+        value = ",".join(str(v) for v in value)
+    return str(value) if str(value) else "''"
+
+
+_TYPE_WORDS = {int: ("INT", "integer"), float: ("FLOAT", "number"), bool: ("BOOL", "true or false"),
+               str: ("STR", "string")}
+
+
+def type_words(annotation: Any) -> tuple[str, str]:
+    """``(metavar, description)`` of a field's type: ``("INT", "integer")``,
+    ``("INT,...", "comma-separated integers")``."""
+    if annotation in _TYPE_WORDS:
+        return _TYPE_WORDS[annotation]
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (tuple, list) and args and args[0] in _TYPE_WORDS:
+        metavar, word = _TYPE_WORDS[args[0]]
+        plural = {"true or false": "booleans"}.get(word, f"{word}s")
+        return f"{metavar},...", f"comma-separated {plural}"
+    return "VALUE", str(annotation)
+
+
+def option_help(stage: Stage, name: str, annotation: Any, default: Any, meaning: str) -> str:
+    """One option's help: its meaning, what input run it takes, its type and default."""
+    parts = [meaning] if meaning else []
+    for lineage, f in stage.inputs.items():
+        if f == name:
+            need = "Optional" if lineage in stage.optional else "Required"
+            parts.append(f"{need}: {stage.input_description(lineage)}")
+    sentences = [p if p.endswith(".") else f"{p}." for p in parts]
+    typed = f"[{type_words(annotation)[1]}; default: {param_text(default)}]"
+    return " ".join([*sentences, typed]).replace("%", "%%")  # argparse formats help with %
+
+
+def stage_parser(stage: Stage, prog: str | None = None) -> argparse.ArgumentParser:
+    """The command line of one stage, generated from its config class."""
+    cls = stage.config
+    doc = inspect.cleandoc(cls.__doc__ or "").split("\n\n", 1)[0]
+    parser = _Parser(prog=prog or f"mistill {stage.name}", allow_abbrev=False, formatter_class=_Formatter,
+                     description=f"{stage.name}: {stage.help}.\n\n{textwrap.fill(' '.join(doc.split()), 96)}",
+                     epilog=textwrap.fill(EXIT_STATUS, 96))
+    hints = typing.get_type_hints(cls)
+    meanings = field_meanings(cls)
+    inputs = set(stage.inputs.values())
+    for f in dataclasses.fields(cls):
+        metavar = "RUN_ID" if f.name in inputs else type_words(hints[f.name])[0]
+        extra: dict[str, Any] = {"nargs": "?", "const": "true"} if hints[f.name] is bool else {}
+        parser.add_argument(f"--{f.name}", metavar=metavar, default=argparse.SUPPRESS,
+                            help=option_help(stage, f.name, hints[f.name], f.default, meanings.get(f.name, "")),
+                            **extra)
+    return parser
+
+
+def _dashes_to_underscores(argv: Sequence[str], names: set[str]) -> list[str]:
+    """``--n-notes`` -> ``--n_notes`` where that names a field."""
+    out = []
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        fixed = key.replace("-", "_")
+        if key.startswith("--") and key not in names and f"--{fixed[2:]}" in names:
+            arg = f"--{fixed[2:]}{eq}{value}"
+        out.append(arg)
+    return out
+
+
+def _unknown_error(stage: Stage, extra: Sequence[str]) -> MistillInputError:
+    """The error for what argparse left over: unknown options (each with the closest known
+    one) or a value that belongs to no option."""
+    fields = [f.name for f in dataclasses.fields(stage.config)]
+    unknown, stray, after_unknown = [], [], False
+    for arg in extra:
+        if arg.startswith("-") and arg != "-":
+            unknown.append(arg.lstrip("-").partition("=")[0].replace("-", "_"))
+            after_unknown = "=" not in arg
+        elif after_unknown:
+            after_unknown = False  # the unknown option's value
+        else:
+            stray.append(arg)
+    if not unknown:
+        return MistillInputError(f"expected --name value, got {stray[0]!r} (`mistill {stage.name} --help` "
+                                 "lists the options)", field="argv")
+    hints = []
+    for name in unknown:
+        closest = difflib.get_close_matches(name, fields, n=1, cutoff=CLOSE_MATCH)
+        hints.append(f"--{name} is not an option of {stage.name}" + (
+            f"; the closest is --{closest[0]}" if closest else "; no option is close to it"))
+    return MistillInputError(f"unknown parameter(s) {unknown}: {'; '.join(hints)} (`mistill {stage.name} --help` "
+                             "lists the options)", field=unknown[0])
+
+
+def parse_stage_args(stage: Stage, argv: Sequence[str], prog: str | None = None) -> dict[str, str]:
+    """The values given on the command line, by field name, as strings (unconverted: the
+    config's ``from_dict`` checks them). ``--help`` prints the help and exits with code 0.
+
+    Raises:
+        MistillInputError: an unknown option, a value that belongs to no option, or an option
+            without its value.
+    """
+    parser = stage_parser(stage, prog)
+    names = {f"--{f.name}" for f in dataclasses.fields(stage.config)}
+    try:
+        given, extra = parser.parse_known_args(_dashes_to_underscores(argv, names))
+    except _UsageError as exc:
+        message = str(exc)
+        option = re.search(r"argument --(\w+)", message)
+        if option and "expected one argument" in message:
+            message = f"--{option.group(1)} needs a value"
+        raise MistillInputError(message, field=option.group(1) if option else "argv") from None
+    if extra:
+        raise _unknown_error(stage, extra)
+    return dict(vars(given))
+
+
+# ------------------------------------------------------------------------------------ running
+def check_tracking_server() -> str:
+    """The tracking URI every client of this process uses, after one request to it.
+
+    ``MLFLOW_TRACKING_URI``, else the project's server under the mistill root, started if needed
+    (as a stage's own run would): the input runs are then read from the server the stage writes
+    to, never from a local store. An unreachable server raises the MLflow error that
+    :func:`~mistill.tracking.connection.tracking_errors` reports (exit code 3).
+    """
+    import os
+
+    from mlflow.tracking import MlflowClient
+
+    from mistill.stages.common import mistill_root
+    from mistill.tracking.runs import resolve_tracking_uri
+
+    uri = resolve_tracking_uri(mistill_root())
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+    return uri
+
+
+def main(stage_name: str, argv: Sequence[str] | None = None, *, prog: str | None = None) -> str:
     """Run one entry point; prints and returns the run id.
 
     Exits with code 2 on bad input, 3 when the tracking server cannot be reached (the run is
     left as it was: rerunning the same command resumes it), 4 when an identical run is held by
-    another live process and waiting was refused; the message goes to stderr. Under
+    another live process and waiting was refused; the message goes to stderr. ``--help``
+    prints the stage's options and exits with code 0. Bad options, values and missing required
+    input runs are refused before the tracking server is contacted; the server is then asked
+    once, before the stage starts (:func:`check_tracking_server`). Under
     ``mlflow run``, a run that ``mlflow run`` opened but the stage never adopted (refused input,
     a refused busy run) is ended and deleted, so a refusal leaves no run behind. When the refusal
     is of text (protected note text, :class:`~mistill.tracking.privacy.PrivacyError`, or a
@@ -43,41 +346,81 @@ def main(stage_name: str, argv: Sequence[str] | None = None) -> str:
     holds the ``-P`` values as params, is purged from the tracking store instead
     (:func:`purge_launched_run`).
     """
-    from mistill.stages.registry import stages
+    from mistill.stages.registry import stage as find_stage
     from mistill.tracking.connection import configure_client_timeouts, tracking_errors
+    from mistill.tracking.lease import LeaseError  # imports MLflow: not needed for `mistill --help`
+    from mistill.tracking.privacy import PrivacyError
+    from mistill.tracking.purge import RunNotPurgedError
+    from mistill.validation import TextValueError
 
-    stage = stages()[stage_name]
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.pop("help", None) is not None:
-        print(f"{stage.name}: {stage.help}\nparameters: {stage.config().to_dict()}")
-        return ""
+    stage = find_stage(stage_name)
     try:
+        args = parse_stage_args(stage, sys.argv[1:] if argv is None else argv, prog)
         configure_client_timeouts()
         with tracking_errors():
             cfg = stage.config.from_dict(args, source=f"entry point {stage_name}")
+            stage.check_inputs(cfg)
             cfg.check_environment()
+            check_tracking_server()
             run_id = stage.run(cfg)
     except PrivacyError as exc:
         print(f"mistill {stage_name}: {exc}", file=sys.stderr)
         if not isinstance(exc, RunNotPurgedError):  # that one says what is left to do
             purge_launched_run(stage_name)
-        raise SystemExit(2) from None
+        raise SystemExit(EXIT_INPUT) from None
     except MistillInputError as exc:
         print(f"mistill {stage_name}: {exc}", file=sys.stderr)
         if isinstance(exc, TextValueError):
             purge_launched_run(stage_name)
         else:
             discard_launched_run()
-        raise SystemExit(2) from None
+        raise SystemExit(EXIT_INPUT) from None
     except LeaseError as exc:
         print(f"mistill {stage_name}: {exc}", file=sys.stderr)
         discard_launched_run()
-        raise SystemExit(4) from None
+        raise SystemExit(EXIT_BUSY) from None
     except TrackingUnavailableError as exc:
         print(f"mistill {stage_name}: {exc}", file=sys.stderr)
-        raise SystemExit(3) from None
+        raise SystemExit(EXIT_UNREACHABLE) from None
     print(f"mistill {stage_name}: run {run_id}")
     return run_id
+
+
+def overview() -> str:
+    """``mistill --help``: usage, every stage with its one-line help, the exit codes."""
+    from mistill.stages.registry import stage_help
+
+    table = stage_help()
+    width = max(len(name) for name in table) + 2
+    rows = "\n".join(textwrap.fill(text, 96, initial_indent=f"  {name:<{width}}",
+                                    subsequent_indent=" " * (width + 2)) for name, text in table.items())
+    return (f"usage: mistill <stage> [--name value ...]\n       mistill <stage> --help\n\n"
+            f"Run one stage of the platform (each is also an MLflow entry point: "
+            f"`mlflow run . -e <stage>`).\n\nstages:\n{rows}\n\n{textwrap.fill(EXIT_STATUS, 96)}\n")
+
+
+def console(argv: Sequence[str] | None = None) -> int:
+    """The ``mistill`` command: ``mistill <stage> [--name value ...]``; returns the exit status.
+
+    ``mistill --help`` lists the stages, ``mistill <stage> --help`` a stage's options.
+    """
+    from mistill.stages.registry import stage_help
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(overview(), file=sys.stdout if args else sys.stderr, end="")
+        return 0 if args else EXIT_INPUT
+    name, rest = args[0], args[1:]
+    if name not in stage_help():
+        closest = difflib.get_close_matches(name, list(stage_help()), n=1, cutoff=CLOSE_MATCH)
+        hint = f"; the closest is {closest[0]!r}" if closest else ""
+        print(f"mistill: unknown stage {name!r}{hint} (`mistill --help` lists the stages)", file=sys.stderr)
+        return EXIT_INPUT
+    try:
+        main(name, rest, prog=f"mistill {name}")
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return 0
 
 
 def discard_launched_run() -> None:
@@ -121,7 +464,7 @@ def purge_launched_run(stage_name: str) -> None:
     from mlflow.tracking import MlflowClient
 
     from mistill.stages.common import mistill_root
-    from mistill.tracking.purge import gc_command, purge_run
+    from mistill.tracking.purge import RunNotPurgedError, gc_command, purge_run
     from mistill.tracking.runs import TAG_STAGE
 
     launched = os.environ.get("MLFLOW_RUN_ID")
@@ -144,3 +487,7 @@ def purge_launched_run(stage_name: str) -> None:
         return
     print(f"mistill {stage_name}: run {launched} that `mlflow run` opened held the refused value: it is "
           "deleted and purged from the tracking store", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    raise SystemExit(console())

@@ -1,7 +1,9 @@
 """Write ``MLproject`` from the stage table: one entry point per stage, typed parameters.
 
 MLflow parameter types are ``string``, ``float``, ``path`` and ``uri``: integers are declared
-``float`` and checked as integers by the stage's config; booleans and lists are strings.
+``float`` and checked as integers by the stage's config; booleans and lists are strings. A
+required input run (:meth:`~mistill.stages.registry.Stage.required_inputs`) has no default, so
+``mlflow run`` refuses to start without it; an optional one defaults to empty.
 Run ``python -m mistill.stages.mlproject`` after adding a stage or a parameter; a test checks
 that the committed file is current.
 """
@@ -41,7 +43,7 @@ def render() -> str:
     lines = [HEADER]
     for stage in stages().values():
         hints = typing.get_type_hints(stage.config)
-        required = set(stage.inputs.values())
+        required = set(stage.required_inputs().values())
         lines.append(f"  {stage.name}:")
         lines.append("    parameters:")
         args = []

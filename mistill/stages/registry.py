@@ -1,79 +1,156 @@
 """Every MLflow entry point: its config class, its run function, and its input runs.
 
 ``MLproject`` is generated from this table (``python -m mistill.stages.mlproject``), so the
-entry points, their typed parameters and their defaults cannot drift from the code.
+entry points, their typed parameters and their defaults cannot drift from the code; the command
+line of every stage (:mod:`mistill.stages.cli`) is generated from it too.
+
+Each stage's input runs are required unless listed as optional: a required one left empty is
+refused by the command line before any run is created (:meth:`Stage.check_inputs`). Optional
+inputs are those a stage can run without: ``train``'s ``student_attribute_run`` (Mistill arms
+refuse its absence themselves, before their run starts), ``evaluate``'s and ``own_heads``'
+``train_run`` (a plain ``model`` instead) and ``evaluate``'s ``las_run`` (no LAS), and
+``select_lambda``'s ``student_attribute_run`` (only the lock's arm knows whether it needs one).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from mistill.config import Config
+from mistill.errors import MistillInputError
 
 
 @dataclass(frozen=True)
 class Stage:
-    """One entry point. ``inputs`` maps a lineage name to the config field holding that run id."""
+    """One entry point. ``inputs`` maps a lineage name to the config field holding that run id.
+
+    optional: lineage names that may be left empty (every other input is required).
+    sources: the stage whose run an input names, where it is not the lineage name itself
+        (``teacher_attribute`` -> ``attribute``).
+    stands_for: the stage whose runs this stage's runs can replace as an input
+        (``shortlist`` and ``generate`` write a prepared corpus: use them as ``prepare_run``).
+    """
 
     name: str
     config: type[Config]
     run: Callable[[Config], str]
     inputs: dict[str, str]
     help: str
+    optional: frozenset[str] = frozenset()
+    sources: Mapping[str, str] = field(default_factory=dict)
+    stands_for: str = ""
 
     def input_runs(self, cfg: Config) -> dict[str, str]:
         """Lineage of a config: the input runs it names (optional inputs left empty are omitted)."""
         return {name: getattr(cfg, field) for name, field in self.inputs.items() if getattr(cfg, field)}
 
+    def required_inputs(self) -> dict[str, str]:
+        """The inputs the stage cannot run without: lineage name -> config field."""
+        return {name: f for name, f in self.inputs.items() if name not in self.optional}
+
+    def input_stage(self, name: str) -> str:
+        """The stage whose run the input ``name`` names."""
+        return self.sources.get(name, name)
+
+    def input_description(self, name: str) -> str:
+        """What the input ``name`` takes, e.g. "the run id of a `targets` run"."""
+        source = self.input_stage(name)
+        standing = [e.name for e in _TABLE if e.stands_for == source]
+        also = f" (or of a {' or '.join(f'`{s}`' for s in standing)} run)" if standing else ""
+        article = "an" if source[:1] in "aeiou" else "a"
+        return f"the run id of {article} `{source}` run{also}"
+
+    def check_inputs(self, cfg: Config) -> None:
+        """Refuse a config that leaves a required input run empty, naming the field and the
+        stage whose run it takes. Needs no tracking server."""
+        for name, f in self.required_inputs().items():
+            if not getattr(cfg, f):
+                raise MistillInputError(f"{f} is required: {self.input_description(name)}", field=f)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One row of the table: where the stage's config class and run function live."""
+
+    name: str
+    module: str
+    config: str
+    run: str
+    inputs: dict[str, str]
+    help: str
+    optional: frozenset[str] = frozenset()
+    sources: Mapping[str, str] = field(default_factory=dict)
+    stands_for: str = ""
+
+
+_TABLE = (
+    _Entry("prepare", "mistill.stages.prepare", "PrepareConfig", "run_prepare", {},
+           "inventory, corpus and prompts"),
+    _Entry("shortlist", "mistill.stages.shortlist", "ShortlistConfig", "run_shortlist", {"prepare": "prepare_run"},
+           "the retrieved shortlist: a prepared corpus whose prompts list it (use as prepare_run)",
+           stands_for="prepare"),
+    _Entry("generate", "mistill.stages.generate", "GenerateConfig", "run_generate", {"prepare": "prepare_run"},
+           "a model's traces under the paper's decoding: flags, rates, a traced corpus (use as prepare_run)",
+           stands_for="prepare"),
+    _Entry("events", "mistill.stages.characterize", "EventsConfig", "run_events", {"prepare": "prepare_run"},
+           "decision events per note, realized in the model's tokenizer, and the margin audit"),
+    _Entry("attribute", "mistill.stages.characterize", "AttributeConfig", "run_attribute",
+           {"events": "events_run"}, "attribution pass, exact patches, calibration and global head sets"),
+    _Entry("knockin", "mistill.stages.characterize", "KnockinStageConfig", "run_knockin",
+           {"attribute": "attribute_run"}, "necessity and knock-in of the global sets against controls"),
+    _Entry("targets", "mistill.stages.distill", "TargetsConfig", "run_targets",
+           {"teacher_attribute": "teacher_attribute_run"},
+           "the teacher's targets on the training notes: top-32, pooled bucket rows, m and c",
+           sources={"teacher_attribute": "attribute"}),
+    _Entry("train", "mistill.stages.distill", "TrainStageConfig", "run_train",
+           {"targets": "targets_run", "student_attribute": "student_attribute_run"},
+           "one arm at one seed with the shared recipe; the checkpoint registered per arm and seed",
+           optional=frozenset({"student_attribute"}), sources={"student_attribute": "attribute"}),
+    _Entry("evaluate", "mistill.stages.evaluate", "EvaluateConfig", "run_evaluate",
+           {"prepare": "prepare_run", "train": "train_run", "las": "las_run"},
+           "a model or trained arm on a split: predictions, task metrics, fidelity (PPL, BLEU-4, LAS), M1",
+           optional=frozenset({"train", "las"}), sources={"las": "las_simulator"}),
+    _Entry("las_simulator", "mistill.stages.las", "LasSimulatorConfig", "run_las_simulator",
+           {"prepare": "prepare_run"},
+           "the frozen LAS simulator: fine-tuned once on the teacher's traces (note + rationale, note alone)"),
+    _Entry("own_heads", "mistill.stages.own_heads", "OwnHeadsConfig", "run_own_heads",
+           {"prepare": "prepare_run", "train": "train_run"},
+           "mechanism readouts on an arm's own heads (M4 knock-in and floors, M2, M3, prefix share; own traces)",
+           optional=frozenset({"train"})),
+    _Entry("select_lambda", "mistill.stages.select_lambda", "SelectLambdaConfig", "run_select_lambda",
+           {"prepare": "prepare_run", "targets": "targets_run", "student_attribute": "student_attribute_run"},
+           "pre-registered λ selection: a locked grid on Optuna, each cell trained and evaluated once",
+           optional=frozenset({"student_attribute"}), sources={"student_attribute": "attribute"}),
+    _Entry("characterize", "mistill.stages.workflow", "CharacterizeConfig", "run_characterize",
+           {"prepare": "prepare_run"}, "events -> attribute -> knockin, reusing identical finished runs"),
+    _Entry("pipeline", "mistill.stages.workflow", "PipelineConfig", "run_pipeline", {},
+           "the whole platform on one corpus: prepare, then every stage that exists"),
+    _Entry("report", "mistill.stages.report", "ReportConfig", "run_report", {},
+           "the paper's tables and figures from the tracking store, paired note-level tests"),
+)
+
+
+def stage_help() -> dict[str, str]:
+    """Every stage's one-line help, in pipeline order, without importing any stage module."""
+    return {e.name: e.help for e in _TABLE}
+
+
+def _stage(entry: _Entry) -> Stage:
+    module = importlib.import_module(entry.module)
+    return Stage(entry.name, getattr(module, entry.config), getattr(module, entry.run), dict(entry.inputs),
+                 entry.help, optional=entry.optional, sources=dict(entry.sources), stands_for=entry.stands_for)
+
+
+def stage(name: str) -> Stage:
+    """One stage, importing only its own module."""
+    entries = {e.name: e for e in _TABLE}
+    if name not in entries:
+        raise KeyError(name)
+    return _stage(entries[name])
+
 
 def stages() -> dict[str, Stage]:
-    from mistill.stages.characterize import (AttributeConfig, EventsConfig, KnockinStageConfig,
-                                             run_attribute, run_events, run_knockin)
-    from mistill.stages.distill import TargetsConfig, TrainStageConfig, run_targets, run_train
-    from mistill.stages.evaluate import EvaluateConfig, run_evaluate
-    from mistill.stages.generate import GenerateConfig, run_generate
-    from mistill.stages.own_heads import OwnHeadsConfig, run_own_heads
-    from mistill.stages.prepare import PrepareConfig, run_prepare
-    from mistill.stages.report import ReportConfig, run_report
-    from mistill.stages.select_lambda import SelectLambdaConfig, run_select_lambda
-    from mistill.stages.shortlist import ShortlistConfig, run_shortlist
-    from mistill.stages.las import LasSimulatorConfig, run_las_simulator
-    from mistill.stages.workflow import (CharacterizeConfig, PipelineConfig, run_characterize,
-                                         run_pipeline)
-
-    table = [
-        Stage("prepare", PrepareConfig, run_prepare, {}, "inventory, corpus and prompts"),
-        Stage("shortlist", ShortlistConfig, run_shortlist, {"prepare": "prepare_run"},
-              "the retrieved shortlist: a prepared corpus whose prompts list it (use as prepare_run)"),
-        Stage("generate", GenerateConfig, run_generate, {"prepare": "prepare_run"},
-              "a model's traces under the paper's decoding: flags, rates, a traced corpus (use as prepare_run)"),
-        Stage("events", EventsConfig, run_events, {"prepare": "prepare_run"},
-              "decision events per note, realized in the model's tokenizer, and the margin audit"),
-        Stage("attribute", AttributeConfig, run_attribute, {"events": "events_run"},
-              "attribution pass, exact patches, calibration and global head sets"),
-        Stage("knockin", KnockinStageConfig, run_knockin, {"attribute": "attribute_run"},
-              "necessity and knock-in of the global sets against controls"),
-        Stage("targets", TargetsConfig, run_targets, {"teacher_attribute": "teacher_attribute_run"},
-              "the teacher's targets on the training notes: top-32, pooled bucket rows, m and c"),
-        Stage("train", TrainStageConfig, run_train,
-              {"targets": "targets_run", "student_attribute": "student_attribute_run"},
-              "one arm at one seed with the shared recipe; the checkpoint registered per arm and seed"),
-        Stage("evaluate", EvaluateConfig, run_evaluate,
-              {"prepare": "prepare_run", "train": "train_run", "las": "las_run"},
-              "a model or trained arm on a split: predictions, task metrics, fidelity (PPL, BLEU-4, LAS), M1"),
-        Stage("las_simulator", LasSimulatorConfig, run_las_simulator, {"prepare": "prepare_run"},
-              "the frozen LAS simulator: fine-tuned once on the teacher's traces (note + rationale, note alone)"),
-        Stage("own_heads", OwnHeadsConfig, run_own_heads, {"prepare": "prepare_run", "train": "train_run"},
-              "mechanism readouts on an arm's own heads (M4 knock-in and floors, M2, M3, prefix share; own traces)"),
-        Stage("select_lambda", SelectLambdaConfig, run_select_lambda,
-              {"prepare": "prepare_run", "targets": "targets_run", "student_attribute": "student_attribute_run"},
-              "pre-registered λ selection: a locked grid on Optuna, each cell trained and evaluated once"),
-        Stage("characterize", CharacterizeConfig, run_characterize, {"prepare": "prepare_run"},
-              "events -> attribute -> knockin, reusing identical finished runs"),
-        Stage("pipeline", PipelineConfig, run_pipeline, {},
-              "the whole platform on one corpus: prepare, then every stage that exists"),
-        Stage("report", ReportConfig, run_report, {},
-              "the paper's tables and figures from the tracking store, paired note-level tests"),
-    ]
-    return {s.name: s for s in table}
+    """Every stage, in pipeline order."""
+    return {e.name: _stage(e) for e in _TABLE}
