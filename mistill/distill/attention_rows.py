@@ -12,7 +12,7 @@ rotary on both (skipped on NoPE layers); ``probs = softmax(scaling * q k^T)`` ov
 
 The heads' outputs are rebuilt from the same rows (``z_h = probs_h v_kv(h)``), and
 :func:`contribution` turns a pool's outputs into the share of the margin its direct path
-writes (SPEC section 4 [recon]). :func:`region_mass` is the pooled attention on region buckets.
+writes ([recon]; docs/METHOD.md). :func:`region_mass` is the pooled attention on region buckets.
 
 Numerics: the projections and q/k norms run in the parameters' dtype, exactly as the layer
 runs them; rotary, scores, softmax and everything after are float32 with autocast off.

@@ -1,4 +1,4 @@
-"""Loss functions of the distillation arms (SPEC section 4; paper Sec. 4.1, App. I.1-I.2, J.2-J.3,
+"""Loss functions of the distillation arms (docs/METHOD.md; paper Sec. 4.1, App. I.1-I.2, J.2-J.3,
 M.1 tier E).
 
 Every function is plain torch, differentiable with respect to the student's inputs; teacher
@@ -35,7 +35,7 @@ App. M.1 multiplies both terms by 4 at the teacher's event and window tokens). T
 logits are computed ``chunk`` positions at a time under ``torch.utils.checkpoint``, so
 ``[pos, vocab]`` is never held: only one chunk's logits live at a time, forward and backward.
 
-**Mistill terms** per phase P ([recon] defaults of SPEC section 4):
+**Mistill terms** per phase P ([recon] defaults, docs/METHOD.md):
 
 - ``L_attn,P = mean_r KL(a_bar_T(r) || a_bar_S(r))`` (:func:`attention_term`);
 - ``L_int,P = mean_e (m_S(e) c_S(e) - m_T(e) c_T(e))^2`` (:func:`interaction_term`);

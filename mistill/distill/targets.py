@@ -1,4 +1,4 @@
-"""The teacher side of Mistill, computed once per note (paper App. I.5; SPEC section 4).
+"""The teacher side of Mistill, computed once per note (paper App. I.5; docs/METHOD.md).
 
 One forward of the teacher over the note's prompt + trace, without gradients, keeps the input
 hidden states of the layers its pools touch (:class:`~mistill.distill.attention_rows.LayerInputs`)
