@@ -6,11 +6,18 @@
   column of points per comparison, with the mean and its bootstrap interval.
 * :func:`lambda_frontier_figure`: the λ selection grid's validation metric against λ, one
   marker per cell coloured by its state, the tie-break value in the hover text.
+
+Legends name what a line is (:func:`series_label`): the arm, its λ and its seeds, and the model
+when several are shown; never a run id. Log axes are ticked at the values plotted (0.01, 0.03,
+0.1, ...), written as numbers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import pandas as pd
 
@@ -18,16 +25,92 @@ from mistill.errors import MistillInputError
 
 __all__ = [
     "lambda_frontier_figure",
+    "log_axis_ticks",
     "paired_differences_figure",
     "recovery_figure",
     "recovery_long_from_own",
     "recovery_long_from_sets",
+    "selection_labels",
+    "series_label",
 ]
 
 _PHASE_ORDER = ("P1", "P2", "P2C")
 _FLOOR_COLOURS = {"random": "#7f7f7f", "bottom": "#d62728"}
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf",
             "#bcbd22", "#d62728", "#7f7f7f")
+
+
+_RUN_ID = re.compile(r"\b[0-9a-f]{32}\b")
+_LAMBDA_COLUMNS = ("lambda", "lambda_p1")
+MAX_LOG_TICKS = 12
+"""Above this many distinct values a log axis is ticked at 1, 2 and 5 of each decade instead."""
+
+
+def _present(value: Any) -> bool:
+    if value is None:
+        return False
+    try:
+        return not pd.isna(value) and str(value) != ""
+    except (TypeError, ValueError):  # a list or array: present
+        return True
+
+
+def _number(value: Any) -> str:
+    try:
+        return format(float(value), "g")
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _seeds(seeds: Any) -> str | None:
+    values = sorted({int(s) for s in (seeds if isinstance(seeds, Iterable) and not isinstance(seeds, str)
+                                      else [seeds]) if _present(s)})
+    if not values:
+        return None
+    return f"seed {values[0]}" if len(values) == 1 else "seeds " + ",".join(str(v) for v in values)
+
+
+def series_label(arm: Any = None, lam: Any = None, seeds: Any = None, model: Any = None,
+                 extra: str = "") -> str:
+    """A legend name: ``[<model>: ]<arm>[ λ=<λ>][, seed(s) <s>][ <extra>]``.
+
+    model: shown as run names show it (``embedded:smollm2-135m`` -> ``smollm2-135m``; a
+    checkpoint ``run:<id>`` is left out); lam: a number, ``"<λ_P1>,<λ_P2>"`` or a pair; seeds:
+    one seed or several. A run id never appears: any 32-hex token is dropped.
+    """
+    from mistill.tracking.runs import lambda_label, short_model
+
+    parts = []
+    if _present(arm):
+        parts.append(str(arm))
+    if _present(lam):
+        label = lambda_label(lam if isinstance(lam, (str, list, tuple)) else float(lam))
+        if label:
+            parts.append(f"λ={label}")
+    head = " ".join(parts) or "model"
+    if _present(model) and (shown := short_model(str(model))):
+        head = f"{shown}: {head}"
+    seed_text = _seeds(seeds) if seeds is not None else None
+    text = head + (f", {seed_text}" if seed_text else "") + (f" {extra}" if extra else "")
+    return re.sub(r"\s+", " ", _RUN_ID.sub("", text)).strip()
+
+
+def log_axis_ticks(values: Iterable[float]) -> dict[str, list]:
+    """``tickvals``/``ticktext`` for a log axis: the positive values plotted, written as numbers
+    (``0.01``, ``0.03``, ``0.1``); above :data:`MAX_LOG_TICKS` of them, 1, 2 and 5 of every
+    decade they span."""
+    vals = sorted({float(v) for v in values if _present(v) and float(v) > 0})
+    if not vals:
+        return {}
+    if len(vals) > MAX_LOG_TICKS:
+        lo, hi = math.floor(math.log10(vals[0])), math.ceil(math.log10(vals[-1]))
+        vals = [m * 10.0 ** e for e in range(lo, hi + 1) for m in (1, 2, 5)
+                if vals[0] <= m * 10.0 ** e <= vals[-1]] or vals[:1]
+    return {"tickvals": vals, "ticktext": [format(v, "g") for v in vals]}
+
+
+def _lambda_column(df: pd.DataFrame) -> str | None:
+    return next((c for c in _LAMBDA_COLUMNS if c in df.columns), None)
 
 
 def _phases(values: Sequence[str]) -> list[str]:
@@ -38,23 +121,38 @@ def _phases(values: Sequence[str]) -> list[str]:
 
 def recovery_long_from_sets(per_note_sets: pd.DataFrame) -> pd.DataFrame:
     """Knock-in rows of ``knockin`` runs as the figure's input: per (model, phase, k, set) the
-    median recovery over notes; ``random`` and ``bottom`` are floors."""
+    median recovery over notes; ``random`` and ``bottom`` are floors. With several models each
+    series is named ``<model>: <set>`` (the model as run names show it, never a run id)."""
     g = per_note_sets.groupby(["model", "phase", "k", "set"], sort=True)["recovery"].median()
     out = g.reset_index()
-    out["series"] = out["set"] if out["model"].nunique() <= 1 else \
-        out["model"].astype(str) + " " + out["set"]
+    if out["model"].nunique() <= 1:
+        out["series"] = out["set"].astype(str)
+    else:
+        out["series"] = [series_label(arm=s, model=m) for m, s in zip(out["model"], out["set"])]
     out["floor"] = out["set"].isin(["random", "bottom"])
     return out[["phase", "k", "series", "recovery", "floor"]]
 
 
 def recovery_long_from_own(per_note_own: pd.DataFrame) -> pd.DataFrame:
-    """Own-heads rows as the figure's input: per (model, arm, phase, k) the mean over seeds of
-    the median over notes of ``recovery_own``, and the same of ``recovery_random`` as a floor."""
-    seed_medians = per_note_own.groupby(["model", "arm", "seed", "phase", "k"], dropna=False)[
+    """Own-heads rows as the figure's input: per (model, arm[, λ], phase, k) the mean over seeds
+    of the median over notes of ``recovery_own``, and the same of ``recovery_random`` as a floor.
+
+    Each series is named by :func:`series_label`: the arm, its λ (a ``lambda`` or ``lambda_p1``
+    column, when present) and the seeds averaged, with the model when several are shown.
+    """
+    lam = _lambda_column(per_note_own)
+    df = per_note_own.copy()
+    df["_lam"] = [_number(v) if _present(v) else "" for v in df[lam]] if lam else ""
+    several = df["model"].nunique() > 1
+    df["series"] = ""
+    for _, grp in df.groupby(["model", "arm", "_lam"], dropna=False, sort=False):
+        df.loc[grp.index, "series"] = series_label(
+            arm=grp["arm"].iloc[0], lam=grp["_lam"].iloc[0] or None, seeds=grp["seed"].tolist(),
+            model=grp["model"].iloc[0] if several else None)
+    seed_medians = df.groupby(["series", "seed", "phase", "k"], dropna=False)[
         ["recovery_own", "recovery_random"]].median()
-    means = seed_medians.groupby(["model", "arm", "phase", "k"], dropna=False).mean().reset_index()
-    several = means["model"].nunique() > 1
-    name = (means["model"].astype(str) + " " if several else "") + means["arm"].astype(str)
+    means = seed_medians.groupby(["series", "phase", "k"], dropna=False).mean().reset_index()
+    name = means["series"]
     own = pd.DataFrame({"phase": means["phase"], "k": means["k"], "series": name,
                         "recovery": means["recovery_own"], "floor": False})
     floor = pd.DataFrame({"phase": means["phase"], "k": means["k"], "series": name + " (random)",
@@ -140,11 +238,38 @@ def paired_differences_figure(differences: pd.DataFrame, summary: pd.DataFrame, 
     return fig
 
 
+def selection_labels(cells: pd.DataFrame) -> dict[str, str]:
+    """One legend name per ``selection`` of λ cells: :func:`series_label` of its ``arm``,
+    ``seed`` and (when several) ``model`` columns; selections that would share a name are told
+    apart by their own name when it holds no run id, else by their order (``selection 2``)."""
+    several = "model" in cells.columns and cells["model"].nunique() > 1
+    first = cells.drop_duplicates("selection")
+    base = {}
+    for _, row in first.iterrows():
+        sel = str(row["selection"])
+        if "arm" in cells.columns and _present(row.get("arm")):
+            base[sel] = series_label(arm=row["arm"], seeds=row.get("seed"),
+                                     model=row.get("model") if several else None)
+        else:
+            base[sel] = "" if _RUN_ID.search(sel) else sel
+    counts = pd.Series(list(base.values())).value_counts()
+    out = {}
+    for i, (sel, name) in enumerate(base.items(), start=1):
+        if name and counts[name] == 1:
+            out[sel] = name
+        elif not _RUN_ID.search(sel) and sel != name:
+            out[sel] = f"{name} ({sel})" if name else sel
+        else:
+            out[sel] = f"{name} (selection {i})" if name else f"selection {i}"
+    return out
+
+
 def lambda_frontier_figure(cells: pd.DataFrame, title: str = "λ selection: validation frontier"):
     """``cells`` of ``select_lambda`` runs (``lambda_p1, lambda_p2, metric, tie_break, state``;
-    optional ``selection`` naming the run and boolean ``picked``): the validation metric against
-    λ_P1 on a log axis, one line per selection run and λ_P2 (when it differs from λ_P1),
-    markers by state, the picked cells circled."""
+    optional ``selection`` naming the run, ``arm``, ``seed``, ``model`` and boolean ``picked``):
+    the validation metric against λ_P1 on a log axis ticked at the λ values, one line per
+    selection run and λ_P2 (when it differs from λ_P1), markers by state, the picked cells
+    circled. Lines are named by :func:`selection_labels`."""
     import plotly.graph_objects as go
 
     need = ["lambda_p1", "lambda_p2", "metric", "tie_break", "state"]
@@ -157,8 +282,10 @@ def lambda_frontier_figure(cells: pd.DataFrame, title: str = "λ selection: vali
     if "selection" not in df.columns:
         df["selection"] = "selection"
     same = bool((df["lambda_p1"] == df["lambda_p2"]).all())
-    df["line"] = df["selection"].astype(str) if same else \
-        df["selection"].astype(str) + " λ_P2=" + df["lambda_p2"].astype(str)
+    names = selection_labels(df)
+    df["line"] = df["selection"].astype(str).map(names)
+    if not same:
+        df["line"] = df["line"] + " λ_P2=" + df["lambda_p2"].map(_number)
     symbols = ["circle", "square", "diamond", "x", "triangle-up", "star", "cross"]
     states = list(dict.fromkeys(df["state"].astype(str)))
     fig = go.Figure()
@@ -178,7 +305,7 @@ def lambda_frontier_figure(cells: pd.DataFrame, title: str = "λ selection: vali
                                  name="pick", marker={"size": 22, "symbol": "circle-open",
                                                       "color": "#d62728", "line": {"width": 2}},
                                  hoverinfo="skip"))
-    fig.update_xaxes(type="log", title_text="λ (P1)" if not same else "λ")
+    fig.update_xaxes(type="log", title_text="λ (P1)" if not same else "λ", **log_axis_ticks(df["lambda_p1"]))
     fig.update_yaxes(title_text="validation metric")
     subtitle = "markers: " + ", ".join(f"{symbols[i % len(symbols)]} = {s}"
                                        for i, s in enumerate(states))

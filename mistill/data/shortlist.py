@@ -364,10 +364,10 @@ class Retriever:
         note's scores depend on that note alone, whichever corpus or split it is read in; only
         the pooled features and the zero-shot row are kept, not the chunk embeddings.
         """
-        from tqdm.auto import tqdm
+        from mistill.progress import track
 
         xs, zs = [], []
-        for note in tqdm(notes, desc=desc, leave=False):
+        for note in track(notes, desc=desc, leave=False):
             emb = self.encoder.encode(self.note_chunks(note), batch_size=self.settings.batch_size)
             xs.append(pool_chunks(emb))
             if zero_shot:

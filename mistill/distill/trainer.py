@@ -25,12 +25,12 @@ import numpy as np
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from tqdm.auto import tqdm
 
 from mistill.config import Config
 from mistill.errors import MistillInputError
 from mistill.instrument.passes import stable_seed
 from mistill.io import atomic_open
+from mistill.progress import track
 
 PRECISIONS = ("bf16", "fp32")
 
@@ -224,7 +224,7 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------------
     def train(self, *, stop_after: int | None = None, progress: bool = True) -> int:
         """Train to the end of the schedule (or for ``stop_after`` more optimizer steps)."""
-        bar = tqdm(total=self.total, initial=self.step, desc="train", disable=not progress)
+        bar = track(total=self.total, initial=self.step, desc="train", disable=not progress)
         done_now = 0
         while self.step < self.total and self.epoch < self.recipe.epochs:
             order = epoch_order(self.n, self.recipe.seed, self.epoch)

@@ -231,7 +231,7 @@ def train_simulator(model: torch.nn.Module, pairs: Sequence[tuple[Encoded, Encod
     (``torch.manual_seed(seed)``), so two calls with one seed on CPU give identical weights.
     The model is left in eval mode with gradients off (frozen).
     """
-    from tqdm.auto import tqdm
+    from mistill.progress import track
 
     if not pairs:
         raise MistillInputError("no training notes with a teacher trace", field="split")
@@ -242,7 +242,7 @@ def train_simulator(model: torch.nn.Module, pairs: Sequence[tuple[Encoded, Encod
                             weight_decay=weight_decay, foreach=False)
     losses: list[float] = []
     steps = _step_order(len(pairs), max_steps, seed)
-    for i in tqdm(steps, total=max_steps, desc="las simulator", disable=not progress):
+    for i in track(steps, total=max_steps, desc="las simulator", disable=not progress):
         a, b = pairs[i]
         loss = 0.5 * (answer_loss(model, a) + answer_loss(model, b))
         opt.zero_grad(set_to_none=True)

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from mistill.config import Config
 from mistill.instrument.attribution import (exact_importance, fidelity, first_order, first_order_batch,
@@ -22,6 +21,7 @@ from mistill.instrument.attribution import (exact_importance, fidelity, first_or
 from mistill.instrument.hooks import HeadHook
 from mistill.instrument.patching import Query, clean_read, knock_in, mean_ablate
 from mistill.instrument.runner import KVPrefix, Runner
+from mistill.progress import track
 
 PHASES = ("P1", "P2", "P2C")
 K_BINS = (3, 8, 16, 40, 100)
@@ -153,7 +153,7 @@ def attribute_note(runner: Runner, hook: HeadHook, note_id: str, input_ids: torc
     null_exact = set(rng.permutation(null_idx)[:n_null_exact].tolist()) if null_idx else set()
     order = sorted(range(n_ev), key=lambda i: -events[i].query.position)
     selftest: list[dict] = []
-    bar = tqdm(total=n_ev, desc=f"attribute {note_id}", leave=False, disable=not progress)
+    bar = track(total=n_ev, desc=f"attribute {note_id}", leave=False, disable=not progress)
     for g0 in range(0, n_ev, max(1, cfg.grad_batch)):
         group = order[g0:g0 + max(1, cfg.grad_batch)]
         prefix.crop(events[group[0]].query.position)  # rows see the prefix before their own position
@@ -404,7 +404,7 @@ def knockin_sweep(runner: Runner, hook: HeadHook, note_id: str, input_ids: torch
     for w, item in enumerate(work):
         todo += [(match.query.position, "donor", i, w, match) for i, match in item.matches]
     necessity, knockin = [], []
-    for position, role, i, w, match in tqdm(sorted(todo, key=lambda t: -t[0]), desc=f"knock-in {note_id}",
+    for position, role, i, w, match in track(sorted(todo, key=lambda t: -t[0]), desc=f"knock-in {note_id}",
                                             leave=False, disable=not progress):
         prefix.crop(position)
         if role == "own":

@@ -109,7 +109,7 @@ class SentenceEncoder:
         callers that need bit-identical embeddings encode the same group of texts together, as
         the retriever does with each note's chunks.
         """
-        from tqdm.auto import tqdm
+        from mistill.progress import track
 
         texts = list(texts)
         out = torch.zeros(len(texts), self.dim, dtype=torch.float32)
@@ -117,7 +117,7 @@ class SentenceEncoder:
             return out
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
         starts = range(0, len(order), batch_size)
-        for s in tqdm(starts, desc=progress, disable=progress is None, leave=False):
+        for s in track(starts, desc=progress, disable=progress is None, leave=False):
             idx = order[s:s + batch_size]
             enc = self.tokenizer([texts[i] for i in idx], padding=True, truncation=True,
                                  max_length=self.max_tokens, return_tensors="pt")

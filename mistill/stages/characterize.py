@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
 
 from mistill.config import Config
 from mistill.data.corpus import Note
@@ -32,6 +31,7 @@ from mistill.instrument.passes import (DONOR_NO_MATCH, AttributionConfig, CleanE
 from mistill.instrument.patching import Query
 from mistill.instrument.runner import Runner
 from mistill.models.loading import EMBEDDED_DEFAULT, load_model
+from mistill.progress import track
 from mistill.stages.common import (NoteInput, Prepared, RunReader, load_prepared, log_corpus_input,
                                    mistill_root, model_positions, note_input, privacy_guard, require_notes)
 from mistill.validation import (check_choice, check_choices, check_counts, check_device, check_dtype, check_interval,
@@ -121,7 +121,7 @@ def run_events(cfg: EventsConfig) -> str:
         runner = Runner(lm, chunk_size=cfg.chunk_size)
         codes = list(prepared.inventory.codes)
         done = run.finished_notes(NOTES)
-        for note in tqdm(notes, desc="events"):
+        for note in track(notes, desc="events"):
             if note.note_id in done:
                 continue
             ni = note_input(note, prepared.inventory, lm.tokenizer,
@@ -371,7 +371,7 @@ def run_attribute(cfg: AttributeConfig) -> str:
         reader = _SelfReader(run)
         kind_means: dict[str, list[np.ndarray]] = {p: [] for p in ("P1", "P2", "P2C")}
         selftests: list[dict] = []
-        for note in tqdm(notes, desc="attribute"):
+        for note in track(notes, desc="attribute"):
             if note.note_id in done:
                 att = NoteAttribution.from_npz(reader._path(note.note_id, "attribution.npz"), note.note_id)
                 selftests += reader.json(note.note_id, "selftest.json")["rows"]
@@ -620,7 +620,7 @@ def _knockin_notes(run, notes: list[Note], done: set[str], inputs: _KnockinInput
     clean: dict[int, CleanEvents] = {}
     necessity: dict[int, list[dict]] = {}
     knockin: dict[int, list[dict]] = {j: [] for j in todo}
-    for step in tqdm(sorted(set(todo) | set(schedule)), desc="knock-in"):
+    for step in track(sorted(set(todo) | set(schedule)), desc="knock-in"):
         d = step % n
         own = step < n and d in left
         mine = inputs(notes[d])

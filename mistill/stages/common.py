@@ -119,7 +119,7 @@ def load_prepared(run_id: str) -> Prepared:
     from mlflow.tracking import MlflowClient
 
     from mistill.io import read_json
-    from mistill.tracking.runs import TAG_CORPUS_DIGEST
+    from mistill.tracking.runs import TAG_CORPUS_DIGEST, quiet_downloads
 
     client = MlflowClient()
     try:
@@ -138,7 +138,8 @@ def load_prepared(run_id: str) -> Prepared:
         data_dir.mkdir(parents=True, exist_ok=True)
         for name in (CORPUS_FILE, INVENTORY_FILE, CORPUS_META_FILE):
             # the returned path is where the file landed (MLflow 3 drops the "data/" folder)
-            got = client.download_artifacts(run_id, f"data/{name}", str(data_dir.parent / f".{run_id}-dl"))
+            with quiet_downloads():
+                got = client.download_artifacts(run_id, f"data/{name}", str(data_dir.parent / f".{run_id}-dl"))
             os.replace(got, data_dir / name)
     meta = read_json(data_dir / CORPUS_META_FILE)
     verify_prepared(run, data_dir, meta)
@@ -199,14 +200,14 @@ def _run_identity(run: Run) -> dict[str, Any]:
     from mlflow.tracking import MlflowClient
 
     from mistill.io import read_json
-    from mistill.tracking.runs import CONFIG_ARTIFACT, CONTENT_SUFFIX
+    from mistill.tracking.runs import CONFIG_ARTIFACT, CONTENT_SUFFIX, quiet_downloads
 
     local = mistill_root() / "work" / run.info.run_id / CONFIG_ARTIFACT
     try:
         if local.is_file():
             data = read_json(local)
         else:
-            with tempfile.TemporaryDirectory(prefix="mistill-cfg-") as tmp:
+            with tempfile.TemporaryDirectory(prefix="mistill-cfg-") as tmp, quiet_downloads():
                 data = read_json(MlflowClient().download_artifacts(run.info.run_id, CONFIG_ARTIFACT, tmp))
     except (MlflowException, MistillInputError, OSError):
         return {}
@@ -472,14 +473,17 @@ class RunReader:
         return self._config
 
     def file(self, artifact_path: str) -> Path:
-        """Local path of an artifact (downloaded into the run's work dir if needed)."""
+        """Local path of an artifact (downloaded into the run's work dir if needed, without a
+        progress bar: these are single small files)."""
         import tempfile
+
+        from mistill.tracking.runs import quiet_downloads
 
         local = self.work_dir / artifact_path
         if local.is_file():
             return local
         local.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=local.parent, prefix=".dl-") as tmp:
+        with tempfile.TemporaryDirectory(dir=local.parent, prefix=".dl-") as tmp, quiet_downloads():
             try:
                 got = self.client.download_artifacts(self.run_id, artifact_path, tmp)
             except Exception:  # noqa: BLE001

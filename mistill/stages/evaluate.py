@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
-from tqdm.auto import tqdm
 
 from mistill.config import Config
 from mistill.errors import MistillInputError
@@ -38,6 +37,7 @@ from mistill.evaluation.m1 import m1_summary, note_margins, trace_perplexity
 from mistill.evaluation.metrics import bleu4, per_note_metrics, task_metrics
 from mistill.evaluation.parsing import CodeIndex, parse_answer, split_reasoning
 from mistill.io import write_text
+from mistill.progress import track
 from mistill.stages.characterize import stage_notes
 from mistill.stages.common import (Subject, load_prepared, log_corpus_input, mistill_root, model_positions,
                                    note_input, privacy_guard, trained_subject)
@@ -147,7 +147,7 @@ def run_evaluate(cfg: EvaluateConfig) -> str:
         codes = list(prepared.inventory.codes)
         index = CodeIndex(codes)
         done = run.finished_notes(NOTES)
-        for note in tqdm(notes, desc=f"evaluate {arm}"):
+        for note in track(notes, desc=f"evaluate {arm}"):
             if note.note_id in done:
                 continue
             ni = note_input(note, prepared.inventory, lm.tokenizer,

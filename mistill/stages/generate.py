@@ -30,7 +30,6 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
-from tqdm.auto import tqdm
 
 from mistill.config import Config
 from mistill.data.corpus import Corpus, Note
@@ -40,6 +39,7 @@ from mistill.evaluation.backends import make_backend
 from mistill.evaluation.generation import DecodingConfig, generation_record, note_seed
 from mistill.evaluation.parsing import CodeIndex
 from mistill.models.loading import EMBEDDED_DEFAULT, load_tokenizer
+from mistill.progress import track
 from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE, TAG_DATA_DIR,
                                    TAG_DATA_IDENTITY, Prepared, corpus_index, load_prepared,
                                    log_corpus_input, mistill_root, prepared_data_dir, privacy_guard,
@@ -191,7 +191,7 @@ def run_generate(cfg: GenerateConfig) -> str:
         if todo:
             backend = make_backend(cfg.backend, cfg.model, decoding, device=cfg.device, dtype=cfg.dtype)
             index = CodeIndex(inventory.codes)
-            bar = tqdm(total=len(todo), desc="generate")
+            bar = track(total=len(todo), desc="generate")
             for start in range(0, len(todo), cfg.batch_size):
                 batch = todo[start:start + cfg.batch_size]
                 items = [(build_prompt(n, n.shortlist, inventory, backend.tokenizer,

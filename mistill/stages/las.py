@@ -91,7 +91,7 @@ def _examples(notes, index):
 def run_las_simulator(cfg: LasSimulatorConfig) -> str:
     """Train (or reuse) the simulator; returns the run id."""
     import pandas as pd
-    from tqdm.auto import tqdm
+    from mistill.progress import track
 
     from mistill.evaluation.las import (Simulator, encode_pair, las_per_note, save_simulator, set_f1,
                                         train_simulator)
@@ -148,7 +148,7 @@ def run_las_simulator(cfg: LasSimulatorConfig) -> str:
         if cfg.max_val_notes > 0:
             val = val[:cfg.max_val_notes]
         rows = []
-        for ex in tqdm(val, desc="las sanity (val)"):
+        for ex in track(val, desc="las sanity (val)"):
             with_r = set(sim.predict(ex.note_text, ex.rationale))
             without = set(sim.predict(ex.note_text, None))
             teacher = set(ex.answer)

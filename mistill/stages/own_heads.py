@@ -3,7 +3,8 @@
 1. Rank the arm's heads with the instrument, teacher-forced on the ``rank_split`` notes: the
    ``events`` and ``attribute`` stages on the arm's model, launched through
    :func:`mistill.stages.workflow.run_step`, so an identical finished ranking is reused (every
-   readout of one arm shares it) and the ranking runs stay visible with their own lineage.
+   readout of one arm shares it) and the ranking runs stay visible with their own lineage; a
+   ranking run started here is nested under the ``own_heads`` run (``mlflow.parentRunId``).
 2. On the ``test_split`` notes, teacher-forced on the teacher's traces: M4 (knock-in recovery of
    the own top-k into the next note's context at matched events, beside count-matched random
    floors, and necessity), M2 (region lift of the own
@@ -33,12 +34,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
-from tqdm.auto import tqdm
-
 from mistill.config import Config
 from mistill.data.corpus import Note
 from mistill.errors import MistillInputError
 from mistill.instrument.passes import DONOR_NO_MATCH, PHASES, donor_order
+from mistill.progress import get_logger, track
 from mistill.stages.common import (Prepared, RunReader, Subject, load_prepared, log_corpus_input, mistill_root,
                                    model_positions, privacy_guard, trained_subject)
 from mistill.stages.workflow import LAUNCHES
@@ -50,6 +50,8 @@ OWN_NOTES = "own_notes"
 OWN_TRACES = "own_traces"
 OWN_TRACE_FILE = "generation.json"
 TRACES = ("teacher", "own")
+
+_log = get_logger("own_heads")
 
 
 @dataclass(frozen=True)
@@ -130,8 +132,9 @@ def _arm(cfg: OwnHeadsConfig) -> Subject:
     return trained_subject(cfg.train_run) if cfg.train_run else Subject(spec=cfg.model)
 
 
-def _rank_steps(cfg: OwnHeadsConfig, spec: str, corpus_name: str) -> dict[str, str]:
-    """events + attribute of the arm on ``rank_split`` (reused when identical runs exist)."""
+def _rank_steps(cfg: OwnHeadsConfig, spec: str, corpus_name: str, parent: str | None = None) -> dict[str, str]:
+    """events + attribute of the arm on ``rank_split`` (reused when identical runs exist); runs
+    started here are nested under ``parent`` (the ``own_heads`` run)."""
     from mistill.stages.characterize import AttributeConfig, EventsConfig
     from mistill.stages.workflow import run_step
 
@@ -141,11 +144,11 @@ def _rank_steps(cfg: OwnHeadsConfig, spec: str, corpus_name: str) -> dict[str, s
         ev = run_step("events", EventsConfig(prepare_run=cfg.prepare_run, model=spec, dtype=cfg.dtype,
                                              device=cfg.device, split=cfg.rank_split, max_notes=cfg.max_notes,
                                              n_null=cfg.n_null, seed=cfg.seed, chunk_size=cfg.chunk_size),
-                      corpus_name, launch=cfg.launch)
+                      corpus_name, launch=cfg.launch, parent=parent)
         att = run_step("attribute", AttributeConfig(events_run=ev, dtype=cfg.dtype, device=cfg.device,
                                                     stability_splits=cfg.stability_splits, seed=cfg.seed,
                                                     chunk_size=cfg.chunk_size, batch_size=cfg.batch_size),
-                       corpus_name, launch=cfg.launch)
+                       corpus_name, launch=cfg.launch, parent=parent)
     finally:
         if launched is not None:
             os.environ["MLFLOW_RUN_ID"] = launched
@@ -206,19 +209,18 @@ def run_own_heads(cfg: OwnHeadsConfig) -> str:
     arm = _arm(cfg)
     prepared = load_prepared(cfg.prepare_run)
     notes = _test_notes(prepared, cfg)
-    ranked = _rank_steps(cfg, arm.spec, prepared.corpus.name)
     guard = privacy_guard(prepared.corpus)
     inputs = {"prepare": cfg.prepare_run, **({"train": cfg.train_run} if cfg.train_run else {})}
-    tags = dict(arm.links)
-    tags.update({"mistill.rank_events": ranked["events"], "mistill.rank_attribute": ranked["attribute"],
-                 TAG_SPLIT: cfg.test_split})
+    tags = {**arm.links, TAG_SPLIT: cfg.test_split}
     with StageRun("own_heads", cfg, corpus=prepared.corpus.name, guard=guard, model=arm.spec,
                   arm=arm.arm, seed=cfg.seed if arm.seed is None else arm.seed,
                   precision=arm.precision, corpus_digest=prepared.corpus.digest,
                   inputs=inputs, tags=tags, resume=True, root=mistill_root()) as run:
         if run.reused:
-            print(f"own_heads: reusing finished run {run.run_id}")
+            _log.info("own_heads: reusing finished run %s (%s)", run.run_name, run.run_id)
             return run.run_id
+        ranked = _rank_steps(cfg, arm.spec, prepared.corpus.name, parent=run.run_id)
+        run.set_tags({"mistill.rank_events": ranked["events"], "mistill.rank_attribute": ranked["attribute"]})
         log_corpus_input(run, prepared)
         lm = load_model(arm.spec, dtype=cfg.dtype, device=cfg.device)
         runner, hook = Runner(lm, chunk_size=cfg.chunk_size), HeadHook(lm.geometry)
@@ -289,7 +291,7 @@ def _teacher_pass(run, ctx: _Context, notes: list[Note]) -> None:
         return cache[note.note_id]
 
     n = len(notes)
-    for i, note in enumerate(tqdm(notes, desc="own_heads teacher traces")):
+    for i, note in enumerate(track(notes, desc="own_heads teacher traces")):
         if note.note_id in done:
             continue
         donors = (case(notes[d]) for d in donor_order(n, i, wrap=ctx.cfg.donor_wrap))
@@ -333,7 +335,7 @@ def _own_pass(run, ctx: _Context, notes: list[Note]) -> dict[str, float]:
     done = run.finished_notes(OWN_NOTES)
     kept = set() if run.guard.allows_text else run.finished_notes(OWN_TRACES)
     cases, recs, closed, generated = {}, {}, 0, 0
-    for note in tqdm(notes, desc="own_heads generations"):
+    for note in track(notes, desc="own_heads generations"):
         rec = recs[note.note_id] = _generate(run, ctx, note, kept)
         generated += 1
         if rec["capped"]:
@@ -346,7 +348,7 @@ def _own_pass(run, ctx: _Context, notes: list[Note]) -> dict[str, float]:
         if case.phase_events():
             cases[note.note_id] = case
     usable = [n for n in notes if n.note_id in cases]
-    for i, note in enumerate(tqdm(usable, desc="own_heads own traces")):
+    for i, note in enumerate(track(usable, desc="own_heads own traces")):
         if note.note_id in done:
             continue
         donors = (cases[usable[d].note_id] for d in donor_order(len(usable), i, wrap=ctx.cfg.donor_wrap))
@@ -394,5 +396,5 @@ def _aggregate(run, cfg: OwnHeadsConfig, notes: list[Note], coverage: dict[str, 
                     first_k.loc[first_k["phase"] == phase, "n_events"].sum())
     metrics.update(coverage)
     run.log_metrics(metrics)
-    print(f"own_heads: {len(notes)} notes -> run {run.run_id}")
+    _log.info("own_heads: %d notes -> run %s (%s)", len(notes), run.run_name, run.run_id)
     return run.run_id

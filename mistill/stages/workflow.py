@@ -5,11 +5,18 @@ same entry point with the same typed parameters, the same input runs and the sam
 version (:func:`mistill.tracking.runs.find_run` pages through every candidate and compares
 typed values); reuse it when found, else launch the entry point with
 ``mlflow.projects.run(..., env_manager="local")`` and wait for it.
+
+A step started for a parent run (the pipeline's, or the ``own_heads`` run ranking its arm) is
+nested under it from its start (``mlflow.parentRunId``), whether it runs in this process or in a
+launched one. The pipeline run tags each step (``mistill.step.<name>``) as the step finishes, so
+a pipeline that stops part-way shows the steps it completed; it ends FAILED on an error and
+KILLED on SIGTERM or Ctrl-C.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,17 +24,43 @@ from typing import TYPE_CHECKING
 from mistill.config import Config, file_digest
 from mistill.errors import MistillInputError
 from mistill.models.loading import EMBEDDED_DEFAULT
+from mistill.progress import get_logger
 from mistill.validation import (check_choice, check_name, check_non_negative, check_not_empty,
                                 check_positive)
 
 if TYPE_CHECKING:
     from mistill.stages.characterize import AttributeConfig, EventsConfig, KnockinStageConfig
     from mistill.stages.prepare import PrepareConfig
+    from mistill.tracking.runs import StageRun
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LAUNCHES = ("mlflow", "inline")
 """How a workflow runs its steps: ``mlflow`` (``mlflow.projects.run``, a fresh process each) or
 ``inline`` (the stage function in this process)."""
+STEP_TAG = "mistill.step."
+"""The pipeline run's tag ``mistill.step.<name>`` = the run id of its step ``<name>``."""
+
+_log = get_logger("workflow")
+
+OnStep = Callable[[str, str], None]
+"""Called as ``on_step(name, run_id)`` when a workflow step has finished (or was reused)."""
+
+
+class Steps(dict):
+    """A workflow's steps, name -> run id, reporting each to ``on_step`` as it is set."""
+
+    def __init__(self, on_step: OnStep | None = None) -> None:
+        super().__init__()
+        self.on_step = on_step
+
+    def __setitem__(self, name: str, run_id: str) -> None:
+        super().__setitem__(name, run_id)
+        if self.on_step is not None:
+            self.on_step(name, run_id)
+
+    def record(self, steps: Mapping[str, str]) -> None:
+        """Add steps already reported (by the workflow that ran them), without reporting again."""
+        super().update(steps)
 
 
 def _param_strings(cfg: Config) -> dict[str, str]:
@@ -53,31 +86,41 @@ def run_step(stage_name: str, cfg: Config, corpus_name: str, *, launch: str = "m
 
     launch: ``"mlflow"`` runs the entry point through ``mlflow.projects.run`` (a fresh process,
     as ``mlflow run`` would); ``"inline"`` calls the stage function in this process.
+    parent: the run a new step is nested under from its start (a reused run keeps its own).
     """
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
     from mistill.stages.registry import stages
-    from mistill.tracking.runs import (TAG_DELEGATED_TO, code_version, experiment_for_corpus,
-                                       find_run, identity_params)
+    from mistill.tracking.runs import child_runs_of, code_version, experiment_for_corpus, find_run, identity_params
 
     stage = stages()[stage_name]
     experiment = experiment_for_corpus(corpus_name)
     found = find_run(experiment, stage_name, identity_params(cfg), code_version(REPO_ROOT), stage.input_runs(cfg))
     if found is not None:
-        print(f"[{stage_name}] reusing finished run {found.info.run_id}")
+        _log.info("[%s] reusing finished run %s (%s)", stage_name, found.info.run_name, found.info.run_id)
         return found.info.run_id
-    print(f"[{stage_name}] running")
-    if launch == "inline":
-        cfg.check_environment()
-        return stage.run(cfg)
+    _log.info("[%s] running", stage_name)
+    with child_runs_of(parent):
+        if launch == "inline":
+            cfg.check_environment()
+            return stage.run(cfg)
+        return _launch(stage_name, cfg, experiment, parent)
+
+
+def _launch(stage_name: str, cfg: Config, experiment: str, parent: str | None) -> str:
+    """Run the entry point through ``mlflow.projects.run`` and wait; the run that holds the work
+    (the launched one, or the run it delegated to) must end FINISHED."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from mistill.tracking.runs import TAG_DELEGATED_TO, TAG_PARENT_RUN, quiet_run_links
+
     # the entry point's `python` must be this interpreter (the project's environment)
     bindir = str(Path(os.sys.executable).parent)
     if not os.environ.get("PATH", "").startswith(bindir + os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-    submitted = mlflow.projects.run(uri=str(REPO_ROOT), entry_point=stage_name,
-                                    parameters=_param_strings(cfg), env_manager="local",
-                                    experiment_name=experiment, synchronous=True)
+    with quiet_run_links():  # the step's own process logs its run's line
+        submitted = mlflow.projects.run(uri=str(REPO_ROOT), entry_point=stage_name,
+                                        parameters=_param_strings(cfg), env_manager="local",
+                                        experiment_name=experiment, synchronous=True)
     run_id = submitted.run_id
     client = MlflowClient()
     run = client.get_run(run_id)
@@ -88,8 +131,8 @@ def run_step(stage_name: str, cfg: Config, corpus_name: str, *, launch: str = "m
     if run.info.status != "FINISHED":
         raise MistillInputError(f"entry point {stage_name} ended {run.info.status} (run {run_id})",
                                 field=stage_name)
-    if parent:
-        client.set_tag(run_id, "mlflow.parentRunId", parent)
+    if parent and run.data.tags.get(TAG_PARENT_RUN) != parent:
+        client.set_tag(run_id, TAG_PARENT_RUN, parent)
     return run_id
 
 
@@ -151,14 +194,16 @@ class CharacterizeConfig(Config):
                                   events_per_phase=self.events_per_phase, seed=self.seed)
 
 
-def characterize_steps(cfg: CharacterizeConfig, corpus_name: str, parent: str | None = None) -> dict[str, str]:
-    ids = {}
+def characterize_steps(cfg: CharacterizeConfig, corpus_name: str, parent: str | None = None, *,
+                       on_step: OnStep | None = None) -> dict[str, str]:
+    """events -> attribute -> knockin; each reported to ``on_step`` as it finishes."""
+    ids = Steps(on_step)
     ids["events"] = run_step("events", cfg.events_config(), corpus_name, launch=cfg.launch, parent=parent)
     ids["attribute"] = run_step("attribute", cfg.attribute_config(ids["events"]), corpus_name,
                                 launch=cfg.launch, parent=parent)
     ids["knockin"] = run_step("knockin", cfg.knockin_config(ids["attribute"]), corpus_name, launch=cfg.launch,
                               parent=parent)
-    return ids
+    return dict(ids)
 
 
 def _corpus_of_run(run_id: str) -> str:
@@ -318,29 +363,34 @@ def corpus_run(ids: dict[str, str]) -> str:
     return ids.get("shortlist", ids["prepare"])
 
 
-def pipeline_steps(cfg: PipelineConfig, parent: str | None = None) -> dict[str, str]:
+def pipeline_steps(cfg: PipelineConfig, parent: str | None = None, *,
+                   on_step: OnStep | None = None) -> dict[str, str]:
+    """Every step of the pipeline in order, name -> run id; ``on_step(name, run_id)`` is called as
+    each step finishes (or is reused), before the next one starts."""
     from mistill.stages.shortlist import ShortlistConfig
 
     corpus_name = corpus_name_of(cfg.corpus, cfg.corpus_name)
-    ids = {"prepare": run_step("prepare", cfg.prepare_config(), corpus_name, launch=cfg.launch, parent=parent)}
+    ids = Steps(on_step)
+    ids["prepare"] = run_step("prepare", cfg.prepare_config(), corpus_name, launch=cfg.launch, parent=parent)
     if cfg.shortlist:  # every later step reads the shortlisted corpus: its prompts list the shortlist
         ids["shortlist"] = run_step("shortlist", ShortlistConfig(prepare_run=ids["prepare"], seed=cfg.seed),
                                     corpus_name, launch=cfg.launch, parent=parent)
     require_split_notes(cfg, corpus_run(ids))
-    ids.update(characterize_steps(cfg.characterize_config(corpus_run(ids)), corpus_name, parent=parent))
+    ids.record(characterize_steps(cfg.characterize_config(corpus_run(ids)), corpus_name, parent=parent,
+                                  on_step=on_step))
     if cfg.train_arms:
-        ids.update(distill_steps(cfg, ids, corpus_name, parent))
-        ids.update(evaluation_steps(cfg, ids, corpus_name, parent))
+        ids.record(distill_steps(cfg, ids, corpus_name, parent, on_step=on_step))
+        ids.record(evaluation_steps(cfg, ids, corpus_name, parent, on_step=on_step))
     if cfg.report:
         from mistill.stages.report import ReportConfig
 
         ids["report"] = run_step("report", ReportConfig(corpus=corpus_name), corpus_name, launch=cfg.launch,
                                  parent=parent)
-    return ids
+    return dict(ids)
 
 
-def evaluation_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str, parent: str | None
-                     ) -> dict[str, str]:
+def evaluation_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str, parent: str | None, *,
+                     on_step: OnStep | None = None) -> dict[str, str]:
     """The LAS simulator, then ``evaluate`` of the teacher, the untrained student and every
     trained arm on the test notes, and ``own_heads`` on the untrained student and each arm."""
     from mistill.stages.evaluate import EvaluateConfig
@@ -348,10 +398,11 @@ def evaluation_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str,
     from mistill.stages.own_heads import OwnHeadsConfig
 
     data = corpus_run(ids)
-    out = {"las_simulator": run_step("las_simulator", LasSimulatorConfig(
+    out = Steps(on_step)
+    out["las_simulator"] = run_step("las_simulator", LasSimulatorConfig(
         prepare_run=data, model=cfg.las_model, max_steps=cfg.las_max_steps, max_answer_tokens=32, max_val_notes=1,
         max_note_words=cfg.las_max_note_words, seed=cfg.seed, device=cfg.device), corpus_name, launch=cfg.launch,
-        parent=parent)}
+        parent=parent)
     common = {"prepare_run": data, "split": cfg.eval_split, "max_new_tokens": cfg.eval_max_new_tokens,
               "seed": cfg.seed, "las_run": out["las_simulator"], "device": cfg.device, "dtype": cfg.dtype}
     subjects = [("teacher", {"model": cfg.model, "arm": "teacher"}),
@@ -367,10 +418,11 @@ def evaluation_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str,
                 max_new_tokens=cfg.eval_max_new_tokens, n_null=cfg.n_null, stability_splits=cfg.stability_splits,
                 events_per_phase=cfg.events_per_phase, k=(8, 40), device=cfg.device,
                 dtype=cfg.dtype, seed=cfg.seed, launch=cfg.launch), corpus_name, launch=cfg.launch, parent=parent)
-    return out
+    return dict(out)
 
 
-def distill_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str, parent: str | None) -> dict[str, str]:
+def distill_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str, parent: str | None, *,
+                  on_step: OnStep | None = None) -> dict[str, str]:
     """The untrained student ranked on its own (validation notes), the teacher targets, the arms."""
     from mistill.distill.arms import resolve_arm
     from mistill.stages.characterize import AttributeConfig, EventsConfig
@@ -378,7 +430,7 @@ def distill_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str, pa
     from mistill.stages.select_lambda import SelectLambdaConfig
 
     data = corpus_run(ids)
-    out = {}
+    out = Steps(on_step)
     out["student_events"] = run_step("events", EventsConfig(
         prepare_run=data, model=cfg.student, dtype=cfg.dtype, device=cfg.device, split=cfg.student_split,
         n_null=cfg.n_null, seed=cfg.seed), corpus_name, launch=cfg.launch, parent=parent)
@@ -406,18 +458,17 @@ def distill_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str, pa
             targets_run=out["targets"], student_attribute_run=out["student_attribute"], student=cfg.student,
             arm=arm, overrides=overrides if mistill_arm else "", seed=cfg.seed, max_steps=cfg.train_max_steps,
             grad_accum=cfg.train_grad_accum, device=cfg.device), corpus_name, launch=cfg.launch, parent=parent)
-    return out
-
-
-STEP_TAG = "mistill.step."
+    return dict(out)
 
 
 def run_pipeline(cfg: PipelineConfig) -> str:
-    """Run (or reuse) every stage under one pipeline run; print the UI address and a summary.
+    """Run (or reuse) every stage under one pipeline run; log the UI address and a summary.
 
-    The pipeline run records each step's run id (tags ``mistill.step.<stage>``); steps launched
-    by it carry ``mlflow.parentRunId`` so the UI nests them. A second identical invocation reuses
-    the finished pipeline run and every step.
+    The pipeline run tags each step's run id (``mistill.step.<name>``) as the step finishes;
+    steps it starts carry ``mlflow.parentRunId`` from their start, so the UI nests them. A
+    pipeline stopped part-way ends FAILED (an error) or KILLED (SIGTERM, Ctrl-C) with the
+    finished steps tagged; rerun, it resumes and reuses them. A second identical invocation
+    reuses the finished pipeline run and every step.
     """
     from mistill.stages.common import mistill_root
     from mistill.tracking.privacy import PrivacyGuard
@@ -429,13 +480,18 @@ def run_pipeline(cfg: PipelineConfig) -> str:
                   root=mistill_root()) as run:
         if run.reused:
             ids = {k[len(STEP_TAG):]: v for k, v in run.run.data.tags.items() if k.startswith(STEP_TAG)}
-            print(f"[pipeline] reusing finished run {run.run_id}")
+            _log.info("[pipeline] reusing finished run %s (%s)", run.run_name, run.run_id)
         else:
-            ids = pipeline_steps(cfg, parent=run.run_id)
-            run.set_tags({STEP_TAG + k: v for k, v in ids.items()})
-        text = summary(ids)
-        print(text)
+            ids = pipeline_steps(cfg, parent=run.run_id, on_step=step_tagger(run))
+        _log.info("%s", summary(ids))
         return run.run_id
+
+
+def step_tagger(run: StageRun) -> OnStep:
+    """``on_step`` for a pipeline run: tag ``mistill.step.<name>`` on it as each step finishes."""
+    def tag(name: str, run_id: str) -> None:
+        run.set_tags({STEP_TAG + name: run_id})
+    return tag
 
 
 def summary(ids: dict[str, str]) -> str:

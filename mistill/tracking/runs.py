@@ -1,7 +1,14 @@
 """Conventions every stage follows when it logs to MLflow.
 
 * One experiment per corpus: ``mistill/<corpus>`` (:func:`experiment_for_corpus`), artifacts
-  inherited from the server (proxied ``mlflow-artifacts:/``).
+  inherited from the server (proxied ``mlflow-artifacts:/``), tagged as a model-development
+  experiment (``mlflow.experimentKind``) so that the MLflow UI opens on its runs.
+* A run's name says what it is: stage, model, arm, λ, split and seed (:func:`run_name`), never a
+  run id. A stage started for another (:func:`child_runs_of`) is nested under it.
+* Long stages (:data:`SYSTEM_METRICS_STAGES`) log MLflow's system metrics (CPU, memory, GPU):
+  ``MISTILL_SYSTEM_METRICS=0`` turns them off, ``=1`` turns them on for every stage.
+* A stage stopped by SIGTERM or Ctrl-C ends KILLED, one stopped by an error FAILED; each ended
+  run logs one ``View run <name> at: <url>`` line.
 * Every run carries the tags below (``mistill.stage``, ``mistill.model``, ...), lineage tags
   ``mistill.input.<name> = <input run id>``, all params of its :class:`~mistill.config.Config`,
   and a ``config.json`` artifact with every argument, the code version and the git commit.
@@ -30,12 +37,13 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
-import sys
 import tempfile
+import threading
 import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +55,7 @@ from mlflow.tracking import MlflowClient
 from mistill.config import Config
 from mistill.errors import MistillInputError
 from mistill.io import is_safe_name, read_json, sha256_file, write_bytes, write_json, write_text
+from mistill.progress import get_logger
 from mistill.tracking.connection import is_unreachable, unavailable_error
 from mistill.tracking.lease import (ENV_ON_BUSY, ENV_WAIT_MAX, TAG_LEASE_OWNER, Heartbeat, LeaseError,
                                     LeaseSettings, claim, claim_new_run, describe_owner, generation,
@@ -73,6 +82,21 @@ TAG_INPUT_PREFIX = "mistill.input."
 """Lineage: ``mistill.input.<name>`` = the run id of the input run called ``<name>``."""
 TAG_DELEGATED_TO = "mistill.delegated_to"
 """Set on a run launched by ``mlflow run`` when the work was reused/resumed in another run."""
+TAG_LAMBDA = "mistill.lambda"
+"""The λ a run trained (or read a model trained) with: ``<λ>`` or ``<λ_P1>,<λ_P2>``."""
+TAG_PARENT_RUN = "mlflow.parentRunId"
+TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+"""MLflow 3's kind for a classic model-development experiment: its UI opens on the runs table
+(an experiment without the tag may open on the GenAI traces page)."""
+ENV_PARENT_RUN = "MISTILL_PARENT_RUN_ID"
+"""Set by :func:`child_runs_of`: new stage runs, in this process or the ones it launches, are
+nested under this run."""
+ENV_SYSTEM_METRICS = "MISTILL_SYSTEM_METRICS"
+SYSTEM_METRICS_STAGES: frozenset[str] = frozenset({"train", "attribute", "targets", "generate"})
+"""The long stages that log MLflow system metrics by default (see :func:`system_metrics_wanted`)."""
+
+_log = get_logger("tracking")
 
 EXPERIMENT_PREFIX = "mistill/"
 CONFIG_ARTIFACT = "config.json"
@@ -272,19 +296,22 @@ def _experiment_id(client: MlflowClient, experiment: str, *, create: bool = Fals
         return exp.experiment_id if exp is not None else None
     if exp is None:
         try:
-            return client.create_experiment(experiment)
+            return client.create_experiment(experiment, tags={TAG_EXPERIMENT_KIND: EXPERIMENT_KIND})
         except MlflowException as exc:  # created concurrently by another stage
             exp = client.get_experiment_by_name(experiment)
             if exp is None:
                 raise exc
     if exp.lifecycle_stage == "deleted":
         client.restore_experiment(exp.experiment_id)
+    if create and TAG_EXPERIMENT_KIND not in (exp.tags or {}):  # made by `mlflow run` or older code
+        with _tolerate_mlflow_errors():
+            client.set_experiment_tag(exp.experiment_id, TAG_EXPERIMENT_KIND, EXPERIMENT_KIND)
     return exp.experiment_id
 
 
 # --------------------------------------------------------------------------------- find_run
 @contextlib.contextmanager
-def _quiet_downloads() -> Any:
+def quiet_downloads() -> Iterator[None]:
     """No progress bars for the small downloads (config.json, one per-note file)."""
     key = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
     saved = os.environ.get(key)
@@ -300,7 +327,7 @@ def _quiet_downloads() -> Any:
 
 def _stored_params(client: MlflowClient, run: Run) -> dict[str, Any] | None:
     """The run's typed params: ``config.json``'s ``config`` if present, else parsed params."""
-    with tempfile.TemporaryDirectory(prefix="mistill-cfg-") as tmp, _quiet_downloads():
+    with tempfile.TemporaryDirectory(prefix="mistill-cfg-") as tmp, quiet_downloads():
         try:
             path = client.download_artifacts(run.info.run_id, CONFIG_ARTIFACT, tmp)
             data = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -376,17 +403,47 @@ def _quote(value: str) -> str:
 
 
 # --------------------------------------------------------------------------------- StageRun
-def _short_model(model: str | None) -> str | None:
-    if not model:
+CHECKPOINT_PREFIX = "run:"
+_RUN_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def short_model(model: str | None) -> str | None:
+    """A model spec as a run name shows it: ``embedded:smollm2-135m`` -> ``smollm2-135m``,
+    ``tiny:qwen3:seed=2`` -> ``tiny-qwen3:seed=2``, ``org/Name`` or a path -> ``Name``
+    (``.gguf`` dropped); None for a train run's checkpoint (``run:<id>``: the arm names it)."""
+    if not model or str(model).startswith(CHECKPOINT_PREFIX):
         return None
-    return Path(str(model).rstrip("/")).name.removesuffix(".gguf") or None
+    spec = str(model)
+    if spec.startswith("embedded:"):
+        return spec[len("embedded:"):] or None
+    if spec.startswith("tiny:"):
+        return "tiny-" + spec[len("tiny:"):]
+    path = spec.partition("::")[0].rstrip("/")
+    return Path(path).name.removesuffix(".gguf") or None
+
+
+def lambda_label(lam: Any) -> str | None:
+    """λ as a name part or tag value: ``0.03``, or ``0.03,0.1`` when λ_P1 and λ_P2 differ;
+    None for no λ. ``lam``: a number, a pair ``(λ_P1, λ_P2)`` or a string already so written."""
+    if lam is None or lam == "":
+        return None
+    if isinstance(lam, str):
+        return lam
+    if isinstance(lam, (list, tuple)):
+        values = list(dict.fromkeys(format(float(v), "g") for v in lam))
+        return ",".join(values) or None
+    return format(float(lam), "g")
 
 
 def run_name(stage: str, model: str | None = None, arm: str | None = None,
-             seed: int | None = None) -> str:
-    """``<stage>-<model short>-<arm>-s<seed>``, leaving out the parts that are None."""
-    parts = [stage, _short_model(model), arm, f"s{seed}" if seed is not None else None]
-    return "-".join(str(p) for p in parts if p not in (None, ""))
+             seed: int | str | None = None, *, lam: Any = None, split: str | None = None) -> str:
+    """``<stage>-<model>-<arm>-λ<λ>-<split>-s<seed>``, leaving out the parts that are None or
+    empty; ``model`` as :func:`short_model` shows it. Never a run id: a part that holds one is
+    left out (the run's tags and lineage keep it)."""
+    label = lambda_label(lam)
+    parts = [stage, short_model(model), arm, f"λ{label}" if label else None, split or None,
+             f"s{seed}" if seed not in (None, "") else None]
+    return "-".join(str(p) for p in parts if p not in (None, "") and not _RUN_ID.search(str(p)))
 
 
 def _check_component(value: str, what: str) -> str:
@@ -414,7 +471,9 @@ class StageRun:
                 run.write_note("notes", note.note_id, {"events.json": events})
             run.log_metrics({"n_events": n})
 
-    On exit the run ends FINISHED, or FAILED if an exception escapes (it is re-raised).
+    On exit the run ends FINISHED, KILLED if SIGTERM or Ctrl-C stopped it (SIGTERM is turned
+    into a :class:`StageInterrupted` while the run is open, when the process had no handler of
+    its own), or FAILED if another exception escapes (it is re-raised).
 
     Args:
         stage: stage name (``mistill.stage`` tag, first part of the run name).
@@ -422,7 +481,16 @@ class StageRun:
         corpus: corpus name: the run goes to experiment ``mistill/<corpus>``.
         guard: the corpus's privacy guard (its level is the ``mistill.privacy`` tag).
         model, arm, seed, precision: tags and run-name parts; taken from ``config`` fields of the
-            same name when not given.
+            same name when not given. For a train run's checkpoint (``run:<id>``) the name shows
+            the model, arm and λ that run trained.
+        lam: the λ the run trains with (a number or ``(λ_P1, λ_P2)``): run-name part and
+            ``mistill.lambda`` tag.
+        split: the notes the run reads: run-name part (default: the ``mistill.split`` tag, else
+            the config's ``split``).
+        name: the whole run name, instead of :func:`run_name` of the parts.
+        parent: the run this one is nested under (``mlflow.parentRunId``); default: the run of
+            the enclosing :func:`child_runs_of`, else the active MLflow run, else none.
+        system_metrics: log MLflow's system metrics; default :func:`system_metrics_wanted`.
         corpus_digest: digest of the corpus files (``mistill.corpus_digest``).
         entry_point: MLproject entry point (defaults to ``stage``).
         inputs: lineage ``{name: input run id}``.
@@ -446,7 +514,9 @@ class StageRun:
                  entry_point: str | None = None, inputs: Mapping[str, str] | None = None,
                  tags: Mapping[str, Any] | None = None, resume: bool = False,
                  root: Path | str = Path(".mistill"), repo_root: Path | str | None = None,
-                 code_version: str | None = None, tracking_uri: str | None = None) -> None:
+                 code_version: str | None = None, tracking_uri: str | None = None,
+                 lam: Any = None, split: str | None = None, name: str | None = None,
+                 parent: str | None = None, system_metrics: bool | None = None) -> None:
         if not isinstance(config, Config):
             raise TypeError(f"config must be a mistill.config.Config, got {type(config).__name__}")
         self.stage = stage
@@ -464,6 +534,13 @@ class StageRun:
         self.inputs = {_check_component(k, "input name"): str(v)
                        for k, v in (inputs or {}).items()}
         self.extra_tags = dict(tags or {})
+        self.lam = lambda_label(lam)
+        config_split = self.params.get("split")
+        self.split = split if split is not None else (
+            self.extra_tags.get(TAG_SPLIT) or (config_split if isinstance(config_split, str) else None))
+        self._name = name
+        self.parent = parent
+        self.system_metrics = system_metrics_wanted(stage, system_metrics)
         self.resume = resume
         self.root = Path(root)
         self.repo_root = Path(repo_root) if repo_root is not None else default_repo_root()
@@ -481,6 +558,8 @@ class StageRun:
         self.lease_settings = LeaseSettings.from_env()
         self.owner = new_owner()
         self._heartbeat: Heartbeat | None = None
+        self._signals: _SignalTrap | None = None
+        self._checkpoint: tuple[str, dict[str, str]] | None = None
 
     # ------------------------------------------------------------------------ properties
     @property
@@ -496,7 +575,39 @@ class StageRun:
 
     @property
     def run_name(self) -> str:
-        return run_name(self.stage, self.model, self.arm, self.seed)
+        """The run's name: ``name`` if given, else :func:`run_name` of stage, model, arm, λ,
+        split and seed (a checkpoint ``run:<id>`` shown as the model, arm and λ it trained)."""
+        if self._name:
+            return self._name
+        model, arm, lam = self.model, self.arm, self.lam
+        if isinstance(model, str) and model.startswith(CHECKPOINT_PREFIX):
+            trained = self._checkpoint_tags(model[len(CHECKPOINT_PREFIX):])
+            model = trained.get(TAG_MODEL)
+            arm = arm or trained.get(TAG_ARM)
+        return run_name(self.stage, model, arm, self.seed, lam=lam or self._checkpoint_lambda(),
+                        split=self.split)
+
+    def _checkpoint_lambda(self) -> str | None:
+        """The λ of the train run whose checkpoint (``run:<id>``) this run reads, if tagged."""
+        if isinstance(self.model, str) and self.model.startswith(CHECKPOINT_PREFIX):
+            return self._checkpoint_tags(self.model[len(CHECKPOINT_PREFIX):]).get(TAG_LAMBDA)
+        return None
+
+    def _checkpoint_tags(self, train_run: str) -> dict[str, str]:
+        """The tags of the train run whose checkpoint this run reads (empty if unreadable)."""
+        cached = self._checkpoint
+        if cached is None or cached[0] != train_run:
+            tags: dict[str, str] = {}
+            with _tolerate_mlflow_errors():
+                tags = dict(self.client.get_run(train_run).data.tags)
+            self._checkpoint = cached = (train_run, tags)
+        return cached[1]
+
+    def _parent_run(self, own: str | None) -> str | None:
+        """The run to nest this one under: ``parent``, else the enclosing :func:`child_runs_of`
+        run; never the run itself."""
+        parent = self.parent or os.environ.get(ENV_PARENT_RUN) or None
+        return parent if parent != own else None
 
     def tags(self) -> dict[str, str]:
         """All mistill tags of this run (None-valued ones left out)."""
@@ -506,6 +617,7 @@ class StageRun:
             TAG_ARM: self.arm, TAG_SEED: self.seed, TAG_PRECISION: self.precision,
             TAG_GIT_COMMIT: self.git_commit, TAG_CODE_VERSION: self.code_version,
             TAG_ENTRY_POINT: self.entry_point, TAG_PARAMS_DIGEST: self.params_digest,
+            TAG_LAMBDA: self.lam or self._checkpoint_lambda(),
         }
         tags.update({TAG_INPUT_PREFIX + k: v for k, v in self.inputs.items()})
         tags.update(self.extra_tags)
@@ -541,21 +653,29 @@ class StageRun:
 
         nested = mlflow.active_run() is not None
         lease = lease_tags(self.owner, gen, self.lease_settings)
+        metrics = _system_metrics_available() if self.system_metrics else self.system_metrics
+        name = self.run_name
         if previous is not None:
             self._delegate(launched, previous.info.run_id)
             self.client.log_batch(previous.info.run_id, tags=[RunTag(k, v) for k, v in lease.items()])
-            active = mlflow.start_run(run_id=previous.info.run_id, nested=nested)
+            active = mlflow.start_run(run_id=previous.info.run_id, run_name=name, nested=nested,
+                                      log_system_metrics=metrics)
             self.resumed = True
         elif launched:
             self.client.log_batch(launched, tags=[RunTag(k, v) for k, v in lease.items()])
-            active = mlflow.start_run(run_id=launched, run_name=self.run_name, nested=nested)
+            active = mlflow.start_run(run_id=launched, run_name=name, nested=nested,
+                                      log_system_metrics=metrics)
         else:
-            active = mlflow.start_run(experiment_id=self.experiment_id, run_name=self.run_name,
-                                      nested=nested, tags=lease)
+            active = mlflow.start_run(experiment_id=self.experiment_id, run_name=name,
+                                      nested=nested, tags=lease, log_system_metrics=metrics)
         self._active = True
+        self._signals = _SignalTrap.install()
         self._heartbeat = Heartbeat(self.client, active.info.run_id, self.owner,
                                     self.lease_settings).start()
         try:
+            parent = self._parent_run(active.info.run_id)
+            if parent is not None:
+                tags = {**tags, TAG_PARENT_RUN: parent}
             self._log_batch(tags=tags)
             # a resumed run, or one launched by `mlflow run` (which logged the entry point's
             # parameters itself, as strings): keep what is there; config.json has the typed values
@@ -614,7 +734,7 @@ class StageRun:
             now = time.time()
             if waited_since is None:
                 waited_since = now
-                print(f"{message}; waiting for it to finish", file=sys.stderr, flush=True)
+                _log.warning("%s; waiting for it to finish", message)
             elif settings.wait_max_s and now - waited_since > settings.wait_max_s:
                 raise LeaseError(f"{message}; gave up after {settings.wait_max_s:g} s "
                                  f"({ENV_WAIT_MAX})")
@@ -626,13 +746,15 @@ class StageRun:
         if exc is not None and is_unreachable(exc):
             self._abandon(exc)
         ok = exc_type is None or (exc_type is SystemExit and exc.code in (0, None))
-        self._end("FINISHED" if ok else "FAILED")
+        killed = exc_type is not None and issubclass(exc_type, KeyboardInterrupt)
+        self._end("FINISHED" if ok else "KILLED" if killed else "FAILED")
         return False
 
     def _abandon(self, exc: BaseException) -> None:
         """The server is gone: leave the run as it is (no more calls, each would wait out the
         client's bound), and raise the clear error naming the run a rerun resumes."""
         self._active = False
+        self._release_signals()
         heartbeat, self._heartbeat = self._heartbeat, None
         if heartbeat is not None:
             heartbeat.stop(wait=False)
@@ -640,6 +762,7 @@ class StageRun:
         active = mlflow.active_run()
         run_id = run_id or (active.info.run_id if active is not None else None)
         if run_id is not None:
+            _stop_system_metrics(run_id, flush=False)
             _pop_fluent_run(run_id)
         raise unavailable_error(exc, uri=self.tracking_uri, run_id=run_id) from exc
 
@@ -655,15 +778,19 @@ class StageRun:
         if run_id is None and active is not None:
             run_id = active.info.run_id
         if run_id is None:
+            self._release_signals()
             return
         try:
             keep = heartbeat is not None and not heartbeat.still_owner()
             if not keep and status != "FINISHED":
                 keep = self.client.get_run(run_id).info.status == "FINISHED"
-            if active is not None and active.info.run_id == run_id and not keep:
-                mlflow.end_run(status)
-            elif not keep:
-                self.client.set_terminated(run_id, status)
+            with quiet_run_links():
+                if active is not None and active.info.run_id == run_id and not keep:
+                    mlflow.end_run(status)
+                elif not keep:
+                    self.client.set_terminated(run_id, status)
+            if not keep:
+                _log.info("View run %s (%s) at: %s", self.run_name, status, self.run_url(run_id))
             if self.run is not None:
                 self.run = self.client.get_run(run_id)
         except Exception as exc:  # noqa: BLE001 - never mask the error that ended the stage
@@ -672,7 +799,18 @@ class StageRun:
             warnings.warn(f"could not end run {run_id} as {status} ({type(exc).__name__}: {exc}); "
                           f"its lease lapses and a rerun resumes it", RuntimeWarning, stacklevel=2)
         finally:
+            _stop_system_metrics(run_id)
             _pop_fluent_run(run_id)
+            self._release_signals()
+
+    def _release_signals(self) -> None:
+        trap, self._signals = self._signals, None
+        if trap is not None:
+            trap.restore()
+
+    def run_url(self, run_id: str | None = None) -> str:
+        """The run's page in the MLflow UI."""
+        return run_url(self.tracking_uri, self.experiment_id, run_id or self.run_id)
 
     def _delegate(self, launched: str | None, target: str) -> None:
         """A run launched by ``mlflow run`` whose work lives in ``target``: point it there and
@@ -903,7 +1041,7 @@ class StageRun:
         if path.is_file():
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".dl-") as tmp, _quiet_downloads():
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".dl-") as tmp, quiet_downloads():
             try:
                 got = self.client.download_artifacts(self.run_id, f"{subdir}/{note_id}/{name}", tmp)
             except (MlflowException, OSError) as exc:
@@ -1069,6 +1207,133 @@ def enclave_missing_error(run_id: str, subdir: str, note_id: str, filename: str,
         field=subdir)
 
 
+# ------------------------------------------------------------------------ nesting and links
+@contextlib.contextmanager
+def child_runs_of(parent_run_id: str | None) -> Iterator[None]:
+    """Nest the stage runs started inside under ``parent_run_id`` (``mlflow.parentRunId``),
+    in this process and in the processes it launches (``mlflow run`` included): the id travels
+    in ``$MISTILL_PARENT_RUN_ID``, restored on exit. None: no change."""
+    if not parent_run_id:
+        yield
+        return
+    saved = os.environ.get(ENV_PARENT_RUN)
+    os.environ[ENV_PARENT_RUN] = parent_run_id
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(ENV_PARENT_RUN, None)
+        else:
+            os.environ[ENV_PARENT_RUN] = saved
+
+
+@contextlib.contextmanager
+def quiet_run_links() -> Iterator[None]:
+    """MLflow prints ``View run <name> at: <url>`` whenever a run ends; inside this block it
+    does not (:class:`StageRun` logs one such line itself, with the run's status)."""
+    key = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
+    saved = os.environ.get(key)
+    os.environ[key] = "true"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = saved
+
+
+def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    """A run's page in the MLflow UI of ``tracking_uri``."""
+    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+# --------------------------------------------------------------------------- system metrics
+def system_metrics_wanted(stage: str, requested: bool | None = None) -> bool:
+    """Whether a run of ``stage`` logs MLflow's system metrics (CPU and GPU utilisation and
+    memory, every 10 s under ``system/``).
+
+    ``$MISTILL_SYSTEM_METRICS``: ``0`` turns them off for every stage, ``1`` on for every
+    stage; unset, ``requested`` decides, else whether ``stage`` is one of
+    :data:`SYSTEM_METRICS_STAGES`.
+    """
+    switch = os.environ.get(ENV_SYSTEM_METRICS, "").strip().lower()
+    if switch in ("0", "false", "no", "off"):
+        return False
+    if switch in ("1", "true", "yes", "on"):
+        return True
+    return requested if requested is not None else stage in SYSTEM_METRICS_STAGES
+
+
+_PSUTIL_WARNED = False
+
+
+def _system_metrics_available() -> bool:
+    """psutil is what MLflow samples with: without it, warn once and log no system metrics.
+    MLflow's own monitor messages (started, stopped, no GPU found) are kept to warnings."""
+    global _PSUTIL_WARNED
+    import importlib.util
+    import logging
+
+    if importlib.util.find_spec("psutil") is None:
+        if not _PSUTIL_WARNED:
+            _PSUTIL_WARNED = True
+            _log.warning("psutil is not installed: no system metrics are logged (install psutil, "
+                         "or set %s=0 to silence this)", ENV_SYSTEM_METRICS)
+        return False
+    logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
+    return True
+
+
+def _stop_system_metrics(run_id: str, *, flush: bool = True) -> None:
+    """Stop the system-metrics monitor of ``run_id`` if one still runs (a run ended through the
+    client, or left because the server is gone: ``flush=False`` sends nothing more)."""
+    from mlflow.tracking import fluent
+
+    monitor = fluent.run_id_to_system_metrics_monitor.pop(run_id, None)
+    if monitor is None:
+        return
+    if flush:
+        monitor.finish()
+    else:
+        monitor._shutdown_event.set()
+
+
+# ----------------------------------------------------------------------------- interruption
+class StageInterrupted(KeyboardInterrupt):
+    """SIGTERM reached a process while a stage run was open: the run ends KILLED, and a
+    launcher waiting on a child (``mlflow run``) cancels it as it would on Ctrl-C."""
+
+
+class _SignalTrap:
+    """SIGTERM raised as :class:`StageInterrupted` in the main thread while a run is open, so
+    the run ends KILLED instead of staying RUNNING. Installed only where SIGTERM still has its
+    default action (an outer run's trap, or an application's own handler, is kept)."""
+
+    def __init__(self, previous: Any) -> None:
+        self.previous = previous
+
+    @staticmethod
+    def _raise(signum: int, frame: Any) -> None:
+        raise StageInterrupted(f"stopped by {signal.Signals(signum).name}")
+
+    @classmethod
+    def install(cls) -> _SignalTrap | None:
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        try:
+            if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+                return None
+            return cls(signal.signal(signal.SIGTERM, cls._raise))
+        except (ValueError, OSError):  # no signals here (an embedded interpreter)
+            return None
+
+    def restore(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            with contextlib.suppress(ValueError, OSError):
+                signal.signal(signal.SIGTERM, self.previous)
+
+
 def _pop_fluent_run(run_id: str) -> None:
     """Leave MLflow's fluent active-run stack without ending the run in the store (MLflow has
     no public call for that: ``mlflow.end_run`` always sets a status)."""
@@ -1120,4 +1385,7 @@ __all__ = [
     "canonical_params", "params_digest", "identity_params", "param_string", "parse_param", "typed_equal",
     "run_name", "markdown_table", "resolve_tracking_uri", "verify_note_file", "DONE_MARKER",
     "TAG_ENCLAVE_DIR", "ENCLAVE_DIR", "LOCAL_FILES_KEY", "verify_local_note_file", "enclave_missing_error",
+    "TAG_LAMBDA", "TAG_PARENT_RUN", "TAG_EXPERIMENT_KIND", "EXPERIMENT_KIND", "SYSTEM_METRICS_STAGES",
+    "StageInterrupted", "child_runs_of", "quiet_run_links", "run_url", "short_model", "lambda_label",
+    "system_metrics_wanted", "quiet_downloads",
 ]
