@@ -122,11 +122,13 @@ def load_prepared(run_id: str) -> Prepared:
     from mistill.tracking.runs import TAG_CORPUS_DIGEST, quiet_downloads
 
     client = MlflowClient()
+    if not run_id:
+        raise MistillInputError("no run id given: the run id of a `prepare` run", field="prepare_run")
     try:
         run = client.get_run(run_id)
     except Exception as exc:  # noqa: BLE001 - MLflow raises several types for a missing run
-        raise MistillInputError(f"no prepare run {run_id!r} on the tracking server ({exc.__class__.__name__})",
-                                field="prepare_run") from None
+        raise MistillInputError(f"no prepare run {run_id!r} on the tracking server {client.tracking_uri} "
+                                f"({exc.__class__.__name__})", field="prepare_run") from None
     tagged = run.data.tags.get(TAG_DATA_DIR)
     data_dir = Path(tagged) if tagged else None
     if data_dir is None or not (data_dir / CORPUS_FILE).exists():
@@ -448,11 +450,13 @@ class RunReader:
 
         self.run_id = run_id
         self.client = MlflowClient()
+        if not run_id:
+            raise MistillInputError("no run id given", field=field)
         try:
             self.run = self.client.get_run(run_id)
         except Exception as exc:  # noqa: BLE001
-            raise MistillInputError(f"no run {run_id!r} on the tracking server ({exc.__class__.__name__})",
-                                    field=field) from None
+            raise MistillInputError(f"no run {run_id!r} on the tracking server {self.client.tracking_uri} "
+                                    f"({exc.__class__.__name__})", field=field) from None
         if self.run.info.status != "FINISHED":
             raise MistillInputError(f"input run {run_id} is {self.run.info.status}, not FINISHED", field=field)
         self.work_dir = mistill_root() / "work" / run_id
