@@ -1,6 +1,10 @@
 """The default cell runner: the ``train`` entry point at the cell's λ, then ``evaluate`` on it.
 
-``train`` gets ``overrides="lambda_p1=<λ_P1>,lambda_p2=<λ_P2>"`` and the lock's arm, seed and size;
+``train`` gets ``overrides="lambda_p1=<λ_P1>,lambda_p2=<λ_P2>"`` and the lock's arm, seed and size,
+and runs as a λ-selection cell (:func:`mistill.tracking.models.selection_cells`): its checkpoint's
+registered version gets the cell alias (``<arm>-l<λ>-s<seed>``), never the arm alias, which
+``select_lambda`` gives to the pick once its decision completes (a reused train run's version gets
+the cell alias here too);
 ``evaluate`` (``mistill.stages.evaluate.EvaluateConfig``: ``prepare_run``, ``train_run``,
 ``split``, ``device``) logs the selection metric (``micro_f1``), the tie-break
 (``m1.P2C.p_pos``: P(margin > 0) at P2C events) and the valid-answer rate (``valid_rate``), read
@@ -45,16 +49,14 @@ class TrainEvaluateRunner:
         for cell in grid_cells(self.lock.grid):
             resolve_arm(self.lock.arm, lambda_overrides(*cell.lambdas))
 
-    def __call__(self, run: CellRun) -> CellResult:
-        import importlib
-
+    def train_cell(self, run: CellRun) -> str:
+        """Train ``run``'s cell as a λ-selection cell (reusing an identical finished train run);
+        point the cell alias at its registered version; returns the train run id."""
         from mlflow.tracking import MlflowClient
 
         from mistill.stages.distill import TrainStageConfig
         from mistill.stages.workflow import run_step
-
-        # the evaluate stage is loaded on first use (its module is written separately)
-        EvaluateConfig = importlib.import_module("mistill.stages.evaluate").EvaluateConfig
+        from mistill.tracking.models import adopt, cell_alias, selection_cells
 
         p1, p2 = run.cell.lambdas
         t = self.lock.training
@@ -62,7 +64,22 @@ class TrainEvaluateRunner:
                                      student=self.student, arm=self.lock.arm, overrides=lambda_overrides(p1, p2),
                                      seed=t.seed, precision=t.precision, epochs=t.epochs, grad_accum=t.grad_accum,
                                      max_steps=t.max_steps, device=self.device)
-        train_run = run_step("train", train_cfg, self.corpus_name, launch=self.launch, parent=run.mlflow_run)
+        with selection_cells():
+            train_run = run_step("train", train_cfg, self.corpus_name, launch=self.launch, parent=run.mlflow_run)
+        adopt(MlflowClient(), train_run, cell_alias(self.lock.arm, p1, p2, t.seed))
+        return train_run
+
+    def __call__(self, run: CellRun) -> CellResult:
+        import importlib
+
+        from mlflow.tracking import MlflowClient
+
+        from mistill.stages.workflow import run_step
+
+        # the evaluate stage is loaded on first use (its module is written separately)
+        EvaluateConfig = importlib.import_module("mistill.stages.evaluate").EvaluateConfig
+
+        train_run = self.train_cell(run)
         eval_cfg = EvaluateConfig(prepare_run=self.prepare_run, train_run=train_run,
                                   split=self.lock.selection.split, device=self.device,
                                   max_new_tokens=self.lock.selection.max_new_tokens)

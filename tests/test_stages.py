@@ -447,7 +447,7 @@ def test_distillation_steps_train_and_register(pipeline, monkeypatch):
     assert not any(k.endswith("/attention") for k in vanilla.data.metrics)
     for run in (mistill, vanilla):
         arts = artifact_paths(client, run.info.run_id)
-        assert {"arm.json", "event_coverage.csv", "model/config.json"} <= arts
+        assert {"arm.json", "event_coverage.csv", "model/MLmodel", "model/model/config.json"} <= arts
         name, alias = run.data.tags["mistill.registered_model"], run.data.tags["mistill.model_alias"]
         version = client.get_model_version_by_alias(name, alias)
         assert version.run_id == run.info.run_id

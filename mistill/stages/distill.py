@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from mistill.config import Config
 from mistill.distill.arms import ArmConfig, arm_digest, resolve_arm
@@ -32,6 +31,7 @@ from mistill.errors import MistillInputError
 from mistill.io import npz_bytes
 from mistill.instrument.events import Event
 from mistill.models.loading import load_model, load_tokenizer
+from mistill.progress import track
 from mistill.stages.characterize import NOTES, _events_input
 from mistill.stages.common import RunReader, log_corpus_input, mistill_root, privacy_guard, require_notes
 from mistill.validation import (check_device, check_dtype, check_interval, check_non_negative, check_not_empty,
@@ -116,7 +116,7 @@ def run_targets(cfg: TargetsConfig) -> str:
             _mark_deviations(run, (DEVIATION_P1_WINDOW_EMISSION,), "targets")
         done = run.finished_notes(NOTES)
         n_rows = []
-        for note in tqdm(notes, desc="targets"):
+        for note in track(notes, desc="targets"):
             if note.note_id in done:
                 continue
             nd = build_note_data(note, prepared.inventory, lm.tokenizer, _read_events(ev.reader, note.note_id),
@@ -165,6 +165,13 @@ class TrainStageConfig(Config):
     max_steps: stop after this many optimizer steps (0: the epochs decide).
     tf32: **[recon]** float32 matmuls on CUDA in TF32 (the paper states no matmul precision; the
         recomputed attention rows' q.k inputs are bf16 projections); no effect on the CPU.
+    register: register the checkpoint (an MLflow Model, artifact path ``model``) as a version of
+        ``mistill-<corpus>-<student>`` with the arm alias ``<arm>-s<seed>``, or, for a λ-selection
+        cell, the cell alias ``<arm>-l<λ>-s<seed>`` (see :mod:`mistill.tracking.models`).
+
+    The run logs every resolved arm flag as a param ``arm.<flag>`` (:func:`arm_params`) and, per
+    optimizer step, ``train/loss`` (the arm's whole objective) beside its terms (``train/ce``,
+    ``train/kl``, ...).
     """
 
     targets_run: str = ""
@@ -287,12 +294,14 @@ def run_train(cfg: TrainStageConfig) -> str:
         inputs["student_attribute"] = cfg.student_attribute_run
     with StageRun("train", cfg, corpus=prepared.corpus.name, guard=guard, model=cfg.student, arm=cfg.arm,
                   seed=cfg.seed, precision=arm.precision, corpus_digest=prepared.corpus.digest, inputs=inputs,
+                  lam=(arm.lambda_p1, arm.lambda_p2) if arm.objective == "mistill" else None,
                   resume=True, root=mistill_root()) as run:
         if run.reused:
             print(f"train: reusing finished run {run.run_id}")
             return run.run_id
         log_corpus_input(run, prepared)
         run.log_json("arm.json", arm.to_dict())
+        _log_arm_params(run, arm)
         _mark_deviations(run, train_deviations(arm, tcfg), "train")
         recipe = RecipeConfig(seed=cfg.seed, precision=arm.precision, epochs=cfg.epochs, lr=cfg.lr,
                               warmup_frac=cfg.warmup_frac, grad_accum=cfg.grad_accum, clip=cfg.clip,
@@ -365,7 +374,9 @@ def run_train(cfg: TrainStageConfig) -> str:
             print(f"train: resumed at step {trainer.step}")
         trainer.train()
         run.log_metrics({"train/steps": trainer.step, "n_notes": len(examples)})
-        _save_and_register(run, model, lm.tokenizer, cfg, arm.precision)
+        _save_and_register(run, model, lm.tokenizer, cfg, arm,
+                           _Provenance(teacher=ev.model, corpus_digest=prepared.corpus.digest,
+                                       n_notes=len(examples), steps=trainer.step))
         print(f"train: {cfg.arm} seed {cfg.seed} ({arm.precision}) -> run {run.run_id}")
         return run.run_id
 
@@ -385,7 +396,7 @@ def _dispreferred(run, lm, examples: list, cfg: TrainStageConfig, allows_text: b
     decoding = DecodingConfig(max_new_tokens=cfg.dispreferred_max_new_tokens, seed=cfg.seed)
     done = set() if allows_text else run.finished_notes(DISPREFERRED)
     out = {}
-    for i, ex in enumerate(tqdm(examples, desc="student generations")):
+    for i, ex in enumerate(track(examples, desc="student generations")):
         note_id = ex.student.note.note_id
         path = run.work_dir / DISPREFERRED / f"{note_id}.json"
         if allows_text and path.exists():
@@ -404,30 +415,77 @@ def _dispreferred(run, lm, examples: list, cfg: TrainStageConfig, allows_text: b
     return out
 
 
-def _save_and_register(run, model, tokenizer, cfg: TrainStageConfig, precision: str) -> None:
-    """Save the final checkpoint, log it, register it with an alias per arm and seed."""
-    import re
+ARM_PARAM_PREFIX = "arm."
 
+
+def arm_params(arm: ArmConfig) -> dict[str, str]:
+    """Every resolved flag of ``arm`` as a flat param ``arm.<flag>`` (``arm.lambda_p1``,
+    ``arm.pool_k``, ``arm.terms``, ...): numbers and booleans as JSON, lists as the overrides
+    write them (``attention+interaction``). They follow from the run's identity (the arm name,
+    its file's sha256 when given by path, ``overrides``, ``precision``, the code version), so they
+    are logged beside the identity params and never compared when a run is reused."""
+    from mistill.tracking.runs import param_string
+
+    return {f"{ARM_PARAM_PREFIX}{k}": "+".join(map(str, v)) if isinstance(v, (list, tuple)) else param_string(v)
+            for k, v in arm.to_dict().items()}
+
+
+def _log_arm_params(run, arm: ArmConfig) -> None:
+    """Log :func:`arm_params` (those a resumed run already holds are kept)."""
+    from mlflow.entities import Param
+
+    params = arm_params(arm)
+    run.guard.check_mapping(params, "param")
+    existing = run.client.get_run(run.run_id).data.params
+    batch = [Param(k, v) for k, v in params.items() if k not in existing]
+    for i in range(0, len(batch), 100):
+        run.client.log_batch(run.run_id, params=batch[i:i + 100])
+
+
+@dataclass(frozen=True)
+class _Provenance:
+    """What a checkpoint's registry entry records beside the train config: the teacher's model
+    spec, the corpus digest, the number of training notes and optimizer steps taken."""
+
+    teacher: str
+    corpus_digest: str
+    n_notes: int
+    steps: int
+
+
+def _save_and_register(run, model, tokenizer, cfg: TrainStageConfig, arm: ArmConfig, prov: _Provenance) -> None:
+    """Save the final checkpoint as an MLflow Model (:mod:`mistill.tracking.models`), have the
+    privacy guard read every file of it, log it as the artifact path ``model``, and register it:
+    a version tagged with arm, λ, seed, precision, teacher, corpus digest and described by a model
+    card, with the arm alias (a plain train run) or the cell alias (a λ-selection cell)."""
     from mlflow.tracking import MlflowClient
 
-    out = run.work_dir / "model"
+    from mistill.tracking import models as reg
+
+    role = reg.train_role()
+    name = reg.registered_model_name(run.corpus, run.model)
+    alias = (reg.cell_alias(cfg.arm, arm.lambda_p1, arm.lambda_p2, cfg.seed) if role == reg.ROLE_CELL
+             else reg.arm_alias(cfg.arm, cfg.seed))
+    recipe = {k: getattr(cfg, k) for k in ("epochs", "lr", "warmup_frac", "grad_accum", "clip", "max_steps")}
+    card = reg.model_card(name=name, arm=cfg.arm, arm_flags=arm.to_dict(), seed=cfg.seed, precision=arm.precision,
+                          role=role, alias=alias, student=cfg.student, teacher=prov.teacher, corpus=run.corpus,
+                          corpus_digest=prov.corpus_digest, n_notes=prov.n_notes, recipe=recipe, steps=prov.steps,
+                          run_id=run.run_id, inputs=run.inputs)
+    out = run.work_dir / reg.MODEL_ARTIFACT
     model.eval()
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    run.log_artifact_file(out, "model")  # the privacy guard reads every file of the checkpoint
+    mlflow_model = reg.save_mlflow_model(model, tokenizer, out, card=card, source=cfg.student)
+    run.log_artifact_file(out, reg.MODEL_ARTIFACT)  # the privacy guard reads every file of the model
+    run.set_tags({reg.TAG_LOGGED_MODELS: reg.logged_model_tag(mlflow_model, run.run_id)})
     if not cfg.register:
         return
+    tags = {"mistill.arm": cfg.arm, "mistill.lambda_p1": repr(arm.lambda_p1), "mistill.lambda_p2": repr(arm.lambda_p2),
+            "mistill.seed": str(cfg.seed), "mistill.precision": arm.precision, "mistill.objective": arm.objective,
+            "mistill.student": cfg.student, "mistill.teacher": prov.teacher, "mistill.corpus": run.corpus,
+            "mistill.corpus_digest": prov.corpus_digest, "mistill.train_run": run.run_id,
+            reg.TAG_MODEL_ROLE: role}
+    run.guard.check_mapping({**tags, "description": card}, "model version tag")
     client = MlflowClient()
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"mistill-{run.corpus}-{run.model}").strip("-")
-    try:
-        client.get_registered_model(name)
-    except Exception:  # noqa: BLE001 - not registered yet
-        client.create_registered_model(name)
-    source = f"{run.run.info.artifact_uri}/model"
-    version = client.create_model_version(name, source=source, run_id=run.run_id,
-                                          tags={"mistill.arm": cfg.arm, "mistill.seed": str(cfg.seed),
-                                                "mistill.precision": precision})
-    alias = re.sub(r"[^A-Za-z0-9_-]+", "-", f"{cfg.arm}-s{cfg.seed}")
+    version = reg.register_version(client, name, run.run_id, tags=tags, description=card)
     client.set_registered_model_alias(name, alias, version.version)
-    run.set_tags({"mistill.registered_model": name, "mistill.model_version": version.version,
-                  "mistill.model_alias": alias})
+    run.set_tags({reg.TAG_REGISTERED_MODEL: name, reg.TAG_MODEL_VERSION: version.version,
+                  reg.TAG_MODEL_ALIAS: alias, reg.TAG_MODEL_ROLE: role})

@@ -19,20 +19,51 @@ The lock's content is part of the run's identity (the param ``lock_sha256``), no
   pre-registered lock does not change; restore it or give it another study name);
 * the lock edited and given another ``study`` name, or its study deleted: a new study and a new
   ``select_lambda`` run; a finished run under the old lock is never reused for it.
+
+The pick in the model registry: each cell's ``train`` run registers its checkpoint with the cell
+alias ``<arm>-l<λ>-s<seed>`` (``mistill-l0p03-s0``; see :mod:`mistill.tracking.models`), never the
+arm alias; when the decision completes, the arm alias ``<arm>-s<seed>`` (``mistill-s0``) is
+pointed at the picked cell's version (tag ``mistill.selection.pick_model``), so
+``models:/<name>@mistill-s0`` is the model the rule picked.
+
+The Optuna study: ``study.best_trial`` is the cell with the highest selection metric, **not the
+pick** (the rule applies a tie band, a tie-break, the validity floor and the edge extension);
+the pick is the study's user attribute ``locked_pick`` (the decision's rule, cell, λs, metric,
+lock sha256 and ``select_lambda`` run). The run logs the study as artifacts: ``optuna/study.db``
+(a SQLite copy of this study alone; not for a restricted corpus, whose guard reads no database
+files) and ``optuna/trials.json`` (every trial: number, state, params, value, user attributes).
+To browse it with Optuna Dashboard (not a dependency of this
+project: ``pip install optuna-dashboard``)::
+
+    mlflow artifacts download -r <select_lambda run id> -a optuna/study.db -d .
+    optuna-dashboard sqlite:///study.db
+
+or open the live storage itself, e.g. ``optuna-dashboard sqlite:///$MISTILL_ROOT/optuna/selection.db``
+(the ``mistill.selection.storage`` tag names it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from mistill.config import Config, file_digest
 from mistill.errors import MistillInputError
 from mistill.stages.distill import EMBEDDED_STUDENT
 from selection.cells import Runner
 
+if TYPE_CHECKING:
+    from mistill.tracking.runs import StageRun
+    from selection.decide import Decision
+    from selection.grid import SelectionStudy, StudyCells
+    from selection.lock import Lock
+
 TAG_LOCK_SHA = "mistill.selection.lock_sha256"
 TAG_RULE = "mistill.selection.rule"
 TAG_PICK = "mistill.selection.pick"
+TAG_PICK_MODEL = "mistill.selection.pick_model"
+ATTR_LOCKED_PICK = "locked_pick"
+STUDY_ARTIFACT_DIR = "optuna"
 
 
 @dataclass(frozen=True)
@@ -115,6 +146,9 @@ def run_select_lambda(cfg: SelectLambdaConfig, runner: Runner | None = None) -> 
 
     runner: ``(CellRun) -> CellResult``; default :class:`selection.runner.TrainEvaluateRunner`.
 
+    The pick is the study's ``locked_pick`` user attribute and the ``mistill.selection.pick`` tag;
+    the study's ``best_trial`` is only the cell with the highest metric, not the pick.
+
     Raises:
         MistillInputError: a bad or changed lock, or no pick because grid cells failed (they are
             logged first; a second invocation skips completed cells and reports failed ones).
@@ -192,6 +226,9 @@ def run_select_lambda(cfg: SelectLambdaConfig, runner: Runner | None = None) -> 
         run.log_table("cells", cells_table(lock, decision, cells))
         run.log_table("sensitivity", sensitivity_table(lock, cells))
         run.log_metrics(decision_metrics(lock, decision, cells))
+        if decision.complete and decision.pick is not None:
+            _record_pick(run, handle, lock, decision, cells)
+        _log_study(run, handle)
         taken = [e for e in decision.extensions if e.ran]
         run.set_tags({TAG_RULE: decision.rule if decision.complete else "incomplete",
                       TAG_PICK: decision.pick.key if decision.complete else "",
@@ -215,3 +252,68 @@ def run_select_lambda(cfg: SelectLambdaConfig, runner: Runner | None = None) -> 
                                     field="grid")
         print(f"select_lambda: {decision.rule} -> {decision.pick.key} (run {run.run_id})")
         return run.run_id
+
+
+def locked_pick(lock: Lock, decision: Decision, cells: StudyCells, run_id: str) -> dict[str, Any]:
+    """The study's ``locked_pick`` user attribute: the rule, the picked cell and its λs, its
+    selection metric (and tie-break, validity), the lock's sha256 and the ``select_lambda`` run."""
+    import math
+
+    res = cells.results[decision.pick]
+    p1, p2 = decision.pick.lambdas
+    out = {"cell": decision.pick.key, "lambda_p1": p1, "lambda_p2": p2, "rule": decision.rule,
+           "metric": lock.selection.metric, "value": res.metric, "lock_sha256": lock.sha256,
+           "select_lambda_run": run_id, "train_run": res.run_ids.get("train")}
+    if math.isfinite(res.tie_break):
+        out["tie_break"] = res.tie_break
+    if math.isfinite(res.validity):
+        out["validity"] = res.validity
+    return out
+
+
+def _record_pick(run: StageRun, handle: SelectionStudy, lock: Lock, decision: Decision, cells: StudyCells) -> None:
+    """The pick into the study (``locked_pick``) and the registry: the arm alias on the picked
+    cell's model version, when its train run registered one."""
+    from mistill.tracking.models import adopt, arm_alias
+
+    summary = locked_pick(lock, decision, cells, run.run_id)
+    handle.storage.set_study_user_attr(handle.study_id, ATTR_LOCKED_PICK, summary)
+    train_run = summary["train_run"]
+    if not train_run:
+        return
+    alias = arm_alias(lock.arm, lock.training.seed)
+    adopted = adopt(run.client, train_run, alias)
+    if adopted is not None:
+        name, version = adopted
+        run.set_tags({TAG_PICK_MODEL: f"models:/{name}/{version}", "mistill.selection.pick_alias": alias})
+        print(f"select_lambda: alias {alias} -> models:/{name}/{version} (train run {train_run})")
+
+
+def _log_study(run: StageRun, handle: SelectionStudy) -> None:
+    """Log the study as ``optuna/trials.json`` and, unless the corpus is restricted (the guard
+    cannot read a database file), ``optuna/study.db``: a SQLite copy holding this study alone,
+    whatever the storage."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    import optuna
+
+    from selection.heartbeat import quiet_optuna
+
+    with tempfile.TemporaryDirectory(prefix="mistill-study-") as tmp:
+        folder = Path(tmp) / STUDY_ARTIFACT_DIR
+        folder.mkdir()
+        if run.guard.allows_text:
+            copy = optuna.storages.RDBStorage(f"sqlite:///{folder / 'study.db'}")
+            try:
+                with quiet_optuna():
+                    optuna.copy_study(from_study_name=handle.name, from_storage=handle.storage, to_storage=copy)
+            finally:
+                copy.engine.dispose()
+        study = handle.load()
+        trials = [{"number": t.number, "state": t.state.name, "params": t.params, "value": t.value,
+                   "user_attrs": t.user_attrs} for t in study.get_trials(deepcopy=False)]
+        (folder / "trials.json").write_text(json.dumps({"study": handle.name, "user_attrs": study.user_attrs,
+                                                        "trials": trials}, indent=1, default=str))
+        run.log_artifact_file(folder, STUDY_ARTIFACT_DIR)
