@@ -311,11 +311,11 @@ def _experiment_id(client: MlflowClient, experiment: str, *, create: bool = Fals
 
 # --------------------------------------------------------------------------------- find_run
 @contextlib.contextmanager
-def quiet_downloads() -> Iterator[None]:
-    """No progress bars for the small downloads (config.json, one per-note file)."""
-    key = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+def environment_variable(key: str, value: str) -> Iterator[None]:
+    """``$key`` set to ``value`` inside the block (and in processes launched there), restored
+    (or removed) on exit."""
     saved = os.environ.get(key)
-    os.environ[key] = "false"
+    os.environ[key] = value
     try:
         yield
     finally:
@@ -323,6 +323,11 @@ def quiet_downloads() -> Iterator[None]:
             os.environ.pop(key, None)
         else:
             os.environ[key] = saved
+
+
+def quiet_downloads() -> contextlib.AbstractContextManager[None]:
+    """No progress bars for the small downloads (config.json, one per-note file)."""
+    return environment_variable("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 
 def _stored_params(client: MlflowClient, run: Run) -> dict[str, Any] | None:
@@ -1216,31 +1221,14 @@ def child_runs_of(parent_run_id: str | None) -> Iterator[None]:
     if not parent_run_id:
         yield
         return
-    saved = os.environ.get(ENV_PARENT_RUN)
-    os.environ[ENV_PARENT_RUN] = parent_run_id
-    try:
+    with environment_variable(ENV_PARENT_RUN, parent_run_id):
         yield
-    finally:
-        if saved is None:
-            os.environ.pop(ENV_PARENT_RUN, None)
-        else:
-            os.environ[ENV_PARENT_RUN] = saved
 
 
-@contextlib.contextmanager
-def quiet_run_links() -> Iterator[None]:
+def quiet_run_links() -> contextlib.AbstractContextManager[None]:
     """MLflow prints ``View run <name> at: <url>`` whenever a run ends; inside this block it
     does not (:class:`StageRun` logs one such line itself, with the run's status)."""
-    key = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
-    saved = os.environ.get(key)
-    os.environ[key] = "true"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = saved
+    return environment_variable("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 
 def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
