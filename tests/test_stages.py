@@ -254,8 +254,9 @@ def test_restricted_text_never_reaches_the_server(pipeline, tracking_uri, tmp_pa
     corpus_file, codes_file = planted_corpus(tmp_path)
     assert CANARY_ID in corpus_file.read_text()
     name = unique("restricted")
+    # the planted corpus is one training split: the teacher is ranked on all of it
     cfg = PipelineConfig(corpus=str(corpus_file), corpus_name=name, privacy="restricted",
-                         codes_file=str(codes_file), **SMALL)
+                         codes_file=str(codes_file), teacher_split="", **SMALL)
     ids = pipeline_steps(cfg)
     client = MlflowClient()
     for step in STEPS:
