@@ -204,7 +204,8 @@ def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str]
     runs = {"select_lambda": query.latest_runs(query.stage_runs(client, experiment,
                                                                 "select_lambda"),
                                                _KEYS["select_lambda"])}
-    cell_train = _cell_train_runs(runs["select_lambda"])
+    train_all = query.stage_runs(client, experiment, "train")
+    cell_train = _cell_train_runs(_selection_cells(runs["select_lambda"]), train_all)
     for stage in STAGES:
         if stage in runs:
             continue
@@ -216,7 +217,7 @@ def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str]
     runs = {stage: runs[stage] for stage in STAGES}
     extra = {"evaluate_all": query.stage_runs(client, experiment, "evaluate"),
              "own_heads_all": query.stage_runs(client, experiment, "own_heads"),
-             "train": query.stage_runs(client, experiment, "train")}
+             "train": train_all}
     named = set(runs["knockin"]["attribute_run"].dropna()) if not runs["knockin"].empty else set()
     attribute = query.stage_runs(client, experiment, "attribute")
     extra["attribute"] = attribute[attribute["run_id"].isin(named)].reset_index(drop=True) \
@@ -245,14 +246,38 @@ class TableChoices:
     sign_alpha: float = 0.05
 
 
-def _cell_train_runs(selections: pd.DataFrame) -> set[str]:
-    """The train runs of every λ-selection cell (their readouts are Table 42's, not an arm's)."""
-    out: set[str] = set()
-    for rid in selections.get("run_id", []):
-        cells = query.per_note_table(selections[selections["run_id"] == rid], LAMBDA_CELLS,
-                                     ["train_run"], ("run_id",)).frame
-        out |= set(cells["train_run"].dropna().astype(str))
-    return out
+_ARM_KEY = ("arm", "seed", "precision")
+
+
+def _cell_train_runs(cells: pd.DataFrame, train: pd.DataFrame) -> set[str]:
+    """The train runs of λ-selection cells whose readouts are Table 42's, not an arm's.
+
+    ``cells``: the stacked cell tables (``train_run``, ``picked``); ``train``: every train run
+    read. A cell that was not picked is left out of the arm tables. A picked cell is the arm at its
+    selected λ (the pipeline's own train step of that arm reuses it), so it stays, unless another
+    train run of the same arm, seed and precision that is no cell exists (an arm retrained at the
+    pick with the full recipe): then that run is the arm's.
+    """
+    if cells.empty or "train_run" not in cells.columns:
+        return set()
+    known = cells["train_run"].notna()
+    runs = cells["train_run"].astype(str)
+    picked = cells["picked"].astype(str).str.lower().isin(("true", "1")) if "picked" in cells.columns \
+        else pd.Series(False, index=cells.index)
+    picked_runs = set(runs[picked & known])
+    out = set(runs[~picked & known]) - picked_runs
+    if train.empty or not set(_ARM_KEY) <= set(train.columns):
+        return out
+    key_of = {str(r["run_id"]): tuple(str(r[c]) for c in _ARM_KEY) for _, r in train.iterrows()}
+    retrained = {key_of[r] for r in key_of if r not in out and r not in picked_runs}
+    return out | {r for r in picked_runs if key_of.get(r) in retrained}
+
+
+def _selection_cells(selections: pd.DataFrame) -> pd.DataFrame:
+    """Every selection's cell table, stacked (empty when none was read)."""
+    if selections.empty:
+        return pd.DataFrame()
+    return query.per_note_table(selections, LAMBDA_CELLS, ["train_run"], ("run_id",)).frame
 
 
 def build_report(inputs: ReportInputs, *, reference_arm: str,
@@ -682,7 +707,7 @@ def _own_teacher(own_notes: pd.DataFrame) -> pd.DataFrame:
 # --------------------------------------------------------------------------- Tables 47-51
 def _ablations(rep: Report, client: MlflowClient, extra: _Extra, cells: pd.DataFrame,
                choices: TableChoices, n_resamples: int, seed: int) -> None:
-    cell_train = set(cells["train_run"].dropna()) if "train_run" in cells.columns else set()
+    cell_train = _cell_train_runs(cells, extra.train)
     evaluate = extra.test_runs(extra.evaluate, cell_train)
     own = extra.test_runs(extra.own, cell_train)
     train = extra.train[~extra.train["run_id"].isin(cell_train)] if not extra.train.empty \
