@@ -118,6 +118,16 @@ def _is_missing(exc: MlflowException) -> bool:
     return exc.error_code == ErrorCode.Name(RESOURCE_DOES_NOT_EXIST)
 
 
+def _existing_run(client: MlflowClient, run_id: str) -> Run | None:
+    """The run, or None when the store no longer has it (already purged)."""
+    try:
+        return client.get_run(run_id)
+    except MlflowException as exc:
+        if _is_missing(exc):
+            return None
+        raise
+
+
 def purge_run(run_id: str, *, tracking_uri: str | None = None, root: Path | str | None = None) -> None:
     """Delete ``run_id`` and remove it for good from the tracking store (``mlflow gc``).
 
@@ -133,12 +143,9 @@ def purge_run(run_id: str, *, tracking_uri: str | None = None, root: Path | str 
     uri = tracking_uri or mlflow.get_tracking_uri()
     root = Path(root if root is not None else os.environ.get("MISTILL_ROOT", ".mistill"))
     client = MlflowClient(tracking_uri=uri)
-    try:
-        run = client.get_run(run_id)
-    except MlflowException as exc:
-        if _is_missing(exc):
-            return
-        raise
+    run = _existing_run(client, run_id)
+    if run is None:
+        return
     if run.info.lifecycle_stage != "deleted":
         client.delete_run(run_id)
     store = backend_store(uri, root)
@@ -199,12 +206,9 @@ def purge_if_protected(run_id: str, guard: PrivacyGuard, *, tracking_uri: str | 
     if guard.allows_text:
         return
     client = MlflowClient(tracking_uri=tracking_uri)
-    try:
-        run = client.get_run(run_id)
-    except MlflowException as exc:
-        if _is_missing(exc):
-            return
-        raise
+    run = _existing_run(client, run_id)
+    if run is None:
+        return
     where = protected_place(run, guard)
     if where is None:
         return
