@@ -277,7 +277,7 @@ def ablation_table(own: pd.DataFrame, own_notes: pd.DataFrame, evaluate: pd.Data
                    n_resamples: int = stats.N_BOOTSTRAP, seed: int = 0) -> pd.DataFrame:
     """Table 51: one row per ablation arm in ``arms`` (per model it ran on).
 
-    ``P2C``/``P2``: the own top-40 recovery (``m4.<phase>.k40.recovery_own``, median over
+    ``P2C``/``P2``: the own top-40 recovery (``m4/<phase>/k40/recovery_own``, median over
     notes, mean over the arm's seeds) with its random floor; ``vs mistill seed <s>``: the
     per-note paired median difference of P2C recovery (the arm's notes seed-averaged) against
     Mistill seed ``s`` and its sign-test p; ``vs base``: notes higher / lower than the untrained
@@ -300,11 +300,11 @@ def ablation_table(own: pd.DataFrame, own_notes: pd.DataFrame, evaluate: pd.Data
                                    "n_seeds": int(max(len(r_m), len(e_m)))}
             notes: list[str] = []
             for phase in ("P2C", "P2"):
-                rec[f"{phase}.own"] = _median_over_seeds(r_m, f"m4.{phase}.k{OWN_K}.recovery_own")
+                rec[f"{phase}.own"] = _median_over_seeds(r_m, f"m4/{phase}/k{OWN_K}/recovery_own")
                 rec[f"{phase}.random"] = _median_over_seeds(
-                    r_m, f"m4.{phase}.k{OWN_K}.recovery_random")
-            rec["m2"] = _median_over_seeds(r_m, "m2.P2C.region_lift")
-            rec["m2_random"] = _median_over_seeds(r_m, "m2.P2C.region_lift_random")
+                    r_m, f"m4/{phase}/k{OWN_K}/recovery_random")
+            rec["m2"] = _median_over_seeds(r_m, "m2/P2C/region_lift")
+            rec["m2_random"] = _median_over_seeds(r_m, "m2/P2C/region_lift_random")
             rec["prefix"] = _median_over_seeds(r_m, "prefix_share")
             mine = _cell(_notes_of(teacher, r_m), "P2C", OWN_K)
             if r_m.empty:

@@ -7,7 +7,7 @@
   NULL-calibrated). Its last row in the paper, the layers of the chapter top-40, is
   :func:`layer_table`.
 * Table 15 (:func:`stability_table`): the split-half stability the ``attribute`` stage logs as
-  ``stability.<phase>.*`` metrics.
+  ``stability/<phase>/*`` metrics.
 
 The intervals need the per-note ``I_c``, which the attribute run does not log as a table: they
 are recomputed from its per-note ``notes/<note>/attribution.npz`` with the same calibration
@@ -29,6 +29,7 @@ from mistill import stats
 from mistill.errors import MistillInputError
 from mistill.instrument.calibration import (PHASES, Calibration, importance_c_intervals,
                                             ranking)
+from mistill.tracking.runs import metric_name
 
 __all__ = ["AttributeData", "PHASE_NAMES", "importance_table", "layer_table",
            "load_calibration", "profile", "stability_table"]
@@ -242,7 +243,8 @@ STABILITY_COLUMNS: tuple[tuple[str, str], ...] = (
     ("spearman", "Spearman"), ("top_overlap.8", "top-8 overlap"),
     ("top_overlap.16", "top-16 overlap"), ("top_overlap.40", "top-40 overlap"),
     ("full_overlap", "half vs full top-40"))
-"""``stability.<phase>.<key>`` metrics of an attribute run, in Table 15's column order."""
+"""Table 15's columns, in order: a key (``top_overlap.8`` is the metric
+``stability/<phase>/top_overlap/8`` of an attribute run) and its label."""
 
 
 def stability_table(runs: pd.DataFrame) -> pd.DataFrame:
@@ -251,7 +253,7 @@ def stability_table(runs: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for _, run in runs.iterrows():
         for phase in PHASES:
-            keys = [f"stability.{phase}.{k}" for k, _ in STABILITY_COLUMNS]
+            keys = [metric_name("stability", phase, *k.split(".")) for k, _ in STABILITY_COLUMNS]
             if not any(k in runs.columns and pd.notna(run[k]) for k in keys):
                 continue
             rec: dict[str, Any] = {"run_id": run["run_id"], "model": run["model"],

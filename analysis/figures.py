@@ -137,8 +137,9 @@ def recovery_long_from_own(per_note_own: pd.DataFrame) -> pd.DataFrame:
     """Own-heads rows as the figure's input: per (model, arm[, λ], phase, k) the mean over seeds
     of the median over notes of ``recovery_own``, and the same of ``recovery_random`` as a floor.
 
-    Each series is named by :func:`series_label`: the arm, its λ (a ``lambda`` or ``lambda_p1``
-    column, when present) and the seeds averaged, with the model when several are shown.
+    Each series is named by :func:`series_label`: the arm, its λ (a ``lambda`` column, the runs'
+    ``lambda`` of :data:`analysis.query.TAG_COLUMNS`, or ``lambda_p1``, when present) and the
+    seeds averaged, with the model when several are shown.
     """
     lam = _lambda_column(per_note_own)
     df = per_note_own.copy()

@@ -2,8 +2,8 @@
 their per-run and per-note CSV artifacts.
 
 One row per run (:func:`stage_runs`): ``run_id``, ``run_name``, ``start_time`` and the tag
-columns of :data:`TAG_COLUMNS` (``stage``, ``model``, ``arm``, ``seed``, ``precision``,
-``corpus``, ``privacy``), then one column per metric. :func:`latest_runs` keeps the newest run
+columns of :data:`TAG_COLUMNS` (``stage``, ``model``, ``arm``, ``lambda``, ``seed``, ``precision``,
+``corpus``, ``privacy``, ...), then one column per metric. :func:`latest_runs` keeps the newest run
 of each (model, arm, precision, seed). :func:`per_note_table` stacks one CSV artifact of many
 runs with those run columns in front, one row per (run, note) or (run, note, phase, k).
 """
@@ -23,6 +23,7 @@ from mistill.tracking.runs import (
     TAG_ARM,
     TAG_CORPUS,
     TAG_INPUT_PREFIX,
+    TAG_LAMBDA,
     TAG_MODEL,
     TAG_PRECISION,
     TAG_PRIVACY,
@@ -51,13 +52,14 @@ TAG_DEVIATION = "mistill.deviation"
 """A run's own account of where it departs from the paper: comma-separated deviation codes."""
 
 TAG_COLUMNS: dict[str, str] = {"stage": TAG_STAGE, "model": TAG_MODEL, "arm": TAG_ARM,
-                               "seed": TAG_SEED, "precision": TAG_PRECISION,
+                               "lambda": TAG_LAMBDA, "seed": TAG_SEED, "precision": TAG_PRECISION,
                                "corpus": TAG_CORPUS, "privacy": TAG_PRIVACY, "split": TAG_SPLIT,
                                "train_run": TAG_INPUT_PREFIX + "train",
                                "attribute_run": TAG_INPUT_PREFIX + "attribute",
                                "deviation": TAG_DEVIATION}
-"""Column name -> the tag it is read from (``train_run``, ``attribute_run``: the lineage tags
-naming the train or attribute run a run read)."""
+"""Column name -> the tag it is read from (``lambda``: the λ the run trained, or that the train
+run whose checkpoint it reads trained, ``<λ>`` or ``<λ_P1>,<λ_P2>``, None for no λ; ``train_run``,
+``attribute_run``: the lineage tags naming the train or attribute run a run read)."""
 
 RUN_KEY: tuple[str, ...] = ("model", "arm", "precision", "seed")
 """What identifies one cell of a table: a run of the same key written later replaces it."""

@@ -403,9 +403,9 @@ def _own_heads(rep: Report, runs: pd.DataFrame, eval_runs: pd.DataFrame,
     what = "Tables 3/45 (own-heads readouts) and the own-heads recovery figure"
     if runs.empty:
         return _skip(rep, what, "no FINISHED own_heads runs")
-    per_note = ablation_tables._traces(_load(
+    per_note = ablation_tables._traces(_load(  # with λ, for the figure's legend (arm and λ)
         rep, runs, OWN_HEADS_PER_NOTE, ["note_id", "phase", "k", "recovery_own",
-                                        "recovery_random"]), "teacher")
+                                        "recovery_random"], ("run_id", *query.RUN_KEY, "lambda")), "teacher")
     if per_note.empty:
         return _skip(rep, what, f"no own_heads run has {OWN_HEADS_PER_NOTE}")
     seeds = tables.own_heads_seed_table(per_note, runs, eval_runs, rep.reference_arm)

@@ -41,8 +41,8 @@ DECISION_REQUIRED: tuple[str, ...] = ("pick", "band", "tied", "gaps_to_best", "e
 ANCHOR_ARMS: tuple[str, ...] = ("untrained", "teacher")
 M1_PHASES: tuple[str, ...] = ("P1", "P2", "P2C")
 CELL_METRICS: tuple[tuple[str, str], ...] = (
-    ("valid_rate", "valid"), ("cap_rate", "cap"), ("m1.P1.p_pos", "M1 P1"),
-    ("m1.P2.p_pos", "M1 P2"), ("m1.P2C.p_pos", "M1 P2C"))
+    ("valid_rate", "valid"), ("cap_rate", "cap"), ("m1/P1/p_pos", "M1 P1"),
+    ("m1/P2/p_pos", "M1 P2"), ("m1/P2C/p_pos", "M1 P2C"))
 """Metrics of a cell's evaluation shown beside the selection metric in Table 39."""
 OWN_CELL = ("P2C", 40)
 """Table 42's own-heads readout: M4 recovery of the own top-40 at P2C (App. I.4)."""
@@ -301,8 +301,8 @@ def selected_train_runs(sel: Selection, arm_of: Mapping[str, Mapping[str, Any]])
 
 
 CONFIRM_MEASURES: tuple[tuple[str, str, str], ...] = (
-    ("micro_f1", "micro_f1", "task micro-F1"), ("m1.P1.p_pos", "m1_P1_p_pos", "M1 P1"),
-    ("m1.P2.p_pos", "m1_P2_p_pos", "M1 P2"), ("m1.P2C.p_pos", "m1_P2C_p_pos", "M1 P2C"))
+    ("micro_f1", "micro_f1", "task micro-F1"), ("m1/P1/p_pos", "m1_P1_p_pos", "M1 P1"),
+    ("m1/P2/p_pos", "m1_P2_p_pos", "M1 P2"), ("m1/P2C/p_pos", "m1_P2C_p_pos", "M1 P2C"))
 """Table 41's measures: run metric, per-note column, label."""
 
 
@@ -420,7 +420,7 @@ def reselection_table(sel: Selection, evaluate: pd.DataFrame, eval_notes: pd.Dat
         else:
             cell_notes = own_notes[(own_notes["phase"] == phase) & (own_notes["k"] == k)] \
                 if not own_notes.empty else own_notes
-            rec["own_recovery"] = _value(mine_own.iloc[0], f"m4.{phase}.k{k}.recovery_own")
+            rec["own_recovery"] = _value(mine_own.iloc[0], f"m4/{phase}/k{k}/recovery_own")
             ref_own = own[(own["arm"] == reference_arm) & (own["model"] == sel.model)
                           & (own["precision"] == precision)]
             rec.update(_clustered(cell_notes, mine_own, ref_own, "recovery_own", "own",

@@ -62,9 +62,9 @@ GROUP: tuple[str, ...] = ("model", "arm", "precision")
 
 TASK_METRICS: tuple[tuple[str, str], ...] = (
     ("micro_f1", "micro-F1"), ("macro_f1", "macro-F1"), ("valid_rate", "valid"),
-    ("cap_rate", "cap"), ("mean_generated_tokens", "tokens"), ("fidelity.ppl_median", "PPL"),
-    ("fidelity.bleu4_mean", "BLEU-4"), ("fidelity.las_mean", "LAS"),
-    ("m1.P1.p_pos", "M1 P1"), ("m1.P2.p_pos", "M1 P2"), ("m1.P2C.p_pos", "M1 P2C"))
+    ("cap_rate", "cap"), ("mean_generated_tokens", "tokens"), ("fidelity/ppl_median", "PPL"),
+    ("fidelity/bleu4_mean", "BLEU-4"), ("fidelity/las_mean", "LAS"),
+    ("m1/P1/p_pos", "M1 P1"), ("m1/P2/p_pos", "M1 P2"), ("m1/P2C/p_pos", "M1 P2C"))
 """``evaluate`` run metrics of Table 2 (metric name, column label), in column order."""
 
 PER_NOTE_MEASURES: tuple[tuple[str, str], ...] = (
@@ -72,8 +72,8 @@ PER_NOTE_MEASURES: tuple[tuple[str, str], ...] = (
 """Columns of ``per_note_metrics.csv`` compared note by note in Table 43."""
 
 OWN_METRICS: tuple[tuple[str, str], ...] = (
-    ("m2.region_lift", "M2 lift"), ("prefix_share", "prefix share"),
-    ("m3.near_miss_share", "M3 near-miss"))
+    ("m2/region_lift", "M2 lift"), ("prefix_share", "prefix share"),
+    ("m3/near_miss_share", "M3 near-miss"))
 """``own_heads`` run metrics of Table 3 beside the per-note recoveries."""
 
 

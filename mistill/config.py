@@ -2,7 +2,8 @@
 
 Every stage takes one frozen dataclass; ``to_dict`` is what goes to ``config.json`` and to
 MLflow params, ``from_dict`` reads it back with type checks, so a resumed or reused run can
-compare typed values rather than strings.
+compare typed values rather than strings. Fields several configs share are defined once, in a
+:class:`ParamGroup` the configs inherit (the groups: :mod:`mistill.params`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import os
 import platform
 import sys
 import typing
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 from mistill.errors import MistillInputError
@@ -69,16 +72,89 @@ def _coerce(value: Any, annotation: Any, name: str) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
+class ParamGroup:
+    """Base class of a parameter group: fields several configs share, each defined once.
+
+    A group is a frozen dataclass whose fields all have defaults; its docstring describes its
+    fields as a config's does (the command line's help reads the docstrings of every class a
+    config inherits, :func:`mistill.stages.cli.field_meanings`), and its :meth:`validate_group`
+    refuses invalid values of the fields it declares itself. A :class:`Config` takes a group by
+    inheriting it, ``class EventsConfig(Config, EventsParams, ChunkParams)``, and so has its
+    fields, with their type, default, help and validation; a group may extend another.
+    """
+
+    def validate_group(self) -> None:
+        """Refuse invalid values of the fields this group declares (a base group checks its
+        own), raising :class:`~mistill.errors.MistillInputError` with ``field`` set. Run by
+        :class:`Config` after the config's own :meth:`Config.validate`, so a stage's first check
+        (no text in any field) comes first."""
+
+
+def param_groups(cls: type) -> tuple[type[ParamGroup], ...]:
+    """The parameter groups a class takes, base groups first (reversed method resolution order)."""
+    return tuple(k for k in reversed(cls.__mro__)
+                 if issubclass(k, ParamGroup) and k is not ParamGroup and not issubclass(k, Config))
+
+
+def group_fields(group: type[ParamGroup]) -> tuple[str, ...]:
+    """The fields a group declares itself (not those of the groups it extends)."""
+    own = vars(group).get("__annotations__", {})
+    return tuple(f.name for f in dataclasses.fields(group) if f.name in own)
+
+
+def param_fields(cls: type) -> tuple[dataclasses.Field, ...]:
+    """A config's fields in the order its command line and ``MLproject`` list them: the fields
+    it declares itself, in declaration order, then those of the parameter groups it takes, group
+    by group in the order its class statement names them."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    grouped = {name for g in param_groups(cls) for name in group_fields(g)}
+    order = [name for name in fields if name not in grouped]
+    for base in cls.__bases__:
+        if dataclasses.is_dataclass(base):
+            order += [f.name for f in dataclasses.fields(base) if f.name not in order]
+    order += [name for name in fields if name not in order]
+    return tuple(fields[name] for name in order)
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """Base class: subclasses are frozen dataclasses of plain typed fields.
 
-    Every construction (direct, :meth:`from_dict`, :meth:`replace`) ends in :meth:`validate`,
-    so a config that exists holds valid values. A subclass that needs its own
-    ``__post_init__`` must call ``super().__post_init__()``.
+    Every construction (direct, :meth:`from_dict`, :meth:`replace`) ends in :meth:`validate`
+    and the :meth:`ParamGroup.validate_group` of every group the class takes, so a config that
+    exists holds valid values. A subclass that needs its own ``__post_init__`` must call
+    ``super().__post_init__()``.
+
+    A subclass may give fields of the groups it takes other defaults, named in one mapping:
+    ``class PipelineConfig(Config, NullParams, defaults={"n_null": 10})``; they are listed in
+    :attr:`group_defaults`. The type, help and validation stay the group's.
     """
+
+    group_defaults: typing.ClassVar[Mapping[str, Any]] = MappingProxyType({})
+    """The defaults this class gives fields of its groups in place of the groups' own."""
+
+    def __init_subclass__(cls, defaults: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not defaults:
+            return
+        annotations = cls.__dict__.get("__annotations__")
+        if annotations is None:
+            cls.__annotations__ = annotations = {}
+        for name, value in defaults.items():
+            group = next((g for g in param_groups(cls) if name in group_fields(g)), None)
+            if group is None:
+                raise TypeError(f"{cls.__name__}: defaults names {name!r}, a field of none of its parameter groups")
+            if name in annotations:
+                raise TypeError(f"{cls.__name__}: {name!r} is declared in the class and named in defaults")
+            annotations[name] = typing.get_type_hints(group)[name]
+            setattr(cls, name, value)  # read by the dataclass decorator as the field's default
+        cls.group_defaults = MappingProxyType({**cls.group_defaults, **defaults})
 
     def __post_init__(self) -> None:
         self.validate()
+        for group in param_groups(type(self)):
+            if "validate_group" in vars(group):
+                vars(group)["validate_group"](self)
 
     def validate(self) -> None:
         """Refuse values that cannot be valid, raising
@@ -121,6 +197,13 @@ class Config:
 
     def replace(self: C, **changes: Any) -> C:
         return dataclasses.replace(self, **changes)
+
+    def shared_params(self, other: type[Config]) -> dict[str, Any]:
+        """This config's values of the fields of every parameter group ``other`` takes too: what
+        a workflow passes on to a step's config (``CharacterizeConfig`` -> ``EventsConfig``), so
+        a field added to a group both take is passed on without another edit."""
+        names = {f.name for g in param_groups(type(self)) if issubclass(other, g) for f in dataclasses.fields(g)}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in names}
 
     def content_digests(self) -> dict[str, str]:
         """sha256 of the content of every file this config names by path, by field name.

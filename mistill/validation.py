@@ -379,25 +379,8 @@ def check_storage_url(value: str, field: str, *, allow_empty: bool = True) -> No
         _refuse(f"{field} must be a database URL (scheme://..., no spaces), got {_shown(value)}", field, value)
 
 
-def check_decoding(cfg: object) -> None:
-    """The decoding fields a generating stage shares: ``backend`` in its ``BACKENDS``,
-    ``max_notes`` >= 0 (0: every note), ``max_new_tokens`` > 0, ``temperature`` > 0, ``top_p`` in
-    (0, 1], ``top_k`` >= 0 (0: no top-k), ``seed``, ``device`` and ``dtype``."""
-    from mistill.evaluation.backends import BACKENDS
-
-    check_non_negative(cfg.max_notes, "max_notes", "0: every note")
-    check_choice(cfg.backend, BACKENDS, "backend")
-    check_positive(cfg.max_new_tokens, "max_new_tokens")
-    check_positive(cfg.temperature, "temperature")
-    check_interval(cfg.top_p, "top_p", low_open=True)
-    check_non_negative(cfg.top_k, "top_k", "0: no top-k")
-    check_seed(cfg.seed)
-    check_device(cfg.device)
-    check_dtype(cfg.dtype)
-
-
-__all__ = ["DEVICE_FORMS", "check_decoding", "fail", "check_device", "check_device_available", "check_dtype", "check_choice", "check_choices",
-           "check_not_empty", "check_at_least", "check_non_negative", "check_positive", "check_seed",
+__all__ = ["DEVICE_FORMS", "fail", "check_device", "check_device_available", "check_dtype", "check_choice",
+           "check_choices", "check_not_empty", "check_at_least", "check_non_negative", "check_positive", "check_seed",
            "check_interval", "check_counts", "PROSE_WORDS", "NAME_MAX_CHARS", "PATH_MAX_CHARS", "RUN_ID",
            "TextValueError", "check_no_text", "check_no_text_fields", "check_run_id", "check_run_ids",
            "check_name", "check_names", "check_path", "check_model_spec", "check_arm", "check_arms",

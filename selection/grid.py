@@ -308,6 +308,8 @@ def _end_trial_run(run_id: str, tracking: TrialTracking, result: CellResult | No
     from mlflow.entities import Metric, RunTag
     from mlflow.tracking import MlflowClient
 
+    from mistill.tracking.runs import quiet_run_links
+
     client = MlflowClient()
     now = int(time.time() * 1000)
     if result is not None:
@@ -320,7 +322,8 @@ def _end_trial_run(run_id: str, tracking: TrialTracking, result: CellResult | No
         client.log_batch(run_id, metrics=metrics, tags=tags)
     if error is not None:
         client.set_tag(run_id, TAG_ERROR, error[:5000])
-    client.set_terminated(run_id, status or ("FINISHED" if error is None else "FAILED"))
+    with quiet_run_links():  # a cell's run is one row of the select_lambda run, not a log line
+        client.set_terminated(run_id, status or ("FINISHED" if error is None else "FAILED"))
 
 
 def _close_replaced_run(run_id: str, trial_number: int) -> None:
@@ -328,11 +331,14 @@ def _close_replaced_run(run_id: str, trial_number: int) -> None:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
+    from mistill.tracking.runs import quiet_run_links
+
     client = MlflowClient()
     with contextlib.suppress(MlflowException):
         if client.get_run(run_id).info.status == "RUNNING":
             client.set_tag(run_id, TAG_ERROR, f"worker stopped (heartbeat stale); retried as trial {trial_number}")
-            client.set_terminated(run_id, "KILLED")
+            with quiet_run_links():
+                client.set_terminated(run_id, "KILLED")
 
 
 def _claim(handle: SelectionStudy, study: Any, space: Mapping[str, list[float]], scale: str,

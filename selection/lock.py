@@ -12,7 +12,7 @@ Example (``projects/configs/locks/embedded-3cell.yaml``)::
     arm: mistill
     grid: {tied: true, scale: log, lambda: [0.03, 0.1, 0.3]}
     training: {seed: 0, max_steps: 1}
-    selection: {metric: micro_f1, split: val, tie_band: 0.004, tie_break: m1.P2C.p_pos}
+    selection: {metric: micro_f1, split: val, tie_band: 0.004, tie_break: m1/P2C/p_pos}
     edge: {extend: true, max_extensions: 1}
 
 ``grid.tied: true`` means λ_P1 = λ_P2 = λ over ``grid.lambda``; ``tied: false`` takes
@@ -22,7 +22,7 @@ step outward is used (a ratio for ``scale: log``, a difference for ``scale: line
 
 Two tie rules (``selection.tie_break``):
 
-* **a metric name** (App. I.3, I.4, M.2: ``m1.P2C.p_pos``, M1 at P2C): among the cells within
+* **a metric name** (App. I.3, I.4, M.2: ``m1/P2C/p_pos``, M1 at P2C): among the cells within
   ``tie_band`` of the best, the one with the higher value of that metric. When that does not
   decide (**[recon]**, the paper states no fallback): a cell whose tie-break metric is NaN ranks
   last, then ``selection.tie_fallback`` in order, default ``[metric, smaller_lambda]`` (the
@@ -299,6 +299,11 @@ def _selection(path: str, data: Any) -> SelectionRule:
     for key in ("metric", "split", "tie_break", "validity_metric"):
         if not getattr(rule, key).strip():
             raise r.fail(key, "must not be empty")
+    for key in ("metric", "tie_break", "validity_metric"):  # MLflow metric names: parts between '/'
+        value = getattr(rule, key)
+        if "." in value:
+            raise r.fail(key, f"{value!r} is not a metric name: metric names separate their parts with '/' "
+                              f"(write {value.replace('.', '/')!r})")
     return rule
 
 

@@ -90,18 +90,19 @@ def decision_record(lock: Lock, decision: Decision, cells: StudyCells, reports: 
 
 
 def decision_metrics(lock: Lock, decision: Decision, cells: StudyCells) -> dict[str, float]:
-    """Numbers for MLflow: the pick's λs and scores, the gap to the runner-up, counts."""
+    """Metrics for MLflow: the pick's λs and scores (``selected/lambda_p1``, ``selected/<metric>``),
+    the gap to the runner-up, counts."""
     out: dict[str, float] = {"n_cells": float(len(grid_cells(lock.grid))), "n_failed": float(len(cells.failed)),
                              "n_extensions": float(sum(e.ran for e in decision.extensions)),
                              "n_ineligible": float(len(decision.ineligible))}
     if decision.pick is not None:
         res = cells.results[decision.pick]
-        out["selected.lambda_p1"], out["selected.lambda_p2"] = decision.pick.lambdas
-        out[f"selected.{lock.selection.metric}"] = res.metric
+        out["selected/lambda_p1"], out["selected/lambda_p2"] = decision.pick.lambdas
+        out[f"selected/{lock.selection.metric}"] = res.metric
         if lock.selection.tie_break_metric and math.isfinite(res.tie_break):
-            out[f"selected.{lock.selection.tie_break_metric}"] = res.tie_break
+            out[f"selected/{lock.selection.tie_break_metric}"] = res.tie_break
         if math.isfinite(res.validity):
-            out[f"selected.{lock.selection.validity_metric}"] = res.validity
+            out[f"selected/{lock.selection.validity_metric}"] = res.validity
         others = sorted(g for c, g in decision.gaps.items() if c != decision.best and c not in decision.ineligible)
         if others:
             out["gap_best_to_runner_up"] = others[0]

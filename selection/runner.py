@@ -7,7 +7,7 @@ registered version gets the cell alias (``<arm>-l<λ>-s<seed>``), never the arm 
 the cell alias here too);
 ``evaluate`` (``mistill.stages.evaluate.EvaluateConfig``: ``prepare_run``, ``train_run``,
 ``split``, ``device``) logs the selection metric (``micro_f1``), the tie-break
-(``m1.P2C.p_pos``: P(margin > 0) at P2C events) and the valid-answer rate (``valid_rate``), read
+(``m1/P2C/p_pos``: P(margin > 0) at P2C events) and the valid-answer rate (``valid_rate``), read
 back from its run (:func:`cell_result`). Both go through
 :func:`mistill.stages.workflow.run_step`, so identical finished runs are reused, and new ones are
 nested under the cell's MLflow run.

@@ -91,9 +91,9 @@ EVAL_RUNS: dict[tuple[str, int], dict[str, float]] = {
 def eval_metrics(arm: str, seed: int) -> dict[str, float]:
     m = dict(EVAL_RUNS[(arm, seed)])
     m.update({"macro_f1": m["micro_f1"] / 2, "valid_rate": 0.9, "cap_rate": 0.1,
-              "mean_generated_tokens": 100.0 + seed, "fidelity.ppl_median": 1.6,
-              "fidelity.bleu4_mean": 0.2, "fidelity.las_mean": 0.1,
-              "m1.P1.p_pos": 0.8, "m1.P2.p_pos": 0.7, "m1.P2C.p_pos": 0.6 + 0.01 * seed})
+              "mean_generated_tokens": 100.0 + seed, "fidelity/ppl_median": 1.6,
+              "fidelity/bleu4_mean": 0.2, "fidelity/las_mean": 0.1,
+              "m1/P1/p_pos": 0.8, "m1/P2/p_pos": 0.7, "m1/P2C/p_pos": 0.6 + 0.01 * seed})
     return m
 
 
@@ -115,11 +115,11 @@ def own_notes(arm: str, seed: int) -> pd.DataFrame:
 
 
 def own_metrics(arm: str, seed: int, phase_k=(("P1", 8), ("P1", 40), ("P2C", 8), ("P2C", 40))):
-    m: dict[str, float] = {"m2.region_lift": 2.0 + seed, "m3.near_miss_share": 0.05,
+    m: dict[str, float] = {"m2/region_lift": 2.0 + seed, "m3/near_miss_share": 0.05,
                            "prefix_share": 0.3}
     for phase, k in phase_k:
-        m[f"m4.{phase}.k{k}.recovery_own"] = 0.5
-        m[f"m4.{phase}.k{k}.recovery_random"] = 0.05
+        m[f"m4/{phase}/k{k}/recovery_own"] = 0.5
+        m[f"m4/{phase}/k{k}/recovery_random"] = 0.05
     return m
 
 
@@ -151,11 +151,11 @@ def stage_lambda_cells() -> pd.DataFrame:
     return pd.DataFrame({"cell": ["a", "b", "c"], "lambda_p1": [0.03, 0.1, 0.3],
                          "lambda_p2": [0.03, 0.1, 0.3], "in_grid": True,
                          "state": ["complete", "complete", "failed"],
-                         "micro_f1": [0.21, 0.215, None], "m1.P2C.p_pos": [0.7, 0.75, None],
+                         "micro_f1": [0.21, 0.215, None], "m1/P2C/p_pos": [0.7, 0.75, None],
                          "picked": [False, True, False]})
 
 
-DECISION = {"lock": {"selection": {"metric": "micro_f1", "tie_break": "m1.P2C.p_pos"}}}
+DECISION = {"lock": {"selection": {"metric": "micro_f1", "tie_break": "m1/P2C/p_pos"}}}
 
 
 def build_run_set(uri: str, corpus: str, root: Path, *, kinds=("evaluate", "own_heads",
@@ -196,10 +196,10 @@ ATTR_GEOMETRY = {"n_layers": 3, "n_heads": 2}
 ATTR_HEAD_OFFSETS = {"P1": [0.9, 0.1, 0.5, 0.0, -0.3, 0.2], "P2": [0.1, 0.8, 0.0, 0.6, 0.2, 0.0],
                      "P2C": [0.0, 0.2, 0.1, 0.0, 0.9, 0.7], "NULL": [0.05] * 6}
 """Per phase, each head's mean importance at the events of the phase (heads L0H0 ... L2H1)."""
-STABILITY = {"stability.P1.spearman": 0.93, "stability.P1.top_overlap.8": 6.0,
-             "stability.P1.top_overlap.40": 6.0, "stability.P1.full_overlap": 6.0,
-             "stability.P1.n_splits": 50.0, "stability.P1.n_patients": 8.0,
-             "stability.P1.n_notes": 8.0}
+STABILITY = {"stability/P1/spearman": 0.93, "stability/P1/top_overlap/8": 6.0,
+             "stability/P1/top_overlap/40": 6.0, "stability/P1/full_overlap": 6.0,
+             "stability/P1/n_splits": 50.0, "stability/P1/n_patients": 8.0,
+             "stability/P1/n_notes": 8.0}
 
 
 def attribution_arrays(note_index: int) -> dict[str, np.ndarray]:
@@ -303,8 +303,8 @@ def build_extended_run_set(uri: str, corpus: str, root: Path) -> dict[str, Any]:
                                       "micro_f1": float(per_note["micro_f1"].mean())},
                 tables={"per_note_metrics": per_note}, tags={"mistill.split": "test"})
             own_m = own_metrics(arm, seed)
-            own_m["m4.P2C.k40.recovery_own"] = 0.6 + (0.1 if arm == "mistill" else 0.0)
-            own_m["m4.P2.k40.recovery_own"], own_m["m4.P2.k40.recovery_random"] = 0.55, 0.04
+            own_m["m4/P2C/k40/recovery_own"] = 0.6 + (0.1 if arm == "mistill" else 0.0)
+            own_m["m4/P2/k40/recovery_own"], own_m["m4/P2/k40/recovery_random"] = 0.55, 0.04
             ids["own_heads"][(arm, seed)] = make_run(
                 uri, corpus, "own_heads", root, arm=arm, seed=seed, precision="bf16",
                 inputs=link, metrics=own_m, tags={"mistill.split": "test"},
@@ -317,7 +317,7 @@ def build_extended_run_set(uri: str, corpus: str, root: Path) -> dict[str, Any]:
 DECISION_RECORD = {
     "lock": {"arm": "mistill", "training": {"seed": 0},
              "selection": {"metric": "micro_f1", "split": "val", "tie_band": 0.004,
-                           "tie_break": "m1.P2C.p_pos"}},
+                           "tie_break": "m1/P2C/p_pos"}},
     "decision": {"rule": "best_outright", "pick": "lambda=0.1", "pick_lambda_p1": 0.1,
                  "pick_lambda_p2": 0.1, "band": 0.004, "tied": ["lambda=0.1"],
                  "gaps_to_best": {"lambda=0.03": 0.02, "lambda=0.1": 0.0, "lambda=0.3": 0.05},
@@ -341,14 +341,14 @@ def _selection_runs(uri: str, corpus: str, root: Path) -> dict[str, Any]:
                          cfg=FakeStageConfig(arm="mistill", tag=f"cell-{lam}"))
         ev = make_run(uri, corpus, "evaluate", root, arm="mistill", seed=0, precision="bf16",
                       inputs={"train": train}, metrics={"micro_f1": 0.5 + delta,
-                                                        "m1.P2C.p_pos": 0.5 + delta,
+                                                        "m1/P2C/p_pos": 0.5 + delta,
                                                         "valid_rate": 0.9},
                       tables={"per_note_metrics": val_notes("mistill", 0, delta)},
                       tags={"mistill.split": "val"})
         out["cells"][lam] = {"train": train, "evaluate": ev}
         rows.append({"cell": f"lambda={lam!r}", "lambda_p1": lam, "lambda_p2": lam,
                      "in_grid": True, "state": "complete", "micro_f1": 0.5 + delta,
-                     "m1.P2C.p_pos": 0.5 + delta, "gap_to_best": repr(0.04 - delta),
+                     "m1/P2C/p_pos": 0.5 + delta, "gap_to_best": repr(0.04 - delta),
                      "in_band": lam == 0.1, "picked": lam == 0.1, "train_run": train,
                      "evaluate_run": ev})
     # a second seed at the pick, evaluated on the validation notes (Table 41)

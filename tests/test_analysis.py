@@ -194,6 +194,45 @@ def test_query_reads_tags_metrics_and_per_note_tables(tracking_uri, run_set, rea
     assert query.stage_runs(client, "mistill/no-such-corpus", "evaluate").empty
 
 
+def test_lambda_column_is_the_trained_lambda_and_names_figure_series(tracking_uri, tmp_path, reader_root):
+    """``lambda`` (a tag column) is the λ a train run trained, and on a readout of its checkpoint
+    the λ of that train run; the own-heads figure's legend names arm and λ, never a run id."""
+    import re
+
+    from analysis_fixtures import FakeStageConfig
+
+    from mistill.tracking.privacy import PrivacyGuard
+    from mistill.tracking.runs import StageRun
+
+    corpus = unique("lambda")
+    exp = f"mistill/{corpus}"
+    trained = {}
+    for seed in (0, 1):
+        with StageRun("train", FakeStageConfig(arm="mistill", seed=seed, tag="train"), corpus=corpus,
+                      guard=PrivacyGuard([], "synthetic"), model=STUDENT, arm="mistill", seed=seed,
+                      precision="bf16", lam=(0.03, 0.03), root=tmp_path, code_version="test",
+                      tracking_uri=tracking_uri) as run:
+            trained[seed] = run.run_id
+    for arm in ("mistill", "vanilla-bf16"):
+        for seed in (0, 1):
+            make_run(tracking_uri, corpus, "own_heads", tmp_path, arm=arm, seed=seed, precision="bf16",
+                     model=f"run:{trained[seed]}" if arm == "mistill" else STUDENT,
+                     tables={"own_heads_per_note": own_notes(arm, seed)})
+    client = MlflowClient()
+    assert "lambda" in query.TAG_COLUMNS
+    assert query.stage_runs(client, exp, "train")["lambda"].tolist() == ["0.03", "0.03"]
+    own = query.stage_runs(client, exp, "own_heads")
+    assert sorted(own.loc[own["arm"] == "mistill", "lambda"]) == ["0.03", "0.03"]
+    assert own.loc[own["arm"] == "vanilla-bf16", "lambda"].isna().all()
+    assert set(own["model"]) == {STUDENT}  # the checkpoint's runs are the student's
+
+    rep = build_report(collect_inputs(client, exp, reference_arm="vanilla-bf16"), reference_arm="vanilla-bf16",
+                       n_resamples=50, corpus_resamples=50)
+    names = {t.name for t in rep.figures["recovery_vs_k_own"].data}
+    assert {"mistill λ=0.03, seeds 0,1", "vanilla-bf16, seeds 0,1"} <= names
+    assert not any(re.search(r"[0-9a-f]{32}", n) for n in names)
+
+
 def test_newer_run_of_the_same_cell_replaces_the_older(tracking_uri, tmp_path, reader_root):
     corpus = unique("latest")
     make_run(tracking_uri, corpus, "evaluate", tmp_path, arm="mistill", seed=0,
@@ -211,7 +250,7 @@ def test_report_numbers_match_hand_values(tracking_uri, run_set, reader_root, tm
     run = MlflowClient().get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.tags["mistill.stage"] == "report"
     # 8 tables from these runs, and the 14 always-listed ones (empty rows where no data)
-    assert run.data.metrics["n_runs.evaluate"] == 7 and run.data.metrics["n_tables"] == 8 + 14
+    assert run.data.metrics["n_runs/evaluate"] == 7 and run.data.metrics["n_tables"] == 8 + 14
     inputs = {k for k in run.data.tags if k.startswith("mistill.input.")}
     assert f"mistill.input.evaluate.{ids['evaluate'][('opd', 0)]}" in inputs and len(inputs) == 14
 
@@ -219,7 +258,7 @@ def test_report_numbers_match_hand_values(tracking_uri, run_set, reader_root, tm
     t2 = _csv(run_id, "table2_task_fidelity", tmp_path)
     m = t2[t2["arm"] == "mistill"].iloc[0]
     assert m["micro_f1.mean"] == pytest.approx(0.35) and m["gap_recovered"] == pytest.approx(0.625)
-    assert m["m1.P2C.p_pos.mean"] == pytest.approx(0.605)
+    assert m["m1/P2C/p_pos.mean"] == pytest.approx(0.605)
     assert t2["arm"].tolist()[:3] == ["teacher", "untrained", "vanilla-bf16"]
     shown = _artifact(run_id, "tables/table2_task_fidelity_display.md", tmp_path).read_text()
     assert "opd [1 seed]" in shown and "0.350 ± 0.014" in shown
@@ -254,7 +293,7 @@ def test_report_numbers_match_hand_values(tracking_uri, run_set, reader_root, tm
     cell = own[(own["phase"] == "P2C") & (own["k"] == 40)]
     assert s1["P2C.k40.own"] == pytest.approx(cell["recovery_own"].median())
     assert s1["P2C.k40.random"] == pytest.approx(cell["recovery_random"].median())
-    assert s1["task"] == pytest.approx(0.36) and s1["m2.region_lift"] == pytest.approx(3.0)
+    assert s1["task"] == pytest.approx(0.36) and s1["m2/region_lift"] == pytest.approx(3.0)
     t45 = _csv(run_id, "table45_seed_matched", tmp_path)
     p2c = t45[(t45["arm"] == "mistill") & (t45["measure"] == "M4 P2C k40")].iloc[0]
     assert p2c["mean_diff"] == pytest.approx(np.mean(list(OWN_DELTA.values())))
@@ -265,7 +304,7 @@ def test_report_numbers_match_hand_values(tracking_uri, run_set, reader_root, tm
     task = t45[t45["measure"] == "task micro-F1 (per note)"].iloc[0]
     assert task["mean_diff"] == pytest.approx(0.1)
     t3 = _csv(run_id, "table3_own_heads", tmp_path)
-    assert t3.loc[t3["arm"] == "mistill", "m2.region_lift.mean"].iloc[0] == pytest.approx(2.5)
+    assert t3.loc[t3["arm"] == "mistill", "m2/region_lift.mean"].iloc[0] == pytest.approx(2.5)
 
     # Tables 1/10: the global set beats random on all but one note at P1 k=8
     t10 = _csv(run_id, "table10_global_sets", tmp_path)

@@ -93,7 +93,7 @@ def test_calibrate_hand_computed_two_notes():
     assert cal.n_notes["P2C"] == 0 and np.isnan(cal.importance_c["P2C"]).all()
     assert cal.n_notes_split == 1  # only b has two NULL events
     s = cal.summary()
-    assert s["calib.P2C.n_notes"] == 0.0 and s["calib.P1.n_notes"] == 2.0
+    assert s["calib/P2C/n_notes"] == 0.0 and s["calib/P1/n_notes"] == 2.0
     assert all(isinstance(v, float) for v in s.values())
 
 
@@ -133,9 +133,9 @@ def test_split_half_null_gives_no_discoveries_on_noise(cal, notes):
     assert 0 < cal.noise_floor < 4 * se
     assert cal.noise_floor == pytest.approx(np.percentile(np.abs(cal.split_half_diff), 95))
     s = cal.summary()
-    assert s["calib.split_half.discoveries_pos"] == 0.0
-    assert s["calib.split_half.noise_floor"] == pytest.approx(cal.noise_floor)
-    assert s["calib.P1.discoveries_pos"] == 3.0 and s["calib.NULL.discoveries_pos"] >= 2.0
+    assert s["calib/split_half/discoveries_pos"] == 0.0
+    assert s["calib/split_half/noise_floor"] == pytest.approx(cal.noise_floor)
+    assert s["calib/P1/discoveries_pos"] == 3.0 and s["calib/NULL/discoveries_pos"] >= 2.0
 
 
 def test_split_half_does_not_depend_on_note_order(cal, notes):
@@ -151,7 +151,7 @@ def test_exact_share_reported_when_masks_given():
     ni = NoteImportance("a", "p", ["NULL", "P1", "P1"], np.ones((3, 2)), exact_mask=mask)
     cal = calibrate([ni], phases=("P1",))
     assert cal.exact_share["P1"] == pytest.approx(2 / 4)
-    assert cal.summary()["calib.P1.exact_share"] == pytest.approx(0.5)
+    assert cal.summary()["calib/P1/exact_share"] == pytest.approx(0.5)
 
 
 def test_intervals_bracket_the_mean(cal):

@@ -58,18 +58,21 @@ def test_each_parameter_is_listed_once_and_every_row_says_why():
 
 
 def _labelled_recon(cls: type, name: str) -> bool:
-    """True iff the class docstring says **[recon]** within 160 characters after naming
-    ``name``, or a comment in the 4 lines above the field's definition says it."""
+    """True iff the docstring of the class or of a dataclass it inherits (a parameter group of
+    :mod:`mistill.params`, where a shared field is documented) says **[recon]** within 160
+    characters after naming ``name``, or a comment in the 4 lines above the field's definition
+    says it."""
     import inspect
 
-    doc = inspect.getdoc(cls) or ""
-    for m in re.finditer(rf"\b{name}\b", doc):
-        if "[recon]" in doc[m.start():m.end() + 160]:
-            return True
-    lines = inspect.getsource(cls).splitlines()
-    for i, line in enumerate(lines):
-        if re.match(rf"\s+{name}\s*:", line) and "[recon]" in "\n".join(lines[max(0, i - 4):i + 1]):
-            return True
+    for klass in (k for k in cls.__mro__ if dataclasses.is_dataclass(k)):
+        doc = inspect.cleandoc(vars(klass).get("__doc__") or "")
+        for m in re.finditer(rf"\b{name}\b", doc):
+            if "[recon]" in doc[m.start():m.end() + 160]:
+                return True
+        lines = inspect.getsource(klass).splitlines()
+        for i, line in enumerate(lines):
+            if re.match(rf"\s+{name}\s*:", line) and "[recon]" in "\n".join(lines[max(0, i - 4):i + 1]):
+                return True
     return False
 
 

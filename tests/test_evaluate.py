@@ -24,11 +24,11 @@ def test_m1_summary_on_hand_built_events():
     rows = [{"kind": "P1", "margin": 2.0}, {"kind": "P1", "margin": -1.0}, {"kind": "P1", "margin": 0.0},
             {"kind": "P2C", "margin": -0.5}, {"kind": "NULL", "margin": 9.0}]
     out = m1_summary(rows)
-    assert out["m1.P1.p_pos"] == pytest.approx(1 / 3)  # a zero margin is not positive
-    assert out["m1.P1.median_margin"] == 0.0 and out["m1.P1.n"] == 3.0
-    assert out["m1.P2C.p_pos"] == 0.0 and out["m1.P2C.median_margin"] == -0.5
-    assert out["m1.P2.n"] == 0.0 and "m1.P2.p_pos" not in out  # no events: no rate
-    assert not any(k.startswith("m1.NULL") for k in out)
+    assert out["m1/P1/p_pos"] == pytest.approx(1 / 3)  # a zero margin is not positive
+    assert out["m1/P1/median_margin"] == 0.0 and out["m1/P1/n"] == 3.0
+    assert out["m1/P2C/p_pos"] == 0.0 and out["m1/P2C/median_margin"] == -0.5
+    assert out["m1/P2/n"] == 0.0 and "m1/P2/p_pos" not in out  # no events: no rate
+    assert not any(k.startswith("m1/NULL") for k in out)
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +84,8 @@ def test_evaluate_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_c
     # a 6-token cap cuts every thinking generation: counted as capped and invalid, never a crash
     assert m["n_notes"] == 4 and m["cap_rate"] == 1.0 and m["valid_rate"] == 0.0 and m["micro_f1"] == 0.0
     assert m["mean_generated_tokens"] == 6.0
-    assert m["fidelity.ppl_median"] > 1.0 and 0.0 <= m["fidelity.bleu4_mean"] <= 1.0
-    assert m["m1.P1.n"] > 0 and 0.0 <= m["m1.P1.p_pos"] <= 1.0
+    assert m["fidelity/ppl_median"] > 1.0 and 0.0 <= m["fidelity/bleu4_mean"] <= 1.0
+    assert m["m1/P1/n"] > 0 and 0.0 <= m["m1/P1/p_pos"] <= 1.0
     paths = artifact_paths(client, run_id)
     assert {"per_note_metrics.csv", "predictions.jsonl", "metrics.json"} <= {p.rsplit("/", 1)[-1] for p in paths}
     got = client.download_artifacts(run_id, "predictions.jsonl", str(tmp_path))
@@ -98,7 +98,7 @@ def test_evaluate_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_c
     per_note = pd.read_csv(client.download_artifacts(run_id, "per_note_metrics.csv", str(tmp_path)))
     assert list(per_note.columns[:2]) == ["note_id", "micro_f1"]
     assert {"tp", "fp", "fn", "valid", "ppl", "bleu4", "m1_P1_p_pos"} <= set(per_note.columns)
-    assert np.median(per_note["ppl"]) == pytest.approx(m["fidelity.ppl_median"])
+    assert np.median(per_note["ppl"]) == pytest.approx(m["fidelity/ppl_median"])
     # synthetic corpus: the generations are artifacts; an identical second call reuses the run
     assert any(p.endswith("generation.txt") for p in paths)
     assert run_evaluate(cfg) == run_id

@@ -117,7 +117,7 @@ def test_generate_cap_counts_and_keeps_no_trace(tracking_uri, tmp_path, monkeypa
     m = run.data.metrics
     assert run.info.status == "FINISHED"
     assert m["cap_rate"] == 1.0 and m["valid_rate"] == 0.0 and m["degenerate_rate"] == 1.0
-    assert m["reason.capped"] == 2 and m["mean_generated_tokens"] == 3 and m["n_traced_notes"] == 0
+    assert m["reason/capped"] == 2 and m["mean_generated_tokens"] == 3 and m["n_traced_notes"] == 0
     # no valid trace: no traced corpus, said in a tag (a corpus file must hold notes)
     assert run.data.tags["mistill.generate.traced_notes"] == "none"
     assert "mistill.data_dir" not in run.data.tags

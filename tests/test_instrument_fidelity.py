@@ -261,7 +261,7 @@ def test_characterization_ranks_and_knocks_in_on_the_rank_split(tracking_uri, tm
     assert len(val) == 2 and len(notes) == 8
     arts = {f.path for f in client.list_artifacts(ids["attribute"], "notes")}
     assert arts == {f"notes/{n}" for n in val}
-    assert client.get_run(ids["attribute"]).data.metrics["calib.P1.n_notes"] == 2
+    assert client.get_run(ids["attribute"]).data.metrics["calib/P1/n_notes"] == 2
     donors = {}
     for i, note in enumerate(val):
         path = client.download_artifacts(ids["knockin"], f"notes/{note}/knockin.jsonl", str(tmp_path / f"k{i}"))

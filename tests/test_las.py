@@ -161,8 +161,8 @@ def test_stage_end_to_end_artifacts_reload_and_reuse(tracking_uri, tmp_path, mon
     assert sorted(m.step for m in history) == list(range(6))
     m = run.data.metrics
     assert m["train_loss_last"] < m["train_loss_first"] and m["n_train_notes"] == 3
-    assert m["val.n_notes"] == 2 and 0.0 <= m["val.unparsable_rate"] <= 1.0
-    assert m["val.las_teacher_mean"] == pytest.approx(m["val.f1_with_rationale"] - m["val.f1_note_only"])
+    assert m["val/n_notes"] == 2 and 0.0 <= m["val/unparsable_rate"] <= 1.0
+    assert m["val/las_teacher_mean"] == pytest.approx(m["val/f1_with_rationale"] - m["val/f1_note_only"])
     arts = artifact_paths(client, run_id)
     assert {"config.json", "simulator/model.safetensors", "simulator/config.json",
             "simulator/simulator.json", "val_las.csv"} <= arts
@@ -229,7 +229,7 @@ def test_restricted_corpus_text_never_reaches_the_server(tracking_uri, tmp_path,
     client = MlflowClient()
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.tags["mistill.privacy"] == "restricted"
-    assert run.data.metrics["val.n_notes"] == 1
+    assert run.data.metrics["val/n_notes"] == 1
     arts = artifact_paths(client, run_id)
     assert "simulator/model.safetensors" in arts and "val_las.csv" in arts
     assert not {"simulator/tokenizer.json", "simulator/tokenizer_config.json"} & arts  # nothing textual

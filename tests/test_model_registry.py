@@ -190,7 +190,7 @@ def test_selection_cells_get_cell_aliases_and_only_the_pick_the_arm_alias(distil
         "study": unique("registry"), "arm": "mistill",
         "grid": {"tied": True, "scale": "log", "lambda": [0.03, 0.1, 0.3]},
         "training": {"seed": 1, "max_steps": 1, "grad_accum": 1},
-        "selection": {"metric": "micro_f1", "split": "val", "tie_band": 0.004, "tie_break": "m1.P2C.p_pos"},
+        "selection": {"metric": "micro_f1", "split": "val", "tie_band": 0.004, "tie_break": "m1/P2C/p_pos"},
         "edge": {"extend": True, "max_extensions": 1, "outward": {"lambda": {"low": 0.01, "high": 1.0}}}}))
     # 0.1 scores highest (Optuna's best_trial) but 0.03 ties it inside the band and wins the
     # tie-break; on the edge, the outward 0.01 is trained last and loses: 0.03 is the pick

@@ -234,10 +234,10 @@ def test_own_heads_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_
     table = pd.read_csv(local)
     assert {"note_id", "phase", "k", "recovery_own", "recovery_random", "necessity_own", "traces"} <= set(table)
     assert set(table["traces"]) == {"teacher"} and set(table["k"]) == {2, 4} and table["note_id"].nunique() == 2
-    assert any(k.startswith("m4.P") and k.endswith(".recovery_own") for k in metrics)
-    assert any(k.startswith("m4.P") and k.endswith(".recovery_random") for k in metrics)
-    assert {"m2.region_lift", "prefix_share", "n_notes"} <= set(metrics)
-    assert metrics["own.coverage.n_generated"] == 2 and metrics["own.coverage.n_with_events"] == 0
-    assert metrics["own.coverage.n_closed"] <= 2
+    assert any(k.startswith("m4/P") and k.endswith("/recovery_own") for k in metrics)
+    assert any(k.startswith("m4/P") and k.endswith("/recovery_random") for k in metrics)
+    assert {"m2/region_lift", "prefix_share", "n_notes"} <= set(metrics)
+    assert metrics["own/coverage/n_generated"] == 2 and metrics["own/coverage/n_with_events"] == 0
+    assert metrics["own/coverage/n_closed"] <= 2
     # a second identical call reuses the finished run
     assert run_own_heads(cfg) == run_id

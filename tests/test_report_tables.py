@@ -95,7 +95,7 @@ def test_table11_intervals_are_the_bootstrap_over_notes(report):
 def test_table15_reads_the_logged_stability(report):
     t15 = _csv(report, "table15_stability")
     assert t15["phase"].tolist() == ["P1"]
-    assert t15["spearman"].iloc[0] == pytest.approx(STABILITY["stability.P1.spearman"])
+    assert t15["spearman"].iloc[0] == pytest.approx(STABILITY["stability/P1/spearman"])
     assert t15["top_overlap.8"].iloc[0] == 6 and t15["n_splits"].iloc[0] == 50
     assert "0.930" in _text(report, "tables/table15_stability.tex")
 

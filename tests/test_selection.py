@@ -41,7 +41,7 @@ def lock_dict(**changes) -> dict:
     data = {"study": "t", "arm": "mistill",
             "grid": {"tied": True, "scale": "log", "lambda": [0.03, 0.1, 0.3]},
             "training": {"seed": 0, "max_steps": 1},
-            "selection": {"metric": "micro_f1", "split": "val", "tie_band": 0.004, "tie_break": "m1.P2C.p_pos"},
+            "selection": {"metric": "micro_f1", "split": "val", "tie_band": 0.004, "tie_break": "m1/P2C/p_pos"},
             "edge": {"extend": True, "max_extensions": 1}}
     for dotted, value in changes.items():
         *head, last = dotted.split("__")
@@ -73,7 +73,7 @@ def res(metric: float, tie_break: float = math.nan) -> CellResult:
 def test_example_lock_loads_with_its_sha256():
     lock = load_lock(EXAMPLE)
     assert lock.grid.tied and lock.grid.axes == {"lambda": (0.03, 0.1, 0.3)}
-    assert lock.selection.tie_band == 0.004 and lock.selection.tie_break == "m1.P2C.p_pos"
+    assert lock.selection.tie_band == 0.004 and lock.selection.tie_break == "m1/P2C/p_pos"
     assert lock.edge.outward == {"lambda": {"low": 0.01, "high": 1.0}}
     import hashlib
     assert lock.sha256 == hashlib.sha256(EXAMPLE.read_bytes()).hexdigest()
@@ -95,6 +95,8 @@ def test_example_lock_loads_with_its_sha256():
     ({"edge__outward": {"lambda": {"low": 0.05}}}, "edge.outward"),  # inside the grid
     ({"arm": "../x"}, "arm"),
     ({"extra": 1}, "extra"),
+    ({"selection__tie_break": "m1.P2C.p_pos"}, "selection.tie_break"),  # metric names use '/'
+    ({"selection__validity_metric": "eval.valid_rate"}, "selection.validity_metric"),
 ])
 def test_lock_validation_names_the_file_and_field(tmp_path, changes, field):
     path = write_lock(tmp_path, **changes)
@@ -348,15 +350,15 @@ def test_select_lambda_stage_nests_cells_and_logs_the_decision(tracking_uri, tmp
     assert tags["mistill.selection.lock_sha256"] == lock.sha256
     assert tags["mistill.selection.rule"] == EDGE_EXTENSION and tags["mistill.selection.pick"] == "lambda=0.01"
     assert tags["mistill.selection.study_created"] == "true"
-    assert run.data.metrics["selected.lambda_p1"] == 0.01 == run.data.metrics["selected.lambda_p2"]
-    assert run.data.metrics["selected.micro_f1"] == 0.190
+    assert run.data.metrics["selected/lambda_p1"] == 0.01 == run.data.metrics["selected/lambda_p2"]
+    assert run.data.metrics["selected/micro_f1"] == 0.190
     assert json.loads(run.data.params["lock.selection"])["tie_band"] == 0.004
 
     children = client.search_runs([run.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'")
     assert sorted(c.data.tags["mistill.selection.cell"] for c in children) == \
         sorted(f"lambda={v!r}" for v in table)
     by_cell = {c.data.tags["mistill.selection.cell"]: c for c in children}
-    assert by_cell["lambda=0.1"].data.metrics == {"micro_f1": 0.170, "m1.P2C.p_pos": 0.80}
+    assert by_cell["lambda=0.1"].data.metrics == {"micro_f1": 0.170, "m1/P2C/p_pos": 0.80}
     assert by_cell["lambda=0.1"].data.tags["mistill.selection.run.train"] == "t0.1"
     assert all(c.info.status == "FINISHED" for c in children)
 
@@ -412,6 +414,31 @@ def test_select_lambda_stage_reports_failed_cells_and_fails(tracking_uri, tmp_pa
     failed = client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FAILED' and "
                                 "tags.`mistill.stage` = 'select_lambda.cell'")
     assert [r.data.tags["mistill.selection.cell"] for r in failed] == ["lambda=0.3"]
+
+
+def test_default_lock_resolves_from_any_folder(tracking_uri, tmp_path, monkeypatch, pinned_code_version):
+    """The default lock (``projects/configs/...``, relative) read from a folder where it is not:
+    found under the repository root, for the stage's run and for both configs' content digests."""
+    from mlflow.tracking import MlflowClient
+
+    from mistill.stages.select_lambda import SelectLambdaConfig, run_select_lambda
+    from mistill.stages.workflow import PipelineConfig
+    from stage_fixtures import unique
+
+    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path / "root"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = SelectLambdaConfig(corpus_name=unique("lockcwd"))
+    assert not Path(cfg.lock).exists() and cfg.lock == PipelineConfig().select_lock
+    sha = load_lock(EXAMPLE).sha256
+    assert cfg.content_digests() == {"lock": sha}
+    assert PipelineConfig().content_digests()["select_lock"] == sha
+    table = {0.03: (0.20, 0.5), 0.1: (0.25, 0.5), 0.3: (0.21, 0.5)}  # the middle cell: no extension
+    run_id = run_select_lambda(cfg, runner=fixed_runner(table))
+    tags = MlflowClient().get_run(run_id).data.tags
+    assert tags["mistill.selection.pick"] == "lambda=0.1" and tags["mistill.selection.lock_sha256"] == sha
+    assert Path(tags["mistill.selection.lock_path"]).resolve() == EXAMPLE.resolve()
 
 
 def test_default_runner_checks_the_arm_before_any_trial(tmp_path):

@@ -40,7 +40,7 @@ def write_lock(path: Path, study: str = "crash", tie_band: float = 0.004) -> Pat
     path.write_text(yaml.safe_dump({
         "study": study, "arm": "mistill", "grid": {"tied": True, "scale": "log", "lambda": sorted(TABLE)},
         "training": {"seed": 0, "max_steps": 1},
-        "selection": {"metric": "micro_f1", "split": "val", "tie_band": tie_band, "tie_break": "m1.P2C.p_pos"},
+        "selection": {"metric": "micro_f1", "split": "val", "tie_band": tie_band, "tie_break": "m1/P2C/p_pos"},
         "edge": {"extend": False}}))
     return path
 

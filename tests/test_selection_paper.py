@@ -38,12 +38,13 @@ REPO = Path(__file__).resolve().parents[1]
 LOCKS = REPO / "projects" / "configs" / "locks"
 
 PINNED_SHA256 = {
-    # the demo's lock: unchanged by the rule's change (its bytes, hence its studies, stay valid)
-    "embedded-3cell.yaml": "371226e839e203185fc029f82a796c69834906c96fbe1f83d38761395329ef8d",
-    "i3-bf16-selection.yaml": "11379a9908a4f08a799367a35a7c054d4f0ec0fd297f62170296f4ab56dacf6f",
-    "i4-fp32-reselection.yaml": "5143ffa262a827747986f11cffbe8e737a627f3249496e310fd0cc9937dd8064",
-    "m2-matched-mistill.yaml": "2e2e4ac21e708a2e9c1d1739cff393a9399020dd37c4b3b5ce8c59f41d730be1",
-    "m2-matched-randheads.yaml": "f02462e2060342a1e04020400c4bf1469d768bb58c35afd1a8a0b12069e61b0f",
+    # a shipped lock's bytes change only on purpose (last: the tie-break metric named m1/P2C/p_pos,
+    # as the evaluate stage logs it); a study made under other bytes refuses the lock
+    "embedded-3cell.yaml": "9e7689ee1d95495158f7dbe3b2558895044a5b5b6b0b51437c0a532576cf18f5",
+    "i3-bf16-selection.yaml": "9354256e9e36531352f956a5022c41af659b93926ed0da4035d1f337b8442b01",
+    "i4-fp32-reselection.yaml": "96f0fa4cbaf7702fc87702aa5e1655db991aa18d2b6e1a6212c046f4fb552b36",
+    "m2-matched-mistill.yaml": "635499f110535ca2792fe3bceed6220fd2cefc3e0e8753a1a21647b014dd4446",
+    "m2-matched-randheads.yaml": "8bfabf9be3103e4403e3b74dd1698387688ea0eeb3f1c9910a9b1704005e4121",
 }
 SECTION = {"i3-bf16-selection.yaml": "App. I.3", "i4-fp32-reselection.yaml": "App. I.4",
            "m2-matched-mistill.yaml": "App. M.2", "m2-matched-randheads.yaml": "App. M.2"}
@@ -62,7 +63,7 @@ def lock_file(tmp_path: Path, name: str = "lock.yaml", *, selection: dict | None
     data = {"study": "t", "arm": "mistill",
             "grid": {"tied": True, "scale": "log", "lambda": grid or [0.03, 0.1, 0.3]},
             "training": {"seed": 0, "max_steps": 1},
-            "selection": {"metric": "micro_f1", "split": "val", "tie_band": 0.004, "tie_break": "m1.P2C.p_pos",
+            "selection": {"metric": "micro_f1", "split": "val", "tie_band": 0.004, "tie_break": "m1/P2C/p_pos",
                           **(selection or {})},
             "edge": edge or {"extend": True, "max_extensions": 1, "outward": {"lambda": {"low": 0.01, "high": 1.0}}}}
     path = tmp_path / name
@@ -169,7 +170,7 @@ def test_app_o_lock_parses(tmp_path):
     assert rule.validity_floor == 0.95 and rule.validity_metric == VALID_RATE == "valid_rate"
     assert rule.tie_fallback == DEFAULT_TIE_FALLBACK == ("metric", "smaller_lambda")
     plain = load_lock(lock_file(tmp_path, "plain.yaml")).selection
-    assert plain.validity_floor is None and not plain.by_smallest_lambda and plain.tie_break_metric == "m1.P2C.p_pos"
+    assert plain.validity_floor is None and not plain.by_smallest_lambda and plain.tie_break_metric == "m1/P2C/p_pos"
     assert load_lock(lock_file(tmp_path, "n.yaml", selection={"validity_floor": None})).selection.validity_floor is None
 
 
@@ -288,7 +289,7 @@ def test_the_fp32_lock_states_app_i4(fp32_lock):
     assert fp32_lock.grid.axes == {"lambda": (0.03, 0.1, 0.3, 1.0)} and fp32_lock.grid.tied
     assert fp32_lock.training.precision == "fp32" and fp32_lock.training.seed == 0
     assert (fp32_lock.selection.metric, fp32_lock.selection.tie_band, fp32_lock.selection.tie_break) == \
-        ("micro_f1", 0.004, "m1.P2C.p_pos")
+        ("micro_f1", 0.004, "m1/P2C/p_pos")
     assert fp32_lock.edge.extend and fp32_lock.edge.outward["lambda"]["low"] == 0.01
 
 
@@ -324,14 +325,14 @@ def test_the_runner_reads_the_valid_answer_rate_and_requires_it_under_a_floor(tm
     from selection.runner import cell_result
 
     lock = app_o_lock(tmp_path)
-    got = cell_result(lock, {"answer_f1": 0.5, "valid_rate": 0.96, "m1.P2C.p_pos": 0.7}, {"evaluate": "e"})
+    got = cell_result(lock, {"answer_f1": 0.5, "valid_rate": 0.96, "m1/P2C/p_pos": 0.7}, {"evaluate": "e"})
     assert (got.metric, got.validity, got.run_ids) == (0.5, 0.96, {"evaluate": "e"})
     assert math.isnan(got.tie_break)  # smallest_lambda: no tie-break metric is read
     with pytest.raises(MistillInputError) as err:
         cell_result(lock, {"answer_f1": 0.5}, {"evaluate": "e"})
     assert err.value.field == "selection.validity_metric"
     plain = load_lock(lock_file(tmp_path, "p.yaml"))
-    got = cell_result(plain, {"micro_f1": 0.2, "m1.P2C.p_pos": 0.7}, {})
+    got = cell_result(plain, {"micro_f1": 0.2, "m1/P2C/p_pos": 0.7}, {})
     assert got.tie_break == 0.7 and math.isnan(got.validity)
 
 
@@ -366,7 +367,7 @@ def test_the_cell_table_and_record_say_why_a_cell_is_ineligible(tmp_path):
     assert record["lock"]["selection"]["tie_break"] == SMALLEST_LAMBDA
     assert record["lock"]["selection"]["validity_floor"] == 0.95
     metrics = decision_metrics(lock, d, cells)
-    assert metrics["selected.valid_rate"] == 0.96 and metrics["n_ineligible"] == 1.0
+    assert metrics["selected/valid_rate"] == 0.96 and metrics["n_ineligible"] == 1.0
 
 
 def test_select_lambda_stage_applies_app_o_lock(tracking_uri, tmp_path, monkeypatch, pinned_code_version):

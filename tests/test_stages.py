@@ -121,17 +121,17 @@ def test_pipeline_runs_tags_lineage_artifacts_metrics(pipeline, monkeypatch, tmp
 
     m = {step: client.get_run(ids[step]).data.metrics for step in STEPS}
     assert m["prepare"]["n_notes"] == 3
-    assert m["events"]["events.P1.realized"] > 0
+    assert m["events"]["events/P1/realized"] > 0
     assert m["events"]["n_notes"] == 3
-    assert "calib.split_half.discoveries_pos" in m["attribute"]
-    assert m["attribute"]["calib.P1.n_notes"] == 3
+    assert "calib/split_half/discoveries_pos" in m["attribute"]
+    assert m["attribute"]["calib/P1/n_notes"] == 3
     for k in (3, 8):
-        assert f"P1.k{k}.necessity.global" in m["knockin"]
-    assert not any(key.startswith("P1.k16") for key in m["knockin"])  # only the k_bins asked for
+        assert f"P1/k{k}/necessity/global" in m["knockin"]
+    assert not any(key.startswith("P1/k16") for key in m["knockin"])  # only the k_bins asked for
     # The random tiny model's margin gaps stay below the default range gate (1.0), so no event is
     # gated and recovery is NaN (not logged); the pipeline does not expose range_gate. A knock-in
     # on the same attribute run with range_gate=0 gates the events and logs recovery.
-    assert "P1.k3.recovery.global" not in m["knockin"]
+    assert "P1/k3/recovery/global" not in m["knockin"]
     before = n_runs(pipeline["experiment"])
     gated = run_step("knockin", KnockinStageConfig(attribute_run=ids["attribute"], k_bins=(3, 8),
                                                    events_per_phase=3, range_gate=0.0),
@@ -139,8 +139,21 @@ def test_pipeline_runs_tags_lineage_artifacts_metrics(pipeline, monkeypatch, tmp
     assert gated != ids["knockin"]
     assert n_runs(pipeline["experiment"]) == before + 1
     gm = client.get_run(gated).data.metrics
-    assert "P1.k3.recovery.global" in gm and gm["P1.k3.recovery.global"] == gm["P1.k3.recovery.global"]
+    assert "P1/k3/recovery/global" in gm and gm["P1/k3/recovery/global"] == gm["P1/k3/recovery/global"]
     assert client.get_run(gated).data.tags["mistill.input.attribute"] == ids["attribute"]
+
+
+def test_metric_names_use_slash_never_dot(pipeline):
+    """Every metric the pipeline's stages logged names its parts with '/' (MLflow's UI groups a
+    run's charts by the part before it), never with '.'."""
+    client = MlflowClient()
+    names = {step: set(client.get_run(pipeline["ids"][step]).data.metrics) for step in STEPS}
+    assert all(names.values())
+    assert {step: sorted(k for k in keys if "." in k) for step, keys in names.items()} == \
+        {step: [] for step in STEPS}
+    assert "events/P1/realized" in names["events"] and "calib/P1/n_notes" in names["attribute"]
+    assert any(k.startswith("stability/") or k.startswith("sparsity/") for k in names["attribute"])
+    assert "P1/k3/necessity/global" in names["knockin"]
 
 
 # ------------------------------------------------------------------------------- 2. reuse
@@ -226,7 +239,7 @@ def test_events_resume_after_sigkill_keeps_finished_notes(tracking_uri, tmp_path
         assert (run_dir / "notes" / note / "_DONE").is_file(), note
         assert f"notes/{note}/_DONE" in arts and f"notes/{note}/realized.jsonl" in arts, note
     assert run.data.metrics["n_notes"] == len(notes)
-    assert run.data.metrics["events.P1.realized"] > 0
+    assert run.data.metrics["events/P1/realized"] > 0
 
 
 # --------------------------------------------------------------------------- 5. privacy canary
@@ -266,7 +279,7 @@ def test_restricted_text_never_reaches_the_server(pipeline, tracking_uri, tmp_pa
     assert "data/inventory.json" in prepare_arts
     assert not {"data/corpus.jsonl", "data/corpus_meta.json"} & prepare_arts
     assert client.get_run(ids["prepare"]).data.metrics["n_codes_inventory"] == 120
-    assert client.get_run(ids["events"]).data.metrics["events.P1.realized"] > 0
+    assert client.get_run(ids["events"]).data.metrics["events/P1/realized"] > 0
 
     needles = (phrase_needles(CANARY_ID, 3) + phrase_needles(CANARY_SENTENCE, 4)
                + [" 7f3a9c "])
@@ -420,6 +433,21 @@ def test_bad_note_field_names_file_line_note_and_field(tracking_uri, tmp_path, m
     assert "field 'n_notes'" in capsys.readouterr().err
 
 
+def test_inline_step_without_a_required_input_fails_before_any_run(tracking_uri, tmp_path, monkeypatch):
+    """``run_step`` checks the stage's required inputs as the command line does: an inline
+    ``events`` step without ``prepare_run`` is refused, naming the field, and no experiment or
+    run is made."""
+    from mistill.errors import MistillInputError
+    from mistill.stages.characterize import EventsConfig
+
+    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path / "root"))
+    name = unique("noinput")
+    with pytest.raises(MistillInputError, match=r"prepare_run is required: the run id of a `prepare` run") as err:
+        run_step("events", EventsConfig(model=TINY), name, launch="inline")
+    assert err.value.field == "prepare_run"
+    assert MlflowClient().get_experiment_by_name(f"mistill/{name}") is None
+
+
 # ------------------------------------------------------------------- distillation stages
 def test_distillation_steps_train_and_register(pipeline, monkeypatch):
     """Student ranked on its validation note, teacher targets on the training notes, Vanilla CoT-KD
@@ -494,7 +522,7 @@ def test_selection_evaluation_own_heads_and_report_steps(pipeline, monkeypatch, 
     ids.update(distill_steps(cfg, ids, pipeline["corpus"], None))
     client = MlflowClient()
     sel = client.get_run(ids["select_lambda"])
-    picked = (sel.data.metrics["selected.lambda_p1"], sel.data.metrics["selected.lambda_p2"])
+    picked = (sel.data.metrics["selected/lambda_p1"], sel.data.metrics["selected/lambda_p2"])
     arm = resolve_arm_of(client.get_run(ids["train_mistill"]))
     assert (arm["lambda_p1"], arm["lambda_p2"]) == pytest.approx(picked)
     ev = evaluation_steps(cfg, ids, pipeline["corpus"], None)
@@ -504,7 +532,7 @@ def test_selection_evaluation_own_heads_and_report_steps(pipeline, monkeypatch, 
     assert run.data.tags["mistill.input.train"] == ids["train_mistill"]
     assert run.data.tags["mistill.model_version"] == client.get_run(ids["train_mistill"]).data.tags[
         "mistill.model_version"]
-    assert run.data.tags["mistill.input.las"] == ev["las_simulator"] and "fidelity.las_mean" in run.data.metrics
+    assert run.data.tags["mistill.input.las"] == ev["las_simulator"] and "fidelity/las_mean" in run.data.metrics
     assert client.get_run(ev["evaluate_teacher"]).data.tags["mistill.arm"] == "teacher"
     own = client.get_run(ev["own_heads_mistill"])
     assert own.data.tags["mistill.input.train"] == ids["train_mistill"]

@@ -32,6 +32,7 @@ from mistill.tracking.runs import (
     find_run,
     git_commit,
     markdown_table,
+    metric_name,
     param_string,
     params_digest,
     parse_param,
@@ -105,6 +106,14 @@ def test_markdown_table_by_hand() -> None:
         "| L8\\|H2 |    -2 |  12 |\n")
 
 
+def test_metric_name_joins_parts_with_a_slash() -> None:
+    assert metric_name("m1", "P2C", "p_pos") == "m1/P2C/p_pos"
+    assert metric_name("", "m4", "P1", "k8") == "m4/P1/k8"  # an empty prefix is left out
+    assert metric_name("P1", "k8", *"necessity.global".split(".")) == "P1/k8/necessity/global"
+    with pytest.raises(MistillInputError, match=r"'fidelity/ppl_median'"):
+        metric_name("fidelity.ppl_median")
+
+
 def test_file_store_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "file:///tmp/mlruns")
     with pytest.raises(MistillInputError, match="not a tracking server"):
@@ -112,6 +121,18 @@ def test_file_store_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # ------------------------------------------------------------------------- against a server
+def test_log_metrics_refuses_a_dotted_name(tracking_uri: str, tmp_path: Path) -> None:
+    """A metric name with '.' is refused before anything of the batch is logged, the error
+    naming the '/' form; the run goes on and logs well-named metrics."""
+    with stage(DemoConfig(), "a", tmp_path, corpus=corpus()) as run:
+        with pytest.raises(MistillInputError, match=r"metric name 'm1\.P2C\.p_pos'.*write 'm1/P2C/p_pos'") as err:
+            run.log_metrics({"micro_f1": 0.4, "m1.P2C.p_pos": 0.7})
+        assert err.value.field == "metric"
+        run.log_metrics({"m1/P2C/p_pos": 0.7})
+        run_id = run.run_id
+    assert MlflowClient().get_run(run_id).data.metrics == {"m1/P2C/p_pos": 0.7}
+
+
 def test_stage_run_logs_tags_params_config_and_finishes(tracking_uri: str, tmp_path: Path) -> None:
     cfg, c = DemoConfig(), corpus()
     with stage(cfg, "a", tmp_path, corpus=c, inputs={"traces": "run123"},

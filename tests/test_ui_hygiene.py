@@ -95,6 +95,42 @@ def test_one_view_run_line_per_run_in_the_log(tracking_uri: str, tmp_path: Path,
     assert " INFO " in lines[0]
 
 
+def test_a_selection_prints_each_view_run_line_at_most_once(tracking_uri: str, tmp_path: Path, monkeypatch,
+                                                            capsys, pinned_code_version) -> None:
+    """``select_lambda`` with two worker threads, each cell training a (stand-in) train run: the
+    log holds one ``View run`` line per stage run (the selection's and each train run's), none
+    for the cells' trial runs, and MLflow prints none of its own."""
+    from mistill.stages.select_lambda import SelectLambdaConfig, run_select_lambda
+    from selection.cells import CellResult
+
+    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path / "root"))
+    lock = tmp_path / "lock.yaml"
+    lock.write_text((REPO / "projects/configs/locks/embedded-3cell.yaml").read_text()
+                    .replace("study: embedded-3cell", f"study: {unique('study')}"))
+    corpus = unique("select")
+    scores = {0.03: 0.20, 0.1: 0.25, 0.3: 0.21}  # the middle cell wins: no edge extension
+
+    def runner(cell_run):
+        lam = cell_run.cell.lambdas[0]
+        cfg = TrainDemo(seed=sorted(scores).index(lam))
+        with stage_run("train", cfg, corpus, tmp_path, model=cfg.student, lam=cell_run.cell.lambdas) as train:
+            train_id = train.run_id
+        return CellResult(metric=scores[lam], tie_break=0.5, validity=1.0, run_ids={"train": train_id})
+
+    run_id = run_select_lambda(SelectLambdaConfig(lock=str(lock), corpus_name=corpus, workers=2), runner=runner)
+    out, err = capsys.readouterr()
+    assert "View run" not in out  # MLflow's own print (it would name the cells' trial runs too)
+    lines = [line for line in err.splitlines() if "View run" in line]
+    client = MlflowClient()
+    trials = client.search_runs([client.get_run(run_id).info.experiment_id],
+                                filter_string=f"tags.mlflow.parentRunId = '{run_id}'")
+    assert len(trials) == 3
+    trained = {t.data.tags["mistill.selection.run.train"] for t in trials}
+    shown = [RUN_ID.findall(line)[-1] for line in lines]
+    assert sorted(shown) == sorted([run_id, *trained])  # each once, the trial runs never
+    assert not {t.info.run_id for t in trials} & set(shown)
+
+
 # --------------------------------------------------------------------------------------- nesting
 def test_own_heads_ranking_runs_are_nested_under_it(tracking_uri: str, tmp_path: Path, monkeypatch, capsys,
                                                     pinned_code_version) -> None:

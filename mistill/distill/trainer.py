@@ -30,31 +30,27 @@ from mistill.config import Config
 from mistill.errors import MistillInputError
 from mistill.instrument.passes import stable_seed
 from mistill.io import atomic_open
+from mistill.params import RecipeParams
 from mistill.progress import track
 
 PRECISIONS = ("bf16", "fp32")
 
 
 @dataclass(frozen=True)
-class RecipeConfig(Config):
-    """The optimisation recipe (App. J.2 defaults)."""
+class RecipeConfig(Config, RecipeParams):
+    """The optimisation recipe (App. J.2 defaults): the shared fields of :class:`RecipeParams`
+    (what the ``train`` stage exposes) and the ones the stage leaves at the paper's values.
+
+    precision: ``bf16`` or ``fp32``; beta1, beta2, weight_decay: AdamW's;
+    checkpoint_every: optimizer steps between trainer checkpoints (0: none).
+    """
 
     seed: int = 0
     precision: str = "bf16"
-    epochs: int = 2
-    lr: float = 1e-5
-    warmup_frac: float = 0.05
     beta1: float = 0.9
     beta2: float = 0.95
     weight_decay: float = 0.0
-    grad_accum: int = 8
-    clip: float = 1.0
-    max_steps: int = 0
-    gradient_checkpointing: bool = True
     checkpoint_every: int = 1
-    # float32 matmuls on CUDA in TF32 (the recomputed attention rows' q.k products: their
-    # inputs are bf16 projections, so TF32's 10-bit mantissa loses nothing the model kept)
-    tf32: bool = True
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:

@@ -43,6 +43,7 @@ import torch
 
 from mistill.errors import MistillInputError
 from mistill.evaluation.parsing import CodeIndex, last_json_list, parse_answer, split_reasoning
+from mistill.models.decoding import cached_step
 
 META_FILE = "simulator.json"
 """The simulator's own settings beside the weights (base model, caps, format version)."""
@@ -269,9 +270,8 @@ def greedy_answer(model: torch.nn.Module, tokenizer, prompt: str, *, max_new_tok
     past = None
     step_ids = torch.tensor([ids], dtype=torch.long, device=device)
     for _ in range(max_new_tokens):
-        res = model(input_ids=step_ids, cache=past, use_cache=True)
-        past = res.cache
-        nxt = int(res.logits[0, -1].argmax())
+        logits, past = cached_step(model, step_ids, past)
+        nxt = int(logits[0, -1].argmax())
         if eos is not None and nxt == eos:
             break
         out.append(nxt)

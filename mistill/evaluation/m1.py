@@ -40,17 +40,18 @@ def note_margins(lm: LoadedModel, ni: NoteInput, codes: Sequence[str]) -> list[d
 
 
 def m1_summary(rows: Iterable[dict]) -> dict[str, float]:
-    """``m1.<kind>.p_pos``, ``m1.<kind>.median_margin`` and ``m1.<kind>.n`` over the rows given."""
+    """Metrics ``m1/<kind>/p_pos``, ``m1/<kind>/median_margin`` and ``m1/<kind>/n`` over the rows
+    given."""
     by_kind: dict[str, list[float]] = {}
     for r in rows:
         by_kind.setdefault(r["kind"], []).append(float(r["margin"]))
     out: dict[str, float] = {}
     for kind in M1_KINDS:
         m = np.asarray(by_kind.get(kind, []), dtype=np.float64)
-        out[f"m1.{kind}.n"] = float(m.size)
+        out[f"m1/{kind}/n"] = float(m.size)
         if m.size:
-            out[f"m1.{kind}.p_pos"] = float((m > 0).mean())
-            out[f"m1.{kind}.median_margin"] = float(np.median(m))
+            out[f"m1/{kind}/p_pos"] = float((m > 0).mean())
+            out[f"m1/{kind}/median_margin"] = float(np.median(m))
     return out
 
 

@@ -224,22 +224,22 @@ class Calibration:
     seed: int = 0
 
     def summary(self) -> dict[str, float]:
-        """Scalar metrics for MLflow: ``calib.<phase>.*``, ``calib.NULL.*`` (raw NULL
-        importance) and ``calib.split_half.*`` (the split-half NULL check)."""
+        """Scalar metrics for MLflow: ``calib/<phase>/*``, ``calib/NULL/*`` (raw NULL
+        importance) and ``calib/split_half/*`` (the split-half NULL check)."""
         out: dict[str, float] = {}
         for ph in self.phases:
-            out[f"calib.{ph}.n_notes"] = float(self.n_notes[ph])
-            out[f"calib.{ph}.discoveries_pos"] = float(self.positive_c[ph].sum())
-            out[f"calib.{ph}.discoveries_neg"] = float(self.negative_c[ph].sum())
+            out[f"calib/{ph}/n_notes"] = float(self.n_notes[ph])
+            out[f"calib/{ph}/discoveries_pos"] = float(self.positive_c[ph].sum())
+            out[f"calib/{ph}/discoveries_neg"] = float(self.negative_c[ph].sum())
             if not np.isnan(self.exact_share.get(ph, np.nan)):
-                out[f"calib.{ph}.exact_share"] = float(self.exact_share[ph])
-        out["calib.NULL.n_notes"] = float(self.n_notes_null)
-        out["calib.NULL.discoveries_pos"] = float(self.positive_null.sum())
-        out["calib.NULL.discoveries_neg"] = float(self.negative_null.sum())
-        out["calib.split_half.n_notes"] = float(self.n_notes_split)
-        out["calib.split_half.discoveries_pos"] = float(self.positive_split.sum())
-        out["calib.split_half.discoveries_neg"] = float(self.negative_split.sum())
-        out["calib.split_half.noise_floor"] = float(self.noise_floor)
+                out[f"calib/{ph}/exact_share"] = float(self.exact_share[ph])
+        out["calib/NULL/n_notes"] = float(self.n_notes_null)
+        out["calib/NULL/discoveries_pos"] = float(self.positive_null.sum())
+        out["calib/NULL/discoveries_neg"] = float(self.negative_null.sum())
+        out["calib/split_half/n_notes"] = float(self.n_notes_split)
+        out["calib/split_half/discoveries_pos"] = float(self.positive_split.sum())
+        out["calib/split_half/discoveries_neg"] = float(self.negative_split.sum())
+        out["calib/split_half/noise_floor"] = float(self.noise_floor)
         return out
 
 

@@ -24,17 +24,19 @@ from mistill.instrument.events import (RealizedEvent, coverage_report, entropy_o
                                        event_counts, extract_events, margin, margin_audit,
                                        realize_events)
 from mistill.instrument.hooks import HeadHook
-from mistill.instrument.passes import (DONOR_NO_MATCH, AttributionConfig, CleanEvents, DonorCandidate,
+from mistill.instrument.passes import (AttributionConfig, CleanEvents, DonorCandidate,
                                        DonorWork, EventQuery, KnockinConfig, NoteAttribution, attribute_note,
                                        donor_order, knockin_sweep, per_note_set_rows, plan_donors,
                                        running_global_top)
 from mistill.instrument.patching import Query
 from mistill.instrument.runner import Runner
 from mistill.models.loading import EMBEDDED_DEFAULT, load_model
+from mistill.params import (AttributeParams, ChunkParams, DonorParams, EventsParams, KnockinParams, PatchParams,
+                            PoolParams)
 from mistill.progress import track
 from mistill.stages.common import (NoteInput, Prepared, RunReader, load_prepared, log_corpus_input,
                                    mistill_root, model_positions, note_input, privacy_guard, require_notes)
-from mistill.validation import (check_choice, check_choices, check_counts, check_device, check_dtype, check_interval,
+from mistill.validation import (check_choices, check_device, check_dtype, check_interval,
                                 check_model_spec, check_name, check_no_text_fields, check_non_negative,
                                 check_not_empty, check_positive, check_run_id, check_seed)
 
@@ -50,18 +52,15 @@ def stage_notes(prepared: Prepared, split: str = "", max_notes: int = 0, *, fiel
 
 
 SET_NAMES = ("global", "random", "bottom", "own")
-P2C_CAPS = (0, 1, 2)
 
 
 # ----------------------------------------------------------------------------------- events
 
 @dataclass(frozen=True)
-class EventsConfig(Config):
+class EventsConfig(Config, EventsParams, ChunkParams):
     """Event extraction (App. C) realized in ``model``'s tokenizer, with the margin audit.
 
     split: the notes read (empty: every split); max_notes: the first n of them (0: all).
-    n_null: NULL positions per note (>= 0), at least ``null_min_distance`` tokens from any
-    event; p2c_cap: 2 (first mention + first repeat per pair), 1 (first mention) or 0 (uncapped).
     device: ``cpu``, ``cuda``, ``cuda:<n>`` or ``mps``.
     """
 
@@ -71,11 +70,7 @@ class EventsConfig(Config):
     device: str = "cpu"
     split: str = ""
     max_notes: int = 0
-    n_null: int = 20
-    null_min_distance: int = 8
-    p2c_cap: int = 2
     seed: int = 0
-    chunk_size: int = 8192
 
     def validate(self) -> None:
         check_no_text_fields(self)
@@ -86,13 +81,7 @@ class EventsConfig(Config):
         check_dtype(self.dtype)
         check_device(self.device)
         check_non_negative(self.max_notes, "max_notes", "0: every note")
-        check_non_negative(self.n_null, "n_null")
-        check_non_negative(self.null_min_distance, "null_min_distance")
-        if self.p2c_cap not in P2C_CAPS:
-            raise MistillInputError(f"p2c_cap must be one of {P2C_CAPS} (0: uncapped), got {self.p2c_cap}",
-                                    field="p2c_cap")
         check_seed(self.seed)
-        check_positive(self.chunk_size, "chunk_size")
 
 
 def _stored_realized(r: RealizedEvent, margin_value: float, entropy: float, allows_text: bool) -> dict:
@@ -105,7 +94,7 @@ def _stored_realized(r: RealizedEvent, margin_value: float, entropy: float, allo
 
 
 def run_events(cfg: EventsConfig) -> str:
-    from mistill.tracking.runs import StageRun
+    from mistill.tracking.runs import StageRun, metric_name
 
     prepared = load_prepared(cfg.prepare_run)
     guard = privacy_guard(prepared.corpus)
@@ -129,8 +118,7 @@ def run_events(cfg: EventsConfig) -> str:
                             narrow_instruction=prepared.narrow_instruction,
                             max_positions=model_positions(lm))
             events = extract_events(note.note_id, ni.trace, codes, tokenizer=lm.tokenizer, seed=cfg.seed,
-                                    n_null=cfg.n_null, null_min_distance=cfg.null_min_distance,
-                                    p2c_cap=cfg.p2c_cap)
+                                    **cfg.extraction())
             drops: Counter = Counter()
             realized = realize_events(events, full_text=ni.full_text, trace_offset=ni.trace_offset,
                                       tokenizer=lm.tokenizer, input_ids=ni.input_ids.tolist(),
@@ -172,15 +160,15 @@ def run_events(cfg: EventsConfig) -> str:
         run.log_table("coverage", cov_df)
         metrics = {"n_notes": len(notes)}
         for _, row in cov_df.iterrows():
-            metrics[f"events.{row['kind']}.realized"] = float(row["realized"])
-            metrics[f"events.{row['kind']}.coverage"] = float(row["share"])
+            metrics[metric_name("events", row["kind"], "realized")] = float(row["realized"])
+            metrics[metric_name("events", row["kind"], "coverage")] = float(row["share"])
         by_kind = pd.DataFrame(all_rows)
         if len(by_kind):
             kinds = by_kind["event"].map(lambda e: e["kind"])
             for kind in sorted(set(kinds)):
                 m = by_kind.loc[kinds == kind, "margin"]
-                metrics[f"margin.{kind}.median"] = float(m.median())
-                metrics[f"margin.{kind}.share_below_0"] = float((m < 0).mean())
+                metrics[metric_name("margin", kind, "median")] = float(m.median())
+                metrics[metric_name("margin", kind, "share_below_0")] = float((m < 0).mean())
         run.log_metrics(metrics)
         print(f"events: {len(all_rows)} realized events over {len(notes)} notes -> run {run.run_id}")
         return run.run_id
@@ -250,24 +238,22 @@ def _events_input(events_run: str) -> _EventsInput:
 # -------------------------------------------------------------------------------- attribute
 
 @dataclass(frozen=True)
-class AttributeConfig(Config):
+class AttributeConfig(Config, AttributeParams, PatchParams, PoolParams):
     """The attribution pass (App. C) and the calibration into global sets (App. C–D).
 
     split: the notes ranked, among the events run's notes (empty: all of them); the paper ranks
     the teacher on its 100 characterization notes, the validation notes (Sec. 4.2).
     top_nominees, global_nominees: heads exactly patched per P1 and NULL event, the event's
     top-k by ``|A_h|`` and the running global top-k (App. C: 40 and 16; >= 0).
-    exact_p2: patch P2 and P2C events exactly too, with ``p2_top_nominees`` /
-    ``p2_global_nominees`` (App. C, the intact-hook re-run: the event's top-24 and the running
-    global top-8) and ``p2c_top_nominees`` / ``p2c_global_nominees`` (App. D, the exact
-    contrastive refinement: top-40 and global top-16); False keeps them first-order, as the
-    paper's first pass did.
+    p2_top_nominees, p2_global_nominees: the P2 nominees when ``exact_p2`` (App. C, the
+    intact-hook re-run: the event's top-24 and the running global top-8; >= 0).
+    p2c_top_nominees, p2c_global_nominees: the P2C nominees when ``exact_p2`` (App. D, the exact
+    contrastive refinement: top-40 and global top-16; >= 0).
     phase_running_global: **[recon]** the running global ranking the P2 and P2C nominees come
     from: False, the paper's definition (App. C: mean first-order importance over the chapter
     events of the notes already processed) for every kind; True, each phase's own events.
     null_exact_fraction: the share of NULL events patched exactly, in [0, 1]; fdr_q: the BH
-    level, in (0, 1]; selftest_events: events checked against exact patching of every head
-    (0: none); stability_splits: split-half draws (>= 1).
+    level, in (0, 1].
     """
 
     events_run: str = ""
@@ -276,7 +262,6 @@ class AttributeConfig(Config):
     device: str = "cpu"
     top_nominees: int = 40
     global_nominees: int = 16
-    exact_p2: bool = True
     p2_top_nominees: int = 24
     p2_global_nominees: int = 8
     p2c_top_nominees: int = 40
@@ -284,13 +269,8 @@ class AttributeConfig(Config):
     phase_running_global: bool = False
     null_exact_fraction: float = 0.5
     detach: bool = False
-    batch_size: int = 256
     grad_batch: int = 16
-    chunk_size: int = 8192
-    selftest_events: int = 0
     fdr_q: float = 0.05
-    pool_k: int = 40
-    stability_splits: int = 200
     seed: int = 0
 
     def validate(self) -> None:
@@ -303,13 +283,8 @@ class AttributeConfig(Config):
                      "p2c_top_nominees", "p2c_global_nominees"):
             check_non_negative(getattr(self, name), name)
         check_interval(self.null_exact_fraction, "null_exact_fraction")
-        check_positive(self.batch_size, "batch_size")
         check_positive(self.grad_batch, "grad_batch")
-        check_positive(self.chunk_size, "chunk_size")
-        check_non_negative(self.selftest_events, "selftest_events", "0: no self-test")
         check_interval(self.fdr_q, "fdr_q", low_open=True)
-        check_positive(self.pool_k, "pool_k")
-        check_positive(self.stability_splits, "stability_splits")
         check_seed(self.seed)
 
 
@@ -351,7 +326,7 @@ def attribute_notes(ev: _EventsInput, split: str) -> list[Note]:
 def run_attribute(cfg: AttributeConfig) -> str:
     from mistill.instrument.calibration import (NoteImportance, calibrate, head_sets_json, recurrence,
                                                 sparsity, split_half_stability)
-    from mistill.tracking.runs import StageRun
+    from mistill.tracking.runs import StageRun, metric_name
 
     ev = _events_input(cfg.events_run)
     prepared = ev.prepared
@@ -413,30 +388,32 @@ def run_attribute(cfg: AttributeConfig) -> str:
                 top_rows.append({"phase": phase, "rank": rank + 1, "head": names[h], "I_c": float(ic[h]),
                                  "I_raw": float(cal.importance[phase][h])})
             sp = sparsity(ic, cal.noise_floor)
-            run.log_metrics({f"sparsity.{phase}.n_above_floor": sp["n_above_floor"],
-                             f"sparsity.{phase}.n_carry_80": sp["n_carry"]})
+            run.log_metrics({metric_name("sparsity", phase, "n_above_floor"): sp["n_above_floor"],
+                             metric_name("sparsity", phase, "n_carry_80"): sp["n_carry"]})
             rec = recurrence(importances, phase, head_names=names)
             run.log_table(f"recurrence_{phase}", rec[rec["recurrent"]].head(50) if "recurrent" in rec else rec)
             patients = {n.patient_id for n in notes}
             if len(patients) >= 4:
                 stab = split_half_stability(importances, phase, n_splits=cfg.stability_splits, seed=cfg.seed)
-                run.log_metrics({f"stability.{phase}.{k}": float(v) for k, v in _flatten(stab).items()
+                run.log_metrics({metric_name("stability", phase, k): float(v) for k, v in _flatten(stab).items()
                                  if isinstance(v, (int, float)) and np.isfinite(v)})
         run.log_table("importance_c_top40", pd.DataFrame(top_rows))
         if selftests:
             st = pd.DataFrame(selftests)
             run.log_table("selftest", st)
-            run.log_metrics({f"selftest.{c}": float(st[c].median()) for c in st.columns if c != "event_id"})
+            run.log_metrics({metric_name("selftest", *c.split(".")): float(st[c].median())
+                             for c in st.columns if c != "event_id"})
         print(f"attribute: {len(notes)} notes calibrated -> run {run.run_id}")
         return run.run_id
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
+    """A nested dict's leaves under their keys joined by ``/`` (metric name parts)."""
     out = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
+            out.update(_flatten(v, key + "/"))
         else:
             out[key] = v
     return out
@@ -445,31 +422,19 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 # ---------------------------------------------------------------------------------- knockin
 
 @dataclass(frozen=True)
-class KnockinStageConfig(Config):
+class KnockinStageConfig(Config, KnockinParams, DonorParams, PatchParams):
     """Necessity and knock-in of the global sets against random, bottom-k and own sets (App. D).
 
     The notes are the attribute run's (its ``split``). Each note's events are knocked into the
     next note in corpus order at a matched event with a different emitted choice (Sec. 2.3;
-    :func:`~mistill.instrument.passes.plan_donors`). donor_wrap: **[recon]** the last note's
-    donor is the first note (False: the last note gets no knock-in); donor_no_match: **[recon]**
-    an event the next note cannot match is matched in the first later note that can
-    (``next``) or left without a knock-in (``drop``).
-    k_bins: set sizes (each >= 1, no repeats); sets: any of ``global``, ``random``, ``bottom``,
-    ``own``; range_gate: the donor's margin range gate in nats (>= 0; 0: no gate);
-    events_per_phase: at most this many events per phase and note (0: every event).
+    :func:`~mistill.instrument.passes.plan_donors`).
+    sets: any of ``global``, ``random``, ``bottom``, ``own``.
     """
 
     attribute_run: str = ""
     dtype: str = "float32"
     device: str = "cpu"
-    k_bins: tuple[int, ...] = (3, 8, 16, 40, 100)
     sets: tuple[str, ...] = SET_NAMES
-    range_gate: float = 1.0
-    donor_wrap: bool = True
-    donor_no_match: str = "next"
-    events_per_phase: int = 0
-    batch_size: int = 256
-    chunk_size: int = 8192
     seed: int = 0
 
     def validate(self) -> None:
@@ -477,13 +442,7 @@ class KnockinStageConfig(Config):
         check_run_id(self.attribute_run, "attribute_run")
         check_dtype(self.dtype)
         check_device(self.device)
-        check_counts(self.k_bins, "k_bins")
         check_choices(self.sets, SET_NAMES, "sets")
-        check_non_negative(self.range_gate, "range_gate", "0: no gate")
-        check_choice(self.donor_no_match, DONOR_NO_MATCH, "donor_no_match")
-        check_non_negative(self.events_per_phase, "events_per_phase", "0: every event")
-        check_positive(self.batch_size, "batch_size")
-        check_positive(self.chunk_size, "chunk_size")
         check_seed(self.seed)
 
 
@@ -648,7 +607,7 @@ def _knockin_notes(run, notes: list[Note], done: set[str], inputs: _KnockinInput
 
 def run_knockin(cfg: KnockinStageConfig) -> str:
     from mistill.instrument.settables import sets_table, to_latex, to_markdown
-    from mistill.tracking.runs import StageRun
+    from mistill.tracking.runs import StageRun, metric_name
 
     att_reader = RunReader(cfg.attribute_run, field="attribute_run")
     ev = _events_input(att_reader.config["events_run"])
@@ -695,7 +654,7 @@ def run_knockin(cfg: KnockinStageConfig) -> str:
         for _, r in table.iterrows():
             for col in table.columns:
                 if col.startswith(("necessity.", "recovery.")) and pd.notna(r[col]):
-                    metrics[f"{r['phase']}.k{int(r['k'])}.{col}"] = float(r[col])
+                    metrics[metric_name(r["phase"], f"k{int(r['k'])}", *col.split("."))] = float(r[col])
         run.log_metrics(metrics)
         run.log_figure(recovery_figure(per_note), "recovery_vs_k.html")
         print(f"knockin: {len(notes)} notes -> run {run.run_id}")

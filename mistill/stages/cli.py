@@ -138,15 +138,26 @@ def _clean(text: str) -> str:
 
 
 def field_meanings(cls: type) -> dict[str, str]:
-    """What each field of a config class means, from its docstring: field -> meaning.
+    """What each field of a config class means, from its docstrings: field -> meaning.
 
     The docstrings describe fields as ``name: meaning``, ``name (constraint): meaning`` or
     ``a, b (constraint), c: shared meaning``, at the start of a line or after ``;`` or ``.``;
     a meaning runs to the next such label or the end of its paragraph. A constraint is appended
     to the meaning in brackets; one after the last of several names, the others having none,
-    bounds them all. Fields the docstring does not describe are left out.
+    bounds them all. Every dataclass the class inherits is read too (the parameter groups of
+    :mod:`mistill.params` describe their own fields); a class's own description of a field
+    wins over a base's. Fields no docstring describes are left out.
     """
-    doc = inspect.cleandoc(cls.__doc__ or "")
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            out.update(_docstring_meanings(klass))
+    return out
+
+
+def _docstring_meanings(cls: type) -> dict[str, str]:
+    """The fields described by the docstring of ``cls`` itself (see :func:`field_meanings`)."""
+    doc = inspect.cleandoc(vars(cls).get("__doc__") or "")
     body = doc.split("\n", 1)[1] if "\n" in doc else ""
     fields = {f.name for f in dataclasses.fields(cls)}
     labels: list[_Label] = []
@@ -230,7 +241,10 @@ def option_help(stage: Stage, name: str, annotation: Any, default: Any, meaning:
 
 
 def stage_parser(stage: Stage, prog: str | None = None) -> argparse.ArgumentParser:
-    """The command line of one stage, generated from its config class."""
+    """The command line of one stage, generated from its config class (its options in the
+    order of :func:`~mistill.config.param_fields`)."""
+    from mistill.config import param_fields
+
     cls = stage.config
     doc = inspect.cleandoc(cls.__doc__ or "").split("\n\n", 1)[0]
     parser = _Parser(prog=prog or f"mistill {stage.name}", allow_abbrev=False, formatter_class=_Formatter,
@@ -239,7 +253,7 @@ def stage_parser(stage: Stage, prog: str | None = None) -> argparse.ArgumentPars
     hints = typing.get_type_hints(cls)
     meanings = field_meanings(cls)
     inputs = set(stage.inputs.values())
-    for f in dataclasses.fields(cls):
+    for f in param_fields(cls):
         metavar = "RUN_ID" if f.name in inputs else type_words(hints[f.name])[0]
         extra: dict[str, Any] = {"nargs": "?", "const": "true"} if hints[f.name] is bool else {}
         parser.add_argument(f"--{f.name}", metavar=metavar, default=argparse.SUPPRESS,

@@ -31,10 +31,11 @@ from mistill.errors import MistillInputError
 from mistill.io import npz_bytes
 from mistill.instrument.events import Event
 from mistill.models.loading import load_model, load_tokenizer
+from mistill.params import PoolParams, RecipeParams
 from mistill.progress import track
 from mistill.stages.characterize import NOTES, _events_input
 from mistill.stages.common import RunReader, log_corpus_input, mistill_root, privacy_guard, require_notes
-from mistill.validation import (check_device, check_dtype, check_interval, check_non_negative, check_not_empty,
+from mistill.validation import (check_device, check_dtype, check_non_negative, check_not_empty,
                                 check_positive, check_seed)
 
 EMBEDDED_STUDENT = "embedded:smollm2-135m@every-other"
@@ -57,21 +58,19 @@ def _read_events(reader: RunReader, note_id: str) -> list[Event]:
 
 
 @dataclass(frozen=True)
-class TargetsConfig(Config):
+class TargetsConfig(Config, PoolParams):
     """The teacher's targets on the training notes (App. I.5): computed once, no online teacher.
 
     split: the training notes among the events run's notes (empty: all of them).
     window_attribute_run: the teacher's prose-time head sets for the P1 window rows; **[recon]**
         when empty the window rows are pooled over the P1 emission set and the run is tagged
         ``mistill.deviation`` (the paper pools them over the prose-time set, App. I.1).
-    pool_k: heads per pooled phase pool (>= 1); window: rows before each P1 event (>= 0);
-    top_k: next-token entries kept per row (>= 1).
+    window: rows before each P1 event (>= 0); top_k: next-token entries kept per row (>= 1).
     """
 
     teacher_attribute_run: str = ""
     window_attribute_run: str = ""
     split: str = "train"
-    pool_k: int = 40
     window: int = 8
     top_k: int = 32
     dtype: str = "float32"
@@ -84,7 +83,6 @@ class TargetsConfig(Config):
         check_run_id(self.teacher_attribute_run, "teacher_attribute_run")
         check_run_id(self.window_attribute_run, "window_attribute_run")
         check_name(self.split, "split", "a split", allow_empty=True)
-        check_positive(self.pool_k, "pool_k")
         check_non_negative(self.window, "window", "0: no window rows")
         check_positive(self.top_k, "top_k")
         check_dtype(self.dtype)
@@ -152,7 +150,7 @@ def _check_targets(reader: RunReader, notes) -> None:
 
 
 @dataclass(frozen=True)
-class TrainStageConfig(Config):
+class TrainStageConfig(Config, RecipeParams):
     """One arm at one seed (App. J.2 recipe).
 
     arm: a bare arm name (letters, digits, ``-``, ``_``) of ``projects/configs/arms/``, or an
@@ -161,10 +159,6 @@ class TrainStageConfig(Config):
         anything else is refused (see :mod:`mistill.distill.arms`).
     overrides: ``key=value,...`` on the arm's flags (``lambda_p1=0.03``; ``terms=a+b`` for lists).
     precision: ``bf16`` or ``fp32``; empty keeps the arm's.
-    epochs (>= 1), lr (> 0), warmup_frac (in [0, 1]), grad_accum (>= 1), clip (> 0): the recipe;
-    max_steps: stop after this many optimizer steps (0: the epochs decide).
-    tf32: **[recon]** float32 matmuls on CUDA in TF32 (the paper states no matmul precision; the
-        recomputed attention rows' q.k inputs are bf16 projections); no effect on the CPU.
     register: register the checkpoint (an MLflow Model, artifact path ``model``) as a version of
         ``mistill-<corpus>-<student>`` with the arm alias ``<arm>-s<seed>``, or, for a λ-selection
         cell, the cell alias ``<arm>-l<λ>-s<seed>`` (see :mod:`mistill.tracking.models`).
@@ -181,14 +175,6 @@ class TrainStageConfig(Config):
     overrides: str = ""
     seed: int = 0
     precision: str = ""
-    epochs: int = 2
-    lr: float = 1e-5
-    warmup_frac: float = 0.05
-    grad_accum: int = 8
-    clip: float = 1.0
-    max_steps: int = 0
-    gradient_checkpointing: bool = True
-    tf32: bool = True
     logits_chunk: int = 1024
     dispreferred_max_new_tokens: int = 16384
     device: str = "cpu"
@@ -197,6 +183,10 @@ class TrainStageConfig(Config):
     def arm_overrides(self) -> str:
         """``overrides`` with ``precision`` appended when it is set."""
         return self.overrides + (f",precision={self.precision}" if self.precision else "")
+
+    def recipe(self, precision: str) -> RecipeConfig:
+        """The trainer's recipe: this config's recipe fields and seed, at the arm's ``precision``."""
+        return RecipeConfig(seed=self.seed, precision=precision, **self.shared_params(RecipeConfig))
 
     def validate(self) -> None:
         import dataclasses
@@ -215,12 +205,6 @@ class TrainStageConfig(Config):
         check_not_empty(self.student, "student", "a model spec")
         resolve_arm(self.arm, self.arm_overrides())  # the arm name, its file and every flag
         check_seed(self.seed)
-        check_positive(self.epochs, "epochs")
-        check_positive(self.lr, "lr")
-        check_interval(self.warmup_frac, "warmup_frac")
-        check_positive(self.grad_accum, "grad_accum")
-        check_positive(self.clip, "clip")
-        check_non_negative(self.max_steps, "max_steps", "0: the epochs decide")
         check_positive(self.logits_chunk, "logits_chunk")
         check_positive(self.dispreferred_max_new_tokens, "dispreferred_max_new_tokens")
         check_device(self.device)
@@ -303,10 +287,7 @@ def run_train(cfg: TrainStageConfig) -> str:
         run.log_json("arm.json", arm.to_dict())
         _log_arm_params(run, arm)
         _mark_deviations(run, train_deviations(arm, tcfg), "train")
-        recipe = RecipeConfig(seed=cfg.seed, precision=arm.precision, epochs=cfg.epochs, lr=cfg.lr,
-                              warmup_frac=cfg.warmup_frac, grad_accum=cfg.grad_accum, clip=cfg.clip,
-                              max_steps=cfg.max_steps, gradient_checkpointing=cfg.gradient_checkpointing,
-                              tf32=cfg.tf32)
+        recipe = cfg.recipe(arm.precision)
         lm = load_model(cfg.student, dtype="float32", device=cfg.device)
         pools = {}
         if arm.objective == "mistill":

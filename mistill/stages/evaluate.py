@@ -41,7 +41,8 @@ from mistill.progress import track
 from mistill.stages.characterize import stage_notes
 from mistill.stages.common import (Subject, load_prepared, log_corpus_input, mistill_root, model_positions,
                                    note_input, privacy_guard, trained_subject)
-from mistill.validation import check_decoding
+from mistill.params import DecodingParams
+from mistill.validation import check_device, check_dtype, check_non_negative, check_seed
 
 NOTES = "notes"
 TAG_ENCLAVE = "mistill.enclave_dir"
@@ -50,7 +51,7 @@ GENERATION_FILE = "generation.txt"
 
 
 @dataclass(frozen=True)
-class EvaluateConfig(Config):
+class EvaluateConfig(Config, DecodingParams):
     """One model on one split.
 
     train_run: a ``train`` run (the model is its checkpoint, ``run:<id>``; arm, seed and
@@ -58,8 +59,6 @@ class EvaluateConfig(Config):
         Table 2 (``teacher``, ``untrained``, ...).
     las_run: a ``las_simulator`` run; empty leaves LAS out.
     split: the notes read (empty: every split); max_notes: the first n of them (0: all).
-    backend: ``hf`` or ``vllm``; max_new_tokens (>= 1), temperature (> 0), top_p (in (0, 1]),
-        top_k (>= 0; 0: no top-k): the decoding.
     device: ``cpu``, ``cuda``, ``cuda:<n>`` or ``mps``.
     """
 
@@ -69,11 +68,6 @@ class EvaluateConfig(Config):
     arm: str = ""
     split: str = "test"
     max_notes: int = 0
-    backend: str = "hf"
-    max_new_tokens: int = 16384
-    temperature: float = 0.6
-    top_p: float = 0.95
-    top_k: int = 20
     seed: int = 0
     las_run: str = ""
     fidelity: bool = True
@@ -91,7 +85,10 @@ class EvaluateConfig(Config):
         check_model_spec(self.model, "model", allow_empty=True)
         check_arm(self.arm, "arm", allow_empty=True)
         check_name(self.split, "split", "a split", allow_empty=True)
-        check_decoding(self)
+        check_non_negative(self.max_notes, "max_notes", "0: every note")
+        check_seed(self.seed)
+        check_device(self.device)
+        check_dtype(self.dtype)
 
 
 def _subject(cfg: EvaluateConfig) -> Subject:
@@ -125,8 +122,7 @@ def run_evaluate(cfg: EvaluateConfig) -> str:
         inputs["train"] = cfg.train_run
     if cfg.las_run:
         inputs["las"] = cfg.las_run
-    decoding = DecodingConfig(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                              max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    decoding = cfg.decoding()
     arm = subject.arm
     with StageRun("evaluate", cfg, corpus=prepared.corpus.name, guard=guard, model=subject.spec, arm=arm,
                   seed=int(subject.seed) if subject.seed is not None else cfg.seed, precision=subject.precision,
@@ -214,11 +210,11 @@ def _aggregate(run, notes, prepared, cfg: EvaluateConfig) -> tuple[dict, pd.Data
             df[key] = [f.get(key, float("nan")) for f in fids]
         for i, events in enumerate(m1):
             for k, v in m1_summary(events).items():
-                df.loc[i, k.replace(".", "_")] = v
-        metrics["fidelity.ppl_median"] = float(np.median(df["ppl"]))
-        metrics["fidelity.bleu4_mean"] = float(df["bleu4"].mean())
+                df.loc[i, k.replace("/", "_")] = v  # m1/P1/p_pos -> column m1_P1_p_pos
+        metrics["fidelity/ppl_median"] = float(np.median(df["ppl"]))
+        metrics["fidelity/bleu4_mean"] = float(df["bleu4"].mean())
         if cfg.las_run:
-            metrics["fidelity.las_mean"] = float(df["las"].mean())
+            metrics["fidelity/las_mean"] = float(df["las"].mean())
         metrics.update(m1_summary(e for events in m1 for e in events))
     predictions = [{k: p[k] for k in ("note_id", "codes", "valid", "reason", "capped", "degenerate", "n_tokens",
                                       "seed")} for p in preds]

@@ -36,15 +36,17 @@ from mistill.data.corpus import Corpus, Note
 from mistill.data.prompts import build_prompt, template_has_thinking
 from mistill.errors import MistillInputError
 from mistill.evaluation.backends import make_backend
-from mistill.evaluation.generation import DecodingConfig, generation_record, note_seed
+from mistill.evaluation.generation import generation_record, note_seed
 from mistill.evaluation.parsing import CodeIndex
 from mistill.models.loading import EMBEDDED_DEFAULT, load_tokenizer
+from mistill.params import DecodingParams
 from mistill.progress import track
 from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE, TAG_DATA_DIR,
                                    TAG_DATA_IDENTITY, Prepared, corpus_index, load_prepared,
                                    log_corpus_input, mistill_root, prepared_data_dir, privacy_guard,
                                    require_notes, save_prepared)
-from mistill.validation import check_decoding, check_not_empty, check_positive
+from mistill.validation import (check_device, check_dtype, check_non_negative, check_not_empty, check_positive,
+                                check_seed)
 
 NOTES = "notes"
 RECORD_FILE = "generation.json"
@@ -57,16 +59,12 @@ TAG_TRACED = "mistill.generate.traced_notes"
 
 
 @dataclass(frozen=True)
-class GenerateConfig(Config):
+class GenerateConfig(Config, DecodingParams):
     """Sampling one trace per note (App. J.5).
 
     prepare_run: the corpus (a prepare or shortlist run); its prompts settings are used.
     model: any model spec (``run:<train run id>``, ``embedded:smollm2-135m``, a directory, ...).
-    backend: ``hf`` (HF ``generate``, one note at a time) or ``vllm`` (batched; optional extra).
     split: only this split's notes (empty: every note); max_notes: the first n (0: all).
-    max_new_tokens, temperature, top_p, top_k: the decoding (paper: 16384, 0.6, 0.95, 20);
-        max_new_tokens >= 1, temperature > 0 (greedy decoding loops in thinking mode),
-        top_p in (0, 1], top_k >= 0 (0: no top-k).
     seed: the sampling seed from which each note's seed is derived (>= 0).
     device, dtype: where (``cpu``, ``cuda``, ``cuda:<n>``, ``mps``) and in what precision the
         model runs.
@@ -75,21 +73,12 @@ class GenerateConfig(Config):
 
     prepare_run: str = ""
     model: str = EMBEDDED_DEFAULT
-    backend: str = "hf"
     split: str = ""
     max_notes: int = 0
-    max_new_tokens: int = 16384
-    temperature: float = 0.6
-    top_p: float = 0.95
-    top_k: int = 20
     seed: int = 0
     device: str = "cpu"
     dtype: str = "float32"
     batch_size: int = 16
-
-    def decoding(self) -> DecodingConfig:
-        return DecodingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_new_tokens=self.max_new_tokens, seed=self.seed)
 
     def validate(self) -> None:
         from mistill.validation import check_model_spec, check_name, check_no_text_fields, check_run_id
@@ -99,7 +88,10 @@ class GenerateConfig(Config):
         check_model_spec(self.model, "model")
         check_name(self.split, "split", "a split", allow_empty=True)
         check_not_empty(self.model, "model", "a model spec")
-        check_decoding(self)
+        check_non_negative(self.max_notes, "max_notes", "0: every note")
+        check_seed(self.seed)
+        check_device(self.device)
+        check_dtype(self.dtype)
         check_positive(self.batch_size, "batch_size")
 
 
@@ -140,9 +132,9 @@ def generation_metrics(records: list[dict]) -> dict[str, float]:
         "mean_codes": float(np.mean([len(r["codes"]) for r in records])),
     }
     for reason, k in Counter(r["reason"] for r in records).items():
-        metrics[f"reason.{reason}"] = k
+        metrics[f"reason/{reason}"] = k
     for reason, k in Counter(r["degenerate_reason"] for r in records if r["degenerate"]).items():
-        metrics[f"degenerate.{reason}"] = k
+        metrics[f"degenerate/{reason}"] = k
     return metrics
 
 

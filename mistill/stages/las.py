@@ -8,8 +8,8 @@ corpus's text may be logged; never note or trace text. ``evaluate`` loads it wit
 :func:`mistill.evaluation.las.load_simulator` (``las_run``).
 
 Metrics: ``train_loss`` per step, and on the ``val_split`` notes the sanity check
-``val.las_teacher_mean`` (mean LAS of the teacher's own rationale), ``val.f1_with_rationale``,
-``val.f1_note_only`` and ``val.unparsable_rate``; a per-note table ``val_las.csv`` (note ids
+``val/las_teacher_mean`` (mean LAS of the teacher's own rationale), ``val/f1_with_rationale``,
+``val/f1_note_only`` and ``val/unparsable_rate``; a per-note table ``val_las.csv`` (note ids
 and numbers only).
 """
 
@@ -159,11 +159,11 @@ def run_las_simulator(cfg: LasSimulatorConfig) -> str:
         if rows:
             df = pd.DataFrame(rows)
             run.log_table("val_las", df)
-            run.log_metrics({"val.las_teacher_mean": float(df["las"].mean()),
-                             "val.f1_with_rationale": float(df["f1_with_rationale"].mean()),
-                             "val.f1_note_only": float(df["f1_note_only"].mean()),
-                             "val.unparsable_rate": sim.n_unparsable / max(sim.n_predictions, 1),
-                             "val.n_notes": len(rows)})
+            run.log_metrics({"val/las_teacher_mean": float(df["las"].mean()),
+                             "val/f1_with_rationale": float(df["f1_with_rationale"].mean()),
+                             "val/f1_note_only": float(df["f1_note_only"].mean()),
+                             "val/unparsable_rate": sim.n_unparsable / max(sim.n_predictions, 1),
+                             "val/n_notes": len(rows)})
         print(f"las_simulator: {len(train)} notes, loss {losses[0]:.3f} -> {losses[-1]:.3f}; "
               f"{len(rows)} val notes -> run {run.run_id}")
         return run.run_id

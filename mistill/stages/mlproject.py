@@ -10,7 +10,6 @@ that the committed file is current.
 
 from __future__ import annotations
 
-import dataclasses
 import typing
 from pathlib import Path
 
@@ -38,6 +37,7 @@ def _default(value) -> str:
 
 
 def render() -> str:
+    from mistill.config import param_fields
     from mistill.stages.registry import stages
 
     lines = [HEADER]
@@ -47,7 +47,7 @@ def render() -> str:
         lines.append(f"  {stage.name}:")
         lines.append("    parameters:")
         args = []
-        for f in dataclasses.fields(stage.config):
+        for f in param_fields(stage.config):
             t = _mlflow_type(hints[f.name])
             if f.name in required:
                 lines.append(f"      {f.name}: string")

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,7 +36,9 @@ import pandas as pd
 from mistill.config import Config
 from mistill.data.corpus import Note
 from mistill.errors import MistillInputError
-from mistill.instrument.passes import DONOR_NO_MATCH, PHASES, donor_order
+from mistill.instrument.passes import PHASES, donor_order
+from mistill.params import (DonorParams, KnockinReadParams, NullParams, PatchParams, StabilityParams,
+                            TokenCapParams)
 from mistill.progress import get_logger, track
 from mistill.stages.common import (Prepared, RunReader, Subject, load_prepared, log_corpus_input, mistill_root,
                                    model_positions, privacy_guard, trained_subject)
@@ -55,7 +56,8 @@ _log = get_logger("own_heads")
 
 
 @dataclass(frozen=True)
-class OwnHeadsConfig(Config):
+class OwnHeadsConfig(Config, KnockinReadParams, DonorParams, TokenCapParams, NullParams, StabilityParams,
+                     PatchParams):
     """Own-heads readouts of one arm: ``train_run`` (model ``run:<id>``) or a plain ``model``.
 
     rank_split: the notes the arm's heads are ranked on; test_split: the notes measured (empty:
@@ -64,11 +66,7 @@ class OwnHeadsConfig(Config):
         size and the M2/M3/prefix set size; n_random: random floor draws per bin, averaged
         (>= 1; the paper draws one per bin, redrawn for every bin, App. K; **[recon]** more
         draws average them).
-    range_gate: the donor's margin range gate in nats (>= 0; 0: no gate); events_per_phase: at
-        most this many events per phase and note (0: every event).
-    donor_wrap, donor_no_match: the donor rules of the knock-in stage (``KnockinStageConfig``):
-        **[recon]** the last note's donor is the first (False: none); an event the next note
-        cannot match goes to the first later note that can (``next``) or is dropped (``drop``).
+    own_traces: also measure on the arm's own generations of the test notes.
     launch: how the ranking steps run, ``mlflow`` or ``inline``.
     """
 
@@ -81,20 +79,11 @@ class OwnHeadsConfig(Config):
     necessity_k: int = 40
     m2_k: int = 16
     n_random: int = 1
-    range_gate: float = 1.0
-    donor_wrap: bool = True
-    donor_no_match: str = "next"
-    events_per_phase: int = 0
     own_traces: bool = True
-    max_new_tokens: int = 16384
-    n_null: int = 20
-    stability_splits: int = 200
     device: str = "cpu"
     dtype: str = "float32"
     seed: int = 0
     max_notes: int = 0
-    batch_size: int = 256
-    chunk_size: int = 8192
     launch: str = "mlflow"
 
     def validate(self) -> None:
@@ -110,18 +99,10 @@ class OwnHeadsConfig(Config):
         check_positive(self.necessity_k, "necessity_k")
         check_positive(self.m2_k, "m2_k")
         check_positive(self.n_random, "n_random")
-        check_non_negative(self.range_gate, "range_gate", "0: no gate")
-        check_choice(self.donor_no_match, DONOR_NO_MATCH, "donor_no_match")
-        check_non_negative(self.events_per_phase, "events_per_phase", "0: every event")
-        check_positive(self.max_new_tokens, "max_new_tokens")
-        check_non_negative(self.n_null, "n_null")
-        check_positive(self.stability_splits, "stability_splits")
         check_device(self.device)
         check_dtype(self.dtype)
         check_seed(self.seed)
         check_non_negative(self.max_notes, "max_notes", "0: every note")
-        check_positive(self.batch_size, "batch_size")
-        check_positive(self.chunk_size, "chunk_size")
         check_choice(self.launch, LAUNCHES, "launch")
 
 
@@ -138,20 +119,13 @@ def _rank_steps(cfg: OwnHeadsConfig, spec: str, corpus_name: str, parent: str | 
     from mistill.stages.characterize import AttributeConfig, EventsConfig
     from mistill.stages.workflow import run_step
 
-    # an inline step inside a launched entry point must not adopt the launcher's run
-    launched = os.environ.pop("MLFLOW_RUN_ID", None) if cfg.launch == "inline" else None
-    try:
-        ev = run_step("events", EventsConfig(prepare_run=cfg.prepare_run, model=spec, dtype=cfg.dtype,
-                                             device=cfg.device, split=cfg.rank_split, max_notes=cfg.max_notes,
-                                             n_null=cfg.n_null, seed=cfg.seed, chunk_size=cfg.chunk_size),
-                      corpus_name, launch=cfg.launch, parent=parent)
-        att = run_step("attribute", AttributeConfig(events_run=ev, dtype=cfg.dtype, device=cfg.device,
-                                                    stability_splits=cfg.stability_splits, seed=cfg.seed,
-                                                    chunk_size=cfg.chunk_size, batch_size=cfg.batch_size),
-                       corpus_name, launch=cfg.launch, parent=parent)
-    finally:
-        if launched is not None:
-            os.environ["MLFLOW_RUN_ID"] = launched
+    ev = run_step("events", EventsConfig(prepare_run=cfg.prepare_run, model=spec, dtype=cfg.dtype,
+                                         device=cfg.device, split=cfg.rank_split, max_notes=cfg.max_notes,
+                                         seed=cfg.seed, **cfg.shared_params(EventsConfig)),
+                  corpus_name, launch=cfg.launch, parent=parent)
+    att = run_step("attribute", AttributeConfig(events_run=ev, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed,
+                                                **cfg.shared_params(AttributeConfig)),
+                   corpus_name, launch=cfg.launch, parent=parent)
     return {"events": ev, "attribute": att}
 
 
@@ -171,7 +145,8 @@ def _median(values: Sequence[float]) -> float:
 
 def summary_metrics(per_note: pd.DataFrame, readside: pd.DataFrame, k_bins: Sequence[int],
                     necessity_k: int, prefix: str = "") -> dict[str, float]:
-    """Medians over notes of the per-note values; ``prefix`` ("own.") for the own-trace run."""
+    """Medians over notes of the per-note values, as metrics (``m4/<phase>/k<k>/recovery_own``,
+    ``m2/P2C/region_lift``, ...); ``prefix`` (``"own/"``) for the own-trace run."""
     out: dict[str, float] = {}
     for phase in PHASES:
         for k in k_bins:
@@ -179,20 +154,20 @@ def summary_metrics(per_note: pd.DataFrame, readside: pd.DataFrame, k_bins: Sequ
             if not len(sub):
                 continue
             for col in ("recovery_own", "recovery_random"):
-                out[f"{prefix}m4.{phase}.k{k}.{col}"] = _median(sub[col])
+                out[f"{prefix}m4/{phase}/k{k}/{col}"] = _median(sub[col])
             if k == necessity_k:
-                out[f"{prefix}m4.{phase}.k{k}.necessity_own"] = _median(sub["necessity_own"])
-                out[f"{prefix}m4.{phase}.k{k}.necessity_own_nats"] = _median(sub["necessity_own_nats"])
-            out[f"{prefix}m4.{phase}.k{k}.n_notes"] = float(sub["recovery_own"].notna().sum())
+                out[f"{prefix}m4/{phase}/k{k}/necessity_own"] = _median(sub["necessity_own"])
+                out[f"{prefix}m4/{phase}/k{k}/necessity_own_nats"] = _median(sub["necessity_own_nats"])
+            out[f"{prefix}m4/{phase}/k{k}/n_notes"] = float(sub["recovery_own"].notna().sum())
     if len(readside):
         col = readside.get
         for phase in ("P1", "P2C"):
-            out[f"{prefix}m2.{phase}.region_lift"] = _median(col(f"own.m2.{phase}", []))
-            out[f"{prefix}m2.{phase}.region_lift_random"] = _median(col(f"random.m2.{phase}", []))
-        out[f"{prefix}m2.region_lift"] = out[f"{prefix}m2.P2C.region_lift"]
+            out[f"{prefix}m2/{phase}/region_lift"] = _median(col(f"own.m2.{phase}", []))
+            out[f"{prefix}m2/{phase}/region_lift_random"] = _median(col(f"random.m2.{phase}", []))
+        out[f"{prefix}m2/region_lift"] = out[f"{prefix}m2/P2C/region_lift"]
         for key in ("near_miss_share", "own_mention_share", "top_head_near_miss_share"):
-            out[f"{prefix}m3.{key}"] = _median(col(f"own.m3.{key}", []))
-            out[f"{prefix}m3.{key}_random"] = _median(col(f"random.m3.{key}", []))
+            out[f"{prefix}m3/{key}"] = _median(col(f"own.m3.{key}", []))
+            out[f"{prefix}m3/{key}_random"] = _median(col(f"random.m3.{key}", []))
         out[f"{prefix}prefix_share"] = _median(col("own.prefix_share", []))
         out[f"{prefix}prefix_share_random"] = _median(col("random.prefix_share", []))
     return {k: v for k, v in out.items() if math.isfinite(v)}
@@ -355,8 +330,8 @@ def _own_pass(run, ctx: _Context, notes: list[Note]) -> dict[str, float]:
         files = ctx.measure(cases[note.note_id], donors)
         files["generation.json"] = {"n_tokens": recs[note.note_id]["n_tokens"], "seed": recs[note.note_id]["seed"]}
         run.write_note(OWN_NOTES, note.note_id, files)
-    return {"own.coverage.n_notes": float(len(notes)), "own.coverage.n_generated": float(generated),
-            "own.coverage.n_closed": float(closed), "own.coverage.n_with_events": float(len(usable))}
+    return {"own/coverage/n_notes": float(len(notes)), "own/coverage/n_generated": float(generated),
+            "own/coverage/n_closed": float(closed), "own/coverage/n_with_events": float(len(usable))}
 
 
 def _aggregate(run, cfg: OwnHeadsConfig, notes: list[Note], coverage: dict[str, float]) -> str:
@@ -382,17 +357,17 @@ def _aggregate(run, cfg: OwnHeadsConfig, notes: list[Note], coverage: dict[str, 
     if len(reads):
         run.log_table("own_heads_readside_per_note", reads)
     metrics: dict[str, float] = {"n_notes": float(len(notes))}
-    for traces, prefix in (("teacher", ""), ("own", "own.")):
+    for traces, prefix in (("teacher", ""), ("own", "own/")):
         t = table[table["traces"] == traces]
         r = reads[reads["traces"] == traces] if len(reads) else reads
         metrics.update(summary_metrics(t, r, k_bins, cfg.necessity_k, prefix))
         if len(t):
-            metrics[f"{prefix}coverage.n_notes_measured"] = float(t["note_id"].nunique())
+            metrics[f"{prefix}coverage/n_notes_measured"] = float(t["note_id"].nunique())
             measurable = t[t["recovery_own"].notna()]["note_id"].nunique()
-            metrics[f"{prefix}coverage.n_with_recovery"] = float(measurable)
+            metrics[f"{prefix}coverage/n_with_recovery"] = float(measurable)
             first_k = t[t["k"] == k_bins[0]]
             for phase in PHASES:
-                metrics[f"{prefix}coverage.n_events.{phase}"] = float(
+                metrics[f"{prefix}coverage/n_events/{phase}"] = float(
                     first_k.loc[first_k["phase"] == phase, "n_events"].sum())
     metrics.update(coverage)
     run.log_metrics(metrics)

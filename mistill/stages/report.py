@@ -143,7 +143,7 @@ def run_report(cfg: ReportConfig) -> str:
         report_path = run.work_dir / "artifacts" / "report.md"
         write_text(report_path, rep.markdown())
         run.log_artifact_file(report_path)
-        run.log_metrics({**{f"n_runs.{s}": n for s, n in rep.counts.items()},
+        run.log_metrics({**{f"n_runs/{s}": n for s, n in rep.counts.items()},
                          "n_tables": len(rep.tables), "n_figures": len(rep.figures),
                          "n_notes": len(rep.notes), "n_deviations": len(rep.deviations),
                          "n_deviation_tags": len(rep.deviation_tags)})

@@ -115,8 +115,11 @@ class SelectLambdaConfig(Config):
         check_choice(self.launch, LAUNCHES, "launch")
 
     def content_digests(self) -> dict[str, str]:
-        """``{"lock": sha256 of the lock file's bytes}`` (the only file this stage reads by path)."""
-        digest = file_digest(self.lock)
+        """``{"lock": sha256 of the lock file's bytes}`` (the only file this stage reads by path;
+        a relative path found from here or, failing that, under the repository root)."""
+        from mistill.tracking.runs import repo_file
+
+        digest = file_digest(repo_file(self.lock))
         return {"lock": digest} if digest else {}
 
 
@@ -157,7 +160,7 @@ def run_select_lambda(cfg: SelectLambdaConfig, runner: Runner | None = None) -> 
 
     from mistill.stages.common import mistill_root
     from mistill.tracking.privacy import PrivacyGuard
-    from mistill.tracking.runs import StageRun, param_string
+    from mistill.tracking.runs import StageRun, param_string, repo_file
     from selection.decide import NO_ELIGIBLE, decide
     from selection.grid import (
         TAG_STUDY,
@@ -177,7 +180,7 @@ def run_select_lambda(cfg: SelectLambdaConfig, runner: Runner | None = None) -> 
     )
     from selection.runner import TrainEvaluateRunner
 
-    lock = load_lock(cfg.lock)
+    lock = load_lock(repo_file(cfg.lock))  # a relative lock missing here: the repository's
     heartbeat = Heartbeat(interval=cfg.heartbeat_interval, grace=cfg.grace_period, max_retry=cfg.max_retry)
     heartbeat.check()
     corpus, level = _corpus(cfg)

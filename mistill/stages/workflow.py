@@ -19,11 +19,13 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from mistill.config import Config, file_digest
 from mistill.errors import MistillInputError
 from mistill.models.loading import EMBEDDED_DEFAULT
+from mistill.params import AttributeParams, KnockinParams, NullParams
 from mistill.progress import get_logger
 from mistill.validation import (check_choice, check_name, check_non_negative, check_not_empty,
                                 check_positive)
@@ -87,11 +89,18 @@ def run_step(stage_name: str, cfg: Config, corpus_name: str, *, launch: str = "m
     launch: ``"mlflow"`` runs the entry point through ``mlflow.projects.run`` (a fresh process,
     as ``mlflow run`` would); ``"inline"`` calls the stage function in this process.
     parent: the run a new step is nested under from its start (a reused run keeps its own).
+
+    Raises:
+        MistillInputError: a required input run of the stage is empty
+            (:meth:`~mistill.stages.registry.Stage.check_inputs`), before any run is looked up
+            or created.
     """
     from mistill.stages.registry import stages
-    from mistill.tracking.runs import child_runs_of, code_version, experiment_for_corpus, find_run, identity_params
+    from mistill.tracking.runs import (child_runs_of, code_version, environment_variable, experiment_for_corpus,
+                                       find_run, identity_params)
 
     stage = stages()[stage_name]
+    stage.check_inputs(cfg)  # as the command line does: a required input left empty, before any run
     experiment = experiment_for_corpus(corpus_name)
     found = find_run(experiment, stage_name, identity_params(cfg), code_version(REPO_ROOT), stage.input_runs(cfg))
     if found is not None:
@@ -101,7 +110,10 @@ def run_step(stage_name: str, cfg: Config, corpus_name: str, *, launch: str = "m
     with child_runs_of(parent):
         if launch == "inline":
             cfg.check_environment()
-            return stage.run(cfg)
+            # inside a launched entry point (`mlflow run` sets MLFLOW_RUN_ID), a step run in
+            # this process opens its own run rather than adopting the launcher's
+            with environment_variable("MLFLOW_RUN_ID", None):
+                return stage.run(cfg)
         return _launch(stage_name, cfg, experiment, parent)
 
 
@@ -137,11 +149,12 @@ def _launch(stage_name: str, cfg: Config, experiment: str, parent: str | None) -
 
 
 @dataclass(frozen=True)
-class CharacterizeConfig(Config):
+class CharacterizeConfig(Config, NullParams, AttributeParams, KnockinParams):
     """events -> attribute -> knockin on one prepared corpus (the instrument, App. C–D).
 
     Every field is the field of the same name of the step it is passed to (``EventsConfig``,
-    ``AttributeConfig``, ``KnockinStageConfig``) and is validated there, except ``rank_split``:
+    ``AttributeConfig``, ``KnockinStageConfig``; the fields of the parameter groups it shares
+    with a step, :meth:`~mistill.config.Config.shared_params`), except ``rank_split``:
     ``AttributeConfig.split``, the notes ranked and knocked in among the events run's (empty:
     all of them); launch: ``mlflow`` or ``inline``.
     """
@@ -153,13 +166,6 @@ class CharacterizeConfig(Config):
     split: str = ""
     rank_split: str = ""
     max_notes: int = 0
-    n_null: int = 20
-    selftest_events: int = 0
-    exact_p2: bool = True
-    k_bins: tuple[int, ...] = (3, 8, 16, 40, 100)
-    range_gate: float = 1.0
-    events_per_phase: int = 0
-    stability_splits: int = 200
     seed: int = 0
     launch: str = "mlflow"
 
@@ -177,21 +183,20 @@ class CharacterizeConfig(Config):
         from mistill.stages.characterize import EventsConfig
 
         return EventsConfig(prepare_run=self.prepare_run, model=self.model, dtype=self.dtype, device=self.device,
-                            split=self.split, max_notes=self.max_notes, n_null=self.n_null, seed=self.seed)
+                            split=self.split, max_notes=self.max_notes, seed=self.seed,
+                            **self.shared_params(EventsConfig))
 
     def attribute_config(self, events_run: str = "") -> AttributeConfig:
         from mistill.stages.characterize import AttributeConfig
 
         return AttributeConfig(events_run=events_run, split=self.rank_split, dtype=self.dtype, device=self.device,
-                               selftest_events=self.selftest_events, exact_p2=self.exact_p2,
-                               stability_splits=self.stability_splits, seed=self.seed)
+                               seed=self.seed, **self.shared_params(AttributeConfig))
 
     def knockin_config(self, attribute_run: str = "") -> KnockinStageConfig:
         from mistill.stages.characterize import KnockinStageConfig
 
-        return KnockinStageConfig(attribute_run=attribute_run, dtype=self.dtype, device=self.device,
-                                  k_bins=self.k_bins, range_gate=self.range_gate,
-                                  events_per_phase=self.events_per_phase, seed=self.seed)
+        return KnockinStageConfig(attribute_run=attribute_run, dtype=self.dtype, device=self.device, seed=self.seed,
+                                  **self.shared_params(KnockinStageConfig))
 
 
 def characterize_steps(cfg: CharacterizeConfig, corpus_name: str, parent: str | None = None, *,
@@ -226,12 +231,22 @@ def run_characterize(cfg: CharacterizeConfig) -> str:
     return ids["knockin"]
 
 
-@dataclass(frozen=True)
-class PipelineConfig(Config):
-    """The whole platform on one corpus (defaults: the embedded default, sized for a CPU demo).
+DEMO_DEFAULTS: Mapping[str, object] = MappingProxyType({"n_null": 10, "selftest_events": 1, "k_bins": (3, 8, 16, 40),
+                                                        "events_per_phase": 10, "stability_splits": 50})
+"""The pipeline's defaults for fields of its parameter groups, in place of the groups' own (the
+``characterize`` stage's): sized for a CPU demo, with fewer NULL events, events per phase,
+split-half draws and set sizes, and one self-test event. The pipeline passes them on to its
+``characterize`` step (:meth:`~mistill.config.Config.shared_params`)."""
 
-    The fields passed on under their own name (``corpus`` ... ``model`` to ``prepare``, ``dtype``
-    ... ``stability_splits`` to ``characterize``) are validated by those steps' configs.
+
+@dataclass(frozen=True)
+class PipelineConfig(Config, NullParams, AttributeParams, KnockinParams, defaults=DEMO_DEFAULTS):
+    """The whole platform on one corpus (defaults: the embedded default, sized for a CPU demo;
+    the group fields' demo defaults: ``DEMO_DEFAULTS``).
+
+    The fields passed on under their own name (``corpus`` ... ``codes_file`` and ``model`` to
+    ``prepare``; ``model``, ``dtype``, ``device``, ``seed``, ``launch`` and the fields of the
+    parameter groups to ``characterize``) are validated by those steps' configs.
     teacher_split: the notes the teacher is ranked and knocked in on (``CharacterizeConfig.rank_split``;
     the teacher's events cover every note, so the targets can read the training notes'): the
     validation notes, the paper's 100 characterization notes (Sec. 4.2; empty: every note).
@@ -257,13 +272,6 @@ class PipelineConfig(Config):
     model: str = EMBEDDED_DEFAULT
     dtype: str = "float32"
     device: str = "cpu"
-    n_null: int = 10
-    selftest_events: int = 1
-    exact_p2: bool = True
-    k_bins: tuple[int, ...] = (3, 8, 16, 40)
-    range_gate: float = 1.0
-    events_per_phase: int = 10
-    stability_splits: int = 50
     teacher_split: str = "val"
     student: str = "embedded:smollm2-135m@every-other"
     student_split: str = "val"
@@ -316,9 +324,10 @@ class PipelineConfig(Config):
         import json
 
         from mistill.distill.arms import arm_digest
+        from mistill.tracking.runs import repo_file
 
         out = dict(self.prepare_config().content_digests())
-        lock = file_digest(self.select_lock)
+        lock = file_digest(repo_file(self.select_lock))  # found from here, else in the repository
         if lock is not None:
             out["select_lock"] = lock
         arms = {arm: digest for arm in self.train_arms if (digest := arm_digest(arm))}
@@ -335,11 +344,8 @@ class PipelineConfig(Config):
 
     def characterize_config(self, prepare_run: str = "") -> CharacterizeConfig:
         return CharacterizeConfig(prepare_run=prepare_run, model=self.model, dtype=self.dtype, device=self.device,
-                                  rank_split=self.teacher_split, n_null=self.n_null,
-                                  selftest_events=self.selftest_events,
-                                  exact_p2=self.exact_p2, k_bins=self.k_bins, range_gate=self.range_gate,
-                                  events_per_phase=self.events_per_phase,
-                                  stability_splits=self.stability_splits, seed=self.seed, launch=self.launch)
+                                  rank_split=self.teacher_split, seed=self.seed, launch=self.launch,
+                                  **self.shared_params(CharacterizeConfig))
 
 
 def require_split_notes(cfg: PipelineConfig, prepare_run: str) -> None:
@@ -451,7 +457,7 @@ def distill_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str, pa
             student_attribute_run=out["student_attribute"], student=cfg.student, device=cfg.device,
             launch=cfg.launch), corpus_name, launch=cfg.launch, parent=parent)
         m = MlflowClient().get_run(out["select_lambda"]).data.metrics
-        overrides = lambda_overrides(m["selected.lambda_p1"], m["selected.lambda_p2"])
+        overrides = lambda_overrides(m["selected/lambda_p1"], m["selected/lambda_p2"])
     for arm in cfg.train_arms:
         mistill_arm = resolve_arm(arm).objective == "mistill"
         out[f"train_{arm}"] = run_step("train", TrainStageConfig(
@@ -502,21 +508,21 @@ def summary(ids: dict[str, str]) -> str:
     client = MlflowClient()
     lines = [f"MLflow UI: {mlflow.get_tracking_uri()}"]
     keys = {"prepare": ("n_notes", "n_codes_inventory", "median_total_tokens"),
-            "events": ("events.P1.realized", "events.P2.realized", "events.P2C.realized", "events.NULL.realized",
-                       "margin.P1.median"),
-            "attribute": ("calib.P1.discoveries_pos", "calib.split_half.discoveries_pos",
-                          "selftest.intact.pearson", "selftest.detached.pearson"),
-            "knockin": ("P1.k8.recovery.global", "P1.k8.recovery.random", "P2C.k8.recovery.global",
-                        "P1.k8.necessity.global")}
-    keys["student_attribute"] = ("calib.P2C.discoveries_pos",)
+            "events": ("events/P1/realized", "events/P2/realized", "events/P2C/realized", "events/NULL/realized",
+                       "margin/P1/median"),
+            "attribute": ("calib/P1/discoveries_pos", "calib/split_half/discoveries_pos",
+                          "selftest/intact/pearson", "selftest/detached/pearson"),
+            "knockin": ("P1/k8/recovery/global", "P1/k8/recovery/random", "P2C/k8/recovery/global",
+                        "P1/k8/necessity/global")}
+    keys["student_attribute"] = ("calib/P2C/discoveries_pos",)
     keys["targets"] = ("n_notes", "median_rows")
     keys["shortlist"] = ("k", "mean_shortlist_len", "val_recall_completed")
-    keys["select_lambda"] = ("selected.lambda_p1", "selected.lambda_p2", "selected.micro_f1")
+    keys["select_lambda"] = ("selected/lambda_p1", "selected/lambda_p2", "selected/micro_f1")
     keys["las_simulator"] = ("train_loss_first", "train_loss_last")
     keys["report"] = ("n_tables", "n_figures")
     by_prefix = {"train_": ("train/loss", "train/ce", "train/steps"),
-                 "evaluate_": ("micro_f1", "valid_rate", "fidelity.ppl_median", "m1.P2C.p_pos"),
-                 "own_heads_": ("m4.P1.k8.recovery_own", "m4.P1.k8.recovery_random", "m2.region_lift")}
+                 "evaluate_": ("micro_f1", "valid_rate", "fidelity/ppl_median", "m1/P2C/p_pos"),
+                 "own_heads_": ("m4/P1/k8/recovery_own", "m4/P1/k8/recovery_random", "m2/region_lift")}
     for step, run_id in ids.items():
         run = client.get_run(run_id)
         exp = client.get_experiment(run.info.experiment_id)

@@ -109,6 +109,11 @@ MAX_TAG_VALUE = 8000  # MLflow's limit on a tag value
 _PARAMS_PER_BATCH = 100
 _METRICS_PER_BATCH = 1000
 
+METRIC_SEPARATOR = "/"
+"""Between the parts of a metric name (``fidelity/ppl_median``, ``m1/P2C/p_pos``): MLflow's UI
+groups a run's charts by the part before the first ``/``. A metric name holds no ``.``
+(:meth:`StageRun.log_metrics` refuses one); params and tags keep their dotted names."""
+
 RESUMABLE_STATUSES: tuple[str, ...] = ("RUNNING", "FAILED", "KILLED")
 SOURCE_DIRS: tuple[str, ...] = ("mistill", "projects", "selection", "analysis")
 SOURCE_SUFFIXES: tuple[str, ...] = (".py", ".yaml", ".yml", ".toml")
@@ -118,6 +123,22 @@ SOURCE_SUFFIXES: tuple[str, ...] = (".py", ".yaml", ".yml", ".toml")
 def default_repo_root() -> Path:
     """The directory holding the ``mistill`` package (the repository root in a checkout)."""
     return Path(__file__).resolve().parents[2]
+
+
+def repo_file(path: str) -> str:
+    """A file a config names by a path relative to the repository (a lock under
+    ``projects/configs/locks/``): ``path`` itself when it is empty, absolute or exists from the
+    current directory; else the file under :func:`default_repo_root` (the folder holding
+    ``MLproject``) when that exists, as arms are found (:data:`mistill.distill.arms.ARMS_DIR`),
+    so a default such as ``projects/configs/locks/embedded-3cell.yaml`` works from any folder;
+    else ``path`` unchanged (its reader says it is missing)."""
+    if not path:
+        return path
+    given = Path(path).expanduser()
+    if given.is_absolute() or given.exists():
+        return path
+    in_repo = default_repo_root() / given
+    return str(in_repo) if in_repo.exists() else path
 
 
 def _source_files(repo_root: Path) -> list[Path]:
@@ -311,11 +332,14 @@ def _experiment_id(client: MlflowClient, experiment: str, *, create: bool = Fals
 
 # --------------------------------------------------------------------------------- find_run
 @contextlib.contextmanager
-def environment_variable(key: str, value: str) -> Iterator[None]:
-    """``$key`` set to ``value`` inside the block (and in processes launched there), restored
-    (or removed) on exit."""
+def environment_variable(key: str, value: str | None) -> Iterator[None]:
+    """``$key`` set to ``value`` (None: unset) inside the block and in processes launched there,
+    restored (or removed) on exit."""
     saved = os.environ.get(key)
-    os.environ[key] = value
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
     try:
         yield
     finally:
@@ -449,6 +473,32 @@ def run_name(stage: str, model: str | None = None, arm: str | None = None,
     parts = [stage, short_model(model), arm, f"λ{label}" if label else None, split or None,
              f"s{seed}" if seed not in (None, "") else None]
     return "-".join(str(p) for p in parts if p not in (None, "") and not _RUN_ID.search(str(p)))
+
+
+def metric_name(*parts: Any) -> str:
+    """A metric name from its parts, joined by :data:`METRIC_SEPARATOR`; empty parts are left
+    out: ``metric_name("m1", "P2C", "p_pos") == "m1/P2C/p_pos"``, ``metric_name("", "m4", "P1")
+    == "m4/P1"``. A part may itself be a name so built (``own/m4``).
+
+    Raises:
+        MistillInputError: a part holds ``.`` (a dotted name such as a table column
+            ``necessity.global`` is split first: ``metric_name("P1", *col.split("."))``).
+    """
+    names = [str(p) for p in parts if p is not None and str(p) != ""]
+    if not names:
+        raise MistillInputError("a metric name needs at least one non-empty part", field="metric")
+    return check_metric_name(METRIC_SEPARATOR.join(names))
+
+
+def check_metric_name(name: str) -> str:
+    """``name`` if it is a metric name of this project (non-empty, no ``.``: parts are separated
+    by ``/``); otherwise a :class:`MistillInputError` that shows the name with ``/``."""
+    if not name or "." in name:
+        shown = name.replace(".", METRIC_SEPARATOR)
+        raise MistillInputError(f"metric name {name!r} holds '.' or is empty: metric names separate "
+                                f"their parts with {METRIC_SEPARATOR!r} (write {shown!r}), so MLflow's UI "
+                                f"groups their charts", field="metric")
+    return name
 
 
 def _check_component(value: str, what: str) -> str:
@@ -853,9 +903,16 @@ class StageRun:
             self.client.log_batch(run_id, metrics=m[i:i + _METRICS_PER_BATCH])
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        """Log numeric metrics (names checked by the privacy guard)."""
+        """Log numeric metrics (names checked by the privacy guard).
+
+        Raises:
+            MistillInputError: a name holds ``.`` (see :func:`check_metric_name`); nothing of
+                the batch is logged.
+        """
         self._require_active()
         self.guard.check_mapping({k: None for k in metrics}, "metric")
+        for k in metrics:
+            check_metric_name(k)
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, int(step or 0)) for k, v in metrics.items()]
         self._log_batch(metrics=batch)
@@ -1225,10 +1282,34 @@ def child_runs_of(parent_run_id: str | None) -> Iterator[None]:
         yield
 
 
-def quiet_run_links() -> contextlib.AbstractContextManager[None]:
+_ENV_QUIET_LINKS = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
+_quiet_links_lock = threading.Lock()
+_quiet_links = {"depth": 0, "saved": None}
+
+
+@contextlib.contextmanager
+def quiet_run_links() -> Iterator[None]:
     """MLflow prints ``View run <name> at: <url>`` whenever a run ends; inside this block it
-    does not (:class:`StageRun` logs one such line itself, with the run's status)."""
-    return environment_variable("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+    does not (:class:`StageRun` logs one such line itself, with the run's status).
+
+    Safe across threads (the cells of a λ selection end their runs in worker threads): blocks
+    that overlap share one setting of the environment variable, restored when the last ends."""
+    with _quiet_links_lock:
+        if _quiet_links["depth"] == 0:
+            _quiet_links["saved"] = os.environ.get(_ENV_QUIET_LINKS)
+            os.environ[_ENV_QUIET_LINKS] = "true"
+        _quiet_links["depth"] += 1
+    try:
+        yield
+    finally:
+        with _quiet_links_lock:
+            _quiet_links["depth"] -= 1
+            if _quiet_links["depth"] == 0:
+                saved = _quiet_links["saved"]
+                if saved is None:
+                    os.environ.pop(_ENV_QUIET_LINKS, None)
+                else:
+                    os.environ[_ENV_QUIET_LINKS] = saved
 
 
 def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
@@ -1375,5 +1456,6 @@ __all__ = [
     "TAG_ENCLAVE_DIR", "ENCLAVE_DIR", "LOCAL_FILES_KEY", "verify_local_note_file", "enclave_missing_error",
     "TAG_LAMBDA", "TAG_PARENT_RUN", "TAG_EXPERIMENT_KIND", "EXPERIMENT_KIND", "SYSTEM_METRICS_STAGES",
     "StageInterrupted", "child_runs_of", "quiet_run_links", "run_url", "short_model", "lambda_label",
-    "system_metrics_wanted", "quiet_downloads",
+    "system_metrics_wanted", "quiet_downloads", "METRIC_SEPARATOR", "metric_name", "check_metric_name",
+    "repo_file",
 ]

@@ -1,0 +1,34 @@
+"""One decoding step of a causal LM with its key/value cache, across transformers versions.
+
+transformers 5 renamed the forward argument and output field of the key/value cache from
+``past_key_values`` to ``cache`` within the 5.x series (5.17 has the old name, 5.24 the new).
+mistill admits every 5.x release, so the few loops that decode token by token go through
+:func:`cached_step` instead of naming either.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+
+
+@functools.lru_cache(maxsize=32)
+def _cache_argument(forward_type: type) -> str:
+    """The name of the key/value cache argument of a model class's ``forward``."""
+    params = inspect.signature(forward_type.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cached_step(model: torch.nn.Module, input_ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
+    """Run ``input_ids`` [1, T] after the positions held in ``cache`` (None at the start).
+
+    Returns the logits [1, T, V] and the cache extended by the T positions.
+    """
+    res = model(input_ids=input_ids, use_cache=True, **{_cache_argument(type(model)): cache})
+    new_cache = getattr(res, "cache", None)
+    if new_cache is None:
+        new_cache = getattr(res, "past_key_values", None)
+    return res.logits, new_cache

@@ -1,0 +1,265 @@
+"""Parameter groups: the fields several configs share, each defined once.
+
+MLflow params are flat, so a stage exposes the settings of the passes it runs (or of the steps
+it launches) as its own fields. Each group below is a frozen dataclass holding some of those
+fields, with their one type, one default, one help line (its docstring, in the form
+:func:`mistill.stages.cli.field_meanings` reads) and one validation (:meth:`validate_group`). A
+config takes a group by inheriting it (``class EventsConfig(Config, EventsParams, ChunkParams)``):
+a field added to a group is then a param, a command-line option and an ``MLproject`` parameter
+of every stage that takes the group, validated there, and passed on by
+:meth:`~mistill.config.Config.shared_params` from a workflow's config to its steps' configs.
+
+Groups are as fine as the stages' field sets require: a stage that takes only part of a
+family (``own_heads`` takes ``n_null`` but not the other event settings) takes the smaller
+group, which the larger one extends (:class:`EventsParams` extends :class:`NullParams`).
+
+Which groups a stage takes is named in its config's class statement.
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+
+from mistill.config import ParamGroup
+from mistill.instrument.passes import DONOR_NO_MATCH, K_BINS
+from mistill.validation import check_choice, check_counts, check_interval, check_non_negative, check_positive, fail
+
+if typing.TYPE_CHECKING:
+    from mistill.evaluation.generation import DecodingConfig
+
+P2C_CAPS = (0, 1, 2)
+"""Accepted ``p2c_cap`` values: P2C events per (code, character) pair (0: uncapped)."""
+
+
+# ------------------------------------------------------------------------------------ events
+@dataclass(frozen=True)
+class NullParams(ParamGroup):
+    """The NULL events of a note (App. C).
+
+    n_null: NULL positions per note (>= 0), at least ``null_min_distance`` tokens from any event.
+    """
+
+    n_null: int = 20
+
+    def validate_group(self) -> None:
+        check_non_negative(self.n_null, "n_null")
+
+
+@dataclass(frozen=True)
+class EventsParams(NullParams):
+    """Event extraction (App. C).
+
+    null_min_distance: tokens between a NULL position and any event (>= 0); p2c_cap: 2 (first
+    mention + first repeat per pair), 1 (first mention) or 0 (uncapped).
+    """
+
+    null_min_distance: int = 8
+    p2c_cap: int = 2
+
+    def validate_group(self) -> None:
+        check_non_negative(self.null_min_distance, "null_min_distance")
+        if self.p2c_cap not in P2C_CAPS:
+            fail(f"p2c_cap must be one of {P2C_CAPS} (0: uncapped), got {self.p2c_cap}", "p2c_cap")
+
+    def extraction(self) -> dict[str, int]:
+        """The keyword arguments of :func:`~mistill.instrument.events.extract_events` this group sets."""
+        return {"n_null": self.n_null, "null_min_distance": self.null_min_distance, "p2c_cap": self.p2c_cap}
+
+
+# ------------------------------------------------------------------------------ forward passes
+@dataclass(frozen=True)
+class ChunkParams(ParamGroup):
+    """How a note's prefix is built.
+
+    chunk_size: tokens per forward when a note's prefix is built (>= 1); trades memory for speed.
+    """
+
+    chunk_size: int = 8192
+
+    def validate_group(self) -> None:
+        check_positive(self.chunk_size, "chunk_size")
+
+
+@dataclass(frozen=True)
+class PatchParams(ChunkParams):
+    """How patched forwards are batched.
+
+    batch_size: patched variants (head sets) per batched forward (>= 1); trades memory for speed.
+    """
+
+    batch_size: int = 256
+
+    def validate_group(self) -> None:
+        check_positive(self.batch_size, "batch_size")
+
+
+# -------------------------------------------------------------------------------- attribution
+@dataclass(frozen=True)
+class StabilityParams(ParamGroup):
+    """The split-half stability of the calibrated rankings (Table 15).
+
+    stability_splits: split-half draws (>= 1).
+    """
+
+    stability_splits: int = 200
+
+    def validate_group(self) -> None:
+        check_positive(self.stability_splits, "stability_splits")
+
+
+@dataclass(frozen=True)
+class AttributeParams(StabilityParams):
+    """The attribution pass (App. C–D).
+
+    exact_p2: patch P2 and P2C events exactly too (App. C, the intact-hook re-run, and App. D,
+    the exact contrastive refinement); False keeps them first-order, as the paper's first pass
+    did. selftest_events: P1 events checked against exact patching of every head (>= 0; 0: none).
+    """
+
+    exact_p2: bool = True
+    selftest_events: int = 0
+
+    def validate_group(self) -> None:
+        check_non_negative(self.selftest_events, "selftest_events", "0: no self-test")
+
+
+@dataclass(frozen=True)
+class PoolParams(ParamGroup):
+    """The pooled phase pools of the head sets (App. I.1).
+
+    pool_k: heads per pooled phase pool (>= 1).
+    """
+
+    pool_k: int = 40
+
+    def validate_group(self) -> None:
+        check_positive(self.pool_k, "pool_k")
+
+
+# ----------------------------------------------------------------------------------- knock-in
+@dataclass(frozen=True)
+class KnockinReadParams(ParamGroup):
+    """Which knock-in events are read (App. C–D).
+
+    range_gate: the donor's margin range gate in nats (>= 0; 0: no gate); events_per_phase: at
+    most this many events per phase and note (0: every event).
+    """
+
+    range_gate: float = 1.0
+    events_per_phase: int = 0
+
+    def validate_group(self) -> None:
+        check_non_negative(self.range_gate, "range_gate", "0: no gate")
+        check_non_negative(self.events_per_phase, "events_per_phase", "0: every event")
+
+
+@dataclass(frozen=True)
+class KnockinParams(KnockinReadParams):
+    """The set sizes of necessity and knock-in (App. D).
+
+    k_bins: set sizes (each >= 1, no repeats).
+    """
+
+    k_bins: tuple[int, ...] = K_BINS
+
+    def validate_group(self) -> None:
+        check_counts(self.k_bins, "k_bins")
+
+
+@dataclass(frozen=True)
+class DonorParams(ParamGroup):
+    """The donor rules of knock-in: each note's events are knocked into the next note in corpus
+    order at a matched event with a different emitted choice (Sec. 2.3;
+    :func:`~mistill.instrument.passes.plan_donors`).
+
+    donor_wrap: **[recon]** the last note's donor is the first note (False: the last note gets
+    no knock-in); donor_no_match: **[recon]** an event the next note cannot match is matched in
+    the first later note that can (``next``) or left without a knock-in (``drop``).
+    """
+
+    donor_wrap: bool = True
+    donor_no_match: str = "next"
+
+    def validate_group(self) -> None:
+        check_choice(self.donor_no_match, DONOR_NO_MATCH, "donor_no_match")
+
+
+# ----------------------------------------------------------------------------------- decoding
+@dataclass(frozen=True)
+class TokenCapParams(ParamGroup):
+    """The cap on a sampled completion (App. J.5).
+
+    max_new_tokens: new tokens per sampled completion (>= 1; the paper: 16384).
+    """
+
+    max_new_tokens: int = 16384
+
+    def validate_group(self) -> None:
+        check_positive(self.max_new_tokens, "max_new_tokens")
+
+
+@dataclass(frozen=True)
+class DecodingParams(TokenCapParams):
+    """The paper's decoding (App. J.5: temperature 0.6, top-p 0.95, top-k 20); greedy decoding
+    is not offered (it loops in thinking mode).
+
+    backend: ``hf`` (HF ``generate``, one note at a time) or ``vllm`` (batched; optional extra).
+    temperature (> 0), top_p (in (0, 1]), top_k (>= 0; 0: no top-k): the decoding.
+    """
+
+    backend: str = "hf"
+    temperature: float = 0.6
+    top_p: float = 0.95
+    top_k: int = 20
+
+    def validate_group(self) -> None:
+        from mistill.evaluation.backends import BACKENDS
+
+        check_choice(self.backend, BACKENDS, "backend")
+        check_positive(self.temperature, "temperature")
+        check_interval(self.top_p, "top_p", low_open=True)
+        check_non_negative(self.top_k, "top_k", "0: no top-k")
+
+    def decoding(self) -> DecodingConfig:
+        """The decoding settings, sampling from the config's ``seed`` (each note's seed derives
+        from it): a config taking this group has a ``seed`` field."""
+        from mistill.evaluation.generation import DecodingConfig
+
+        return DecodingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_new_tokens=self.max_new_tokens, seed=self.seed)  # type: ignore[attr-defined]
+
+
+# ------------------------------------------------------------------------------------- recipe
+@dataclass(frozen=True)
+class RecipeParams(ParamGroup):
+    """The optimisation recipe (App. J.2).
+
+    epochs (>= 1), lr (> 0), warmup_frac (in [0, 1]), grad_accum (>= 1), clip (> 0): the recipe;
+    max_steps: stop after this many optimizer steps (0: the epochs decide).
+    gradient_checkpointing: recompute the student's layers in the backward pass (saves memory).
+    tf32: **[recon]** float32 matmuls on CUDA in TF32 (the paper states no matmul precision; the
+        recomputed attention rows' q.k inputs are bf16 projections); no effect on the CPU.
+    """
+
+    epochs: int = 2
+    lr: float = 1e-5
+    warmup_frac: float = 0.05
+    grad_accum: int = 8
+    clip: float = 1.0
+    max_steps: int = 0
+    gradient_checkpointing: bool = True
+    tf32: bool = True
+
+    def validate_group(self) -> None:
+        check_positive(self.epochs, "epochs")
+        check_positive(self.lr, "lr")
+        check_interval(self.warmup_frac, "warmup_frac")
+        check_positive(self.grad_accum, "grad_accum")
+        check_positive(self.clip, "clip")
+        check_non_negative(self.max_steps, "max_steps", "0: the epochs decide")
+
+
+__all__ = ["P2C_CAPS", "NullParams", "EventsParams", "ChunkParams", "PatchParams", "StabilityParams",
+           "AttributeParams", "PoolParams", "KnockinReadParams", "KnockinParams", "DonorParams",
+           "TokenCapParams", "DecodingParams", "RecipeParams"]
