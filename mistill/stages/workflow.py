@@ -422,7 +422,7 @@ def evaluation_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str,
             out[f"own_heads_{name}"] = run_step("own_heads", OwnHeadsConfig(
                 prepare_run=data, **{k: v for k, v in subject.items() if k != "arm"},
                 max_new_tokens=cfg.eval_max_new_tokens, n_null=cfg.n_null, stability_splits=cfg.stability_splits,
-                events_per_phase=cfg.events_per_phase, k=(8, 40), device=cfg.device,
+                events_per_phase=cfg.events_per_phase, range_gate=cfg.range_gate, k=(8, 40), device=cfg.device,
                 dtype=cfg.dtype, seed=cfg.seed, launch=cfg.launch), corpus_name, launch=cfg.launch, parent=parent)
     return dict(out)
 
