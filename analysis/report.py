@@ -32,7 +32,8 @@ from mistill import stats
 from mistill.errors import MistillInputError
 from mistill.instrument.settables import to_markdown
 
-__all__ = ["STAGES", "Report", "ReportInputs", "ReportTable", "build_report", "collect_inputs"]
+__all__ = ["MIN_TEST_NOTES", "MIN_TRAIN_STEPS", "STAGES", "EvidenceSize", "Report", "ReportInputs",
+           "ReportTable", "build_report", "collect_inputs", "evidence_size"]
 
 STAGES: tuple[str, ...] = ("knockin", "evaluate", "own_heads", "select_lambda")
 """The kinds of run the report reads (``mistill.stage`` tag) for Tables 1/10, 2, 43 and 3/45,
@@ -45,6 +46,19 @@ OWN_HEADS_PER_NOTE = "own_heads_per_note.csv"
 PER_NOTE_SETS = "per_note_sets.csv"
 LAMBDA_CELLS = "cells.csv"
 DECISION = "decision.json"
+
+MIN_TEST_NOTES = 30
+"""Fewer test notes than this behind the task table (Tables 2/43) make the report add
+"Reading these numbers at this size": task micro-F1, validity and fidelity on so few notes say
+little about an arm, while the per-event readouts (teacher-forced M1, knock-in recovery against
+random sets, own-heads readouts) still rest on many events per note. A reading aid only: no
+table's numbers depend on it; 30 is a conventional floor for a mean over notes."""
+
+MIN_TRAIN_STEPS = 100
+"""A trained arm whose train run ran fewer optimiser steps (``train/steps``) than this
+makes the report add "Reading these numbers at this size": such an arm is barely moved from the
+untrained student, so its task and fidelity numbers are not evidence about its objective. A
+reading aid only, like :data:`MIN_TEST_NOTES`."""
 
 _KEYS: dict[str, tuple[str, ...]] = {"knockin": ("model",), "evaluate": query.RUN_KEY,
                                      "own_heads": query.RUN_KEY,
@@ -118,6 +132,9 @@ class Report:
     deviation_tags: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(
         columns=list(run_deviations.TAG_COLUMNS)))
     deviation_problems: list[str] = field(default_factory=list)
+    size_section: list[str] = field(default_factory=list)
+    """The "Reading these numbers at this size" section's lines (empty when the evidence is
+    not small: :meth:`EvidenceSize.section`)."""
 
     def table(self, name: str) -> ReportTable:
         for t in self.tables:
@@ -156,6 +173,7 @@ class Report:
                  f"Reference arm: `{self.reference_arm}`. Input runs (FINISHED, newest per "
                  "model, arm, precision and seed): "
                  + ", ".join(f"{k} {v}" for k, v in self.counts.items()) + ".", ""]
+        lines += self.size_section
         for t in self.tables:
             lines += [f"## {t.title}", "", t.caption, ""]
             if t.reason:
@@ -300,10 +318,101 @@ def build_report(inputs: ReportInputs, *, reference_arm: str,
     _characterization(rep, client, extra, choices, n_resamples, seed)
     _selection(rep, inputs.runs["select_lambda"], cells, extra, n_resamples, seed)
     _ablations(rep, client, extra, cells, choices, n_resamples, seed)
+    rep.size_section = evidence_size(inputs.runs["evaluate"], task_notes,
+                                     inputs.extra.get("train", pd.DataFrame())).section()
     rep.deviations, rep.deviation_problems = run_deviations.run_deviations(inputs.all_runs())
     rep.deviation_tags = run_deviations.deviation_tags(inputs.all_runs())
     rep.notes = list(dict.fromkeys(rep.notes))
     return rep
+
+
+# ------------------------------------------------------------------ how much evidence there is
+def _span(values: Sequence[int], unit: str) -> str:
+    """``"2 optimiser steps"``, ``"2 to 120 optimiser steps"`` (values: distinct, sorted)."""
+    if not values:
+        return f"an unknown number of {unit}"
+    n = f"{values[0]}" if len(values) == 1 else f"{values[0]} to {values[-1]}"
+    return f"{n} {unit[:-1] if values[-1] == 1 else unit}"
+
+
+@dataclass(frozen=True)
+class EvidenceSize:
+    """How much the task numbers rest on: the test notes behind the task table, and the
+    optimiser steps and training notes of the trained arms' train runs.
+
+    test_notes: distinct test notes scored (None: no evaluate run read).
+    train_steps, train_notes: the distinct ``train/steps`` and ``n_notes`` of the train runs,
+        sorted (empty: no train run read, or none logged them).
+    """
+
+    test_notes: int | None = None
+    train_steps: tuple[int, ...] = ()
+    train_notes: tuple[int, ...] = ()
+
+    @property
+    def small(self) -> bool:
+        """Fewer than :data:`MIN_TEST_NOTES` test notes, or a train run of fewer than
+        :data:`MIN_TRAIN_STEPS` optimiser steps."""
+        return ((self.test_notes is not None and self.test_notes < MIN_TEST_NOTES)
+                or bool(self.train_steps and self.train_steps[0] < MIN_TRAIN_STEPS))
+
+    def task_basis(self) -> str:
+        """What the task numbers rest on, in words, e.g. ``"arms trained for 2 optimiser steps
+        on 8 notes, scored on 8 test notes"``."""
+        parts = []
+        if self.train_steps or self.train_notes:
+            parts.append(f"arms trained for {_span(self.train_steps, 'optimiser steps')} on "
+                         f"{_span(self.train_notes, 'notes')}")
+        if self.test_notes is not None:
+            parts.append(f"scored on {_span((self.test_notes,), 'test notes')}")
+        return ", ".join(parts) or "an unknown number of notes and steps"
+
+    def section(self) -> list[str]:
+        """The report's "Reading these numbers at this size" section (Markdown lines), or no
+        lines when the evidence is not small."""
+        if not self.small:
+            return []
+        return [
+            "## Reading these numbers at this size", "",
+            f"These runs are small: {self.task_basis()}. The report calls runs small below "
+            f"{MIN_TEST_NOTES} test notes or {MIN_TRAIN_STEPS} optimiser steps "
+            "(`analysis.report.MIN_TEST_NOTES`, `MIN_TRAIN_STEPS`).", "",
+            "- **Meaningful at this size:** teacher-forced M1 (P(margin > 0) per event kind), "
+            "knock-in recovery of the global sets against count-matched random sets (Tables "
+            "1/10), and the own-heads readouts (Tables 3/45: own top-k recovery against random "
+            "heads, region lift, near-miss share). Each is measured per event, many events per "
+            "note, and the recoveries against a control on the same notes.",
+            f"- **Not meaningful at this size:** task micro-F1, validity and fidelity of the "
+            f"trained arms (Tables 2 and 43, and the task columns of the other tables): "
+            f"{self.task_basis()}. Differences between arms there are not evidence about "
+            f"their objectives.", ""]
+
+
+def _ints(frame: pd.DataFrame, column: str) -> tuple[int, ...]:
+    if frame.empty or column not in frame.columns:
+        return ()
+    values = pd.to_numeric(frame[column], errors="coerce").dropna()
+    return tuple(sorted({int(v) for v in values}))
+
+
+def evidence_size(evaluate: pd.DataFrame, task_notes: pd.DataFrame | None,
+                  train: pd.DataFrame) -> EvidenceSize:
+    """The size of the evidence behind the task table.
+
+    evaluate: the evaluate runs of the task table (their ``n_notes`` metric is the fallback
+    count of test notes); task_notes: their per-note table (distinct ``note_id`` counted when
+    present); train: train runs (``train/steps``, ``n_notes`` metrics), restricted to those the
+    evaluate runs name (``train_run``) when any are named.
+    """
+    if task_notes is not None and not task_notes.empty and "note_id" in task_notes.columns:
+        test_notes: int | None = int(task_notes["note_id"].nunique())
+    else:
+        counts = _ints(evaluate, "n_notes")
+        test_notes = counts[-1] if counts else None
+    named = set(evaluate["train_run"].dropna()) if "train_run" in evaluate.columns else set()
+    if not train.empty and named and train["run_id"].isin(named).any():
+        train = train[train["run_id"].isin(named)]
+    return EvidenceSize(test_notes, _ints(train, "train/steps"), _ints(train, "n_notes"))
 
 
 # ---------------------------------------------------------------------------------- sections

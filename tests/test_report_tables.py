@@ -224,3 +224,14 @@ def test_a_picked_cell_is_the_arm_unless_the_arm_was_retrained():
     # a cell picked by one selection and not by another stays the pick's
     both = pd.concat([cells, pd.DataFrame({"train_run": ["c001"], "picked": [False]})], ignore_index=True)
     assert _cell_train_runs(both, train) == {"c003", "c01"}
+
+
+def test_report_run_says_how_to_read_numbers_of_this_size(report):
+    """The report run's ``report.md`` carries "Reading these numbers at this size": the task
+    table rests on the fixture's 12 test notes (its train runs log no step count)."""
+    text = _text(report, "report.md")
+    start = text.index("## Reading these numbers at this size")
+    section = text[start:text.index("\n## ", start + 1)]
+    assert f"These runs are small: scored on {len(NOTES)} test notes." in section
+    assert "**Meaningful at this size:** teacher-forced M1" in section
+    assert "**Not meaningful at this size:** task micro-F1" in section

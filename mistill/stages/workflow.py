@@ -490,6 +490,7 @@ def run_pipeline(cfg: PipelineConfig) -> str:
         else:
             ids = pipeline_steps(cfg, parent=run.run_id, on_step=step_tagger(run))
         _log.info("%s", summary(ids))
+        _log.info("%s", headline_table(ids))
         return run.run_id
 
 
@@ -532,3 +533,87 @@ def summary(ids: dict[str, str]) -> str:
         lines.append(f"  {step:<10} {run_id}  {mlflow.get_tracking_uri()}/#/experiments/"
                      f"{exp.experiment_id}/runs/{run_id}  {shown}")
     return "\n".join(lines)
+
+
+HEADLINE_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("M1 P1", "evaluate", "m1/P1/p_pos"),
+    ("M1 P2", "evaluate", "m1/P2/p_pos"),
+    ("M1 P2C", "evaluate", "m1/P2C/p_pos"),
+    ("rec own", "own_heads", "m4/P1/k8/recovery_own"),
+    ("rec random", "own_heads", "m4/P1/k8/recovery_random"),
+    ("micro-F1", "evaluate", "micro_f1"),
+    ("valid", "evaluate", "valid_rate"),
+)
+"""The headline table's columns: header, the run it is read from (the row's ``evaluate`` or
+``own_heads`` step) and the metric. The teacher has no ``own_heads`` step: its recovery columns
+are read from the ``knockin`` step (:data:`TEACHER_RECOVERY`)."""
+
+TEACHER_RECOVERY: dict[str, str] = {"m4/P1/k8/recovery_own": "P1/k8/recovery/global",
+                                    "m4/P1/k8/recovery_random": "P1/k8/recovery/random"}
+"""The teacher's recovery columns: the knock-in of its global P1 set at k=8 and of count-matched
+random heads."""
+
+
+def headline_table(ids: dict[str, str]) -> str:
+    """Headline numbers per model: the teacher, the untrained student and each trained arm.
+
+    Per row (``evaluate_<name>`` and ``own_heads_<name>`` of ``ids``; the teacher's recovery from
+    ``knockin``): teacher-forced M1 ``p_pos`` at P1, P2, P2C; knock-in recovery at P1, k=8, of the
+    model's own heads against random heads; task micro-F1 and valid rate. The heading line says
+    which columns are meaningful at the size of these runs (:class:`analysis.report.EvidenceSize`,
+    from the ``n_notes`` of the evaluate runs and the ``train/steps`` and ``n_notes`` of the train
+    runs): the per-event columns always; the task columns only when the runs are not small. A run
+    or metric that is absent (or a run the store does not have) shows as ``-``.
+    """
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from analysis.report import EvidenceSize
+
+    client = MlflowClient()
+    metrics: dict[str, dict[str, float]] = {}
+    for step, run_id in ids.items():
+        try:
+            metrics[step] = dict(client.get_run(run_id).data.metrics)
+        except MlflowException:
+            metrics[step] = {}
+
+    names = [s[len("evaluate_"):] for s in ids if s.startswith("evaluate_")]
+    arms = [n for n in names if n not in ("teacher", "untrained")]
+    rows = [("teacher", "teacher"), ("untrained", "untrained student")] + [(a, a) for a in arms]
+
+    def cell(name: str, stage: str, key: str) -> str:
+        if name == "teacher" and stage == "own_heads":
+            value = metrics.get("knockin", {}).get(TEACHER_RECOVERY[key])
+        else:
+            value = metrics.get(f"{stage}_{name}", {}).get(key)
+        return "-" if value is None or value != value else f"{value:.3f}"
+
+    def ints(steps: list[str], key: str) -> tuple[int, ...]:
+        return tuple(sorted({int(metrics[s][key]) for s in steps if key in metrics[s]}))
+
+    trains = [s for s in ids if s.startswith("train_")]
+    tested = ints([s for s in ids if s.startswith("evaluate_")], "n_notes")
+    size = EvidenceSize(tested[-1] if tested else None, ints(trains, "train/steps"),
+                        ints(trains, "n_notes"))
+    per_event = "M1 P1/P2/P2C, rec own vs rec random"
+    task = "micro-F1, valid"
+    if size.small:
+        heading = (f"Headline numbers. MEANINGFUL at this size (measured per event): {per_event}. "
+                   f"NOT MEANINGFUL at this size: {task} ({size.task_basis()}).")
+    else:
+        heading = (f"Headline numbers. Measured per event: {per_event}. Task: {task} "
+                   f"({size.task_basis()}).")
+    header = ["model", *(c[0] for c in HEADLINE_COLUMNS)]
+    body = [[label, *(cell(name, stage, key) for _, stage, key in HEADLINE_COLUMNS)]
+            for name, label in rows]
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+
+    def line(r: list[str]) -> str:
+        return "  " + "  ".join(v.ljust(widths[0]) if i == 0 else v.rjust(widths[i])
+                                for i, v in enumerate(r))
+
+    legend = ("  M1: share of events with margin > 0, teacher-forced (evaluate run). rec own / rec random: "
+              "knock-in recovery at P1, k=8, of the model's own top heads / of random heads (own_heads run; "
+              "teacher: its global set, knockin run). -: no such run or metric.")
+    return "\n".join([heading, line(header), *(line(r) for r in body), legend])
