@@ -125,6 +125,31 @@ class AttributeParams(StabilityParams):
 
 
 @dataclass(frozen=True)
+class NomineeParams(ParamGroup):
+    """The heads patched exactly at each event of the attribution pass (App. C–D): the event's
+    top heads by ``|A_h|`` plus the first of the running global ranking.
+
+    top_nominees, global_nominees: per P1 and NULL event (App. C: 40 and 16; >= 0).
+    p2_top_nominees, p2_global_nominees: per P2 event when ``exact_p2`` (App. C, the intact-hook
+    re-run: 24 and 8; >= 0).
+    p2c_top_nominees, p2c_global_nominees: per P2C event when ``exact_p2`` (App. D, the exact
+    contrastive refinement: 40 and 16; >= 0).
+    """
+
+    top_nominees: int = 40
+    global_nominees: int = 16
+    p2_top_nominees: int = 24
+    p2_global_nominees: int = 8
+    p2c_top_nominees: int = 40
+    p2c_global_nominees: int = 16
+
+    def validate_group(self) -> None:
+        for name in ("top_nominees", "global_nominees", "p2_top_nominees", "p2_global_nominees",
+                     "p2c_top_nominees", "p2c_global_nominees"):
+            check_non_negative(getattr(self, name), name)
+
+
+@dataclass(frozen=True)
 class PoolParams(ParamGroup):
     """The pooled phase pools of the head sets (App. I.1).
 

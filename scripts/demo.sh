@@ -11,6 +11,7 @@ cd "$(dirname "$0")/.."
 export MLFLOW_DISABLE_TELEMETRY=true HF_HUB_OFFLINE=1
 MLFLOW_TRACKING_URI=$(python -m mistill.tracking.server start)
 export MLFLOW_TRACKING_URI
-mlflow run . -e pipeline --env-manager local --experiment-name mistill/synthetic "$@"
+# the steps run in the pipeline's own process (no interpreter start and import per step)
+mlflow run . -e pipeline --env-manager local --experiment-name mistill/synthetic -P launch=inline "$@"
 echo
 echo "MLflow UI: $MLFLOW_TRACKING_URI   (experiment mistill/synthetic)"

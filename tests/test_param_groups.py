@@ -44,7 +44,9 @@ BAD = {"n_null": -1, "null_min_distance": -1, "p2c_cap": 3, "chunk_size": 0, "ba
        "stability_splits": 0, "selftest_events": -1, "pool_k": 0, "range_gate": -0.5,
        "events_per_phase": -1, "k_bins": (0, 8), "donor_no_match": "nowhere", "max_new_tokens": 0,
        "backend": "tgi", "temperature": 0.0, "top_p": 0.0, "top_k": -1, "epochs": 0, "lr": 0.0,
-       "warmup_frac": 1.5, "grad_accum": 0, "clip": 0.0, "max_steps": -1}
+       "warmup_frac": 1.5, "grad_accum": 0, "clip": 0.0, "max_steps": -1, "top_nominees": -1,
+       "global_nominees": -1, "p2_top_nominees": -1, "p2_global_nominees": -1, "p2c_top_nominees": -1,
+       "p2c_global_nominees": -1}
 """One invalid value of every group field that has invalid values (booleans have none)."""
 
 
@@ -112,7 +114,8 @@ def test_the_fields_named_own_are_not_group_fields_of_their_stage():
 def test_the_pipelines_demo_defaults_are_named_in_one_place():
     assert dict(PipelineConfig.group_defaults) == dict(DEMO_DEFAULTS) == {
         "n_null": 10, "selftest_events": 1, "k_bins": (3, 8, 16, 40), "events_per_phase": 10,
-        "stability_splits": 50}
+        "stability_splits": 50, "top_nominees": 8, "global_nominees": 4, "p2_top_nominees": 6,
+        "p2_global_nominees": 2, "p2c_top_nominees": 8, "p2c_global_nominees": 4}
     for name, value in DEMO_DEFAULTS.items():
         assert _group_field(name).default != value  # an override, not a copy
     assert all(not s.config.group_defaults for s in stages().values() if s.name != "pipeline")

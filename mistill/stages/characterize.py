@@ -31,8 +31,8 @@ from mistill.instrument.passes import (AttributionConfig, CleanEvents, DonorCand
 from mistill.instrument.patching import Query
 from mistill.instrument.runner import Runner
 from mistill.models.loading import EMBEDDED_DEFAULT, load_model
-from mistill.params import (AttributeParams, ChunkParams, DonorParams, EventsParams, KnockinParams, PatchParams,
-                            PoolParams)
+from mistill.params import (AttributeParams, ChunkParams, DonorParams, EventsParams, KnockinParams, NomineeParams,
+                            PatchParams, PoolParams)
 from mistill.progress import track
 from mistill.stages.common import (NoteInput, Prepared, RunReader, load_prepared, log_corpus_input,
                                    mistill_root, model_positions, note_input, privacy_guard, require_notes)
@@ -238,17 +238,11 @@ def _events_input(events_run: str) -> _EventsInput:
 # -------------------------------------------------------------------------------- attribute
 
 @dataclass(frozen=True)
-class AttributeConfig(Config, AttributeParams, PatchParams, PoolParams):
+class AttributeConfig(Config, AttributeParams, NomineeParams, PatchParams, PoolParams):
     """The attribution pass (App. C) and the calibration into global sets (App. C–D).
 
     split: the notes ranked, among the events run's notes (empty: all of them); the paper ranks
     the teacher on its 100 characterization notes, the validation notes (Sec. 4.2).
-    top_nominees, global_nominees: heads exactly patched per P1 and NULL event, the event's
-    top-k by ``|A_h|`` and the running global top-k (App. C: 40 and 16; >= 0).
-    p2_top_nominees, p2_global_nominees: the P2 nominees when ``exact_p2`` (App. C, the
-    intact-hook re-run: the event's top-24 and the running global top-8; >= 0).
-    p2c_top_nominees, p2c_global_nominees: the P2C nominees when ``exact_p2`` (App. D, the exact
-    contrastive refinement: top-40 and global top-16; >= 0).
     phase_running_global: **[recon]** the running global ranking the P2 and P2C nominees come
     from: False, the paper's definition (App. C: mean first-order importance over the chapter
     events of the notes already processed) for every kind; True, each phase's own events.
@@ -260,12 +254,6 @@ class AttributeConfig(Config, AttributeParams, PatchParams, PoolParams):
     split: str = ""
     dtype: str = "float32"
     device: str = "cpu"
-    top_nominees: int = 40
-    global_nominees: int = 16
-    p2_top_nominees: int = 24
-    p2_global_nominees: int = 8
-    p2c_top_nominees: int = 40
-    p2c_global_nominees: int = 16
     phase_running_global: bool = False
     null_exact_fraction: float = 0.5
     detach: bool = False
@@ -279,9 +267,6 @@ class AttributeConfig(Config, AttributeParams, PatchParams, PoolParams):
         check_name(self.split, "split", "a split", allow_empty=True)
         check_dtype(self.dtype)
         check_device(self.device)
-        for name in ("top_nominees", "global_nominees", "p2_top_nominees", "p2_global_nominees",
-                     "p2c_top_nominees", "p2c_global_nominees"):
-            check_non_negative(getattr(self, name), name)
         check_interval(self.null_exact_fraction, "null_exact_fraction")
         check_positive(self.grad_batch, "grad_batch")
         check_interval(self.fdr_q, "fdr_q", low_open=True)

@@ -37,8 +37,8 @@ from mistill.config import Config
 from mistill.data.corpus import Note
 from mistill.errors import MistillInputError
 from mistill.instrument.passes import PHASES, donor_order
-from mistill.params import (DonorParams, KnockinReadParams, NullParams, PatchParams, StabilityParams,
-                            TokenCapParams)
+from mistill.params import (DonorParams, KnockinReadParams, NomineeParams, NullParams, PatchParams,
+                            StabilityParams, TokenCapParams)
 from mistill.progress import get_logger, track
 from mistill.stages.common import (Prepared, RunReader, Subject, load_prepared, log_corpus_input, mistill_root,
                                    model_positions, privacy_guard, trained_subject)
@@ -57,7 +57,7 @@ _log = get_logger("own_heads")
 
 @dataclass(frozen=True)
 class OwnHeadsConfig(Config, KnockinReadParams, DonorParams, TokenCapParams, NullParams, StabilityParams,
-                     PatchParams):
+                     NomineeParams, PatchParams):
     """Own-heads readouts of one arm: ``train_run`` (model ``run:<id>``) or a plain ``model``.
 
     rank_split: the notes the arm's heads are ranked on; test_split: the notes measured (empty:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from mistill.config import Config, file_digest
 from mistill.errors import MistillInputError
 from mistill.models.loading import EMBEDDED_DEFAULT
-from mistill.params import AttributeParams, KnockinParams, NullParams
+from mistill.params import AttributeParams, KnockinParams, NomineeParams, NullParams
 from mistill.progress import get_logger
 from mistill.validation import (check_choice, check_name, check_non_negative, check_not_empty,
                                 check_positive)
@@ -149,7 +149,7 @@ def _launch(stage_name: str, cfg: Config, experiment: str, parent: str | None) -
 
 
 @dataclass(frozen=True)
-class CharacterizeConfig(Config, NullParams, AttributeParams, KnockinParams):
+class CharacterizeConfig(Config, NullParams, AttributeParams, NomineeParams, KnockinParams):
     """events -> attribute -> knockin on one prepared corpus (the instrument, App. C–D).
 
     Every field is the field of the same name of the step it is passed to (``EventsConfig``,
@@ -231,16 +231,22 @@ def run_characterize(cfg: CharacterizeConfig) -> str:
     return ids["knockin"]
 
 
-DEMO_DEFAULTS: Mapping[str, object] = MappingProxyType({"n_null": 10, "selftest_events": 1, "k_bins": (3, 8, 16, 40),
-                                                        "events_per_phase": 10, "stability_splits": 50})
+DEMO_DEFAULTS: Mapping[str, object] = MappingProxyType({
+    "n_null": 10, "selftest_events": 1, "k_bins": (3, 8, 16, 40), "events_per_phase": 10, "stability_splits": 50,
+    "top_nominees": 8, "global_nominees": 4, "p2_top_nominees": 6, "p2_global_nominees": 2,
+    "p2c_top_nominees": 8, "p2c_global_nominees": 4})
 """The pipeline's defaults for fields of its parameter groups, in place of the groups' own (the
 ``characterize`` stage's): sized for a CPU demo, with fewer NULL events, events per phase,
-split-half draws and set sizes, and one self-test event. The pipeline passes them on to its
-``characterize`` step (:meth:`~mistill.config.Config.shared_params`)."""
+split-half draws and set sizes, one self-test event, and about a fifth of the paper's exact-patch
+nominees per event (the exact patches are most of the attribution pass's time on a CPU; every
+phase is still patched exactly). The pipeline passes them on to its ``characterize`` step
+(:meth:`~mistill.config.Config.shared_params`), and the nominee counts to the students'
+attribution steps (its own and ``own_heads``'). Pass the paper's values with ``-P`` for a
+paper-sized run."""
 
 
 @dataclass(frozen=True)
-class PipelineConfig(Config, NullParams, AttributeParams, KnockinParams, defaults=DEMO_DEFAULTS):
+class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, KnockinParams, defaults=DEMO_DEFAULTS):
     """The whole platform on one corpus (defaults: the embedded default, sized for a CPU demo;
     the group fields' demo defaults: ``DEMO_DEFAULTS``).
 
@@ -423,8 +429,15 @@ def evaluation_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str,
                 prepare_run=data, **{k: v for k, v in subject.items() if k != "arm"},
                 max_new_tokens=cfg.eval_max_new_tokens, n_null=cfg.n_null, stability_splits=cfg.stability_splits,
                 events_per_phase=cfg.events_per_phase, range_gate=cfg.range_gate, k=(8, 40), device=cfg.device,
+                **nominees(cfg),
                 dtype=cfg.dtype, seed=cfg.seed, launch=cfg.launch), corpus_name, launch=cfg.launch, parent=parent)
     return dict(out)
+
+
+def nominees(cfg: NomineeParams) -> dict[str, int]:
+    """The exact-patch nominee counts of ``cfg`` (:class:`~mistill.params.NomineeParams`), for a
+    step that ranks a student's heads."""
+    return {f.name: getattr(cfg, f.name) for f in fields(NomineeParams)}
 
 
 def distill_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str, parent: str | None, *,
@@ -442,7 +455,8 @@ def distill_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str, pa
         n_null=cfg.n_null, seed=cfg.seed), corpus_name, launch=cfg.launch, parent=parent)
     out["student_attribute"] = run_step("attribute", AttributeConfig(
         events_run=out["student_events"], dtype=cfg.dtype, device=cfg.device,
-        stability_splits=cfg.stability_splits, seed=cfg.seed), corpus_name, launch=cfg.launch, parent=parent)
+        stability_splits=cfg.stability_splits, seed=cfg.seed, **nominees(cfg)), corpus_name, launch=cfg.launch,
+        parent=parent)
     out["targets"] = run_step("targets", TargetsConfig(
         teacher_attribute_run=ids["attribute"], split=cfg.train_split, dtype=cfg.dtype, device=cfg.device),
         corpus_name, launch=cfg.launch, parent=parent)
