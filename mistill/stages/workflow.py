@@ -259,6 +259,9 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     student_split, train_split, eval_split: the notes the student is ranked on, the arms train
     on and are evaluated on. Each split must hold notes with a teacher trace (checked once the
     corpus is prepared, before any model step).
+    inventory_size: the synthetic corpus's inventory (``PrepareConfig.inventory_size``); 60 keeps
+    the CPU demo's prompts short (the inventory listing is most of a prompt), a demo setting
+    (``prepare`` alone: 120).
     las_max_note_words: the LAS simulator's note cap (``LasSimulatorConfig.max_note_words``);
     256 keeps the CPU demo quick, a demo setting (the paper's simulator reads the whole note:
     0).
@@ -273,7 +276,7 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     privacy: str = "restricted"
     n_notes: int = 8
     seed: int = 0
-    inventory_size: int = 120
+    inventory_size: int = 60
     codes_file: str = ""
     model: str = EMBEDDED_DEFAULT
     dtype: str = "float32"
