@@ -113,7 +113,7 @@ def test_the_fields_named_own_are_not_group_fields_of_their_stage():
 
 def test_the_pipelines_demo_defaults_are_named_in_one_place():
     assert dict(PipelineConfig.group_defaults) == dict(DEMO_DEFAULTS) == {
-        "n_null": 10, "selftest_events": 1, "k_bins": (3, 8, 16, 40), "events_per_phase": 10,
+        "n_null": 10, "selftest_events": 1, "k_bins": (3, 8, 16, 40), "events_per_phase": 5,
         "stability_splits": 50, "top_nominees": 8, "global_nominees": 4, "p2_top_nominees": 6,
         "p2_global_nominees": 2, "p2c_top_nominees": 8, "p2c_global_nominees": 4}
     for name, value in DEMO_DEFAULTS.items():

@@ -232,7 +232,7 @@ def run_characterize(cfg: CharacterizeConfig) -> str:
 
 
 DEMO_DEFAULTS: Mapping[str, object] = MappingProxyType({
-    "n_null": 10, "selftest_events": 1, "k_bins": (3, 8, 16, 40), "events_per_phase": 10, "stability_splits": 50,
+    "n_null": 10, "selftest_events": 1, "k_bins": (3, 8, 16, 40), "events_per_phase": 5, "stability_splits": 50,
     "top_nominees": 8, "global_nominees": 4, "p2_top_nominees": 6, "p2_global_nominees": 2,
     "p2c_top_nominees": 8, "p2c_global_nominees": 4})
 """The pipeline's defaults for fields of its parameter groups, in place of the groups' own (the
@@ -262,6 +262,8 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     inventory_size: the synthetic corpus's inventory (``PrepareConfig.inventory_size``); 60 keeps
     the CPU demo's prompts short (the inventory listing is most of a prompt), a demo setting
     (``prepare`` alone: 120).
+    eval_max_new_tokens, las_max_steps: the evaluations' generation cap (the paper: 16,384) and
+    the LAS simulator's fine-tuning steps, demo settings.
     las_max_note_words: the LAS simulator's note cap (``LasSimulatorConfig.max_note_words``);
     256 keeps the CPU demo quick, a demo setting (the paper's simulator reads the whole note:
     0).
@@ -291,9 +293,9 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     shortlist: bool = True
     select_lock: str = "projects/configs/locks/embedded-3cell.yaml"
     eval_split: str = "test"
-    eval_max_new_tokens: int = 96
+    eval_max_new_tokens: int = 32
     las_model: str = EMBEDDED_DEFAULT
-    las_max_steps: int = 4
+    las_max_steps: int = 2
     las_max_note_words: int = 256
     own_heads: bool = True
     report: bool = True
