@@ -19,11 +19,13 @@ from mistill.models.loading import embedded_tokenizer, tiny_model
 D_MODEL = 64
 
 
-def scripted_model(directory: Path, script: str, *, after: int | None = None) -> Path:
+def scripted_model(directory: Path, script: str, *, after: int | None = None, d_head: int = 16) -> Path:
     """Save a model that continues any chat-templated prompt with ``script`` then EOS.
 
     ``after``: the token the prompt ends with (default: the last token of the tokenizer's
     generation prompt). The script's tokens must be distinct and differ from ``after``.
+    ``d_head``: the attention heads' width (vLLM's CPU attention needs 64; the outputs are zeroed
+    either way).
     """
     tok = embedded_tokenizer()
     if after is None:
@@ -34,7 +36,7 @@ def scripted_model(directory: Path, script: str, *, after: int | None = None) ->
     eos = tok.eos_token_id
     assert len(set(chain)) == len(chain) and eos not in chain, "script tokens must be distinct"
     assert len(chain) <= D_MODEL, "script too long for the bigram construction"
-    lm = tiny_model("qwen3", layers=1, heads=2, kv_heads=1, d_head=16, d_model=D_MODEL, seed=0)
+    lm = tiny_model("qwen3", layers=1, heads=2, kv_heads=1, d_head=d_head, d_model=D_MODEL, seed=0)
     model = lm.model
     with torch.no_grad():
         for layer in model.model.layers:

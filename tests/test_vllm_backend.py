@@ -40,7 +40,8 @@ from mistill.data.prompts import build_prompt
 from mistill.errors import MistillInputError
 from mistill.evaluation.backends import HFBackend, VLLMBackend, make_backend
 from mistill.evaluation.generation import DecodingConfig, note_seed
-from mistill.models.loading import EMBEDDED_DEFAULT, embedded_float_copy, embedded_tokenizer, tiny_model
+from mistill.models.loading import EMBEDDED_DEFAULT, embedded_float_copy, embedded_tokenizer
+from gen_fixtures import scripted_model
 from stage_fixtures import TINY, artifact_paths, runs_of, unique
 
 REPO = Path(__file__).resolve().parents[1]
@@ -300,37 +301,6 @@ def test_evaluate_with_vllm_resumes_and_predicts_as_hf(engines, prepared, hf_gre
     assert run.data.metrics["valid_rate"] == float(np.mean([pr["valid"] for pr in got]))
 
 
-def _scripted_model(directory: Path, script: str) -> Path:
-    """:func:`gen_fixtures.scripted_model` with 64-wide heads (vLLM's CPU attention has no
-    16-wide kernel): a tiny Qwen3 whose attention and MLP outputs are zero, so each position's
-    logits depend on its token only, wired so that the chat template's last token is followed by
-    ``script`` and then the end-of-turn token, each by hundreds of nats."""
-    tok = embedded_tokenizer()
-    prompt = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
-                                     add_generation_prompt=True)
-    chain = [tok(prompt, add_special_tokens=False)["input_ids"][-1]] + \
-        tok(script, add_special_tokens=False)["input_ids"]
-    eos = tok.eos_token_id
-    assert len(set(chain)) == len(chain) and eos not in chain and len(chain) <= 64
-    model = tiny_model("qwen3", layers=1, heads=2, kv_heads=1, d_head=64, d_model=64, seed=0).model
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-        head.zero_()
-        for i, token in enumerate(chain):
-            emb[token].zero_()
-            emb[token, i] = 1.0
-            head[chain[i + 1] if i + 1 < len(chain) else eos, i] = 40.0
-    model.config.eos_token_id = eos
-    model.generation_config.eos_token_id = eos
-    model.generation_config.pad_token_id = eos
-    model.save_pretrained(directory)
-    tok.save_pretrained(directory)
-    return directory
-
-
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory):
     """(model dir, script, code): the script answers with a code of the 40-code inventory."""
@@ -341,7 +311,7 @@ def scripted(tmp_path_factory):
         script = f" {SCRIPT_SECRET}</think>[\"{code}\"]"
         ids = tok(script, add_special_tokens=False)["input_ids"]
         if len(set(ids)) == len(ids):
-            path = _scripted_model(tmp_path_factory.mktemp("scripted") / "model", script)
+            path = scripted_model(tmp_path_factory.mktemp("scripted") / "model", script, d_head=64)  # vLLM CPU: 64-wide heads
             return str(path), script, code
     raise AssertionError("no inventory code fits the bigram script")
 
