@@ -13,7 +13,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from mistill.data.synthetic import make_synthetic_corpus
-from mistill.evaluation.m1 import m1_summary, note_margins, trace_perplexity
+from mistill.evaluation.m1 import m1_summary, note_margins, teacher_forced_readouts, trace_perplexity
 from mistill.instrument.events import extract_events, margin, realize_events
 from mistill.models.loading import load_model
 from mistill.stages.common import note_input
@@ -64,6 +64,26 @@ def test_trace_perplexity_equals_the_mean_cross_entropy(tiny_note):
         logits = lm.model(input_ids=ni.input_ids.unsqueeze(0)).logits[0].float()
     nll = torch.nn.functional.cross_entropy(logits[ts - 1:-1], ni.input_ids[ts:])
     assert trace_perplexity(lm, ni.input_ids, ts, chunk=7) == pytest.approx(math.exp(float(nll)), rel=1e-4)
+
+
+def test_teacher_forced_readouts_share_one_forward(tiny_note):
+    corpus, lm, ni = tiny_note
+    from mistill.distill.note_data import first_trace_token
+
+    codes = list(corpus.inventory.codes)
+    ts = first_trace_token(ni.offsets, ni.trace_offset)
+    calls = []
+    handle = lm.model.model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        ppl, rows = teacher_forced_readouts(lm, ni, codes, ts)
+    finally:
+        handle.remove()
+    assert len(calls) == 1
+    assert rows and ppl == pytest.approx(trace_perplexity(lm, ni.input_ids, ts), rel=1e-6)
+    alone = note_margins(lm, ni, codes)
+    assert [r["event_id"] for r in rows] == [r["event_id"] for r in alone]
+    for a, b in zip(rows, alone):
+        assert a["margin"] == pytest.approx(b["margin"], abs=1e-5)
 
 
 def test_evaluate_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_code_version):

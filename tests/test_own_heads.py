@@ -177,11 +177,25 @@ def test_attention_rows_and_readside_note(tiny):
     assert torch.allclose(rows.sum(-1), torch.ones(2, 3), atol=1e-5)
     assert float(rows[0, :, pos[0] + 1:].abs().sum()) == 0.0
     rank = tiny["rank"]
-    out = readside_note(lm, case, tiny["corpus"].inventory,
-                        {"own": {p: r[:4] for p, r in rank.items()}, "random": {p: [0, 1, 2, 3] for p in rank}})
+    groups = {"own": {p: r[:4] for p, r in rank.items()}, "random": {p: [0, 1, 2, 3] for p in rank}}
+    calls = []
+    handle = lm.model.model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        out = readside_note(lm, case, tiny["corpus"].inventory, groups)
+    finally:
+        handle.remove()
+    assert len(calls) == 1  # both phases' rows come from one forward
     assert out["n_events.P1"] > 0 and out["own.m2.P1"] > 0
     for key in ("own.prefix_share", "random.prefix_share"):
         assert 0.0 <= out[key] <= 1.0
+    # each phase read alone (its own forward, only its heads) gives the same values
+    for phase in ("P1", "P2C"):
+        alone = readside_note(lm, case, tiny["corpus"].inventory,
+                              {name: {phase: g[phase]} for name, g in groups.items()})
+        keys = [k for k in alone if f".{phase}" in k or (phase == "P2C" and (".m3." in k or "prefix" in k))]
+        assert keys
+        for k in keys:
+            assert alone[k] == pytest.approx(out[k], rel=1e-5, abs=1e-7, nan_ok=True), k
 
 
 # ------------------------------------------------------------------------------------ stage

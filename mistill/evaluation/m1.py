@@ -7,6 +7,9 @@ median margin, per note and over all events of a corpus.
 
 Teacher-trace perplexity: ``exp`` of the mean next-token negative log-likelihood over the trace
 tokens of prompt + teacher trace (the median over notes is the fidelity figure).
+
+Both read the same teacher-forced forward: :func:`teacher_forced_readouts` runs it once and
+computes both from its final hidden states (each function alone runs its own).
 """
 
 from __future__ import annotations
@@ -23,17 +26,22 @@ from mistill.stages.common import NoteInput, phase_events
 M1_KINDS = ("P1", "P2", "P2C")
 
 
-def note_margins(lm: LoadedModel, ni: NoteInput, codes: Sequence[str]) -> list[dict]:
+def note_margins(lm: LoadedModel, ni: NoteInput, codes: Sequence[str],
+                 hidden: torch.Tensor | None = None) -> list[dict]:
     """One row per realized P1/P2/P2C event of the note's teacher trace: ``event_id, kind, margin``.
 
     ni: the note's prompt + teacher trace in ``lm``'s tokenizer (:func:`mistill.stages.common.note_input`).
+    hidden: ``[pos, d_model]`` final hidden states of ``ni.input_ids`` (:func:`final_hidden`),
+    computed here when None.
     Events that the tokenizer cannot realize (no single-token target) are dropped, as in the
     instrument; the coverage is the caller's to count.
     """
     realized = [r for r in phase_events(ni, codes, lm.tokenizer) if r.event.kind in M1_KINDS]
     if not realized:
         return []
-    logits = _logits_at(lm, ni.input_ids, [r.position for r in realized])
+    if hidden is None:
+        hidden = final_hidden(lm, ni.input_ids)
+    logits = _logits_at(lm, hidden, [r.position for r in realized])
     return [{"event_id": r.event.event_id, "kind": r.event.kind,
              "margin": float(margin(logits[i], r.target_id, list(r.competitor_ids)))}
             for i, r in enumerate(realized)]
@@ -55,9 +63,18 @@ def m1_summary(rows: Iterable[dict]) -> dict[str, float]:
     return out
 
 
+def teacher_forced_readouts(lm: LoadedModel, ni: NoteInput, codes: Sequence[str],
+                            trace_start: int) -> tuple[float, list[dict]]:
+    """Teacher-trace perplexity and the M1 rows of one note from a single forward of
+    ``ni.input_ids``: ``(trace_perplexity(...), note_margins(...))``."""
+    hidden = final_hidden(lm, ni.input_ids)
+    return (trace_perplexity(lm, ni.input_ids, trace_start, hidden=hidden),
+            note_margins(lm, ni, codes, hidden=hidden))
+
+
 @torch.no_grad()
-def _hidden(lm: LoadedModel, input_ids: torch.Tensor) -> torch.Tensor:
-    """Final hidden states ``[pos, d_model]`` of one teacher-forced forward."""
+def final_hidden(lm: LoadedModel, input_ids: torch.Tensor) -> torch.Tensor:
+    """Final hidden states ``[pos, d_model]`` of one teacher-forced forward of ``input_ids`` ``[pos]``."""
     device = next(lm.model.parameters()).device
     was = lm.model.training
     lm.model.eval()
@@ -67,23 +84,27 @@ def _hidden(lm: LoadedModel, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _logits_at(lm: LoadedModel, input_ids: torch.Tensor, positions: Sequence[int]) -> torch.Tensor:
-    """Next-token logits ``[row, vocab]`` (float32) at ``positions``."""
-    hidden = _hidden(lm, input_ids)
+def _logits_at(lm: LoadedModel, hidden: torch.Tensor, positions: Sequence[int]) -> torch.Tensor:
+    """Next-token logits ``[row, vocab]`` (float32) at ``positions`` from final hidden states
+    ``[pos, d_model]``."""
     idx = torch.as_tensor(list(positions), dtype=torch.long, device=hidden.device)
     return lm.geometry.lm_head(hidden.index_select(0, idx)).float()
 
 
 @torch.no_grad()
-def trace_perplexity(lm: LoadedModel, input_ids: torch.Tensor, trace_start: int, *, chunk: int = 1024) -> float:
+def trace_perplexity(lm: LoadedModel, input_ids: torch.Tensor, trace_start: int, *, chunk: int = 1024,
+                     hidden: torch.Tensor | None = None) -> float:
     """``exp(mean NLL)`` of the trace tokens ``input_ids[trace_start:]`` given everything before them.
 
-    input_ids: ``[pos]``; logits are computed ``chunk`` rows at a time (never ``[pos, vocab]`` at once).
+    input_ids: ``[pos]``; hidden: their final hidden states ``[pos, d_model]``
+    (:func:`final_hidden`), computed here when None; logits are computed ``chunk`` rows at a time
+    (never ``[pos, vocab]`` at once).
     """
     n = int(input_ids.numel())
     if not 0 < trace_start < n:
         raise ValueError(f"trace_start {trace_start} outside 1..{n - 1}")
-    hidden = _hidden(lm, input_ids)
+    if hidden is None:
+        hidden = final_hidden(lm, input_ids)
     targets = input_ids.to(hidden.device)
     total = 0.0
     for s in range(trace_start - 1, n - 1, chunk):

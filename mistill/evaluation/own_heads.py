@@ -210,13 +210,20 @@ def readside_note(lm: LoadedModel, case: NoteCase, inventory: Inventory,
     base = token_buckets(axis, prompt, offsets, len(trace))
     lines = line_buckets(axis)
     out: dict[str, float] = {}
+    # one forward serves both phases: the rows of every event, for every head of any group
+    evs_of = {phase: [r for r in case.realized if r.event.kind == phase] for phase in M2_PHASES}
+    heads_of = {phase: {int(h) for g in groups.values() for h in g.get(phase, ())} for phase in M2_PHASES}
+    read = [phase for phase in M2_PHASES if evs_of[phase] and heads_of[phase]]
+    union = sorted(set().union(*(heads_of[phase] for phase in read)))
+    positions = [r.position for phase in read for r in evs_of[phase]]
+    rows = head_attention_rows(lm, case.inp.input_ids, positions, union) if read \
+        else torch.zeros(0, 0, case.n_tokens)
+    col = {h: j for j, h in enumerate(union)}
+    first_row = {phase: sum(len(evs_of[q]) for q in read[:read.index(phase)]) for phase in read}
     for phase in M2_PHASES:
-        evs = [r for r in case.realized if r.event.kind == phase]
+        evs = evs_of[phase]
         out[f"n_events.{phase}"] = float(len(evs))
-        union = sorted({int(h) for g in groups.values() for h in g.get(phase, ())})
-        attn = head_attention_rows(lm, case.inp.input_ids, [r.position for r in evs], union) if evs and union \
-            else torch.zeros(0, len(union), case.n_tokens)
-        col = {h: j for j, h in enumerate(union)}
+        attn = rows[first_row[phase]:first_row[phase] + len(evs)] if phase in read else rows[:0]
         near = [i for i, r in enumerate(evs) if phase == "P2C" and r.event.N]
         if phase == "P2C":
             out["n_events.P2C_near_miss"] = float(len(near))

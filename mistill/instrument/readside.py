@@ -46,8 +46,8 @@ def head_attention_rows(lm: LoadedModel, input_ids: torch.Tensor, positions: Seq
                         heads: Sequence[int]) -> torch.Tensor:
     """Causal attention rows of flat ``heads`` (``layer * n_heads + head``) at query ``positions``.
 
-    One plain forward of ``input_ids`` ``[pos]`` keeps the inputs of the layers the heads sit in;
-    each layer's keys are projected once. Returns ``[row, h, pos]`` float32 in the order of
+    One plain forward of ``input_ids`` ``[pos]`` through the decoder (no LM head) keeps the
+    inputs of the layers the heads sit in; each layer's keys are projected once. Returns ``[row, h, pos]`` float32 in the order of
     ``positions`` and ``heads``; row ``r`` sums to 1 over keys ``0..positions[r]``.
     """
     g = lm.geometry
@@ -64,7 +64,7 @@ def head_attention_rows(lm: LoadedModel, input_ids: torch.Tensor, positions: Seq
     for j, h in enumerate(heads):
         by_layer.setdefault(h // g.n_heads, []).append(j)
     with LayerInputs(g, by_layer) as kept:
-        lm.model(input_ids=ids.unsqueeze(0), use_cache=False)
+        lm.model.model(input_ids=ids.unsqueeze(0), use_cache=False)
         pos_ids = torch.arange(n, device=lm.device)
         for layer, cols in by_layer.items():
             within = [heads[j] % g.n_heads for j in cols]

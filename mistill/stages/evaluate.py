@@ -33,7 +33,7 @@ from mistill.errors import MistillInputError
 from mistill.distill.note_data import first_trace_token
 from mistill.evaluation.backends import HFBackend, make_backend
 from mistill.evaluation.generation import DecodingConfig, generation_record, note_seed
-from mistill.evaluation.m1 import m1_summary, note_margins, trace_perplexity
+from mistill.evaluation.m1 import m1_summary, teacher_forced_readouts
 from mistill.evaluation.metrics import bleu4, per_note_metrics, task_metrics
 from mistill.evaluation.parsing import CodeIndex, parse_answer, split_reasoning
 from mistill.io import write_text
@@ -155,13 +155,13 @@ def run_evaluate(cfg: EvaluateConfig) -> str:
             if cfg.fidelity:
                 teacher_reasoning, _ = split_reasoning(note.teacher_trace)
                 own_reasoning, _ = split_reasoning(gen.text)
-                fid = {"ppl": trace_perplexity(lm, ni.input_ids, first_trace_token(ni.offsets, ni.trace_offset)),
-                       "bleu4": bleu4(own_reasoning, teacher_reasoning)}
+                ppl, margins = teacher_forced_readouts(lm, ni, codes, first_trace_token(ni.offsets, ni.trace_offset))
+                fid = {"ppl": ppl, "bleu4": bleu4(own_reasoning, teacher_reasoning)}
                 if simulator is not None:
                     teacher_codes = parse_answer(note.teacher_trace, index).codes
                     fid["las"] = float(simulator.las(note.text, own_reasoning, list(teacher_codes)))
                 files["fidelity.json"] = fid
-                files["m1.json"] = {"events": note_margins(lm, ni, codes)}
+                files["m1.json"] = {"events": margins}
             text = {GENERATION_FILE: gen.text}
             if guard.allows_text:
                 run.write_note(NOTES, note.note_id, {**files, **text})
