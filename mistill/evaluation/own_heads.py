@@ -219,7 +219,9 @@ def readside_note(lm: LoadedModel, case: NoteCase, inventory: Inventory,
     rows = head_attention_rows(lm, case.inp.input_ids, positions, union) if read \
         else torch.zeros(0, 0, case.n_tokens)
     col = {h: j for j, h in enumerate(union)}
-    first_row = {phase: sum(len(evs_of[q]) for q in read[:read.index(phase)]) for phase in read}
+    first_row, n_rows = {}, 0  # each read phase's events are a contiguous block of rows
+    for phase in read:
+        first_row[phase], n_rows = n_rows, n_rows + len(evs_of[phase])
     for phase in M2_PHASES:
         evs = evs_of[phase]
         out[f"n_events.{phase}"] = float(len(evs))

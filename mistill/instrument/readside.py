@@ -47,8 +47,9 @@ def head_attention_rows(lm: LoadedModel, input_ids: torch.Tensor, positions: Seq
     """Causal attention rows of flat ``heads`` (``layer * n_heads + head``) at query ``positions``.
 
     One plain forward of ``input_ids`` ``[pos]`` through the decoder (no LM head) keeps the
-    inputs of the layers the heads sit in; each layer's keys are projected once. Returns ``[row, h, pos]`` float32 in the order of
-    ``positions`` and ``heads``; row ``r`` sums to 1 over keys ``0..positions[r]``.
+    inputs of the layers the heads sit in; each layer's keys are projected once. Returns
+    ``[row, h, pos]`` float32 in the order of ``positions`` and ``heads``; row ``r`` sums to 1
+    over keys ``0..positions[r]``.
     """
     g = lm.geometry
     heads = [int(h) for h in heads]
