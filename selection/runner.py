@@ -41,6 +41,7 @@ class TrainEvaluateRunner:
     student: str
     device: str = "cpu"
     launch: str = "mlflow"
+    gradient_checkpointing: bool = True
 
     def check(self) -> None:
         """Fail before any trial if the arm or its λ overrides are not valid."""
@@ -63,7 +64,8 @@ class TrainEvaluateRunner:
         train_cfg = TrainStageConfig(targets_run=self.targets_run, student_attribute_run=self.student_attribute_run,
                                      student=self.student, arm=self.lock.arm, overrides=lambda_overrides(p1, p2),
                                      seed=t.seed, precision=t.precision, epochs=t.epochs, grad_accum=t.grad_accum,
-                                     max_steps=t.max_steps, device=self.device)
+                                     max_steps=t.max_steps, device=self.device,
+                                     gradient_checkpointing=self.gradient_checkpointing)
         with selection_cells():
             train_run = run_step("train", train_cfg, self.corpus_name, launch=self.launch, parent=run.mlflow_run)
         adopt(MlflowClient(), train_run, cell_alias(self.lock.arm, p1, p2, t.seed))

@@ -91,7 +91,7 @@ def test_every_entry_point_keeps_restricted_text_out_of_the_store(own_server, tm
     lock = tmp_path / "lock.yaml"
     lock.write_text((REPO / "projects/configs/locks/embedded-3cell.yaml").read_text()
                     .replace("study: embedded-3cell", f"study: {unique('study')}")
-                    .replace("max_steps: 2", "max_steps: 1").replace("max_new_tokens: 96", "max_new_tokens: 8"))
+                    .replace("max_steps: 2", "max_steps: 1").replace("max_new_tokens: 32", "max_new_tokens: 8"))
     name = unique("planted")
     small = {k: v for k, v in SMALL.items() if k not in ("train_arms", "shortlist", "report")}
     cfg = PipelineConfig(corpus=str(corpus_file), corpus_name=name, privacy="restricted",

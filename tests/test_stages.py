@@ -514,7 +514,7 @@ def test_selection_evaluation_own_heads_and_report_steps(pipeline, monkeypatch, 
     lock = tmp_path / "lock.yaml"
     lock.write_text((REPO / "projects/configs/locks/embedded-3cell.yaml").read_text()
                     .replace("study: embedded-3cell", f"study: {unique('study')}")
-                    .replace("max_steps: 2", "max_steps: 1").replace("max_new_tokens: 96", "max_new_tokens: 8"))
+                    .replace("max_steps: 2", "max_steps: 1").replace("max_new_tokens: 32", "max_new_tokens: 8"))
     cfg = pipeline["cfg"].replace(train_arms=("vanilla-bf16", "mistill"), student="tiny:qwen3:seed=2",
                                   train_max_steps=1, train_grad_accum=1, select_lock=str(lock),
                                   las_model="tiny:qwen3", las_max_steps=2, eval_max_new_tokens=8)
@@ -525,6 +525,11 @@ def test_selection_evaluation_own_heads_and_report_steps(pipeline, monkeypatch, 
     picked = (sel.data.metrics["selected/lambda_p1"], sel.data.metrics["selected/lambda_p2"])
     arm = resolve_arm_of(client.get_run(ids["train_mistill"]))
     assert (arm["lambda_p1"], arm["lambda_p2"]) == pytest.approx(picked)
+    # the pipeline's gradient-checkpointing setting (off by default) reaches the arms and the cells
+    trained = client.search_runs([sel.info.experiment_id], "tags.mlflow.runName LIKE 'train-%'")
+    assert {ids["train_mistill"], ids["train_vanilla-bf16"]} <= {r.info.run_id for r in trained}
+    assert len(trained) >= 4  # three grid cells and the vanilla arm at least
+    assert {r.data.params["gradient_checkpointing"] for r in trained} == {"false"}
     ev = evaluation_steps(cfg, ids, pipeline["corpus"], None)
     assert {"las_simulator", "evaluate_teacher", "evaluate_untrained", "evaluate_mistill",
             "evaluate_vanilla-bf16", "own_heads_untrained", "own_heads_mistill"} <= set(ev)

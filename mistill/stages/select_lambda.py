@@ -81,6 +81,8 @@ class SelectLambdaConfig(Config):
     storage: the Optuna RDB URL (default ``sqlite:///$MISTILL_ROOT/optuna/selection.db``).
     corpus_name: the experiment's corpus when there is no ``prepare_run`` (custom runners).
     launch: how ``train``/``evaluate`` run: ``mlflow`` (a fresh process each) or ``inline``.
+    train_gradient_checkpointing: the cells' ``train`` runs recompute the student's layers in the
+        backward (``RecipeParams.gradient_checkpointing``; memory only, not part of the lock).
     """
 
     lock: str = "projects/configs/locks/embedded-3cell.yaml"
@@ -96,6 +98,7 @@ class SelectLambdaConfig(Config):
     heartbeat_interval: int = 30
     grace_period: int = 120
     max_retry: int = 3
+    train_gradient_checkpointing: bool = True
 
     def validate(self) -> None:
         """Refuse string values of the wrong form, naming the field (numbers are the lock's and the
@@ -189,7 +192,8 @@ def run_select_lambda(cfg: SelectLambdaConfig, runner: Runner | None = None) -> 
     if runner is None:
         runner = TrainEvaluateRunner(lock=lock, corpus_name=corpus, prepare_run=cfg.prepare_run,
                                      targets_run=cfg.targets_run, student_attribute_run=cfg.student_attribute_run,
-                                     student=cfg.student, device=cfg.device, launch=cfg.launch)
+                                     student=cfg.student, device=cfg.device, launch=cfg.launch,
+                                     gradient_checkpointing=cfg.train_gradient_checkpointing)
         runner.check()
     # refuses a lock changed under an existing study before any run is found or started
     handle = open_study(lock, storage, name, root=mistill_root(), heartbeat=heartbeat)

@@ -269,6 +269,10 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     0).
     train_arms: arms to train (names or ``.yaml`` paths, see ``TrainStageConfig.arm``); empty
     stops after characterization. train_max_steps: 0 lets the epochs decide.
+    train_gradient_checkpointing: the arms and the λ-selection cells recompute the student's
+    layers in the backward (``RecipeParams.gradient_checkpointing``, memory only). Off here, a
+    demo setting: the 135M student fits without it and the recompute adds about 45 % to a CPU
+    step; turn it on for the paper's students on a GPU.
     A corpus file, codes_file, select_lock and arm files given by path join the run's identity
     by content.
     """
@@ -290,6 +294,7 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     train_arms: tuple[str, ...] = ("vanilla-bf16", "mistill")
     train_max_steps: int = 2
     train_grad_accum: int = 1
+    train_gradient_checkpointing: bool = False
     shortlist: bool = True
     select_lock: str = "projects/configs/locks/embedded-3cell.yaml"
     eval_split: str = "test"
@@ -474,7 +479,8 @@ def distill_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str, pa
         out["select_lambda"] = run_step("select_lambda", SelectLambdaConfig(
             lock=cfg.select_lock, prepare_run=data, targets_run=out["targets"],
             student_attribute_run=out["student_attribute"], student=cfg.student, device=cfg.device,
-            launch=cfg.launch), corpus_name, launch=cfg.launch, parent=parent)
+            launch=cfg.launch, train_gradient_checkpointing=cfg.train_gradient_checkpointing),
+            corpus_name, launch=cfg.launch, parent=parent)
         m = MlflowClient().get_run(out["select_lambda"]).data.metrics
         overrides = lambda_overrides(m["selected/lambda_p1"], m["selected/lambda_p2"])
     for arm in cfg.train_arms:
@@ -482,7 +488,8 @@ def distill_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str, pa
         out[f"train_{arm}"] = run_step("train", TrainStageConfig(
             targets_run=out["targets"], student_attribute_run=out["student_attribute"], student=cfg.student,
             arm=arm, overrides=overrides if mistill_arm else "", seed=cfg.seed, max_steps=cfg.train_max_steps,
-            grad_accum=cfg.train_grad_accum, device=cfg.device), corpus_name, launch=cfg.launch, parent=parent)
+            grad_accum=cfg.train_grad_accum, gradient_checkpointing=cfg.train_gradient_checkpointing,
+            device=cfg.device), corpus_name, launch=cfg.launch, parent=parent)
     return dict(out)
 
 
