@@ -14,6 +14,9 @@ written from the model's own parts (:mod:`mistill.models.geometry`), so that
   term through the log-sum-exp;
 - continuations (``rows="causal"``) see the prefix and the earlier new rows (prefill chunks,
   the locus probe's suffix);
+- several continuations cut at different positions of one note run as one forward: with
+  ``batch_prefix_len`` each batch element sees only its own ``prefix[:len]`` plus its own earlier
+  rows (the forcing probes of :mod:`mistill.instrument.locus`, exact math path for the prefix);
 - a batch of variants that only touches layers ``>= l`` can start from the clean residual
   stream at layer ``l`` (``start_layer``/``start_hidden``).
 
@@ -218,7 +221,8 @@ class Runner:
                 position_ids: torch.Tensor, *, rows: str = "own",
                 logits_rows: torch.Tensor | None = None, start_layer: int = 0,
                 start_hidden: torch.Tensor | None = None, capture_hidden: bool = False,
-                write_prefix: bool = False, row_prefix_len: torch.Tensor | None = None) -> RunnerOutput:
+                write_prefix: bool = False, row_prefix_len: torch.Tensor | None = None,
+                batch_prefix_len: torch.Tensor | None = None) -> RunnerOutput:
         """Run ``token_ids`` ``[batch, row]`` against ``prefix[:prefix_len]``.
 
         Args:
@@ -234,6 +238,10 @@ class Runner:
             row_prefix_len: ``[row]`` with ``rows="own"``: row ``r`` sees only
                 ``prefix[:row_prefix_len[r]]`` (several events of one note in one forward, each
                 exactly as its own single-token forward; exact math path).
+            batch_prefix_len: ``[batch]`` with ``rows="causal"``: batch element ``b`` sees only
+                ``prefix[:batch_prefix_len[b]]`` (each ``<= prefix_len``) and its own earlier rows
+                (continuations cut at different positions, each exactly as its own forward
+                against the cropped prefix; exact math path).
         """
         g = self.geometry
         if prefix_len > prefix.length:
@@ -256,6 +264,16 @@ class Runner:
             lim = torch.as_tensor(row_prefix_len, device=self.device).long()
             # folded rows are ordered (batch, row, group): repeat each row's limit per batch and group
             row_limit = lim.view(1, n, 1).expand(B, n, g.n_groups).reshape(-1)
+        if batch_prefix_len is not None:
+            if rows != "causal" or row_limit is not None:
+                raise ValueError("batch_prefix_len needs rows='causal' and no row_prefix_len")
+            lim = torch.as_tensor(batch_prefix_len, device=self.device).long().reshape(-1)
+            if lim.numel() != B:
+                raise ValueError(f"batch_prefix_len has {lim.numel()} entries for a batch of {B}")
+            if B and int(lim.max()) > prefix_len:
+                raise ValueError(f"batch_prefix_len {int(lim.max())} beyond prefix_len {prefix_len}")
+            # folded rows are ordered (batch, row, group): repeat each element's limit per row and group
+            row_limit = lim.view(B, 1, 1).expand(B, n, g.n_groups).reshape(-1)
         captured = [] if capture_hidden else None
         for parts in g.layers[start_layer:]:
             if captured is not None:
