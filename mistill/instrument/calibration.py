@@ -54,7 +54,7 @@ __all__ = [
     "PHASES", "NoteImportance", "Calibration", "kind_means", "note_importance_c", "calibrate",
     "ranking", "global_set", "bottom_set", "pool_temperature", "pooled_weights", "own_ranking",
     "head_sets_json", "importance_c_intervals", "recurrence", "sparsity",
-    "split_half_stability", "head_name",
+    "split_half_stability", "calibratable_patients", "head_name",
 ]
 
 PHASES: tuple[str, ...] = ("P1", "P2", "P2C")
@@ -138,6 +138,12 @@ def note_importance_c(ni: NoteImportance, phase: str) -> np.ndarray | None:
     if phase not in means or "NULL" not in means:
         return None
     return means[phase] - means["NULL"]
+
+
+def calibratable_patients(notes: Sequence[NoteImportance], phase: str) -> set[str]:
+    """The patients with at least one note holding both ``phase`` and NULL events: the units
+    :func:`split_half_stability` splits (it needs two, the stages ask for four)."""
+    return {ni.patient_id for ni in notes if note_importance_c(ni, phase) is not None}
 
 
 def _check_notes(notes: Sequence[NoteImportance]) -> int:

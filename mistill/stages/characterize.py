@@ -309,8 +309,8 @@ def attribute_notes(ev: _EventsInput, split: str) -> list[Note]:
 
 
 def run_attribute(cfg: AttributeConfig) -> str:
-    from mistill.instrument.calibration import (NoteImportance, calibrate, head_sets_json, recurrence,
-                                                sparsity, split_half_stability)
+    from mistill.instrument.calibration import (NoteImportance, calibratable_patients, calibrate,
+                                                head_sets_json, recurrence, sparsity, split_half_stability)
     from mistill.tracking.runs import StageRun, metric_name
 
     ev = _events_input(cfg.events_run)
@@ -377,8 +377,7 @@ def run_attribute(cfg: AttributeConfig) -> str:
                              metric_name("sparsity", phase, "n_carry_80"): sp["n_carry"]})
             rec = recurrence(importances, phase, head_names=names)
             run.log_table(f"recurrence_{phase}", rec[rec["recurrent"]].head(50) if "recurrent" in rec else rec)
-            patients = {n.patient_id for n in notes}
-            if len(patients) >= 4:
+            if len(calibratable_patients(importances, phase)) >= 4:
                 stab = split_half_stability(importances, phase, n_splits=cfg.stability_splits, seed=cfg.seed)
                 run.log_metrics({metric_name("stability", phase, k): float(v) for k, v in _flatten(stab).items()
                                  if isinstance(v, (int, float)) and np.isfinite(v)})
