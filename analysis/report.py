@@ -240,6 +240,8 @@ def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str]
     attribute = query.stage_runs(client, experiment, "attribute")
     extra["attribute"] = attribute[attribute["run_id"].isin(named)].reset_index(drop=True) \
         if not attribute.empty else attribute
+    locus = query.stage_runs(client, experiment, "locus")
+    extra["locus"] = query.latest_runs(locus, ("model",)) if not locus.empty else locus
     return ReportInputs(experiment, runs, extra)
 
 
@@ -316,6 +318,7 @@ def build_report(inputs: ReportInputs, *, reference_arm: str,
     rep.counts.update({s: len(inputs.extra[s]) for s in ("attribute", "train")
                        if s in inputs.extra})
     _characterization(rep, client, extra, choices, n_resamples, seed)
+    _locus(rep, inputs.extra.get("locus", pd.DataFrame()))
     _selection(rep, inputs.runs["select_lambda"], cells, extra, n_resamples, seed)
     _ablations(rep, client, extra, cells, choices, n_resamples, seed)
     rep.size_section = evidence_size(inputs.runs["evaluate"], task_notes,
@@ -672,6 +675,66 @@ def _norm(frame: pd.DataFrame) -> pd.DataFrame:
         if col in out.columns:
             out[col] = out[col].fillna("").astype(str)
     return out
+
+
+# ---------------------------------------------------------------------- Tables 25-33, Figure 1
+LOCUS_TABLES: tuple[tuple[str, str, str], ...] = (
+    ("table25_suffixes", "Table 25: the locus under the forcing suffixes",
+     "Outcome shares, the median distance of the window loci and the per-mention agreement with the "
+     "run's suffix, on the same chapter mentions."),
+    ("table26_outcomes", "Table 26: where the chapter can be elicited",
+     "The forcing probe's outcome for every chapter mention, as a share of each column's mentions; "
+     "the previous code is the code mentioned just before, in the same or in another chapter."),
+    ("locus_distances", "Locus distances and robustness",
+     "The window loci's distance before the letter, the jump across the crossing step, the share "
+     "whose curve returns above theta, and the per-note window and inherited shares."),
+    ("table27_locus_tokens", "Table 27: the locus token",
+     "Each token class's share among all attribution-window tokens (base rate), among the window "
+     "loci, and the lift."),
+    ("table28_importance_position", "Table 28: where the importance sits",
+     "Mean share of each attributed mention's positive importance (window plus suffix) at the locus, "
+     "1-3, 4-15 and 16-63 tokens before it, and at the suffix."),
+    ("table29_prose_time", "Table 29: the prose-time ranking",
+     "Decision-specific importance summed over the attribution-window positions (I_c, nats, mean "
+     "over notes) with its 95% bootstrap interval, and the head's rank in the emission-time chapter "
+     "ranking; shared_top<k>: heads shared with the emission set's top-k."),
+    ("table30_pass_a", "Table 30: pass A",
+     "Share of the forced chapter margin destroyed by mean-ablating each set at the locus (medians "
+     "over notes of per-note means, 10th-90th percentile over notes); window/suffix: restricted by "
+     "position."),
+    ("table31_follow_through", "Table 31: follow-through of the window ablation to the code",
+     "Per set mean-ablated over the attribution window (sustained: to the code), the natural margin "
+     "removed at the chapter letter after the original continuation, the ratio natural/forced on "
+     "mentions whose forced drop exceeds one nat, and the share of natural decisions flipped."),
+    ("table32_pass_b", "Table 32: pass B, the fixed prose-time set",
+     "Share of the forced chapter margin destroyed by the global prose-time top-k at the window, the "
+     "suffix and both, against random-k and the prose-time bottom-k at the window; notes on which "
+     "the prose-time set beats random."),
+    ("table33_locus_reads", "Table 33: what the prose-time heads read at the locus",
+     "Attention at the locus token in the natural context, mean over loci, for four 16-head groups: "
+     "share on the emitted chapter's lines (region), other lines, the note, the reasoning prose and "
+     "the sink; region lift; n_eff over inventory tokens."),
+    ("residual_swap", "Residual swap (Figure 5's data)",
+     "Per place (locus, tail, code token) and layer: medians over mentions of the forced and natural "
+     "margins after writing a donor mention's residual in."))
+
+
+def _locus(rep: Report, runs: pd.DataFrame) -> None:
+    """Tables 25-33 and Figure 1 from the newest ``locus`` run of each model."""
+    from analysis import locus_figures
+
+    if runs.empty:
+        return _skip(rep, "Tables 25-33 and Figure 1 (the locus pass)", "no FINISHED locus runs")
+    loaded: dict[str, pd.DataFrame] = {}
+    for name, title, caption in LOCUS_TABLES:
+        frame = _load(rep, runs, f"{name}.csv", [], ("run_id", "model"))
+        loaded[name] = frame
+        _listed(rep, name, title, caption, frame, frame.drop(columns=["run_id"], errors="ignore"),
+                "" if not frame.empty else "the locus runs logged no rows for it")
+    mentions = _load(rep, runs, "locus_mentions.csv", ["outcome", "distance"], ("run_id", "model"))
+    for key, fig in locus_figures.figure1(mentions, loaded["table30_pass_a"], loaded["table32_pass_b"],
+                                          loaded["table33_locus_reads"], loaded["table27_locus_tokens"]).items():
+        rep.figures[key] = fig
 
 
 # ---------------------------------------------------------------------- Tables 11 and 15

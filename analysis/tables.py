@@ -73,8 +73,10 @@ PER_NOTE_MEASURES: tuple[tuple[str, str], ...] = (
 
 OWN_METRICS: tuple[tuple[str, str], ...] = (
     ("m2/region_lift", "M2 lift"), ("prefix_share", "prefix share"),
-    ("m3/near_miss_share", "M3 near-miss"))
-"""``own_heads`` run metrics of Table 3 beside the per-note recoveries."""
+    ("m3/near_miss_share", "M3 near-miss"), ("m5/median_distance", "M5 distance"),
+    ("m5/share_window", "M5 window"), ("m5/share_inherited", "M5 inherited"))
+"""``own_heads`` run metrics of Table 3 beside the per-note recoveries (M5: the median locus
+distance of the window-decided chapter mentions and the window and inherited shares)."""
 
 
 # ------------------------------------------------------------------------------- formatting

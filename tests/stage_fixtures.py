@@ -24,13 +24,13 @@ SLOW_TINY = "tiny:qwen3:layers=6:d_model=512"
 
 
 def _characterization_only() -> dict:
-    """Pipeline arguments that stop it after knock-in (no student training, if it has any)."""
+    """Pipeline arguments that stop it after knock-in (no locus pass, no student training)."""
     import dataclasses
 
     from mistill.stages.workflow import PipelineConfig
 
     fields = {f.name for f in dataclasses.fields(PipelineConfig)}
-    off = {"train_arms": (), "shortlist": False, "report": False}
+    off = {"train_arms": (), "shortlist": False, "report": False, "locus": False}
     return {k: v for k, v in off.items() if k in fields}
 
 

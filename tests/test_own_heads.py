@@ -14,8 +14,8 @@ from mlflow.tracking import MlflowClient
 from mistill.data.synthetic import make_synthetic_corpus
 from mistill.distill.buckets import build_axis, region_buckets, row_buckets, token_buckets
 from mistill.errors import MistillInputError
-from mistill.evaluation.own_heads import (draw_config, m4_rows, note_case, own_knockin, random_panel,
-                                          readside_note, subsample_case)
+from mistill.evaluation.own_heads import (M5_OUTCOMES, draw_config, m4_rows, m5_summary, note_case, own_knockin,
+                                          random_panel, readside_note, subsample_case)
 from mistill.instrument.hooks import HeadHook
 from mistill.instrument.passes import KnockinConfig, knockin_sweep, set_variants
 from mistill.instrument.readside import (bucket_rows, chapter_region, head_attention_rows, line_buckets,
@@ -198,6 +198,19 @@ def test_attention_rows_and_readside_note(tiny):
             assert alone[k] == pytest.approx(out[k], rel=1e-5, abs=1e-7, nan_ok=True), k
 
 
+def test_m5_summary_on_hand_built_rows():
+    rows = [{"outcome": "window", "distance": 7}, {"outcome": "window", "distance": 23},
+            {"outcome": "window", "distance": 1}, {"outcome": "inherited", "distance": 40},
+            {"outcome": "code_token", "distance": 0}, {"outcome": "probe_failure", "distance": None},
+            {"outcome": "censored", "distance": None}, {"outcome": "probe_failure", "distance": None}]
+    got = m5_summary(rows)
+    assert got["median_distance"] == 7.0  # of the window-decided mentions only
+    assert got["share_window"] == 3 / 8 and got["share_inherited"] == 1 / 8 and got["share_code_token"] == 1 / 8
+    assert got["n_mentions"] == 8.0
+    empty = m5_summary([])
+    assert math.isnan(empty["median_distance"]) and math.isnan(empty["share_window"]) and empty["n_mentions"] == 0
+
+
 # ------------------------------------------------------------------------------------ stage
 def test_own_heads_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_code_version):
     from mistill.stages.characterize import AttributeConfig, EventsConfig
@@ -251,6 +264,11 @@ def test_own_heads_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_
     assert any(k.startswith("m4/P") and k.endswith("/recovery_own") for k in metrics)
     assert any(k.startswith("m4/P") and k.endswith("/recovery_random") for k in metrics)
     assert {"m2/region_lift", "prefix_share", "n_notes"} <= set(metrics)
+    # M5: the forcing probe on the arm's own model at every chapter mention of the test notes
+    m5 = {f"m5/share_{o}" for o in M5_OUTCOMES} | {"m5/n_mentions"}
+    assert m5 <= set(metrics)
+    assert metrics["m5/n_mentions"] > 0
+    assert 0.0 <= sum(metrics[f"m5/share_{o}"] for o in M5_OUTCOMES) <= 1.0 + 1e-12
     assert metrics["own/coverage/n_generated"] == 2 and metrics["own/coverage/n_with_events"] == 0
     assert metrics["own/coverage/n_closed"] <= 2
     # a second identical call reuses the finished run

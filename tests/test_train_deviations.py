@@ -1,6 +1,6 @@
 """A train run that departs from the paper's procedure says so: the tag ``mistill.deviation``.
 
-Until a prose-time head set is given to ``targets`` (``window_attribute_run``), the teacher's P1
+Unless a locus run (the prose-time set) is given to ``targets`` (``locus_run``), the teacher's P1
 window rows are pooled over its P1 emission set; a Mistill arm that supervises them carries
 ``p1_window_pool=emission``. An arm without window rows, or not Mistill, does not."""
 
@@ -18,13 +18,13 @@ pytestmark = pytest.mark.usefixtures("pinned_code_version")
 
 
 @pytest.mark.parametrize("arm,targets,expected", [
-    ("mistill", {"window": 8, "window_attribute_run": ""}, (DEVIATION_P1_WINDOW_EMISSION,)),
+    ("mistill", {"window": 8, "locus_run": ""}, (DEVIATION_P1_WINDOW_EMISSION,)),
     ("mistill", {}, (DEVIATION_P1_WINDOW_EMISSION,)),  # the targets' defaults: window 8, no set
     ("randpos", {"window": 8}, (DEVIATION_P1_WINDOW_EMISSION,)),
     ("no-window", {"window": 8}, ()),
     ("p2-only", {"window": 8}, ()),  # lambda_P1 = 0: no window row is supervised
     ("mistill", {"window": 0}, ()),  # targets without window rows
-    ("mistill", {"window": 8, "window_attribute_run": "0123456789abcdef0123456789abcdef"}, ()),
+    ("mistill", {"window": 8, "locus_run": "0123456789abcdef0123456789abcdef"}, ()),
     ("vanilla-bf16", {"window": 8}, ()),
     ("feature-kd", {"window": 8}, ()),
 ])

@@ -13,6 +13,9 @@ validation notes); this module measures that ranking on other notes:
   **[recon]** ``n_random`` > 1 averages that many seeded draws per bin (the paper: one).
 - **M2 / M3 / prefix share**: the read side of the own top-16 (:mod:`mistill.instrument.readside`)
   beside a fixed panel of 16 random heads.
+- **M5**: the forcing probe of the locus pass (:mod:`mistill.instrument.locus`) on the arm's own
+  model: where each chapter mention becomes elicitable (at the event, in the window, inherited)
+  and how far before the letter.
 
 Per-note values: recovery is the mean over the note's gated events (per draw for the floor, then
 the mean over draws); necessity the mean over its events. The stage reports medians over notes.
@@ -42,7 +45,7 @@ from mistill.models.loading import LoadedModel
 from mistill.stages.common import NoteInput, note_input, phase_events
 
 __all__ = ["NoteCase", "note_case", "subsample_case", "draw_config", "own_knockin", "m4_rows", "random_panel",
-           "readside_note", "M2_PHASES"]
+           "readside_note", "M2_PHASES", "m5_note", "m5_summary", "M5_OUTCOMES"]
 
 M2_PHASES = ("P1", "P2C")
 
@@ -265,4 +268,46 @@ def readside_note(lm: LoadedModel, case: NoteCase, inventory: Inventory,
                 else:
                     for key in ("m3.near_miss_share", "m3.own_mention_share", "m3.top_head_near_miss_share"):
                         out[f"{name}.{key}"] = float("nan")
+    return out
+
+
+M5_OUTCOMES = ("code_token", "window", "inherited")
+"""M5's shares: chapter mentions decided at the event (the code token), in the reasoning window,
+and inherited from an earlier code (App. K)."""
+
+
+def m5_note(runner: Runner, case: NoteCase, inventory: Inventory, cfg) -> list[dict]:
+    """M5 on one note: the forcing probe (:mod:`mistill.instrument.locus`, ``cfg`` a
+    :class:`~mistill.instrument.locus.LocusConfig`) at every chapter mention of the case, on the
+    arm's own model. One prefill; the probes are rows against it. Returns one row per mention:
+    ``event_id``, ``outcome``, ``distance``."""
+    from mistill.instrument.events import find_mentions
+    from mistill.instrument.locus import SUFFIXES, MentionProbe, forced_choice_ids, locate_many
+    from mistill.instrument.locus_pass import note_mentions
+
+    mentions = note_mentions(case.realized, case.inp.offsets, case.inp.trace_offset,
+                             find_mentions(case.inp.trace, list(inventory)))
+    if not mentions:
+        return []
+    tokenizer = runner.lm.tokenizer
+    suffix = SUFFIXES[cfg.suffix]
+    suffix_ids = torch.tensor(tokenizer(suffix, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    with torch.no_grad():
+        prefix, _ = runner.prefill(case.inp.input_ids)
+        probes = [MentionProbe(q=m.q, choice=forced_choice_ids(tokenizer, suffix, m.letter, sorted(set(m.letters))),
+                               trace_start=case.trace_start, previous_code_end=m.previous_code_end)
+                  for m in mentions]
+        results = locate_many(runner, prefix, probes, suffix_ids, cfg)
+    return [{"event_id": m.event_id, "outcome": r.outcome, "distance": r.distance} for m, r in zip(mentions, results)]
+
+
+def m5_summary(rows: Sequence[Mapping]) -> dict[str, float]:
+    """M5 over every mention read: the median locus distance of the window-decided mentions and
+    the shares decided at the event, in the window and inherited (NaN without mentions)."""
+    n = len(rows)
+    out = {f"share_{o}": (sum(1 for r in rows if r["outcome"] == o) / n if n else float("nan"))
+           for o in M5_OUTCOMES}
+    dist = [float(r["distance"]) for r in rows if r["outcome"] == "window" and r.get("distance") is not None]
+    out["median_distance"] = float(np.median(dist)) if dist else float("nan")
+    out["n_mentions"] = float(n)
     return out

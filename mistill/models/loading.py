@@ -193,8 +193,12 @@ def _tiny_config(family: str, vocab: int, *, layers: int, heads: int, kv_heads: 
 def tiny_model(family: str = "qwen3", *, seed: int = 0, layers: int = 2, heads: int = 4,
                kv_heads: int = 2, d_head: int = 16, d_model: int = 64, max_pos: int = 8192,
                tie: bool = False, dtype: str | torch.dtype = "float32", tokenizer=None,
-               attn_implementation: str = "sdpa") -> LoadedModel:
-    """A randomly initialised small Qwen3/Llama with the embedded tokenizer (or ``tokenizer``)."""
+               attn_implementation: str = "sdpa", logit_scale: int = 1) -> LoadedModel:
+    """A randomly initialised small Qwen3/Llama with the embedded tokenizer (or ``tokenizer``).
+
+    ``logit_scale`` multiplies the (untied) output layer, so that margins between tokens span
+    several nats instead of a fraction of one (tests of passes that need decisive margins, such
+    as the locus walk-back)."""
     from transformers import AutoModelForCausalLM
 
     tok = tokenizer if tokenizer is not None else embedded_tokenizer()
@@ -205,8 +209,15 @@ def tiny_model(family: str = "qwen3", *, seed: int = 0, layers: int = 2, heads: 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype(dtype))
+    if logit_scale != 1:
+        if tie:
+            raise MistillInputError("logit_scale needs an untied output layer", field="model")
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(logit_scale)
     model.eval()
     spec = f"tiny:{family}:seed={seed}:layers={layers}:heads={heads}:kv={kv_heads}"
+    if logit_scale != 1:
+        spec += f":logit_scale={logit_scale}"
     return LoadedModel(model=model, tokenizer=tok, geometry=head_geometry(model), spec=spec)
 
 
@@ -215,7 +226,7 @@ def _parse_tiny(spec: str) -> tuple[str, dict]:
     family = parts[1] if len(parts) > 1 and parts[1] else "qwen3"
     kwargs: dict = {}
     names = {"seed": "seed", "layers": "layers", "heads": "heads", "kv": "kv_heads",
-             "d_head": "d_head", "d_model": "d_model"}
+             "d_head": "d_head", "d_model": "d_model", "logit_scale": "logit_scale"}
     for item in parts[2:]:
         key, _, value = item.partition("=")
         if key not in names:

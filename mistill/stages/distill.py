@@ -47,8 +47,8 @@ TAG_DEVIATION = "mistill.deviation"
 """Tag of a run that departs from the paper's procedure: a comma-separated, sorted list of
 deviation codes (one per departure)."""
 DEVIATION_P1_WINDOW_EMISSION = "p1_window_pool=emission"
-"""The teacher's P1 window rows are pooled over its P1 (emission) set: no prose-time head set
-was given to ``targets`` (``window_attribute_run``), where the paper pools them over the
+"""The teacher's P1 window rows are pooled over its P1 (emission) set: no ``locus`` run (the
+prose-time set) was given to ``targets`` (``locus_run``), where the paper pools them over the
 teacher's prose-time set (App. I.1, "The window, and its asymmetry.")."""
 
 
@@ -62,14 +62,14 @@ class TargetsConfig(Config, PoolParams):
     """The teacher's targets on the training notes (App. I.5): computed once, no online teacher.
 
     split: the training notes among the events run's notes (empty: all of them).
-    window_attribute_run: the teacher's prose-time head sets for the P1 window rows; **[recon]**
-        when empty the window rows are pooled over the P1 emission set and the run is tagged
-        ``mistill.deviation`` (the paper pools them over the prose-time set, App. I.1).
+    locus_run: the teacher's ``locus`` run, whose prose-time set pools the P1 window rows (App.
+        I.1); **[recon]** when empty the window rows are pooled over the P1 emission set and the
+        run is tagged ``mistill.deviation`` (the paper has no such fallback).
     window: rows before each P1 event (>= 0); top_k: next-token entries kept per row (>= 1).
     """
 
     teacher_attribute_run: str = ""
-    window_attribute_run: str = ""
+    locus_run: str = ""
     split: str = "train"
     window: int = 8
     top_k: int = 32
@@ -81,12 +81,26 @@ class TargetsConfig(Config, PoolParams):
 
         check_no_text_fields(self)
         check_run_id(self.teacher_attribute_run, "teacher_attribute_run")
-        check_run_id(self.window_attribute_run, "window_attribute_run")
+        check_run_id(self.locus_run, "locus_run")
         check_name(self.split, "split", "a split", allow_empty=True)
         check_non_negative(self.window, "window", "0: no window rows")
         check_positive(self.top_k, "top_k")
         check_dtype(self.dtype)
         check_device(self.device)
+
+
+def prose_time_sets(locus_run: str) -> dict:
+    """A ``locus`` run's prose-time set in the per-phase head-set format, under the key ``P1``
+    (what :func:`mistill.distill.pools.model_pools` reads as ``window_head_sets``)."""
+    reader = RunReader(locus_run, field="locus_run")
+    if reader.tags.get("mistill.stage") != "locus":
+        raise MistillInputError(f"run {locus_run} is a {reader.tags.get('mistill.stage')!r} run, not locus",
+                                field="locus_run")
+    doc = json.loads(reader.file("head_sets.json").read_text())
+    if "prose_time" not in doc:
+        raise MistillInputError(f"locus run {locus_run} has no prose-time set (no attributed mention)",
+                                field="locus_run")
+    return {"meta": doc.get("meta", {}), "P1": doc["prose_time"]}
 
 
 def run_targets(cfg: TargetsConfig) -> str:
@@ -98,7 +112,8 @@ def run_targets(cfg: TargetsConfig) -> str:
     notes = require_notes([n for n in ev.notes if not cfg.split or n.split == cfg.split], cfg.split, prepared)
     guard = privacy_guard(prepared.corpus)
     with StageRun("targets", cfg, corpus=prepared.corpus.name, guard=guard, model=ev.model,
-                  corpus_digest=prepared.corpus.digest, inputs={"teacher_attribute": cfg.teacher_attribute_run},
+                  corpus_digest=prepared.corpus.digest, inputs={"teacher_attribute": cfg.teacher_attribute_run,
+                                                              **({"locus": cfg.locus_run} if cfg.locus_run else {})},
                   resume=True, root=mistill_root()) as run:
         if run.reused:
             print(f"targets: reusing finished run {run.run_id}")
@@ -106,11 +121,10 @@ def run_targets(cfg: TargetsConfig) -> str:
         log_corpus_input(run, prepared)
         lm = load_model(ev.model, dtype=cfg.dtype, device=cfg.device)
         head_sets = json.loads(att.file("head_sets.json").read_text())
-        window_sets = (json.loads(RunReader(cfg.window_attribute_run).file("head_sets.json").read_text())
-                       if cfg.window_attribute_run else None)
+        window_sets = prose_time_sets(cfg.locus_run) if cfg.locus_run else None
         pools = model_pools(head_sets, lm.geometry.head_names(), k=cfg.pool_k, window_head_sets=window_sets)
         run.log_json("teacher_pools.json", {k: p.to_dict() for k, p in pools.items()})
-        if cfg.window > 0 and not cfg.window_attribute_run:
+        if cfg.window > 0 and not cfg.locus_run:
             _mark_deviations(run, (DEVIATION_P1_WINDOW_EMISSION,), "targets")
         done = run.finished_notes(NOTES)
         n_rows = []
@@ -222,12 +236,12 @@ def train_deviations(arm: ArmConfig, targets_config: Mapping) -> tuple[str, ...]
 
     ``p1_window_pool=emission``: a Mistill arm that supervises P1 window rows (``window > 0`` in
     both the arm and the targets, ``lambda_p1 > 0``) on targets whose teacher window pool fell back
-    to the P1 emission pool (no ``window_attribute_run``).
+    to the P1 emission pool (no ``locus_run``).
     """
     codes = []
     window = min(arm.window, int(targets_config.get("window", TargetsConfig.window)))
     if (arm.objective == "mistill" and window > 0 and arm.lambda_p1 > 0
-            and not targets_config.get("window_attribute_run")):
+            and not targets_config.get("locus_run")):
         codes.append(DEVIATION_P1_WINDOW_EMISSION)
     return tuple(sorted(codes))
 
@@ -240,7 +254,7 @@ def _mark_deviations(run, codes: tuple[str, ...], stage: str) -> None:
     for code in codes:
         if code == DEVIATION_P1_WINDOW_EMISSION:
             print(f"{stage}: warning: the teacher's P1 window rows are pooled over its P1 emission set "
-                  "(no prose-time head set given as window_attribute_run); the paper pools them over the "
+                  "(no locus run given as locus_run); the paper pools them over the "
                   f"prose-time set. Tagged {TAG_DEVIATION}={code}.", file=sys.stderr)
 
 

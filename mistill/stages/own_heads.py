@@ -8,7 +8,8 @@
 2. On the ``test_split`` notes, teacher-forced on the teacher's traces: M4 (knock-in recovery of
    the own top-k into the next note's context at matched events, beside count-matched random
    floors, and necessity), M2 (region lift of the own
-   top-16 at P1 and P2C), M3 (near-miss share) and the prefix share of the own top-16 P2C heads
+   top-16 at P1 and P2C), M3 (near-miss share), the prefix share of the own top-16 P2C heads and
+   M5 (the forcing probe's locus of every chapter mention, the paper's settings)
    (:mod:`mistill.evaluation.own_heads`).
 3. The same on the arm's own generations of the test notes: events from its own reasoning (only
    traces whose reasoning block closes before the cap), the donor being its next usable own
@@ -20,7 +21,7 @@ medians over notes of the per-note values (App. K "Floors, medians and means"). 
 never reaches the tracking store: for a restricted corpus each own generation is a local file of
 the run's enclave (``<enclave>/own_traces/<note_id>/generation.json``, tag ``mistill.enclave_dir``;
 see :meth:`mistill.tracking.runs.StageRun.write_note`), otherwise it stays in the run's work dir
-(``own_traces/``). The per-note readouts (``m4.json``, ``readside.json``, ``generation.json``
+(``own_traces/``). The per-note readouts (``m4.json``, ``readside.json``, ``m5.json``, ``generation.json``
 with the token count and seed) are numbers over events and heads, never token ids of the text.
 """
 
@@ -240,7 +241,8 @@ class _Context:
     def measure(self, target, donors) -> dict:
         """One note's files: its M4 rows (in the donors' contexts; ``donors``: the candidate
         donor notes, next note first, read lazily) and its read side."""
-        from mistill.evaluation.own_heads import m4_rows, own_knockin, readside_note
+        from mistill.evaluation.own_heads import m4_rows, m5_note, own_knockin, readside_note
+        from mistill.instrument.locus import LocusConfig
 
         cfg = self.cfg
         k_bins = tuple(sorted(set(cfg.k) | {cfg.necessity_k}))
@@ -251,7 +253,8 @@ class _Context:
         read = readside_note(self.lm, target, self.prepared.inventory, self.groups)
         counts = {p: sum(1 for q in target.queries if q.kind == p) for p in PHASES}
         donor_ids = list(dict.fromkeys(r["donor_id"] for r in kin))
-        return {"m4.json": {"rows": rows, "donor_ids": donor_ids},
+        m5 = m5_note(self.runner, target, self.prepared.inventory, LocusConfig())
+        return {"m4.json": {"rows": rows, "donor_ids": donor_ids}, "m5.json": {"rows": m5},
                 "readside.json": {"values": {k: (v if math.isfinite(v) else None) for k, v in read.items()},
                                   "n_events": counts}}
 
@@ -335,7 +338,9 @@ def _own_pass(run, ctx: _Context, notes: list[Note]) -> dict[str, float]:
 
 
 def _aggregate(run, cfg: OwnHeadsConfig, notes: list[Note], coverage: dict[str, float]) -> str:
-    per_note, readside = [], []
+    from mistill.evaluation.own_heads import m5_summary
+
+    per_note, readside, m5 = [], [], {"teacher": [], "own": []}
     k_bins = tuple(sorted(set(cfg.k) | {cfg.necessity_k}))
     for traces, subdir in (("teacher", NOTES), ("own", OWN_NOTES)):
         if traces == "own" and not cfg.own_traces:
@@ -346,6 +351,7 @@ def _aggregate(run, cfg: OwnHeadsConfig, notes: list[Note], coverage: dict[str, 
                 continue
             m4 = run.load_note(subdir, note.note_id, "m4.json")
             rs = run.load_note(subdir, note.note_id, "readside.json")
+            m5[traces] += run.load_note(subdir, note.note_id, "m5.json")["rows"]
             per_note += [{**r, "traces": traces} for r in m4["rows"]]
             readside.append({"note_id": note.note_id, "traces": traces,
                              **{k: (float("nan") if v is None else v) for k, v in rs["values"].items()}})
@@ -361,6 +367,8 @@ def _aggregate(run, cfg: OwnHeadsConfig, notes: list[Note], coverage: dict[str, 
         t = table[table["traces"] == traces]
         r = reads[reads["traces"] == traces] if len(reads) else reads
         metrics.update(summary_metrics(t, r, k_bins, cfg.necessity_k, prefix))
+        if m5[traces]:
+            metrics.update({f"{prefix}m5/{k}": v for k, v in m5_summary(m5[traces]).items() if math.isfinite(v)})
         if len(t):
             metrics[f"{prefix}coverage/n_notes_measured"] = float(t["note_id"].nunique())
             measurable = t[t["recovery_own"].notna()]["note_id"].nunique()

@@ -8,7 +8,8 @@ Each stage's input runs are required unless listed as optional: a required one l
 refused by the command line before any run is created (:meth:`Stage.check_inputs`). Optional
 inputs are those a stage can run without: ``train``'s ``student_attribute_run`` (Mistill arms
 refuse its absence themselves, before their run starts), ``evaluate``'s and ``own_heads``'
-``train_run`` (a plain ``model`` instead) and ``evaluate``'s ``las_run`` (no LAS), and
+``train_run`` (a plain ``model`` instead), ``evaluate``'s ``las_run`` (no LAS), ``targets``'
+``locus_run`` (the P1 window rows then fall back to the emission pool, tagged as a deviation), and
 ``select_lambda``'s ``student_attribute_run`` (only the lock's arm knows whether it needs one).
 """
 
@@ -100,10 +101,13 @@ _TABLE = (
            {"events": "events_run"}, "attribution pass, exact patches, calibration and global head sets"),
     _Entry("knockin", "mistill.stages.characterize", "KnockinStageConfig", "run_knockin",
            {"attribute": "attribute_run"}, "necessity and knock-in of the global sets against controls"),
+    _Entry("locus", "mistill.stages.locus", "LocusStageConfig", "run_locus", {"attribute": "attribute_run"},
+           "the forcing probe's locus per chapter mention, the prose-time set, passes A/B, "
+           "follow-through and residual swap"),
     _Entry("targets", "mistill.stages.distill", "TargetsConfig", "run_targets",
-           {"teacher_attribute": "teacher_attribute_run"},
+           {"teacher_attribute": "teacher_attribute_run", "locus": "locus_run"},
            "the teacher's targets on the training notes: top-32, pooled bucket rows, m and c",
-           sources={"teacher_attribute": "attribute"}),
+           optional=frozenset({"locus"}), sources={"teacher_attribute": "attribute"}),
     _Entry("train", "mistill.stages.distill", "TrainStageConfig", "run_train",
            {"targets": "targets_run", "student_attribute": "student_attribute_run"},
            "one arm at one seed with the shared recipe; the checkpoint registered per arm and seed",

@@ -267,6 +267,10 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     las_max_note_words: the LAS simulator's note cap (``LasSimulatorConfig.max_note_words``);
     256 keeps the CPU demo quick, a demo setting (the paper's simulator reads the whole note:
     0).
+    locus, locus_max_mentions, locus_compare_suffixes: run the ``locus`` step on the teacher
+    after characterization (its prose-time set pools the teacher's P1 window rows in
+    ``targets``; off, they fall back to the emission pool, a tagged deviation), with at most
+    this many chapter mentions per note (0: all) and these suffixes compared for Table 25.
     train_arms: arms to train (names or ``.yaml`` paths, see ``TrainStageConfig.arm``); empty
     stops after characterization. train_max_steps: 0 lets the epochs decide.
     train_gradient_checkpointing: the arms and the λ-selection cells recompute the student's
@@ -302,6 +306,9 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     las_model: str = EMBEDDED_DEFAULT
     las_max_steps: int = 2
     las_max_note_words: int = 256
+    locus: bool = True
+    locus_max_mentions: int = 0
+    locus_compare_suffixes: tuple[str, ...] = ("A", "D")
     own_heads: bool = True
     report: bool = True
     launch: str = "mlflow"
@@ -316,6 +323,7 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
             check_name(getattr(self, field), field, "a split", allow_empty=True)
         self.prepare_config()  # the prepare and characterize steps validate what they take
         self.characterize_config()
+        self.locus_config()
         check_model_spec(self.student, "student")
         check_model_spec(self.las_model, "las_model")
         check_path(self.select_lock, "select_lock", "a lock file (.yaml)", allow_empty=True)
@@ -357,6 +365,14 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
         return PrepareConfig(corpus=self.corpus, corpus_name=self.corpus_name, privacy=self.privacy,
                              n_notes=self.n_notes, seed=self.seed, inventory_size=self.inventory_size,
                              codes_file=self.codes_file, model=self.model)
+
+    def locus_config(self, attribute_run: str = ""):
+        """The ``locus`` step on the teacher's ``attribute`` run (its rank split's notes)."""
+        from mistill.stages.locus import LocusStageConfig
+
+        return LocusStageConfig(attribute_run=attribute_run, max_mentions=self.locus_max_mentions,
+                                compare_suffixes=self.locus_compare_suffixes, stability_splits=self.stability_splits,
+                                dtype=self.dtype, device=self.device, seed=self.seed)
 
     def characterize_config(self, prepare_run: str = "") -> CharacterizeConfig:
         return CharacterizeConfig(prepare_run=prepare_run, model=self.model, dtype=self.dtype, device=self.device,
@@ -400,6 +416,9 @@ def pipeline_steps(cfg: PipelineConfig, parent: str | None = None, *,
     require_split_notes(cfg, corpus_run(ids))
     ids.record(characterize_steps(cfg.characterize_config(corpus_run(ids)), corpus_name, parent=parent,
                                   on_step=on_step))
+    if cfg.locus:
+        ids["locus"] = run_step("locus", cfg.locus_config(ids["attribute"]), corpus_name, launch=cfg.launch,
+                                parent=parent)
     if cfg.train_arms:
         ids.record(distill_steps(cfg, ids, corpus_name, parent, on_step=on_step))
         ids.record(evaluation_steps(cfg, ids, corpus_name, parent, on_step=on_step))
@@ -468,7 +487,8 @@ def distill_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str, pa
         stability_splits=cfg.stability_splits, seed=cfg.seed, **nominees(cfg)), corpus_name, launch=cfg.launch,
         parent=parent)
     out["targets"] = run_step("targets", TargetsConfig(
-        teacher_attribute_run=ids["attribute"], split=cfg.train_split, dtype=cfg.dtype, device=cfg.device),
+        teacher_attribute_run=ids["attribute"], locus_run=ids.get("locus", ""), split=cfg.train_split,
+        dtype=cfg.dtype, device=cfg.device),
         corpus_name, launch=cfg.launch, parent=parent)
     overrides = ""
     if cfg.select_lock:  # the pre-registered λ selection; the Mistill arms train with its pick
