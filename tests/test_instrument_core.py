@@ -227,3 +227,41 @@ def test_math_prefix_attention_gradient_matches_autograd():
     (ref_out.sum() * 0.7 + (ref_lse * torch.arange(6)).sum()).backward()
     torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(g_custom.double(), q.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_prefix_attention_split_at_the_shortest_limit_equals_the_masked_path():
+    """Keys every row sees take the unmasked path, the rest the masked one, merged through the
+    lse: output, lse and d/dq equal the masked math path over every key (float64)."""
+    from mistill.instrument import runner as rmod
+
+    torch.manual_seed(1)
+    k, v = torch.randn(2, 50, 8, dtype=torch.float64), torch.randn(2, 50, 8, dtype=torch.float64)
+    limit = torch.tensor([50, 23, 17, 31, 17])
+    w = torch.randn(5, dtype=torch.float64)
+    got = []
+    for split in (True, False):
+        q = torch.randn(2, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).requires_grad_(True)
+        if split:
+            out, lse = rmod.prefix_attention(q, k, v, 0.4, row_limit=limit)
+        else:
+            out, lse = rmod._MathPrefixAttention.apply(q, k, v, 0.4, limit)
+        (out.sum() + (lse * w).sum()).backward()
+        got.append((out.detach().double(), lse.detach().double(), q.grad.double()))
+    for a, b in zip(*got):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_lse_share_of_the_query_gradient_is_attention_with_keys_as_values():
+    from mistill.instrument.runner import lse_grad_q
+
+    torch.manual_seed(3)
+    q = torch.randn(2, 4, 8, dtype=torch.float64, requires_grad=True)
+    k, v = torch.randn(2, 30, 8, dtype=torch.float64), torch.randn(2, 30, 8, dtype=torch.float64)
+    g = torch.randn(2, 4, dtype=torch.float64)
+    lse = torch.logsumexp((q @ k.transpose(-1, -2)) * 0.5, -1)
+    (lse * g).sum().backward()
+
+    def attend(a, b, c):
+        return torch.softmax((a @ b.transpose(-1, -2)) * 0.5, -1) @ c
+
+    torch.testing.assert_close(lse_grad_q(q.detach(), k, g, 0.5, attend).double(), q.grad, rtol=1e-6, atol=1e-6)

@@ -16,13 +16,15 @@ written from the model's own parts (:mod:`mistill.models.geometry`), so that
   the locus probe's suffix);
 - several continuations cut at different positions of one note run as one forward: with
   ``batch_prefix_len`` each batch element sees only its own ``prefix[:len]`` plus its own earlier
-  rows (the forcing probes of :mod:`mistill.instrument.locus`, exact math path for the prefix);
+  rows (the forcing probes of :mod:`mistill.instrument.locus`, the keys past the shortest cut on the exact math path);
 - a batch of variants that only touches layers ``>= l`` can start from the clean residual
   stream at layer ``l`` (``start_layer``/``start_hidden``).
 
 The head hook (:mod:`mistill.instrument.hooks`) fires inside every forward because ``o_proj``
-is called as a module. On CUDA the prefix part uses the flash-attention kernel (with its
-log-sum-exp) when no gradient is needed; elsewhere, and for gradients, an exact math path.
+is called as a module. On CUDA with bf16/fp16 weights the prefix part uses the flash-attention
+kernel (with its log-sum-exp), also under gradients (its backward kernel plus the log-sum-exp's
+share, :class:`_FlashPrefixAttention`); elsewhere, or with ``use_flash=False``, an exact float32
+math path.
 """
 
 from __future__ import annotations
@@ -134,6 +136,52 @@ class _MathPrefixAttention(torch.autograd.Function):
         return dq, None, None, None, None
 
 
+def lse_grad_q(q: torch.Tensor, k: torch.Tensor, grad_lse: torch.Tensor, scale: float, attend) -> torch.Tensor:
+    """The log-sum-exp's share of ``d/dq``: ``d lse_r / d q_r = scale * sum_j p_rj k_j``, the
+    attention output with the keys as values, so ``scale * grad_lse * attend(q, k, k)``.
+
+    Args:
+        q: ``[kv_head, row, d_head]``; k: ``[kv_head, pos, d_head]``; grad_lse: ``[kv_head, row]``.
+        attend: ``(q, k, v) -> out`` ``[kv_head, row, d_head]``, the attention of ``q`` over ``k``.
+    """
+    return scale * grad_lse.float().unsqueeze(-1) * attend(q, k, k).float()
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    return torch.ops.aten._scaled_dot_product_flash_attention(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 0.0, False, False, scale=scale)
+
+
+class _FlashPrefixAttention(torch.autograd.Function):
+    """Attention over the prefix with the flash kernel, differentiable in ``q`` (CUDA, bf16/fp16).
+
+    The backward runs the flash backward kernel for the gradient reaching ``out`` and adds the
+    log-sum-exp's share (:func:`lse_grad_q`, one more flash forward with the keys as values), so
+    a merge of the prefix part with the rows' own keys through the lse is differentiated
+    exactly (to the kernel's rounding). Keys and values are gradient-free prefix buffers.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        res = _flash(q, k, v, scale)
+        out, lse = res[0], res[1]
+        ctx.save_for_backward(q, k, v, out, lse, res[2], res[3], res[6], res[7])
+        ctx.scale, ctx.max_q, ctx.max_k = scale, res[4], res[5]
+        return out[0].float(), lse[0].float()
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, cum_q, cum_k, seed, offset = ctx.saved_tensors
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        if grad_out is not None:
+            dq = dq + torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                grad_out.to(q.dtype).unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out, lse,
+                cum_q, cum_k, ctx.max_q, ctx.max_k, 0.0, False, seed, offset, scale=ctx.scale)[0][0].float()
+        if grad_lse is not None:
+            dq = dq + lse_grad_q(q, k, grad_lse, ctx.scale, lambda a, b, c: _flash(a, b, c, ctx.scale)[0][0])
+        return dq.to(q.dtype), None, None, None
+
+
 def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      *, use_flash: bool | None = None,
                      row_limit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,7 +190,9 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     Args:
         q: ``[kv_head, row, d_head]`` (query heads of a KV group folded into ``row``).
         k, v: ``[kv_head, pos, d_head]`` (views into the prefix buffers).
-        row_limit: optional ``[row]``: row ``r`` sees only keys ``< row_limit[r]`` (math path).
+        row_limit: optional ``[row]``: row ``r`` sees only keys ``< row_limit[r]``; the keys below
+            the smallest limit, which every row sees, take the unmasked path (flash where
+            allowed), the rest the masked math path, merged through the log-sum-exp.
     Returns:
         ``out`` ``[kv_head, row, d_head]`` (float32) and ``lse`` ``[kv_head, row]`` (float32).
     """
@@ -150,10 +200,25 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         return (torch.zeros(q.shape, dtype=torch.float32, device=q.device),
                 torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device))
     if use_flash is None:
-        use_flash = _flash_available(q) and not torch.is_grad_enabled()
-    if use_flash and row_limit is None:
-        res = torch.ops.aten._scaled_dot_product_flash_attention(
-            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 0.0, False, False, scale=scale)
+        use_flash = _flash_available(q)
+    if row_limit is not None:
+        # keys every row sees run unmasked (the flash kernel where allowed); only the keys past
+        # the shortest limit take the masked math path; the two parts merge through the lse
+        common = min(int(row_limit.min()), k.shape[1])
+        if common >= k.shape[1]:
+            return prefix_attention(q, k, v, scale, use_flash=use_flash)
+        if common > 0:
+            out_c, lse_c = prefix_attention(q, k[:, :common], v[:, :common], scale, use_flash=use_flash)
+            out_t, lse_t = _MathPrefixAttention.apply(q, k[:, common:], v[:, common:], scale, row_limit - common)
+            lse = torch.logaddexp(lse_c, lse_t)
+            out = (out_c * torch.exp(lse_c - lse).unsqueeze(-1)
+                   + out_t * torch.exp(lse_t - lse).nan_to_num(0.0).unsqueeze(-1))
+            return out, lse
+        return _MathPrefixAttention.apply(q, k, v, scale, row_limit)
+    if use_flash and torch.is_grad_enabled() and q.requires_grad:
+        return _FlashPrefixAttention.apply(q, k, v, scale)
+    if use_flash:
+        res = _flash(q, k, v, scale)
         return res[0][0].float(), res[1][0].float()
     return _MathPrefixAttention.apply(q, k, v, scale, row_limit)
 
@@ -165,7 +230,7 @@ class Runner:
         self.lm = lm
         self.geometry: HeadGeometry = lm.geometry
         self.chunk_size = chunk_size
-        # None: the flash kernel on CUDA when no gradient is needed; False: always the math path
+        # None: the flash kernel on CUDA (bf16/fp16), with or without gradients; False: always the math path
         self.use_flash = use_flash
         lm.model.requires_grad_(False)
 
@@ -237,11 +302,11 @@ class Runner:
                 (prefill; batch must be 1) and set ``prefix.length`` to the end.
             row_prefix_len: ``[row]`` with ``rows="own"``: row ``r`` sees only
                 ``prefix[:row_prefix_len[r]]`` (several events of one note in one forward, each
-                exactly as its own single-token forward; exact math path).
+                exactly as its own single-token forward; keys past the smallest limit on the exact math path).
             batch_prefix_len: ``[batch]`` with ``rows="causal"``: batch element ``b`` sees only
                 ``prefix[:batch_prefix_len[b]]`` (each ``<= prefix_len``) and its own earlier rows
                 (continuations cut at different positions, each exactly as its own forward
-                against the cropped prefix; exact math path).
+                against the cropped prefix; keys past the shortest prefix on the exact math path).
         """
         g = self.geometry
         if prefix_len > prefix.length:
@@ -327,8 +392,7 @@ class Runner:
             return out.transpose(1, 2)
         # prefix part, query heads folded per KV head: rows ordered (batch, row, group)
         qf = q.reshape(B, KV, G, n, d).permute(1, 0, 3, 2, 4).reshape(KV, B * n * G, d)
-        flash = None if self.use_flash is None else (self.use_flash and _flash_available(q)
-                                                      and not torch.is_grad_enabled())
+        flash = None if self.use_flash is None else (self.use_flash and _flash_available(q))
         out_p, lse_p = prefix_attention(qf, kp, vp, scale, use_flash=flash, row_limit=row_limit)
         out_p = out_p.view(KV, B, n, G, d).permute(1, 0, 3, 2, 4).reshape(B, H, n, d)
         lse_p = lse_p.view(KV, B, n, G).permute(1, 0, 3, 2).reshape(B, H, n)
