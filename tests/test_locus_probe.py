@@ -284,7 +284,11 @@ def test_walk_does_not_depend_on_grid_batch():
             probe = _Curve(q, fn)
             got = walk_back(probe, q, start, prev, LocusConfig(grid_batch=gb)).to_dict()
             assert got == ref
-            assert len(probe.rounds[0]) == min(gb, len(grid_distances(q - max(q - 512, start - 1, 0), 8)))
+            grid = grid_distances(q - max(q - 512, start - 1, 0), 8)
+            assert probe.rounds[0] == [q]  # the code token alone first
+            if len(grid) > 1:  # then a round of grid points, or (a probe failure) the extra steps
+                want = min(gb, len(grid) - 1) if got["outcome"] != "probe_failure" else min(4, len(grid) - 1)
+                assert len(probe.rounds[1]) == want
     assert seen == set(OUTCOMES)
 
 
@@ -307,6 +311,10 @@ def sharp_lm(lm):
     with torch.no_grad():
         out.geometry.lm_head.weight.mul_(20)
     return out
+
+
+_TOL = 1e-5
+"""Per nat of margin (plus one): float32 rounding of the same probe in batches of other shapes."""
 
 
 def test_locate_many_equals_locate_per_mention(sharp_lm):
@@ -341,11 +349,18 @@ def test_locate_many_equals_locate_per_mention(sharp_lm):
     for s, j in zip(singles, joint):
         a, b = s.to_dict(), j.to_dict()
         assert [d for d, _ in a.pop("curve")] == [d for d, _ in b["curve"]]
-        assert max(abs(x - y) for (_, x), (_, y) in zip(s.curve, j.curve)) <= 1e-5
+        # the two routes run the probes in batches of other shapes and split the keys at other
+        # cuts (the shortest cut of each batch): float32 rounding of logits that the 20x output
+        # layer makes large, so the tolerance grows with the margin (observed: <= 1.1e-5 at 6 nats)
+        for (_, x), (_, y) in zip(s.curve, j.curve):
+            assert abs(x - y) <= _TOL * (1 + abs(x))
         b.pop("curve")
         jump_a, jump_b = a.pop("jump"), b.pop("jump")
         assert a == b
-        assert (jump_a is None) == (jump_b is None) and (jump_a is None or abs(jump_a - jump_b) <= 1e-5)
+        assert (jump_a is None) == (jump_b is None)
+        if jump_a is not None:
+            ends = [m for d, m in s.curve]
+            assert abs(jump_a - jump_b) <= 2 * _TOL * (1 + max(abs(m) for m in ends))
     # every round of every mention's walk runs in one shared forward
     assert counter.calls == max(rounds) < sum(rounds)
     # the probes reproduce fresh forwards of the cropped context

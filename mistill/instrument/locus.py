@@ -178,7 +178,8 @@ class LocusConfig:
     """Walk-back settings (paper App. F): ``theta`` (nats, decisive = margin ``>= theta``), grid
     ``step`` and ``max_back`` (tokens), ``extra_steps`` grid points recorded beyond the crossing,
     the forcing ``suffix`` (a key of :data:`SUFFIXES`), and ``grid_batch`` grid points requested
-    per round (speed only: the result does not depend on it)."""
+    per round after the first, which probes the code token alone (speed only: the result does not
+    depend on it)."""
 
     theta: float = 2.0
     step: int = 8
@@ -282,6 +283,10 @@ class _Walk:
         return need
 
     def pending(self) -> list[int]:
+        if not self.margins:
+            # the code token alone first: a mention not decisive there (a probe failure) needs no
+            # other probe
+            return [0]
         if self.cross is None:
             todo = [d for d in self.grid if d not in self.margins]
             return todo[:self.cfg.grid_batch]
@@ -354,7 +359,7 @@ def walk_back(probe: Callable[[list[int]], Sequence[float]], q: int, trace_start
             is the earliest allowed cut, with ``q - max_back`` (and 0).
         previous_code_end: the last token of the code mentioned just before, None for the first.
     Rules: the grid ``0, step, ...`` runs to the earliest allowed cut (which is always a grid
-    point), ``grid_batch`` points a round; the first grid point with margin ``< theta`` ends it;
+    point), the code token alone in the first round, then ``grid_batch`` points a round; the first grid point with margin ``< theta`` ends it;
     the ``extra_steps`` next grid points (within the allowed range) and every distance strictly
     inside the crossing step follow in one more round. Not decisive at ``d = 0``:
     ``probe_failure``; decisive at every grid point down to ``q - max_back``: ``censored``.
