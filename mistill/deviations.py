@@ -185,6 +185,11 @@ DEVIATIONS: tuple[Deviation, ...] = (
        "LocusStageConfig.width", "the paper's", 64, 64),
     _D("chapter mentions per note", "App. F", "every chapter mention", "every mention (0)",
        "LocusStageConfig.max_mentions", "the paper's; a cap is for quick runs", 0, 0),
+    _D("suffixes compared in the pipeline", "App. F, Table 25",
+       "the walk-back re-run under suffixes D and A",
+       "the pipeline re-runs it under D only (each compared suffix repeats every walk-back); the "
+       "locus stage's own default compares A and D", "PipelineConfig.locus_compare_suffixes",
+       "keeps the CPU demo short", ("D",), ("A", "D")),
     _D("residual-swap layer grid", "App. F, Figure 5",
        "a grid of layers (L4, L12-L28 are named); the grid itself is not stated",
        "every 4th layer from layer 0 (empty swap_layers)", "LocusStageConfig.swap_layers",

@@ -270,7 +270,9 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     locus, locus_max_mentions, locus_compare_suffixes: run the ``locus`` step on the teacher
     after characterization (its prose-time set pools the teacher's P1 window rows in
     ``targets``; off, they fall back to the emission pool, a tagged deviation), with at most
-    this many chapter mentions per note (0: all) and these suffixes compared for Table 25.
+    this many chapter mentions per note (0: all) and these suffixes compared for Table 25
+    (D here, a demo setting: each compared suffix repeats every walk-back; the paper compares A
+    and D, ``-P locus_compare_suffixes=A,D``).
     train_arms: arms to train (names or ``.yaml`` paths, see ``TrainStageConfig.arm``); empty
     stops after characterization. train_max_steps: 0 lets the epochs decide.
     train_gradient_checkpointing: the arms and the λ-selection cells recompute the student's
@@ -308,7 +310,7 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     las_max_note_words: int = 256
     locus: bool = True
     locus_max_mentions: int = 0
-    locus_compare_suffixes: tuple[str, ...] = ("A", "D")
+    locus_compare_suffixes: tuple[str, ...] = ("D",)
     own_heads: bool = True
     report: bool = True
     launch: str = "mlflow"
@@ -561,6 +563,8 @@ def summary(ids: dict[str, str]) -> str:
                           "selftest/intact/pearson", "selftest/detached/pearson"),
             "knockin": ("P1/k8/recovery/global", "P1/k8/recovery/random", "P2C/k8/recovery/global",
                         "P1/k8/necessity/global")}
+    keys["locus"] = ("locus/n_mentions", "locus/share_window", "locus/share_inherited",
+                     "locus/median_window_distance")
     keys["student_attribute"] = ("calib/P2C/discoveries_pos",)
     keys["targets"] = ("n_notes", "median_rows")
     keys["shortlist"] = ("k", "mean_shortlist_len", "val_recall_completed")
@@ -569,7 +573,8 @@ def summary(ids: dict[str, str]) -> str:
     keys["report"] = ("n_tables", "n_figures")
     by_prefix = {"train_": ("train/loss", "train/ce", "train/steps"),
                  "evaluate_": ("micro_f1", "valid_rate", "fidelity/ppl_median", "m1/P2C/p_pos"),
-                 "own_heads_": ("m4/P1/k8/recovery_own", "m4/P1/k8/recovery_random", "m2/region_lift")}
+                 "own_heads_": ("m4/P1/k8/recovery_own", "m4/P1/k8/recovery_random", "m2/region_lift",
+                                "m5/share_window")}
     for step, run_id in ids.items():
         run = client.get_run(run_id)
         exp = client.get_experiment(run.info.experiment_id)
