@@ -294,6 +294,9 @@ CONVENTIONS: tuple[Convention, ...] = (
                "the nearest window-decided mention of another chapter in the same note (ties to the earlier)",
                "mistill.instrument.locus_pass", "the paper names a different-chapter window mention without "
                "saying which"),
+    Convention("sustained follow-through", "App. F, Table 31",
+               "the ablation sustained 'from the window all the way to the code' includes the code row",
+               "mistill.instrument.window.follow_through", "the code row is where the natural margin is read"),
     Convention("random sets of passes A and B", "App. F",
                "one seeded random set per (seed, note, mention, k)", "mistill.instrument.locus_pass",
                "reproducible"),
