@@ -325,6 +325,12 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
             check_name(getattr(self, field), field, "a split", allow_empty=True)
         self.prepare_config()  # the prepare and characterize steps validate what they take
         self.characterize_config()
+        from mistill.instrument.locus import SUFFIXES
+        from mistill.validation import check_choices
+
+        # under the pipeline's own names, before the locus step's config checks them as its own
+        check_choices(self.locus_compare_suffixes, tuple(SUFFIXES), "locus_compare_suffixes", non_empty=False)
+        check_non_negative(self.locus_max_mentions, "locus_max_mentions", "0: every mention")
         self.locus_config()
         check_model_spec(self.student, "student")
         check_model_spec(self.las_model, "las_model")
