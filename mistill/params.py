@@ -265,6 +265,11 @@ class RecipeParams(ParamGroup):
     gradient_checkpointing: recompute the student's layers in the backward pass (saves memory).
     tf32: **[recon]** float32 matmuls on CUDA in TF32 (the paper states no matmul precision; the
         recomputed attention rows' q.k inputs are bf16 projections); no effect on the CPU.
+    cpu_bf16_matmul: how a bf16 student's matmuls run on the CPU: ``native`` (torch's bf16
+        kernels), ``fp32`` (fp32 GEMMs on the exactly upcast bf16 operands, the result rounded
+        to bf16: a bf16 GEMM's arithmetic, about 3x faster on CPUs without bf16 instructions),
+        ``auto`` (``fp32`` on such CPUs, ``native`` elsewhere); no effect on CUDA
+        (:mod:`mistill.distill.cpu_bf16`).
     """
 
     epochs: int = 2
@@ -275,8 +280,12 @@ class RecipeParams(ParamGroup):
     max_steps: int = 0
     gradient_checkpointing: bool = True
     tf32: bool = True
+    cpu_bf16_matmul: str = "auto"
 
     def validate_group(self) -> None:
+        from mistill.distill.cpu_bf16 import MODES
+
+        check_choice(self.cpu_bf16_matmul, MODES, "cpu_bf16_matmul")
         check_positive(self.epochs, "epochs")
         check_positive(self.lr, "lr")
         check_interval(self.warmup_frac, "warmup_frac")

@@ -46,7 +46,7 @@ BAD = {"n_null": -1, "null_min_distance": -1, "p2c_cap": 3, "chunk_size": 0, "ba
        "backend": "tgi", "temperature": 0.0, "top_p": 0.0, "top_k": -1, "epochs": 0, "lr": 0.0,
        "warmup_frac": 1.5, "grad_accum": 0, "clip": 0.0, "max_steps": -1, "top_nominees": -1,
        "global_nominees": -1, "p2_top_nominees": -1, "p2_global_nominees": -1, "p2c_top_nominees": -1,
-       "p2c_global_nominees": -1}
+       "p2c_global_nominees": -1, "cpu_bf16_matmul": "fast"}
 """One invalid value of every group field that has invalid values (booleans have none)."""
 
 

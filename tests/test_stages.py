@@ -470,6 +470,9 @@ def test_distillation_steps_train_and_register(pipeline, monkeypatch):
     mistill = client.get_run(ids["train_mistill"])
     vanilla = client.get_run(ids["train_vanilla-bf16"])
     assert mistill.data.tags["mistill.arm"] == "mistill" and mistill.data.tags["mistill.precision"] == "bf16"
+    # which kernels ran the bf16 matmuls on this CPU (the default cpu_bf16_matmul=auto)
+    from mistill.distill.cpu_bf16 import native_bf16
+    assert mistill.data.tags["mistill.cpu_bf16_matmul"] == ("native" if native_bf16() else "fp32")
     assert mistill.data.tags["mistill.input.student_attribute"] == ids["student_attribute"]
     assert mistill.data.metrics["train/steps"] == 1
     assert "train/P2C/attention" in mistill.data.metrics or "train/P1/attention" in mistill.data.metrics

@@ -27,6 +27,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from mistill.config import Config
+from mistill.distill.cpu_bf16 import fp32_gemms, use_fp32_gemms
 from mistill.errors import MistillInputError
 from mistill.instrument.passes import stable_seed
 from mistill.io import atomic_open
@@ -110,6 +111,8 @@ def prepare_student(model: nn.Module, recipe: RecipeConfig) -> nn.Module:
     model.train()
     if recipe.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
+    if use_fp32_gemms(recipe.cpu_bf16_matmul, next(model.parameters()).device, next(model.parameters()).dtype):
+        fp32_gemms(model)
     if recipe.gradient_checkpointing and not checkpoint_layers(model):
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

@@ -20,6 +20,7 @@ import numpy as np
 
 from mistill.config import Config
 from mistill.distill.arms import ArmConfig, arm_digest, resolve_arm
+from mistill.distill.cpu_bf16 import uses_fp32_gemms
 from mistill.distill.note_data import NoteData, build_note_data
 from mistill.distill.objective import (align_trace_rows, compute_note_targets, distillm2_step, feature_kd_step,
                                       make_feature_kd, micro_step_loss, pair_rows)
@@ -344,6 +345,8 @@ def run_train(cfg: TrainStageConfig) -> str:
             # the untrained student, before any step
             dispreferred = _dispreferred(run, lm, examples, cfg, guard.allows_text)
         model = prepare_student(lm.model, recipe)
+        if model.device.type == "cpu" and arm.precision == "bf16":  # which kernels ran (cpu_bf16_matmul)
+            run.set_tags({"mistill.cpu_bf16_matmul": "fp32" if uses_fp32_gemms(model) else "native"})
         if arm.objective == "feature_kd":  # the layer pairs, the seeded adapter(s)
             fkd = make_feature_kd(teacher_lm, lm, arm, cfg.seed, device=cfg.device)
             run.log_json("feature_kd.json", {"layer_pairs": fkd.pairs, "attention_positions": fkd.n_positions,
