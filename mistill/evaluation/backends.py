@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from mistill.errors import MistillInputError
-from mistill.evaluation.generation import DecodingConfig, Generation, generate_hf
+from mistill.evaluation.generation import DecodingConfig, Generation, PromptPrefill, generate_hf
 from mistill.models.loading import LoadedModel
 
 BACKENDS = ("hf", "vllm")
@@ -93,8 +93,9 @@ class HFBackend:
         self.tokenizer = lm.tokenizer
         self.rope_scaling = rope_scaling_of(lm.model.config)
 
-    def generate(self, prompt_text: str, seed: int) -> Generation:
-        gen = generate_hf(self.lm, prompt_text, self.decoding, int(seed))
+    def generate(self, prompt_text: str, seed: int, *, prefill: PromptPrefill | None = None) -> Generation:
+        """One completion; ``prefill``: the prompt's :class:`PromptPrefill` to continue from."""
+        gen = generate_hf(self.lm, prompt_text, self.decoding, int(seed), prefill=prefill)
         gen.decoding = _recorded(self.decoding, self.name, self.rope_scaling)
         return gen
 

@@ -22,13 +22,21 @@ def _cache_argument(forward_type: type) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name under which ``model``'s ``forward`` (and ``generate``) take the key/value cache."""
+    return _cache_argument(type(model))
+
+
+def output_cache(out: Any) -> Any:
+    """The key/value cache a forward returned (``cache`` or ``past_key_values``)."""
+    cache = getattr(out, "cache", None)
+    return getattr(out, "past_key_values", None) if cache is None else cache
+
+
 def cached_step(model: torch.nn.Module, input_ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
     """Run ``input_ids`` [1, T] after the positions held in ``cache`` (None at the start).
 
     Returns the logits [1, T, V] and the cache extended by the T positions.
     """
-    res = model(input_ids=input_ids, use_cache=True, **{_cache_argument(type(model)): cache})
-    new_cache = getattr(res, "cache", None)
-    if new_cache is None:
-        new_cache = getattr(res, "past_key_values", None)
-    return res.logits, new_cache
+    res = model(input_ids=input_ids, use_cache=True, **{cache_argument(model): cache})
+    return res.logits, output_cache(res)

@@ -32,7 +32,7 @@ from mistill.config import Config
 from mistill.errors import MistillInputError
 from mistill.distill.note_data import first_trace_token
 from mistill.evaluation.backends import HFBackend, make_backend
-from mistill.evaluation.generation import DecodingConfig, generation_record, note_seed
+from mistill.evaluation.generation import DecodingConfig, generation_record, note_seed, prefill_prompt
 from mistill.evaluation.m1 import m1_summary, teacher_forced_readouts
 from mistill.evaluation.metrics import bleu4, per_note_metrics, task_metrics
 from mistill.evaluation.parsing import CodeIndex, parse_answer, split_reasoning
@@ -150,12 +150,20 @@ def run_evaluate(cfg: EvaluateConfig) -> str:
                             remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
                             narrow_instruction=prepared.narrow_instruction, max_positions=model_positions(lm))
             seed = note_seed(decoding, note.note_id)
-            gen = backend.generate(ni.prompt.text, seed)
+            # with the HF backend the prompt is prefilled once for the generation and the
+            # teacher-forced readouts (the trace's forward continues from the prompt's cache)
+            prefill = None
+            if cfg.fidelity and isinstance(backend, HFBackend):
+                prefill = prefill_prompt(lm, ni.prompt.text)
+                gen = backend.generate(ni.prompt.text, seed, prefill=prefill)
+            else:
+                gen = backend.generate(ni.prompt.text, seed)
             files: dict = {"prediction.json": generation_record(note, gen, index)}
             if cfg.fidelity:
                 teacher_reasoning, _ = split_reasoning(note.teacher_trace)
                 own_reasoning, _ = split_reasoning(gen.text)
-                ppl, margins = teacher_forced_readouts(lm, ni, codes, first_trace_token(ni.offsets, ni.trace_offset))
+                ppl, margins = teacher_forced_readouts(lm, ni, codes, first_trace_token(ni.offsets, ni.trace_offset),
+                                                       prefill=prefill)
                 fid = {"ppl": ppl, "bleu4": bleu4(own_reasoning, teacher_reasoning)}
                 if simulator is not None:
                     teacher_codes = parse_answer(note.teacher_trace, index).codes
