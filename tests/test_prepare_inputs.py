@@ -142,11 +142,24 @@ def test_content_digests_name_every_file_read(tmp_path):
     assert mimic.content_digests() == {"corpus": digest["t.feather"], "split_file": digest["split.feather"]}
 
 
+def test_codes_per_note_bounds_the_synthetic_notes_gold_codes(tracking_uri, root):
+    """The synthetic corpus a run prepares draws each note's gold codes from ``codes_per_note``
+    (inclusive), and a narrower range is another run with its own notes."""
+    base = PrepareConfig(corpus_name=unique("codes"), n_notes=6, inventory_size=40, model=TINY)
+    narrow = base.replace(codes_per_note=(2, 3))
+    counts = {cfg.codes_per_note: [len(n.gold_codes) for n in load_prepared(run_prepare(cfg)).corpus.notes]
+              for cfg in (base, narrow)}
+    assert all(2 <= c <= 3 for c in counts[(2, 3)]), counts
+    assert max(counts[(5, 25)]) > 3, counts
+
+
 # ---------------------------------------------------------------- refused before any run
 @pytest.mark.parametrize("changes, field", [
     ({"n_notes": 0}, "n_notes"), ({"inventory_size": -3}, "inventory_size"), ({"select_n": -1}, "select_n"),
     ({"privacy": "secret"}, "privacy"), ({"select_split": "test"}, "select_split"),
     ({"corpus_name": "my corpus"}, "corpus_name"), ({"seed": -1}, "seed"),
+    ({"codes_per_note": (6, 3)}, "codes_per_note"), ({"codes_per_note": (0, 3)}, "codes_per_note"),
+    ({"codes_per_note": (3,)}, "codes_per_note"),
 ])
 def test_bad_parameters_are_refused_before_a_run(tracking_uri, root, changes, field):
     kwargs = {"model": TINY, "corpus_name": unique("params"), "n_notes": 2, **changes}

@@ -35,6 +35,10 @@ class PrepareConfig(Config):
     corpus: ``synthetic`` (the embedded default), a JSONL path, or ``mimic:<table path>``
         (the Edin et al. 2023 MIMIC-IV ICD-10 release; ``split_file`` optional).
     privacy: for JSONL/MIMIC corpora (``restricted`` unless said otherwise); synthetic is synthetic.
+    inventory_size: codes in the synthetic corpus's inventory (whole categories).
+    codes_per_note: the synthetic corpus's gold codes per note, ``min,max`` (inclusive, drawn per
+        note with the corpus seed); a note's trace names each, so its events and length grow with
+        them. Synthetic corpus only.
     codes_file: explicit code list restricting the inventory (one code per line).
     select_n: stratified greedy selection of App. A (0 keeps every note).
     model: whose chat template and tokenizer the prompts use; every note's prompt (+ teacher
@@ -54,6 +58,7 @@ class PrepareConfig(Config):
     n_notes: int = 8
     seed: int = 0
     inventory_size: int = 120
+    codes_per_note: tuple[int, ...] = (5, 25)
     codes_file: str = ""
     order_seed: int = 0
     split_file: str = ""
@@ -100,6 +105,9 @@ class PrepareConfig(Config):
         check_choice(self.privacy, PRIVACY_LEVELS, "privacy")
         check_at_least(self.n_notes, 1, "n_notes")
         check_at_least(self.inventory_size, 1, "inventory_size")
+        if len(self.codes_per_note) != 2 or not 1 <= self.codes_per_note[0] <= self.codes_per_note[1]:
+            fail(f"codes_per_note must be min,max with 1 <= min <= max, not {self.codes_per_note!r}",
+                 "codes_per_note")
         check_seed(self.seed)
         check_seed(self.order_seed, "order_seed")
         check_non_negative(self.select_n, "select_n", "0 keeps every note")
@@ -123,6 +131,7 @@ def build_corpus(cfg: PrepareConfig) -> Corpus:
     if cfg.corpus == "synthetic":
         inv = Inventory.from_code_file(cfg.codes_file, order_seed=cfg.order_seed) if cfg.codes_file else None
         corpus = make_synthetic_corpus(n_notes=cfg.n_notes, seed=cfg.seed, inventory_size=cfg.inventory_size,
+                                       n_codes_range=(cfg.codes_per_note[0], cfg.codes_per_note[1]),
                                        inventory=inv)
     else:
         inventory = (Inventory.from_code_file(cfg.codes_file, order_seed=cfg.order_seed) if cfg.codes_file

@@ -259,9 +259,12 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     student_split, train_split, eval_split: the notes the student is ranked on, the arms train
     on and are evaluated on. Each split must hold notes with a teacher trace (checked once the
     corpus is prepared, before any model step).
-    inventory_size: the synthetic corpus's inventory (``PrepareConfig.inventory_size``); 60 keeps
-    the CPU demo's prompts short (the inventory listing is most of a prompt), a demo setting
-    (``prepare`` alone: 120).
+    inventory_size, codes_per_note: the synthetic corpus's inventory and gold codes per note
+    (``PrepareConfig``); 60 codes keep the CPU demo's prompts short (the inventory listing is
+    most of a prompt), a demo setting (``prepare`` alone: 120). ``-P codes_per_note=3,6`` (with
+    ``-P inventory_size=40``) shortens every prompt and trace by about 40 % and the whole demo
+    by about a third, but (measured at seed 0) the students' P1 knock-in events then all fall
+    below the 1-nat gate, leaving their P1 recovery empty.
     eval_max_new_tokens, las_max_steps: the evaluations' generation cap (the paper: 16,384) and
     the LAS simulator's fine-tuning steps, demo settings.
     las_max_note_words: the LAS simulator's note cap (``LasSimulatorConfig.max_note_words``);
@@ -269,7 +272,9 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     0).
     locus, locus_max_mentions, locus_compare_suffixes: run the ``locus`` step on the teacher
     after characterization (its prose-time set pools the teacher's P1 window rows in
-    ``targets``; off, they fall back to the emission pool, a tagged deviation), with at most
+    ``targets``; off, or when no mention had a locus to attribute, as on the embedded
+    SmolLM2-135M, whose forcing probes rarely cross θ, they fall back to the emission pool, a
+    tagged deviation), with at most
     this many chapter mentions per note (0: all) and these suffixes compared for Table 25
     (D here, a demo setting: each compared suffix repeats every walk-back; the paper compares A
     and D, ``-P locus_compare_suffixes=A,D``).
@@ -289,6 +294,7 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     n_notes: int = 8
     seed: int = 0
     inventory_size: int = 60
+    codes_per_note: tuple[int, ...] = (5, 25)
     codes_file: str = ""
     model: str = EMBEDDED_DEFAULT
     dtype: str = "float32"
@@ -372,6 +378,7 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
 
         return PrepareConfig(corpus=self.corpus, corpus_name=self.corpus_name, privacy=self.privacy,
                              n_notes=self.n_notes, seed=self.seed, inventory_size=self.inventory_size,
+                             codes_per_note=self.codes_per_note,
                              codes_file=self.codes_file, model=self.model)
 
     def locus_config(self, attribute_run: str = ""):
