@@ -85,11 +85,13 @@ DEVIATIONS: tuple[Deviation, ...] = (
        0.5, 0.0),
     _D("teacher pool on the P1 window", "App. I.1",
        "the teacher's prose-time set supervises the W = 8 rows before each P1 event",
-       "the P1 emission pool when no locus run is given; the targets and train runs carry the "
-       "tag mistill.deviation=p1_window_pool=emission and print a warning (the pipeline gives "
-       "the teacher's locus run, so its runs do not deviate)",
+       "the P1 emission pool when no locus run is given, or when the locus run has no "
+       "prose-time set (no chapter mention had a locus to attribute); the targets and train runs "
+       "carry the tag mistill.deviation=p1_window_pool=emission and print a warning (the "
+       "pipeline gives the teacher's locus run, so its runs deviate only in the second case)",
        "TargetsConfig.locus_run",
-       "a targets run started without a locus pass (e.g. a model the locus pass has not run on)",
+       "a targets run started without a locus pass (e.g. a model the locus pass has not run on), "
+       "or on a teacher whose forcing probes never cross theta",
        ""),
     _D("attention KL clamp", "App. J.3",
        "a KL divergence between pooled rows; direction and clamp not stated",

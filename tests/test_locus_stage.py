@@ -204,6 +204,37 @@ def test_targets_pool_the_p1_window_over_the_prose_time_set(locus_run, character
     assert np.isclose(sum(pools[window_key]["weights"]), 1.0)
 
 
+def test_targets_fall_back_to_the_emission_pool_when_the_locus_run_has_no_prose_time_set(
+        locus_run, characterized, monkeypatch, tmp_path):
+    """A locus run none of whose mentions had a locus to attribute has no prose-time set: the
+    targets pool the P1 window over the emission set, tagged as the deviation, and a Mistill
+    arm trained on them inherits the tag."""
+    from mistill.distill.arms import resolve_arm
+    from mistill.stages.distill import (DEVIATION_P1_WINDOW_EMISSION, TAG_DEVIATION, TargetsConfig,
+                                        prose_time_sets, train_deviations)
+    from mistill.stages.workflow import run_step
+
+    monkeypatch.setenv("MISTILL_ROOT", str(characterized["root"]))
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    client = MlflowClient()
+    sets = json.loads(_download(locus_run, "head_sets.json", tmp_path / "l").read_text())
+    sets.pop("prose_time")
+    source = client.get_run(locus_run)
+    empty = client.create_run(source.info.experiment_id, tags={"mistill.stage": "locus"}).info.run_id
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "head_sets.json").write_text(json.dumps(sets))
+    client.log_artifact(empty, str(tmp_path / "e" / "head_sets.json"))
+    client.set_terminated(empty)
+    assert prose_time_sets(empty) is None and prose_time_sets(locus_run) is not None
+    targets = run_step("targets", TargetsConfig(teacher_attribute_run=characterized["attribute"], locus_run=empty,
+                                                split=""), characterized["name"], launch="inline")
+    tags = client.get_run(targets).data.tags
+    assert tags[TAG_DEVIATION] == DEVIATION_P1_WINDOW_EMISSION
+    assert train_deviations(resolve_arm("mistill"), {"window": 8, "locus_run": empty}, tags) \
+        == (DEVIATION_P1_WINDOW_EMISSION,)
+    assert train_deviations(resolve_arm("mistill"), {"window": 8, "locus_run": locus_run}, {}) == ()
+
+
 def test_locus_refuses_a_run_of_another_stage(characterized, monkeypatch):
     from mistill.errors import MistillInputError
     from mistill.stages.locus import run_locus

@@ -32,6 +32,15 @@ def test_train_deviations(arm, targets, expected):
     assert train_deviations(resolve_arm(arm), targets) == expected
 
 
+def test_a_targets_run_tagged_with_the_fallback_passes_it_to_its_arms():
+    """Targets given a locus run whose prose-time set was empty fell back (their tag says so)."""
+    locus = {"window": 8, "locus_run": "0123456789abcdef0123456789abcdef"}
+    fell_back = {TAG_DEVIATION: DEVIATION_P1_WINDOW_EMISSION}
+    assert train_deviations(resolve_arm("mistill"), locus, fell_back) == (DEVIATION_P1_WINDOW_EMISSION,)
+    assert train_deviations(resolve_arm("no-window"), locus, fell_back) == ()
+    assert train_deviations(resolve_arm("mistill"), locus, {TAG_DEVIATION: "other=code"}) == ()
+
+
 def test_deviation_codes_are_stable():
     assert TAG_DEVIATION == "mistill.deviation"
     assert DEVIATION_P1_WINDOW_EMISSION == "p1_window_pool=emission"

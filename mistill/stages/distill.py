@@ -48,9 +48,10 @@ TAG_DEVIATION = "mistill.deviation"
 """Tag of a run that departs from the paper's procedure: a comma-separated, sorted list of
 deviation codes (one per departure)."""
 DEVIATION_P1_WINDOW_EMISSION = "p1_window_pool=emission"
-"""The teacher's P1 window rows are pooled over its P1 (emission) set: no ``locus`` run (the
-prose-time set) was given to ``targets`` (``locus_run``), where the paper pools them over the
-teacher's prose-time set (App. I.1, "The window, and its asymmetry.")."""
+"""The teacher's P1 window rows are pooled over its P1 (emission) set, where the paper pools them
+over the teacher's prose-time set (App. I.1, "The window, and its asymmetry."): no ``locus`` run
+was given to ``targets`` (``locus_run``), or the one given has no prose-time set (none of its
+chapter mentions had a locus to attribute)."""
 
 
 def _read_events(reader: RunReader, note_id: str) -> list[Event]:
@@ -90,17 +91,17 @@ class TargetsConfig(Config, PoolParams):
         check_device(self.device)
 
 
-def prose_time_sets(locus_run: str) -> dict:
+def prose_time_sets(locus_run: str) -> dict | None:
     """A ``locus`` run's prose-time set in the per-phase head-set format, under the key ``P1``
-    (what :func:`mistill.distill.pools.model_pools` reads as ``window_head_sets``)."""
+    (what :func:`mistill.distill.pools.model_pools` reads as ``window_head_sets``); None when the
+    run has none (no chapter mention of its notes had a locus whose window could be attributed)."""
     reader = RunReader(locus_run, field="locus_run")
     if reader.tags.get("mistill.stage") != "locus":
         raise MistillInputError(f"run {locus_run} is a {reader.tags.get('mistill.stage')!r} run, not locus",
                                 field="locus_run")
     doc = json.loads(reader.file("head_sets.json").read_text())
     if "prose_time" not in doc:
-        raise MistillInputError(f"locus run {locus_run} has no prose-time set (no attributed mention)",
-                                field="locus_run")
+        return None
     return {"meta": doc.get("meta", {}), "P1": doc["prose_time"]}
 
 
@@ -125,7 +126,7 @@ def run_targets(cfg: TargetsConfig) -> str:
         window_sets = prose_time_sets(cfg.locus_run) if cfg.locus_run else None
         pools = model_pools(head_sets, lm.geometry.head_names(), k=cfg.pool_k, window_head_sets=window_sets)
         run.log_json("teacher_pools.json", {k: p.to_dict() for k, p in pools.items()})
-        if cfg.window > 0 and not cfg.locus_run:
+        if cfg.window > 0 and window_sets is None:
             _mark_deviations(run, (DEVIATION_P1_WINDOW_EMISSION,), "targets")
         done = run.finished_notes(NOTES)
         n_rows = []
@@ -231,18 +232,21 @@ class TrainStageConfig(Config, RecipeParams):
         return {"arm": digest} if digest else {}
 
 
-def train_deviations(arm: ArmConfig, targets_config: Mapping) -> tuple[str, ...]:
+def train_deviations(arm: ArmConfig, targets_config: Mapping, targets_tags: Mapping[str, str] | None = None
+                     ) -> tuple[str, ...]:
     """The deviation codes of a train run of ``arm`` on targets computed with ``targets_config``
-    (the targets run's ``config.json``), sorted.
+    (the targets run's ``config.json``; ``targets_tags``: its tags), sorted.
 
     ``p1_window_pool=emission``: a Mistill arm that supervises P1 window rows (``window > 0`` in
     both the arm and the targets, ``lambda_p1 > 0``) on targets whose teacher window pool fell back
-    to the P1 emission pool (no ``locus_run``).
+    to the P1 emission pool (no ``locus_run``, or the targets run tagged with the code: its locus
+    run had no prose-time set).
     """
     codes = []
     window = min(arm.window, int(targets_config.get("window", TargetsConfig.window)))
-    if (arm.objective == "mistill" and window > 0 and arm.lambda_p1 > 0
-            and not targets_config.get("locus_run")):
+    targets_codes = (targets_tags or {}).get(TAG_DEVIATION, "").split(",")
+    fell_back = not targets_config.get("locus_run") or DEVIATION_P1_WINDOW_EMISSION in targets_codes
+    if arm.objective == "mistill" and window > 0 and arm.lambda_p1 > 0 and fell_back:
         codes.append(DEVIATION_P1_WINDOW_EMISSION)
     return tuple(sorted(codes))
 
@@ -255,7 +259,7 @@ def _mark_deviations(run, codes: tuple[str, ...], stage: str) -> None:
     for code in codes:
         if code == DEVIATION_P1_WINDOW_EMISSION:
             print(f"{stage}: warning: the teacher's P1 window rows are pooled over its P1 emission set "
-                  "(no locus run given as locus_run); the paper pools them over the "
+                  "(no locus run given as locus_run, or it has no prose-time set); the paper pools them over the "
                   f"prose-time set. Tagged {TAG_DEVIATION}={code}.", file=sys.stderr)
 
 
@@ -301,7 +305,7 @@ def run_train(cfg: TrainStageConfig) -> str:
         log_corpus_input(run, prepared)
         run.log_json("arm.json", arm.to_dict())
         _log_arm_params(run, arm)
-        _mark_deviations(run, train_deviations(arm, tcfg), "train")
+        _mark_deviations(run, train_deviations(arm, tcfg, targets_run.tags), "train")
         recipe = cfg.recipe(arm.precision)
         lm = load_model(cfg.student, dtype="float32", device=cfg.device)
         pools = {}
