@@ -168,12 +168,12 @@ def probe_note(runner: Runner, hook: HeadHook, prefix: KVPrefix, mean: torch.Ten
     rows, event_ids, kinds, win_rows, suf_rows = [], [], [], [], []
     class_counts = {c: 0 for c in TOKEN_CLASSES}
     emission = list(emission_rank)
-    for m, res, probe in zip(mentions, results, probes):
+    for i, (m, res, probe) in enumerate(zip(mentions, results, probes)):
         row: dict[str, Any] = {"note_id": note_id, "event_id": m.event_id, "code": m.code, "q": m.q,
                                "mention_kind": m.mention_kind, **res.to_dict()}
         for name, other in compared.items():
-            row[f"outcome_{name}"] = other[mentions.index(m)].outcome
-            row[f"distance_{name}"] = other[mentions.index(m)].distance
+            row[f"outcome_{name}"] = other[i].outcome
+            row[f"distance_{name}"] = other[i].distance
         locus = attribution_locus(res, m.q, cfg)
         row["attributed"] = res.outcome in ATTRIBUTED and locus is not None and locus >= 0
         if row["attributed"]:
