@@ -182,6 +182,20 @@ def test_stage_end_to_end_artifacts_reload_and_reuse(tracking_uri, tmp_path, mon
     assert all(torch.equal(w_local[k], w_remote[k]) for k in w_local)
 
     monkeypatch.setenv("MISTILL_ROOT", str(tmp_path / "root"))
+    # sim(note) of a saved simulator is decoded once per process: a second load of the same
+    # checkpoint answers it without a forward, and counts the prediction as made
+    alone = local.predict(note.text, None)
+    again = load_simulator(run_id)
+    forwards = []
+    again.model.register_forward_hook(lambda *a: forwards.append(1))
+    assert again.predict(note.text, None) == alone and forwards == [] and again.n_predictions == 1
+    assert again.predict(note.text, note.teacher_trace) is not None and forwards  # with a rationale: decoded
+    fresh = Simulator(local.model, local.tokenizer, local.index, max_answer_tokens=local.max_answer_tokens,
+                      max_note_words=local.max_note_words)  # no checkpoint key: nothing kept
+    forwards.clear()
+    fresh.model.register_forward_hook(lambda *a: forwards.append(1))
+    assert fresh.predict(note.text, None) == alone and forwards
+
     before = n_runs(f"mistill/{name}")
     assert run_las_simulator(cfg) == run_id  # identical finished run reused
     assert n_runs(f"mistill/{name}") == before

@@ -33,6 +33,7 @@ Conventions (all documented where they are defined; the paper states none of the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections.abc import Collection, Iterator, Sequence
@@ -282,15 +283,25 @@ def greedy_answer(model: torch.nn.Module, tokenizer, prompt: str, *, max_new_tok
     return tokenizer.decode(out, skip_special_tokens=True)
 
 
+_NOTE_ONLY: dict[tuple[str, str], str] = {}
+"""Greedy note-only generations of frozen simulators in this process: ``(checkpoint key, input
+text) -> generated text``. ``sim(note)`` does not depend on the model being evaluated, so every
+``evaluate`` run after the first (the pipeline evaluates four models on the same notes with one
+simulator) reads it from here instead of decoding it again."""
+
+
 class Simulator:
     """A frozen LAS simulator: a causal LM, its tokenizer, the inventory and its caps.
 
     ``predict`` returns inventory codes; :attr:`n_predictions` and :attr:`n_unparsable` count
     the predictions made and those that held no JSON list (scored as empty).
+    checkpoint_key: what identifies a saved (frozen) simulator's weights; with it, its greedy
+    note-only generations are kept for the process (:data:`_NOTE_ONLY`). None (a model still
+    being trained) keeps nothing.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer, inventory_codes: Collection[str], *,
-                 max_answer_tokens: int, max_note_words: int = 0) -> None:
+                 max_answer_tokens: int, max_note_words: int = 0, checkpoint_key: str | None = None) -> None:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.index = inventory_codes if isinstance(inventory_codes, CodeIndex) else CodeIndex(inventory_codes)
@@ -299,12 +310,20 @@ class Simulator:
         self.max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         self.n_predictions = 0
         self.n_unparsable = 0
+        self.checkpoint_key = checkpoint_key
 
     def generate(self, note_text: str, rationale: str | None) -> str:
-        """The raw greedy text after the input built by :func:`format_input`."""
+        """The raw greedy text after the input built by :func:`format_input` (a note-only
+        input of a saved simulator decoded once per process)."""
         prompt = format_input(note_text, rationale, max_note_words=self.max_note_words)
-        return greedy_answer(self.model, self.tokenizer, prompt, max_new_tokens=self.max_answer_tokens,
+        key = (self.checkpoint_key, prompt) if rationale is None and self.checkpoint_key else None
+        if key is not None and key in _NOTE_ONLY:
+            return _NOTE_ONLY[key]
+        text = greedy_answer(self.model, self.tokenizer, prompt, max_new_tokens=self.max_answer_tokens,
                              max_positions=self.max_positions)
+        if key is not None:
+            _NOTE_ONLY[key] = text
+        return text
 
     def parse(self, text: str) -> list[str]:
         """Inventory codes of a simulator generation; no JSON list -> ``[]``, counted."""
@@ -378,8 +397,9 @@ def simulator_from_dir(path: Path, device: str = "cpu") -> Simulator:
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(meta.get("dtype", "float32")))
     model.to(device)
     inventory = Inventory.from_json(path / INVENTORY_FILE)
+    key = f"{path.resolve()}:{hashlib.sha256((path / META_FILE).read_bytes()).hexdigest()}"
     return Simulator(model, tokenizer, list(inventory.codes), max_answer_tokens=meta["max_answer_tokens"],
-                     max_note_words=meta.get("max_note_words", 0))
+                     max_note_words=meta.get("max_note_words", 0), checkpoint_key=key)
 
 
 def simulator_dir(run_id: str) -> Path:
