@@ -290,7 +290,12 @@ def test_mlproject_is_current_and_publishes_every_param_with_its_default():
     for stage in stages().values():
         params = entry_points[stage.name]["parameters"]
         fields = dataclasses.fields(stage.config)
-        assert set(params) == {f.name for f in fields}, stage.name
+        launch = {"launcher", "nproc"} if stage.shardable else set()  # how many processes, not the config
+        assert set(params) == {f.name for f in fields} | launch, stage.name
+        if stage.shardable:
+            assert params["launcher"] == {"type": "string", "default": "none"}
+            assert params["nproc"] == {"type": "float", "default": 1}
+            assert "--launcher {launcher} --nproc {nproc}" in entry_points[stage.name]["command"]
         required = set(stage.required_inputs().values())
         for f in fields:
             if f.name in required:

@@ -57,7 +57,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 

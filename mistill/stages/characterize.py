@@ -34,8 +34,9 @@ from mistill.models.loading import EMBEDDED_DEFAULT, load_model
 from mistill.params import (AttributeParams, ChunkParams, DonorParams, EventsParams, KnockinParams, NomineeParams,
                             PatchParams, PoolParams)
 from mistill.progress import track
-from mistill.stages.common import (NoteInput, Prepared, RunReader, load_prepared, log_corpus_input,
-                                   mistill_root, model_positions, note_input, privacy_guard, require_notes)
+from mistill.stages.common import (NoteInput, Prepared, RunReader, load_prepared, model_positions, note_input,
+                                   require_notes)
+from mistill.stages.runner import note_loop, notes_written, open_stage, stage_device
 from mistill.validation import (check_choices, check_device, check_dtype, check_interval,
                                 check_model_spec, check_name, check_no_text_fields, check_non_negative,
                                 check_not_empty, check_positive, check_run_id, check_seed)
@@ -94,25 +95,18 @@ def _stored_realized(r: RealizedEvent, margin_value: float, entropy: float, allo
 
 
 def run_events(cfg: EventsConfig) -> str:
-    from mistill.tracking.runs import StageRun, metric_name
+    from mistill.tracking.runs import metric_name
 
     prepared = load_prepared(cfg.prepare_run)
-    guard = privacy_guard(prepared.corpus)
     notes = stage_notes(prepared, cfg.split, cfg.max_notes)
-    with StageRun("events", cfg, corpus=prepared.corpus.name, guard=guard,
-                  corpus_digest=prepared.corpus.digest, inputs={"prepare": cfg.prepare_run},
-                  resume=True, root=mistill_root()) as run:
+    with open_stage("events", cfg, prepared, inputs={"prepare": cfg.prepare_run}) as run:
         if run.reused:
-            print(f"events: reusing finished run {run.run_id}")
             return run.run_id
-        log_corpus_input(run, prepared)
-        lm = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
+        guard = run.guard
+        lm = load_model(cfg.model, dtype=cfg.dtype, device=stage_device(cfg.device))
         runner = Runner(lm, chunk_size=cfg.chunk_size)
         codes = list(prepared.inventory.codes)
-        done = run.finished_notes(NOTES)
-        for note in track(notes, desc="events"):
-            if note.note_id in done:
-                continue
+        for note in note_loop(run, NOTES, notes, desc="events"):
             ni = note_input(note, prepared.inventory, lm.tokenizer,
                             remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
                             narrow_instruction=prepared.narrow_instruction,
@@ -137,6 +131,8 @@ def run_events(cfg: EventsConfig) -> str:
                                   "drops": {f"{k}:{why}": n for (k, why), n in drops.items()},
                                   "n_tokens": int(ni.input_ids.numel())},
             })
+        if not notes_written(run, NOTES, notes):
+            return run.run_id
         # aggregate over every note of the run
         reader = _SelfReader(run)
         all_rows, events_by_note, coverage = [], {}, Counter()
@@ -311,19 +307,17 @@ def attribute_notes(ev: _EventsInput, split: str) -> list[Note]:
 def run_attribute(cfg: AttributeConfig) -> str:
     from mistill.instrument.calibration import (NoteImportance, calibratable_patients, calibrate,
                                                 head_sets_json, recurrence, sparsity, split_half_stability)
-    from mistill.tracking.runs import StageRun, metric_name
+    from mistill.tracking.runs import metric_name
 
     ev = _events_input(cfg.events_run)
     prepared = ev.prepared
     notes = attribute_notes(ev, cfg.split)
-    guard = privacy_guard(prepared.corpus)
-    with StageRun("attribute", cfg, corpus=prepared.corpus.name, guard=guard, model=ev.model,
-                  corpus_digest=prepared.corpus.digest, inputs={"events": cfg.events_run},
-                  resume=True, root=mistill_root()) as run:
+    # one process: each note's exact-patching nominees come from the running global ranking of
+    # the notes before it (App. C), so the notes are walked in corpus order
+    with open_stage("attribute", cfg, prepared, inputs={"events": cfg.events_run}, model=ev.model,
+                    shardable=False) as run:
         if run.reused:
-            print(f"attribute: reusing finished run {run.run_id}")
             return run.run_id
-        log_corpus_input(run, prepared)
         lm = load_model(ev.model, dtype=cfg.dtype, device=cfg.device)
         runner, hook = Runner(lm, chunk_size=cfg.chunk_size), HeadHook(lm.geometry)
         acfg = _attribution_config(cfg)
@@ -591,20 +585,17 @@ def _knockin_notes(run, notes: list[Note], done: set[str], inputs: _KnockinInput
 
 def run_knockin(cfg: KnockinStageConfig) -> str:
     from mistill.instrument.settables import sets_table, to_latex, to_markdown
-    from mistill.tracking.runs import StageRun, metric_name
+    from mistill.tracking.runs import metric_name
 
     att_reader = RunReader(cfg.attribute_run, field="attribute_run")
     ev = _events_input(att_reader.config["events_run"])
     prepared = ev.prepared
-    guard = privacy_guard(prepared.corpus)
     head_sets = json.loads(att_reader.file("head_sets.json").read_text())
-    with StageRun("knockin", cfg, corpus=prepared.corpus.name, guard=guard, model=ev.model,
-                  corpus_digest=prepared.corpus.digest, inputs={"attribute": cfg.attribute_run},
-                  resume=True, root=mistill_root()) as run:
+    # one process: a note's knock-ins need its donors' clean runs, swept in corpus order
+    with open_stage("knockin", cfg, prepared, inputs={"attribute": cfg.attribute_run}, model=ev.model,
+                    shardable=False) as run:
         if run.reused:
-            print(f"knockin: reusing finished run {run.run_id}")
             return run.run_id
-        log_corpus_input(run, prepared)
         lm = load_model(ev.model, dtype=att_reader.config.get("dtype", cfg.dtype), device=cfg.device)
         runner, hook = Runner(lm, chunk_size=cfg.chunk_size), HeadHook(lm.geometry)
         names = lm.geometry.head_names()

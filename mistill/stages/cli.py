@@ -259,6 +259,13 @@ def stage_parser(stage: Stage, prog: str | None = None) -> argparse.ArgumentPars
         parser.add_argument(f"--{f.name}", metavar=metavar, default=argparse.SUPPRESS,
                             help=option_help(stage, f.name, hints[f.name], f.default, meanings.get(f.name, "")),
                             **extra)
+    if stage.shardable:
+        group = parser.add_argument_group("processes (not part of the run's identity)")
+        group.add_argument("--launcher", choices=LAUNCHERS, default=argparse.SUPPRESS,
+                           help="none (default): this process; torchrun: `nproc` processes started by "
+                                "torch.distributed.run on this node, sharing the notes")
+        group.add_argument("--nproc", metavar="INT", default=argparse.SUPPRESS,
+                           help="processes of a torchrun launch (default: 1), e.g. one per GPU")
     return parser
 
 
@@ -322,6 +329,67 @@ def parse_stage_args(stage: Stage, argv: Sequence[str], prog: str | None = None)
     return dict(vars(given))
 
 
+# ---------------------------------------------------------------------------------- launching
+LAUNCHERS = ("none", "torchrun")
+
+
+def split_launch_args(stage: Stage, argv: Sequence[str]) -> tuple[str, int, list[str]]:
+    """``(launcher, nproc, the other arguments)`` of a shardable stage's command line
+    (``--launcher``/``--nproc``, also as ``--name=value``); a stage that is not shardable keeps
+    them among the others (the parser then refuses them as unknown).
+
+    Raises:
+        MistillInputError: an unknown launcher, or a process count that is not a positive integer.
+    """
+    values = {"launcher": "none", "nproc": "1"}
+    rest: list[str] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        key, eq, value = args[i].partition("=")
+        name = key[2:] if key.startswith("--") else ""
+        if stage.shardable and name in values:
+            if not eq:
+                if i + 1 >= len(args):
+                    raise MistillInputError(f"--{name} needs a value", field=name)
+                value, i = args[i + 1], i + 1
+            values[name] = value
+        else:
+            rest.append(args[i])
+        i += 1
+    launcher = values["launcher"] or "none"
+    if launcher not in LAUNCHERS:
+        raise MistillInputError(f"unknown launcher {launcher!r}; accepted: {', '.join(LAUNCHERS)}",
+                                field="launcher")
+    try:
+        nproc = int(float(values["nproc"]))
+    except ValueError:
+        nproc = 0
+    if nproc < 1 or str(values["nproc"]).strip() not in (str(nproc), f"{nproc}.0"):
+        raise MistillInputError(f"nproc must be a positive integer, got {values['nproc']!r}", field="nproc")
+    return launcher, nproc, rest
+
+
+def launch_command(stage_name: str, nproc: int, argv: Sequence[str]) -> list[str]:
+    """The ``torch.distributed.run`` command that starts ``nproc`` processes of the stage on this
+    node (``--standalone``: a local rendezvous on a free port), each with ``argv``."""
+    script = sys.argv[0]
+    target = [script] if script.endswith(".py") else ["--module", "mistill.stages.cli", stage_name]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            *target, *argv]
+
+
+def launch(stage_name: str, nproc: int, argv: Sequence[str]) -> int:
+    """Run the stage as ``nproc`` processes under ``torchrun`` and return its exit status (rank
+    0's run id line is printed by rank 0)."""
+    import subprocess
+
+    cmd = launch_command(stage_name, nproc, argv)
+    print(f"mistill {stage_name}: starting {nproc} processes: torchrun --standalone "
+          f"--nproc-per-node={nproc} ...", file=sys.stderr)
+    return subprocess.run(cmd, check=False).returncode
+
+
 # ------------------------------------------------------------------------------------ running
 def check_tracking_server() -> str:
     """The tracking URI every client of this process uses, after one request to it.
@@ -367,15 +435,27 @@ def main(stage_name: str, argv: Sequence[str] | None = None, *, prog: str | None
     from mistill.tracking.purge import RunNotPurgedError
     from mistill.validation import TextValueError
 
+    import os
+
+    from mistill.distributed import current_world
+
     stage = find_stage(stage_name)
+    if current_world().rank > 0:  # the run `mlflow run` opened is rank 0's to adopt or discard
+        os.environ.pop("MLFLOW_RUN_ID", None)
     try:
-        args = parse_stage_args(stage, sys.argv[1:] if argv is None else argv, prog)
+        launcher, nproc, rest = split_launch_args(stage, sys.argv[1:] if argv is None else argv)
+        args = parse_stage_args(stage, rest, prog)
         configure_client_timeouts()
         with tracking_errors():
             cfg = stage.config.from_dict(args, source=f"entry point {stage_name}")
             stage.check_inputs(cfg)
             cfg.check_environment()
             check_tracking_server()
+            if launcher == "torchrun" and "WORLD_SIZE" not in os.environ:
+                status = launch(stage_name, nproc, rest)
+                if status:
+                    raise SystemExit(status)
+                return ""
             run_id = stage.run(cfg)
     except PrivacyError as exc:
         print(f"mistill {stage_name}: {exc}", file=sys.stderr)
@@ -396,7 +476,8 @@ def main(stage_name: str, argv: Sequence[str] | None = None, *, prog: str | None
     except TrackingUnavailableError as exc:
         print(f"mistill {stage_name}: {exc}", file=sys.stderr)
         raise SystemExit(EXIT_UNREACHABLE) from None
-    print(f"mistill {stage_name}: run {run_id}")
+    if current_world().leader:
+        print(f"mistill {stage_name}: run {run_id}")
     return run_id
 
 

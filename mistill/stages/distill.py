@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mistill.config import Config
+from mistill.distributed import current_world, gather
 from mistill.distill.arms import ArmConfig, arm_digest, resolve_arm
 from mistill.distill.cpu_bf16 import uses_fp32_gemms
 from mistill.distill.note_data import NoteData, build_note_data
@@ -36,6 +37,7 @@ from mistill.params import PoolParams, RecipeParams
 from mistill.progress import track
 from mistill.stages.characterize import NOTES, _events_input
 from mistill.stages.common import RunReader, log_corpus_input, mistill_root, privacy_guard, require_notes
+from mistill.stages.runner import note_loop, notes_written, open_stage, stage_device
 from mistill.validation import (check_device, check_dtype, check_non_negative, check_not_empty,
                                 check_positive, check_seed)
 
@@ -106,33 +108,25 @@ def prose_time_sets(locus_run: str) -> dict | None:
 
 
 def run_targets(cfg: TargetsConfig) -> str:
-    from mistill.tracking.runs import StageRun
-
     att = RunReader(cfg.teacher_attribute_run, field="teacher_attribute_run")
     ev = _events_input(att.config["events_run"])
     prepared = ev.prepared
     notes = require_notes([n for n in ev.notes if not cfg.split or n.split == cfg.split], cfg.split, prepared)
-    guard = privacy_guard(prepared.corpus)
-    with StageRun("targets", cfg, corpus=prepared.corpus.name, guard=guard, model=ev.model,
-                  corpus_digest=prepared.corpus.digest, inputs={"teacher_attribute": cfg.teacher_attribute_run,
-                                                              **({"locus": cfg.locus_run} if cfg.locus_run else {})},
-                  resume=True, root=mistill_root()) as run:
+    inputs = {"teacher_attribute": cfg.teacher_attribute_run, **({"locus": cfg.locus_run} if cfg.locus_run else {})}
+    with open_stage("targets", cfg, prepared, inputs=inputs, model=ev.model) as run:
         if run.reused:
-            print(f"targets: reusing finished run {run.run_id}")
             return run.run_id
-        log_corpus_input(run, prepared)
-        lm = load_model(ev.model, dtype=cfg.dtype, device=cfg.device)
+        guard = run.guard
+        lm = load_model(ev.model, dtype=cfg.dtype, device=stage_device(cfg.device))
         head_sets = json.loads(att.file("head_sets.json").read_text())
         window_sets = prose_time_sets(cfg.locus_run) if cfg.locus_run else None
         pools = model_pools(head_sets, lm.geometry.head_names(), k=cfg.pool_k, window_head_sets=window_sets)
-        run.log_json("teacher_pools.json", {k: p.to_dict() for k, p in pools.items()})
-        if cfg.window > 0 and window_sets is None:
-            _mark_deviations(run, (DEVIATION_P1_WINDOW_EMISSION,), "targets")
-        done = run.finished_notes(NOTES)
+        if current_world().leader:
+            run.log_json("teacher_pools.json", {k: p.to_dict() for k, p in pools.items()})
+            if cfg.window > 0 and window_sets is None:
+                _mark_deviations(run, (DEVIATION_P1_WINDOW_EMISSION,), "targets")
         n_rows = []
-        for note in track(notes, desc="targets"):
-            if note.note_id in done:
-                continue
+        for note in note_loop(run, NOTES, notes, desc="targets"):
             nd = build_note_data(note, prepared.inventory, lm.tokenizer, _read_events(ev.reader, note.note_id),
                                  remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
                                  narrow_instruction=prepared.narrow_instruction)
@@ -140,6 +134,9 @@ def run_targets(cfg: TargetsConfig) -> str:
             n_rows.append(len(targets["rows_pos"]))
             files, local = _targets_files(targets, guard.allows_text)
             run.write_note(NOTES, note.note_id, files, local_files=local)
+        n_rows = [n for part in gather(n_rows, current_world()) for n in part]
+        if not notes_written(run, NOTES, notes):
+            return run.run_id
         run.log_metrics({"n_notes": len(notes), **({"median_rows": float(np.median(n_rows))} if n_rows else {})})
         run.set_tags({"mistill.teacher": ev.model, "mistill.split": cfg.split})
         print(f"targets: {len(notes)} notes -> run {run.run_id}")

@@ -37,10 +37,9 @@ from mistill.evaluation.m1 import m1_summary, teacher_forced_readouts
 from mistill.evaluation.metrics import bleu4, per_note_metrics, task_metrics
 from mistill.evaluation.parsing import CodeIndex, parse_answer, split_reasoning
 from mistill.io import write_text
-from mistill.progress import track
 from mistill.stages.characterize import stage_notes
-from mistill.stages.common import (Subject, load_prepared, log_corpus_input, mistill_root, model_positions,
-                                   note_input, privacy_guard, trained_subject)
+from mistill.stages.common import Subject, load_prepared, model_positions, note_input, privacy_guard, trained_subject
+from mistill.stages.runner import note_loop, notes_written, open_stage, stage_device
 from mistill.params import DecodingParams
 from mistill.validation import check_device, check_dtype, check_non_negative, check_seed
 
@@ -100,18 +99,18 @@ def _subject(cfg: EvaluateConfig) -> Subject:
     return Subject(spec=cfg.model, arm=cfg.arm or "model")
 
 
-def _backend(cfg: EvaluateConfig, lm, decoding: DecodingConfig):
-    """The generation backend: ``hf`` on the model already loaded for the teacher-forced
-    readouts; any other through :func:`mistill.evaluation.backends.make_backend`."""
+def _backend(cfg: EvaluateConfig, lm, decoding: DecodingConfig, device: str):
+    """The generation backend on ``device``: ``hf`` on the model already loaded for the
+    teacher-forced readouts; any other through :func:`mistill.evaluation.backends.make_backend`."""
     if cfg.backend == "hf":
         return HFBackend(lm, decoding)
-    return make_backend(cfg.backend, lm.spec, decoding, device=cfg.device, dtype=cfg.dtype)
+    return make_backend(cfg.backend, lm.spec, decoding, device=device, dtype=cfg.dtype)
 
 
 def run_evaluate(cfg: EvaluateConfig) -> str:
     from mistill.data.prompts import template_has_thinking
     from mistill.models.loading import load_model
-    from mistill.tracking.runs import TAG_SPLIT, StageRun
+    from mistill.tracking.runs import TAG_SPLIT
 
     prepared = load_prepared(cfg.prepare_run)
     guard = privacy_guard(prepared.corpus)
@@ -124,28 +123,22 @@ def run_evaluate(cfg: EvaluateConfig) -> str:
         inputs["las"] = cfg.las_run
     decoding = cfg.decoding()
     arm = subject.arm
-    with StageRun("evaluate", cfg, corpus=prepared.corpus.name, guard=guard, model=subject.spec, arm=arm,
-                  seed=int(subject.seed) if subject.seed is not None else cfg.seed, precision=subject.precision,
-                  corpus_digest=prepared.corpus.digest, inputs=inputs,
-                  tags={**subject.links, TAG_SPLIT: cfg.split or "all"},
-                  resume=True, root=mistill_root()) as run:
+    with open_stage("evaluate", cfg, prepared, inputs=inputs, guard=guard, model=subject.spec, arm=arm,
+                    seed=int(subject.seed) if subject.seed is not None else cfg.seed, precision=subject.precision,
+                    tags={**subject.links, TAG_SPLIT: cfg.split or "all"}) as run:
         if run.reused:
-            print(f"evaluate: reusing finished run {run.run_id}")
             return run.run_id
-        log_corpus_input(run, prepared)
-        lm = load_model(subject.spec, dtype=cfg.dtype, device=cfg.device)
-        backend = _backend(cfg, lm, decoding)
+        device = stage_device(cfg.device)
+        lm = load_model(subject.spec, dtype=cfg.dtype, device=device)
+        backend = _backend(cfg, lm, decoding, device)
         simulator = None
         if cfg.las_run:
             from mistill.evaluation.las import load_simulator
 
-            simulator = load_simulator(cfg.las_run, device=cfg.device)
+            simulator = load_simulator(cfg.las_run, device=device)
         codes = list(prepared.inventory.codes)
         index = CodeIndex(codes)
-        done = run.finished_notes(NOTES)
-        for note in track(notes, desc=f"evaluate {arm}"):
-            if note.note_id in done:
-                continue
+        for note in note_loop(run, NOTES, notes, desc=f"evaluate {arm}"):
             ni = note_input(note, prepared.inventory, lm.tokenizer,
                             remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
                             narrow_instruction=prepared.narrow_instruction, max_positions=model_positions(lm))
@@ -175,6 +168,8 @@ def run_evaluate(cfg: EvaluateConfig) -> str:
                 run.write_note(NOTES, note.note_id, {**files, **text})
             else:  # the model's text stays in this machine's enclave
                 run.write_note(NOTES, note.note_id, files, local_files=text)
+        if not notes_written(run, NOTES, notes):
+            return run.run_id
         metrics, per_note, predictions = _aggregate(run, notes, prepared, cfg)
         metrics["thinking_switch"] = float(template_has_thinking(lm.tokenizer))
         run.log_table("per_note_metrics", per_note)

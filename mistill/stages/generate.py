@@ -35,6 +35,7 @@ from mistill.config import Config
 from mistill.data.corpus import Corpus, Note
 from mistill.data.prompts import build_prompt, template_has_thinking
 from mistill.errors import MistillInputError
+from mistill.distributed import current_world
 from mistill.evaluation.backends import make_backend
 from mistill.evaluation.generation import generation_record, note_seed
 from mistill.evaluation.parsing import CodeIndex
@@ -43,8 +44,8 @@ from mistill.params import DecodingParams
 from mistill.progress import track
 from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE, TAG_DATA_DIR,
                                    TAG_DATA_IDENTITY, Prepared, corpus_index, load_prepared,
-                                   log_corpus_input, mistill_root, prepared_data_dir, privacy_guard,
-                                   require_notes, save_prepared)
+                                   prepared_data_dir, privacy_guard, require_notes, save_prepared)
+from mistill.stages.runner import notes_written, open_stage, pending_notes, progress_label, stage_device
 from mistill.validation import (check_device, check_dtype, check_non_negative, check_not_empty, check_positive,
                                 check_seed)
 
@@ -149,41 +150,29 @@ def traced_corpus(corpus: Corpus, notes: list[Note], records: dict[str, dict],
 
 def run_generate(cfg: GenerateConfig) -> str:
     """Generate a trace per selected note; returns the run id (an identical finished run is reused)."""
-    from mistill.tracking.runs import StageRun
-
     check_config(cfg)
     prepared = load_prepared(cfg.prepare_run)
     corpus, inventory = prepared.corpus, prepared.inventory
     notes = selected_notes(prepared, cfg.split, cfg.max_notes)  # refuses a split without notes
     guard = privacy_guard(corpus)
     tags = {TAG_SOURCE_PREPARE: cfg.prepare_run, TAG_BACKEND: cfg.backend}
-    with StageRun("generate", cfg, corpus=corpus.name, guard=guard, corpus_digest=corpus.digest,
-                  inputs={"prepare": cfg.prepare_run}, tags=tags, resume=True,
-                  root=mistill_root()) as run:
+    with open_stage("generate", cfg, prepared, inputs={"prepare": cfg.prepare_run}, guard=guard,
+                    tags=tags) as run:
         if run.reused:
-            print(f"generate: reusing finished run {run.run_id}")
             return run.run_id
-        log_corpus_input(run, prepared)
-        if not guard.allows_text:
+        if not guard.allows_text and current_world().leader:
             run.set_tags({TAG_ENCLAVE_DIR: str(run.enclave_dir)})
         decoding = cfg.decoding()
-        done = run.finished_notes(NOTES)
-        records: dict[str, dict] = {}
-        traces: dict[str, str] = {}
-        for note in notes:  # notes finished before a crash: their texts are protected first
-            if note.note_id in done:
-                records[note.note_id] = run.load_note(NOTES, note.note_id, RECORD_FILE)
-                traces[note.note_id] = _stored_trace(run, note.note_id)
-                guard.protect([traces[note.note_id]])
-        todo = [n for n in notes if n.note_id not in done]
+        todo = pending_notes(run, NOTES, notes, desc="generate")
         thinking = template_has_thinking(load_tokenizer(cfg.model))
-        if not thinking:
+        if not thinking and current_world().leader:
             print(f"generate: the chat template of {cfg.model} has no thinking switch; "
                   "generations without think tags count as closed reasoning of length 0")
         if todo:
-            backend = make_backend(cfg.backend, cfg.model, decoding, device=cfg.device, dtype=cfg.dtype)
+            backend = make_backend(cfg.backend, cfg.model, decoding, device=stage_device(cfg.device),
+                                   dtype=cfg.dtype)
             index = CodeIndex(inventory.codes)
-            bar = track(total=len(todo), desc="generate")
+            bar = track(total=len(todo), desc=progress_label("generate"))
             for start in range(0, len(todo), cfg.batch_size):
                 batch = todo[start:start + cfg.batch_size]
                 items = [(build_prompt(n, n.shortlist, inventory, backend.tokenizer,
@@ -198,9 +187,16 @@ def run_generate(cfg: GenerateConfig) -> str:
                         run.write_note(NOTES, note.note_id, {RECORD_FILE: record, **trace})
                     else:  # restricted: the text stays in this machine's enclave
                         run.write_note(NOTES, note.note_id, {RECORD_FILE: record}, local_files=trace)
-                    records[note.note_id], traces[note.note_id] = record, gen.text
                     bar.update(1)
             bar.close()
+        if not notes_written(run, NOTES, notes):
+            return run.run_id
+        records: dict[str, dict] = {}
+        traces: dict[str, str] = {}
+        for note in notes:  # every generated text is protected before anything is logged
+            records[note.note_id] = run.load_note(NOTES, note.note_id, RECORD_FILE)
+            traces[note.note_id] = _stored_trace(run, note.note_id)
+            guard.protect([traces[note.note_id]])
 
         ordered = [records[n.note_id] for n in notes]
         out = traced_corpus(corpus, notes, records, traces)

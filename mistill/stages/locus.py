@@ -30,11 +30,12 @@ import numpy as np
 import pandas as pd
 
 from mistill.config import Config
+from mistill.distributed import broadcast, current_world
 from mistill.errors import MistillInputError
 from mistill.io import npz_bytes
 from mistill.params import ChunkParams, PoolParams, StabilityParams
-from mistill.progress import track
-from mistill.stages.common import RunReader, log_corpus_input, mistill_root, note_input, privacy_guard
+from mistill.stages.common import RunReader, note_input
+from mistill.stages.runner import note_loop, notes_written, open_stage, stage_device
 from mistill.validation import (check_choice, check_choices, check_counts, check_device, check_dtype, check_interval,
                                 check_name, check_no_text_fields, check_non_negative, check_positive,
                                 check_run_id, check_seed)
@@ -152,8 +153,6 @@ def run_locus(cfg: LocusStageConfig) -> str:
     from mistill.instrument.runner import Runner
     from mistill.models.loading import load_model
     from mistill.stages.characterize import _events_input, attribute_notes, read_realized, trace_start_token
-    from mistill.tracking.runs import StageRun
-
     att = RunReader(cfg.attribute_run, field="attribute_run")
     if att.tags.get("mistill.stage") != "attribute":
         raise MistillInputError(f"run {cfg.attribute_run} is a {att.tags.get('mistill.stage')!r} run, not attribute",
@@ -161,15 +160,11 @@ def run_locus(cfg: LocusStageConfig) -> str:
     ev = _events_input(att.config["events_run"])
     prepared = ev.prepared
     notes = attribute_notes(ev, cfg.split or att.config.get("split", ""))
-    guard = privacy_guard(prepared.corpus)
-    with StageRun("locus", cfg, corpus=prepared.corpus.name, guard=guard, model=ev.model,
-                  corpus_digest=prepared.corpus.digest, inputs={"attribute": cfg.attribute_run},
-                  resume=True, root=mistill_root()) as run:
+    with open_stage("locus", cfg, prepared, inputs={"attribute": cfg.attribute_run}, model=ev.model) as run:
         if run.reused:
-            print(f"locus: reusing finished run {run.run_id}")
             return run.run_id
-        log_corpus_input(run, prepared)
-        lm = load_model(ev.model, dtype=cfg.dtype, device=cfg.device)
+        world = current_world()
+        lm = load_model(ev.model, dtype=cfg.dtype, device=stage_device(cfg.device))
         runner, hook = Runner(lm, chunk_size=cfg.chunk_size), HeadHook(lm.geometry)
         names = lm.geometry.head_names()
         emission = _ranking(json.loads(att.file("head_sets.json").read_text()), "P1", names)
@@ -190,10 +185,7 @@ def run_locus(cfg: LocusStageConfig) -> str:
             code_spans = [(ni.trace_offset + s, ni.trace_offset + e) for _, s, e in spans]
             return ni, realized, mentions, prefix, mean, code_spans
 
-        done = run.finished_notes(PROBE_NOTES)
-        for note in track(notes, desc="locus probes"):
-            if note.note_id in done:
-                continue
+        for note in note_loop(run, PROBE_NOTES, notes, desc="locus probes"):
             ni, realized, mentions, prefix, mean, code_spans = open_note(note)
             nulls = [r for r in realized if r.event.kind == "NULL"]
             res = probe_note(runner, hook, prefix, mean, note_id=note.note_id, input_ids=ni.input_ids,
@@ -208,15 +200,17 @@ def run_locus(cfg: LocusStageConfig) -> str:
                 PROBE_FILE: "".join(json.dumps(r, sort_keys=True) + "\n" for r in res.rows),
                 ARRAYS_FILE: npz_bytes(arrays), "window_classes.json": res.class_counts})
             del prefix
-        probe_rows, importances = _read_probe_notes(run, notes)
-        sets = _calibrated_sets(run, cfg, importances, names)
-        prose = _ranking(sets, "prose_time", names) if "prose_time" in sets else []
-        read_groups = read_panel(prose, emission, lm.geometry.n_total_heads, cfg.follow_k, cfg.seed)
-        run.log_json("read_panel.json", {k: [names[h] for h in v] for k, v in read_groups.items()})
-        done = run.finished_notes(SETS_NOTES)
-        for note in track(notes, desc="locus sets"):
-            if note.note_id in done or not prose:
-                continue
+        shared = None
+        if notes_written(run, PROBE_NOTES, notes):  # the calibration needs every note's probes
+            probe_rows, importances = _read_probe_notes(run, notes)
+            sets = _calibrated_sets(run, cfg, importances, names)
+            prose = _ranking(sets, "prose_time", names) if "prose_time" in sets else []
+            read_groups = read_panel(prose, emission, lm.geometry.n_total_heads, cfg.follow_k, cfg.seed)
+            run.log_json("read_panel.json", {k: [names[h] for h in v] for k, v in read_groups.items()})
+            shared = probe_rows, sets, prose, read_groups
+        probe_rows, sets, prose, read_groups = broadcast(shared, world)
+        set_notes = notes if prose else []
+        for note in note_loop(run, SETS_NOTES, set_notes, desc="locus sets"):
             rows = [r for r in probe_rows if r["note_id"] == note.note_id]
             if not any(r.get("attributed") for r in rows):
                 run.write_note(SETS_NOTES, note.note_id, {SETS_FILE: {"pass_b": [], "follow_through": [], "swap": [],
@@ -235,6 +229,8 @@ def run_locus(cfg: LocusStageConfig) -> str:
                             for r, v in zip([r for r in rows if r.get("attributed")], reads)]
             run.write_note(SETS_NOTES, note.note_id, {SETS_FILE: out})
             del prefix
+        if not notes_written(run, SETS_NOTES, set_notes):
+            return run.run_id
         _tables(run, cfg, notes, probe_rows, sets, emission, names)
         run.set_tags({"mistill.split": cfg.split or att.config.get("split", "")})
         print(f"locus: {len(notes)} notes, {len(probe_rows)} chapter mentions -> run {run.run_id}")

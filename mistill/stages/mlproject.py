@@ -4,8 +4,10 @@ MLflow parameter types are ``string``, ``float``, ``path`` and ``uri``: integers
 ``float`` and checked as integers by the stage's config; booleans and lists are strings. A
 required input run (:meth:`~mistill.stages.registry.Stage.required_inputs`) has no default, so
 ``mlflow run`` refuses to start without it; an optional one defaults to empty.
-Run ``python -m mistill.stages.mlproject`` after adding a stage or a parameter; a test checks
-that the committed file is current.
+A shardable stage (:mod:`mistill.stages.runner`) also takes ``launcher`` (``none`` or
+``torchrun``) and ``nproc``, which say how many processes run it and are not part of its run's
+identity. Run ``python -m mistill.stages.mlproject`` after adding a stage or a parameter; a test
+checks that the committed file is current.
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ def render() -> str:
                 lines.append(f"      {f.name}: {{type: {t}, default: {d!r}}}" if t == "string"
                              else f"      {f.name}: {{type: {t}, default: {d}}}")
             args.append(f"--{f.name} {{{f.name}}}")
+        if stage.shardable:  # how many processes run it: not a field of its config
+            lines.append("      launcher: {type: string, default: 'none'}")
+            lines.append("      nproc: {type: float, default: 1}")
+            args += ["--launcher {launcher}", "--nproc {nproc}"]
         lines.append(f"    command: \"python projects/{stage.name}.py {' '.join(args)}\"")
     return "\n".join(lines) + "\n"
 

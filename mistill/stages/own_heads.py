@@ -41,8 +41,9 @@ from mistill.instrument.passes import PHASES, donor_order
 from mistill.params import (DonorParams, KnockinReadParams, NomineeParams, NullParams, PatchParams,
                             StabilityParams, TokenCapParams)
 from mistill.progress import get_logger, track
-from mistill.stages.common import (Prepared, RunReader, Subject, load_prepared, log_corpus_input, mistill_root,
-                                   model_positions, privacy_guard, trained_subject)
+from mistill.stages.common import (Prepared, RunReader, Subject, load_prepared, model_positions, privacy_guard,
+                                   trained_subject)
+from mistill.stages.runner import open_stage
 from mistill.stages.workflow import LAUNCHES
 from mistill.validation import (check_choice, check_counts, check_device, check_dtype, check_non_negative,
                                 check_positive, check_seed)
@@ -180,7 +181,7 @@ def run_own_heads(cfg: OwnHeadsConfig) -> str:
     from mistill.instrument.runner import Runner
     from mistill.models.loading import load_model
     from mistill.stages.characterize import _ranks_from_head_sets
-    from mistill.tracking.runs import TAG_SPLIT, StageRun
+    from mistill.tracking.runs import TAG_SPLIT
 
     arm = _arm(cfg)
     prepared = load_prepared(cfg.prepare_run)
@@ -188,16 +189,14 @@ def run_own_heads(cfg: OwnHeadsConfig) -> str:
     guard = privacy_guard(prepared.corpus)
     inputs = {"prepare": cfg.prepare_run, **({"train": cfg.train_run} if cfg.train_run else {})}
     tags = {**arm.links, TAG_SPLIT: cfg.test_split}
-    with StageRun("own_heads", cfg, corpus=prepared.corpus.name, guard=guard, model=arm.spec,
-                  arm=arm.arm, seed=cfg.seed if arm.seed is None else arm.seed,
-                  precision=arm.precision, corpus_digest=prepared.corpus.digest,
-                  inputs=inputs, tags=tags, resume=True, root=mistill_root()) as run:
+    # one process: the arm's own ranking runs as nested events and attribute runs first
+    with open_stage("own_heads", cfg, prepared, inputs=inputs, guard=guard, model=arm.spec, arm=arm.arm,
+                    seed=cfg.seed if arm.seed is None else arm.seed, precision=arm.precision, tags=tags,
+                    shardable=False) as run:
         if run.reused:
-            _log.info("own_heads: reusing finished run %s (%s)", run.run_name, run.run_id)
             return run.run_id
         ranked = _rank_steps(cfg, arm.spec, prepared.corpus.name, parent=run.run_id)
         run.set_tags({"mistill.rank_events": ranked["events"], "mistill.rank_attribute": ranked["attribute"]})
-        log_corpus_input(run, prepared)
         lm = load_model(arm.spec, dtype=cfg.dtype, device=cfg.device)
         runner, hook = Runner(lm, chunk_size=cfg.chunk_size), HeadHook(lm.geometry)
         names = lm.geometry.head_names()

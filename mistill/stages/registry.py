@@ -32,6 +32,9 @@ class Stage:
         (``teacher_attribute`` -> ``attribute``).
     stands_for: the stage whose runs this stage's runs can replace as an input
         (``shortlist`` and ``generate`` write a prepared corpus: use them as ``prepare_run``).
+    shardable: the stage's notes are independent, so ``torchrun`` / ``accelerate launch`` may
+        share them among processes (:mod:`mistill.stages.runner`); its entry point takes
+        ``launcher`` and ``nproc``.
     """
 
     name: str
@@ -42,6 +45,7 @@ class Stage:
     optional: frozenset[str] = frozenset()
     sources: Mapping[str, str] = field(default_factory=dict)
     stands_for: str = ""
+    shardable: bool = False
 
     def input_runs(self, cfg: Config) -> dict[str, str]:
         """Lineage of a config: the input runs it names (optional inputs left empty are omitted)."""
@@ -84,6 +88,7 @@ class _Entry:
     optional: frozenset[str] = frozenset()
     sources: Mapping[str, str] = field(default_factory=dict)
     stands_for: str = ""
+    shardable: bool = False
 
 
 _TABLE = (
@@ -94,20 +99,20 @@ _TABLE = (
            stands_for="prepare"),
     _Entry("generate", "mistill.stages.generate", "GenerateConfig", "run_generate", {"prepare": "prepare_run"},
            "a model's traces under the paper's decoding: flags, rates, a traced corpus (use as prepare_run)",
-           stands_for="prepare"),
+           stands_for="prepare", shardable=True),
     _Entry("events", "mistill.stages.characterize", "EventsConfig", "run_events", {"prepare": "prepare_run"},
-           "decision events per note, realized in the model's tokenizer, and the margin audit"),
+           "decision events per note, realized in the model's tokenizer, and the margin audit", shardable=True),
     _Entry("attribute", "mistill.stages.characterize", "AttributeConfig", "run_attribute",
            {"events": "events_run"}, "attribution pass, exact patches, calibration and global head sets"),
     _Entry("knockin", "mistill.stages.characterize", "KnockinStageConfig", "run_knockin",
            {"attribute": "attribute_run"}, "necessity and knock-in of the global sets against controls"),
     _Entry("locus", "mistill.stages.locus", "LocusStageConfig", "run_locus", {"attribute": "attribute_run"},
            "the forcing probe's locus per chapter mention, the prose-time set, passes A/B, "
-           "follow-through and residual swap"),
+           "follow-through and residual swap", shardable=True),
     _Entry("targets", "mistill.stages.distill", "TargetsConfig", "run_targets",
            {"teacher_attribute": "teacher_attribute_run", "locus": "locus_run"},
            "the teacher's targets on the training notes: top-32, pooled bucket rows, m and c",
-           optional=frozenset({"locus"}), sources={"teacher_attribute": "attribute"}),
+           optional=frozenset({"locus"}), sources={"teacher_attribute": "attribute"}, shardable=True),
     _Entry("train", "mistill.stages.distill", "TrainStageConfig", "run_train",
            {"targets": "targets_run", "student_attribute": "student_attribute_run"},
            "one arm at one seed with the shared recipe; the checkpoint registered per arm and seed",
@@ -115,7 +120,7 @@ _TABLE = (
     _Entry("evaluate", "mistill.stages.evaluate", "EvaluateConfig", "run_evaluate",
            {"prepare": "prepare_run", "train": "train_run", "las": "las_run"},
            "a model or trained arm on a split: predictions, task metrics, fidelity (PPL, BLEU-4, LAS), M1",
-           optional=frozenset({"train", "las"}), sources={"las": "las_simulator"}),
+           optional=frozenset({"train", "las"}), sources={"las": "las_simulator"}, shardable=True),
     _Entry("las_simulator", "mistill.stages.las", "LasSimulatorConfig", "run_las_simulator",
            {"prepare": "prepare_run"},
            "the frozen LAS simulator: fine-tuned once on the teacher's traces (note + rationale, note alone)"),
@@ -144,7 +149,8 @@ def stage_help() -> dict[str, str]:
 def _stage(entry: _Entry) -> Stage:
     module = importlib.import_module(entry.module)
     return Stage(entry.name, getattr(module, entry.config), getattr(module, entry.run), dict(entry.inputs),
-                 entry.help, optional=entry.optional, sources=dict(entry.sources), stands_for=entry.stands_for)
+                 entry.help, optional=entry.optional, sources=dict(entry.sources), stands_for=entry.stands_for,
+                 shardable=entry.shardable)
 
 
 def stage(name: str) -> Stage:

@@ -556,6 +556,9 @@ class StageRun:
         repo_root: the source tree whose :func:`code_version` identifies the run.
         code_version: override the computed code version (tests, frozen deployments).
         tracking_uri: server URI (default: ``MLFLOW_TRACKING_URI`` or the project's server).
+        attach: the id of a run another process of the same pass opened (rank 0 of a
+            ``torchrun`` launch): this one writes notes and tags into it but takes no lease,
+            logs no params or ``config.json``, and never ends it.
 
     Inside ``mlflow run`` (``MLFLOW_RUN_ID`` set) the launched run is adopted as the new run;
     launch with ``--experiment-name mistill/<corpus>`` so that it lands in the corpus's
@@ -571,7 +574,8 @@ class StageRun:
                  root: Path | str = Path(".mistill"), repo_root: Path | str | None = None,
                  code_version: str | None = None, tracking_uri: str | None = None,
                  lam: Any = None, split: str | None = None, name: str | None = None,
-                 parent: str | None = None, system_metrics: bool | None = None) -> None:
+                 parent: str | None = None, system_metrics: bool | None = None,
+                 attach: str | None = None) -> None:
         if not isinstance(config, Config):
             raise TypeError(f"config must be a mistill.config.Config, got {type(config).__name__}")
         self.stage = stage
@@ -615,6 +619,7 @@ class StageRun:
         self._heartbeat: Heartbeat | None = None
         self._signals: _SignalTrap | None = None
         self._checkpoint: tuple[str, dict[str, str]] | None = None
+        self.attach = attach
 
     # ------------------------------------------------------------------------ properties
     @property
@@ -683,6 +688,12 @@ class StageRun:
         self.config.check_environment()
         if mlflow.get_tracking_uri() != self.tracking_uri:
             mlflow.set_tracking_uri(self.tracking_uri)
+        if self.attach:
+            self.run = self.client.get_run(self.attach)
+            self.experiment_id = self.run.info.experiment_id
+            self.experiment_name = self.client.get_experiment(self.experiment_id).name
+            self._active = True
+            return self
         tags = self.tags()
         launched = os.environ.get("MLFLOW_RUN_ID")
         if launched:
@@ -797,6 +808,9 @@ class StageRun:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         if self.reused or not self._active:
+            return False
+        if self.attach:  # the run's owner ends it
+            self._active = False
             return False
         if exc is not None and is_unreachable(exc):
             self._abandon(exc)
