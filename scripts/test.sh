@@ -4,12 +4,19 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh || exit 1
-# headless Chromium for the browser tests (tests/test_browser.py), from Debian's packages;
-# skipped when it is already there. Without it those tests fail, they do not skip.
-if ! command -v chromium >/dev/null 2>&1; then
-  echo "installing chromium for the browser tests" >&2
-  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } \
-    >/dev/null 2>&1 || echo "could not install chromium: the browser tests will fail" >&2
+# From Debian's packages, each skipped when it is already there (without them their tests fail,
+# they do not skip): headless Chromium for the browser tests (tests/test_browser.py), and
+# PostgreSQL's server for the PostgreSQL store tests (tests/test_postgres.py; the tests start
+# their own server on a free port, never the package's cluster).
+missing=()
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  missing+=(postgresql)
+fi
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "installing ${missing[*]} for the tests" >&2
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"; } \
+    >/dev/null 2>&1 || echo "could not install ${missing[*]}: their tests will fail" >&2
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate

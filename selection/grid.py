@@ -80,7 +80,16 @@ _thread_locks_guard = threading.Lock()
 
 
 def default_storage_url(root: Path | str) -> str:
-    """``sqlite:///<root>/optuna/selection.db`` (absolute path), the directory created."""
+    """``sqlite:///<root>/optuna/selection.db`` (absolute path, the directory created), or with
+    ``$MISTILL_DATABASE_URL`` set, database ``<name>_selection`` of that PostgreSQL server
+    (created on first use; :mod:`mistill.tracking.postgres`)."""
+    from mistill.tracking.postgres import database_url, ensure_database, selection_storage_url
+
+    url = database_url()
+    if url:
+        storage = selection_storage_url(url)
+        ensure_database(storage)
+        return storage
     path = (Path(root) / "optuna" / STUDY_DB).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     return _SQLITE + str(path)

@@ -162,6 +162,7 @@ def run_select_lambda(cfg: SelectLambdaConfig, runner: Runner | None = None) -> 
     from mlflow.entities import Param
 
     from mistill.stages.common import mistill_root
+    from mistill.tracking.postgres import masked
     from mistill.tracking.privacy import PrivacyGuard
     from mistill.tracking.runs import StageRun, param_string, repo_file
     from selection.decide import NO_ELIGIBLE, decide
@@ -206,7 +207,7 @@ def run_select_lambda(cfg: SelectLambdaConfig, runner: Runner | None = None) -> 
             tags = run.run.data.tags
             print(f"select_lambda: reusing finished run {run.run_id}: {tags.get(TAG_RULE)} -> {tags.get(TAG_PICK)}")
             return run.run_id
-        run.set_tags({"mistill.selection.storage": storage, "mistill.selection.lock_path": lock.path})
+        run.set_tags({"mistill.selection.storage": masked(storage), "mistill.selection.lock_path": lock.path})
         if handle.created:  # the lock's sha256 (tag above) was fixed into a new study by this run
             run.set_tags({"mistill.selection.study_created": "true"})
         existing = run.client.get_run(run.run_id).data.params
@@ -228,7 +229,7 @@ def run_select_lambda(cfg: SelectLambdaConfig, runner: Runner | None = None) -> 
                                                                      tracking=tracking)
             cells = study_cells(handle)
             decision = decide(lock, cells.results)
-        run.log_json("decision.json", decision_record(lock, decision, cells, reports, study=name, storage=storage,
+        run.log_json("decision.json", decision_record(lock, decision, cells, reports, study=name, storage=masked(storage),
                                                       heartbeat=heartbeat.to_dict()))
         run.log_table("cells", cells_table(lock, decision, cells))
         run.log_table("sensitivity", sensitivity_table(lock, cells))

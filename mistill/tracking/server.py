@@ -1,6 +1,7 @@
 """Start, reuse and stop the project's MLflow tracking server.
 
-One server per project root (default ``.mistill/``): SQLite backend ``<root>/mlflow.db``, proxied
+One server per project root (default ``.mistill/``): SQLite backend ``<root>/mlflow.db`` (or a
+PostgreSQL database, :mod:`mistill.tracking.postgres`), proxied
 artifacts under ``<root>/artifacts`` (clients get ``mlflow-artifacts:/`` URIs and need not share
 the disk), log in ``<root>/server.log``, and a record ``<root>/server.json`` with
 ``{pid, pgid, port, uri, root}``. The server runs in its own process session, so one signal to its
@@ -191,10 +192,14 @@ class TrackingServer:
         host: interface to bind (``127.0.0.1``: local clients only).
         port: the port to use, exactly (:meth:`start` fails if it is taken); 0: any free port;
             None: the root's last port if free, else 5000 if free, else a free one.
+        database_url: a PostgreSQL server's ``postgresql://user@host:port/name`` to keep the
+            runs in (default ``$MISTILL_DATABASE_URL``, see :mod:`mistill.tracking.postgres`);
+            none: SQLite ``<root>/mlflow.db``.
     """
 
     def __init__(self, root: Path | str = Path(".mistill"), host: str = "127.0.0.1",
-                 port: int | None = None) -> None:
+                 port: int | None = None, database_url: str | None = None) -> None:
+        self.database_url = database_url
         self.root = Path(root).absolute()
         self.host = host
         self.port = None if port is None else int(port)
@@ -216,8 +221,19 @@ class TrackingServer:
     def log_path(self) -> Path:
         return self.root / "server.log"
 
+    def _database_url(self) -> str | None:
+        from mistill.tracking.postgres import database_url
+
+        return self.database_url or database_url()
+
     @property
     def backend_uri(self) -> str:
+        """The backend store: the PostgreSQL database of ``database_url``, else SQLite."""
+        url = self._database_url()
+        if url:
+            from mistill.tracking.postgres import tracking_store_uri
+
+            return tracking_store_uri(url)
         return f"sqlite:///{self.root / 'mlflow.db'}"
 
     @property
@@ -345,6 +361,11 @@ class TrackingServer:
             f"{DEFAULT_PORT} or a free port")
 
     def _launch(self, port: int) -> subprocess.Popen[bytes]:
+        url = self._database_url()
+        if url:
+            from mistill.tracking.postgres import ensure_database
+
+            ensure_database(url)
         self.artifacts_dir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "mlflow", "server",
                "--backend-store-uri", self.backend_uri,
