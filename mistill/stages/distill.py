@@ -36,7 +36,7 @@ from mistill.models.loading import load_model, load_tokenizer
 from mistill.params import PoolParams, RecipeParams
 from mistill.progress import track
 from mistill.stages.characterize import NOTES, _events_input
-from mistill.stages.common import RunReader, log_corpus_input, mistill_root, privacy_guard, require_notes
+from mistill.stages.common import RunReader, privacy_guard, require_notes
 from mistill.stages.runner import note_loop, notes_written, open_stage, stage_device
 from mistill.validation import (check_device, check_dtype, check_non_negative, check_not_empty,
                                 check_positive, check_seed)
@@ -274,8 +274,6 @@ def _same_vocab(a, b) -> bool:
 
 
 def run_train(cfg: TrainStageConfig) -> str:
-    from mistill.tracking.runs import StageRun
-
     arm = resolve_arm(cfg.arm, cfg.arm_overrides())
     targets_run = RunReader(cfg.targets_run, field="targets_run")
     tcfg = targets_run.config
@@ -292,14 +290,13 @@ def run_train(cfg: TrainStageConfig) -> str:
     inputs = {"targets": cfg.targets_run}
     if cfg.student_attribute_run:
         inputs["student_attribute"] = cfg.student_attribute_run
-    with StageRun("train", cfg, corpus=prepared.corpus.name, guard=guard, model=cfg.student, arm=cfg.arm,
-                  seed=cfg.seed, precision=arm.precision, corpus_digest=prepared.corpus.digest, inputs=inputs,
-                  lam=(arm.lambda_p1, arm.lambda_p2) if arm.objective == "mistill" else None,
-                  resume=True, root=mistill_root()) as run:
+    # one process: the recipe's global batch is one process's accumulated micro-steps
+    with open_stage("train", cfg, prepared, inputs=inputs, guard=guard, model=cfg.student, arm=cfg.arm,
+                    seed=cfg.seed, precision=arm.precision,
+                    lam=(arm.lambda_p1, arm.lambda_p2) if arm.objective == "mistill" else None,
+                    shardable=False) as run:
         if run.reused:
-            print(f"train: reusing finished run {run.run_id}")
             return run.run_id
-        log_corpus_input(run, prepared)
         run.log_json("arm.json", arm.to_dict())
         _log_arm_params(run, arm)
         _mark_deviations(run, train_deviations(arm, tcfg, targets_run.tags), "train")

@@ -97,9 +97,8 @@ def run_las_simulator(cfg: LasSimulatorConfig) -> str:
                                         train_simulator)
     from mistill.evaluation.parsing import CodeIndex
     from mistill.models.loading import load_model
-    from mistill.stages.common import (INVENTORY_FILE, load_prepared, log_corpus_input, mistill_root,
-                                       model_positions, privacy_guard, require_notes)
-    from mistill.tracking.runs import StageRun
+    from mistill.stages.common import INVENTORY_FILE, load_prepared, model_positions, privacy_guard, require_notes
+    from mistill.stages.runner import open_stage
 
     if not cfg.prepare_run:
         raise MistillInputError("las_simulator needs a prepare run", field="prepare_run")
@@ -108,13 +107,10 @@ def run_las_simulator(cfg: LasSimulatorConfig) -> str:
     train_notes = require_notes([n for n in corpus.notes if n.split == cfg.split and n.teacher_trace],
                                 cfg.split, prepared)
     guard = privacy_guard(corpus)
-    with StageRun("las_simulator", cfg, corpus=corpus.name, guard=guard, model=cfg.model,
-                  corpus_digest=corpus.digest, inputs={"prepare": cfg.prepare_run}, resume=True,
-                  root=mistill_root()) as run:
+    with open_stage("las_simulator", cfg, prepared, inputs={"prepare": cfg.prepare_run}, guard=guard,
+                    model=cfg.model, shardable=False) as run:
         if run.reused:
-            print(f"las_simulator: reusing finished run {run.run_id}")
             return run.run_id
-        log_corpus_input(run, prepared)
         index = CodeIndex(list(prepared.inventory.codes))
         train = _examples(train_notes, index)
         lm = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)

@@ -76,8 +76,8 @@ def open_stage(stage: str, cfg: Config, prepared: Prepared, *, inputs: Mapping[s
     from mistill.tracking.runs import StageRun
 
     if current_world().distributed and not shardable:
-        raise MistillInputError(f"{stage} runs in one process (its notes depend on each other); launch it "
-                                f"without torchrun or with one process", field="nproc")
+        raise MistillInputError(f"{stage} runs in one process; launch it without torchrun, or with one "
+                                f"process", field="nproc")
     world = init_world(str(getattr(cfg, "device", "cpu")))
     guard = guard if guard is not None else privacy_guard(prepared.corpus)
     args = dict(corpus=corpus_name or prepared.corpus.name, guard=guard,

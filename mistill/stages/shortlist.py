@@ -52,14 +52,13 @@ from mistill.stages.common import (
     Prepared,
     corpus_index,
     load_prepared,
-    log_corpus_input,
-    mistill_root,
     prepared_data_dir,
     privacy_guard,
     require_notes,
     save_prepared,
     shown_patient_ids,
 )
+from mistill.stages.runner import open_stage
 
 PROMPT_ORDERS = ("inventory", "rank")
 TAG_SOURCE_PREPARE = "mistill.shortlist.source_prepare_run"
@@ -222,7 +221,7 @@ def _recall_at_k(ranked: list[list[str]], lists: list[list[str]], notes: list[No
 def run_shortlist(cfg: ShortlistConfig) -> str:
     """Shortlist every note of ``cfg.prepare_run``; returns the run id (reused when identical)."""
     from mistill.models.encoder import load_encoder
-    from mistill.tracking.runs import TAG_CORPUS_DIGEST, StageRun
+    from mistill.tracking.runs import TAG_CORPUS_DIGEST
 
     _check_config(cfg)
     prepared = load_prepared(cfg.prepare_run)
@@ -235,13 +234,10 @@ def run_shortlist(cfg: ShortlistConfig) -> str:
     tags = {TAG_SOURCE_PREPARE: cfg.prepare_run, "mistill.encoder": cfg.encoder}
     if cfg.train_prepare_run:
         tags[TAG_TRAIN_PREPARE] = cfg.train_prepare_run
-    with StageRun("shortlist", cfg, corpus=corpus.name, guard=guard, corpus_digest=corpus.digest,
-                  inputs={"prepare": cfg.prepare_run}, tags=tags, resume=True,
-                  root=mistill_root()) as run:
+    with open_stage("shortlist", cfg, prepared, inputs={"prepare": cfg.prepare_run}, guard=guard, tags=tags,
+                    shardable=False) as run:
         if run.reused:
-            print(f"shortlist: reusing finished run {run.run_id}")
             return run.run_id
-        log_corpus_input(run, prepared)
         excluded = excluded_patients(prepared, cfg.exclude_prepare_runs)
         train, dropped = split_training_notes(pool, excluded)
         retriever = Retriever(load_encoder(cfg.encoder, device=cfg.device), inventory,
