@@ -70,7 +70,7 @@ def test_dependent_stage_is_refused_under_several_processes(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(MistillInputError, match="attribute runs in one process"):
-        with open_stage("attribute", None, None, inputs={}, shardable=False):  # type: ignore[arg-type]
+        with open_stage("attribute", None, None, inputs={}):  # type: ignore[arg-type]
             pass
 
 

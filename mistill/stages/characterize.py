@@ -314,8 +314,7 @@ def run_attribute(cfg: AttributeConfig) -> str:
     notes = attribute_notes(ev, cfg.split)
     # one process: each note's exact-patching nominees come from the running global ranking of
     # the notes before it (App. C), so the notes are walked in corpus order
-    with open_stage("attribute", cfg, prepared, inputs={"events": cfg.events_run}, model=ev.model,
-                    shardable=False) as run:
+    with open_stage("attribute", cfg, prepared, inputs={"events": cfg.events_run}, model=ev.model) as run:
         if run.reused:
             return run.run_id
         lm = load_model(ev.model, dtype=cfg.dtype, device=cfg.device)
@@ -592,8 +591,7 @@ def run_knockin(cfg: KnockinStageConfig) -> str:
     prepared = ev.prepared
     head_sets = json.loads(att_reader.file("head_sets.json").read_text())
     # one process: a note's knock-ins need its donors' clean runs, swept in corpus order
-    with open_stage("knockin", cfg, prepared, inputs={"attribute": cfg.attribute_run}, model=ev.model,
-                    shardable=False) as run:
+    with open_stage("knockin", cfg, prepared, inputs={"attribute": cfg.attribute_run}, model=ev.model) as run:
         if run.reused:
             return run.run_id
         lm = load_model(ev.model, dtype=att_reader.config.get("dtype", cfg.dtype), device=cfg.device)

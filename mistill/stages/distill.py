@@ -293,8 +293,7 @@ def run_train(cfg: TrainStageConfig) -> str:
     # one process: the recipe's global batch is one process's accumulated micro-steps
     with open_stage("train", cfg, prepared, inputs=inputs, guard=guard, model=cfg.student, arm=cfg.arm,
                     seed=cfg.seed, precision=arm.precision,
-                    lam=(arm.lambda_p1, arm.lambda_p2) if arm.objective == "mistill" else None,
-                    shardable=False) as run:
+                    lam=(arm.lambda_p1, arm.lambda_p2) if arm.objective == "mistill" else None) as run:
         if run.reused:
             return run.run_id
         run.log_json("arm.json", arm.to_dict())

@@ -108,7 +108,7 @@ def run_las_simulator(cfg: LasSimulatorConfig) -> str:
                                 cfg.split, prepared)
     guard = privacy_guard(corpus)
     with open_stage("las_simulator", cfg, prepared, inputs={"prepare": cfg.prepare_run}, guard=guard,
-                    model=cfg.model, shardable=False) as run:
+                    model=cfg.model) as run:
         if run.reused:
             return run.run_id
         index = CodeIndex(list(prepared.inventory.codes))

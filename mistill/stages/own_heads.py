@@ -191,8 +191,7 @@ def run_own_heads(cfg: OwnHeadsConfig) -> str:
     tags = {**arm.links, TAG_SPLIT: cfg.test_split}
     # one process: the arm's own ranking runs as nested events and attribute runs first
     with open_stage("own_heads", cfg, prepared, inputs=inputs, guard=guard, model=arm.spec, arm=arm.arm,
-                    seed=cfg.seed if arm.seed is None else arm.seed, precision=arm.precision, tags=tags,
-                    shardable=False) as run:
+                    seed=cfg.seed if arm.seed is None else arm.seed, precision=arm.precision, tags=tags) as run:
         if run.reused:
             return run.run_id
         ranked = _rank_steps(cfg, arm.spec, prepared.corpus.name, parent=run.run_id)

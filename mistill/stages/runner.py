@@ -29,9 +29,9 @@ it is uploaded). Under ``torchrun`` / ``accelerate launch`` (:mod:`mistill.distr
   (or is stopped by the launcher), so the run ends FAILED or KILLED, or stays RUNNING until its
   lease lapses: never FINISHED with notes missing. A rerun resumes it.
 
-A stage whose notes depend on each other (``attribute``'s running global ranking, ``knockin``'s
-donor schedule) opens its run with ``shardable=False`` and is refused under a launcher of
-several processes.
+A stage that is not ``shardable`` in the stage table (:mod:`mistill.stages.registry`), such as
+one whose notes depend on each other (``attribute``'s running global ranking, ``knockin``'s donor
+schedule), is refused under a launcher of several processes.
 """
 
 from __future__ import annotations
@@ -56,8 +56,7 @@ _log = get_logger("runner")
 
 @contextlib.contextmanager
 def open_stage(stage: str, cfg: Config, prepared: Prepared, *, inputs: Mapping[str, str],
-               guard: PrivacyGuard | None = None, shardable: bool = True, corpus_name: str | None = None,
-               corpus_digest: str | None = None, **run_args: Any) -> Iterator[StageRun]:
+               guard: PrivacyGuard | None = None, **run_args: Any) -> Iterator[StageRun]:
     """The stage's run, opened with resume (an identical finished run is reused: ``run.reused``).
 
     Args:
@@ -67,21 +66,18 @@ def open_stage(stage: str, cfg: Config, prepared: Prepared, *, inputs: Mapping[s
             (unless the run is reused) and its privacy guard checks everything written.
         inputs: lineage ``{name: input run id}``.
         guard: the privacy guard (default: :func:`~mistill.stages.common.privacy_guard` of the corpus).
-        shardable: the stage's notes are independent of each other, so the processes of a
-            ``torchrun`` launch may share them; otherwise a launch of several processes is refused.
-        corpus_name, corpus_digest: the experiment's corpus and its digest (default: ``prepared``'s).
         run_args: passed to :class:`~mistill.tracking.runs.StageRun` (model, arm, tags, ...).
     """
     from mistill.stages.common import log_corpus_input, mistill_root, privacy_guard
+    from mistill.stages.registry import stage as registered
     from mistill.tracking.runs import StageRun
 
-    if current_world().distributed and not shardable:
+    if current_world().distributed and not registered(stage).shardable:
         raise MistillInputError(f"{stage} runs in one process; launch it without torchrun, or with one "
                                 f"process", field="nproc")
     world = init_world(str(getattr(cfg, "device", "cpu")))
     guard = guard if guard is not None else privacy_guard(prepared.corpus)
-    args = dict(corpus=corpus_name or prepared.corpus.name, guard=guard,
-                corpus_digest=corpus_digest or prepared.corpus.digest, inputs=dict(inputs),
+    args = dict(corpus=prepared.corpus.name, guard=guard, corpus_digest=prepared.corpus.digest, inputs=dict(inputs),
                 resume=True, root=mistill_root(), **run_args)
     if world.leader:
         with StageRun(stage, cfg, **args) as run:

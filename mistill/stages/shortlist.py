@@ -234,8 +234,7 @@ def run_shortlist(cfg: ShortlistConfig) -> str:
     tags = {TAG_SOURCE_PREPARE: cfg.prepare_run, "mistill.encoder": cfg.encoder}
     if cfg.train_prepare_run:
         tags[TAG_TRAIN_PREPARE] = cfg.train_prepare_run
-    with open_stage("shortlist", cfg, prepared, inputs={"prepare": cfg.prepare_run}, guard=guard, tags=tags,
-                    shardable=False) as run:
+    with open_stage("shortlist", cfg, prepared, inputs={"prepare": cfg.prepare_run}, guard=guard, tags=tags) as run:
         if run.reused:
             return run.run_id
         excluded = excluded_patients(prepared, cfg.exclude_prepare_runs)
