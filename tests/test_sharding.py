@@ -202,3 +202,73 @@ def test_killed_rank_fails_the_pass_and_one_process_finishes_only_the_rest(track
     for note, mtimes in before.items():  # what the ranks finished before the kill was not redone
         assert {p.name: p.stat().st_mtime_ns for p in (run_dir / "notes" / note).iterdir()
                 if p.name in mtimes} == mtimes, note
+
+
+# ------------------------------------------------------------------------- data-parallel training
+@pytest.fixture(scope="module")
+def targets_run(tracking_uri, tmp_path_factory, pinned_code_version):
+    """The tiny teacher's targets on the 3 training notes of a 6-note synthetic corpus."""
+    from mistill.stages.characterize import AttributeConfig, EventsConfig, run_attribute, run_events
+    from mistill.stages.distill import TargetsConfig, run_targets
+
+    root = tmp_path_factory.mktemp("ddp-root")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MISTILL_ROOT", str(root))
+        prep = run_prepare(PrepareConfig(corpus="synthetic", corpus_name=unique("ddp"), n_notes=6, model=TINY))
+        events = run_events(EventsConfig(prepare_run=prep, model=TINY, n_null=4))
+        attribute = run_attribute(AttributeConfig(events_run=events, selftest_events=0, stability_splits=5))
+        targets = run_targets(TargetsConfig(teacher_attribute_run=attribute))
+    return {"targets": targets, "root": root}
+
+
+def test_training_on_two_processes_equals_one_process(targets_run, tmp_path, monkeypatch):
+    """The Vanilla CoT-KD arm (bf16 weights, the CPU's fp32 GEMMs), a global batch of 3, one
+    optimizer step: two gloo processes (two examples and one, gradients summed over the
+    ranks) reach the weights and losses of one process, to bf16 rounding of the gradient sums.
+    The learning rate is raised so that the step moves bf16 weights by more than their rounding."""
+    import torch
+    from mlflow.tracking import MlflowClient
+
+    from mistill.models.loading import load_model
+    from mistill.stages.distill import TrainStageConfig, run_train
+
+    root = targets_run["root"]
+    monkeypatch.setenv("MISTILL_ROOT", str(root))
+    args = dict(targets_run=targets_run["targets"], student="tiny:qwen3:seed=2", arm="vanilla-bf16", grad_accum=3,
+                max_steps=1, lr=1e-3)
+    # `register` tells the two runs apart (identical runs are reused); it does not touch training
+    runs = {"one": run_train(TrainStageConfig(**args, register=False))}
+    frozen = freeze_source(tmp_path / "src")
+    env = subprocess_env(os.environ["MLFLOW_TRACKING_URI"], root)
+    cmd = [sys.executable, "projects/train.py", *(f"--{k}={v}" for k, v in args.items()), "--register", "true",
+           "--launcher", "torchrun", "--nproc", "2"]
+    proc = subprocess.run(cmd, cwd=frozen, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    found = re.findall(r"mistill train: run ([0-9a-f]{32})", proc.stdout)
+    assert len(found) == 1, proc.stdout[-2000:]  # printed by rank 0 only
+    runs["two"] = found[0]
+    client = MlflowClient()
+    history = {k: [m.value for m in sorted(client.get_metric_history(r, "train/loss"), key=lambda m: m.step)]
+               for k, r in runs.items()}
+    assert len(history["one"]) == 1 and history["two"] == pytest.approx(history["one"], rel=1e-3)
+    states = {k: torch.load(root / "work" / r / "trainer" / "trainer_state.pt", weights_only=False)
+              for k, r in runs.items()}
+    assert states["one"]["step"] == states["two"]["step"] == 1
+    before = load_model("tiny:qwen3:seed=2").model.state_dict()
+    # bf16 gradients are summed in another order (each rank's share, then over the ranks), so a
+    # gradient entry can round to another bf16 value; where it is near zero, its sign (Adam's
+    # first step moves a weight by lr times that sign) can flip. So: equal to bf16 tolerance
+    # except for a handful of entries, and those apart by at most one step of each run
+    moved, off, total = 0.0, 0, 0
+    bound = 2 * args["max_steps"] * args["lr"] * 1.01
+    for key, value in states["one"]["model"].items():
+        other = states["two"]["model"][key]
+        assert value.dtype == other.dtype == torch.bfloat16
+        diff = (other.float() - value.float()).abs()
+        close = torch.isclose(other.float(), value.float(), rtol=1.6e-2, atol=1e-5)
+        off += int((~close).sum())
+        total += value.numel()
+        assert float(diff.max()) <= bound, key
+        moved = max(moved, float((value.float() - before[key].float()).abs().max()))
+    assert off <= total * 1e-3, (off, total)
+    assert moved > 1e-4  # the step changed the weights: the comparison is not of untouched models

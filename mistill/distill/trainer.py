@@ -10,6 +10,14 @@ controls trained); ``fp32`` — fp32 master weights with the forward under bf16 
 The epoch order is a function of (seed, epoch). After every optimizer step the trainer can
 save a resumable state (model, optimizer, scheduler, every RNG, position in the data); a run
 resumed from it continues the same data order and random draws, bit for bit on CPU.
+
+Data parallel over the processes of a ``torchrun`` launch (:mod:`mistill.distributed`): every
+rank holds the same weights; each optimizer step's global batch (the next ``grad_accum``
+examples of the epoch order) is dealt round-robin over the ranks, each rank back-propagates its
+share scaled by the global batch size, and one all-reduce sums the gradients over the ranks (the
+reduction DDP performs) before every rank takes the same clipped step. The global batch, the
+data order, the schedule and the saved state are those of one process, so a run resumes on any
+number of processes; the sums differ from one process's only in float summation order.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from mistill.config import Config
+from mistill.distributed import World, current_world, gather, shard
 from mistill.distill.cpu_bf16 import fp32_gemms, use_fp32_gemms
 from mistill.errors import MistillInputError
 from mistill.instrument.passes import stable_seed
@@ -164,9 +173,10 @@ class Trainer:
 
     def __init__(self, model: nn.Module, n_examples: int, recipe: RecipeConfig, micro_step: MicroStep, *,
                  state_dir: Path | None = None, log: Callable[[dict, int], None] | None = None,
-                 extra_params: Sequence[nn.Parameter] = ()) -> None:
+                 extra_params: Sequence[nn.Parameter] = (), world: World | None = None) -> None:
         if n_examples <= 0:
             raise MistillInputError("no training examples", field="notes")
+        self.world = world or current_world()
         self.model = model
         self.n = n_examples
         self.recipe = recipe
@@ -192,7 +202,8 @@ class Trainer:
         return self.state_dir / "trainer_state.pt" if self.state_dir else None
 
     def save_state(self) -> None:
-        if self.state_path is None:
+        """Save the resumable state (rank 0 only: every rank holds the same state)."""
+        if self.state_path is None or not self.world.leader:
             return
         self.state_dir.mkdir(parents=True, exist_ok=True)
         state = {"model": self.model.state_dict(), "extra": [p.detach().clone() for p in self.extra_params],
@@ -223,20 +234,22 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------------
     def train(self, *, stop_after: int | None = None, progress: bool = True) -> int:
         """Train to the end of the schedule (or for ``stop_after`` more optimizer steps)."""
-        bar = track(total=self.total, initial=self.step, desc="train", disable=not progress)
+        bar = track(total=self.total, initial=self.step, desc="train", disable=not progress or not self.world.leader)
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
         done_now = 0
         while self.step < self.total and self.epoch < self.recipe.epochs:
             order = epoch_order(self.n, self.recipe.seed, self.epoch)
             batch = order[self.cursor:self.cursor + self.recipe.grad_accum]
             sums: dict[str, float] = {}
-            for idx in batch:
+            for idx in shard(batch, self.world):  # every example of the batch, in one process
                 with autocast(self.recipe, self.device):
                     loss, parts = self.micro_step(self.model, idx)
                 (loss / len(batch)).backward()
                 for k, v in parts.items():
                     sums[k] = sums.get(k, 0.0) + float(v) / len(batch)
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                [p for g in self.optimizer.param_groups for p in g["params"]], self.recipe.clip)
+            if self.world.distributed:
+                sums = _sum_over_ranks(params, sums, self.world)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.recipe.clip)
             if not torch.isfinite(grad_norm):
                 # never let a NaN/inf update reach the weights silently
                 raise FloatingPointError(f"non-finite gradient norm at optimizer step {self.step + 1} "
@@ -258,3 +271,41 @@ class Trainer:
                 break
         bar.close()
         return self.step
+
+
+ALLREDUCE_BUCKET = 1 << 24
+"""Gradient elements summed per all-reduce (64 MB in float32): the sum runs in float32 whatever
+the weights' dtype, a bucket at a time, so its extra memory stays bounded."""
+
+
+def _sum_over_ranks(params: Sequence[nn.Parameter], sums: dict[str, float], world: World) -> dict[str, float]:
+    """Sum every parameter's gradient over the ranks in place (all-reduces of float32 buckets;
+    a rank without examples in this step contributes zeros) and return the loss terms summed
+    over the ranks (every rank returns the same)."""
+    import torch.distributed as dist
+
+    bucket: list[nn.Parameter] = []
+
+    def flush() -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        dist.all_reduce(flat)
+        offset = 0
+        for p, g in zip(bucket, grads):
+            p.grad = flat[offset:offset + g.numel()].view_as(g).to(g.dtype)
+            offset += g.numel()
+        bucket.clear()
+
+    size = 0
+    for p in params:
+        if bucket and size + p.numel() > ALLREDUCE_BUCKET:
+            flush()
+            size = 0
+        bucket.append(p)
+        size += p.numel()
+    if bucket:
+        flush()
+    terms = sorted(set().union(*gather(sorted(sums), world)))
+    values = torch.tensor([sums.get(k, 0.0) for k in terms], dtype=torch.float64, device=params[0].device)
+    dist.all_reduce(values)  # on the weights' device: NCCL reduces GPU tensors only
+    return dict(zip(terms, values.tolist()))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mistill.config import Config
-from mistill.distributed import current_world, gather
+from mistill.distributed import barrier, broadcast, current_world, gather
 from mistill.distill.arms import ArmConfig, arm_digest, resolve_arm
 from mistill.distill.cpu_bf16 import uses_fp32_gemms
 from mistill.distill.note_data import NoteData, build_note_data
@@ -285,28 +285,37 @@ def run_train(cfg: TrainStageConfig) -> str:
     if arm.objective == "mistill" and not cfg.student_attribute_run:
         raise MistillInputError("Mistill arms need the student's calibrated ranking (student_attribute_run)",
                                 field="student_attribute_run")
+    world = current_world()
+    if world.distributed and arm.objective == "distillm2":
+        raise MistillInputError("the DistiLLM-2 arm trains in one process (its dispreferred generations are "
+                                "written before the first step); launch it without torchrun", field="nproc")
     _check_targets(targets_run, notes)
     guard = privacy_guard(prepared.corpus)
     inputs = {"targets": cfg.targets_run}
     if cfg.student_attribute_run:
         inputs["student_attribute"] = cfg.student_attribute_run
-    # one process: the recipe's global batch is one process's accumulated micro-steps
+    # under torchrun every rank trains the same weights on its share of each batch; rank 0 alone
+    # writes to the run (its metrics are the sums over the ranks)
     with open_stage("train", cfg, prepared, inputs=inputs, guard=guard, model=cfg.student, arm=cfg.arm,
                     seed=cfg.seed, precision=arm.precision,
                     lam=(arm.lambda_p1, arm.lambda_p2) if arm.objective == "mistill" else None) as run:
         if run.reused:
             return run.run_id
-        run.log_json("arm.json", arm.to_dict())
-        _log_arm_params(run, arm)
-        _mark_deviations(run, train_deviations(arm, tcfg, targets_run.tags), "train")
+        leader = world.leader
+        if leader:
+            run.log_json("arm.json", arm.to_dict())
+            _log_arm_params(run, arm)
+            _mark_deviations(run, train_deviations(arm, tcfg, targets_run.tags), "train")
         recipe = cfg.recipe(arm.precision)
-        lm = load_model(cfg.student, dtype="float32", device=cfg.device)
+        device = stage_device(cfg.device)
+        lm = load_model(cfg.student, dtype="float32", device=device)
         pools = {}
         if arm.objective == "mistill":
             s_sets = json.loads(RunReader(cfg.student_attribute_run).file("head_sets.json").read_text())
             pools = model_pools(s_sets, lm.geometry.head_names(), k=arm.pool_k, mode=arm.pool_mode,
                                 seed=arm.pool_seed)
-            run.log_json("student_pools.json", {k: p.to_dict() for k, p in pools.items()})
+            if leader:
+                run.log_json("student_pools.json", {k: p.to_dict() for k, p in pools.items()})
         teacher_tok = load_tokenizer(ev.model)
         same = _same_vocab(teacher_tok, lm.tokenizer)
         kl_mode = "kl" if same else "uld"
@@ -328,11 +337,12 @@ def run_train(cfg: TrainStageConfig) -> str:
             realized_t[note.note_id] = list(teacher.realized.values())
             realized_s[note.note_id] = list(student.realized.values())
         # Table 38's structure: teacher events and the share the student's tokenizer realizes
-        run.log_table("event_coverage", coverage_table(realized_t, realized_s))
+        if leader:
+            run.log_table("event_coverage", coverage_table(realized_t, realized_s))
         fkd = None
         teacher_lm = None
         if arm.objective in ("feature_kd", "distillm2"):  # these arms need the teacher online
-            teacher_lm = load_model(ev.model, dtype=tcfg.get("dtype", "float32"), device=cfg.device)
+            teacher_lm = load_model(ev.model, dtype=tcfg.get("dtype", "float32"), device=device)
             teacher_lm.model.requires_grad_(False)
         dispreferred: dict[int, list[int]] = {}
         if arm.objective == "distillm2":
@@ -342,13 +352,14 @@ def run_train(cfg: TrainStageConfig) -> str:
             # the untrained student, before any step
             dispreferred = _dispreferred(run, lm, examples, cfg, guard.allows_text)
         model = prepare_student(lm.model, recipe)
-        if model.device.type == "cpu" and arm.precision == "bf16":  # which kernels ran (cpu_bf16_matmul)
+        if leader and model.device.type == "cpu" and arm.precision == "bf16":  # which kernels ran
             run.set_tags({"mistill.cpu_bf16_matmul": "fp32" if uses_fp32_gemms(model) else "native"})
         if arm.objective == "feature_kd":  # the layer pairs, the seeded adapter(s)
-            fkd = make_feature_kd(teacher_lm, lm, arm, cfg.seed, device=cfg.device)
-            run.log_json("feature_kd.json", {"layer_pairs": fkd.pairs, "attention_positions": fkd.n_positions,
-                                             "hidden_at_every_trace_position": True,
-                                             "hidden_site": fkd.hidden_site, "adapter": arm.fkd_adapter})
+            fkd = make_feature_kd(teacher_lm, lm, arm, cfg.seed, device=device)
+            if leader:
+                run.log_json("feature_kd.json", {"layer_pairs": fkd.pairs, "attention_positions": fkd.n_positions,
+                                                 "hidden_at_every_trace_position": True,
+                                                 "hidden_site": fkd.hidden_site, "adapter": arm.fkd_adapter})
 
         def micro_step(m, idx):
             ex = examples[idx]
@@ -361,13 +372,18 @@ def run_train(cfg: TrainStageConfig) -> str:
             return micro_step_loss(m, lm, ex.student, ex.targets, ex.pairing, pools, arm, kl_mode=kl_mode,
                                    logits_chunk=cfg.logits_chunk, teacher_positions=ex.teacher_positions)
 
-        trainer = Trainer(model, len(examples), recipe, micro_step, state_dir=run.work_dir / "trainer",
-                          log=lambda metrics, step: run.log_metrics({f"train/{k}": v for k, v in metrics.items()},
-                                                                    step=step),
-                          extra_params=fkd.parameters() if fkd else ())
-        if run.resumed and trainer.load_state():
+        def log(metrics: dict, step: int) -> None:
+            if leader:
+                run.log_metrics({f"train/{k}": v for k, v in metrics.items()}, step=step)
+
+        trainer = Trainer(model, len(examples), recipe, micro_step, state_dir=run.work_dir / "trainer", log=log,
+                          extra_params=fkd.parameters() if fkd else (), world=world)
+        if broadcast(run.resumed, world) and trainer.load_state():
             print(f"train: resumed at step {trainer.step}")
         trainer.train()
+        barrier(world)
+        if not leader:
+            return run.run_id
         run.log_metrics({"train/steps": trainer.step, "n_notes": len(examples)})
         _save_and_register(run, model, lm.tokenizer, cfg, arm,
                            _Provenance(teacher=ev.model, corpus_digest=prepared.corpus.digest,

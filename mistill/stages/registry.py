@@ -32,9 +32,9 @@ class Stage:
         (``teacher_attribute`` -> ``attribute``).
     stands_for: the stage whose runs this stage's runs can replace as an input
         (``shortlist`` and ``generate`` write a prepared corpus: use them as ``prepare_run``).
-    shardable: the stage's notes are independent, so ``torchrun`` / ``accelerate launch`` may
-        share them among processes (:mod:`mistill.stages.runner`); its entry point takes
-        ``launcher`` and ``nproc``.
+    shardable: ``torchrun`` / ``accelerate launch`` may share the stage's work among processes
+        (a pass's independent notes, :mod:`mistill.stages.runner`; a training batch's examples,
+        :mod:`mistill.distill.trainer`); its entry point takes ``launcher`` and ``nproc``.
     """
 
     name: str
@@ -116,7 +116,7 @@ _TABLE = (
     _Entry("train", "mistill.stages.distill", "TrainStageConfig", "run_train",
            {"targets": "targets_run", "student_attribute": "student_attribute_run"},
            "one arm at one seed with the shared recipe; the checkpoint registered per arm and seed",
-           optional=frozenset({"student_attribute"}), sources={"student_attribute": "attribute"}),
+           optional=frozenset({"student_attribute"}), sources={"student_attribute": "attribute"}, shardable=True),
     _Entry("evaluate", "mistill.stages.evaluate", "EvaluateConfig", "run_evaluate",
            {"prepare": "prepare_run", "train": "train_run", "las": "las_run"},
            "a model or trained arm on a split: predictions, task metrics, fidelity (PPL, BLEU-4, LAS), M1",
