@@ -14,8 +14,8 @@ resumed from it continues the same data order and random draws, bit for bit on C
 Data parallel over the processes of a ``torchrun`` launch (:mod:`mistill.distributed`): every
 rank holds the same weights; each optimizer step's global batch (the next ``grad_accum``
 examples of the epoch order) is dealt round-robin over the ranks, each rank back-propagates its
-share scaled by the global batch size, and one all-reduce sums the gradients over the ranks (the
-reduction DDP performs) before every rank takes the same clipped step. The global batch, the
+share scaled by the global batch size, and all-reduces of float32 buckets sum the gradients over
+the ranks (the reduction DDP performs) before every rank takes the same clipped step. The global batch, the
 data order, the schedule and the saved state are those of one process, so a run resumes on any
 number of processes; the sums differ from one process's only in float summation order.
 """
@@ -274,8 +274,9 @@ class Trainer:
 
 
 ALLREDUCE_BUCKET = 1 << 24
-"""Gradient elements summed per all-reduce (64 MB in float32): the sum runs in float32 whatever
-the weights' dtype, a bucket at a time, so its extra memory stays bounded."""
+"""Gradient elements summed per all-reduce (64 MB in float32; a larger parameter is a bucket of
+its own): the sum runs in float32 whatever the weights' dtype, a bucket at a time, so its extra
+memory stays bounded."""
 
 
 def _sum_over_ranks(params: Sequence[nn.Parameter], sums: dict[str, float], world: World) -> dict[str, float]:
