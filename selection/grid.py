@@ -96,8 +96,9 @@ def default_storage_url(root: Path | str) -> str:
 
 
 def lock_file_for(storage_url: str, root: Path | str) -> Path:
-    """The file whose exclusive lock serialises cell claims: ``<db>.lock`` beside a SQLite file,
-    else one under ``<root>/optuna/`` named by the URL's hash (one machine only)."""
+    """The file whose exclusive lock serialises cell claims (:func:`claim_lock`; a PostgreSQL
+    storage uses an advisory lock instead): ``<db>.lock`` beside a SQLite file, else one under
+    ``<root>/optuna/`` named by the URL's hash (one machine only)."""
     if storage_url.startswith(_SQLITE):
         return Path(storage_url[len(_SQLITE):] + ".lock")
     digest = hashlib.sha256(storage_url.encode()).hexdigest()[:16]
@@ -117,6 +118,39 @@ def exclusive(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+_POSTGRES = ("postgresql://", "postgresql+psycopg://")
+
+
+def advisory_key(study_name: str) -> int:
+    """The PostgreSQL advisory-lock key of a study's claims (a signed 64-bit hash of its name)."""
+    return int.from_bytes(hashlib.sha256(f"mistill.selection:{study_name}".encode()).digest()[:8], "big",
+                          signed=True)
+
+
+@contextlib.contextmanager
+def claim_lock(storage_url: str, study_name: str, lock_file: Path) -> Iterator[None]:
+    """The exclusive lock that serialises the claims on one study: on a PostgreSQL storage an
+    advisory lock of that server (held by every worker on any machine, keyed by the study's
+    name), else the file lock :func:`exclusive` of ``lock_file`` (one machine, or a shared
+    filesystem). Threads of one process take it in turn either way."""
+    if not storage_url.startswith(_POSTGRES):
+        with exclusive(lock_file):
+            yield
+        return
+    import psycopg
+
+    key = advisory_key(study_name)
+    with _thread_locks_guard:
+        tlock = _thread_locks.setdefault(f"pg:{storage_url}:{key}", threading.Lock())
+    url = "postgresql://" + storage_url.split("://", 1)[1]
+    with tlock, psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("SELECT pg_advisory_lock(%s)", (key,))
+        try:
+            yield
+        finally:
+            conn.execute("SELECT pg_advisory_unlock(%s)", (key,))
 
 
 @dataclass
@@ -161,7 +195,7 @@ def open_study(lock: Lock, storage_url: str, study_name: str, *, root: Path | st
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     heartbeat = heartbeat or Heartbeat()
     lock_file = lock_file_for(storage_url, root)
-    with exclusive(lock_file):
+    with claim_lock(storage_url, study_name, lock_file):
         storage = _storage(storage_url, heartbeat)
         try:
             study_id = storage.get_study_id_from_name(study_name)
@@ -357,7 +391,7 @@ def _claim(handle: SelectionStudy, study: Any, space: Mapping[str, list[float]],
     grid point of ``space`` is held and no retry is queued."""
     from optuna.trial import TrialState
 
-    with exclusive(handle.lock_file):
+    with claim_lock(handle.storage_url, handle.name, handle.lock_file):
         stale = fail_stale(study, handle.storage, handle.study_id, handle.heartbeat.grace, ATTR_ERROR)
         trials = study.get_trials(deepcopy=False)
         if stale:

@@ -125,3 +125,29 @@ def test_two_selection_workers_share_one_study_in_postgresql(postgres, pg_tracki
     runs = client.search_runs([client.get_experiment_by_name(f"mistill/{corpus}").experiment_id],
                               "tags.`mistill.stage` = 'select_lambda'")
     assert len(runs) == 2 and {r.data.tags["mistill.selection.storage"] for r in runs} == {storage}
+
+
+def test_claims_on_a_postgresql_study_hold_an_advisory_lock_of_the_server(postgres, tmp_path):
+    """Workers on other machines see the claim lock: it is the server's, not a local file."""
+    import psycopg
+
+    from selection.grid import advisory_key, claim_lock
+
+    storage = selection_storage_url(postgres.url("mistill"))
+    key = advisory_key("study-a")
+
+    def free() -> bool:  # another session (as another machine's worker would be) tries the lock
+        with psycopg.connect(postgres.url("mistill_selection"), autocommit=True) as other:
+            got = other.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()[0]
+            if got:
+                other.execute("SELECT pg_advisory_unlock(%s)", (key,))
+            return got
+
+    from mistill.tracking.postgres import ensure_database
+
+    ensure_database(storage)
+    assert free()
+    with claim_lock(storage, "study-a", tmp_path / "unused.lock"):
+        assert not free()
+    assert free()
+    assert not (tmp_path / "unused.lock").exists()
