@@ -120,9 +120,6 @@ def exclusive(path: Path) -> Iterator[None]:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
-_POSTGRES = ("postgresql://", "postgresql+psycopg://")
-
-
 def advisory_key(study_name: str) -> int:
     """The PostgreSQL advisory-lock key of a study's claims (a signed 64-bit hash of its name)."""
     return int.from_bytes(hashlib.sha256(f"mistill.selection:{study_name}".encode()).digest()[:8], "big",
@@ -135,7 +132,9 @@ def claim_lock(storage_url: str, study_name: str, lock_file: Path) -> Iterator[N
     advisory lock of that server (held by every worker on any machine, keyed by the study's
     name), else the file lock :func:`exclusive` of ``lock_file`` (one machine, or a shared
     filesystem). Threads of one process take it in turn either way."""
-    if not storage_url.startswith(_POSTGRES):
+    from mistill.tracking.postgres import is_postgres, libpq_url
+
+    if not is_postgres(storage_url):
         with exclusive(lock_file):
             yield
         return
@@ -144,8 +143,7 @@ def claim_lock(storage_url: str, study_name: str, lock_file: Path) -> Iterator[N
     key = advisory_key(study_name)
     with _thread_locks_guard:
         tlock = _thread_locks.setdefault(f"pg:{storage_url}:{key}", threading.Lock())
-    url = "postgresql://" + storage_url.split("://", 1)[1]
-    with tlock, psycopg.connect(url, autocommit=True) as conn:
+    with tlock, psycopg.connect(libpq_url(storage_url), autocommit=True) as conn:
         conn.execute("SELECT pg_advisory_lock(%s)", (key,))
         try:
             yield

@@ -36,7 +36,7 @@ from mistill.models.loading import load_model, load_tokenizer
 from mistill.params import PoolParams, RecipeParams
 from mistill.progress import track
 from mistill.stages.characterize import NOTES, _events_input
-from mistill.stages.common import RunReader, privacy_guard, require_notes
+from mistill.stages.common import RunReader, require_notes
 from mistill.stages.runner import note_loop, notes_written, open_stage, stage_device
 from mistill.validation import (check_device, check_dtype, check_non_negative, check_not_empty,
                                 check_positive, check_seed)
@@ -290,17 +290,17 @@ def run_train(cfg: TrainStageConfig) -> str:
         raise MistillInputError("the DistiLLM-2 arm trains in one process (its dispreferred generations are "
                                 "written before the first step); launch it without torchrun", field="nproc")
     _check_targets(targets_run, notes)
-    guard = privacy_guard(prepared.corpus)
     inputs = {"targets": cfg.targets_run}
     if cfg.student_attribute_run:
         inputs["student_attribute"] = cfg.student_attribute_run
     # under torchrun every rank trains the same weights on its share of each batch; rank 0 alone
     # writes to the run (its metrics are the sums over the ranks)
-    with open_stage("train", cfg, prepared, inputs=inputs, guard=guard, model=cfg.student, arm=cfg.arm,
+    with open_stage("train", cfg, prepared, inputs=inputs, model=cfg.student, arm=cfg.arm,
                     seed=cfg.seed, precision=arm.precision,
                     lam=(arm.lambda_p1, arm.lambda_p2) if arm.objective == "mistill" else None) as run:
         if run.reused:
             return run.run_id
+        guard = run.guard
         leader = world.leader
         if leader:
             run.log_json("arm.json", arm.to_dict())

@@ -38,7 +38,7 @@ from mistill.evaluation.metrics import bleu4, per_note_metrics, task_metrics
 from mistill.evaluation.parsing import CodeIndex, parse_answer, split_reasoning
 from mistill.io import write_text
 from mistill.stages.characterize import stage_notes
-from mistill.stages.common import Subject, load_prepared, model_positions, note_input, privacy_guard, trained_subject
+from mistill.stages.common import Subject, load_prepared, model_positions, note_input, trained_subject
 from mistill.stages.runner import note_loop, notes_written, open_stage, stage_device
 from mistill.params import DecodingParams
 from mistill.validation import check_device, check_dtype, check_non_negative, check_seed
@@ -113,7 +113,6 @@ def run_evaluate(cfg: EvaluateConfig) -> str:
     from mistill.tracking.runs import TAG_SPLIT
 
     prepared = load_prepared(cfg.prepare_run)
-    guard = privacy_guard(prepared.corpus)
     notes = stage_notes(prepared, cfg.split, cfg.max_notes)  # refuses a split without notes
     subject = _subject(cfg)
     inputs = {"prepare": cfg.prepare_run}
@@ -123,11 +122,12 @@ def run_evaluate(cfg: EvaluateConfig) -> str:
         inputs["las"] = cfg.las_run
     decoding = cfg.decoding()
     arm = subject.arm
-    with open_stage("evaluate", cfg, prepared, inputs=inputs, guard=guard, model=subject.spec, arm=arm,
+    with open_stage("evaluate", cfg, prepared, inputs=inputs, model=subject.spec, arm=arm,
                     seed=int(subject.seed) if subject.seed is not None else cfg.seed, precision=subject.precision,
                     tags={**subject.links, TAG_SPLIT: cfg.split or "all"}) as run:
         if run.reused:
             return run.run_id
+        guard = run.guard
         device = stage_device(cfg.device)
         lm = load_model(subject.spec, dtype=cfg.dtype, device=device)
         backend = _backend(cfg, lm, decoding, device)

@@ -44,7 +44,7 @@ from mistill.params import DecodingParams
 from mistill.progress import track
 from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE, TAG_DATA_DIR,
                                    TAG_DATA_IDENTITY, Prepared, corpus_index, load_prepared,
-                                   prepared_data_dir, privacy_guard, require_notes, save_prepared)
+                                   prepared_data_dir, require_notes, save_prepared)
 from mistill.stages.runner import notes_written, open_stage, pending_notes, progress_label, stage_device
 from mistill.validation import (check_device, check_dtype, check_non_negative, check_not_empty, check_positive,
                                 check_seed)
@@ -154,12 +154,11 @@ def run_generate(cfg: GenerateConfig) -> str:
     prepared = load_prepared(cfg.prepare_run)
     corpus, inventory = prepared.corpus, prepared.inventory
     notes = selected_notes(prepared, cfg.split, cfg.max_notes)  # refuses a split without notes
-    guard = privacy_guard(corpus)
     tags = {TAG_SOURCE_PREPARE: cfg.prepare_run, TAG_BACKEND: cfg.backend}
-    with open_stage("generate", cfg, prepared, inputs={"prepare": cfg.prepare_run}, guard=guard,
-                    tags=tags) as run:
+    with open_stage("generate", cfg, prepared, inputs={"prepare": cfg.prepare_run}, tags=tags) as run:
         if run.reused:
             return run.run_id
+        guard = run.guard
         if not guard.allows_text and current_world().leader:
             run.set_tags({TAG_ENCLAVE_DIR: str(run.enclave_dir)})
         decoding = cfg.decoding()

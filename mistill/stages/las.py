@@ -97,7 +97,7 @@ def run_las_simulator(cfg: LasSimulatorConfig) -> str:
                                         train_simulator)
     from mistill.evaluation.parsing import CodeIndex
     from mistill.models.loading import load_model
-    from mistill.stages.common import INVENTORY_FILE, load_prepared, model_positions, privacy_guard, require_notes
+    from mistill.stages.common import INVENTORY_FILE, load_prepared, model_positions, require_notes
     from mistill.stages.runner import open_stage
 
     if not cfg.prepare_run:
@@ -106,11 +106,10 @@ def run_las_simulator(cfg: LasSimulatorConfig) -> str:
     corpus = prepared.corpus
     train_notes = require_notes([n for n in corpus.notes if n.split == cfg.split and n.teacher_trace],
                                 cfg.split, prepared)
-    guard = privacy_guard(corpus)
-    with open_stage("las_simulator", cfg, prepared, inputs={"prepare": cfg.prepare_run}, guard=guard,
-                    model=cfg.model) as run:
+    with open_stage("las_simulator", cfg, prepared, inputs={"prepare": cfg.prepare_run}, model=cfg.model) as run:
         if run.reused:
             return run.run_id
+        guard = run.guard
         index = CodeIndex(list(prepared.inventory.codes))
         train = _examples(train_notes, index)
         lm = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)

@@ -41,8 +41,7 @@ from mistill.instrument.passes import PHASES, donor_order
 from mistill.params import (DonorParams, KnockinReadParams, NomineeParams, NullParams, PatchParams,
                             StabilityParams, TokenCapParams)
 from mistill.progress import get_logger, track
-from mistill.stages.common import (Prepared, RunReader, Subject, load_prepared, model_positions, privacy_guard,
-                                   trained_subject)
+from mistill.stages.common import Prepared, RunReader, Subject, load_prepared, model_positions, trained_subject
 from mistill.stages.runner import open_stage
 from mistill.stages.workflow import LAUNCHES
 from mistill.validation import (check_choice, check_counts, check_device, check_dtype, check_non_negative,
@@ -186,11 +185,10 @@ def run_own_heads(cfg: OwnHeadsConfig) -> str:
     arm = _arm(cfg)
     prepared = load_prepared(cfg.prepare_run)
     notes = _test_notes(prepared, cfg)
-    guard = privacy_guard(prepared.corpus)
     inputs = {"prepare": cfg.prepare_run, **({"train": cfg.train_run} if cfg.train_run else {})}
     tags = {**arm.links, TAG_SPLIT: cfg.test_split}
     # one process: the arm's own ranking runs as nested events and attribute runs first
-    with open_stage("own_heads", cfg, prepared, inputs=inputs, guard=guard, model=arm.spec, arm=arm.arm,
+    with open_stage("own_heads", cfg, prepared, inputs=inputs, model=arm.spec, arm=arm.arm,
                     seed=cfg.seed if arm.seed is None else arm.seed, precision=arm.precision, tags=tags) as run:
         if run.reused:
             return run.run_id

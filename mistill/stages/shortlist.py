@@ -53,7 +53,6 @@ from mistill.stages.common import (
     corpus_index,
     load_prepared,
     prepared_data_dir,
-    privacy_guard,
     require_notes,
     save_prepared,
     shown_patient_ids,
@@ -230,13 +229,13 @@ def run_shortlist(cfg: ShortlistConfig) -> str:
         raise MistillInputError(f"K = {cfg.k} exceeds the inventory's {len(inventory)} codes",
                                 field="k")
     pool = training_pool(cfg, prepared)  # its input errors come before any run
-    guard = privacy_guard(corpus)
     tags = {TAG_SOURCE_PREPARE: cfg.prepare_run, "mistill.encoder": cfg.encoder}
     if cfg.train_prepare_run:
         tags[TAG_TRAIN_PREPARE] = cfg.train_prepare_run
-    with open_stage("shortlist", cfg, prepared, inputs={"prepare": cfg.prepare_run}, guard=guard, tags=tags) as run:
+    with open_stage("shortlist", cfg, prepared, inputs={"prepare": cfg.prepare_run}, tags=tags) as run:
         if run.reused:
             return run.run_id
+        guard = run.guard
         excluded = excluded_patients(prepared, cfg.exclude_prepare_runs)
         train, dropped = split_training_notes(pool, excluded)
         retriever = Retriever(load_encoder(cfg.encoder, device=cfg.device), inventory,

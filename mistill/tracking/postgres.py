@@ -69,6 +69,17 @@ def selection_storage_url(url: str) -> str:
     return _with_database(url, _database_name(url) + SELECTION_SUFFIX)
 
 
+def is_postgres(url: str) -> bool:
+    """True for a PostgreSQL URL (any of the schemes this module reads or writes)."""
+    return url.split("://", 1)[0] in _SCHEMES
+
+
+def libpq_url(url: str) -> str:
+    """``url`` with the plain ``postgresql`` scheme that psycopg's connect takes (SQLAlchemy's
+    ``postgresql+psycopg`` dropped)."""
+    return urlunsplit(urlsplit(url)._replace(scheme="postgresql"))
+
+
 def masked(url: str) -> str:
     """``url`` with its password, if any, replaced by ``***``."""
     parts = urlsplit(url)
@@ -83,9 +94,8 @@ def ensure_database(url: str) -> None:
     server's ``postgres`` database to do so)."""
     import psycopg
 
-    parts = urlsplit(url)
     name = _database_name(url)
-    admin = urlunsplit(parts._replace(scheme="postgresql", path="/postgres"))
+    admin = libpq_url(urlunsplit(urlsplit(url)._replace(path="/postgres")))
     with psycopg.connect(admin, autocommit=True) as conn:
         exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
         if not exists:
@@ -172,5 +182,5 @@ class LocalPostgres:
         self.stop()
 
 
-__all__ = ["ENV_DATABASE_URL", "database_url", "tracking_store_uri", "selection_storage_url", "masked",
-           "ensure_database", "postgres_bin", "LocalPostgres"]
+__all__ = ["ENV_DATABASE_URL", "database_url", "tracking_store_uri", "selection_storage_url", "is_postgres",
+           "libpq_url", "masked", "ensure_database", "postgres_bin", "LocalPostgres"]
