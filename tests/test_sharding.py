@@ -4,6 +4,7 @@ sharding rule and launcher options."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -51,8 +52,10 @@ def test_world_from_launcher_environment(monkeypatch):
 
 
 def test_launch_options_only_on_shardable_stages():
-    events, attribute = stage("events"), stage("attribute")
-    assert events.shardable and not attribute.shardable
+    events, las = stage("events"), stage("las_simulator")
+    for name in ("events", "attribute", "knockin", "locus", "targets", "generate", "evaluate", "own_heads", "train"):
+        assert stage(name).shardable, name
+    assert not las.shardable
     assert split_launch_args(events, ["--launcher", "torchrun", "--nproc=2", "--seed", "1"]) == (
         "torchrun", 2, ["--seed", "1"])
     assert split_launch_args(events, ["--seed", "1"]) == ("none", 1, ["--seed", "1"])
@@ -60,18 +63,64 @@ def test_launch_options_only_on_shardable_stages():
     for bad in (["--nproc", "0"], ["--nproc", "1.5"], ["--launcher", "slurm"], ["--nproc"]):
         with pytest.raises(MistillInputError):
             split_launch_args(events, bad)
-    # a stage whose notes depend on each other keeps them: its parser refuses them as unknown
-    assert split_launch_args(attribute, ["--nproc", "2"])[2] == ["--nproc", "2"]
+    # a stage that runs in one process keeps them: its parser refuses them as unknown
+    assert split_launch_args(las, ["--nproc", "2"])[2] == ["--nproc", "2"]
 
 
-def test_dependent_stage_is_refused_under_several_processes(monkeypatch):
+def test_one_process_stage_is_refused_under_several_processes(monkeypatch):
     from mistill.stages.runner import open_stage
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    with pytest.raises(MistillInputError, match="attribute runs in one process"):
-        with open_stage("attribute", None, None, inputs={}):  # type: ignore[arg-type]
+    with pytest.raises(MistillInputError, match="las_simulator runs in one process"):
+        with open_stage("las_simulator", None, None, inputs={}):  # type: ignore[arg-type]
             pass
+
+
+def test_attribution_waves_resume_from_finished_notes():
+    """A pass resumed with some notes finished (their means given) measures the rest exactly as
+    the whole pass did: each note's running global ranking comes from every note before it."""
+    import numpy as np
+    import torch
+
+    from mistill.instrument.hooks import HeadHook
+    from mistill.instrument.passes import AttributionConfig, EventQuery, phase_means, running_global_top
+    from mistill.instrument.patching import Query
+    from mistill.instrument.runner import Runner
+    from mistill.instrument.waves import attribute_waves
+    from mistill.models.loading import tiny_model
+
+    lm = tiny_model("qwen3", layers=2, heads=4, kv_heads=2, d_head=16, d_model=64, seed=3)
+    runner, hook = Runner(lm, chunk_size=64), HeadHook(lm.geometry)
+    gen = torch.Generator().manual_seed(0)
+    inputs = {}
+    for n in range(5):
+        ids = torch.randint(0, 2000, (60 + 10 * n,), generator=gen)
+        events = [EventQuery(event_id=f"n{n}:{k}:{p}", kind=k, target=str(p % 3),
+                             query=Query(position=p, token_id=int(ids[p]), target_id=300 + p % 5,
+                                         competitor_ids=tuple(300 + x for x in range(5) if x != p % 5)))
+                  for p, k in ((50, "P1"), (40, "P2C"), (30, "NULL"), (20, "P1"))]
+        inputs[f"n{n}"] = (ids, events)
+    order = list(inputs)
+    cfg = AttributionConfig(top_nominees=3, global_nominees=2, null_exact_fraction=1.0, chunk_size=64)
+    seen: list[int] = []
+
+    def running(means):
+        seen.append(len(means.get("P1", [])))
+        return running_global_top(means.get("P1", []), 2)
+
+    full = {a.note_id: a for a in attribute_waves(runner, hook, order, {}, inputs.__getitem__, cfg, running, World(),
+                                                  progress=False)}
+    assert seen == [0, 1, 2, 3, 4]  # note k ranks its globals from the k notes before it
+    done_means = {n: phase_means(full[n].kinds, full[n].first_order) for n in order[:3]}
+    rest = list(attribute_waves(runner, hook, order, done_means, inputs.__getitem__, cfg, running, World(),
+                                progress=False))
+    assert [a.note_id for a in rest] == ["n3", "n4"]
+    for a in rest:
+        for key, value in a.arrays().items():
+            nan_ok = value.dtype.kind == "f"
+            assert np.array_equal(value, full[a.note_id].arrays()[key], equal_nan=nan_ok), (a.note_id, key)
+    assert np.isfinite(full["n4"].exact[0]).sum() >= 3  # the exact patches did run
 
 
 # ------------------------------------------------------------------- two processes, real runs
@@ -127,6 +176,104 @@ def test_events_on_two_processes_equal_one_process(tracking_uri, tmp_path, monke
     audit = [Path(client.download_artifacts(r, "margin_audit.csv", str(tmp_path / r))).read_text()
              for r in (one_id, two_id)]
     assert audit[0] == audit[1]
+
+
+def _files(root: Path, run_id: str, subdir: str, names: tuple[str, ...]) -> dict[str, dict[str, bytes]]:
+    base = root / "work" / run_id / subdir
+    return {d.name: {f: (d / f).read_bytes() for f in names} for d in sorted(base.iterdir()) if (d / "_DONE").is_file()}
+
+
+def _run_id(stage_name: str, proc: subprocess.CompletedProcess) -> str:
+    out = proc.stdout + proc.stderr
+    said = "\n".join(line for line in out.splitlines() if line.startswith("mistill "))  # every rank's errors
+    assert proc.returncode == 0, said + "\n" + out[-3000:]
+    found = re.findall(rf"mistill {stage_name}: run ([0-9a-f]{{32}})", out)
+    assert len(found) == 1, out[-3000:]  # printed by rank 0 only
+    return found[0]
+
+
+def test_attribute_and_knockin_on_two_processes_equal_one_process(tracking_uri, tmp_path, monkeypatch):
+    """``-e attribute -P launcher=torchrun -P nproc=2`` (notes in waves: each note's running
+    global ranking from every note before it) and a 2-process ``knockin`` (steps in waves, clean
+    reads exchanged) write the bytes one process writes, and the same global sets and tables.
+    Five notes on two ranks: the last wave has one note, the knock-in a wrapped donor step."""
+    from mistill.stages.characterize import EventsConfig, run_events
+
+    root = tmp_path / "root"
+    monkeypatch.setenv("MISTILL_ROOT", str(root))
+    names = unique("att-one"), unique("att-two")
+    events = [run_events(EventsConfig(prepare_run=run_prepare(PrepareConfig(corpus="synthetic", corpus_name=n,
+                                                                            n_notes=5, model=TINY)),
+                                      model=TINY, n_null=4)) for n in names]
+    # every process computes with one thread (as torchrun sets it): the same float summation order
+    frozen = freeze_source(tmp_path / "src")
+    env = {**subprocess_env(tracking_uri, root), "OMP_NUM_THREADS": "1"}
+    mlflow_cli = str(Path(sys.executable).parent / "mlflow")
+
+    def attribute(events_run: str, *launch: str) -> str:
+        return _run_id("attribute", subprocess.run(
+            [sys.executable, "projects/attribute.py", "--events_run", events_run, "--selftest_events", "1",
+             "--stability_splits", "5", *launch], cwd=frozen, env=env, capture_output=True, text=True, timeout=600))
+
+    def knockin(attribute_run: str, *launch: str) -> str:
+        return _run_id("knockin", subprocess.run(
+            [sys.executable, "projects/knockin.py", "--attribute_run", attribute_run, "--k_bins", "3,8",
+             "--events_per_phase", "3", *launch], cwd=frozen, env=env, capture_output=True, text=True, timeout=600))
+
+    one_att = attribute(events[0])
+    one_kin = knockin(one_att)
+    two_att = _run_id("attribute", subprocess.run(
+        [mlflow_cli, "run", ".", "-e", "attribute", "--env-manager", "local", "--experiment-name",
+         f"mistill/{names[1]}", "-P", f"events_run={events[1]}", "-P", "selftest_events=1", "-P",
+         "stability_splits=5", "-P", "launcher=torchrun", "-P", "nproc=2"],
+        cwd=frozen, env=env, capture_output=True, text=True, timeout=600))
+    two_kin = knockin(two_att, "--launcher", "torchrun", "--nproc", "2")
+
+    client = MlflowClient()
+    for run_id in (two_att, two_kin):
+        assert client.get_run(run_id).info.status == "FINISHED"
+    for (a, b), files in (((one_att, two_att), ("attribution.npz", "selftest.json")),
+                          ((one_kin, two_kin), ("necessity.jsonl", "knockin.jsonl"))):
+        mine, theirs = _files(root, a, "notes", files), _files(root, b, "notes", files)
+        assert len(mine) == 5 and mine == theirs
+    sets = [json.loads(Path(client.download_artifacts(r, "head_sets.json", str(tmp_path / r))).read_text())
+            for r in (one_att, two_att)]
+    assert {k: v for k, v in sets[0].items() if k != "meta"} == {k: v for k, v in sets[1].items() if k != "meta"}
+    tables = [Path(client.download_artifacts(r, "sets_table.csv", str(tmp_path / r))).read_text()
+              for r in (one_kin, two_kin)]
+    assert tables[0] == tables[1] and len(tables[0].splitlines()) > 2
+
+
+def test_own_heads_on_two_processes_equals_one_process(tracking_uri, tmp_path, monkeypatch):
+    """``own_heads`` of a model on two processes: its ranking steps (events, attribute) run on
+    both ranks inside the launch, the notes' readouts are the one-process bytes, and the own
+    generations are shared between the ranks."""
+    root = tmp_path / "root"
+    monkeypatch.setenv("MISTILL_ROOT", str(root))
+    names = unique("own-one"), unique("own-two")
+    preps = [run_prepare(PrepareConfig(corpus="synthetic", corpus_name=n, n_notes=6, model=TINY)) for n in names]
+    args = dict(model=TINY, k=(2, 4), necessity_k=4, m2_k=4, n_random=1, range_gate=1e-6, events_per_phase=2,
+                max_new_tokens=4, n_null=4, stability_splits=5, test_split="", launch="inline")
+    frozen = freeze_source(tmp_path / "src")
+    env = {**subprocess_env(tracking_uri, root), "OMP_NUM_THREADS": "1"}
+    cli = [f"--{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in args.items()]
+
+    def own_heads(prep: str, *launch: str) -> str:
+        return _run_id("own_heads", subprocess.run(
+            [sys.executable, "projects/own_heads.py", "--prepare_run", prep, *cli, *launch], cwd=frozen, env=env,
+            capture_output=True, text=True, timeout=900))
+
+    one, two = own_heads(preps[0]), own_heads(preps[1], "--launcher", "torchrun", "--nproc", "2")
+    client = MlflowClient()
+    run = client.get_run(two)
+    assert run.info.status == "FINISHED"
+    ranking = client.get_run(run.data.tags["mistill.rank_attribute"])
+    assert ranking.info.status == "FINISHED" and ranking.data.tags.get("mistill.stage") == "attribute"
+    files = ("m4.json", "readside.json", "m5.json")
+    mine, theirs = _files(root, one, "notes", files), _files(root, two, "notes", files)
+    assert len(mine) == 6 and mine == theirs
+    m_one, m_two = client.get_run(one).data.metrics, run.data.metrics
+    assert m_one == m_two and "own/coverage/n_generated" in m_two and m_two["own/coverage/n_generated"] == 6
 
 
 def _children(pid: int) -> list[int]:

@@ -124,67 +124,129 @@ def prefill_note(runner: Runner, hook: HeadHook, input_ids: torch.Tensor) -> tup
     return prefix, acc.mean
 
 
-def attribute_note(runner: Runner, hook: HeadHook, note_id: str, input_ids: torch.Tensor,
-                   events: Sequence[EventQuery], cfg: AttributionConfig,
-                   running_global: Sequence[int] | Mapping[str, Sequence[int]] = (), *,
-                   progress: bool = True) -> NoteAttribution:
-    """First-order attribution of every head at every event, exact patches of the nominees.
+@dataclass
+class FirstOrderSweep:
+    """A note after its prefill and its first-order sweep, ready for the exact sweep.
 
-    Exact mean-ablation of the event's top nominees by ``|A_h|`` plus the first global nominees
-    of the running global ranking (counts per kind: :meth:`AttributionConfig.nominee_counts`),
-    at every event whose kind is in ``cfg.exact_kinds`` (NULL: a seeded
-    ``cfg.null_exact_fraction`` of them). ``running_global``: one ranking for every kind, or
-    ``{kind: ranking}`` (a kind it lacks gets no global nominees). With
-    ``cfg.selftest_events > 0`` the first such P1 events (in visiting order) also get every
-    head patched exactly and the detached-hook attribution, reported by
-    :func:`~mistill.instrument.attribution.fidelity`.
+    ``first_order`` ``[event, head]`` (``-A_h``) and ``margins`` ``[event]`` in the order of
+    ``events``; ``hidden_in[i]`` ``[layer, d_model]``: the clean residual stream entering each
+    layer at event ``i`` (on the runner's device; the exact patches start from it); ``order``:
+    the events' visiting order (decreasing position). Holds the note's prefix until released.
+    """
+
+    note_id: str
+    events: list[EventQuery]
+    prefix: KVPrefix
+    mean: torch.Tensor
+    first_order: np.ndarray
+    margins: np.ndarray
+    hidden_in: list[torch.Tensor]
+    order: list[int]
+
+    def phase_means(self) -> dict[str, np.ndarray]:
+        """:func:`phase_means` of this note."""
+        return phase_means([e.kind for e in self.events], self.first_order)
+
+
+def phase_means(kinds: Sequence[str], first_order: np.ndarray) -> dict[str, np.ndarray]:
+    """A note's mean first-order importance over its events of each phase, ``{phase: [head]}``
+    (phases without events are absent): what the running global ranking averages (App. C)."""
+    out = {}
+    for phase in PHASES:
+        rows = [i for i, k in enumerate(kinds) if k == phase]
+        if rows:
+            out[phase] = first_order[rows].mean(axis=0)
+    return out
+
+
+def first_order_sweep(runner: Runner, hook: HeadHook, note_id: str, input_ids: torch.Tensor,
+                      events: Sequence[EventQuery], cfg: AttributionConfig, *,
+                      progress: bool = True) -> FirstOrderSweep:
+    """The note's single prefill, then first-order attribution of every head at every event,
+    ``cfg.grad_batch`` events per forward and backward, in decreasing position.
 
     input_ids: ``[pos]``; every event's ``query.position`` indexes it.
     """
-    g = runner.geometry
     prefix, mean = prefill_note(runner, hook, input_ids)
-    n_ev, n_heads = len(events), g.n_total_heads
-    fo_all = np.zeros((n_ev, n_heads), dtype=np.float32)
-    exact_all = np.full((n_ev, n_heads), np.nan, dtype=np.float32)
+    n_ev = len(events)
+    fo_all = np.zeros((n_ev, runner.geometry.n_total_heads), dtype=np.float32)
     margins = np.zeros(n_ev, dtype=np.float32)
-    rng = np.random.default_rng(stable_seed(cfg.seed, note_id, "null-exact"))
-    null_idx = [i for i, e in enumerate(events) if e.kind == "NULL"]
-    n_null_exact = int(round(cfg.null_exact_fraction * len(null_idx)))
-    null_exact = set(rng.permutation(null_idx)[:n_null_exact].tolist()) if null_idx else set()
+    hidden: list[torch.Tensor] = [torch.empty(0)] * n_ev
     order = sorted(range(n_ev), key=lambda i: -events[i].query.position)
-    selftest: list[dict] = []
-    bar = track(total=n_ev, desc=f"attribute {note_id}", leave=False, disable=not progress)
-    for g0 in range(0, n_ev, max(1, cfg.grad_batch)):
-        group = order[g0:g0 + max(1, cfg.grad_batch)]
+    step = max(1, cfg.grad_batch)
+    bar = track(total=n_ev, desc=f"first order {note_id}", leave=False, disable=not progress)
+    for g0 in range(0, n_ev, step):
+        group = order[g0:g0 + step]
         prefix.crop(events[group[0]].query.position)  # rows see the prefix before their own position
         fos = first_order_batch(runner, hook, prefix, [events[i].query for i in group], mean,
                                 detach=cfg.detach)
         for i, fo in zip(group, fos):
-            ev = events[i]
-            prefix.crop(ev.query.position)
-            fo_all[i] = fo.importance.numpy()
-            margins[i] = fo.margin
-            if ev.kind in cfg.exact_kinds and (ev.kind != "NULL" or i in null_exact):
-                top, n_global = cfg.nominee_counts(ev.kind)
-                heads = nominees(fo.importance, _running_for(running_global, ev.kind)[:n_global], top)
-                imp = exact_importance(runner, hook, prefix, ev.query, mean, heads, fo.margin,
-                                       hidden_in=fo.hidden_in, batch_size=cfg.batch_size)
-                exact_all[i, heads] = imp.numpy()
-            if ev.kind == "P1" and len(selftest) < cfg.selftest_events:
-                every = exact_importance(runner, hook, prefix, ev.query, mean, range(n_heads), fo.margin,
-                                         hidden_in=fo.hidden_in, batch_size=cfg.batch_size).numpy()
-                other = first_order(runner, hook, prefix, ev.query, mean, detach=not cfg.detach)
-                intact, detached = (fo, other) if not cfg.detach else (other, fo)
-                selftest.append({
-                    "event_id": ev.event_id,
-                    **{f"intact.{k}": v for k, v in fidelity(intact.importance.numpy(), every).items()},
-                    **{f"detached.{k}": v for k, v in fidelity(detached.importance.numpy(), every).items()}})
-            bar.update(1)
+            fo_all[i], margins[i], hidden[i] = fo.importance.numpy(), fo.margin, fo.hidden_in
+        bar.update(len(group))
     bar.close()
-    return NoteAttribution(note_id=note_id, event_ids=[e.event_id for e in events],
+    return FirstOrderSweep(note_id=note_id, events=list(events), prefix=prefix, mean=mean, first_order=fo_all,
+                           margins=margins, hidden_in=hidden, order=order)
+
+
+def exact_sweep(runner: Runner, hook: HeadHook, sweep: FirstOrderSweep, cfg: AttributionConfig,
+                running_global: Sequence[int] | Mapping[str, Sequence[int]] = (), *,
+                progress: bool = True) -> NoteAttribution:
+    """Exact patches of the nominees at the events of ``sweep``, over the same prefix (uncropped,
+    then cropped again event by event in decreasing position): the result of the pass.
+
+    Nominees: the event's top ``|A_h|`` heads plus the first global nominees of the running
+    global ranking (counts per kind: :meth:`AttributionConfig.nominee_counts`), at every event
+    whose kind is in ``cfg.exact_kinds`` (NULL: a seeded ``cfg.null_exact_fraction`` of them).
+    ``running_global``: one ranking for every kind, or ``{kind: ranking}`` (a kind it lacks gets
+    no global nominees). With ``cfg.selftest_events > 0`` the first such P1 events (in visiting
+    order) also get every head patched exactly and the detached-hook attribution, reported by
+    :func:`~mistill.instrument.attribution.fidelity`.
+    """
+    events, prefix, mean = sweep.events, sweep.prefix, sweep.mean
+    n_ev, n_heads = len(events), runner.geometry.n_total_heads
+    exact_all = np.full((n_ev, n_heads), np.nan, dtype=np.float32)
+    rng = np.random.default_rng(stable_seed(cfg.seed, sweep.note_id, "null-exact"))
+    null_idx = [i for i, e in enumerate(events) if e.kind == "NULL"]
+    n_null_exact = int(round(cfg.null_exact_fraction * len(null_idx)))
+    null_exact = set(rng.permutation(null_idx)[:n_null_exact].tolist()) if null_idx else set()
+    selftest: list[dict] = []
+    prefix.uncrop()
+    for i in track(sweep.order, desc=f"exact {sweep.note_id}", leave=False, disable=not progress):
+        ev = events[i]
+        prefix.crop(ev.query.position)
+        importance, margin_i, hidden_in = torch.from_numpy(sweep.first_order[i]), float(sweep.margins[i]), sweep.hidden_in[i]
+        if ev.kind in cfg.exact_kinds and (ev.kind != "NULL" or i in null_exact):
+            top, n_global = cfg.nominee_counts(ev.kind)
+            heads = nominees(importance, _running_for(running_global, ev.kind)[:n_global], top)
+            imp = exact_importance(runner, hook, prefix, ev.query, mean, heads, margin_i,
+                                   hidden_in=hidden_in, batch_size=cfg.batch_size)
+            exact_all[i, heads] = imp.numpy()
+        if ev.kind == "P1" and len(selftest) < cfg.selftest_events:
+            every = exact_importance(runner, hook, prefix, ev.query, mean, range(n_heads), margin_i,
+                                     hidden_in=hidden_in, batch_size=cfg.batch_size).numpy()
+            other = first_order(runner, hook, prefix, ev.query, mean, detach=not cfg.detach).importance.numpy()
+            intact, detached = (sweep.first_order[i], other) if not cfg.detach else (other, sweep.first_order[i])
+            selftest.append({
+                "event_id": ev.event_id,
+                **{f"intact.{k}": v for k, v in fidelity(intact, every).items()},
+                **{f"detached.{k}": v for k, v in fidelity(detached, every).items()}})
+    return NoteAttribution(note_id=sweep.note_id, event_ids=[e.event_id for e in events],
                            kinds=[e.kind for e in events],
                            positions=np.array([e.query.position for e in events], dtype=np.int64),
-                           margins=margins, first_order=fo_all, exact=exact_all, selftest=selftest)
+                           margins=sweep.margins, first_order=sweep.first_order, exact=exact_all, selftest=selftest)
+
+
+def attribute_note(runner: Runner, hook: HeadHook, note_id: str, input_ids: torch.Tensor,
+                   events: Sequence[EventQuery], cfg: AttributionConfig,
+                   running_global: Sequence[int] | Mapping[str, Sequence[int]] = (), *,
+                   progress: bool = True) -> NoteAttribution:
+    """First-order attribution of every head at every event, exact patches of the nominees: one
+    prefill, :func:`first_order_sweep` then :func:`exact_sweep` over the same prefix.
+
+    input_ids: ``[pos]``; every event's ``query.position`` indexes it.
+    """
+    sweep = first_order_sweep(runner, hook, note_id, input_ids, events, cfg, progress=progress)
+    return exact_sweep(runner, hook, sweep, cfg, running_global, progress=progress)
 
 
 def _running_for(running_global: Sequence[int] | Mapping[str, Sequence[int]], kind: str) -> list[int]:
@@ -372,63 +434,87 @@ def knockin_sweep(runner: Runner, hook: HeadHook, note_id: str, input_ids: torch
                   previous_own_rank: Mapping[str, Sequence[int]] | None = None, *,
                   work: Sequence[DonorWork] = (), trace_start: int = 0,
                   progress: bool = True) -> SweepResult:
-    """One prefill of ``note_id``, then one sweep in decreasing position over
+    """One prefill of ``note_id``, then
 
-    - its own events: the clean read (margin, head outputs for later knock-in) and, at phase
-      events, the margin with each set mean-ablated (necessity = share of the clean margin
-      destroyed);
+    - its own events (:func:`own_reads`): the clean read (margin, head outputs for later
+      knock-in) and, at phase events, the margin with each set mean-ablated (necessity = share
+      of the clean margin destroyed);
     - the clean notes' events this note is the donor of (``work``; or every phase event of
       ``previous`` that this note can match, :func:`match_donor_event`), each at its matched
-      position here, where the clean token is run: the corrupted margin, ``m_all`` (every head
-      knocked in) and each set knocked in; recovery ``(m_set - m_corr) / (m_all - m_corr)``
-      where ``m_all - m_corr >= cfg.range_gate``.
+      position here, where the clean token is run (:func:`donor_reads`): the corrupted margin,
+      ``m_all`` (every head knocked in) and each set knocked in; recovery
+      ``(m_set - m_corr) / (m_all - m_corr)`` where ``m_all - m_corr >= cfg.range_gate``.
 
     input_ids: ``[pos]``; trace_start: its first trace token; previous_len: ``previous``'s
     token count when its ``n_tokens`` is unset.
     """
-    g = runner.geometry
     prefix, mean = prefill_note(runner, hook, input_ids)
-    all_heads = list(range(g.n_total_heads))
-    n_own = len(events)
-    n_tokens = int(input_ids.numel())
-    z = torch.zeros(n_own, g.n_layers, g.n_heads, g.d_head, dtype=runner.dtype)
-    margins = np.zeros(n_own, dtype=np.float32)
     work = list(work)
     if previous is not None:
         prev_len = previous.n_tokens or previous_len
-        here = DonorCandidate(note_id, list(events), n_tokens, trace_start)
+        here = DonorCandidate(note_id, list(events), int(input_ids.numel()), trace_start)
         plan = plan_donors(previous.events, prev_len, previous.trace_start, [here], no_match="drop")
         work.append(DonorWork(previous, plan[0][1] if plan else [], previous_own_rank))
-    todo: list[tuple[int, str, int, int, EventQuery | None]] = [(e.query.position, "own", i, -1, None)
-                                                                  for i, e in enumerate(events)]
-    for w, item in enumerate(work):
-        todo += [(match.query.position, "donor", i, w, match) for i, match in item.matches]
-    necessity, knockin = [], []
-    for position, role, i, w, match in track(sorted(todo, key=lambda t: -t[0]), desc=f"knock-in {note_id}",
-                                            leave=False, disable=not progress):
+    clean, necessity = own_reads(runner, hook, prefix, mean, note_id, events, cfg, global_rank, own_rank,
+                                 trace_start=trace_start, progress=progress)
+    knockin = donor_reads(runner, hook, prefix, note_id, work, cfg, global_rank, progress=progress)
+    return SweepResult(clean=clean, necessity=necessity, knockin=knockin)
+
+
+def own_reads(runner: Runner, hook: HeadHook, prefix: KVPrefix, mean: torch.Tensor, note_id: str,
+              events: Sequence[EventQuery], cfg: KnockinConfig, global_rank: Mapping[str, Sequence[int]],
+              own_rank: Mapping[str, Sequence[int]] | None = None, *, trace_start: int = 0,
+              progress: bool = True) -> tuple[CleanEvents, list[dict]]:
+    """A prefilled note's clean reads at its events and the necessity rows of its phase events,
+    visiting the events in decreasing position (the prefix is uncropped first).
+
+    prefix, mean: the note's prefill and per-head means ``[layer, head, d_head]``
+    (:func:`prefill_note`).
+    """
+    g = runner.geometry
+    n_own = len(events)
+    z = torch.zeros(n_own, g.n_layers, g.n_heads, g.d_head, dtype=runner.dtype)
+    margins = np.zeros(n_own, dtype=np.float32)
+    necessity: list[dict] = []
+    prefix.uncrop()
+    order = sorted(range(n_own), key=lambda i: -events[i].query.position)
+    for i in track(order, desc=f"clean reads {note_id}", leave=False, disable=not progress):
+        ev = events[i]
+        prefix.crop(ev.query.position)
+        clean = clean_read(runner, hook, prefix, ev.query)
+        z[i], margins[i] = clean.z.cpu(), clean.margin
+        if ev.kind not in PHASES:
+            continue
+        sets = set_variants(ev.kind, note_id, cfg, global_rank, own_rank, g.n_total_heads)
+        keys = list(sets)
+        ablated = mean_ablate(runner, hook, prefix, ev.query, [sets[k] for k in keys], mean,
+                              hidden_in=clean.hidden_in, batch_size=cfg.batch_size).numpy()
+        for (set_name, k), m in zip(keys, ablated):
+            necessity.append({"note_id": note_id, "event_id": ev.event_id, "phase": ev.kind,
+                              "set": set_name, "k": k, "clean_margin": clean.margin,
+                              "ablated_margin": float(m),
+                              "necessity": (clean.margin - float(m)) / clean.margin
+                              if abs(clean.margin) > 1e-6 else float("nan")})
+    clean_events = CleanEvents(note_id=note_id, events=list(events), margins=margins, z=z,
+                               n_tokens=int(prefix.input_ids.numel()), trace_start=trace_start)
+    return clean_events, necessity
+
+
+def donor_reads(runner: Runner, hook: HeadHook, prefix: KVPrefix, note_id: str, work: Sequence[DonorWork],
+                cfg: KnockinConfig, global_rank: Mapping[str, Sequence[int]], *,
+                progress: bool = True) -> list[dict]:
+    """The knock-in rows of the clean notes' events in ``work``, each at its matched position in
+    this prefilled (donor) note, in decreasing position (the prefix is uncropped first); rows of
+    one position keep ``work``'s order."""
+    all_heads = list(range(runner.geometry.n_total_heads))
+    todo = [(match.query.position, i, w, match) for w, item in enumerate(work) for i, match in item.matches]
+    rows: list[dict] = []
+    prefix.uncrop()
+    for position, i, w, match in track(sorted(todo, key=lambda t: -t[0]), desc=f"knock-in {note_id}",
+                                       leave=False, disable=not progress):
         prefix.crop(position)
-        if role == "own":
-            ev = events[i]
-            clean = clean_read(runner, hook, prefix, ev.query)
-            z[i], margins[i] = clean.z.cpu(), clean.margin
-            if ev.kind not in PHASES:
-                continue
-            sets = set_variants(ev.kind, note_id, cfg, global_rank, own_rank, g.n_total_heads)
-            keys = list(sets)
-            ablated = mean_ablate(runner, hook, prefix, ev.query, [sets[k] for k in keys], mean,
-                                  hidden_in=clean.hidden_in, batch_size=cfg.batch_size).numpy()
-            for (set_name, k), m in zip(keys, ablated):
-                necessity.append({"note_id": note_id, "event_id": ev.event_id, "phase": ev.kind,
-                                  "set": set_name, "k": k, "clean_margin": clean.margin,
-                                  "ablated_margin": float(m),
-                                  "necessity": (clean.margin - float(m)) / clean.margin
-                                  if abs(clean.margin) > 1e-6 else float("nan")})
-        else:
-            knockin += _knockin_rows(runner, hook, prefix, cfg, global_rank, work[w], i, match, note_id,
-                                     all_heads)
-    return SweepResult(clean=CleanEvents(note_id=note_id, events=list(events), margins=margins, z=z,
-                                         n_tokens=n_tokens, trace_start=trace_start),
-                       necessity=necessity, knockin=knockin)
+        rows += _knockin_rows(runner, hook, prefix, cfg, global_rank, work[w], i, match, note_id, all_heads)
+    return rows
 
 
 def _knockin_rows(runner: Runner, hook: HeadHook, prefix: KVPrefix, cfg: KnockinConfig,

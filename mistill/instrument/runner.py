@@ -43,18 +43,26 @@ class KVPrefix:
     """Per-layer keys and values of one note, rotary already applied.
 
     ``keys[l]`` / ``values[l]``: ``[1, kv_head, max_pos, d_head]`` preallocated; positions
-    ``[0, length)`` are valid. :meth:`crop` only moves ``length`` down.
+    ``[0, length)`` are visible to the next forward, ``[0, written)`` hold the prefill's keys.
+    :meth:`crop` only moves ``length`` down; measurements never write into the buffers (only a
+    prefill does, :meth:`Runner.forward` with ``write_prefix``), so :meth:`uncrop` may start a
+    second sweep over the same note from its full length.
     """
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     length: int
     input_ids: torch.Tensor  # [pos] the note's tokens
+    written: int = 0
 
     def crop(self, length: int) -> None:
         if length > self.length:
             raise ValueError(f"crop to {length} > current length {self.length}: the prefix only shrinks")
         self.length = length
+
+    def uncrop(self) -> None:
+        """Make every position the prefill wrote visible again (a new sweep over the note)."""
+        self.length = self.written
 
     @property
     def nbytes(self) -> int:
@@ -363,7 +371,7 @@ class Runner:
             h = h + parts.o_proj(attn.reshape(B, n, g.n_heads * g.d_head))
             h = h + parts.mlp(parts.post_norm(h))
         if write_prefix:
-            prefix.length = prefix_len + n
+            prefix.length = prefix.written = prefix_len + n
         hs = h if logits_rows is None else h[:, torch.as_tensor(logits_rows, device=self.device).long()]
         logits = g.lm_head(g.final_norm(hs)).float()
         hidden = None

@@ -18,6 +18,7 @@ import torch
 
 from mistill.config import Config
 from mistill.data.corpus import Note
+from mistill.distributed import broadcast, current_world, gather, shard
 from mistill.errors import MistillInputError
 from mistill.io import npz_bytes
 from mistill.instrument.events import (RealizedEvent, coverage_report, entropy_over_choices,
@@ -25,18 +26,19 @@ from mistill.instrument.events import (RealizedEvent, coverage_report, entropy_o
                                        realize_events)
 from mistill.instrument.hooks import HeadHook
 from mistill.instrument.passes import (AttributionConfig, CleanEvents, DonorCandidate,
-                                       DonorWork, EventQuery, KnockinConfig, NoteAttribution, attribute_note,
-                                       donor_order, knockin_sweep, per_note_set_rows, plan_donors,
-                                       running_global_top)
+                                       DonorWork, EventQuery, KnockinConfig, NoteAttribution, donor_order,
+                                       donor_reads, own_reads, per_note_set_rows, phase_means, plan_donors,
+                                       prefill_note, running_global_top)
 from mistill.instrument.patching import Query
 from mistill.instrument.runner import Runner
+from mistill.instrument.waves import attribute_waves
 from mistill.models.loading import EMBEDDED_DEFAULT, load_model
 from mistill.params import (AttributeParams, ChunkParams, DonorParams, EventsParams, KnockinParams, NomineeParams,
                             PatchParams, PoolParams)
 from mistill.progress import track
 from mistill.stages.common import (NoteInput, Prepared, RunReader, load_prepared, model_positions, note_input,
                                    require_notes)
-from mistill.stages.runner import note_loop, notes_written, open_stage, stage_device
+from mistill.stages.runner import note_loop, notes_written, open_stage, progress_label, stage_device
 from mistill.validation import (check_choices, check_device, check_dtype, check_interval,
                                 check_model_spec, check_name, check_no_text_fields, check_non_negative,
                                 check_not_empty, check_positive, check_run_id, check_seed)
@@ -304,6 +306,17 @@ def attribute_notes(ev: _EventsInput, split: str) -> list[Note]:
     return require_notes([n for n in ev.notes if n.split == split], split, ev.prepared, field="split")
 
 
+def _finished_means(run, reader: _SelfReader, notes: Sequence[Note]) -> dict[str, dict[str, np.ndarray]]:
+    """The per-phase first-order means of the notes the run finished before (a resumed pass)."""
+    done = run.finished_notes(NOTES)
+    out = {}
+    for note in notes:
+        if note.note_id in done:
+            att = NoteAttribution.from_npz(reader._path(note.note_id, "attribution.npz"), note.note_id)
+            out[note.note_id] = phase_means(att.kinds, att.first_order)
+    return out
+
+
 def run_attribute(cfg: AttributeConfig) -> str:
     from mistill.instrument.calibration import (NoteImportance, calibratable_patients, calibrate,
                                                 head_sets_json, recurrence, sparsity, split_half_stability)
@@ -312,36 +325,33 @@ def run_attribute(cfg: AttributeConfig) -> str:
     ev = _events_input(cfg.events_run)
     prepared = ev.prepared
     notes = attribute_notes(ev, cfg.split)
-    # one process: each note's exact-patching nominees come from the running global ranking of
-    # the notes before it (App. C), so the notes are walked in corpus order
     with open_stage("attribute", cfg, prepared, inputs={"events": cfg.events_run}, model=ev.model) as run:
         if run.reused:
             return run.run_id
-        lm = load_model(ev.model, dtype=cfg.dtype, device=cfg.device)
+        lm = load_model(ev.model, dtype=cfg.dtype, device=stage_device(cfg.device))
         runner, hook = Runner(lm, chunk_size=cfg.chunk_size), HeadHook(lm.geometry)
-        acfg = _attribution_config(cfg)
-        done = run.finished_notes(NOTES)
         reader = _SelfReader(run)
-        kind_means: dict[str, list[np.ndarray]] = {p: [] for p in ("P1", "P2", "P2C")}
-        selftests: list[dict] = []
-        for note in track(notes, desc="attribute"):
-            if note.note_id in done:
-                att = NoteAttribution.from_npz(reader._path(note.note_id, "attribution.npz"), note.note_id)
-                selftests += reader.json(note.note_id, "selftest.json")["rows"]
-            else:
-                ni = note_input(note, prepared.inventory, lm.tokenizer,
-                                remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
-                                narrow_instruction=prepared.narrow_instruction)
-                queries = event_queries(read_realized(ev.reader, note.note_id), ni.input_ids)
-                att = attribute_note(runner, hook, note.note_id, ni.input_ids, queries, acfg,
-                                     running_globals(kind_means, cfg))
-                run.write_note(NOTES, note.note_id, {"attribution.npz": npz_bytes(att.arrays()),
-                                                     "selftest.json": {"rows": att.selftest}})
-                selftests += att.selftest
-            for phase, means in kind_means.items():
-                rows = [i for i, k in enumerate(att.kinds) if k == phase]
-                if rows:
-                    means.append(att.first_order[rows].mean(axis=0))
+        world = current_world()
+        # each note's nominees come from the running global ranking of the notes before it
+        # (App. C): under a launch the notes go in waves, one per process (mistill.instrument.waves)
+        done = broadcast(_finished_means(run, reader, notes) if world.leader else None, world)
+
+        def load(note_id: str) -> tuple[torch.Tensor, list[EventQuery]]:
+            ni = note_input(by_id[note_id], prepared.inventory, lm.tokenizer,
+                            remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
+                            narrow_instruction=prepared.narrow_instruction)
+            return ni.input_ids, event_queries(read_realized(ev.reader, note_id), ni.input_ids)
+
+        by_id = {n.note_id: n for n in notes}
+        mine = shard([n for n in notes if n.note_id not in done], world)
+        waves = attribute_waves(runner, hook, [n.note_id for n in notes], done, load, _attribution_config(cfg),
+                                lambda means: running_globals(means, cfg), world)
+        for att in track(waves, desc=progress_label("attribute"), total=len(mine)):
+            run.write_note(NOTES, att.note_id, {"attribution.npz": npz_bytes(att.arrays()),
+                                                "selftest.json": {"rows": att.selftest}})
+        if not notes_written(run, NOTES, notes):
+            return run.run_id
+        selftests = [row for note in notes for row in reader.json(note.note_id, "selftest.json")["rows"]]
         # calibration over every note
         importances = []
         for note in notes:
@@ -542,7 +552,16 @@ def _knockin_notes(run, notes: list[Note], done: set[str], inputs: _KnockinInput
                    hook: HeadHook, kcfg: KnockinConfig, global_rank: dict[str, list[int]],
                    cfg: KnockinStageConfig) -> None:
     """Sweep the notes in corpus order (one prefill per step, :func:`donor_steps`) and write each
-    unfinished note once its necessity and every knock-in of its events are measured."""
+    unfinished note once its necessity and every knock-in of its events are measured.
+
+    Under a launch the steps go in waves, one per process (the ``k``-th step of a wave to rank
+    ``k``): each process prefills its step's note and reads its own events; the processes
+    exchange the clean reads; each then knocks into its note the clean events whose donor it is
+    (their clean note was read in an earlier wave or earlier in this one). Every process keeps
+    the same book of what is measured, so a note is written, once, by the process of the step
+    that completes it, with the rows one process would have written.
+    """
+    world = current_world()
     n = len(notes)
     index_of = {note.note_id: i for i, note in enumerate(notes)}
     todo = [j for j in range(n) if notes[j].note_id not in done]
@@ -556,30 +575,53 @@ def _knockin_notes(run, notes: list[Note], done: set[str], inputs: _KnockinInput
     clean: dict[int, CleanEvents] = {}
     necessity: dict[int, list[dict]] = {}
     knockin: dict[int, list[dict]] = {j: [] for j in todo}
-    for step in track(sorted(set(todo) | set(schedule)), desc="knock-in"):
-        d = step % n
-        own = step < n and d in left
-        mine = inputs(notes[d])
-        work = [DonorWork(clean[c], matches, inputs(notes[c]).own_rank)
-                for c, _ in schedule.get(step, []) for donor, matches in plans[c] if donor == d]
-        sweep = knockin_sweep(runner, hook, notes[d].note_id, mine.input_ids, mine.queries if own else [], kcfg,
-                              global_rank, mine.own_rank, work=work, trace_start=mine.trace_start)
-        if own:
-            clean[d], necessity[d] = sweep.clean, sweep.necessity
-        for row in sweep.knockin:
-            knockin[index_of[row["note_id"]]].append(row)
-        finished = [c for c, _ in schedule.get(step, [])]
-        for c in finished:
-            left[c] -= 1
-        for c in sorted(set(finished) | ({d} if own else set())):
-            if left[c] == 0:  # every knock-in of the note's events is measured
-                run.write_note(NOTES, notes[c].note_id, {
-                    "necessity.jsonl": "".join(json.dumps(r) + "\n" for r in necessity.pop(c)),
-                    "knockin.jsonl": "".join(json.dumps(r) + "\n" for r in knockin.pop(c))})
-                clean.pop(c, None)
-                del left[c]
-        for j in [j for j, last in last_use.items() if last <= step]:
+    steps = sorted(set(todo) | set(schedule))
+    waves = [steps[w:w + world.size] for w in range(0, len(steps), world.size)]
+    bar = track(total=len(shard(steps, world)), desc=progress_label("knock-in"))
+    for wave in waves:
+        mine = wave[world.rank] if world.rank < len(wave) else None
+        own_part = None
+        if mine is not None:
+            d = mine % n
+            note = inputs(notes[d])
+            prefix, mean = prefill_note(runner, hook, note.input_ids)
+            if mine < n and d in left:
+                read, nec = own_reads(runner, hook, prefix, mean, notes[d].note_id, note.queries, kcfg, global_rank,
+                                      note.own_rank, trace_start=note.trace_start, progress=False)
+                own_part = (read if left[d] else None, nec)
+        for step, part in zip(wave, gather(own_part, world)):
+            if part is not None:
+                if part[0] is not None:
+                    clean[step] = part[0]
+                necessity[step] = part[1]
+        rows: list[dict] = []
+        if mine is not None:
+            work = [DonorWork(clean[c], matches, inputs(notes[c]).own_rank)
+                    for c, _ in schedule.get(mine, []) for donor, matches in plans[c] if donor == mine % n]
+            rows = donor_reads(runner, hook, prefix, notes[mine % n].note_id, work, kcfg, global_rank, progress=False)
+            del prefix, mean
+            bar.update(1)
+        for step, step_rows in zip(wave, gather(rows, world)):
+            d = step % n
+            own = step < n and d in left
+            for row in step_rows:
+                knockin[index_of[row["note_id"]]].append(row)
+            finished = [c for c, _ in schedule.get(step, [])]
+            for c in finished:
+                left[c] -= 1
+            for c in sorted(set(finished) | ({d} if own else set())):
+                if left[c] == 0:  # every knock-in of the note's events is measured
+                    nec_rows, kin_rows = necessity.pop(c), knockin.pop(c)
+                    if step == mine:
+                        run.write_note(NOTES, notes[c].note_id, {
+                            "necessity.jsonl": "".join(json.dumps(r) + "\n" for r in nec_rows),
+                            "knockin.jsonl": "".join(json.dumps(r) + "\n" for r in kin_rows)})
+                    clean.pop(c, None)
+                    del left[c]
+        for j in [j for j, last in last_use.items() if last <= wave[-1]]:
             inputs.release(notes[j])
+            del last_use[j]
+    bar.close()
 
 
 def run_knockin(cfg: KnockinStageConfig) -> str:
@@ -590,20 +632,22 @@ def run_knockin(cfg: KnockinStageConfig) -> str:
     ev = _events_input(att_reader.config["events_run"])
     prepared = ev.prepared
     head_sets = json.loads(att_reader.file("head_sets.json").read_text())
-    # one process: a note's knock-ins need its donors' clean runs, swept in corpus order
     with open_stage("knockin", cfg, prepared, inputs={"attribute": cfg.attribute_run}, model=ev.model) as run:
         if run.reused:
             return run.run_id
-        lm = load_model(ev.model, dtype=att_reader.config.get("dtype", cfg.dtype), device=cfg.device)
+        lm = load_model(ev.model, dtype=att_reader.config.get("dtype", cfg.dtype), device=stage_device(cfg.device))
         runner, hook = Runner(lm, chunk_size=cfg.chunk_size), HeadHook(lm.geometry)
         names = lm.geometry.head_names()
         global_rank = _ranks_from_head_sets(head_sets, names)
         kcfg = KnockinConfig(k_bins=cfg.k_bins, sets=cfg.sets, range_gate=cfg.range_gate,
                              batch_size=cfg.batch_size, chunk_size=cfg.chunk_size, seed=cfg.seed)
         notes = attribute_notes(ev, att_reader.config.get("split", ""))
-        done = run.finished_notes(NOTES)
+        world = current_world()
+        done = broadcast(run.finished_notes(NOTES) if world.leader else None, world)
         _knockin_notes(run, notes, done, _KnockinInputs(prepared, ev, att_reader, lm, cfg), runner, hook, kcfg,
                        global_rank, cfg)
+        if not notes_written(run, NOTES, notes):
+            return run.run_id
         # tables over every note
         reader = _SelfReader(run)
         rows = []

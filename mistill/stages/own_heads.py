@@ -36,13 +36,14 @@ import numpy as np
 import pandas as pd
 from mistill.config import Config
 from mistill.data.corpus import Note
+from mistill.distributed import broadcast, current_world, gather, shard
 from mistill.errors import MistillInputError
 from mistill.instrument.passes import PHASES, donor_order
 from mistill.params import (DonorParams, KnockinReadParams, NomineeParams, NullParams, PatchParams,
                             StabilityParams, TokenCapParams)
 from mistill.progress import get_logger, track
 from mistill.stages.common import Prepared, RunReader, Subject, load_prepared, model_positions, trained_subject
-from mistill.stages.runner import open_stage
+from mistill.stages.runner import note_loop, notes_written, open_stage, progress_label, stage_device
 from mistill.stages.workflow import LAUNCHES
 from mistill.validation import (check_choice, check_counts, check_device, check_dtype, check_non_negative,
                                 check_positive, check_seed)
@@ -187,14 +188,15 @@ def run_own_heads(cfg: OwnHeadsConfig) -> str:
     notes = _test_notes(prepared, cfg)
     inputs = {"prepare": cfg.prepare_run, **({"train": cfg.train_run} if cfg.train_run else {})}
     tags = {**arm.links, TAG_SPLIT: cfg.test_split}
-    # one process: the arm's own ranking runs as nested events and attribute runs first
     with open_stage("own_heads", cfg, prepared, inputs=inputs, model=arm.spec, arm=arm.arm,
                     seed=cfg.seed if arm.seed is None else arm.seed, precision=arm.precision, tags=tags) as run:
         if run.reused:
             return run.run_id
+        world = current_world()
         ranked = _rank_steps(cfg, arm.spec, prepared.corpus.name, parent=run.run_id)
-        run.set_tags({"mistill.rank_events": ranked["events"], "mistill.rank_attribute": ranked["attribute"]})
-        lm = load_model(arm.spec, dtype=cfg.dtype, device=cfg.device)
+        if world.leader:
+            run.set_tags({"mistill.rank_events": ranked["events"], "mistill.rank_attribute": ranked["attribute"]})
+        lm = load_model(arm.spec, dtype=cfg.dtype, device=stage_device(cfg.device))
         runner, hook = Runner(lm, chunk_size=cfg.chunk_size), HeadHook(lm.geometry)
         names = lm.geometry.head_names()
         head_sets = json.loads(RunReader(ranked["attribute"], field="attribute").file("head_sets.json").read_text())
@@ -204,14 +206,19 @@ def run_own_heads(cfg: OwnHeadsConfig) -> str:
                                     f"(no events on the {cfg.rank_split!r} notes)", field="rank_split")
         panel = random_panel(lm.geometry.n_total_heads, cfg.m2_k, cfg.seed)
         groups = {"own": {p: r[:cfg.m2_k] for p, r in rank.items()}, "random": {p: panel for p in rank}}
-        run.log_json("own_heads_sets.json", {
-            "rank_attribute": ranked["attribute"], "random_panel": [names[h] for h in panel],
-            **{p: [names[h] for h in r[:max(max(cfg.k), cfg.m2_k)]] for p, r in rank.items()}})
+        if world.leader:
+            run.log_json("own_heads_sets.json", {
+                "rank_attribute": ranked["attribute"], "random_panel": [names[h] for h in panel],
+                **{p: [names[h] for h in r[:max(max(cfg.k), cfg.m2_k)]] for p, r in rank.items()}})
         ctx = _Context(cfg, prepared, lm, runner, hook, rank, groups)
         _teacher_pass(run, ctx, notes)
         coverage: dict[str, float] = {}
+        written = notes_written(run, NOTES, notes)
         if cfg.own_traces:
-            coverage = _own_pass(run, ctx, notes)
+            coverage, usable = _own_pass(run, ctx, notes)
+            written = notes_written(run, OWN_NOTES, usable)
+        if not written:
+            return run.run_id
         return _aggregate(run, cfg, notes, coverage)
 
 
@@ -256,7 +263,8 @@ class _Context:
 
 
 def _teacher_pass(run, ctx: _Context, notes: list[Note]) -> None:
-    done = run.finished_notes(NOTES)
+    """M4, the read side and M5 on the teacher's traces, one note at a time (under a launch,
+    each process its share: a note's donors are read here, not measured elsewhere)."""
     cache: dict[str, object] = {}
 
     def case(note: Note):
@@ -265,9 +273,9 @@ def _teacher_pass(run, ctx: _Context, notes: list[Note]) -> None:
         return cache[note.note_id]
 
     n = len(notes)
-    for i, note in enumerate(track(notes, desc="own_heads teacher traces")):
-        if note.note_id in done:
-            continue
+    index = {note.note_id: i for i, note in enumerate(notes)}
+    for note in note_loop(run, NOTES, notes, desc="own_heads teacher traces"):
+        i = index[note.note_id]
         donors = (case(notes[d]) for d in donor_order(n, i, wrap=ctx.cfg.donor_wrap))
         run.write_note(NOTES, note.note_id, ctx.measure(case(note), donors))
         for key in [k for k in cache if k != notes[(i + 1) % n].note_id]:
@@ -303,15 +311,23 @@ def _generate(run, ctx: _Context, note: Note, done: set[str]) -> dict:
     return rec
 
 
-def _own_pass(run, ctx: _Context, notes: list[Note]) -> dict[str, float]:
+def _own_pass(run, ctx: _Context, notes: list[Note]) -> tuple[dict[str, float], list[Note]]:
     """Generate, keep the usable own traces (closed reasoning, at least one phase event), measure
-    each against the next usable one; returns the coverage counts."""
-    done = run.finished_notes(OWN_NOTES)
-    kept = set() if run.guard.allows_text else run.finished_notes(OWN_TRACES)
-    cases, recs, closed, generated = {}, {}, 0, 0
-    for note in track(notes, desc="own_heads generations"):
-        rec = recs[note.note_id] = _generate(run, ctx, note, kept)
-        generated += 1
+    each against the next usable one; returns the coverage counts and the usable notes.
+
+    Under a launch each process generates its share of the notes; the generations are then
+    exchanged (in memory, never logged), so that every process knows the usable traces and
+    their order, and each measures its share of them."""
+    world = current_world()
+    kept = set() if run.guard.allows_text else broadcast(run.finished_notes(OWN_TRACES) if world.leader else None,
+                                                         world)
+    mine = shard(notes, world)
+    own = {note.note_id: _generate(run, ctx, note, kept)
+           for note in track(mine, desc=progress_label("own_heads generations"), total=len(mine))}
+    recs = {k: v for part in gather(own, world) for k, v in part.items()}
+    cases, closed = {}, 0
+    for note in notes:
+        rec = recs[note.note_id]
         if rec["capped"]:
             continue
         try:
@@ -322,15 +338,15 @@ def _own_pass(run, ctx: _Context, notes: list[Note]) -> dict[str, float]:
         if case.phase_events():
             cases[note.note_id] = case
     usable = [n for n in notes if n.note_id in cases]
-    for i, note in enumerate(track(usable, desc="own_heads own traces")):
-        if note.note_id in done:
-            continue
+    index = {note.note_id: i for i, note in enumerate(usable)}
+    for note in note_loop(run, OWN_NOTES, usable, desc="own_heads own traces"):
+        i = index[note.note_id]
         donors = (cases[usable[d].note_id] for d in donor_order(len(usable), i, wrap=ctx.cfg.donor_wrap))
         files = ctx.measure(cases[note.note_id], donors)
         files["generation.json"] = {"n_tokens": recs[note.note_id]["n_tokens"], "seed": recs[note.note_id]["seed"]}
         run.write_note(OWN_NOTES, note.note_id, files)
-    return {"own/coverage/n_notes": float(len(notes)), "own/coverage/n_generated": float(generated),
-            "own/coverage/n_closed": float(closed), "own/coverage/n_with_events": float(len(usable))}
+    return ({"own/coverage/n_notes": float(len(notes)), "own/coverage/n_generated": float(len(recs)),
+             "own/coverage/n_closed": float(closed), "own/coverage/n_with_events": float(len(usable))}, usable)
 
 
 def _aggregate(run, cfg: OwnHeadsConfig, notes: list[Note], coverage: dict[str, float]) -> str:

@@ -30,8 +30,10 @@ it is uploaded). Under ``torchrun`` / ``accelerate launch`` (:mod:`mistill.distr
   lease lapses: never FINISHED with notes missing. A rerun resumes it.
 
 A stage that is not ``shardable`` in the stage table (:mod:`mistill.stages.registry`), such as
-one whose notes depend on each other (``attribute``'s running global ranking, ``knockin``'s donor
-schedule), is refused under a launcher of several processes.
+``las_simulator`` (one model fine-tuned once), is refused under a launcher of several processes.
+Stages whose notes depend on each other (``attribute``'s running global ranking, ``knockin``'s
+donor steps) keep the opening and closing here and walk their notes in waves of their own
+(:mod:`mistill.instrument.waves`, :func:`mistill.stages.characterize._knockin_notes`).
 """
 
 from __future__ import annotations

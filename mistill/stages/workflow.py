@@ -23,6 +23,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from mistill.config import Config, file_digest
+from mistill.distributed import barrier, broadcast, current_world
 from mistill.errors import MistillInputError
 from mistill.models.loading import EMBEDDED_DEFAULT
 from mistill.params import AttributeParams, KnockinParams, NomineeParams, NullParams
@@ -102,18 +103,31 @@ def run_step(stage_name: str, cfg: Config, corpus_name: str, *, launch: str = "m
     stage = stages()[stage_name]
     stage.check_inputs(cfg)  # as the command line does: a required input left empty, before any run
     experiment = experiment_for_corpus(corpus_name)
-    found = find_run(experiment, stage_name, identity_params(cfg), code_version(REPO_ROOT), stage.input_runs(cfg))
-    if found is not None:
-        _log.info("[%s] reusing finished run %s (%s)", stage_name, found.info.run_name, found.info.run_id)
-        return found.info.run_id
+    world = current_world()
+    # under a launch of several processes every rank takes the step, in this process (a
+    # launched entry point would start a process group of its own from each rank); rank 0
+    # decides whether a finished run is reused
+    found = None
+    if world.leader:
+        found = find_run(experiment, stage_name, identity_params(cfg), code_version(REPO_ROOT), stage.input_runs(cfg))
+    found_id = broadcast(None if found is None else found.info.run_id, world)
+    if found_id is not None:
+        if found is not None:
+            _log.info("[%s] reusing finished run %s (%s)", stage_name, found.info.run_name, found_id)
+        return found_id
     _log.info("[%s] running", stage_name)
+    if world.distributed and not stage.shardable:
+        raise MistillInputError(f"the step {stage_name} runs in one process; run it before the launch",
+                                field=stage_name)
     with child_runs_of(parent):
-        if launch == "inline":
+        if launch == "inline" or world.distributed:
             cfg.check_environment()
             # inside a launched entry point (`mlflow run` sets MLFLOW_RUN_ID), a step run in
             # this process opens its own run rather than adopting the launcher's
             with environment_variable("MLFLOW_RUN_ID", None):
-                return stage.run(cfg)
+                run_id = stage.run(cfg)
+            barrier(world)  # rank 0 aggregates and ends the step's run before any rank reads it
+            return run_id
         return _launch(stage_name, cfg, experiment, parent)
 
 
