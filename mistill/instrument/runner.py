@@ -191,8 +191,8 @@ class _FlashPrefixAttention(torch.autograd.Function):
 
 
 def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     *, use_flash: bool | None = None,
-                     row_limit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     *, use_flash: bool | None = None, row_limit: torch.Tensor | None = None,
+                     kernel: str = "flash") -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of folded query rows over a shared prefix, with its log-sum-exp.
 
     Args:
@@ -201,6 +201,9 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         row_limit: optional ``[row]``: row ``r`` sees only keys ``< row_limit[r]``; the keys below
             the smallest limit, which every row sees, take the unmasked path (flash where
             allowed), the rest the masked math path, merged through the log-sum-exp.
+        kernel: the fused kernel of the unmasked path without gradients where ``use_flash``:
+            ``"flash"`` or ``"cudnn"`` (faster on Hopper for the long blocks of a prefill; it
+            plans per shape, so the short rows of measurements stay on flash).
     Returns:
         ``out`` ``[kv_head, row, d_head]`` (float32) and ``lse`` ``[kv_head, row]`` (float32).
     """
@@ -225,10 +228,82 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         return _MathPrefixAttention.apply(q, k, v, scale, row_limit)
     if use_flash and torch.is_grad_enabled() and q.requires_grad:
         return _FlashPrefixAttention.apply(q, k, v, scale)
+    if use_flash and kernel == "cudnn":
+        return _cudnn_prefix(q, k, v, scale)
     if use_flash:
         res = _flash(q, k, v, scale)
         return res[0][0].float(), res[1][0].float()
     return _MathPrefixAttention.apply(q, k, v, scale, row_limit)
+
+
+_NO_ROWS = torch.empty(0, dtype=torch.long)
+"""``logits_rows`` of a prefill chunk whose logits nobody asked for (no ``[row, vocab]`` head)."""
+
+GQA_FLASH: bool | None = None
+"""Whether the flash kernel takes fewer key heads than query heads (found on first use)."""
+
+CUDNN_PREFIX: bool | None = None
+"""Whether cuDNN's fused attention gives the prefix part of a prefill (checked once, on a small
+case against flash; False where the build lacks it)."""
+
+
+def _cudnn_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`prefix_attention`'s unmasked path through cuDNN: ``out`` ``[kv_head, row, d_head]``
+    and ``lse`` ``[kv_head, row]``, float32."""
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None,
+                                                             True, 0.0, False, False, scale=scale)
+    return res[0][0].float(), res[1][0].reshape(q.shape[0], q.shape[1]).float()
+
+
+def cudnn_prefix_usable(like: torch.Tensor) -> bool:
+    """Whether :func:`_cudnn_prefix` runs here and agrees with flash (out and lse) on random
+    inputs of ``like``'s device and dtype; found once per process."""
+    global CUDNN_PREFIX
+    if CUDNN_PREFIX is None:
+        gen = torch.Generator(device=like.device).manual_seed(0)
+        q, k, v = (torch.randn(2, n, 128, device=like.device, dtype=like.dtype, generator=gen) for n in (96, 320, 320))
+        try:
+            out_c, lse_c = _cudnn_prefix(q, k, v, 0.1)
+        except (RuntimeError, TypeError):
+            CUDNN_PREFIX = False
+            return False
+        res = _flash(q, k, v, 0.1)
+        CUDNN_PREFIX = bool((out_c - res[0][0].float()).abs().max() < 1e-2
+                            and (lse_c - res[1][0].float()).abs().max() < 1e-3)
+    return CUDNN_PREFIX
+
+
+def causal_over_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a prefill chunk's rows over the prefix and the chunk, one flash call.
+
+    Args:
+        q: ``[1, head, row, d_head]``; k, v: ``[1, kv_head, pos, d_head]`` where the last ``row``
+            key positions are the chunk's own (lower-right causal alignment: row ``r`` sees keys
+            ``< pos - row + r + 1``).
+    Returns:
+        ``[1, row, head, d_head]`` in ``q``'s dtype.
+    """
+    global GQA_FLASH
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and GQA_FLASH is not False:
+        try:
+            out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[0]
+            GQA_FLASH = True
+            return out.transpose(1, 2)
+        except RuntimeError:
+            GQA_FLASH = False
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[0].transpose(1, 2)
+
+
+PREFILL_KERNELS = ("auto", "cudnn", "flash", "split")
+"""How a prefill chunk attends on CUDA (bf16/fp16): ``cudnn``, the prefix through cuDNN's
+kernel and the chunk's own causal block through flash, merged through the log-sum-exp;
+``flash``, one causal flash call over prefix + chunk (:func:`causal_over_prefix`); ``split``,
+as ``cudnn`` with flash for the prefix; ``auto``, ``cudnn`` where :func:`cudnn_prefix_usable`,
+else ``flash``. Measured at Qwen3-14B @ 106k on an H200: 14.9 / 18.7 / 19.6 s
+(``benchmarks/RESULTS.md``). Elsewhere (CPU, float32) the exact math path."""
 
 
 class Runner:
@@ -240,6 +315,7 @@ class Runner:
         self.chunk_size = chunk_size
         # None: the flash kernel on CUDA (bf16/fp16), with or without gradients; False: always the math path
         self.use_flash = use_flash
+        self.prefill_kernel = "auto"  # one of PREFILL_KERNELS
         lm.model.requires_grad_(False)
 
     @property
@@ -284,7 +360,7 @@ class Runner:
                 rows = (want[sel] - start) if sel.numel() else None
             res = self.forward(prefix, start, ids[start:end].unsqueeze(0),
                                torch.arange(start, end, device=self.device), rows="causal",
-                               logits_rows=rows, write_prefix=True)
+                               logits_rows=rows if rows is not None else _NO_ROWS, write_prefix=True)
             if rows is not None:
                 out_logits[sel] = res.logits[0]
         return prefix, out_logits
@@ -348,6 +424,11 @@ class Runner:
             # folded rows are ordered (batch, row, group): repeat each element's limit per row and group
             row_limit = lim.view(B, 1, 1).expand(B, n, g.n_groups).reshape(-1)
         captured = [] if capture_hidden else None
+        kernel = "flash"
+        if (write_prefix and rows == "causal" and row_limit is None and B == 1 and prefix_len > 0
+                and self.use_flash is not False and _flash_available(h) and not torch.is_grad_enabled()):
+            kernel = self._prefill_kernel(h)
+        one_kernel = kernel == "one_flash"
         for parts in g.layers[start_layer:]:
             if captured is not None:
                 captured.append(h)
@@ -362,12 +443,21 @@ class Runner:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [batch, head, row, d_head]
             if parts.use_rope:
                 q, k = g.apply_rope(q, k, cos, sin)
-            kp = prefix.keys[l][0, :, :prefix_len]
-            vp = prefix.values[l][0, :, :prefix_len]
-            attn = self._attend(q, k, v, kp, vp, parts.scaling, rows, row_limit)  # [batch, row, head, d_head]
-            if write_prefix:
+            if write_prefix and one_kernel:
+                # a prefill chunk: its keys join the prefix, then one causal flash call over
+                # prefix + chunk, aligned to the last key (row r sees keys <= prefix_len + r)
                 prefix.keys[l][:, :, prefix_len:prefix_len + n] = k
                 prefix.values[l][:, :, prefix_len:prefix_len + n] = v
+                attn = causal_over_prefix(q, prefix.keys[l][:, :, :prefix_len + n],
+                                          prefix.values[l][:, :, :prefix_len + n], parts.scaling)
+            else:
+                kp = prefix.keys[l][0, :, :prefix_len]
+                vp = prefix.values[l][0, :, :prefix_len]
+                attn = self._attend(q, k, v, kp, vp, parts.scaling, rows, row_limit,
+                                    prefix_kernel=kernel)  # [batch, row, head, d_head]
+                if write_prefix:
+                    prefix.keys[l][:, :, prefix_len:prefix_len + n] = k
+                    prefix.values[l][:, :, prefix_len:prefix_len + n] = v
             h = h + parts.o_proj(attn.reshape(B, n, g.n_heads * g.d_head))
             h = h + parts.mlp(parts.post_norm(h))
         if write_prefix:
@@ -379,9 +469,19 @@ class Runner:
             hidden = torch.stack(captured, dim=0)
         return RunnerOutput(logits=logits, hidden_in=hidden)
 
+    def _prefill_kernel(self, like: torch.Tensor) -> str:
+        """The prefix kernel of a CUDA prefill chunk: ``"cudnn"``, ``"flash"`` (split) or
+        ``"one_flash"`` (:data:`PREFILL_KERNELS`)."""
+        choice = self.prefill_kernel
+        if choice not in PREFILL_KERNELS:
+            raise ValueError(f"prefill_kernel must be one of {PREFILL_KERNELS}, not {choice!r}")
+        if choice == "auto":
+            choice = "cudnn" if cudnn_prefix_usable(like) else "flash"
+        return {"cudnn": "cudnn", "flash": "one_flash", "split": "flash"}[choice]
+
     def _attend(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                 kp: torch.Tensor, vp: torch.Tensor, scale: float, rows: str,
-                row_limit: torch.Tensor | None = None) -> torch.Tensor:
+                row_limit: torch.Tensor | None = None, *, prefix_kernel: str = "flash") -> torch.Tensor:
         """Attention of new rows over prefix + new keys.
 
         Args:
@@ -401,7 +501,8 @@ class Runner:
         # prefix part, query heads folded per KV head: rows ordered (batch, row, group)
         qf = q.reshape(B, KV, G, n, d).permute(1, 0, 3, 2, 4).reshape(KV, B * n * G, d)
         flash = None if self.use_flash is None else (self.use_flash and _flash_available(q))
-        out_p, lse_p = prefix_attention(qf, kp, vp, scale, use_flash=flash, row_limit=row_limit)
+        out_p, lse_p = prefix_attention(qf, kp, vp, scale, use_flash=flash, row_limit=row_limit,
+                                        kernel=prefix_kernel)
         out_p = out_p.view(KV, B, n, G, d).permute(1, 0, 3, 2, 4).reshape(B, H, n, d)
         lse_p = lse_p.view(KV, B, n, G).permute(1, 0, 3, 2).reshape(B, H, n)
         k_rep = k_new.repeat_interleave(G, dim=1).float()

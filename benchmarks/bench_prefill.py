@@ -1,0 +1,255 @@
+"""Device benchmark of the prefill and the attribution pass at Qwen3-14B @ 106k (one GPU).
+
+Where a note's prefill spends its time, and what a different attention kernel gives:
+
+1. attention alone, one layer of the 14B geometry (40 query heads, 8 KV heads, d_head 128),
+   summed over the chunks of a 106k-token prefill (x 40 layers = the prefill's attention):
+   ``split`` (the prefix through flash with the query heads folded per KV head, the chunk's own
+   causal block apart, merged through the log-sum-exp in float32), ``one_kernel`` (one causal
+   flash call over prefix + chunk, lower-right aligned, the KV heads as they are),
+   ``cudnn_prefix`` (the split path with cuDNN's kernel for the prefix part), and the floor of
+   one unchunked causal call over the whole sequence (flash and cuDNN);
+2. the model's prefill (random-init Qwen3-14B, bf16), the split path against one kernel, with
+   the difference of their prefixes and logits at 64 positions;
+3. the whole attribution pass of ``bench_instrument.py`` (150 events) with the faster prefill.
+
+Usage: python benchmarks/bench_prefill.py --mode kernels|prefill --out prefill.json (torch + transformers only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_instrument import build  # noqa: E402
+
+from mistill.instrument.hooks import HeadHook  # noqa: E402
+from mistill.instrument.passes import AttributionConfig, EventQuery, attribute_note  # noqa: E402
+from mistill.instrument.patching import Query  # noqa: E402
+from mistill.instrument import runner as runner_mod  # noqa: E402
+from mistill.instrument.runner import Runner, causal_over_prefix  # noqa: E402
+
+
+def sync() -> None:
+    torch.cuda.synchronize()
+
+
+def clock(fn, reps: int = 1) -> tuple[float, object]:
+    fn()
+    sync()
+    t = time.perf_counter()
+    for _ in range(reps):
+        out = fn()
+    sync()
+    return (time.perf_counter() - t) / reps, out
+
+
+def cudnn_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """The prefix part through cuDNN's fused attention: ``out`` and ``lse`` (float32)."""
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None,
+                                                             True, 0.0, False, False, scale=scale)
+    return res[0][0].float(), res[1][0].reshape(q.shape[0], q.shape[1]).float()
+
+
+def attention_alone(tokens: int, chunk: int, heads: int = 40, kv: int = 8, d: int = 128) -> dict:
+    """Per-layer attention time of a chunked prefill, by kernel, and their differences."""
+    g = heads // kv
+    scale = d ** -0.5
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    K = torch.randn(1, kv, tokens, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    V = torch.randn(1, kv, tokens, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    Q = torch.randn(1, heads, tokens, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    fake = SimpleNamespace(use_flash=None)
+    starts = list(range(0, tokens, chunk))
+    out: dict = {}
+
+    def split(start: int, end: int, prefix_fn=None):
+        q, k_new, v_new = Q[:, :, start:end], K[:, :, start:end], V[:, :, start:end]
+        if prefix_fn is None:
+            return Runner._attend(fake, q, k_new, v_new, K[0, :, :start], V[0, :, :start], scale, "causal")
+        saved = runner_mod.prefix_attention
+        runner_mod.prefix_attention = lambda qf, kp, vp, sc, **kw: prefix_fn(qf, kp, vp, sc)
+        try:
+            return Runner._attend(fake, q, k_new, v_new, K[0, :, :start], V[0, :, :start], scale, "causal")
+        finally:
+            runner_mod.prefix_attention = saved
+
+    def one(start: int, end: int):
+        return causal_over_prefix(Q[:, :, start:end], K[:, :, :end], V[:, :, :end], scale)
+
+    variants = {"split": lambda s, e: split(s, e), "one_kernel": one,
+                "cudnn_prefix": lambda s, e: split(s, e, cudnn_prefix)}
+    last = {}
+    for name, fn in variants.items():
+        try:
+            total = 0.0
+            for s in starts:
+                e = min(tokens, s + chunk)
+                if s == 0:
+                    fn(s, e)  # the first chunk has no prefix: the same fused call in every variant
+                t, res = clock(lambda: fn(s, e))
+                total += t
+            last[name] = res.float()
+            out[f"attn_layer_{name}_s"] = total
+        except Exception as err:  # noqa: BLE001  (a kernel the build lacks, or another signature)
+            out[f"attn_layer_{name}_error"] = str(err)[:200]
+    for name in last:
+        if name != "split":
+            out[f"attn_{name}_vs_split_max_abs"] = (last[name] - last["split"]).abs().max().item()
+    kr, vr = K.repeat_interleave(g, dim=1), V.repeat_interleave(g, dim=1)
+    t, _ = clock(lambda: torch.ops.aten._scaled_dot_product_flash_attention(Q, kr, vr, 0.0, True, False,
+                                                                            scale=scale))
+    out["attn_layer_unchunked_flash_s"] = t
+    try:
+        t, _ = clock(lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(Q, kr, vr, None, False, 0.0, True,
+                                                                                False, scale=scale))
+        out["attn_layer_unchunked_cudnn_s"] = t
+    except Exception as err:  # noqa: BLE001
+        out["attn_layer_unchunked_cudnn_error"] = str(err)[:200]
+    flops = 4 * (tokens * tokens / 2) * d * heads
+    for key in [k for k in out if k.startswith("attn_layer_") and k.endswith("_s")]:
+        out["attn_tflops_" + key[len("attn_layer_"):-len("_s")]] = flops / out[key] / 1e12
+    out["gqa_flash_native"] = bool(runner_mod.GQA_FLASH)
+    del K, V, Q, kr, vr
+    torch.cuda.empty_cache()
+    return out
+
+
+def events_for(ids: torch.Tensor, tokens: int, n_ev: int = 150) -> list[EventQuery]:
+    letters = list(range(1000, 1025))
+    rng = np.random.default_rng(2)
+    positions = np.sort(rng.choice(np.arange(tokens - 6000, tokens - 1), size=n_ev, replace=False))
+    kinds = (["P1"] * 20 + ["P2"] * 60 + ["P2C"] * 30 + ["NULL"] * (n_ev - 110))[:n_ev]
+    rng.shuffle(kinds)
+    return [EventQuery(event_id=f"e{i}", kind=k,
+                       query=Query(position=int(p), token_id=int(ids[p]), target_id=letters[i % 25],
+                                   competitor_ids=tuple(x for x in letters if x != letters[i % 25])))
+            for i, (p, k) in enumerate(zip(positions, kinds))]
+
+
+def kernels_in_model(args) -> dict:
+    """The split prefill against one flash call per chunk, and the pass with the latter."""
+    res: dict = {}
+    lm = build(args.model, max_pos=args.tokens + 1024)
+    runner, hook = Runner(lm, chunk_size=args.chunk), HeadHook(lm.geometry)
+    ids = torch.randint(0, 150000, (args.tokens,), generator=torch.Generator().manual_seed(1))
+    probe = torch.arange(args.tokens - 64 * 90, args.tokens, 90)
+    kept = {}
+    for label, kernel in (("split", "split"), ("one_kernel", "flash")):
+        runner.prefill_kernel = kernel
+        runner.prefill(ids[:4096])  # warm-up
+        torch.cuda.reset_peak_memory_stats()
+        sync()
+        t = time.perf_counter()
+        with hook.accumulate_mean() as acc:
+            prefix, logits = runner.prefill(ids, logits_at=probe)
+        sync()
+        res[f"prefill_{label}_s"] = time.perf_counter() - t
+        res[f"prefill_{label}_peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        kept[label] = (logits, prefix.keys[-1][0, :, -512:].float(), acc.mean.float())
+        del prefix
+        torch.cuda.empty_cache()
+    res["prefill_logits_max_abs_diff"] = (kept["split"][0] - kept["one_kernel"][0]).abs().max().item()
+    res["prefill_logits_max_abs"] = kept["split"][0].abs().max().item()
+    res["prefill_last_layer_keys_max_abs_diff"] = (kept["split"][1] - kept["one_kernel"][1]).abs().max().item()
+    res["prefill_head_means_max_abs_diff"] = (kept["split"][2] - kept["one_kernel"][2]).abs().max().item()
+    res["prefill_argmax_agree"] = float((kept["split"][0].argmax(-1) == kept["one_kernel"][0].argmax(-1)).float().mean())
+    events = events_for(ids, args.tokens)
+    runner.prefill_kernel = "flash"
+    torch.cuda.reset_peak_memory_stats()
+    sync()
+    t = time.perf_counter()
+    att = attribute_note(runner, hook, "bench", ids, events, AttributionConfig(chunk_size=args.chunk),
+                         running_global=list(range(16)), progress=False)
+    sync()
+    res["pass_one_kernel_s"] = time.perf_counter() - t
+    res["pass_one_kernel_peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    res["pass_one_kernel_exact_patches"] = int((~np.isnan(att.exact)).sum())
+    return res
+
+
+def prefill_and_pass(args) -> dict:
+    """The model's prefill by kernel (``Runner.prefill_kernel``; the logits at 64 positions
+    against the split path's), then the attribution pass with the default (``auto``), timed in
+    its parts."""
+    from mistill.instrument.passes import exact_sweep, first_order_sweep
+
+    res: dict = {}
+    lm = build(args.model, max_pos=args.tokens + 1024)
+    runner, hook = Runner(lm, chunk_size=args.chunk), HeadHook(lm.geometry)
+    ids = torch.randint(0, 150000, (args.tokens,), generator=torch.Generator().manual_seed(1))
+    probe = torch.arange(args.tokens - 64 * 90, args.tokens, 90)
+    ref = None
+    for kernel in ("split", "flash", "cudnn"):
+        runner.prefill_kernel = kernel
+        runner.prefill(ids[:2 * args.chunk])  # warm-up, a prefix included
+        torch.cuda.reset_peak_memory_stats()
+        sync()
+        t = time.perf_counter()
+        with hook.accumulate_mean():
+            prefix, logits = runner.prefill(ids, logits_at=probe)
+        sync()
+        res[f"prefill_{kernel}_s"] = time.perf_counter() - t
+        res[f"prefill_{kernel}_peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        del prefix
+        torch.cuda.empty_cache()
+        if ref is None:
+            ref = logits
+        else:
+            res[f"prefill_{kernel}_logits_max_abs_diff"] = (logits - ref).abs().max().item()
+            res[f"prefill_{kernel}_argmax_agree"] = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
+        print(json.dumps(res), flush=True)
+    runner.prefill_kernel = "auto"
+    res["cudnn_prefix_usable"] = bool(runner_mod.cudnn_prefix_usable(ref.to(torch.bfloat16)))
+    chunk = args.chunk
+    events = events_for(ids, args.tokens)
+    cfg = AttributionConfig(chunk_size=chunk)
+    torch.cuda.reset_peak_memory_stats()
+    sync()
+    t0 = time.perf_counter()
+    sweep = first_order_sweep(runner, hook, "bench", ids, events, cfg, progress=False)
+    sync()
+    t1 = time.perf_counter()
+    att = exact_sweep(runner, hook, sweep, cfg, list(range(16)), progress=False)
+    sync()
+    t2 = time.perf_counter()
+    res["pass_s"] = t2 - t0
+    res["pass_first_order_sweep_s"] = t1 - t0  # the prefill included
+    res["pass_exact_sweep_s"] = t2 - t1
+    res["pass_peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    res["pass_exact_patches"] = int((~np.isnan(att.exact)).sum())
+    res["pass_exact_events"] = int((~np.isnan(att.exact)).any(axis=1).sum())
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-14b")
+    ap.add_argument("--tokens", type=int, default=106000)
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--mode", choices=("kernels", "prefill"), default="prefill")
+    ap.add_argument("--out", default="bench_prefill.json")
+    args = ap.parse_args()
+    res: dict = {"model": args.model, "tokens": args.tokens, "chunk": args.chunk,
+                 "card": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if args.mode == "kernels":
+        res.update(attention_alone(args.tokens, args.chunk))
+        res.update(kernels_in_model(args))
+    else:
+        res.update(prefill_and_pass(args))
+    print(json.dumps(res, indent=2))
+    Path(args.out).write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
