@@ -133,9 +133,11 @@ def _events_run_dir(root: Path, run_id: str) -> Path:
     return root / "work" / run_id
 
 
-def test_events_on_two_processes_equal_one_process(tracking_uri, tmp_path, monkeypatch):
-    """``mlflow run -e events -P launcher=torchrun -P nproc=2``: one run (the launched one),
-    every note written once by one of the ranks, the same bytes as one process's run."""
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_events_on_two_processes_equal_one_process(tracking_uri, tmp_path, monkeypatch, launcher):
+    """``mlflow run -e events -P launcher=torchrun -P nproc=2`` (or ``accelerate launch``): one
+    run (the launched one), every note written once by one of the ranks, the same bytes as one
+    process's run."""
     root = tmp_path / "root"
     monkeypatch.setenv("MISTILL_ROOT", str(root))
     names = unique("one"), unique("two")
@@ -151,7 +153,7 @@ def test_events_on_two_processes_equal_one_process(tracking_uri, tmp_path, monke
     mlflow_cli = str(Path(sys.executable).parent / "mlflow")
     two = subprocess.run([mlflow_cli, "run", ".", "-e", "events", "--env-manager", "local",
                           "--experiment-name", f"mistill/{names[1]}", "-P", f"prepare_run={preps[1]}",
-                          "-P", f"model={TINY}", "-P", "n_null=4", "-P", "launcher=torchrun", "-P", "nproc=2"],
+                          "-P", f"model={TINY}", "-P", "n_null=4", "-P", f"launcher={launcher}", "-P", "nproc=2"],
                          cwd=frozen, env=env, capture_output=True, text=True, timeout=300)
     out = two.stdout + two.stderr
     assert two.returncode == 0, out[-4000:]

@@ -262,10 +262,11 @@ def stage_parser(stage: Stage, prog: str | None = None) -> argparse.ArgumentPars
     if stage.shardable:
         group = parser.add_argument_group("processes (not part of the run's identity)")
         group.add_argument("--launcher", choices=LAUNCHERS, default=argparse.SUPPRESS,
-                           help="none (default): this process; torchrun: `nproc` processes started by "
-                                "torch.distributed.run on this node, sharing the notes")
+                           help="none (default): this process; torchrun / accelerate: `nproc` processes "
+                                "started on this node by torch.distributed.run / accelerate launch, "
+                                "sharing the notes")
         group.add_argument("--nproc", metavar="INT", default=argparse.SUPPRESS,
-                           help="processes of a torchrun launch (default: 1), e.g. one per GPU")
+                           help="processes of a launch (default: 1), e.g. one per GPU")
     return parser
 
 
@@ -330,7 +331,7 @@ def parse_stage_args(stage: Stage, argv: Sequence[str], prog: str | None = None)
 
 
 # ---------------------------------------------------------------------------------- launching
-LAUNCHERS = ("none", "torchrun")
+LAUNCHERS = ("none", "torchrun", "accelerate")
 
 
 def split_launch_args(stage: Stage, argv: Sequence[str]) -> tuple[str, int, list[str]]:
@@ -370,23 +371,40 @@ def split_launch_args(stage: Stage, argv: Sequence[str]) -> tuple[str, int, list
     return launcher, nproc, rest
 
 
-def launch_command(stage_name: str, nproc: int, argv: Sequence[str]) -> list[str]:
-    """The ``torch.distributed.run`` command that starts ``nproc`` processes of the stage on this
-    node (``--standalone``: a local rendezvous on a free port), each with ``argv``."""
+def launch_command(stage_name: str, nproc: int, argv: Sequence[str], launcher: str = "torchrun") -> list[str]:
+    """The command that starts ``nproc`` processes of the stage on this node, each with ``argv``.
+
+    ``torchrun``: ``torch.distributed.run --standalone`` (a local rendezvous on a free port);
+    ``accelerate``: ``accelerate launch --multi_gpu`` (its process launcher, which also starts CPU
+    processes) on a free port. Both describe each process in ``RANK`` / ``WORLD_SIZE`` /
+    ``LOCAL_RANK`` (:func:`mistill.distributed.current_world`).
+    """
     script = sys.argv[0]
     target = [script] if script.endswith(".py") else ["--module", "mistill.stages.cli", stage_name]
+    if launcher == "accelerate":
+        return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={nproc}",
+                "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no",
+                f"--main_process_port={_free_port()}", *target, *argv]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
             *target, *argv]
 
 
-def launch(stage_name: str, nproc: int, argv: Sequence[str]) -> int:
-    """Run the stage as ``nproc`` processes under ``torchrun`` and return its exit status (rank
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def launch(stage_name: str, nproc: int, argv: Sequence[str], launcher: str = "torchrun") -> int:
+    """Run the stage as ``nproc`` processes under ``launcher`` and return its exit status (rank
     0's run id line is printed by rank 0)."""
     import subprocess
 
-    cmd = launch_command(stage_name, nproc, argv)
-    print(f"mistill {stage_name}: starting {nproc} processes: torchrun --standalone "
-          f"--nproc-per-node={nproc} ...", file=sys.stderr)
+    cmd = launch_command(stage_name, nproc, argv, launcher)
+    shown = "torchrun --standalone" if launcher == "torchrun" else "accelerate launch --multi_gpu"
+    print(f"mistill {stage_name}: starting {nproc} processes: {shown} ...", file=sys.stderr)
     return subprocess.run(cmd, check=False).returncode
 
 
@@ -451,8 +469,8 @@ def main(stage_name: str, argv: Sequence[str] | None = None, *, prog: str | None
             stage.check_inputs(cfg)
             cfg.check_environment()
             check_tracking_server()
-            if launcher == "torchrun" and "WORLD_SIZE" not in os.environ:
-                status = launch(stage_name, nproc, rest)
+            if launcher != "none" and "WORLD_SIZE" not in os.environ:
+                status = launch(stage_name, nproc, rest, launcher)
                 if status:
                     raise SystemExit(status)
                 return ""

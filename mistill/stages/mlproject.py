@@ -4,8 +4,8 @@ MLflow parameter types are ``string``, ``float``, ``path`` and ``uri``: integers
 ``float`` and checked as integers by the stage's config; booleans and lists are strings. A
 required input run (:meth:`~mistill.stages.registry.Stage.required_inputs`) has no default, so
 ``mlflow run`` refuses to start without it; an optional one defaults to empty.
-A shardable stage (:mod:`mistill.stages.runner`) also takes ``launcher`` (``none`` or
-``torchrun``) and ``nproc``, which say how many processes run it and are not part of its run's
+A shardable stage (:mod:`mistill.stages.runner`) also takes ``launcher`` (``none``, ``torchrun`` or
+``accelerate``) and ``nproc``, which say how many processes run it and are not part of its run's
 identity. Run ``python -m mistill.stages.mlproject`` after adding a stage or a parameter; a test
 checks that the committed file is current.
 """
