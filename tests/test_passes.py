@@ -101,3 +101,36 @@ def test_set_variants_random_is_seeded_and_count_matched(lm):
     assert a == b and len(a[("random", 8)]) == 8 and a[("bottom", 3)] == [11, 10, 9]
     draws = {tuple(set_variants("P1", f"n{i}", cfg, rank, None, 12)[("random", 3)]) for i in range(10)}
     assert len(draws) > 1  # redrawn per note
+
+
+def test_variants_of_several_events_share_forwards_exactly(lm):
+    """Rows of several events in one forward, each seeing the prefix up to its own event, give
+    each event's single-event margins (float32, to summation order), whether they start at layer
+    0 or from the clean residual stream, and whatever rows share a batch."""
+    from mistill.instrument.patching import EventVariants, clean_read, mean_ablate, run_event_variants
+    from mistill.instrument.passes import prefill_note
+
+    g = lm.geometry
+    runner, hook = Runner(lm, chunk_size=64), HeadHook(g)
+    ids = torch.randint(0, 2000, (150,), generator=torch.Generator().manual_seed(5))
+    events = _events(ids, [140, 97, 96, 41], ["P1", "P2", "P1", "NULL"], "m")
+    prefix, mean = prefill_note(runner, hook, ids)
+    variants = [[[h] for h in range(0, g.n_total_heads, 1 + i)] + [[0, g.n_total_heads - 1], []]
+                for i in range(len(events))]
+    single, items = [], []
+    for ev, vs in zip(events, variants):
+        prefix.uncrop()
+        prefix.crop(ev.query.position)
+        clean = clean_read(runner, hook, prefix, ev.query)
+        single.append(mean_ablate(runner, hook, prefix, ev.query, vs, mean, hidden_in=clean.hidden_in))
+        items.append(EventVariants(ev.query, vs, clean.hidden_in))
+    prefix.uncrop()
+    for batch in (5, 64):
+        for start_late in (True, False):
+            got = run_event_variants(runner, hook, prefix, [it if start_late else EventVariants(it.query, it.variants)
+                                                            for it in items], mean, batch_size=batch)
+            for a, b in zip(got, single):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+    # an empty variant is the clean margin; the ablations move it
+    assert abs(float(single[0][-1]) - clean_read(runner, hook, prefix, events[0].query).margin) < 1e-5
+    assert float((single[0][:-1] - single[0][-1]).abs().max()) > 1e-4

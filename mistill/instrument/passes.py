@@ -19,7 +19,8 @@ from mistill.config import Config
 from mistill.instrument.attribution import (exact_importance, fidelity, first_order, first_order_batch,
                                             nominees)
 from mistill.instrument.hooks import HeadHook
-from mistill.instrument.patching import Query, clean_read, knock_in, mean_ablate
+from mistill.instrument.patching import (EventVariants, Query, clean_read, knock_in, mean_ablate,
+                                        run_event_variants)
 from mistill.instrument.runner import KVPrefix, Runner
 from mistill.progress import track
 
@@ -191,8 +192,9 @@ def first_order_sweep(runner: Runner, hook: HeadHook, note_id: str, input_ids: t
 def exact_sweep(runner: Runner, hook: HeadHook, sweep: FirstOrderSweep, cfg: AttributionConfig,
                 running_global: Sequence[int] | Mapping[str, Sequence[int]] = (), *,
                 progress: bool = True) -> NoteAttribution:
-    """Exact patches of the nominees at the events of ``sweep``, over the same prefix (uncropped,
-    then cropped again event by event in decreasing position): the result of the pass.
+    """Exact patches of the nominees at the events of ``sweep``, over the same prefix: the result
+    of the pass. The single-head ablations of every nominated event run as rows of shared
+    forwards, each row seeing the prefix up to its own event (:func:`run_event_variants`).
 
     Nominees: the event's top ``|A_h|`` heads plus the first global nominees of the running
     global ranking (counts per kind: :meth:`AttributionConfig.nominee_counts`), at every event
@@ -209,27 +211,34 @@ def exact_sweep(runner: Runner, hook: HeadHook, sweep: FirstOrderSweep, cfg: Att
     null_idx = [i for i, e in enumerate(events) if e.kind == "NULL"]
     n_null_exact = int(round(cfg.null_exact_fraction * len(null_idx)))
     null_exact = set(rng.permutation(null_idx)[:n_null_exact].tolist()) if null_idx else set()
-    selftest: list[dict] = []
-    prefix.uncrop()
-    for i in track(sweep.order, desc=f"exact {sweep.note_id}", leave=False, disable=not progress):
+    # every nominated event's single-head ablations, batched across the note's events
+    patched: list[tuple[int, list[int]]] = []
+    for i in sweep.order:
         ev = events[i]
-        prefix.crop(ev.query.position)
-        importance, margin_i, hidden_in = torch.from_numpy(sweep.first_order[i]), float(sweep.margins[i]), sweep.hidden_in[i]
         if ev.kind in cfg.exact_kinds and (ev.kind != "NULL" or i in null_exact):
             top, n_global = cfg.nominee_counts(ev.kind)
-            heads = nominees(importance, _running_for(running_global, ev.kind)[:n_global], top)
-            imp = exact_importance(runner, hook, prefix, ev.query, mean, heads, margin_i,
-                                   hidden_in=hidden_in, batch_size=cfg.batch_size)
-            exact_all[i, heads] = imp.numpy()
-        if ev.kind == "P1" and len(selftest) < cfg.selftest_events:
-            every = exact_importance(runner, hook, prefix, ev.query, mean, range(n_heads), margin_i,
-                                     hidden_in=hidden_in, batch_size=cfg.batch_size).numpy()
-            other = first_order(runner, hook, prefix, ev.query, mean, detach=not cfg.detach).importance.numpy()
-            intact, detached = (sweep.first_order[i], other) if not cfg.detach else (other, sweep.first_order[i])
-            selftest.append({
-                "event_id": ev.event_id,
-                **{f"intact.{k}": v for k, v in fidelity(intact, every).items()},
-                **{f"detached.{k}": v for k, v in fidelity(detached, every).items()}})
+            patched.append((i, nominees(torch.from_numpy(sweep.first_order[i]),
+                                        _running_for(running_global, ev.kind)[:n_global], top)))
+    prefix.uncrop()
+    ablated = run_event_variants(runner, hook, prefix, [EventVariants(events[i].query, [[h] for h in heads],
+                                                                      sweep.hidden_in[i]) for i, heads in patched],
+                                 mean, batch_size=cfg.batch_size)
+    for (i, heads), margins_i in zip(patched, ablated):
+        exact_all[i, heads] = (float(sweep.margins[i]) - margins_i).numpy()
+    selftest: list[dict] = []
+    checked = [i for i in sweep.order if events[i].kind == "P1"][:cfg.selftest_events]
+    for i in track(checked, desc=f"self-test {sweep.note_id}", leave=False, disable=not progress):
+        ev = events[i]
+        prefix.uncrop()
+        prefix.crop(ev.query.position)
+        every = exact_importance(runner, hook, prefix, ev.query, mean, range(n_heads), float(sweep.margins[i]),
+                                 hidden_in=sweep.hidden_in[i], batch_size=cfg.batch_size).numpy()
+        other = first_order(runner, hook, prefix, ev.query, mean, detach=not cfg.detach).importance.numpy()
+        intact, detached = (sweep.first_order[i], other) if not cfg.detach else (other, sweep.first_order[i])
+        selftest.append({
+            "event_id": ev.event_id,
+            **{f"intact.{k}": v for k, v in fidelity(intact, every).items()},
+            **{f"detached.{k}": v for k, v in fidelity(detached, every).items()}})
     return NoteAttribution(note_id=sweep.note_id, event_ids=[e.event_id for e in events],
                            kinds=[e.kind for e in events],
                            positions=np.array([e.query.position for e in events], dtype=np.int64),

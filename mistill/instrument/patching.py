@@ -103,6 +103,62 @@ def run_variants(runner: Runner, hook: HeadHook, prefix: KVPrefix, query: Query,
     return result
 
 
+@dataclass(frozen=True)
+class EventVariants:
+    """One event's variants for :func:`run_event_variants`: its query, the variants (lists of
+    flat head indices) and the clean residual stream entering each layer there, ``hidden_in``
+    ``[layer, d_model]`` (None: its rows start at layer 0)."""
+
+    query: Query
+    variants: Sequence[Sequence[int]]
+    hidden_in: torch.Tensor | None = None
+
+
+def run_event_variants(runner: Runner, hook: HeadHook, prefix: KVPrefix, events: Sequence[EventVariants],
+                       values: torch.Tensor, *, batch_size: int = 256) -> list[torch.Tensor]:
+    """:func:`run_variants` for several events of one note at once.
+
+    Every (event, variant) is a row; rows of different events share forwards, each row seeing
+    the prefix up to its own event's position (``row_prefix_len``: the keys every row of a
+    forward sees take the fused path, the rest the exact float32 path) and its own key, so each
+    row is its own single-token forward up to summation order. Rows are sorted by their
+    variant's lowest layer (then by event and variant) before batching; a batch starts at the
+    lowest layer it patches, from each row's clean residual stream, when every event has one.
+    ``prefix.length`` must reach every event's position.
+
+    Returns:
+        Per event, ``[variant]`` float32 margins in its variants' order.
+    """
+    g = runner.geometry
+    rows = [(e, v) for e, item in enumerate(events) for v in range(len(item.variants))]
+    low = [_lowest_layer(events[e].variants[v], g.n_heads) for e, v in rows]
+    order = sorted(range(len(rows)), key=lambda i: (low[i], i))
+    out = [torch.empty(len(item.variants), dtype=torch.float32) for item in events]
+    with torch.no_grad():
+        for start in range(0, len(order), batch_size):
+            picked = [rows[i] for i in order[start:start + batch_size]]
+            first = min(low[i] for i in order[start:start + batch_size])
+            can_start = all(events[e].hidden_in is not None for e, _ in picked)
+            start_layer = first if can_start and first < g.n_layers else 0
+            mask = head_mask([events[e].variants[v] for e, v in picked], g, device=runner.device)
+            start_hidden = None
+            if start_layer > 0:
+                start_hidden = torch.stack([events[e].hidden_in[start_layer] for e, _ in picked]).unsqueeze(0)
+            positions = torch.tensor([events[e].query.position for e, _ in picked], dtype=torch.long)
+            tokens = torch.tensor([[events[e].query.token_id for e, _ in picked]], dtype=torch.long)
+            with hook.patch(Patch(mask=mask, values=values)):
+                res = runner.forward(prefix, int(positions.max()), tokens, positions, rows="own",
+                                     start_layer=start_layer, start_hidden=start_hidden,
+                                     row_prefix_len=positions)
+            for e in sorted({e for e, _ in picked}):
+                at = [j for j, (ee, _) in enumerate(picked) if ee == e]
+                q = events[e].query
+                m = margins_from_logits(res.logits[0, torch.as_tensor(at, device=res.logits.device)], q.target_id,
+                                        q.competitor_ids)
+                out[e][torch.as_tensor([picked[j][1] for j in at])] = m.float().cpu()
+    return out
+
+
 def mean_ablate(runner: Runner, hook: HeadHook, prefix: KVPrefix, query: Query,
                 variants: Sequence[Sequence[int]], mean: torch.Tensor, *,
                 hidden_in: torch.Tensor | None = None, batch_size: int = 256) -> torch.Tensor:
