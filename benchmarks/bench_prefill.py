@@ -120,7 +120,7 @@ def attention_alone(tokens: int, chunk: int, heads: int = 40, kv: int = 8, d: in
     for key in [k for k in out if k.startswith("attn_layer_") and k.endswith("_s")]:
         out["attn_tflops_" + key[len("attn_layer_"):-len("_s")]] = flops / out[key] / 1e12
     out["gqa_flash_native"] = bool(runner_mod.GQA_FLASH)
-    del K, V, Q, kr, vr
+    K = V = Q = kr = vr = None  # free the inputs before the model is built
     torch.cuda.empty_cache()
     return out
 
