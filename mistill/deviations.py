@@ -305,6 +305,19 @@ CONVENTIONS: tuple[Convention, ...] = (
     Convention("LAS input format", "App. K",
                "the simulator's prompt layout; F1 of an empty predicted set against an empty "
                "gold set is 1", "mistill.evaluation.las", "needed to run; the paper is silent"),
+    Convention("read-side key categories", "App. E",
+               "a code's chapter is its first letter; the summary header before the note counts as note; "
+               "a trace token in several categories takes the later of other mentions < S < N < prefix; "
+               "the near-miss's line is its own category, not one of its category's lines",
+               "mistill.instrument.keycats.key_categories",
+               "the paper lists the 15 categories without these boundaries; the chapter letter is "
+               "the P1 decision and the region of the read side"),
+    Convention("key-side blocking path", "App. E",
+               "the blocked head's row is recomputed in float32 from the clean residual stream entering "
+               "its layer, its output patched in and the forward continued; the empty-set reference runs "
+               "in the same forward as the blocked sets", "mistill.instrument.keyblock.key_block",
+               "the paper masks inside its attention kernel; recomputing one row is exact against eager "
+               "attention and keeps the reference free of kernel noise"),
 )
 """Rules the paper does not state that no parameter changes (the second table of the doc)."""
 

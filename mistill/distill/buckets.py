@@ -61,7 +61,7 @@ from mistill.errors import MistillInputError
 from mistill.instrument.events import Event, RealizedEvent
 
 __all__ = ["BucketAxis", "CARVED", "BUCKET_KINDS", "build_axis", "token_buckets", "row_buckets",
-           "bucketize", "region_buckets", "trace_pieces", "note_windows"]
+           "bucketize", "region_buckets", "trace_pieces", "note_windows", "offsets_array", "overlapping_tokens"]
 
 CARVED: tuple[str, ...] = ("own_line", "siblings", "S", "N", "prefix")
 BUCKET_KINDS: tuple[str, ...] = ("template", "header", "line", "summary_header", "note",
@@ -269,7 +269,8 @@ def build_axis(prompt: Prompt, trace: str, *, note_window_words: int = 32,
 # Tokens -> buckets
 # --------------------------------------------------------------------------------------------
 
-def _offsets_array(offsets: Any) -> np.ndarray:
+def offsets_array(offsets: Any) -> np.ndarray:
+    """Token character spans (one sequence, or a batch of one) as ``[pos, 2]`` int64."""
     if hasattr(offsets, "tolist"):
         offsets = offsets.tolist()
     offs = list(offsets)
@@ -313,7 +314,7 @@ def token_buckets(axis: BucketAxis, prompt: Prompt, offsets: Any,
     offsets and for position 0.
     """
     _check_fit(axis, prompt, trace_len)
-    offs = _offsets_array(offsets)
+    offs = offsets_array(offsets)
     n_pos = offs.shape[0]
     out = np.zeros(n_pos, dtype=np.int64)
     if n_pos == 0:
@@ -343,7 +344,7 @@ def token_buckets(axis: BucketAxis, prompt: Prompt, offsets: Any,
     return torch.from_numpy(out)
 
 
-def _overlapping(offs: np.ndarray, spans: Iterable[Span], shift: int) -> np.ndarray:
+def overlapping_tokens(offs: np.ndarray, spans: Iterable[Span], shift: int) -> np.ndarray:
     """Token indices whose (non-empty) offsets overlap any of the character spans + shift."""
     s, e = offs[:, 0], offs[:, 1]
     hit = np.zeros(offs.shape[0], dtype=bool)
@@ -373,7 +374,7 @@ def row_buckets(axis: BucketAxis, base: torch.Tensor, realized_event: RealizedEv
     if ev.code is None:
         raise MistillInputError(f"{ev.kind} event {ev.event_id} has no code", note=ev.note_id,
                                 field="code")
-    offs = _offsets_array(offsets)
+    offs = offsets_array(offsets)
     if offs.shape[0] != base.shape[-1]:
         raise MistillInputError(f"{offs.shape[0]} offsets for a base map of "
                                 f"{base.shape[-1]} tokens", note=ev.note_id, field="offsets")
@@ -387,7 +388,7 @@ def row_buckets(axis: BucketAxis, base: torch.Tensor, realized_event: RealizedEv
     shift = prompt.trace_offset
     for name, spans in (("S", ev.S), ("N", ev.N),
                         ("prefix", [ev.prefix_span] if ev.prefix_span else [])):
-        hit = torch.from_numpy(_overlapping(offs, spans, shift))
+        hit = torch.from_numpy(overlapping_tokens(offs, spans, shift))
         out[hit] = axis.slot(name)
     return out
 
