@@ -50,8 +50,8 @@ def random_head_sets(lm: LoadedModel, seed: int = 0) -> dict:
     return head_sets_json(calibrate(notes, seed=0), lm.geometry.head_names())
 
 
-def long_note(tokenizer, extra_lines: int):
-    base = make_synthetic_inventory(seed=7, inventory_size=1100)
+def long_note(tokenizer, extra_lines: int, inventory_size: int = 1100):
+    base = make_synthetic_inventory(seed=7, inventory_size=inventory_size)
     have = set(base.codes)
     by_cat: dict[str, list[str]] = {}
     for c in sorted(billable_codes()):
@@ -62,8 +62,39 @@ def long_note(tokenizer, extra_lines: int):
         if 2 <= len(codes) <= 6 and len(extra) < extra_lines:
             extra += codes
     inv = Inventory.billable(codes=list(base.codes) + extra)
-    corpus = make_synthetic_corpus(n_notes=1, seed=7, n_codes_range=(25, 25), inventory=inv)
+    n_codes = min(25, max(2, inventory_size // 10))
+    corpus = make_synthetic_corpus(n_notes=1, seed=7, n_codes_range=(n_codes, n_codes), inventory=inv)
     return corpus, corpus.notes[0]
+
+
+def student_setup(tokenizer: str, extra_lines: int, *, smoke: bool = False) -> dict:
+    """The benchmark's student (random Qwen3-4B on this process's GPU, or a tiny model on the CPU),
+    its long note, the pools, the teacher targets (from the same model) and the row pairing."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(tokenizer)
+    # the smoke check: a short note over a small inventory (a tiny model on the CPU)
+    corpus, note = long_note(tok, extra_lines, inventory_size=60 if smoke else 1100)
+    events = extract_events(note.note_id, note.teacher_trace, list(corpus.inventory.codes), tokenizer=tok)
+    if smoke:
+        from mistill.models.loading import tiny_model
+
+        lm = tiny_model("qwen3", layers=2, heads=4, kv_heads=2, d_head=16, d_model=64, tokenizer=tok)
+    else:
+        lm = build("qwen3-4b", max_pos=65536)
+    lm = LoadedModel(model=lm.model, tokenizer=tok, geometry=lm.geometry, spec=lm.spec)
+    nd = build_note_data(note, corpus.inventory, tok, events)
+    pools = model_pools(random_head_sets(lm), lm.geometry.head_names(), k=40)
+    device = torch.device("cpu" if smoke else "cuda")
+    res: dict = {"card": "cpu-smoke" if smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "tokens": int(nd.input_ids.numel()), "trace_tokens": int(nd.input_ids.numel() - nd.trace_start)}
+    lm.model.eval()
+    t, peak, targets = timed(lambda: compute_note_targets(lm, nd, pools, window=8))
+    res.update({"targets_pass_s": t, "targets_pass_peak_gib": peak, "supervised_rows": int(len(targets["rows_pos"])),
+                "supervised_events": int(len(targets["m"]))})
+    pairing = pair_rows(nd, nd.realized.values(), targets, window=8, teacher_trace_start=nd.trace_start)
+    return {"lm": lm, "nd": nd, "pools": pools, "targets": targets, "pairing": pairing, "device": device,
+            "res": res}
 
 
 def timed(fn):
@@ -126,8 +157,6 @@ def profile_steps(step, device) -> dict:
 
 
 def main() -> None:
-    from transformers import PreTrainedTokenizerFast
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", default="carry/smollm2-tokenizer")
     ap.add_argument("--extra-lines", type=int, default=950)
@@ -138,26 +167,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="who holds memory at the peak of each step, and the top kernels / host ops of Mistill's")
     args = ap.parse_args()
-    tok = PreTrainedTokenizerFast.from_pretrained(args.tokenizer)
-    corpus, note = long_note(tok, args.extra_lines)
-    events = extract_events(note.note_id, note.teacher_trace, list(corpus.inventory.codes), tokenizer=tok)
-    if args.smoke:
-        from mistill.models.loading import tiny_model
-
-        lm = tiny_model("qwen3", layers=2, heads=4, kv_heads=2, d_head=16, d_model=64, tokenizer=tok)
-    else:
-        lm = build("qwen3-4b", max_pos=65536)
-    lm = LoadedModel(model=lm.model, tokenizer=tok, geometry=lm.geometry, spec=lm.spec)
-    nd = build_note_data(note, corpus.inventory, tok, events)
-    pools = model_pools(random_head_sets(lm), lm.geometry.head_names(), k=40)
-    device = torch.device("cpu" if args.smoke else "cuda")
-    res: dict = {"card": "cpu-smoke" if args.smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
-                 "tokens": int(nd.input_ids.numel()), "trace_tokens": int(nd.input_ids.numel() - nd.trace_start)}
-    lm.model.eval()
-    t, peak, targets = timed(lambda: compute_note_targets(lm, nd, pools, window=8))
-    res.update({"targets_pass_s": t, "targets_pass_peak_gib": peak, "supervised_rows": int(len(targets["rows_pos"])),
-                "supervised_events": int(len(targets["m"]))})
-    pairing = pair_rows(nd, nd.realized.values(), targets, window=8, teacher_trace_start=nd.trace_start)
+    setup = student_setup(args.tokenizer, args.extra_lines, smoke=args.smoke)
+    lm, nd, pools, targets, pairing, device = (setup[k] for k in ("lm", "nd", "pools", "targets", "pairing", "device"))
+    res: dict = dict(setup["res"])
+    tok = lm.tokenizer
 
     recipe = RecipeConfig(precision="bf16")
     model = prepare_student(lm.model, recipe)

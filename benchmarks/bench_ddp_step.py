@@ -1,0 +1,119 @@
+"""Device benchmark of data-parallel training: one optimizer step of the recipe's global batch
+(8 examples) through :class:`~mistill.distill.trainer.Trainer`, on one GPU or several.
+
+The student and its targets are ``bench_train_step.py``'s (random-init Qwen3-4B, a ~30k-token
+note, bf16 weights). Each rank computes its share of the batch, the gradients are summed over
+the ranks (float32 buckets), every rank steps. Per arm (Vanilla CoT-KD, Mistill): the optimizer
+step's wall time after a warm-up step, samples/s and peak memory; ``--compare`` gives the
+speed-up of the second output over the first.
+
+Usage (one device call, from the repository root)::
+
+    python benchmarks/bench_ddp_step.py --out $OUT/d1.json && \\
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_ddp_step.py --out $OUT/d2.json && \\
+    python benchmarks/bench_ddp_step.py --compare $OUT/d1.json $OUT/d2.json
+
+Needs what ``bench_train_step.py`` needs (the SmolLM2 tokenizer files, simple-icd-10-cm).
+``--smoke``: a tiny model on CPU processes (gloo) with the embedded tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_train_step import student_setup  # noqa: E402
+
+from mistill.distill.arms import resolve_arm  # noqa: E402
+from mistill.distill.objective import micro_step_loss  # noqa: E402
+from mistill.distill.trainer import RecipeConfig, Trainer, prepare_student  # noqa: E402
+from mistill.distributed import barrier, gather, init_world  # noqa: E402
+
+ARMS = ("vanilla-bf16", "mistill")
+GLOBAL_BATCH = 8
+
+
+def run(args) -> None:
+    world = init_world("cpu" if args.smoke else "cuda")
+    tokenizer = args.tokenizer
+    if args.smoke and not Path(tokenizer).is_dir():
+        from mistill.models.loading import embedded_tokenizer
+
+        tokenizer = tempfile.mkdtemp(prefix="tok-")
+        embedded_tokenizer().save_pretrained(tokenizer)
+    setup = student_setup(tokenizer, args.extra_lines, smoke=args.smoke)
+    lm, nd, pools, targets, pairing = (setup[k] for k in ("lm", "nd", "pools", "targets", "pairing"))
+    recipe = RecipeConfig(precision="bf16", grad_accum=GLOBAL_BATCH, epochs=1)
+    model = prepare_student(lm.model, recipe)
+    res: dict = {"world_size": world.size, "global_batch": GLOBAL_BATCH, **setup["res"]}
+    cuda = not args.smoke
+    for name in ARMS:
+        arm = resolve_arm(name)
+
+        def micro_step(m, idx, arm=arm):
+            return micro_step_loss(m, lm, nd, targets, pairing, pools, arm)
+
+        # two optimizer steps' worth of examples: the first warms kernels and the allocator up
+        trainer = Trainer(model, 2 * GLOBAL_BATCH, recipe, micro_step, world=world)
+        trainer.train(stop_after=1, progress=False)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        barrier(world)
+        t0 = time.perf_counter()
+        trainer.train(stop_after=1, progress=False)
+        if cuda:
+            torch.cuda.synchronize()
+        barrier(world)
+        elapsed = time.perf_counter() - t0
+        peaks = gather(torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else 0.0, world)
+        res[f"{name}_step_s"] = elapsed
+        res[f"{name}_samples_per_s"] = GLOBAL_BATCH / elapsed
+        res[f"{name}_peak_gib_max_over_ranks"] = max(peaks)
+        del trainer
+        if cuda:
+            torch.cuda.empty_cache()
+    if world.leader:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=2))
+        print(json.dumps(res, indent=2))
+
+
+def compare(one: Path, many: Path) -> dict:
+    a, b = (json.loads(p.read_text()) for p in (one, many))
+    out = {"world_sizes": [a["world_size"], b["world_size"]], "card": b["card"]}
+    for name in ARMS:
+        out[f"{name}_samples_per_s_one"] = a[f"{name}_samples_per_s"]
+        out[f"{name}_samples_per_s_many"] = b[f"{name}_samples_per_s"]
+        out[f"{name}_speedup"] = b[f"{name}_samples_per_s"] / a[f"{name}_samples_per_s"]
+        out[f"{name}_peak_gib_many"] = b[f"{name}_peak_gib_max_over_ranks"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizer", default="carry/smollm2-tokenizer")
+    ap.add_argument("--extra-lines", type=int, default=950)
+    ap.add_argument("--out", default="bench_ddp_step.json")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, CPU processes (gloo)")
+    ap.add_argument("--compare", nargs=2, type=Path, metavar=("ONE", "MANY"))
+    args = ap.parse_args()
+    if args.compare:
+        print(json.dumps(compare(*args.compare), indent=2))
+        return
+    if args.smoke:
+        args.extra_lines = 0
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
