@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_scaling import run_or_compare  # noqa: E402
 from bench_train_step import student_setup  # noqa: E402
 
 from mistill.distill.arms import resolve_arm  # noqa: E402
@@ -104,15 +105,11 @@ def main() -> None:
     ap.add_argument("--tokenizer", default="carry/smollm2-tokenizer")
     ap.add_argument("--extra-lines", type=int, default=950)
     ap.add_argument("--out", default="bench_ddp_step.json")
-    ap.add_argument("--smoke", action="store_true", help="tiny model, CPU processes (gloo)")
-    ap.add_argument("--compare", nargs=2, type=Path, metavar=("ONE", "MANY"))
-    args = ap.parse_args()
-    if args.compare:
-        print(json.dumps(compare(*args.compare), indent=2))
-        return
-    if args.smoke:
-        args.extra_lines = 0
-    run(args)
+    args = run_or_compare(ap, compare)
+    if args is not None:
+        if args.smoke:
+            args.extra_lines = 0
+        run(args)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_instrument import build  # noqa: E402
+from bench_instrument import build, sync, timed  # noqa: E402
 
 from mistill.instrument.hooks import HeadHook  # noqa: E402
 from mistill.instrument.passes import AttributionConfig, EventQuery, attribute_note  # noqa: E402
@@ -40,18 +40,9 @@ from mistill.instrument import runner as runner_mod  # noqa: E402
 from mistill.instrument.runner import Runner, causal_over_prefix  # noqa: E402
 
 
-def sync() -> None:
-    torch.cuda.synchronize()
-
-
-def clock(fn, reps: int = 1) -> tuple[float, object]:
-    fn()
-    sync()
-    t = time.perf_counter()
-    for _ in range(reps):
-        out = fn()
-    sync()
-    return (time.perf_counter() - t) / reps, out
+def clock(fn) -> tuple[float, object]:
+    """One timed call after a warm-up call."""
+    return timed(fn, reps=1)
 
 
 def cudnn_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):

@@ -131,15 +131,23 @@ def main() -> None:
     ap.add_argument("--events", type=int, default=150)
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--out", default="bench_scaling")
+    args = run_or_compare(ap, compare)
+    if args is not None:
+        if args.smoke:
+            args.tokens, args.events, args.chunk = min(args.tokens, 400), min(args.events, 24), min(args.chunk, 128)
+        run(args)
+
+
+def run_or_compare(ap: argparse.ArgumentParser, compare_fn) -> argparse.Namespace | None:
+    """Add ``--smoke`` and ``--compare ONE MANY`` to a multi-GPU benchmark's parser; print the
+    comparison and return None when asked for one, else return the parsed arguments."""
     ap.add_argument("--smoke", action="store_true", help="tiny model, CPU processes (gloo)")
     ap.add_argument("--compare", nargs=2, type=Path, metavar=("ONE", "MANY"))
     args = ap.parse_args()
     if args.compare:
-        print(json.dumps(compare(*args.compare), indent=2))
-        return
-    if args.smoke:
-        args.tokens, args.events, args.chunk = min(args.tokens, 400), min(args.events, 24), min(args.chunk, 128)
-    run(args)
+        print(json.dumps(compare_fn(*args.compare), indent=2))
+        return None
+    return args
 
 
 if __name__ == "__main__":
