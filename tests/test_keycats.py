@@ -4,6 +4,7 @@ sum to one."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,3 +105,76 @@ def test_real_attention_rows_split_into_shares_that_sum_to_one(case):
         torch.testing.assert_close(shares.sum(-1), torch.ones(len(heads)), atol=1e-5, rtol=0)
         assert float(shares.min()) >= 0.0
         assert float(shares[:, KEY_CATEGORIES.index("sink")].max()) > 0.0  # real heads use the sink
+
+
+def test_read_measures_on_a_hand_built_row():
+    """Two heads over 10 keys: 4 region tokens (own line 2, chapter lines 2), 4 other inventory
+    tokens, 2 prose tokens; the row sits at key 9."""
+    from mistill.instrument.keycats import read_measures
+
+    names = ["own_line", "own_line", "chapter_lines", "chapter_lines", "other_chapter_lines",
+             "other_chapter_lines", "inventory_other", "inventory_other", "prose", "prose"]
+    cats = torch.tensor([KEY_CATEGORIES.index(n) for n in names])
+    rows = torch.tensor([[0.2, 0.2, 0.1, 0.1, 0.05, 0.05, 0.05, 0.05, 0.1, 0.1],   # reads the region
+                         [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.5]])  # reads prose only
+    m = read_measures(rows, cats, 9)
+    torch.testing.assert_close(torch.from_numpy(m["shares"]).sum(-1), torch.ones(2, dtype=torch.float64))
+    assert m["shares"][0, KEY_CATEGORIES.index("own_line")] == pytest.approx(0.4)
+    # region share of inventory attention 0.6 / 0.8 = 0.75, region's token share 4 / 8 = 0.5
+    assert m["region_lift"][0] == pytest.approx(1.5)
+    p = torch.tensor([0.2, 0.2, 0.1, 0.1, 0.05, 0.05, 0.05, 0.05]) / 0.8
+    assert m["n_eff"][0] == pytest.approx(float(1 / (p ** 2).sum()))
+    assert np.isnan(m["region_lift"][1]) and np.isnan(m["n_eff"][1])  # nothing on the inventory
+    # keys after the row carry no mass
+    assert read_measures(rows, cats, 7)["shares"][1].sum() == 0.0
+
+
+def test_read_side_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_code_version):
+    """events -> attribute -> read_side on a tiny model against the real tracking server: the
+    panel logged by group, per-note shares that sum to one at every event and head, importance
+    read from the attribute run, Tables 16-19 with a family per head, and an identical rerun
+    reused."""
+    import json
+    from pathlib import Path
+
+    from mlflow.tracking import MlflowClient
+
+    from mistill.stages.characterize import AttributeConfig, EventsConfig, run_attribute, run_events
+    from mistill.stages.prepare import PrepareConfig, run_prepare
+    from mistill.stages.readside import FAMILIES, ReadSideConfig, run_read_side
+    from stage_fixtures import TINY, unique
+
+    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path))
+    prep = run_prepare(PrepareConfig(corpus="synthetic", corpus_name=unique("read"), n_notes=3, model=TINY))
+    events = run_events(EventsConfig(prepare_run=prep, model=TINY, n_null=4))
+    attribute = run_attribute(AttributeConfig(events_run=events, selftest_events=0, stability_splits=5))
+    cfg = ReadSideConfig(attribute_run=attribute, panel_top=3, panel_bottom=2, panel_random=2)
+    run_id = run_read_side(cfg)
+    client = MlflowClient()
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["mistill.stage"] == "read_side"
+    panel = json.loads(Path(client.download_artifacts(run_id, "readside_panel.json", str(tmp_path / "p"))).read_text())
+    assert {"top_P1", "bottom_P1", "random"} <= set(panel) and len(panel["top_P1"]) == 3
+    assert set(panel["top_P1"]) <= set(panel["panel"])
+    n_notes = 0
+    for d in sorted((tmp_path / "work" / run_id / "notes").iterdir()):
+        with np.load(d / "readside.npz") as z:
+            shares, kinds, imp = z["shares"], z["kinds"], z["importance"]
+        assert shares.shape[1] == len(panel["panel"]) and shares.shape[2] == len(KEY_CATEGORIES)
+        np.testing.assert_allclose(shares.sum(-1), 1.0, atol=1e-5)
+        assert set(kinds) <= {"P1", "P2", "P2C"} and np.isfinite(imp).all()
+        n_notes += 1
+    assert n_notes == 3
+    groups = _table(client, run_id, "readside_groups", tmp_path)
+    assert "P1" in set(groups["phase"]) and groups["n_notes"].max() <= 3
+    heads = _table(client, run_id, "readside_heads_P1", tmp_path)
+    assert list(heads["head"]) == panel["top_P1"] and set(heads["family"]) <= set(FAMILIES)
+    assert heads["share_region"].between(0, 1).all()
+    assert "readside/P1/lift_top" in run.data.metrics
+    assert run_read_side(cfg) == run_id  # an identical finished run is reused
+
+
+def _table(client, run_id: str, name: str, tmp_path):
+    import pandas as pd
+
+    return pd.read_csv(client.download_artifacts(run_id, f"{name}.csv", str(tmp_path / name)))

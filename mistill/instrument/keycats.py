@@ -120,11 +120,52 @@ def category_shares(attn: torch.Tensor, categories: torch.Tensor) -> torch.Tenso
     return out.index_add_(-1, cats[:attn.shape[-1]], attn)
 
 
+REGION_CATEGORIES: tuple[str, ...] = ("own_line", "category_lines", "chapter_lines", "near_miss_line")
+"""The region: the emitted chapter's inventory lines (App. E)."""
+INVENTORY_CATEGORIES: tuple[str, ...] = REGION_CATEGORIES + ("other_chapter_lines", "inventory_other")
+"""The inventory: every line and the inventory tokens outside any line."""
+
+
+def read_measures(rows: torch.Tensor, categories: torch.Tensor, position: int) -> dict[str, np.ndarray]:
+    """What heads read at one event (App. E "Definitions").
+
+    Args:
+        rows: ``[head, key]`` causal attention rows at the query ``position``.
+        categories: ``[key]`` (:func:`key_categories`).
+    Returns:
+        ``shares`` ``[head, 15]`` (each row's attention per category, summing to 1);
+        ``region_lift`` ``[head]``: the share of the head's inventory attention on the region over
+        the region's share of the inventory tokens the row sees (1: indifferent; NaN when the head
+        puts nothing on the inventory or the region is empty or the whole inventory);
+        ``n_eff`` ``[head]``: ``1 / sum p_j^2`` of its attention renormalised over inventory tokens.
+    """
+    visible = rows[:, :position + 1].double()
+    cats = categories[:position + 1].to(visible.device).long()
+    shares = category_shares(visible, cats).cpu().numpy()
+    region_ids = torch.tensor([KEY_CATEGORIES.index(c) for c in REGION_CATEGORIES], device=cats.device)
+    inv_ids = torch.tensor([KEY_CATEGORIES.index(c) for c in INVENTORY_CATEGORIES], device=cats.device)
+    in_region, in_inventory = torch.isin(cats, region_ids), torch.isin(cats, inv_ids)
+    n_region, n_inventory = int(in_region.sum()), int(in_inventory.sum())
+    on_inventory = visible[:, in_inventory]
+    mass = on_inventory.sum(-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        share_region = (visible[:, in_region].sum(-1) / mass).cpu().numpy()
+        if 0 < n_region < n_inventory:
+            lift = share_region / (n_region / n_inventory)
+        else:
+            lift = np.full(rows.shape[0], np.nan)
+        p = on_inventory / mass.unsqueeze(-1)
+        n_eff = (1.0 / (p ** 2).sum(-1)).cpu().numpy()
+    dead = (mass <= 0).cpu().numpy()
+    lift[dead], n_eff[dead] = np.nan, np.nan
+    return {"shares": shares, "region_lift": lift, "n_eff": n_eff}
+
+
 def category_counts(categories: Sequence[int] | torch.Tensor, upto: int) -> np.ndarray:
     """Key tokens per category among positions ``[0, upto]`` (what a row at ``upto`` sees): ``[15]``."""
     cats = torch.as_tensor(categories)[:upto + 1].long()
     return np.bincount(cats.numpy(), minlength=len(KEY_CATEGORIES))
 
 
-__all__ = ["KEY_CATEGORIES", "SINK_TOKENS", "line_category", "key_categories", "category_shares",
-           "category_counts"]
+__all__ = ["KEY_CATEGORIES", "SINK_TOKENS", "REGION_CATEGORIES", "INVENTORY_CATEGORIES", "line_category",
+           "key_categories", "category_shares", "read_measures", "category_counts"]

@@ -108,6 +108,9 @@ _TABLE = (
     _Entry("knockin", "mistill.stages.characterize", "KnockinStageConfig", "run_knockin",
            {"attribute": "attribute_run"}, "necessity and knock-in of the global sets against controls",
            shardable=True),
+    _Entry("read_side", "mistill.stages.readside", "ReadSideConfig", "run_read_side", {"attribute": "attribute_run"},
+           "what the decision heads read: a panel's attention split over 15 key categories, region lift, "
+           "n_eff, r, head families (Tables 16-19)", shardable=True),
     _Entry("locus", "mistill.stages.locus", "LocusStageConfig", "run_locus", {"attribute": "attribute_run"},
            "the forcing probe's locus per chapter mention, the prose-time set, passes A/B, "
            "follow-through and residual swap", shardable=True),

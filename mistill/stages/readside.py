@@ -1,0 +1,302 @@
+"""The ``read_side`` stage: what the decision heads read (paper App. E; Tables 16-19).
+
+On an ``attribute`` run's notes, with its global rankings: a fixed **panel** (the global top-k of
+each phase, the bottom-k of the chapter and contrastive rankings, k seeded random heads). One
+plain forward per note keeps the inputs of the panel's layers and recomputes each panel head's
+causal attention row at every P1, P2 and P2C event (:func:`~mistill.instrument.readside.head_attention_rows`);
+each row is split over the 15 key categories (:mod:`mistill.instrument.keycats`), with the
+region lift and ``n_eff`` over inventory tokens, beside the head's measured importance at that
+event from the attribute run (exact where patched, first order elsewhere).
+
+Reported (medians over notes of per-note values):
+
+- ``readside_groups`` (Table 16): per phase, the region lift of the top-k, the random panel and
+  the bottom-k (per note: the median over events per head, then the mean over heads), the notes
+  on which the top-k's lift beats the random panel's with the sign test, and the top-k's shares on
+  the sink, the inventory lines, the note, the trace prose and the code prefix;
+- ``readside_heads_<phase>`` (Tables 17-19): per head of the phase's top-k, its ``I_c``, shares
+  on the region, the prose and the sink, region lift, ``n_eff``, ``r`` (Pearson across the head's
+  events over all notes between its share on the region, on ``N`` at P2C, and its importance), and
+  its family by the rule of ``ReadSideConfig``.
+
+Descriptive: attention is not intervened on here (key blocking is :mod:`mistill.instrument.keyblock`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from mistill.config import Config
+from mistill.errors import MistillInputError
+from mistill.instrument.passes import PHASES
+from mistill.stages.common import RunReader
+from mistill.stages.runner import note_loop, notes_written, open_stage, stage_device
+from mistill.validation import (check_device, check_dtype, check_interval, check_non_negative,
+                                check_no_text_fields, check_positive, check_run_id, check_seed)
+
+NOTES = "notes"
+FAMILIES = ("region reader", "prose reader", "mixed")
+
+
+@dataclass(frozen=True)
+class ReadSideConfig(Config):
+    """The read side of a ranked model's heads (App. E).
+
+    attribute_run: the ``attribute`` run whose notes and global rankings are read.
+    panel_top / panel_bottom / panel_random: the panel's global top-k of each phase, bottom-k of
+    the chapter (P1) and contrastive (P2C) rankings, and seeded random heads (the paper: 16 each).
+    region_reader_lift, region_reader_share: **[recon]** a head is a region reader when its median
+    region lift reaches the first and its median share on the region the second;
+    prose_reader_share: **[recon]** else a prose reader when its median share on the trace prose
+    reaches this; else mixed (the paper calls the boundary a judgement call and gives the numbers).
+    """
+
+    attribute_run: str = ""
+    panel_top: int = 16
+    panel_bottom: int = 16
+    panel_random: int = 16
+    region_reader_lift: float = 4.0
+    region_reader_share: float = 0.2
+    prose_reader_share: float = 0.5
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+
+    def validate(self) -> None:
+        check_no_text_fields(self)
+        check_run_id(self.attribute_run, "attribute_run")
+        for name in ("panel_top", "panel_bottom", "panel_random"):
+            check_non_negative(getattr(self, name), name)
+        check_positive(self.panel_top, "panel_top")
+        check_positive(self.region_reader_lift, "region_reader_lift")
+        check_interval(self.region_reader_share, "region_reader_share")
+        check_interval(self.prose_reader_share, "prose_reader_share")
+        check_dtype(self.dtype)
+        check_device(self.device)
+        check_seed(self.seed)
+
+
+def panel_groups(rank: dict[str, list[int]], head_sets: dict, names: list[str],
+                 cfg: ReadSideConfig) -> dict[str, list[int]]:
+    """The panel's groups, ``{name: flat heads}``: ``top_<phase>`` for each ranked phase,
+    ``bottom_P1`` / ``bottom_P2C`` (the calibration's bottom-k where it lists that k, else the
+    ranking's last k), ``random``."""
+    from mistill.evaluation.own_heads import random_panel
+
+    index = {n: i for i, n in enumerate(names)}
+    groups = {f"top_{p}": list(rank[p][:cfg.panel_top]) for p in PHASES if p in rank}
+    for p in ("P1", "P2C"):
+        if p in rank and cfg.panel_bottom:
+            listed = head_sets.get(p, {}).get("bottom", {}).get(str(cfg.panel_bottom))
+            groups[f"bottom_{p}"] = ([index[n] for n in listed] if listed is not None
+                                     else list(rank[p][::-1][:cfg.panel_bottom]))
+    if cfg.panel_random:
+        groups["random"] = random_panel(len(names), cfg.panel_random, cfg.seed)
+    return groups
+
+
+def family(lift: float, region: float, prose: float, cfg: ReadSideConfig) -> str:
+    """A head's family from its median region lift and shares (the rule of :class:`ReadSideConfig`)."""
+    if math.isfinite(lift) and lift >= cfg.region_reader_lift and region >= cfg.region_reader_share:
+        return "region reader"
+    if prose >= cfg.prose_reader_share:
+        return "prose reader"
+    return "mixed"
+
+
+def run_read_side(cfg: ReadSideConfig) -> str:
+    from mistill.distill.buckets import build_axis, token_buckets
+    from mistill.instrument.keycats import KEY_CATEGORIES, key_categories, read_measures
+    from mistill.instrument.passes import NoteAttribution
+    from mistill.instrument.readside import head_attention_rows
+    from mistill.io import npz_bytes
+    from mistill.models.loading import load_model
+    from mistill.stages.characterize import (_events_input, _ranks_from_head_sets, _SelfReader, attribute_notes,
+                                             read_realized)
+    from mistill.stages.common import note_input
+
+    att_reader = RunReader(cfg.attribute_run, field="attribute_run")
+    if att_reader.tags.get("mistill.stage") != "attribute":
+        raise MistillInputError(f"run {cfg.attribute_run} is a {att_reader.tags.get('mistill.stage')!r} run, "
+                                "not attribute", field="attribute_run")
+    ev = _events_input(att_reader.config["events_run"])
+    prepared = ev.prepared
+    notes = attribute_notes(ev, att_reader.config.get("split", ""))
+    head_sets = json.loads(att_reader.file("head_sets.json").read_text())
+    with open_stage("read_side", cfg, prepared, inputs={"attribute": cfg.attribute_run}, model=ev.model) as run:
+        if run.reused:
+            return run.run_id
+        lm = load_model(ev.model, dtype=cfg.dtype, device=stage_device(cfg.device))
+        names = lm.geometry.head_names()
+        rank = _ranks_from_head_sets(head_sets, names)
+        if not rank:
+            raise MistillInputError(f"the attribute run {cfg.attribute_run} has no phase ranking",
+                                    field="attribute_run")
+        groups = panel_groups(rank, head_sets, names, cfg)
+        panel = sorted({h for heads in groups.values() for h in heads})
+        if current_leader():
+            run.log_json("readside_panel.json", {"panel": [names[h] for h in panel],
+                                                 **{g: [names[h] for h in hs] for g, hs in groups.items()}})
+        codes = list(prepared.inventory.codes)
+        for note in note_loop(run, NOTES, notes, desc="read side"):
+            ni = note_input(note, prepared.inventory, lm.tokenizer,
+                            remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
+                            narrow_instruction=prepared.narrow_instruction)
+            realized = [r for r in read_realized(ev.reader, note.note_id) if r.event.kind in PHASES]
+            att = NoteAttribution.from_npz(att_reader.note_file(NOTES, note.note_id, "attribution.npz"),
+                                           note.note_id)
+            row_of = {e: i for i, e in enumerate(att.event_ids)}
+            axis = build_axis(ni.prompt, ni.trace)
+            base = token_buckets(axis, ni.prompt, ni.offsets, len(ni.trace))
+            rows = head_attention_rows(lm, ni.input_ids, [r.position for r in realized], panel)
+            shares = np.zeros((len(realized), len(panel), len(KEY_CATEGORIES)))
+            lift = np.full((len(realized), len(panel)), np.nan)
+            n_eff = np.full((len(realized), len(panel)), np.nan)
+            importance = np.full((len(realized), len(panel)), np.nan)
+            for i, r in enumerate(realized):
+                cats = key_categories(axis, base, ni.prompt, ni.offsets, r, ni.trace, codes)
+                m = read_measures(rows[i], cats, r.position)
+                shares[i], lift[i], n_eff[i] = m["shares"], m["region_lift"], m["n_eff"]
+                if r.event.event_id in row_of:
+                    importance[i] = att.importance[row_of[r.event.event_id], panel]
+            run.write_note(NOTES, note.note_id, {"readside.npz": npz_bytes({
+                "event_ids": np.array([r.event.event_id for r in realized], dtype=str),
+                "kinds": np.array([r.event.kind for r in realized], dtype=str),
+                "shares": shares, "region_lift": lift, "n_eff": n_eff, "importance": importance})})
+        if not notes_written(run, NOTES, notes):
+            return run.run_id
+        reader = _SelfReader(run)
+        per_note = {}
+        for note in notes:
+            with np.load(reader._path(note.note_id, "readside.npz")) as d:
+                per_note[note.note_id] = {k: d[k] for k in d.files}
+        ic = {p: dict(zip(head_sets[p]["ranking"], head_sets[p].get("importance_c", []))) for p in rank}
+        groups_table = group_table(per_note, panel, groups)
+        run.log_table("readside_groups", groups_table)
+        metrics = {}
+        for _, row in groups_table.iterrows():
+            for col in ("lift_top", "lift_random", "lift_bottom", "top_beats_random_p"):
+                if pd.notna(row[col]):
+                    metrics[f"readside/{row['phase']}/{col}"] = float(row[col])
+        for p in rank:
+            heads = head_table(per_note, panel, groups[f"top_{p}"], p, names, ic.get(p, {}), cfg)
+            run.log_table(f"readside_heads_{p}", heads)
+            for fam in FAMILIES:
+                metrics[f"readside/{p}/n_{fam.replace(' ', '_')}"] = float((heads["family"] == fam).sum())
+        run.log_metrics(metrics)
+        print(f"read_side: {len(notes)} notes, a panel of {len(panel)} heads -> run {run.run_id}")
+        return run.run_id
+
+
+def current_leader() -> bool:
+    from mistill.distributed import current_world
+
+    return current_world().leader
+
+
+def _cat(name: str) -> int:
+    from mistill.instrument.keycats import KEY_CATEGORIES
+
+    return KEY_CATEGORIES.index(name)
+
+
+def _region(shares: np.ndarray) -> np.ndarray:
+    from mistill.instrument.keycats import REGION_CATEGORIES
+
+    return shares[..., [_cat(c) for c in REGION_CATEGORIES]].sum(-1)
+
+
+def _lines(shares: np.ndarray) -> np.ndarray:
+    return _region(shares) + shares[..., _cat("other_chapter_lines")]
+
+
+def _note_lift(lift: np.ndarray) -> float:
+    from mistill.instrument.readside import note_region_lift
+
+    return note_region_lift(lift) if lift.size else float("nan")
+
+
+def group_table(per_note: dict[str, dict], panel: list[int], groups: dict[str, list[int]]) -> pd.DataFrame:
+    """Table 16: per phase, the region lift of the top-k, random and bottom-k groups (medians over
+    notes), the notes on which the top-k beats the random panel, and the top-k's shares."""
+    from mistill.stats import sign_test
+
+    col = {h: j for j, h in enumerate(panel)}
+    out = []
+    for phase in PHASES:
+        top = groups.get(f"top_{phase}")
+        if top is None:
+            continue
+        bottom = groups.get(f"bottom_{phase}", [])  # the panel has no bottom-k of P2
+        rnd = groups.get("random", [])
+        lifts: dict[str, list[float]] = {"top": [], "random": [], "bottom": []}
+        shares: dict[str, list[float]] = {k: [] for k in ("sink", "lines", "note", "prose", "prefix")}
+        wins = losses = 0
+        for d in per_note.values():
+            ev = d["kinds"] == phase
+            if not ev.any():
+                continue
+            for name, heads in (("top", top), ("random", rnd), ("bottom", bottom)):
+                lifts[name].append(_note_lift(d["region_lift"][ev][:, [col[h] for h in heads]]) if heads else np.nan)
+            s = d["shares"][ev][:, [col[h] for h in top]]
+            for key, vals in (("sink", s[..., _cat("sink")]), ("lines", _lines(s)), ("note", s[..., _cat("note")]),
+                              ("prose", s[..., _cat("prose")]), ("prefix", s[..., _cat("prefix")])):
+                shares[key].append(float(np.nanmean(vals)))
+            a, b = lifts["top"][-1], lifts["random"][-1]
+            if math.isfinite(a) and math.isfinite(b) and a != b:
+                wins, losses = wins + (a > b), losses + (a < b)
+        if not lifts["top"]:
+            continue
+        out.append({"phase": phase, "n_notes": len(lifts["top"]),
+                    **{f"lift_{k}": float(np.nanmedian(v)) if np.isfinite(v).any() else np.nan
+                       for k, v in lifts.items()},
+                    "top_beats_random": int(wins), "top_below_random": int(losses),
+                    "top_beats_random_p": sign_test(wins, losses) if wins + losses else np.nan,
+                    **{f"top_share_{k}": float(np.nanmedian(v)) for k, v in shares.items()}})
+    return pd.DataFrame(out)
+
+
+def head_table(per_note: dict[str, dict], panel: list[int], top: list[int], phase: str, names: list[str],
+               ic: dict[str, float], cfg: ReadSideConfig) -> pd.DataFrame:
+    """Tables 17-19: the phase's top-k head by head at the phase's events."""
+    col = {h: j for j, h in enumerate(panel)}
+    rows = []
+    for h in top:
+        j = col[h]
+        region, prose, sink, lifts, neffs, xs, ys = [], [], [], [], [], [], []
+        for d in per_note.values():
+            ev = d["kinds"] == phase
+            if not ev.any():
+                continue
+            s = d["shares"][ev][:, j]
+            region.append(float(np.mean(_region(s))))
+            prose.append(float(np.mean(s[:, _cat("prose")])))
+            sink.append(float(np.mean(s[:, _cat("sink")])))
+            lifts.append(float(np.nanmedian(d["region_lift"][ev][:, j])) if np.isfinite(d["region_lift"][ev][:, j]).any()
+                         else np.nan)
+            neffs.append(float(np.nanmean(d["n_eff"][ev][:, j])) if np.isfinite(d["n_eff"][ev][:, j]).any() else np.nan)
+            read = s[:, _cat("N")] if phase == "P2C" else _region(s)
+            xs += read.tolist()
+            ys += d["importance"][ev][:, j].tolist()
+        if not region:
+            continue
+        x, y = np.asarray(xs), np.asarray(ys)
+        ok = np.isfinite(x) & np.isfinite(y)
+        r = float(np.corrcoef(x[ok], y[ok])[0, 1]) if ok.sum() >= 3 and x[ok].std() > 0 and y[ok].std() > 0 \
+            else float("nan")
+        med = {k: float(np.nanmedian(v)) if np.isfinite(v).any() else float("nan")
+               for k, v in (("region", np.asarray(region)), ("prose", np.asarray(prose)), ("sink", np.asarray(sink)),
+                            ("lift", np.asarray(lifts)), ("n_eff", np.asarray(neffs)))}
+        rows.append({"head": names[h], "I_c": ic.get(names[h], float("nan")), "share_region": med["region"],
+                     "share_prose": med["prose"], "share_sink": med["sink"], "region_lift": med["lift"],
+                     "n_eff": med["n_eff"], "r": r,
+                     "family": family(med["lift"], med["region"], med["prose"], cfg)})
+    return pd.DataFrame(rows)
+
+
+__all__ = ["ReadSideConfig", "run_read_side", "panel_groups", "family", "group_table", "head_table", "FAMILIES"]
