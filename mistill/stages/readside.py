@@ -32,6 +32,7 @@ import numpy as np
 import pandas as pd
 
 from mistill.config import Config
+from mistill.distributed import current_world
 from mistill.errors import MistillInputError
 from mistill.instrument.passes import PHASES
 from mistill.stages.common import RunReader
@@ -139,7 +140,7 @@ def run_read_side(cfg: ReadSideConfig) -> str:
                                     field="attribute_run")
         groups = panel_groups(rank, head_sets, names, cfg)
         panel = sorted({h for heads in groups.values() for h in heads})
-        if current_leader():
+        if current_world().leader:
             run.log_json("readside_panel.json", {"panel": [names[h] for h in panel],
                                                  **{g: [names[h] for h in hs] for g, hs in groups.items()}})
         codes = list(prepared.inventory.codes)
@@ -193,12 +194,6 @@ def run_read_side(cfg: ReadSideConfig) -> str:
         return run.run_id
 
 
-def current_leader() -> bool:
-    from mistill.distributed import current_world
-
-    return current_world().leader
-
-
 def _cat(name: str) -> int:
     from mistill.instrument.keycats import KEY_CATEGORIES
 
@@ -215,15 +210,10 @@ def _lines(shares: np.ndarray) -> np.ndarray:
     return _region(shares) + shares[..., _cat("other_chapter_lines")]
 
 
-def _note_lift(lift: np.ndarray) -> float:
-    from mistill.instrument.readside import note_region_lift
-
-    return note_region_lift(lift) if lift.size else float("nan")
-
-
 def group_table(per_note: dict[str, dict], panel: list[int], groups: dict[str, list[int]]) -> pd.DataFrame:
     """Table 16: per phase, the region lift of the top-k, random and bottom-k groups (medians over
     notes), the notes on which the top-k beats the random panel, and the top-k's shares."""
+    from mistill.instrument.readside import note_region_lift
     from mistill.stats import sign_test
 
     col = {h: j for j, h in enumerate(panel)}
@@ -242,7 +232,7 @@ def group_table(per_note: dict[str, dict], panel: list[int], groups: dict[str, l
             if not ev.any():
                 continue
             for name, heads in (("top", top), ("random", rnd), ("bottom", bottom)):
-                lifts[name].append(_note_lift(d["region_lift"][ev][:, [col[h] for h in heads]]) if heads else np.nan)
+                lifts[name].append(note_region_lift(d["region_lift"][ev][:, [col[h] for h in heads]]))
             s = d["shares"][ev][:, [col[h] for h in top]]
             for key, vals in (("sink", s[..., _cat("sink")]), ("lines", _lines(s)), ("note", s[..., _cat("note")]),
                               ("prose", s[..., _cat("prose")]), ("prefix", s[..., _cat("prefix")])):
