@@ -38,7 +38,7 @@ from mistill.params import (AttributeParams, ChunkParams, DonorParams, EventsPar
 from mistill.progress import track
 from mistill.stages.common import (NoteInput, Prepared, RunReader, load_prepared, model_positions, note_input,
                                    require_notes)
-from mistill.stages.runner import note_loop, notes_written, open_stage, progress_label, stage_device
+from mistill.stages.runner import WrittenNotes, note_loop, notes_written, open_stage, progress_label, stage_device
 from mistill.validation import (check_choices, check_device, check_dtype, check_interval,
                                 check_model_spec, check_name, check_no_text_fields, check_non_negative,
                                 check_not_empty, check_positive, check_run_id, check_seed)
@@ -136,7 +136,7 @@ def run_events(cfg: EventsConfig) -> str:
         if not notes_written(run, NOTES, notes):
             return run.run_id
         # aggregate over every note of the run
-        reader = _SelfReader(run)
+        reader = WrittenNotes(run, NOTES)
         all_rows, events_by_note, coverage = [], {}, Counter()
         for note in notes:
             rows = reader.jsonl(note.note_id, "realized.jsonl")
@@ -170,28 +170,6 @@ def run_events(cfg: EventsConfig) -> str:
         run.log_metrics(metrics)
         print(f"events: {len(all_rows)} realized events over {len(notes)} notes -> run {run.run_id}")
         return run.run_id
-
-
-class _SelfReader:
-    """Read the per-note files a running :class:`StageRun` has written."""
-
-    def __init__(self, run) -> None:
-        self.run = run
-
-    def _path(self, note_id: str, filename: str):
-        path = self.run.note_dir(NOTES, note_id) / filename
-        if not path.exists():
-            self.run.load_note(NOTES, note_id, filename)
-        return path
-
-    def jsonl(self, note_id: str, filename: str) -> list[dict]:
-        return [json.loads(line) for line in self._path(note_id, filename).read_text().splitlines() if line]
-
-    def json(self, note_id: str, filename: str) -> dict:
-        return json.loads(self._path(note_id, filename).read_text())
-
-    def bytes(self, note_id: str, filename: str) -> bytes:
-        return self._path(note_id, filename).read_bytes()
 
 
 def read_realized(reader: RunReader, note_id: str) -> list[RealizedEvent]:
@@ -306,13 +284,13 @@ def attribute_notes(ev: _EventsInput, split: str) -> list[Note]:
     return require_notes([n for n in ev.notes if n.split == split], split, ev.prepared, field="split")
 
 
-def _finished_means(run, reader: _SelfReader, notes: Sequence[Note]) -> dict[str, dict[str, np.ndarray]]:
+def _finished_means(run, reader: WrittenNotes, notes: Sequence[Note]) -> dict[str, dict[str, np.ndarray]]:
     """The per-phase first-order means of the notes the run finished before (a resumed pass)."""
     done = run.finished_notes(NOTES)
     out = {}
     for note in notes:
         if note.note_id in done:
-            att = NoteAttribution.from_npz(reader._path(note.note_id, "attribution.npz"), note.note_id)
+            att = NoteAttribution.from_npz(reader.path(note.note_id, "attribution.npz"), note.note_id)
             out[note.note_id] = phase_means(att.kinds, att.first_order)
     return out
 
@@ -330,7 +308,7 @@ def run_attribute(cfg: AttributeConfig) -> str:
             return run.run_id
         lm = load_model(ev.model, dtype=cfg.dtype, device=stage_device(cfg.device))
         runner, hook = Runner(lm, chunk_size=cfg.chunk_size), HeadHook(lm.geometry)
-        reader = _SelfReader(run)
+        reader = WrittenNotes(run, NOTES)
         world = current_world()
         # each note's nominees come from the running global ranking of the notes before it
         # (App. C): under a launch the notes go in waves, one per process (mistill.instrument.waves)
@@ -355,7 +333,7 @@ def run_attribute(cfg: AttributeConfig) -> str:
         # calibration over every note
         importances = []
         for note in notes:
-            att = NoteAttribution.from_npz(reader._path(note.note_id, "attribution.npz"), note.note_id)
+            att = NoteAttribution.from_npz(reader.path(note.note_id, "attribution.npz"), note.note_id)
             importances.append(NoteImportance(note_id=note.note_id, patient_id=note.patient_id,
                                               kinds=np.array(att.kinds), importance=att.importance,
                                               exact_mask=~np.isnan(att.exact)))
@@ -649,7 +627,7 @@ def run_knockin(cfg: KnockinStageConfig) -> str:
         if not notes_written(run, NOTES, notes):
             return run.run_id
         # tables over every note
-        reader = _SelfReader(run)
+        reader = WrittenNotes(run, NOTES)
         rows = []
         for note in notes:
             rows += per_note_set_rows(reader.jsonl(note.note_id, "necessity.jsonl"),

@@ -36,7 +36,7 @@ from mistill.distributed import current_world
 from mistill.errors import MistillInputError
 from mistill.instrument.passes import PHASES
 from mistill.stages.common import RunReader
-from mistill.stages.runner import note_loop, notes_written, open_stage, stage_device
+from mistill.stages.runner import WrittenNotes, note_loop, notes_written, open_stage, stage_device
 from mistill.validation import (check_device, check_dtype, check_interval, check_non_negative,
                                 check_no_text_fields, check_positive, check_run_id, check_seed)
 
@@ -117,7 +117,7 @@ def run_read_side(cfg: ReadSideConfig) -> str:
     from mistill.instrument.readside import head_attention_rows
     from mistill.io import npz_bytes
     from mistill.models.loading import load_model
-    from mistill.stages.characterize import (_events_input, _ranks_from_head_sets, _SelfReader, attribute_notes,
+    from mistill.stages.characterize import (_events_input, _ranks_from_head_sets, attribute_notes,
                                              read_realized)
     from mistill.stages.common import note_input
 
@@ -171,11 +171,8 @@ def run_read_side(cfg: ReadSideConfig) -> str:
                 "shares": shares, "region_lift": lift, "n_eff": n_eff, "importance": importance})})
         if not notes_written(run, NOTES, notes):
             return run.run_id
-        reader = _SelfReader(run)
-        per_note = {}
-        for note in notes:
-            with np.load(reader._path(note.note_id, "readside.npz")) as d:
-                per_note[note.note_id] = {k: d[k] for k in d.files}
+        reader = WrittenNotes(run, NOTES)
+        per_note = {note.note_id: reader.npz(note.note_id, "readside.npz") for note in notes}
         ic = {p: dict(zip(head_sets[p]["ranking"], head_sets[p].get("importance_c", []))) for p in rank}
         groups_table = group_table(per_note, panel, groups)
         run.log_table("readside_groups", groups_table)

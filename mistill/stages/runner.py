@@ -39,8 +39,12 @@ donor steps) keep the opening and closing here and walk their notes in waves of 
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from mistill.distributed import barrier, broadcast, current_world, init_world, rank_device, shard
 from mistill.errors import MistillInputError
@@ -144,4 +148,34 @@ def notes_written(run: StageRun, subdir: str, notes: Sequence[Note]) -> bool:
     return True
 
 
-__all__ = ["open_stage", "stage_device", "pending_notes", "progress_label", "note_loop", "notes_written"]
+class WrittenNotes:
+    """The per-note files a stage's own run has written under ``subdir``, for its aggregation
+    (read from the run's local note directory, fetched from the artifact store when another
+    process of the launch wrote them)."""
+
+    def __init__(self, run: StageRun, subdir: str) -> None:
+        self.run = run
+        self.subdir = subdir
+
+    def path(self, note_id: str, filename: str) -> Path:
+        path = self.run.note_dir(self.subdir, note_id) / filename
+        if not path.exists():
+            self.run.load_note(self.subdir, note_id, filename)
+        return path
+
+    def jsonl(self, note_id: str, filename: str) -> list[dict]:
+        return [json.loads(line) for line in self.path(note_id, filename).read_text().splitlines() if line]
+
+    def json(self, note_id: str, filename: str) -> dict:
+        return json.loads(self.path(note_id, filename).read_text())
+
+    def bytes(self, note_id: str, filename: str) -> bytes:
+        return self.path(note_id, filename).read_bytes()
+
+    def npz(self, note_id: str, filename: str) -> dict[str, np.ndarray]:
+        with np.load(self.path(note_id, filename)) as d:
+            return {k: d[k] for k in d.files}
+
+
+__all__ = ["open_stage", "stage_device", "pending_notes", "progress_label", "note_loop", "notes_written",
+           "WrittenNotes"]
