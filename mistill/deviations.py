@@ -264,6 +264,15 @@ DEVIATIONS: tuple[Deviation, ...] = (
        "prose readers put 0.73 to 0.84 of their attention on the trace prose",
        "a head that is not a region reader and whose median share on the trace prose reaches 0.5",
        "ReadSideConfig.prose_reader_share", "below the paper's prose readers, above its mixed heads", 0.5),
+    _D("key-block heads: region readers", "App. E, Table 20",
+       "three heads named by hand: L28H21 and L26H36 for the emitted chapter's lines, L30H11 for the "
+       "near-miss's earlier mentions",
+       "with no heads named: the P1 top-k's region readers (by the read-side rule), in ranking order, at most 2",
+       "KeyBlockConfig.region_heads", "the paper's two region readers; names can be given (heads=...)", 2),
+    _D("key-block heads: near-miss loop-back", "App. E, Table 20", "as above (L30H11, with L38H39 as its pair)",
+       "with no heads named: the P2C top-k's heads with the largest median share on the near-miss's earlier "
+       "mentions, at most 2, each blocked from those mentions and from the near-miss's line",
+       "KeyBlockConfig.loopback_heads", "the paper's loop-back pair", 2),
     _D("Table 50 direction", "App. M, Table 50",
        "pre-registered expectations marked met or not",
        "direction only (higher / lower / level) at a paired sign-test alpha of 0.05",
@@ -272,6 +281,13 @@ DEVIATIONS: tuple[Deviation, ...] = (
 """One entry per row of ``docs/DEVIATIONS.md``'s table."""
 
 CONVENTIONS: tuple[Convention, ...] = (
+    Convention("matched control keys", "App. E, Table 20",
+               "whole units (other chapters' inventory lines; other codes' earlier mentions, a mention being a "
+               "run of consecutive tokens) in an order seeded per event, head and key set, the last unit cut "
+               "so the control blocks exactly as many keys as the named set; no control where the category "
+               "holds fewer keys before the decision",
+               "mistill.instrument.keyblock.matched_control",
+               "the paper matches the count and the kind of unit, not how the last unit is cut"),
     Convention("matched donor event", "Sec. 2.3",
                "same kind, a different emitted choice, the same character index where one exists, "
                "else the nearest position as a fraction of the trace (ties to the lower position)",

@@ -72,3 +72,114 @@ def test_invalid_key_sets_are_refused(setup):
         blocked_attention(runner, prefix, q, clean.hidden_in, 0, [list(range(POS + 1))])
     with pytest.raises(ValueError, match=r"\[0, 40\]"):
         blocked_attention(runner, prefix, q, clean.hidden_in, 0, [[POS + 1]])
+
+
+def test_named_keys_and_matched_controls_by_whole_units():
+    from mistill.instrument.keyblock import KEY_SETS, matched_control, named_keys
+    from mistill.instrument.keycats import KEY_CATEGORIES
+
+    c = {name: i for i, name in enumerate(KEY_CATEGORIES)}
+    # keys 0-1 sink, two other-chapter lines (buckets 7, 8), the region's line, trace with mentions
+    cats = torch.tensor([c["sink"], c["sink"], c["other_chapter_lines"], c["other_chapter_lines"],
+                         c["other_chapter_lines"], c["own_line"], c["chapter_lines"], c["other_chapter_lines"],
+                         c["prose"], c["other_mentions"], c["other_mentions"], c["prose"], c["N"], c["N"],
+                         c["prose"], c["other_mentions"], c["prose"], c["N"]])
+    base = torch.tensor([0, 0, 7, 7, 7, 9, 10, 8, 20, 20, 20, 20, 20, 20, 20, 20, 20, 20])
+    region, n = KEY_SETS["region"], KEY_SETS["N"]
+    assert named_keys(cats, 16, region) == [5, 6]
+    assert named_keys(cats, 16, n) == [12, 13]  # key 17 lies after the query
+    for seed in range(6):
+        ctrl = matched_control(cats, base, 16, region, 2, seed)
+        # whole lines in a seeded order, the last cut to the count: line 8 then line 7, or line 7 alone
+        assert ctrl in ([2, 3], [2, 3], [7, 2], [2, 7], [3, 4], [2, 4]) or len(ctrl) == 2
+        assert all(int(cats[p]) == c["other_chapter_lines"] for p in ctrl) and len(ctrl) == 2
+        assert set(ctrl) in ({2, 3}, {2, 4}, {3, 4}, {2, 7}, {3, 7}, {4, 7}) and (7 in ctrl) == (ctrl != [2, 3])
+        m = matched_control(cats, base, 16, n, 2, seed)
+        assert m in ([9, 10], [9, 15], [10, 15])  # mentions: runs of consecutive tokens
+    assert matched_control(cats, base, 16, region, 2, 3) == matched_control(cats, base, 16, region, 2, 3)
+    assert matched_control(cats, base, 16, region, 5, 0) is None  # four control keys before the query
+    assert matched_control(cats, base, 16, n, 0, 0) == []
+
+
+def test_key_block_table_by_hand():
+    import numpy as np
+    import pandas as pd
+
+    from mistill.stages.keyblock import key_block_table
+
+    rows = pd.DataFrame([
+        {"note_id": "a", "head": "L1H0", "key_set": "N", "E": 1.0, "D_named": 0.9, "D_control": 0.1,
+         "clean": 2.0, "reference": 2.0},
+        {"note_id": "a", "head": "L1H0", "key_set": "N", "E": 0.05, "D_named": 0.5, "D_control": None,
+         "clean": 1.0, "reference": 1.01},
+        {"note_id": "b", "head": "L1H0", "key_set": "N", "E": 2.0, "D_named": 1.0, "D_control": 0.0,
+         "clean": 3.0, "reference": 3.0},
+    ])
+    t = key_block_table(rows, [("L1H0", "N"), ("L0H0", "region")], 0.1).set_index(["head", "key_set"])
+    r = t.loc[("L1H0", "N")]
+    assert r["n_events"] == 3 and r["n_notes"] == 2 and r["n_control_unmatched"] == 1
+    assert r["share_named"] == pytest.approx(np.median([0.9, 0.5]))  # E above 0.1 only
+    assert r["share_control"] == pytest.approx(np.median([0.1, 0.0]))
+    assert r["named_minus_control"] == pytest.approx(np.mean([0.8, 1.0]))  # per note, then over notes
+    assert r["notes_higher"] == 2 and r["notes_lower"] == 0
+    assert r["E_share_above"] == pytest.approx(2 / 3)
+    assert t.loc[("L0H0", "region")]["n_events"] == 0
+
+
+def test_key_block_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_code_version):
+    """events -> attribute -> read_side -> key_block on a tiny model against the real tracking
+    server: the reference reproduces the clean margin, every named set is blocked at the phases it
+    belongs to with a control of the same size, Table 20 is logged, the heads chosen from the read
+    side are the P2C top-k's largest readers of the near-miss's mentions, and a rerun is reused."""
+    import json
+
+    import numpy as np
+    import pandas as pd
+    from mlflow.tracking import MlflowClient
+
+    from mistill.instrument.keycats import KEY_CATEGORIES
+    from mistill.stages.characterize import AttributeConfig, EventsConfig, run_attribute, run_events
+    from mistill.stages.common import RunReader
+    from mistill.stages.keyblock import KeyBlockConfig, chosen_heads, run_key_block
+    from mistill.stages.prepare import PrepareConfig, run_prepare
+    from mistill.stages.readside import ReadSideConfig, run_read_side
+    from stage_fixtures import TINY, unique
+
+    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path))
+    prep = run_prepare(PrepareConfig(corpus="synthetic", corpus_name=unique("kb"), n_notes=3, model=TINY))
+    events = run_events(EventsConfig(prepare_run=prep, model=TINY, n_null=4))
+    attribute = run_attribute(AttributeConfig(events_run=events, selftest_events=0, stability_splits=5))
+    read_side = run_read_side(ReadSideConfig(attribute_run=attribute, panel_top=3, panel_bottom=0, panel_random=2))
+    cfg = KeyBlockConfig(read_side_run=read_side, heads="L1H2:region+S,L1H3:N+near_miss_line", max_events=4)
+    run_id = run_key_block(cfg)
+    client = MlflowClient()
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["mistill.stage"] == "key_block"
+    rows = []
+    for d in sorted((tmp_path / "work" / run_id / "notes").iterdir()):
+        rows += [json.loads(line) for line in (d / "key_block.jsonl").read_text().splitlines()]
+    df = pd.DataFrame(rows)
+    assert set(df["key_set"]) >= {"region", "N"}
+    assert set(df.loc[df["key_set"] == "region", "kind"]) == {"P1"}
+    assert set(df.loc[df["key_set"].isin(["N", "near_miss_line"]), "kind"]) == {"P2C"}
+    assert df.groupby(["head", "key_set", "kind"]).size().max() <= 3 * 4  # max_events per note and phase
+    assert float((df["reference"] - df["clean"]).abs().max()) < 1e-4  # the empty set reproduces the clean read
+    assert (df["n_keys"] > 0).all() and np.isfinite(df["E"]).all() and (df["D_named"].abs() > 0).any()
+    table = pd.read_csv(client.download_artifacts(run_id, "key_block.csv", str(tmp_path / "t")))
+    assert list(zip(table["head"], table["key_set"])) == [("L1H2", "region"), ("L1H2", "S"), ("L1H3", "N"),
+                                                          ("L1H3", "near_miss_line")]
+    assert table.loc[table["key_set"] == "N", "n_events"].iloc[0] == (df["key_set"] == "N").sum()
+    assert run_key_block(cfg) == run_id  # an identical finished run is reused
+    # heads chosen from the read side: the P2C top-k ordered by their median share on N
+    rs = RunReader(read_side)
+    panel = json.loads(rs.file("readside_panel.json").read_text())
+    chosen = chosen_heads(rs, sorted(p.name for p in (tmp_path / "work" / read_side / "notes").iterdir()),
+                          KeyBlockConfig(read_side_run=read_side, region_heads=0, loopback_heads=1))
+    col, n_cat, per_note = {h: j for j, h in enumerate(panel["panel"])}, KEY_CATEGORIES.index("N"), []
+    for d in sorted((tmp_path / "work" / read_side / "notes").iterdir()):
+        with np.load(d / "readside.npz") as z:
+            ev = z["kinds"] == "P2C"
+            if ev.any():
+                per_note.append([z["shares"][ev][:, col[h], n_cat].mean() for h in panel["top_P2C"]])
+    best = panel["top_P2C"][int(np.argmax(np.median(per_note, axis=0)))]
+    assert chosen == [(best, "N"), (best, "near_miss_line")]

@@ -13,10 +13,13 @@ noise; the head's whole effect ``E`` is its mean-ablation at the same token
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mistill.instrument.hooks import HeadHook, Patch
+from mistill.instrument.keycats import KEY_CATEGORIES, REGION_CATEGORIES
 from mistill.instrument.patching import Query, margins_from_logits
 from mistill.instrument.runner import KVPrefix, Runner
 
@@ -92,4 +95,70 @@ def key_block(runner: Runner, hook: HeadHook, prefix: KVPrefix, query: Query, hi
     return margins_from_logits(out.logits[0], query.target_id, query.competitor_ids).float().cpu()
 
 
-__all__ = ["blocked_attention", "key_block"]
+@dataclass(frozen=True)
+class KeySet:
+    """What a head can be named for reading, and its matched control (App. E, Table 20).
+
+    categories: the key categories (:data:`~mistill.instrument.keycats.KEY_CATEGORIES`) whose
+    positions are blocked; phases: the event kinds it is measured at; control: the category the
+    matched control keys are drawn from; control_unit: ``"line"`` (whole inventory lines) or
+    ``"mention"`` (whole mentions: maximal runs of consecutive tokens of the category).
+    """
+
+    name: str
+    categories: tuple[str, ...]
+    phases: tuple[str, ...]
+    control: str
+    control_unit: str
+
+
+KEY_SETS: dict[str, KeySet] = {s.name: s for s in (
+    KeySet("region", REGION_CATEGORIES, ("P1",), "other_chapter_lines", "line"),
+    KeySet("N", ("N",), ("P2C",), "other_mentions", "mention"),
+    KeySet("near_miss_line", ("near_miss_line",), ("P2C",), "other_chapter_lines", "line"),
+    KeySet("S", ("S",), ("P2", "P2C"), "other_mentions", "mention"),
+)}
+"""The named key sets: the emitted chapter's inventory lines at P1 (region readers), the earlier
+mentions of the near-miss and its inventory line at P2C (the near-miss loop-back), the earlier
+mentions of the code itself. Controls: other chapters' whole lines at the line sets, other
+codes' whole earlier mentions at the mention sets (the paper's matched controls)."""
+
+
+def named_keys(categories: torch.Tensor, position: int, key_set: KeySet) -> list[int]:
+    """Key positions in ``[0, position]`` whose category is one of ``key_set``'s (``categories``
+    ``[pos]``, :func:`~mistill.instrument.keycats.key_categories`)."""
+    ids = torch.tensor([KEY_CATEGORIES.index(c) for c in key_set.categories])
+    seen = categories[:position + 1].cpu().long()
+    return torch.isin(seen, ids).nonzero().flatten().tolist()
+
+
+def matched_control(categories: torch.Tensor, base: torch.Tensor, position: int, key_set: KeySet, count: int,
+                    seed: int) -> list[int] | None:
+    """``count`` control key positions in ``[0, position]`` from ``key_set.control``, whole units
+    taken in a seeded order until the count is reached; the last unit taken is cut to the count
+    (**[recon]**: the paper matches the count, not how a unit is cut). None when the category
+    holds fewer than ``count`` keys before the query.
+
+    Args:
+        categories: ``[pos]`` key categories; base: ``[pos]`` the tokens' base buckets (a line's
+            tokens share one, :func:`~mistill.distill.buckets.token_buckets`).
+    """
+    if count <= 0:
+        return []
+    seen = categories[:position + 1].cpu().long().numpy()
+    pos = np.flatnonzero(seen == KEY_CATEGORIES.index(key_set.control))
+    if len(pos) < count:
+        return None
+    if key_set.control_unit == "line":
+        unit = base[:position + 1].cpu().long().numpy()[pos]
+    elif key_set.control_unit == "mention":
+        unit = np.concatenate([[0], np.cumsum(np.diff(pos) > 1)])
+    else:
+        raise ValueError(f"unknown control unit {key_set.control_unit!r}")
+    units = np.unique(unit)  # sorted: the seeded order does not depend on how positions were listed
+    order = np.random.default_rng(seed).permutation(len(units))
+    picked = np.concatenate([pos[unit == units[i]] for i in order])[:count]
+    return sorted(int(p) for p in picked)
+
+
+__all__ = ["blocked_attention", "key_block", "KeySet", "KEY_SETS", "named_keys", "matched_control"]

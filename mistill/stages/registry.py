@@ -111,6 +111,9 @@ _TABLE = (
     _Entry("read_side", "mistill.stages.readside", "ReadSideConfig", "run_read_side", {"attribute": "attribute_run"},
            "what the decision heads read: a panel's attention split over 15 key categories, region lift, "
            "n_eff, r, head families (Tables 16-19)", shardable=True),
+    _Entry("key_block", "mistill.stages.keyblock", "KeyBlockConfig", "run_key_block", {"read_side": "read_side_run"},
+           "named heads blocked from the keys they read at the decision token against matched control keys "
+           "(Table 20)", shardable=True),
     _Entry("locus", "mistill.stages.locus", "LocusStageConfig", "run_locus", {"attribute": "attribute_run"},
            "the forcing probe's locus per chapter mention, the prose-time set, passes A/B, "
            "follow-through and residual swap", shardable=True),
