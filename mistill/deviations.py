@@ -273,6 +273,13 @@ DEVIATIONS: tuple[Deviation, ...] = (
        "with no heads named: the P2C top-k's heads with the largest median share on the near-miss's earlier "
        "mentions, at most 2, each blocked from those mentions and from the near-miss's line",
        "KeyBlockConfig.loopback_heads", "the paper's loop-back pair", 2),
+    _D("trace-edit mediation set", "App. E, Tables 21-22",
+       "the teacher: L30H11 and L38H39 named by hand; the students: their own top-2 contrastive heads",
+       "the attribute run's top 2 of the P2C ranking, or heads named in mediation_heads",
+       "TraceEditConfig.n_mediation", "the students' rule, applied to every model", 2),
+    _D("trace-edit candidates", "App. E, Table 21", "a replacement of the same token length",
+       "at most 64 candidate fillers or codes tried per kind and event; the event goes without that kind when "
+       "none aligns token for token", "TraceEditConfig.max_tries", "bounds the tokenizations per event", 64),
     _D("Table 50 direction", "App. M, Table 50",
        "pre-registered expectations marked met or not",
        "direction only (higher / lower / level) at a paired sign-test alpha of 0.05",
@@ -281,6 +288,17 @@ DEVIATIONS: tuple[Deviation, ...] = (
 """One entry per row of ``docs/DEVIATIONS.md``'s table."""
 
 CONVENTIONS: tuple[Convention, ...] = (
+    Convention("edit fillers and replacement codes", "App. E, Tables 21 and 23",
+               "fillers: '-', 'x', '=', '~', '*', '_' (each also after a space) repeated until the tokens are as "
+               "many as the replaced text's; replacement codes: inventory codes written in the mention's shape "
+               "(letters, digits, dot), in an order seeded per event",
+               "mistill.instrument.edits.FILLER_UNITS",
+               "the paper names the classes of replacement, not the strings"),
+    Convention("mediation reads", "App. E, Table 21",
+               "the mediation set is mean-ablated at the decision token only, in a second read of the identity "
+               "and of every replacement", "mistill.instrument.edits.refeed_margins",
+               "the paper ablates 'during each read' without naming positions; the decision token is where "
+               "the heads' effect is measured everywhere else"),
     Convention("matched control keys", "App. E, Table 20",
                "whole units (other chapters' inventory lines; other codes' earlier mentions, a mention being a "
                "run of consecutive tokens) in an order seeded per event, head and key set, the last unit cut "

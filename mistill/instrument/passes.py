@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ from mistill.instrument.runner import KVPrefix, Runner
 from mistill.progress import track
 
 PHASES = ("P1", "P2", "P2C")
+T = TypeVar("T")
 K_BINS = (3, 8, 16, 40, 100)
 
 
@@ -32,6 +34,15 @@ def stable_seed(*parts: object) -> int:
     """A 63-bit seed from any parts (stable across processes, unlike ``hash``)."""
     digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
+
+
+def seeded_subset(items: Sequence[T], cap: int, *parts: object) -> list[T]:
+    """At most ``cap`` of ``items`` (0: all of them), drawn with the seed ``stable_seed(*parts)``
+    and kept in their order."""
+    if not cap or len(items) <= cap:
+        return list(items)
+    keep = np.random.default_rng(stable_seed(*parts)).choice(len(items), cap, replace=False)
+    return [items[i] for i in sorted(keep)]
 
 
 @dataclass(frozen=True)

@@ -137,22 +137,12 @@ def json_file(reader: RunReader, name: str) -> dict:
     return json.loads(reader.file(name).read_text())
 
 
-def _sample(items: list, cap: int, *parts: object) -> list:
-    """At most ``cap`` of ``items`` (0: all), a seeded draw kept in their order."""
-    from mistill.instrument.passes import stable_seed
-
-    if not cap or len(items) <= cap:
-        return items
-    keep = np.random.default_rng(stable_seed(*parts)).choice(len(items), cap, replace=False)
-    return [items[i] for i in sorted(keep)]
-
-
 def run_key_block(cfg: KeyBlockConfig) -> str:
     from mistill.distill.buckets import build_axis, token_buckets
     from mistill.instrument.hooks import HeadHook
     from mistill.instrument.keyblock import KEY_SETS, key_block, matched_control, named_keys
     from mistill.instrument.keycats import key_categories
-    from mistill.instrument.passes import prefill_note, stable_seed
+    from mistill.instrument.passes import prefill_note, seeded_subset, stable_seed
     from mistill.instrument.patching import clean_read, mean_ablate
     from mistill.instrument.runner import Runner
     from mistill.io import dumps
@@ -189,7 +179,7 @@ def run_key_block(cfg: KeyBlockConfig) -> str:
                             narrow_instruction=prepared.narrow_instruction)
             realized = read_realized(ev.reader, note.note_id)
             picked = [r for p in phases
-                      for r in _sample([r for r in realized if r.event.kind == p], cfg.max_events, cfg.seed,
+                      for r in seeded_subset([r for r in realized if r.event.kind == p], cfg.max_events, cfg.seed,
                                        note.note_id, p)]
             queries = event_queries(picked, ni.input_ids)
             axis = build_axis(ni.prompt, ni.trace)

@@ -114,6 +114,9 @@ _TABLE = (
     _Entry("key_block", "mistill.stages.keyblock", "KeyBlockConfig", "run_key_block", {"read_side": "read_side_run"},
            "named heads blocked from the keys they read at the decision token against matched control keys "
            "(Table 20)", shardable=True),
+    _Entry("trace_edit", "mistill.stages.edits", "TraceEditConfig", "run_trace_edit", {"attribute": "attribute_run"},
+           "the earlier near-miss mention replaced by a filler or another code at contrastive events, the margin "
+           "re-read at the decision, mediation by the top contrastive heads (Tables 21-22)", shardable=True),
     _Entry("locus", "mistill.stages.locus", "LocusStageConfig", "run_locus", {"attribute": "attribute_run"},
            "the forcing probe's locus per chapter mention, the prose-time set, passes A/B, "
            "follow-through and residual swap", shardable=True),

@@ -1,0 +1,139 @@
+"""Edits of the model's input and the margin re-read at the original decision (paper App. E,
+"Editing the earlier mention", "Editing the note"; Tables 21-23).
+
+An **edit** replaces characters of the input (an earlier mention in the trace, words of the
+note) by others whose tokens are as many, so every later token, the decision's position and its
+margin's ids are unchanged (:func:`aligned_edit`). The edited input is **re-fed** from its first
+changed token against the clean prefix (:func:`refeed_margins`): the tokens before it are the
+clean ones, so their keys and values are too, and the margin at the decision equals that of a
+fresh forward of the edited input (up to float32 summation order). The identity edit (the
+original tokens through the same path) is the reference; a named head set can be mean-ablated
+at the decision token during every read, to measure how much of an edit's effect it mediates.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mistill.data.inventory import category, chapter_letter
+from mistill.instrument.hooks import HeadHook, Patch, head_mask
+from mistill.instrument.patching import Query, margins_from_logits
+from mistill.instrument.runner import KVPrefix, Runner
+
+FILLER_UNITS: tuple[str, ...] = ("-", " -", "x", " x", "=", " =", "~", " ~", "*", " *", "_", " _")
+"""**[recon]** The non-code fillers tried, in order, each repeated until its tokens are as many
+as the replaced text's (the paper: "a non-code filler of the same token length")."""
+
+
+@dataclass(frozen=True)
+class AlignedEdit:
+    """An edited input whose tokens are as many as the original's.
+
+    input_ids: ``[pos]`` the edited tokens; first / last: the first and last positions whose
+    token differs from the original (``first > last`` when none does).
+    """
+
+    input_ids: torch.Tensor
+    first: int
+    last: int
+
+
+def aligned_edit(original: torch.Tensor, edited: torch.Tensor, span: tuple[int, int], *,
+                 slack: int = 1) -> AlignedEdit | None:
+    """The edited tokens when they align with the original's, else None.
+
+    They align when the two have the same length and every changed token lies within ``slack``
+    tokens of ``span`` (``[start, end)`` token positions of the replaced characters): the edit
+    changes only its own tokens, so every later position means what it meant.
+    """
+    if edited.numel() != original.numel():
+        return None
+    diff = (edited != original).nonzero().flatten()
+    if not diff.numel():
+        return AlignedEdit(edited, int(original.numel()), -1)
+    first, last = int(diff[0]), int(diff[-1])
+    if first < span[0] - slack or last >= span[1] + slack:
+        return None
+    return AlignedEdit(edited, first, last)
+
+
+def code_shape(text: str) -> str:
+    """A code's written shape: letters as ``A``, digits as ``9`` (``N18.9`` -> ``A99.9``)."""
+    return re.sub(r"[0-9]", "9", re.sub(r"[A-Za-z]", "A", text))
+
+
+def written_like(code: str, mention: str) -> str:
+    """``code`` written as ``mention`` is (dotted or not)."""
+    return code if "." in mention else code.replace(".", "")
+
+
+def replacement_codes(kind: str, mention: str, code: str, near_miss: str, codes: Sequence[str],
+                      seed: int) -> list[str]:
+    """Candidate codes for an earlier mention of ``near_miss``, in a seeded order.
+
+    ``"unrelated"``: another chapter's codes (neither the code's nor the near-miss's);
+    ``"other_category"``: the same chapter, another category than both. Only codes written in
+    the mention's shape (the same characters as letters, digits and dots) are candidates.
+    """
+    shape = code_shape(mention)
+    if kind == "unrelated":
+        chapters = {chapter_letter(code), chapter_letter(near_miss)}
+        pool = [c for c in codes if chapter_letter(c) not in chapters]
+    elif kind == "other_category":
+        cats = {category(code), category(near_miss)}
+        pool = [c for c in codes if chapter_letter(c) == chapter_letter(near_miss) and category(c) not in cats]
+    else:
+        raise ValueError(f"unknown replacement kind {kind!r}")
+    pool = sorted({c for c in pool if code_shape(written_like(c, mention)) == shape})
+    order = np.random.default_rng(seed).permutation(len(pool))
+    return [written_like(pool[i], mention) for i in order]
+
+
+def filler_candidates(n_chars: int) -> list[str]:
+    """Non-code fillers to try for a replaced text of ``n_chars`` characters (:data:`FILLER_UNITS`
+    repeated 1 .. ``3 * n_chars + 3`` times)."""
+    return [unit * m for unit in FILLER_UNITS for m in range(1, 3 * n_chars + 4)]
+
+
+def refeed_margins(runner: Runner, hook: HeadHook, prefix: KVPrefix, start: int, variants: torch.Tensor,
+                   query: Query, *, mean: torch.Tensor | None = None, heads: Sequence[int] = ()) -> tuple[
+                       torch.Tensor, torch.Tensor | None]:
+    """Margins at the decision with each variant's tokens re-fed from ``start``.
+
+    Args:
+        prefix: the clean input's prefix (at least ``start`` long; its keys before ``start`` are
+            shared by every variant).
+        variants: ``[variant, query.position + 1 - start]`` each variant's tokens at positions
+            ``start .. query.position`` (the query's own token last).
+        mean: ``[layer, head, d_head]`` the note's head means; with ``heads``, every variant is
+            read a second time with those heads mean-ablated at the decision token.
+    Returns:
+        ``[variant]`` float32 margins, and with ``heads`` ``[variant]`` the ablated margins
+        (else None).
+    """
+    n_var, n = variants.shape
+    if start + n != query.position + 1:
+        raise ValueError(f"variants cover positions {start}..{start + n - 1}, the query is at {query.position}")
+    g = runner.geometry
+    ablate = bool(heads) and mean is not None
+    tokens = torch.cat([variants, variants]) if ablate else variants
+    positions = torch.arange(start, query.position + 1, dtype=torch.long)
+    patches = []
+    if ablate:
+        mask = torch.zeros(tokens.shape[0], n, g.n_layers, g.n_heads, dtype=torch.bool, device=runner.device)
+        mask[n_var:, -1] = head_mask([list(heads)], g, device=runner.device)[0]
+        patches.append(Patch(mask=mask, values=mean))
+    with torch.no_grad(), hook.patch(*patches):
+        out = runner.forward(prefix, start, tokens, positions, rows="causal",
+                             logits_rows=torch.tensor([n - 1]))
+    m = margins_from_logits(out.logits[:, 0], query.target_id, query.competitor_ids).float().cpu()
+    return (m[:n_var], m[n_var:]) if ablate else (m, None)
+
+
+__all__ = ["FILLER_UNITS", "AlignedEdit", "aligned_edit", "code_shape", "written_like", "replacement_codes",
+           "filler_candidates", "refeed_margins"]

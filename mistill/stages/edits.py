@@ -1,0 +1,266 @@
+"""The ``trace_edit`` stage: does the contrastive decision depend on the earlier mention of the
+near-miss? (paper App. E, "Editing the earlier mention"; Tables 21-22).
+
+On an ``attribute`` run's notes (the teacher's, or a student's teacher-forced on the teacher's
+traces), at up to ``max_events`` seeded P2C events per note with an earlier mention of the
+near-miss, the most recent such mention is replaced by
+
+- ``neutral``: a non-code filler of the same token length (:data:`~mistill.instrument.edits.FILLER_UNITS`),
+- ``unrelated``: a code of the same written shape from another chapter,
+- ``other_category``: a code of the same shape from the same chapter, another category,
+
+each only where its tokens align with the mention's (:func:`~mistill.instrument.edits.aligned_edit`).
+The input is re-fed from the first changed token and the margin read at the original decision;
+the identity edit (the original tokens through the same path) is the reference, so an edit's
+``effect = margin(identity) - margin(replacement)`` (positive: the edit lowered the margin). The
+mediation set (the attribute run's top ``mediation_heads`` contrastive heads, or named) is
+mean-ablated at the decision token during a second read of every variant; the share it mediates
+is ``1 - effect_ablated / effect``.
+
+Table ``trace_edit`` (Table 21, the per-run half of Table 22): per replacement, events, mean and
+median effect, events up / down with the sign test, the median mediated share over events whose
+effect exceeds ``mediation_min_effect``; paired per event, neutral minus each code replacement
+(median, Wilcoxon and sign test).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from mistill.config import Config
+from mistill.errors import MistillInputError
+from mistill.params import ChunkParams
+from mistill.stages.common import RunReader
+from mistill.stages.runner import WrittenNotes, note_loop, notes_written, open_stage, stage_device
+from mistill.validation import (check_device, check_dtype, check_no_text_fields, check_non_negative, check_positive,
+                                check_run_id, check_seed)
+
+NOTES = "notes"
+REPLACEMENTS = ("neutral", "unrelated", "other_category")
+_HEADS = re.compile(r"^L\d+H\d+$")
+
+
+@dataclass(frozen=True)
+class TraceEditConfig(Config, ChunkParams):
+    """Edits of the earlier near-miss mention at contrastive events (App. E, Tables 21-22).
+
+    attribute_run: the ``attribute`` run whose notes, model and P2C ranking are used.
+    max_events: at most this many P2C events per note, seeded (the paper: 20).
+    mediation_heads: the mediation set: comma-separated head names, or empty for the top
+    ``n_mediation`` of the run's P2C ranking (**[recon]** for the teacher: the paper names its
+    loop-back pair by hand; for the students it takes their own top-2 contrastive heads).
+    mediation_min_effect: the mediated share is a median over events whose effect exceeds this
+    (the paper: half a nat).
+    max_tries: **[recon]** candidate replacements tried per kind before the event goes without one.
+    """
+
+    attribute_run: str = ""
+    max_events: int = 20
+    mediation_heads: str = ""
+    n_mediation: int = 2
+    mediation_min_effect: float = 0.5
+    max_tries: int = 64
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+
+    def validate(self) -> None:
+        check_no_text_fields(self)
+        check_run_id(self.attribute_run, "attribute_run")
+        for name in filter(None, (s.strip() for s in self.mediation_heads.split(","))):
+            if not _HEADS.match(name):
+                raise MistillInputError(f"mediation head {name!r} is not a head name like L30H11",
+                                        field="mediation_heads")
+        check_non_negative(self.max_events, "max_events")
+        check_non_negative(self.n_mediation, "n_mediation")
+        check_non_negative(self.mediation_min_effect, "mediation_min_effect")
+        check_positive(self.max_tries, "max_tries")
+        check_dtype(self.dtype)
+        check_device(self.device)
+        check_seed(self.seed)
+
+
+def mediation_set(cfg: TraceEditConfig, head_sets: dict, names: list[str]) -> list[int]:
+    """The flat heads ablated during the mediation reads."""
+    chosen = [s.strip() for s in cfg.mediation_heads.split(",") if s.strip()]
+    if not chosen:
+        chosen = list(head_sets.get("P2C", {}).get("ranking", []))[:cfg.n_mediation]
+    index = {n: i for i, n in enumerate(names)}
+    missing = [h for h in chosen if h not in index]
+    if missing:
+        raise MistillInputError(f"mediation heads {missing} are not heads of the model", field="mediation_heads")
+    return [index[h] for h in chosen]
+
+
+def edit_variants(ni, tokenize, r, codes: list[str], cfg: TraceEditConfig, note_id: str):
+    """The identity and the replacements of the most recent earlier near-miss mention at event
+    ``r``: ``{kind: (AlignedEdit, written replacement)}`` (kinds without an aligned candidate left
+    out) and the mention's token span."""
+    from mistill.distill.buckets import offsets_array, overlapping_tokens
+    from mistill.instrument.edits import aligned_edit, filler_candidates, replacement_codes
+    from mistill.instrument.passes import stable_seed
+
+    ev = r.event
+    s, e = max(ev.N)
+    mention = ni.trace[s:e]
+    hit = np.flatnonzero(overlapping_tokens(offsets_array(ni.offsets), [(s, e)], ni.prompt.trace_offset))
+    span = (int(hit.min()), int(hit.max()) + 1)
+    out = {}
+    for kind in REPLACEMENTS:
+        if kind == "neutral":
+            candidates = filler_candidates(len(mention))
+        else:
+            candidates = replacement_codes(kind, mention, ev.code, ev.near_miss, codes,
+                                           stable_seed(cfg.seed, note_id, ev.event_id, kind))
+        for cand in candidates[:cfg.max_tries]:
+            edited = tokenize(ni.prompt.full_text(ni.trace[:s] + cand + ni.trace[e:]))
+            al = aligned_edit(ni.input_ids, edited, span)
+            if al is not None and al.first <= al.last < r.position:
+                out[kind] = (al, cand)
+                break
+    return out, span
+
+
+def run_trace_edit(cfg: TraceEditConfig) -> str:
+    import torch
+
+    from mistill.instrument.hooks import HeadHook
+    from mistill.instrument.edits import refeed_margins
+    from mistill.instrument.runner import Runner
+    from mistill.instrument.passes import seeded_subset
+    from mistill.io import dumps
+    from mistill.models.loading import load_model
+    from mistill.stages.characterize import _events_input, attribute_notes, event_queries, read_realized
+    from mistill.stages.common import note_input
+
+    att = RunReader(cfg.attribute_run, field="attribute_run")
+    if att.tags.get("mistill.stage") != "attribute":
+        raise MistillInputError(f"run {cfg.attribute_run} is a {att.tags.get('mistill.stage')!r} run, not attribute",
+                                field="attribute_run")
+    ev = _events_input(att.config["events_run"])
+    prepared = ev.prepared
+    notes = attribute_notes(ev, att.config.get("split", ""))
+    head_sets = json.loads(att.file("head_sets.json").read_text())
+    with open_stage("trace_edit", cfg, prepared, inputs={"attribute": cfg.attribute_run}, model=ev.model) as run:
+        if run.reused:
+            return run.run_id
+        lm = load_model(ev.model, dtype=cfg.dtype, device=stage_device(cfg.device))
+        names = lm.geometry.head_names()
+        mediation = mediation_set(cfg, head_sets, names)
+        run.log_json("trace_edit_mediation.json", {"mediation_heads": [names[h] for h in mediation]})
+        runner, hook = Runner(lm, chunk_size=cfg.chunk_size), HeadHook(lm.geometry)
+        codes = list(prepared.inventory.codes)
+
+        def tokenize(text: str) -> torch.Tensor:
+            return torch.tensor(lm.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+        for note in note_loop(run, NOTES, notes, desc="trace edit"):
+            ni = note_input(note, prepared.inventory, lm.tokenizer,
+                            remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
+                            narrow_instruction=prepared.narrow_instruction)
+            picked = seeded_subset([r for r in read_realized(ev.reader, note.note_id)
+                                    if r.event.kind == "P2C" and r.event.N], cfg.max_events, cfg.seed,
+                                   note.note_id, "trace_edit")
+            rows = []
+            if picked:
+                queries = event_queries(picked, ni.input_ids)
+                with hook.accumulate_mean() as acc:
+                    prefix, clean = runner.prefill(ni.input_ids, logits_at=torch.tensor([r.position for r in picked]))
+                mean = acc.mean
+                for i, (r, eq) in enumerate(zip(picked, queries)):
+                    variants, span = edit_variants(ni, tokenize, r, codes, cfg, note.note_id)
+                    start = min([span[0]] + [al.first for al, _ in variants.values()])
+                    kinds = ["identity", *variants]
+                    tokens = torch.stack([ni.input_ids] + [al.input_ids for al, _ in variants.values()])
+                    margins, ablated = refeed_margins(runner, hook, prefix, start, tokens[:, start:r.position + 1],
+                                                      eq.query, mean=mean, heads=mediation)
+                    clean_m = float(clean[i, r.target_id] - torch.logsumexp(clean[i, list(r.competitor_ids)], 0))
+                    row = {"event_id": r.event.event_id, "mention_tokens": span[1] - span[0],
+                           "refed_tokens": r.position + 1 - start, "clean": clean_m}
+                    for j, kind in enumerate(kinds):
+                        row[kind] = float(margins[j])
+                        row[f"{kind}_ablated"] = float(ablated[j]) if ablated is not None else None
+                    for kind in REPLACEMENTS:
+                        row.setdefault(kind, None)
+                        row.setdefault(f"{kind}_ablated", None)
+                        row[f"{kind}_text"] = variants[kind][1] if kind in variants else None
+                    rows.append(row)
+                del prefix
+            run.write_note(NOTES, note.note_id, {"trace_edit.jsonl": "".join(dumps(r) + "\n" for r in rows)})
+        if not notes_written(run, NOTES, notes):
+            return run.run_id
+        reader = WrittenNotes(run, NOTES)
+        per_event = pd.DataFrame([{**row, "note_id": note.note_id} for note in notes
+                                  for row in reader.jsonl(note.note_id, "trace_edit.jsonl")])
+        table = trace_edit_table(per_event, cfg.mediation_min_effect)
+        run.log_table("trace_edit", table)
+        metrics = {"n_events": float(len(per_event))}
+        for _, row in table.iterrows():
+            for col in ("effect_mean", "effect_median", "sign_p", "mediated_median"):
+                if pd.notna(row.get(col)):
+                    metrics[f"trace_edit/{row['comparison']}/{col}"] = float(row[col])
+        run.log_metrics(metrics)
+        print(f"trace_edit: {len(notes)} notes, {len(per_event)} contrastive events -> run {run.run_id}")
+        return run.run_id
+
+
+def edit_effects(per_event: pd.DataFrame) -> pd.DataFrame:
+    """Per event and replacement: ``effect`` (identity minus replacement margin) and
+    ``effect_ablated`` (the same with the mediation set ablated); NaN where a kind is missing."""
+    out = pd.DataFrame(index=per_event.index)
+    for kind in REPLACEMENTS:
+        if kind not in per_event:
+            out[kind], out[f"{kind}_ablated"] = np.nan, np.nan
+            continue
+        out[kind] = per_event["identity"] - pd.to_numeric(per_event[kind], errors="coerce")
+        out[f"{kind}_ablated"] = (pd.to_numeric(per_event["identity_ablated"], errors="coerce")
+                                  - pd.to_numeric(per_event[f"{kind}_ablated"], errors="coerce"))
+    return out
+
+
+def trace_edit_table(per_event: pd.DataFrame, mediation_min_effect: float) -> pd.DataFrame:
+    """Table 21 from per-event rows: one row per replacement, then the paired comparisons."""
+    from mistill.stats import sign_test, wilcoxon_p
+
+    rows = []
+    cols = ["comparison", "n_events", "effect_mean", "effect_median", "n_positive", "n_negative", "sign_p",
+            "wilcoxon_p", "mediated_median", "n_mediated"]
+    if not len(per_event):
+        return pd.DataFrame(columns=cols)
+    eff = edit_effects(per_event)
+    for kind in REPLACEMENTS:
+        x = eff[kind].to_numpy(float)
+        ok = np.isfinite(x)
+        x_ok = x[ok]
+        big = ok & (x > mediation_min_effect)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mediated = 1.0 - eff[f"{kind}_ablated"].to_numpy(float)[big] / x[big]
+        mediated = mediated[np.isfinite(mediated)]
+        pos, neg = int((x_ok > 0).sum()), int((x_ok < 0).sum())
+        rows.append({"comparison": kind, "n_events": int(ok.sum()),
+                     "effect_mean": float(x_ok.mean()) if len(x_ok) else math.nan,
+                     "effect_median": float(np.median(x_ok)) if len(x_ok) else math.nan,
+                     "n_positive": pos, "n_negative": neg, "sign_p": sign_test(pos, neg) if pos + neg else math.nan,
+                     "wilcoxon_p": wilcoxon_p(x_ok) if len(x_ok) else math.nan,
+                     "mediated_median": float(np.median(mediated)) if len(mediated) else math.nan,
+                     "n_mediated": len(mediated)})
+    for other in REPLACEMENTS[1:]:
+        d = (eff["neutral"] - eff[other]).to_numpy(float)
+        d = d[np.isfinite(d)]
+        pos, neg = int((d > 0).sum()), int((d < 0).sum())
+        rows.append({"comparison": f"neutral_minus_{other}", "n_events": len(d),
+                     "effect_mean": float(d.mean()) if len(d) else math.nan,
+                     "effect_median": float(np.median(d)) if len(d) else math.nan,
+                     "n_positive": pos, "n_negative": neg, "sign_p": sign_test(pos, neg) if pos + neg else math.nan,
+                     "wilcoxon_p": wilcoxon_p(d) if len(d) else math.nan})
+    return pd.DataFrame(rows).reindex(columns=cols)
+
+
+__all__ = ["TraceEditConfig", "run_trace_edit", "REPLACEMENTS", "mediation_set", "edit_variants", "edit_effects",
+           "trace_edit_table"]
