@@ -12,7 +12,7 @@ from mistill.instrument.edits import (aligned_edit, code_shape, filler_candidate
                                       replacement_codes, written_like)
 from mistill.instrument.hooks import HeadHook
 from mistill.instrument.passes import prefill_note
-from mistill.instrument.patching import Query, margins_from_logits, mean_ablate, clean_read
+from mistill.instrument.patching import Query, clean_read, margins_from_logits, mean_ablate
 from mistill.instrument.runner import Runner
 from mistill.models.loading import tiny_model
 from model_fixtures import sharpen

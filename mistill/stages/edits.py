@@ -130,10 +130,10 @@ def edit_variants(ni, tokenize, r, codes: list[str], cfg: TraceEditConfig, note_
 def run_trace_edit(cfg: TraceEditConfig) -> str:
     import torch
 
-    from mistill.instrument.hooks import HeadHook
     from mistill.instrument.edits import refeed_margins
-    from mistill.instrument.runner import Runner
+    from mistill.instrument.hooks import HeadHook
     from mistill.instrument.passes import seeded_subset
+    from mistill.instrument.runner import Runner
     from mistill.io import dumps
     from mistill.models.loading import load_model
     from mistill.stages.characterize import _events_input, attribute_notes, event_queries, read_realized
