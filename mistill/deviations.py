@@ -280,6 +280,9 @@ DEVIATIONS: tuple[Deviation, ...] = (
     _D("trace-edit candidates", "App. E, Table 21", "a replacement of the same token length",
        "at most 64 candidate fillers or codes tried per kind and event; the event goes without that kind when "
        "none aligns token for token", "TraceEditConfig.max_tries", "bounds the tokenizations per event", 64),
+    _D("note-edit fillers", "App. E, Table 23", "a token-length-matched filler for every occurrence",
+       "at most 64 fillers tried per word; the variant goes without when a word finds none that keeps the "
+       "whole edit aligned token for token", "NoteEditConfig.max_tries", "bounds the tokenizations per event", 64),
     _D("Table 50 direction", "App. M, Table 50",
        "pre-registered expectations marked met or not",
        "direction only (higher / lower / level) at a paired sign-test alpha of 0.05",
@@ -288,6 +291,13 @@ DEVIATIONS: tuple[Deviation, ...] = (
 """One entry per row of ``docs/DEVIATIONS.md``'s table."""
 
 CONVENTIONS: tuple[Convention, ...] = (
+    Convention("description words", "App. E, Table 23",
+               "a word is a run of three or more letters, lower-cased; English function words and the "
+               "inventory's generic qualifiers (other, unspecified, specified, site, type) never count; the "
+               "matched controls draw as many distinct words as the code has distinguishing words, seeded per "
+               "event, and replace every occurrence of each",
+               "mistill.instrument.edits.STOPWORDS",
+               "the paper's unit is the word of lower-cased running text; it does not list what a content word is"),
     Convention("edit fillers and replacement codes", "App. E, Tables 21 and 23",
                "fillers: '-', 'x', '=', '~', '*', '_' (each also after a space) repeated until the tokens are as "
                "many as the replaced text's; replacement codes: inventory codes written in the mention's shape "

@@ -72,12 +72,12 @@ def test_aligned_edits_and_their_refusals():
     a = torch.arange(20)
     b = a.clone()
     b[8:10] = torch.tensor([100, 101])
-    al = aligned_edit(a, b, (8, 10))
+    al = aligned_edit(a, b, [(8, 10)])
     assert al is not None and (al.first, al.last) == (8, 9) and torch.equal(al.input_ids, b)
-    assert aligned_edit(a, b, (9, 10)) is not None  # one token of slack for a merge at the boundary
-    assert aligned_edit(a, b, (10, 12)) is None  # a change outside the mention
-    assert aligned_edit(a, torch.arange(21), (8, 10)) is None  # a token more: later positions shift
-    same = aligned_edit(a, a.clone(), (8, 10))
+    assert aligned_edit(a, b, [(9, 10)]) is not None  # one token of slack for a merge at the boundary
+    assert aligned_edit(a, b, [(10, 12)]) is None  # a change outside the mention
+    assert aligned_edit(a, torch.arange(21), [(8, 10)]) is None  # a token more: later positions shift
+    same = aligned_edit(a, a.clone(), [(8, 10)])
     assert same is not None and same.first > same.last
 
 
@@ -141,3 +141,77 @@ def test_trace_edit_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned
                      and (tmp_path / "m" / "trace_edit_mediation.json").read_text())
     assert len(med["mediation_heads"]) == 2
     assert run_trace_edit(cfg) == run_id
+
+
+def test_words_and_spans():
+    from mistill.instrument.edits import content_words, replace_spans, word_spans
+
+    assert content_words("Chronic kidney disease, stage 5 of the other type") == {"chronic", "kidney", "disease",
+                                                                                "stage"}
+    text = "xx Kidney kidneys kidney. kidney"
+    assert word_spans(text, "kidney", (0, len(text))) == [(3, 9), (18, 24), (26, 32)]
+    assert word_spans(text, "kidney", (4, 30)) == [(18, 24)]  # whole occurrences inside the region only
+    assert replace_spans(text, [((18, 24), "--"), ((3, 9), "=")]) == "xx = kidneys --. kidney"
+    with pytest.raises(ValueError, match="overlapping"):
+        replace_spans(text, [((3, 9), "a"), ((5, 7), "b")])
+
+
+def test_description_word_sets():
+    from mistill.data.inventory import Inventory
+    from mistill.stages.edits import DescriptionWords
+
+    inv = Inventory.billable(codes=["N18.5", "N18.6", "N17.0", "E11.9", "I10"])
+    words = DescriptionWords.of(inv)
+    own, sib = words.by_code["N18.5"], words.by_code["N18.6"]
+    note = own | sib | words.by_code["E11.9"] | words.by_code["I10"] | {"ambulating", "afebrile", "tolerated"}
+    sets = words.word_sets("N18.5", "N18.6", note, seed=0)
+    assert set(sets["code_words"]) == (own - sib) and set(sets["sibling_words"]) == (sib - own)
+    k = len(sets["code_words"])
+    chapter_n = words.by_chapter["N"]
+    if "other_chapter_words" in sets:
+        assert len(sets["other_chapter_words"]) == k and not set(sets["other_chapter_words"]) & chapter_n
+    assert len(sets["no_description_words"]) == k
+    assert set(sets["no_description_words"]) <= {"ambulating", "afebrile", "tolerated"}
+    assert sets == words.word_sets("N18.5", "N18.6", note, seed=0)  # seeded
+    assert "code_words" not in words.word_sets("N18.5", "N18.6", {"ambulating"}, seed=0)
+
+
+def test_note_edit_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_code_version):
+    """events -> attribute -> note_edit on a tiny model against the real tracking server: every
+    qualifying event has the identity re-feed at the clean margin and its variants' words counted
+    (never their text), Table 23 is logged, and no note word reaches the run's files."""
+    import json
+
+    import pandas as pd
+    from mlflow.tracking import MlflowClient
+
+    from mistill.stages.characterize import AttributeConfig, EventsConfig, run_attribute, run_events
+    from mistill.stages.edits import NOTE_VARIANTS, NoteEditConfig, run_note_edit
+    from mistill.stages.prepare import PrepareConfig, run_prepare
+    from stage_fixtures import TINY, unique
+
+    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path))
+    prep = run_prepare(PrepareConfig(corpus="synthetic", corpus_name=unique("ne"), n_notes=3, model=TINY))
+    events = run_events(EventsConfig(prepare_run=prep, model=TINY, n_null=4))
+    attribute = run_attribute(AttributeConfig(events_run=events, selftest_events=0, stability_splits=5))
+    cfg = NoteEditConfig(attribute_run=attribute, max_events=4)
+    run_id = run_note_edit(cfg)
+    client = MlflowClient()
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["mistill.stage"] == "note_edit"
+    rows = []
+    for d in sorted((tmp_path / "work" / run_id / "notes").iterdir()):
+        text = (d / "note_edit.jsonl").read_text()
+        rows += [json.loads(line) for line in text.splitlines()]
+    df = pd.DataFrame(rows)
+    q = df[df["qualifies"]]
+    assert len(q) > 0 and (q["code_words_words"] > 0).all()
+    assert float((q["identity"] - q["clean"]).abs().max()) < 1e-4
+    assert q["code_words"].notna().any()
+    assert all(isinstance(v, (int, float, str, bool)) or v is None for r in rows for k, v in r.items()
+               if k != "event_id")
+    table = pd.read_csv(client.download_artifacts(run_id, "note_edit.csv", str(tmp_path / "t")))
+    assert list(table["comparison"])[:4] == list(NOTE_VARIANTS)
+    assert table.set_index("comparison").loc["code_words", "n_events"] == int(q["code_words"].notna().sum())
+    assert run.data.metrics["note_edit/n_qualifying"] == len(q)
+    assert run_note_edit(cfg) == run_id

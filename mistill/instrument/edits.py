@@ -43,23 +43,59 @@ class AlignedEdit:
     last: int
 
 
-def aligned_edit(original: torch.Tensor, edited: torch.Tensor, span: tuple[int, int], *,
+def aligned_edit(original: torch.Tensor, edited: torch.Tensor, spans: Sequence[tuple[int, int]], *,
                  slack: int = 1) -> AlignedEdit | None:
     """The edited tokens when they align with the original's, else None.
 
     They align when the two have the same length and every changed token lies within ``slack``
-    tokens of ``span`` (``[start, end)`` token positions of the replaced characters): the edit
-    changes only its own tokens, so every later position means what it meant.
+    tokens of one of ``spans`` (``[start, end)`` token positions of the replaced characters in
+    the original): the edit changes only its own tokens, so every other position means what it
+    meant.
     """
     if edited.numel() != original.numel():
         return None
     diff = (edited != original).nonzero().flatten()
     if not diff.numel():
         return AlignedEdit(edited, int(original.numel()), -1)
-    first, last = int(diff[0]), int(diff[-1])
-    if first < span[0] - slack or last >= span[1] + slack:
+    allowed = torch.zeros(original.numel(), dtype=torch.bool)
+    for a, b in spans:
+        allowed[max(0, a - slack):b + slack] = True
+    if not bool(allowed[diff].all()):
         return None
-    return AlignedEdit(edited, first, last)
+    return AlignedEdit(edited, int(diff[0]), int(diff[-1]))
+
+
+STOPWORDS: frozenset[str] = frozenset(
+    "and are but for from has had have her his its not nor of off our out she than that the their them then there "
+    "these they this those too was were what when where which while who whom why with without you your due other "
+    "unspecified specified site type use used any all being into onto over under upon".split())
+"""**[recon]** Words never counted as description words: English function words and the
+inventory's generic qualifiers ("other", "unspecified", "specified", "site", "type")."""
+
+_WORD = re.compile(r"[a-z]{3,}")
+
+
+def content_words(text: str) -> set[str]:
+    """The lower-cased words of three letters or more in ``text``, :data:`STOPWORDS` left out."""
+    return {w for w in _WORD.findall(text.lower()) if w not in STOPWORDS}
+
+
+def word_spans(text: str, word: str, region: tuple[int, int]) -> list[tuple[int, int]]:
+    """Character spans of every whole-word, case-insensitive occurrence of ``word`` within
+    ``text[region[0]:region[1]]`` (spans in ``text``)."""
+    pattern = re.compile(rf"(?<![A-Za-z0-9]){re.escape(word)}(?![A-Za-z0-9])", re.IGNORECASE)
+    return [(m.start(), m.end()) for m in pattern.finditer(text, region[0], region[1])]
+
+
+def replace_spans(text: str, replacements: Sequence[tuple[tuple[int, int], str]]) -> str:
+    """``text`` with each ``(span, replacement)`` applied (spans in ``text``, not overlapping)."""
+    out, at = [], 0
+    for (a, b), new in sorted(replacements):
+        if a < at:
+            raise ValueError(f"overlapping spans at {a}")
+        out += [text[at:a], new]
+        at = b
+    return "".join(out) + text[at:]
 
 
 def code_shape(text: str) -> str:
@@ -135,5 +171,5 @@ def refeed_margins(runner: Runner, hook: HeadHook, prefix: KVPrefix, start: int,
     return (m[:n_var], m[n_var:]) if ablate else (m, None)
 
 
-__all__ = ["FILLER_UNITS", "AlignedEdit", "aligned_edit", "code_shape", "written_like", "replacement_codes",
-           "filler_candidates", "refeed_margins"]
+__all__ = ["FILLER_UNITS", "STOPWORDS", "AlignedEdit", "aligned_edit", "code_shape", "written_like",
+           "replacement_codes", "filler_candidates", "refeed_margins", "content_words", "word_spans", "replace_spans"]

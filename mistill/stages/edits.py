@@ -43,6 +43,9 @@ from mistill.validation import (check_device, check_dtype, check_no_text_fields,
 
 NOTES = "notes"
 REPLACEMENTS = ("neutral", "unrelated", "other_category")
+NOTE_VARIANTS = ("code_words", "sibling_words", "other_chapter_words", "no_description_words")
+EDITED_EVENTS = "edited_P2C_events"
+"""The seed part of the P2C events both edits draw: at one seed, trace and note edits read the same events."""
 _HEADS = re.compile(r"^L\d+H\d+$")
 
 
@@ -120,7 +123,7 @@ def edit_variants(ni, tokenize, r, codes: list[str], cfg: TraceEditConfig, note_
                                            stable_seed(cfg.seed, note_id, ev.event_id, kind))
         for cand in candidates[:cfg.max_tries]:
             edited = tokenize(ni.prompt.full_text(ni.trace[:s] + cand + ni.trace[e:]))
-            al = aligned_edit(ni.input_ids, edited, span)
+            al = aligned_edit(ni.input_ids, edited, [span])
             if al is not None and al.first <= al.last < r.position:
                 out[kind] = (al, cand)
                 break
@@ -166,7 +169,7 @@ def run_trace_edit(cfg: TraceEditConfig) -> str:
                             narrow_instruction=prepared.narrow_instruction)
             picked = seeded_subset([r for r in read_realized(ev.reader, note.note_id)
                                     if r.event.kind == "P2C" and r.event.N], cfg.max_events, cfg.seed,
-                                   note.note_id, "trace_edit")
+                                   note.note_id, EDITED_EVENTS)
             rows = []
             if picked:
                 queries = event_queries(picked, ni.input_ids)
@@ -262,5 +265,220 @@ def trace_edit_table(per_event: pd.DataFrame, mediation_min_effect: float) -> pd
     return pd.DataFrame(rows).reindex(columns=cols)
 
 
+@dataclass(frozen=True)
+class NoteEditConfig(Config, ChunkParams):
+    """Edits of the note's words at contrastive events (App. E, "Editing the note"; Table 23).
+
+    attribute_run: the ``attribute`` run whose notes, model and events are used.
+    max_events: at most this many P2C events with an earlier near-miss mention per note, seeded
+    (the same draw as ``trace_edit``'s at the same seed); events whose code has no
+    distinguishing description word in the note are counted and left out.
+    max_tries: **[recon]** fillers tried per word before the variant goes without.
+    """
+
+    attribute_run: str = ""
+    max_events: int = 20
+    max_tries: int = 64
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+
+    def validate(self) -> None:
+        check_no_text_fields(self)
+        check_run_id(self.attribute_run, "attribute_run")
+        check_non_negative(self.max_events, "max_events")
+        check_positive(self.max_tries, "max_tries")
+        check_dtype(self.dtype)
+        check_device(self.device)
+        check_seed(self.seed)
+
+
+@dataclass(frozen=True)
+class DescriptionWords:
+    """The inventory's description words, by code and by chapter (:func:`~mistill.instrument.edits.content_words`)."""
+
+    by_code: dict[str, set[str]]
+    by_chapter: dict[str, set[str]]
+
+    @classmethod
+    def of(cls, inventory) -> DescriptionWords:
+        from mistill.data.inventory import chapter_letter
+        from mistill.instrument.edits import content_words
+
+        by_code = {c: content_words(inventory.description(c)) for c in inventory.codes}
+        by_chapter: dict[str, set[str]] = {}
+        for c, words in by_code.items():
+            by_chapter.setdefault(chapter_letter(c), set()).update(words)
+        return cls(by_code, by_chapter)
+
+    def word_sets(self, code: str, near_miss: str, note_words: set[str], seed: int) -> dict[str, list[str]]:
+        """The words each note variant replaces at an event emitting ``code`` against ``near_miss``:
+        ``code_words`` (in the code's description, not the near-miss's, and in the note),
+        ``sibling_words`` (the reverse), and as many as ``code_words`` of ``other_chapter_words``
+        (note words only in other chapters' descriptions) and ``no_description_words`` (note words
+        in no description), drawn with ``seed``; a control with too few words is left out."""
+        from mistill.data.inventory import chapter_letter
+
+        own, sib = self.by_code.get(code, set()), self.by_code.get(near_miss, set())
+        out = {"code_words": sorted((own - sib) & note_words), "sibling_words": sorted((sib - own) & note_words)}
+        k = len(out["code_words"])
+        chapter = self.by_chapter.get(chapter_letter(code), set())
+        everywhere = set().union(*self.by_chapter.values())
+        pools = {"other_chapter_words": sorted((everywhere - chapter) & note_words),
+                 "no_description_words": sorted(note_words - everywhere)}
+        rng = np.random.default_rng(seed)
+        for name, pool in pools.items():
+            if k and len(pool) >= k:
+                out[name] = sorted(pool[i] for i in rng.choice(len(pool), k, replace=False))
+        return {name: words for name, words in out.items() if words}
+
+
+def note_word_edit(ni, tokenize, words: list[str], max_tries: int):
+    """Every occurrence of ``words`` in the note replaced by fillers of the same token length, one
+    filler per word (:func:`~mistill.instrument.edits.filler_candidates`), each accepted only when
+    the whole edit still aligns token for token: the edit, or None when a word finds no filler."""
+    from mistill.distill.buckets import offsets_array, overlapping_tokens
+    from mistill.instrument.edits import aligned_edit, filler_candidates, replace_spans, word_spans
+
+    full = ni.full_text
+    region = ni.prompt.span_in_text("note")
+    offs = offsets_array(ni.offsets)
+    done: list[tuple[tuple[int, int], str]] = []
+    token_spans: list[tuple[int, int]] = []
+    edit = None
+    for word in words:
+        spans = word_spans(full, word, region)
+        hit = [np.flatnonzero(overlapping_tokens(offs, [sp], 0)) for sp in spans]
+        mine = token_spans + [(int(h.min()), int(h.max()) + 1) for h in hit if len(h)]
+        for cand in filler_candidates(len(word))[:max_tries]:
+            tried = done + [(sp, cand) for sp in spans]
+            al = aligned_edit(ni.input_ids, tokenize(replace_spans(full, tried)), mine)
+            if al is not None:
+                done, token_spans, edit = tried, mine, al
+                break
+        else:
+            return None
+    return edit
+
+
+def run_note_edit(cfg: NoteEditConfig) -> str:
+    import torch
+
+    from mistill.instrument.edits import content_words, refeed_margins
+    from mistill.instrument.hooks import HeadHook
+    from mistill.instrument.passes import seeded_subset, stable_seed
+    from mistill.instrument.runner import Runner
+    from mistill.io import dumps
+    from mistill.models.loading import load_model
+    from mistill.stages.characterize import _events_input, attribute_notes, event_queries, read_realized
+    from mistill.stages.common import note_input
+
+    att = RunReader(cfg.attribute_run, field="attribute_run")
+    if att.tags.get("mistill.stage") != "attribute":
+        raise MistillInputError(f"run {cfg.attribute_run} is a {att.tags.get('mistill.stage')!r} run, not attribute",
+                                field="attribute_run")
+    ev = _events_input(att.config["events_run"])
+    prepared = ev.prepared
+    notes = attribute_notes(ev, att.config.get("split", ""))
+    words = DescriptionWords.of(prepared.inventory)
+    with open_stage("note_edit", cfg, prepared, inputs={"attribute": cfg.attribute_run}, model=ev.model) as run:
+        if run.reused:
+            return run.run_id
+        lm = load_model(ev.model, dtype=cfg.dtype, device=stage_device(cfg.device))
+        runner, hook = Runner(lm, chunk_size=cfg.chunk_size), HeadHook(lm.geometry)
+
+        def tokenize(text: str) -> torch.Tensor:
+            return torch.tensor(lm.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+        for note in note_loop(run, NOTES, notes, desc="note edit"):
+            ni = note_input(note, prepared.inventory, lm.tokenizer,
+                            remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
+                            narrow_instruction=prepared.narrow_instruction)
+            picked = seeded_subset([r for r in read_realized(ev.reader, note.note_id)
+                                    if r.event.kind == "P2C" and r.event.N], cfg.max_events, cfg.seed,
+                                   note.note_id, EDITED_EVENTS)
+            note_words = content_words(ni.prompt.part("note"))
+            rows, prefix, clean = [], None, None
+            for i, (r, eq) in enumerate(zip(picked, event_queries(picked, ni.input_ids))):
+                sets = words.word_sets(r.event.code, r.event.near_miss, note_words,
+                                       stable_seed(cfg.seed, note.note_id, r.event.event_id, "note_words"))
+                row: dict = {"event_id": r.event.event_id, "qualifies": "code_words" in sets}
+                if row["qualifies"]:
+                    edits = {}
+                    for name in NOTE_VARIANTS:
+                        if name in sets:
+                            al = note_word_edit(ni, tokenize, sets[name], cfg.max_tries)
+                            if al is not None and al.first <= al.last < r.position:
+                                edits[name] = al
+                        row[f"{name}_words"] = len(sets.get(name, []))
+                    if prefix is None:
+                        prefix, clean = runner.prefill(ni.input_ids, logits_at=torch.tensor([x.position for x in picked]))
+                    start = min([al.first for al in edits.values()], default=r.position)
+                    tokens = torch.stack([ni.input_ids] + [al.input_ids for al in edits.values()])
+                    margins, _ = refeed_margins(runner, hook, prefix, start, tokens[:, start:r.position + 1], eq.query)
+                    row["clean"] = float(clean[i, r.target_id] - torch.logsumexp(clean[i, list(r.competitor_ids)], 0))
+                    row["refed_tokens"] = r.position + 1 - start
+                    row["identity"] = float(margins[0])
+                    for j, name in enumerate(edits, start=1):
+                        row[name] = float(margins[j])
+                rows.append(row)
+            del prefix
+            run.write_note(NOTES, note.note_id, {"note_edit.jsonl": "".join(dumps(r) + "\n" for r in rows)})
+        if not notes_written(run, NOTES, notes):
+            return run.run_id
+        reader = WrittenNotes(run, NOTES)
+        per_event = pd.DataFrame([{**row, "note_id": note.note_id} for note in notes
+                                  for row in reader.jsonl(note.note_id, "note_edit.jsonl")])
+        table = note_edit_table(per_event, seed=cfg.seed)
+        run.log_table("note_edit", table)
+        n_all = len(per_event)
+        n_q = int(per_event["qualifies"].sum()) if n_all else 0
+        metrics = {"note_edit/n_events": float(n_all), "note_edit/n_qualifying": float(n_q)}
+        for _, row in table.iterrows():
+            for col in ("effect_mean", "effect_median", "sign_p"):
+                if pd.notna(row.get(col)):
+                    metrics[f"note_edit/{row['comparison']}/{col}"] = float(row[col])
+        run.log_metrics(metrics)
+        print(f"note_edit: {len(notes)} notes, {n_q} of {n_all} contrastive events with a distinguishing word "
+              f"in the note -> run {run.run_id}")
+        return run.run_id
+
+
+def note_edit_table(per_event: pd.DataFrame, *, seed: int = 0) -> pd.DataFrame:
+    """Table 23 from per-event rows: per variant the effect (identity minus variant margin) over
+    qualifying events; then per note the mean effect of ``code_words`` minus each control (mean with
+    its bootstrap interval, notes higher / lower, sign test)."""
+    from mistill.stats import difference_tests, sign_test
+
+    cols = ["comparison", "n_events", "n_notes", "effect_mean", "effect_median", "ci_low", "ci_high",
+            "n_positive", "n_negative", "sign_p"]
+    if not len(per_event) or not per_event["qualifies"].any():
+        return pd.DataFrame(columns=cols)
+    q = per_event[per_event["qualifies"]]
+    eff = pd.DataFrame({name: q["identity"] - pd.to_numeric(q[name], errors="coerce") if name in q else np.nan
+                        for name in NOTE_VARIANTS})
+    eff["note_id"] = q["note_id"].to_numpy()
+    rows = []
+    for name in NOTE_VARIANTS:
+        x = eff[name].to_numpy(float)
+        x = x[np.isfinite(x)]
+        pos, neg = int((x > 0).sum()), int((x < 0).sum())
+        rows.append({"comparison": name, "n_events": len(x), "n_notes": int(eff.loc[eff[name].notna(), "note_id"].nunique()),
+                     "effect_mean": float(x.mean()) if len(x) else math.nan,
+                     "effect_median": float(np.median(x)) if len(x) else math.nan,
+                     "n_positive": pos, "n_negative": neg, "sign_p": sign_test(pos, neg) if pos + neg else math.nan})
+    for control in ("other_chapter_words", "no_description_words", "sibling_words"):
+        d = (eff["code_words"] - eff[control]).groupby(eff["note_id"], sort=True).mean().dropna()
+        row = {"comparison": f"code_words_minus_{control}", "n_events": int((eff["code_words"] - eff[control]).notna().sum()),
+               "n_notes": len(d)}
+        if len(d):
+            t = difference_tests(d.to_numpy(), seed=seed)
+            row.update({"effect_mean": t.mean_diff, "effect_median": t.median_diff, "ci_low": t.ci_low,
+                        "ci_high": t.ci_high, "n_positive": t.n_higher, "n_negative": t.n_lower, "sign_p": t.sign_p})
+        rows.append(row)
+    return pd.DataFrame(rows).reindex(columns=cols)
+
+
 __all__ = ["TraceEditConfig", "run_trace_edit", "REPLACEMENTS", "mediation_set", "edit_variants", "edit_effects",
-           "trace_edit_table"]
+           "trace_edit_table", "NoteEditConfig", "run_note_edit", "NOTE_VARIANTS", "DescriptionWords",
+           "note_word_edit", "note_edit_table"]

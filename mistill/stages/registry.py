@@ -117,6 +117,9 @@ _TABLE = (
     _Entry("trace_edit", "mistill.stages.edits", "TraceEditConfig", "run_trace_edit", {"attribute": "attribute_run"},
            "the earlier near-miss mention replaced by a filler or another code at contrastive events, the margin "
            "re-read at the decision, mediation by the top contrastive heads (Tables 21-22)", shardable=True),
+    _Entry("note_edit", "mistill.stages.edits", "NoteEditConfig", "run_note_edit", {"attribute": "attribute_run"},
+           "the note's words that distinguish the emitted code from its sibling replaced by fillers, against "
+           "matched control words, the margin re-read at contrastive decisions (Table 23)", shardable=True),
     _Entry("locus", "mistill.stages.locus", "LocusStageConfig", "run_locus", {"attribute": "attribute_run"},
            "the forcing probe's locus per chapter mention, the prose-time set, passes A/B, "
            "follow-through and residual swap", shardable=True),
