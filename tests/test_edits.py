@@ -215,3 +215,16 @@ def test_note_edit_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_
     assert table.set_index("comparison").loc["code_words", "n_events"] == int(q["code_words"].notna().sum())
     assert run.data.metrics["note_edit/n_qualifying"] == len(q)
     assert run_note_edit(cfg) == run_id
+
+
+def test_refeed_leaves_the_prefix_as_it_was(setup):
+    lm, runner, hook, ids, prefix, mean, q = setup
+    keys = [k.clone() for k in prefix.keys]
+    values = [v.clone() for v in prefix.values]
+    length, written = prefix.length, prefix.written
+    edited = ids.clone()
+    edited[20:23] = torch.tensor([7, 8, 9])
+    refeed_margins(runner, hook, prefix, 20, torch.stack([ids, edited])[:, 20:Q + 1], q, mean=mean, heads=[1])
+    assert (prefix.length, prefix.written) == (length, written)
+    assert all(torch.equal(a, b) for a, b in zip(keys, prefix.keys))
+    assert all(torch.equal(a, b) for a, b in zip(values, prefix.values))

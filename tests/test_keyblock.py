@@ -183,3 +183,23 @@ def test_key_block_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_
                 per_note.append([z["shares"][ev][:, col[h], n_cat].mean() for h in panel["top_P2C"]])
     best = panel["top_P2C"][int(np.argmax(np.median(per_note, axis=0)))]
     assert chosen == [(best, "N"), (best, "near_miss_line")]
+
+
+def test_rows_read_off_the_prefix_equal_eager_attention(setup):
+    """The read side's capture (queries from one forward of the events' rows, keys from the
+    prefix) gives eager attention's rows for every head, NoPE layers included."""
+    from mistill.instrument.readside import head_attention_rows, prefix_attention_rows
+
+    lm, runner, hook, ids, prefix, q, clean = setup
+    g = lm.geometry
+    positions = [5, 17, 33, 39]
+    heads = list(range(g.n_total_heads))[::-1]  # any order
+    rows = prefix_attention_rows(runner, prefix, positions, heads)
+    with torch.no_grad():
+        eager = lm.model(ids[None], output_attentions=True).attentions
+    assert rows.shape == (len(positions), len(heads), N_POS)
+    for j, head in enumerate(heads):
+        layer, h = divmod(head, g.n_heads)
+        torch.testing.assert_close(rows[:, j], eager[layer][0, h, positions], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(rows, head_attention_rows(lm, ids, positions, heads), atol=1e-6, rtol=1e-5)
+    assert float(rows.max()) > 0.5  # sharp rows: the comparison has teeth

@@ -23,7 +23,7 @@ import torch
 from mistill.data.inventory import category, chapter_letter
 from mistill.instrument.hooks import HeadHook, Patch, head_mask
 from mistill.instrument.patching import Query, margins_from_logits
-from mistill.instrument.runner import KVPrefix, Runner
+from mistill.instrument.runner import NO_ROWS, KVPrefix, Runner
 
 FILLER_UNITS: tuple[str, ...] = ("-", " -", "x", " x", "=", " =", "~", " ~", "*", " *", "_", " _")
 """**[recon]** The non-code fillers tried, in order, each repeated until its tokens are as many
@@ -141,34 +141,49 @@ def refeed_margins(runner: Runner, hook: HeadHook, prefix: KVPrefix, start: int,
                        torch.Tensor, torch.Tensor | None]:
     """Margins at the decision with each variant's tokens re-fed from ``start``.
 
+    Each variant's tokens before the decision run as one causal forward against
+    ``prefix[:start]`` that writes their keys and values over ``[start, query.position)``
+    (inside :meth:`KVPrefix.overwritten`, which restores the note's afterwards); the decision
+    token is then read as a row against them, and, with ``heads``, as a second row of the same
+    forward with those heads mean-ablated there (the rows before the decision are the same with
+    or without the ablation, so they run once).
+
     Args:
-        prefix: the clean input's prefix (at least ``start`` long; its keys before ``start`` are
-            shared by every variant).
+        prefix: the clean input's prefix, at least ``query.position`` long (its keys before
+            ``start`` are shared by every variant).
         variants: ``[variant, query.position + 1 - start]`` each variant's tokens at positions
             ``start .. query.position`` (the query's own token last).
-        mean: ``[layer, head, d_head]`` the note's head means; with ``heads``, every variant is
-            read a second time with those heads mean-ablated at the decision token.
+        mean: ``[layer, head, d_head]`` the note's head means, for ``heads``.
     Returns:
         ``[variant]`` float32 margins, and with ``heads`` ``[variant]`` the ablated margins
         (else None).
     """
     n_var, n = variants.shape
-    if start + n != query.position + 1:
-        raise ValueError(f"variants cover positions {start}..{start + n - 1}, the query is at {query.position}")
+    q = query.position
+    if start + n != q + 1:
+        raise ValueError(f"variants cover positions {start}..{start + n - 1}, the query is at {q}")
+    if q > prefix.length:
+        raise ValueError(f"the query at {q} lies beyond the prefix ({prefix.length})")
     g = runner.geometry
     ablate = bool(heads) and mean is not None
-    tokens = torch.cat([variants, variants]) if ablate else variants
-    positions = torch.arange(start, query.position + 1, dtype=torch.long)
+    n_rows = 2 if ablate else 1
     patches = []
     if ablate:
-        mask = torch.zeros(tokens.shape[0], n, g.n_layers, g.n_heads, dtype=torch.bool, device=runner.device)
-        mask[n_var:, -1] = head_mask([list(heads)], g, device=runner.device)[0]
+        mask = torch.zeros(n_rows, g.n_layers, g.n_heads, dtype=torch.bool, device=runner.device)
+        mask[1] = head_mask([list(heads)], g, device=runner.device)[0]
         patches.append(Patch(mask=mask, values=mean))
-    with torch.no_grad(), hook.patch(*patches):
-        out = runner.forward(prefix, start, tokens, positions, rows="causal",
-                             logits_rows=torch.tensor([n - 1]))
-    m = margins_from_logits(out.logits[:, 0], query.target_id, query.competitor_ids).float().cpu()
-    return (m[:n_var], m[n_var:]) if ablate else (m, None)
+    out = torch.empty(n_var, n_rows, dtype=torch.float32)
+    before = torch.arange(start, q, dtype=torch.long)
+    with torch.no_grad(), prefix.overwritten(start, q):
+        for v in range(n_var):
+            if n > 1:
+                runner.forward(prefix, start, variants[v:v + 1, :n - 1], before, rows="causal",
+                               logits_rows=NO_ROWS, write_prefix=True)
+            with hook.patch(*patches):
+                res = runner.forward(prefix, q, variants[v, -1].view(1, 1).expand(1, n_rows),
+                                     torch.full((n_rows,), q, dtype=torch.long), rows="own")
+            out[v] = margins_from_logits(res.logits[0], query.target_id, query.competitor_ids).float().cpu()
+    return (out[:, 0], out[:, 1]) if ablate else (out[:, 0], None)
 
 
 __all__ = ["FILLER_UNITS", "STOPWORDS", "AlignedEdit", "aligned_edit", "code_shape", "written_like",

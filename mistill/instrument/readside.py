@@ -35,9 +35,10 @@ from mistill.distill.attention_rows import LayerInputs, layer_keys
 from mistill.distill.buckets import BucketAxis, bucketize
 from mistill.errors import MistillInputError
 from mistill.instrument.events import Event
+from mistill.instrument.runner import NO_ROWS, KVPrefix, Runner
 from mistill.models.loading import LoadedModel
 
-__all__ = ["head_attention_rows", "chapter_region", "line_buckets", "token_counts", "region_lift",
+__all__ = ["head_attention_rows", "prefix_attention_rows", "chapter_region", "line_buckets", "token_counts", "region_lift",
            "slot_share", "note_region_lift", "note_share", "event_chapter", "bucket_rows"]
 
 
@@ -72,6 +73,59 @@ def head_attention_rows(lm: LoadedModel, input_ids: torch.Tensor, positions: Seq
             keys = layer_keys(g.layers[layer], g, kept[layer][0], sorted(set(within)), pos_ids)
             probs = keys.rows(rows, within)  # [row, h_layer, pos]
             out[:, cols] = probs.float().cpu()
+    return out
+
+
+@torch.no_grad()
+def prefix_attention_rows(runner: Runner, prefix: KVPrefix, positions: Sequence[int],
+                          heads: Sequence[int]) -> torch.Tensor:
+    """:func:`head_attention_rows` read off a note's prefix: the same ``[row, h, pos]`` float32,
+    on the runner's device (the read side reduces them there).
+
+    The keys are the prefix's (the prefill stored them normed and rotated); the queries come
+    from the residual stream entering each head's layer at the event positions, which one
+    forward of the events' tokens as rows against the prefix gives (each row sees the prefix up
+    to its own position, ``row_prefix_len``). Nothing the size of the note is kept beyond the
+    prefix every pass holds anyway.
+
+    Args:
+        prefix: the note's prefix (at least ``max(positions) + 1`` written).
+    """
+    g = runner.geometry
+    heads = [int(h) for h in heads]
+    if any(not 0 <= h < g.n_total_heads for h in heads):
+        raise MistillInputError(f"head indices must lie in 0..{g.n_total_heads - 1}", field="heads")
+    pos = torch.as_tensor(list(positions), dtype=torch.long)
+    n = int(prefix.written)
+    out = torch.zeros(pos.numel(), len(heads), n, dtype=torch.float32, device=runner.device)
+    if not heads or not pos.numel():
+        return out
+    if int(pos.max()) >= n:
+        raise MistillInputError(f"event position {int(pos.max())} beyond the prefix ({n} tokens)", field="positions")
+    tokens = prefix.input_ids[pos.to(prefix.input_ids.device)].view(1, -1)
+    res = runner.forward(prefix, int(pos.max()), tokens, pos, rows="own", row_prefix_len=pos, capture_hidden=True,
+                         logits_rows=NO_ROWS)
+    hidden = res.hidden_in[:, 0]  # [layer, row, d_model]
+    pos_dev = pos.to(runner.device)
+    visible = torch.arange(n, device=runner.device).unsqueeze(0) <= pos_dev.unsqueeze(1)  # [row, key]
+    by_layer: dict[int, list[int]] = {}
+    for j, h in enumerate(heads):
+        by_layer.setdefault(h // g.n_heads, []).append(j)
+    for layer, cols in sorted(by_layer.items()):
+        parts = g.layers[layer]
+        x = parts.input_norm(hidden[layer].unsqueeze(0))  # [1, row, d_model]
+        q = parts.q_proj(x).view(1, -1, g.n_heads, g.d_head)
+        if parts.q_norm is not None:
+            q = parts.q_norm(q)
+        q = q.transpose(1, 2)  # [1, head, row, d_head]
+        if parts.use_rope:
+            cos, sin = g.rotary(x, pos_dev.view(1, -1))
+            q, _ = g.apply_rope(q, q, cos, sin)
+        for j in cols:
+            h = heads[j] % g.n_heads
+            keys = prefix.keys[layer][0, h // g.n_groups, :n].float()  # [key, d_head]
+            scores = (q[0, h].float() @ keys.T) * parts.scaling  # [row, key]
+            out[:, j] = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
     return out
 
 

@@ -29,6 +29,8 @@ math path.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +48,9 @@ class KVPrefix:
     ``[0, length)`` are visible to the next forward, ``[0, written)`` hold the prefill's keys.
     :meth:`crop` only moves ``length`` down; measurements never write into the buffers (only a
     prefill does, :meth:`Runner.forward` with ``write_prefix``), so :meth:`uncrop` may start a
-    second sweep over the same note from its full length.
+    second sweep over the same note from its full length. The one exception is an edited input
+    re-fed over part of the note (:func:`mistill.instrument.edits.refeed_margins`), which writes
+    inside :meth:`overwritten` and leaves the buffers as they were.
     """
 
     keys: list[torch.Tensor]
@@ -63,6 +67,21 @@ class KVPrefix:
     def uncrop(self) -> None:
         """Make every position the prefill wrote visible again (a new sweep over the note)."""
         self.length = self.written
+
+    @contextlib.contextmanager
+    def overwritten(self, start: int, stop: int) -> Iterator[None]:
+        """Let forwards write keys and values over positions ``[start, stop)`` inside the block;
+        on leaving it (also on an error) the buffers there, ``length`` and ``written`` are
+        restored bit for bit."""
+        saved = [(k[:, :, start:stop].clone(), v[:, :, start:stop].clone()) for k, v in zip(self.keys, self.values)]
+        length, written = self.length, self.written
+        try:
+            yield
+        finally:
+            for (k, v), (k0, v0) in zip(zip(self.keys, self.values), saved):
+                k[:, :, start:stop] = k0
+                v[:, :, start:stop] = v0
+            self.length, self.written = length, written
 
     @property
     def nbytes(self) -> int:
@@ -236,7 +255,7 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return _MathPrefixAttention.apply(q, k, v, scale, row_limit)
 
 
-_NO_ROWS = torch.empty(0, dtype=torch.long)
+NO_ROWS = torch.empty(0, dtype=torch.long)
 """``logits_rows`` of a prefill chunk whose logits nobody asked for (no ``[row, vocab]`` head)."""
 
 GQA_FLASH: bool | None = None
@@ -360,7 +379,7 @@ class Runner:
                 rows = (want[sel] - start) if sel.numel() else None
             res = self.forward(prefix, start, ids[start:end].unsqueeze(0),
                                torch.arange(start, end, device=self.device), rows="causal",
-                               logits_rows=rows if rows is not None else _NO_ROWS, write_prefix=True)
+                               logits_rows=rows if rows is not None else NO_ROWS, write_prefix=True)
             if rows is not None:
                 out_logits[sel] = res.logits[0]
         return prefix, out_logits

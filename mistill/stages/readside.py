@@ -2,8 +2,8 @@
 
 On an ``attribute`` run's notes, with its global rankings: a fixed **panel** (the global top-k of
 each phase, the bottom-k of the chapter and contrastive rankings, k seeded random heads). One
-plain forward per note keeps the inputs of the panel's layers and recomputes each panel head's
-causal attention row at every P1, P2 and P2C event (:func:`~mistill.instrument.readside.head_attention_rows`);
+prefill per note, then each panel head's causal attention row at every P1, P2 and P2C event from
+the prefix's keys and the events' queries (:func:`~mistill.instrument.readside.prefix_attention_rows`);
 each row is split over the 15 key categories (:mod:`mistill.instrument.keycats`), with the
 region lift and ``n_eff`` over inventory tokens, beside the head's measured importance at that
 event from the attribute run (exact where patched, first order elsewhere).
@@ -35,6 +35,7 @@ from mistill.config import Config
 from mistill.distributed import current_world
 from mistill.errors import MistillInputError
 from mistill.instrument.passes import PHASES
+from mistill.params import ChunkParams
 from mistill.stages.common import RunReader
 from mistill.stages.runner import WrittenNotes, note_loop, notes_written, open_stage, stage_device
 from mistill.validation import (check_device, check_dtype, check_interval, check_non_negative,
@@ -45,7 +46,7 @@ FAMILIES = ("region reader", "prose reader", "mixed")
 
 
 @dataclass(frozen=True)
-class ReadSideConfig(Config):
+class ReadSideConfig(Config, ChunkParams):
     """The read side of a ranked model's heads (App. E).
 
     attribute_run: the ``attribute`` run whose notes and global rankings are read.
@@ -114,7 +115,8 @@ def run_read_side(cfg: ReadSideConfig) -> str:
     from mistill.distill.buckets import build_axis, token_buckets
     from mistill.instrument.keycats import KEY_CATEGORIES, key_categories, read_measures
     from mistill.instrument.passes import NoteAttribution
-    from mistill.instrument.readside import head_attention_rows
+    from mistill.instrument.readside import prefix_attention_rows
+    from mistill.instrument.runner import Runner
     from mistill.io import npz_bytes
     from mistill.models.loading import load_model
     from mistill.stages.characterize import (_events_input, _ranks_from_head_sets, attribute_notes,
@@ -133,6 +135,7 @@ def run_read_side(cfg: ReadSideConfig) -> str:
         if run.reused:
             return run.run_id
         lm = load_model(ev.model, dtype=cfg.dtype, device=stage_device(cfg.device))
+        runner = Runner(lm, chunk_size=cfg.chunk_size)
         names = lm.geometry.head_names()
         rank = _ranks_from_head_sets(head_sets, names)
         if not rank:
@@ -154,7 +157,9 @@ def run_read_side(cfg: ReadSideConfig) -> str:
             row_of = {e: i for i, e in enumerate(att.event_ids)}
             axis = build_axis(ni.prompt, ni.trace)
             base = token_buckets(axis, ni.prompt, ni.offsets, len(ni.trace))
-            rows = head_attention_rows(lm, ni.input_ids, [r.position for r in realized], panel)
+            prefix, _ = runner.prefill(ni.input_ids)
+            rows = prefix_attention_rows(runner, prefix, [r.position for r in realized], panel)
+            del prefix
             shares = np.zeros((len(realized), len(panel), len(KEY_CATEGORIES)))
             lift = np.full((len(realized), len(panel)), np.nan)
             n_eff = np.full((len(realized), len(panel)), np.nan)

@@ -1,0 +1,180 @@
+"""Device benchmark of the read side and the edits (App. E) on a random-init real architecture.
+
+For one note of Qwen3-14B at 106k tokens (bf16, one GPU):
+
+1. the plain prefill every pass makes (:meth:`Runner.prefill`) against ``read_side``'s whole
+   capture: the same prefill, then each panel head's causal row at 150 event positions from the
+   prefix's keys (:func:`~mistill.instrument.readside.prefix_attention_rows`): time and peak
+   memory (goal: at most 1.2x the prefill, memory flat in prompt length);
+2. the edit re-feed (:func:`~mistill.instrument.edits.refeed_margins`): the identity and three
+   replacements re-fed from the edit against the note's prefix, each read twice (plain and with
+   two heads mean-ablated at the decision), at several re-feed lengths: edited reads per second
+   (goal: at least 20);
+3. key-side blocking (:func:`~mistill.instrument.keyblock.key_block`): the reference, the named
+   and the control key sets of one head at an event, one forward from the head's layer.
+
+Usage: python benchmarks/bench_readside.py --model qwen3-14b --tokens 106000 --out readside.json
+(torch + transformers only; ``--device cpu --layers 2 --tokens 3000`` checks it on a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_instrument import ARCHS  # noqa: E402
+
+from mistill.instrument.edits import refeed_margins  # noqa: E402
+from mistill.instrument.hooks import HeadHook  # noqa: E402
+from mistill.instrument.keyblock import key_block  # noqa: E402
+from mistill.instrument.passes import prefill_note  # noqa: E402
+from mistill.instrument.patching import Query, clean_read  # noqa: E402
+from mistill.instrument.readside import prefix_attention_rows  # noqa: E402
+from mistill.instrument.runner import NO_ROWS, Runner  # noqa: E402
+from mistill.models.geometry import head_geometry  # noqa: E402
+from mistill.models.loading import LoadedModel  # noqa: E402
+
+
+def build(name: str, max_pos: int, device: str, layers: int | None) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    arch = dict(ARCHS[name])
+    if layers is not None:
+        arch["num_hidden_layers"] = layers
+    cfg = Qwen3Config(**arch, max_position_embeddings=max_pos, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.eval()
+    return LoadedModel(model=model, tokenizer=None, geometry=head_geometry(model), spec=f"random:{name}")
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_start(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib(device: str) -> float:
+    return torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda" else float("nan")
+
+
+def clock(fn, device: str, reps: int = 1):
+    """Mean seconds of ``reps`` calls after one warm-up call, and the last result."""
+    fn()
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(reps):
+        out = fn()
+    sync(device)
+    return (time.perf_counter() - t) / reps, out
+
+
+def read_side(args, runner: Runner, lm: LoadedModel, ids: torch.Tensor, positions: list[int], panel: list[int],
+              res: dict) -> None:
+    """The plain prefill against the read side's whole capture (part 1)."""
+    dev = args.device
+    peak_start(dev)
+    res["prefill_s"], _ = clock(lambda: runner.prefill(ids)[0].length, dev)
+    res["prefill_peak_gib"] = peak_gib(dev)
+    peak_start(dev)
+    res["read_side_s"], rows = clock(lambda: prefix_attention_rows(runner, runner.prefill(ids)[0], positions, panel),
+                                     dev)
+    res["read_side_peak_gib"] = peak_gib(dev)
+    res["read_side_over_prefill"] = res["read_side_s"] / res["prefill_s"]
+    res["rows_sum_max_error"] = float((rows.sum(-1) - 1).abs().max())
+    del rows
+    print(json.dumps(res), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-14b", choices=sorted(ARCHS))
+    ap.add_argument("--tokens", type=int, default=106000)
+    ap.add_argument("--events", type=int, default=150)
+    ap.add_argument("--panel", type=int, default=64, help="panel heads (the paper: 3 x 16 top, 16 random)")
+    ap.add_argument("--refeed", default="256,1024,4096", help="re-feed lengths of the edits")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--only-edits", action="store_true", help="skip part 1")
+    ap.add_argument("--parts", action="store_true", help="also time the parts of an edit's re-feed")
+    ap.add_argument("--out", default="readside.json")
+    args = ap.parse_args()
+    dev = args.device
+    lm = build(args.model, args.tokens + 16, dev, args.layers)
+    g = lm.geometry
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 150000, (args.tokens,), generator=gen)
+    # the events sit in the trace: the last 30% of the input
+    positions = sorted(torch.randint(int(args.tokens * 0.7), args.tokens - 1, (args.events,), generator=gen).tolist())
+    panel = sorted(torch.randperm(g.n_total_heads, generator=gen)[:args.panel].tolist())
+    res: dict = {"model": args.model, "tokens": args.tokens, "events": args.events, "panel_heads": len(panel),
+                 "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}
+    runner, hook = Runner(lm, chunk_size=args.chunk), HeadHook(g)
+
+    # 1. the plain prefill against the read side's capture
+    if not args.only_edits:
+        read_side(args, runner, lm, ids, positions, panel, res)
+
+    # 2. edits re-fed against the note's prefix; 3. key blocking at one event
+    peak_start(dev)
+    prefix, mean = prefill_note(runner, hook, ids)
+    q_pos = positions[-1]
+    query = Query(position=q_pos, token_id=int(ids[q_pos]), target_id=11, competitor_ids=(12, 13, 14))
+    mediation = [g.n_total_heads - 1, g.n_total_heads // 2]
+    for length in (int(x) for x in args.refeed.split(",")):
+        start = q_pos + 1 - length
+        variants = ids[start:q_pos + 1].repeat(4, 1)
+        variants[1:, :3] = torch.randint(0, 150000, (3, 3), generator=gen)  # three replacements at the edit
+        secs, _ = clock(lambda v=variants, s=start: refeed_margins(runner, hook, prefix, s, v, query, mean=mean,
+                                                                     heads=mediation), dev, reps=3)
+        res[f"edit_refeed{length}_s"] = secs
+        res[f"edit_refeed{length}_reads_per_s"] = 2 * variants.shape[0] / secs
+    if args.parts:
+        # where an edit's time goes: the causal re-feed of one variant (by prefix kernel) and the
+        # decision rows (by attention path), at the first re-feed length
+        length = int(args.refeed.split(",")[0])
+        start = q_pos + 1 - length
+        toks = ids[start:q_pos].view(1, -1)
+        before = torch.arange(start, q_pos)
+        with prefix.overwritten(start, q_pos):
+            for kernel in ("auto", "flash", "split"):
+                runner.prefill_kernel = kernel
+                res[f"part_refeed_write_{kernel}_s"], _ = clock(lambda: runner.forward(
+                    prefix, start, toks, before, rows="causal", logits_rows=NO_ROWS, write_prefix=True), dev, reps=3)
+            runner.prefill_kernel = "auto"
+            res["part_refeed_nowrite_s"], _ = clock(lambda: runner.forward(
+                prefix, start, toks, before, rows="causal", logits_rows=NO_ROWS), dev, reps=3)
+            for rows in (1, 2, 8, 64):
+                one = torch.full((1, rows), int(ids[q_pos]))
+                res[f"part_decision_{rows}rows_s"], _ = clock(lambda o=one, r=rows: runner.forward(
+                    prefix, q_pos, o, torch.full((r,), q_pos), rows="own"), dev, reps=3)
+        print(json.dumps(res), flush=True)
+    clean = clean_read(runner, hook, prefix, query)
+    head = g.n_heads * (g.n_layers // 2) + 1
+    named, control = list(range(100, 400)), list(range(1000, 1300))
+    secs, _ = clock(lambda: key_block(runner, hook, prefix, query, clean.hidden_in, head, [[], named, control]),
+                    dev, reps=5)
+    res["key_block_event_s"] = secs
+    res["edits_peak_gib"] = peak_gib(dev)
+    print(json.dumps(res), flush=True)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
