@@ -124,7 +124,7 @@ def main() -> None:
     positions = sorted(torch.randint(int(args.tokens * 0.7), args.tokens - 1, (args.events,), generator=gen).tolist())
     panel = sorted(torch.randperm(g.n_total_heads, generator=gen)[:args.panel].tolist())
     res: dict = {"model": args.model, "tokens": args.tokens, "events": args.events, "panel_heads": len(panel),
-                 "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}
+                 "card": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}
     runner, hook = Runner(lm, chunk_size=args.chunk), HeadHook(g)
 
     # 1. the plain prefill against the read side's capture
