@@ -240,8 +240,9 @@ def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str]
     attribute = query.stage_runs(client, experiment, "attribute")
     extra["attribute"] = attribute[attribute["run_id"].isin(named)].reset_index(drop=True) \
         if not attribute.empty else attribute
-    locus = query.stage_runs(client, experiment, "locus")
-    extra["locus"] = query.latest_runs(locus, ("model",)) if not locus.empty else locus
+    for stage in ("locus", *READ_SIDE_STAGES):
+        found = query.stage_runs(client, experiment, stage)
+        extra[stage] = query.latest_runs(found, ("model",)) if not found.empty else found
     return ReportInputs(experiment, runs, extra)
 
 
@@ -319,6 +320,7 @@ def build_report(inputs: ReportInputs, *, reference_arm: str,
                        if s in inputs.extra})
     _characterization(rep, client, extra, choices, n_resamples, seed)
     _locus(rep, inputs.extra.get("locus", pd.DataFrame()))
+    _read_side(rep, {stage: inputs.extra.get(stage, pd.DataFrame()) for stage in READ_SIDE_STAGES})
     _selection(rep, inputs.runs["select_lambda"], cells, extra, n_resamples, seed)
     _ablations(rep, client, extra, cells, choices, n_resamples, seed)
     rep.size_section = evidence_size(inputs.runs["evaluate"], task_notes,
@@ -735,6 +737,55 @@ def _locus(rep: Report, runs: pd.DataFrame) -> None:
     for key, fig in locus_figures.figure1(mentions, loaded["table30_pass_a"], loaded["table32_pass_b"],
                                           loaded["table33_locus_reads"], loaded["table27_locus_tokens"]).items():
         rep.figures[key] = fig
+
+
+# ---------------------------------------------------------------------- Tables 16-23
+READ_SIDE_STAGES = ("read_side", "key_block", "trace_edit", "note_edit")
+READ_SIDE_TABLES: tuple[tuple[str, str, str, str], ...] = (
+    ("read_side", "readside_groups", "Table 16: what the decision heads read, by group",
+     "Per phase, the region lift of the global top-k, the random panel and the bottom-k (per note: "
+     "median over events per head, mean over heads; median over notes), the notes on which the top-k "
+     "beats the random panel (sign test), and the top-k's shares on the sink, the inventory lines, the "
+     "note, the trace prose and the code prefix."),
+    ("read_side", "readside_heads_P1", "Table 17: the chapter (P1) top-k head by head",
+     "I_c, median shares on the region, the prose and the sink, region lift, n_eff over inventory "
+     "tokens, r across events between the region share and the head's importance, and the family by "
+     "the stated rule (region reader / prose reader / mixed)."),
+    ("read_side", "readside_heads_P2", "Table 18: the code (P2) top-k head by head", "As Table 17, at P2 events."),
+    ("read_side", "readside_heads_P2C", "Table 19: the contrastive (P2C) top-k head by head",
+     "As Table 17, at P2C events; r is taken between the share on the near-miss's earlier mentions "
+     "and the head's importance."),
+    ("key_block", "key_block", "Table 20: blocking what the named heads read",
+     "E: the head's mean-ablation effect on the margin (share of events with E above the threshold); "
+     "D: the margin lost when the head cannot attend to the keys it is named for, against the "
+     "empty-set reference, and to as many matched control keys; share: median D/E over events with E "
+     "above the threshold; right: the per-note mean of named minus control with its bootstrap "
+     "interval, notes higher / lower and the sign test."),
+    ("trace_edit", "trace_edit", "Table 21: editing the earlier mention of the near-miss",
+     "Effect = margin under the identity edit minus margin under the replacement (positive: the edit "
+     "lowered the margin), per replacement, with the sign and Wilcoxon tests; mediated: the median "
+     "share of the change removed when the mediation set is mean-ablated during both reads, over "
+     "events whose effect exceeds half a nat; paired rows: neutral minus each code replacement. "
+     "Per run, so one row block per model (Table 22 compares the students' blocks)."),
+    ("note_edit", "note_edit", "Table 23: editing the note",
+     "The contrastive margin's change when the emitted code's distinguishing description words, the "
+     "sibling's, matched other-chapter words or matched words in no description are replaced in the "
+     "note (identity minus variant), over events with a distinguishing word in the note; per note, "
+     "the code's words minus each control with its bootstrap interval and sign test."),
+)
+
+
+def _read_side(rep: Report, runs: dict[str, pd.DataFrame]) -> None:
+    """Tables 16-23 from the newest run of each App. E stage per model (one row block per model)."""
+    for stage, name, title, caption in READ_SIDE_TABLES:
+        found = runs.get(stage, pd.DataFrame())
+        if found.empty:
+            frame, why = pd.DataFrame(), f"no FINISHED {stage} runs"
+        else:
+            frame = _load(rep, found, f"{name}.csv", [], ("run_id", "model"))
+            why = "" if not frame.empty else f"the {stage} runs logged no rows for it"
+        _listed(rep, f"appE_{name}", title, caption, frame, frame.drop(columns=["run_id"], errors="ignore"), why,
+                columns=("model",))
 
 
 # ---------------------------------------------------------------------- Tables 11 and 15

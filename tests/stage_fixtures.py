@@ -30,7 +30,7 @@ def _characterization_only() -> dict:
     from mistill.stages.workflow import PipelineConfig
 
     fields = {f.name for f in dataclasses.fields(PipelineConfig)}
-    off = {"train_arms": (), "shortlist": False, "report": False, "locus": False}
+    off = {"train_arms": (), "shortlist": False, "report": False, "locus": False, "read_side": False}
     return {k: v for k, v in off.items() if k in fields}
 
 

@@ -37,12 +37,14 @@ import pandas as pd
 from mistill.config import Config
 from mistill.errors import MistillInputError
 from mistill.params import ChunkParams
+from mistill.progress import get_logger
 from mistill.stages.common import RunReader
 from mistill.stages.runner import WrittenNotes, note_loop, notes_written, open_stage, stage_device
 from mistill.validation import (check_device, check_dtype, check_no_text_fields, check_non_negative, check_run_id,
                                 check_seed)
 
 NOTES = "notes"
+_log = get_logger("key_block")
 _HEAD_SPEC = re.compile(r"^L\d+H\d+:[A-Za-z_]+(\+[A-Za-z_]+)*$")
 
 
@@ -137,17 +139,52 @@ def json_file(reader: RunReader, name: str) -> dict:
     return json.loads(reader.file(name).read_text())
 
 
-def run_key_block(cfg: KeyBlockConfig) -> str:
+def block_note(runner, hook, ni, picked: list, named: list, codes: list[str], cfg: KeyBlockConfig) -> list[dict]:
+    """One note's rows: every named (head, key set) at each picked event of its phases, after one
+    prefill (``named``: ``(flat head, head name, KeySet)``)."""
     from mistill.distill.buckets import build_axis, token_buckets
-    from mistill.instrument.hooks import HeadHook
-    from mistill.instrument.keyblock import KEY_SETS, key_block, matched_control, named_keys
+    from mistill.instrument.keyblock import key_block, matched_control, named_keys
     from mistill.instrument.keycats import key_categories
-    from mistill.instrument.passes import prefill_note, seeded_subset, stable_seed
+    from mistill.instrument.passes import prefill_note, stable_seed
     from mistill.instrument.patching import clean_read, mean_ablate
+    from mistill.stages.characterize import event_queries
+
+    axis = build_axis(ni.prompt, ni.trace)
+    base = token_buckets(axis, ni.prompt, ni.offsets, len(ni.trace))
+    prefix, mean = prefill_note(runner, hook, ni.input_ids)
+    rows = []
+    for r, eq in zip(picked, event_queries(picked, ni.input_ids)):
+        cats = key_categories(axis, base, ni.prompt, ni.offsets, r, ni.trace, codes)
+        clean = None
+        for head, name, ks in named:
+            if r.event.kind not in ks.phases:
+                continue
+            keys = named_keys(cats, r.position, ks)
+            if not keys or len(keys) > r.position:  # nothing named here, or no key would be left
+                continue
+            if clean is None:
+                clean = clean_read(runner, hook, prefix, eq.query)
+            control = matched_control(cats, base, r.position, ks, len(keys),
+                                      stable_seed(cfg.seed, ni.note.note_id, r.event.event_id, name, ks.name))
+            sets = [[], keys] + ([control] if control is not None else [])
+            m = key_block(runner, hook, prefix, eq.query, clean.hidden_in, head, sets)
+            ablated = float(mean_ablate(runner, hook, prefix, eq.query, [[head]], mean, hidden_in=clean.hidden_in)[0])
+            ref = float(m[0])
+            rows.append({"event_id": r.event.event_id, "kind": r.event.kind, "head": name, "key_set": ks.name,
+                         "n_keys": len(keys), "clean": clean.margin, "reference": ref,
+                         "E": clean.margin - ablated, "D_named": ref - float(m[1]),
+                         "D_control": ref - float(m[2]) if control is not None else None})
+    return rows
+
+
+def run_key_block(cfg: KeyBlockConfig) -> str:
+    from mistill.instrument.hooks import HeadHook
+    from mistill.instrument.keyblock import KEY_SETS
+    from mistill.instrument.passes import seeded_subset
     from mistill.instrument.runner import Runner
     from mistill.io import dumps
     from mistill.models.loading import load_model
-    from mistill.stages.characterize import _events_input, attribute_notes, event_queries, read_realized
+    from mistill.stages.characterize import _events_input, attribute_notes, read_realized
     from mistill.stages.common import note_input
 
     rs = RunReader(cfg.read_side_run, field="read_side_run")
@@ -160,8 +197,8 @@ def run_key_block(cfg: KeyBlockConfig) -> str:
     notes = attribute_notes(ev, att.config.get("split", ""))
     pairs = parse_heads(cfg.heads) if cfg.heads else chosen_heads(rs, [n.note_id for n in notes], cfg)
     if not pairs:
-        raise MistillInputError(f"the read_side run {cfg.read_side_run} has no region reader at P1 and no P2C "
-                                "ranking: name the heads (heads=L30H11:N,...)", field="heads")
+        _log.warning("key_block: the read_side run %s names no head (no region reader at P1, no P2C ranking); "
+                     "the run records no blocking (name heads with heads=L30H11:N,...)", cfg.read_side_run)
     with open_stage("key_block", cfg, prepared, inputs={"read_side": cfg.read_side_run}, model=ev.model) as run:
         if run.reused:
             return run.run_id
@@ -170,7 +207,7 @@ def run_key_block(cfg: KeyBlockConfig) -> str:
         named = [(g.head_index(h), h, KEY_SETS[s]) for h, s in pairs]
         run.log_json("key_block_heads.json", {"heads": [{"head": h, "key_set": ks.name, "phases": list(ks.phases),
                                                           "control": ks.control} for _, h, ks in named]})
-        phases = sorted({p for _, _, ks in named for p in ks.phases})
+        phases = sorted({p for _, _, ks in named for p in ks.phases})  # none: every note records no row
         runner, hook = Runner(lm, chunk_size=cfg.chunk_size), HeadHook(g)
         codes = list(prepared.inventory.codes)
         for note in note_loop(run, NOTES, notes, desc="key block"):
@@ -180,34 +217,8 @@ def run_key_block(cfg: KeyBlockConfig) -> str:
             realized = read_realized(ev.reader, note.note_id)
             picked = [r for p in phases
                       for r in seeded_subset([r for r in realized if r.event.kind == p], cfg.max_events, cfg.seed,
-                                       note.note_id, p)]
-            queries = event_queries(picked, ni.input_ids)
-            axis = build_axis(ni.prompt, ni.trace)
-            base = token_buckets(axis, ni.prompt, ni.offsets, len(ni.trace))
-            prefix, mean = prefill_note(runner, hook, ni.input_ids)
-            rows = []
-            for r, eq in zip(picked, queries):
-                todo = [(head, name, ks) for head, name, ks in named if r.event.kind in ks.phases]
-                cats = key_categories(axis, base, ni.prompt, ni.offsets, r, ni.trace, codes)
-                clean = None
-                for head, name, ks in todo:
-                    keys = named_keys(cats, r.position, ks)
-                    if not keys or len(keys) > r.position:  # nothing named here, or every key but none left
-                        continue
-                    if clean is None:
-                        clean = clean_read(runner, hook, prefix, eq.query)
-                    control = matched_control(cats, base, r.position, ks, len(keys),
-                                              stable_seed(cfg.seed, note.note_id, r.event.event_id, name, ks.name))
-                    sets = [[], keys] + ([control] if control is not None else [])
-                    m = key_block(runner, hook, prefix, eq.query, clean.hidden_in, head, sets)
-                    ablated = float(mean_ablate(runner, hook, prefix, eq.query, [[head]], mean,
-                                                hidden_in=clean.hidden_in)[0])
-                    ref = float(m[0])
-                    rows.append({"event_id": r.event.event_id, "kind": r.event.kind, "head": name,
-                                 "key_set": ks.name, "n_keys": len(keys), "clean": clean.margin, "reference": ref,
-                                 "E": clean.margin - ablated, "D_named": ref - float(m[1]),
-                                 "D_control": ref - float(m[2]) if control is not None else None})
-            del prefix
+                                             note.note_id, p)]
+            rows = block_note(runner, hook, ni, picked, named, codes, cfg) if picked else []
             run.write_note(NOTES, note.note_id, {"key_block.jsonl": "".join(dumps(r) + "\n" for r in rows)})
         if not notes_written(run, NOTES, notes):
             return run.run_id
@@ -267,4 +278,4 @@ def _median(x: np.ndarray) -> float:
     return float(np.median(x)) if len(x) else math.nan
 
 
-__all__ = ["KeyBlockConfig", "run_key_block", "parse_heads", "chosen_heads", "key_block_table"]
+__all__ = ["KeyBlockConfig", "run_key_block", "parse_heads", "chosen_heads", "block_note", "key_block_table"]

@@ -2,9 +2,10 @@
 
 Reads the FINISHED ``knockin``, ``evaluate``, ``own_heads`` and ``select_lambda`` runs of
 experiment ``mistill/<corpus>`` (the newest of each model, arm, precision and seed), the
-``attribute`` runs the knockin runs name and every ``train`` run, builds Tables 1/10, 2, 43,
-3/45, the λ cells, Tables 11, 15, 39-42 and 47-51 with :mod:`analysis`, and logs to one
-``report`` run:
+``attribute`` runs the knockin runs name, every ``train`` run and the newest ``locus``,
+``read_side``, ``key_block``, ``trace_edit`` and ``note_edit`` run of each model, builds Tables
+1/10, 2, 43, 3/45, the λ cells, Tables 11, 15, 16-23, 25-33 and 39-42 and 47-51 with
+:mod:`analysis`, and logs to one ``report`` run:
 
 * ``report.md``: every table, which tables were skipped or have no rows and why, and the
   deviations from the paper found in the runs read;

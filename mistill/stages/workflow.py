@@ -284,6 +284,11 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     las_max_note_words: the LAS simulator's note cap (``LasSimulatorConfig.max_note_words``);
     256 keeps the CPU demo quick, a demo setting (the paper's simulator reads the whole note:
     0).
+    read_side, read_side_max_events: run App. E's steps on the teacher after characterization
+    (``read_side`` on its ranking, ``key_block`` on the heads the read side names, ``trace_edit``
+    and ``note_edit``), the last three at most at this many events per note and phase (4 here, a
+    demo setting; the paper: every event for the key blocking, 20 for the edits; 0: the stages'
+    own defaults).
     locus, locus_max_mentions, locus_compare_suffixes: run the ``locus`` step on the teacher
     after characterization (its prose-time set pools the teacher's P1 window rows in
     ``targets``; off, or when no mention had a locus to attribute, as on the embedded
@@ -328,6 +333,8 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     las_model: str = EMBEDDED_DEFAULT
     las_max_steps: int = 2
     las_max_note_words: int = 256
+    read_side: bool = True
+    read_side_max_events: int = 4
     locus: bool = True
     locus_max_mentions: int = 0
     locus_compare_suffixes: tuple[str, ...] = ("D",)
@@ -351,6 +358,7 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
         # under the pipeline's own names, before the locus step's config checks them as its own
         check_choices(self.locus_compare_suffixes, tuple(SUFFIXES), "locus_compare_suffixes", non_empty=False)
         check_non_negative(self.locus_max_mentions, "locus_max_mentions", "0: every mention")
+        check_non_negative(self.read_side_max_events, "read_side_max_events", "0: the stages' defaults")
         self.locus_config()
         check_model_spec(self.student, "student")
         check_model_spec(self.las_model, "las_model")
@@ -403,6 +411,25 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
                                 compare_suffixes=self.locus_compare_suffixes, stability_splits=self.stability_splits,
                                 dtype=self.dtype, device=self.device, seed=self.seed)
 
+    def read_side_configs(self, attribute_run: str = "") -> dict[str, Config]:
+        """App. E's steps on the teacher's ``attribute`` run: ``read_side``'s config, and the
+        others' given the read side's run id (``key_block`` takes it, the edits the attribute run)."""
+        from mistill.stages.edits import NoteEditConfig, TraceEditConfig
+        from mistill.stages.readside import ReadSideConfig
+
+        common = dict(dtype=self.dtype, device=self.device, seed=self.seed)
+        cap = {"max_events": self.read_side_max_events} if self.read_side_max_events else {}
+        return {"read_side": ReadSideConfig(attribute_run=attribute_run, **common),
+                "trace_edit": TraceEditConfig(attribute_run=attribute_run, **cap, **common),
+                "note_edit": NoteEditConfig(attribute_run=attribute_run, **cap, **common)}
+
+    def key_block_config(self, read_side_run: str):
+        from mistill.stages.keyblock import KeyBlockConfig
+
+        cap = {"max_events": self.read_side_max_events} if self.read_side_max_events else {}
+        return KeyBlockConfig(read_side_run=read_side_run, dtype=self.dtype, device=self.device, seed=self.seed,
+                              **cap)
+
     def characterize_config(self, prepare_run: str = "") -> CharacterizeConfig:
         return CharacterizeConfig(prepare_run=prepare_run, model=self.model, dtype=self.dtype, device=self.device,
                                   rank_split=self.teacher_split, seed=self.seed, launch=self.launch,
@@ -448,6 +475,13 @@ def pipeline_steps(cfg: PipelineConfig, parent: str | None = None, *,
     if cfg.locus:
         ids["locus"] = run_step("locus", cfg.locus_config(ids["attribute"]), corpus_name, launch=cfg.launch,
                                 parent=parent)
+    if cfg.read_side:
+        configs = cfg.read_side_configs(ids["attribute"])
+        ids["read_side"] = run_step("read_side", configs["read_side"], corpus_name, launch=cfg.launch, parent=parent)
+        ids["key_block"] = run_step("key_block", cfg.key_block_config(ids["read_side"]), corpus_name,
+                                    launch=cfg.launch, parent=parent)
+        for name in ("trace_edit", "note_edit"):
+            ids[name] = run_step(name, configs[name], corpus_name, launch=cfg.launch, parent=parent)
     if cfg.train_arms:
         ids.record(distill_steps(cfg, ids, corpus_name, parent, on_step=on_step))
         ids.record(evaluation_steps(cfg, ids, corpus_name, parent, on_step=on_step))
