@@ -284,6 +284,37 @@ def attribute_notes(ev: _EventsInput, split: str) -> list[Note]:
     return require_notes([n for n in ev.notes if n.split == split], split, ev.prepared, field="split")
 
 
+@dataclass
+class AttributeInput:
+    """An ``attribute`` run, the events run it read and the notes it ranked."""
+
+    reader: RunReader
+    events: _EventsInput
+    notes: list[Note]
+
+    @property
+    def prepared(self) -> Prepared:
+        return self.events.prepared
+
+    @property
+    def model(self) -> str:
+        return self.events.model
+
+    def head_sets(self) -> dict:
+        """Its global rankings and sets (``head_sets.json``)."""
+        return json.loads(self.reader.file("head_sets.json").read_text())
+
+
+def attribute_input(run_id: str, *, field: str = "attribute_run") -> AttributeInput:
+    """Open an ``attribute`` run as a later stage's input; a run of another stage is refused."""
+    reader = RunReader(run_id, field=field)
+    stage = reader.tags.get("mistill.stage")
+    if stage != "attribute":
+        raise MistillInputError(f"run {run_id} is a {stage!r} run, not attribute", field=field)
+    ev = _events_input(reader.config["events_run"])
+    return AttributeInput(reader, ev, attribute_notes(ev, reader.config.get("split", "")))
+
+
 def _finished_means(run, reader: WrittenNotes, notes: Sequence[Note]) -> dict[str, dict[str, np.ndarray]]:
     """The per-phase first-order means of the notes the run finished before (a resumed pass)."""
     done = run.finished_notes(NOTES)

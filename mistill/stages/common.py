@@ -394,6 +394,12 @@ def note_input(note: Note, inventory: Inventory, tokenizer, *, candidates: Seque
                      offsets=[tuple(o) for o in enc["offset_mapping"]])
 
 
+def prepared_note_input(prepared: Prepared, note: Note, tokenizer, **kwargs) -> NoteInput:
+    """:func:`note_input` with the prepared corpus's inventory and prompt settings."""
+    return note_input(note, prepared.inventory, tokenizer, remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
+                      narrow_instruction=prepared.narrow_instruction, **kwargs)
+
+
 def phase_events(ni: NoteInput, codes: Sequence[str], tokenizer, *, p2c_cap: int = 2,
                  require_think: bool = True) -> list:
     """The decision events (P1, P2, P2C; no NULL) of ``ni``'s trace, realized in ``tokenizer``

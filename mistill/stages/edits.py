@@ -25,7 +25,6 @@ effect exceeds ``mediation_min_effect``; paired per event, neutral minus each co
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -36,7 +35,6 @@ import pandas as pd
 from mistill.config import Config
 from mistill.errors import MistillInputError
 from mistill.params import ChunkParams
-from mistill.stages.common import RunReader
 from mistill.stages.runner import WrittenNotes, note_loop, notes_written, open_stage, stage_device
 from mistill.validation import (check_device, check_dtype, check_no_text_fields, check_non_negative, check_positive,
                                 check_run_id, check_seed)
@@ -139,17 +137,12 @@ def run_trace_edit(cfg: TraceEditConfig) -> str:
     from mistill.instrument.runner import Runner
     from mistill.io import dumps
     from mistill.models.loading import load_model
-    from mistill.stages.characterize import _events_input, attribute_notes, event_queries, read_realized
-    from mistill.stages.common import note_input
+    from mistill.stages.characterize import attribute_input, event_queries, read_realized
+    from mistill.stages.common import prepared_note_input
 
-    att = RunReader(cfg.attribute_run, field="attribute_run")
-    if att.tags.get("mistill.stage") != "attribute":
-        raise MistillInputError(f"run {cfg.attribute_run} is a {att.tags.get('mistill.stage')!r} run, not attribute",
-                                field="attribute_run")
-    ev = _events_input(att.config["events_run"])
-    prepared = ev.prepared
-    notes = attribute_notes(ev, att.config.get("split", ""))
-    head_sets = json.loads(att.file("head_sets.json").read_text())
+    att = attribute_input(cfg.attribute_run)
+    ev, prepared, notes = att.events, att.prepared, att.notes
+    head_sets = att.head_sets()
     with open_stage("trace_edit", cfg, prepared, inputs={"attribute": cfg.attribute_run}, model=ev.model) as run:
         if run.reused:
             return run.run_id
@@ -164,9 +157,7 @@ def run_trace_edit(cfg: TraceEditConfig) -> str:
             return torch.tensor(lm.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
         for note in note_loop(run, NOTES, notes, desc="trace edit"):
-            ni = note_input(note, prepared.inventory, lm.tokenizer,
-                            remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
-                            narrow_instruction=prepared.narrow_instruction)
+            ni = prepared_note_input(prepared, note, lm.tokenizer)
             picked = seeded_subset([r for r in read_realized(ev.reader, note.note_id)
                                     if r.event.kind == "P2C" and r.event.N], cfg.max_events, cfg.seed,
                                    note.note_id, EDITED_EVENTS)
@@ -370,16 +361,11 @@ def run_note_edit(cfg: NoteEditConfig) -> str:
     from mistill.instrument.runner import Runner
     from mistill.io import dumps
     from mistill.models.loading import load_model
-    from mistill.stages.characterize import _events_input, attribute_notes, event_queries, read_realized
-    from mistill.stages.common import note_input
+    from mistill.stages.characterize import attribute_input, event_queries, read_realized
+    from mistill.stages.common import prepared_note_input
 
-    att = RunReader(cfg.attribute_run, field="attribute_run")
-    if att.tags.get("mistill.stage") != "attribute":
-        raise MistillInputError(f"run {cfg.attribute_run} is a {att.tags.get('mistill.stage')!r} run, not attribute",
-                                field="attribute_run")
-    ev = _events_input(att.config["events_run"])
-    prepared = ev.prepared
-    notes = attribute_notes(ev, att.config.get("split", ""))
+    att = attribute_input(cfg.attribute_run)
+    ev, prepared, notes = att.events, att.prepared, att.notes
     words = DescriptionWords.of(prepared.inventory)
     with open_stage("note_edit", cfg, prepared, inputs={"attribute": cfg.attribute_run}, model=ev.model) as run:
         if run.reused:
@@ -391,9 +377,7 @@ def run_note_edit(cfg: NoteEditConfig) -> str:
             return torch.tensor(lm.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
         for note in note_loop(run, NOTES, notes, desc="note edit"):
-            ni = note_input(note, prepared.inventory, lm.tokenizer,
-                            remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
-                            narrow_instruction=prepared.narrow_instruction)
+            ni = prepared_note_input(prepared, note, lm.tokenizer)
             picked = seeded_subset([r for r in read_realized(ev.reader, note.note_id)
                                     if r.event.kind == "P2C" and r.event.N], cfg.max_events, cfg.seed,
                                    note.note_id, EDITED_EVENTS)

@@ -184,17 +184,15 @@ def run_key_block(cfg: KeyBlockConfig) -> str:
     from mistill.instrument.runner import Runner
     from mistill.io import dumps
     from mistill.models.loading import load_model
-    from mistill.stages.characterize import _events_input, attribute_notes, read_realized
-    from mistill.stages.common import note_input
+    from mistill.stages.characterize import attribute_input, read_realized
+    from mistill.stages.common import prepared_note_input
 
     rs = RunReader(cfg.read_side_run, field="read_side_run")
     if rs.tags.get("mistill.stage") != "read_side":
         raise MistillInputError(f"run {cfg.read_side_run} is a {rs.tags.get('mistill.stage')!r} run, not read_side",
                                 field="read_side_run")
-    att = RunReader(rs.config["attribute_run"], field="read_side_run")
-    ev = _events_input(att.config["events_run"])
-    prepared = ev.prepared
-    notes = attribute_notes(ev, att.config.get("split", ""))
+    att = attribute_input(rs.config["attribute_run"], field="read_side_run")
+    ev, prepared, notes = att.events, att.prepared, att.notes
     pairs = parse_heads(cfg.heads) if cfg.heads else chosen_heads(rs, [n.note_id for n in notes], cfg)
     if not pairs:
         _log.warning("key_block: the read_side run %s names no head (no region reader at P1, no P2C ranking); "
@@ -211,9 +209,7 @@ def run_key_block(cfg: KeyBlockConfig) -> str:
         runner, hook = Runner(lm, chunk_size=cfg.chunk_size), HeadHook(g)
         codes = list(prepared.inventory.codes)
         for note in note_loop(run, NOTES, notes, desc="key block"):
-            ni = note_input(note, prepared.inventory, lm.tokenizer,
-                            remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
-                            narrow_instruction=prepared.narrow_instruction)
+            ni = prepared_note_input(prepared, note, lm.tokenizer)
             realized = read_realized(ev.reader, note.note_id)
             picked = [r for p in phases
                       for r in seeded_subset([r for r in realized if r.event.kind == p], cfg.max_events, cfg.seed,

@@ -24,7 +24,6 @@ Descriptive: attention is not intervened on here (key blocking is :mod:`mistill.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 
@@ -36,7 +35,6 @@ from mistill.distributed import current_world
 from mistill.errors import MistillInputError
 from mistill.instrument.passes import PHASES
 from mistill.params import ChunkParams
-from mistill.stages.common import RunReader
 from mistill.stages.runner import WrittenNotes, note_loop, notes_written, open_stage, stage_device
 from mistill.validation import (check_device, check_dtype, check_interval, check_non_negative,
                                 check_no_text_fields, check_positive, check_run_id, check_seed)
@@ -119,18 +117,12 @@ def run_read_side(cfg: ReadSideConfig) -> str:
     from mistill.instrument.runner import Runner
     from mistill.io import npz_bytes
     from mistill.models.loading import load_model
-    from mistill.stages.characterize import (_events_input, _ranks_from_head_sets, attribute_notes,
-                                             read_realized)
-    from mistill.stages.common import note_input
+    from mistill.stages.characterize import _ranks_from_head_sets, attribute_input, read_realized
+    from mistill.stages.common import prepared_note_input
 
-    att_reader = RunReader(cfg.attribute_run, field="attribute_run")
-    if att_reader.tags.get("mistill.stage") != "attribute":
-        raise MistillInputError(f"run {cfg.attribute_run} is a {att_reader.tags.get('mistill.stage')!r} run, "
-                                "not attribute", field="attribute_run")
-    ev = _events_input(att_reader.config["events_run"])
-    prepared = ev.prepared
-    notes = attribute_notes(ev, att_reader.config.get("split", ""))
-    head_sets = json.loads(att_reader.file("head_sets.json").read_text())
+    source = attribute_input(cfg.attribute_run)
+    att_reader, ev, prepared, notes = source.reader, source.events, source.prepared, source.notes
+    head_sets = source.head_sets()
     with open_stage("read_side", cfg, prepared, inputs={"attribute": cfg.attribute_run}, model=ev.model) as run:
         if run.reused:
             return run.run_id
@@ -148,9 +140,7 @@ def run_read_side(cfg: ReadSideConfig) -> str:
                                                  **{g: [names[h] for h in hs] for g, hs in groups.items()}})
         codes = list(prepared.inventory.codes)
         for note in note_loop(run, NOTES, notes, desc="read side"):
-            ni = note_input(note, prepared.inventory, lm.tokenizer,
-                            remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
-                            narrow_instruction=prepared.narrow_instruction)
+            ni = prepared_note_input(prepared, note, lm.tokenizer)
             realized = [r for r in read_realized(ev.reader, note.note_id) if r.event.kind in PHASES]
             att = NoteAttribution.from_npz(att_reader.note_file(NOTES, note.note_id, "attribution.npz"),
                                            note.note_id)
