@@ -286,9 +286,9 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     0).
     read_side, read_side_max_events: run App. E's steps on the teacher after characterization
     (``read_side`` on its ranking, ``key_block`` on the heads the read side names, ``trace_edit``
-    and ``note_edit``), the last three at most at this many events per note and phase (4 here, a
-    demo setting; the paper: every event for the key blocking, 20 for the edits; 0: the stages'
-    own defaults).
+    and ``note_edit``), the last three at most at this many events per note and phase (2 here, a
+    demo setting: on two CPU cores the four steps then add about two minutes to the demo; the
+    paper: every event for the key blocking, 20 for the edits; 0: the stages' own defaults).
     locus, locus_max_mentions, locus_compare_suffixes: run the ``locus`` step on the teacher
     after characterization (its prose-time set pools the teacher's P1 window rows in
     ``targets``; off, or when no mention had a locus to attribute, as on the embedded
@@ -334,7 +334,7 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     las_max_steps: int = 2
     las_max_note_words: int = 256
     read_side: bool = True
-    read_side_max_events: int = 4
+    read_side_max_events: int = 2
     locus: bool = True
     locus_max_mentions: int = 0
     locus_compare_suffixes: tuple[str, ...] = ("D",)
