@@ -305,7 +305,7 @@ def build_report(inputs: ReportInputs, *, reference_arm: str,
                  n_resamples: int = stats.N_BOOTSTRAP,
                  corpus_resamples: int = stats.N_BOOTSTRAP_CORPUS, seed: int = 0,
                  choices: TableChoices = TableChoices(), split: str = "test",
-                 client: MlflowClient | None = None) -> Report:
+                 client: MlflowClient | None = None, audit_labels: pd.DataFrame | None = None) -> Report:
     """Every table and figure the inputs allow; the rest named in :attr:`Report.notes`."""
     client = client or MlflowClient()
     rep = Report(inputs.experiment, reference_arm,
@@ -321,6 +321,7 @@ def build_report(inputs: ReportInputs, *, reference_arm: str,
     _characterization(rep, client, extra, choices, n_resamples, seed)
     _locus(rep, inputs.extra.get("locus", pd.DataFrame()))
     _read_side(rep, {stage: inputs.extra.get(stage, pd.DataFrame()) for stage in READ_SIDE_STAGES})
+    _audit(rep, inputs.runs["evaluate"], inputs.runs["own_heads"], audit_labels)
     _selection(rep, inputs.runs["select_lambda"], cells, extra, n_resamples, seed)
     _ablations(rep, client, extra, cells, choices, n_resamples, seed)
     rep.size_section = evidence_size(inputs.runs["evaluate"], task_notes,
@@ -786,6 +787,44 @@ def _read_side(rep: Report, runs: dict[str, pd.DataFrame]) -> None:
             why = "" if not frame.empty else f"the {stage} runs logged no rows for it"
         _listed(rep, f"appE_{name}", title, caption, frame, frame.drop(columns=["run_id"], errors="ignore"), why,
                 columns=("model",))
+
+
+def _audit(rep: Report, evaluate: pd.DataFrame, own: pd.DataFrame, labels: pd.DataFrame | None) -> None:
+    """Table 24: M1 and own-heads knock-in recovery at k=40 on the audited contrastive events, per
+    model, arm, precision and seed (an ``evaluate`` run and the ``own_heads`` run of the same key)."""
+    from analysis.audit import stratified_readouts
+
+    name, title = "table24_audited_events", "Table 24: the readouts on the audited contrastive events"
+    caption = ("M1 (share of the labeled P2C events where the model's teacher-forced margin favours the "
+               "teacher's choice) and own-heads knock-in recovery at k=40 (mean over gated events), on the "
+               "verified rejections and on the other labeled events (enumerations and the remaining classes).")
+    cols = ["model", "arm", "precision", "seed", "stratum", "m1_n", "m1_p_pos", "knockin_n", "recovery_k40"]
+    if labels is None:
+        return _listed(rep, name, title, caption, pd.DataFrame(), pd.DataFrame(),
+                       "no audit labels given (ReportConfig.audit_labels)", columns=cols)
+    if evaluate.empty:
+        return _listed(rep, name, title, caption, pd.DataFrame(), pd.DataFrame(), "no FINISHED evaluate runs",
+                       columns=cols)
+    m1 = _load(rep, evaluate, "m1_events.csv", ["event_id", "kind", "margin"])
+    kin = _load(rep, own, "own_heads_knockin_events.csv", ["event_id", "phase", "k", "recovery", "gated"]) \
+        if not own.empty else pd.DataFrame()
+    if len(kin):
+        kin = kin[kin["traces"] == "teacher"]
+    rows = []
+    for key, m1_run in (m1.groupby(list(query.RUN_KEY), dropna=False, sort=True) if len(m1) else []):
+        kin_run = kin
+        if len(kin):
+            match = pd.Series(True, index=kin.index)
+            for col, value in zip(query.RUN_KEY, key):
+                match &= kin[col].astype(str) == str(value)
+            kin_run = kin[match]
+        table = stratified_readouts(labels, m1_run, kin_run, k=40)
+        for col, value in reversed(list(zip(query.RUN_KEY, key))):
+            table.insert(0, col, value)
+        rows.append(table)
+    frame = pd.concat(rows, ignore_index=True) if rows else pd.DataFrame(columns=cols)
+    _listed(rep, name, title, caption, frame, frame, "" if len(frame) else "no evaluate run logged m1_events",
+            columns=cols)
 
 
 # ---------------------------------------------------------------------- Tables 11 and 15

@@ -273,3 +273,42 @@ def test_own_heads_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_
     assert metrics["own/coverage/n_closed"] <= 2
     # a second identical call reuses the finished run
     assert run_own_heads(cfg) == run_id
+    # per-event knock-in rows (Table 24's input): the own set's recovery at each event, draw 0;
+    # their mean per note, phase and k is the note's recovery_own
+    events = pd.read_csv(client.download_artifacts(run_id, "own_heads_knockin_events.csv", str(tmp_path / "dl2")),
+                         dtype={"note_id": str})
+    assert {"note_id", "traces", "event_id", "phase", "k", "recovery", "gated"} <= set(events) and len(events)
+    by_note = pd.read_csv(local, dtype={"note_id": str}).set_index(["note_id", "phase", "k"])["recovery_own"]
+    for key, value in events.dropna(subset=["recovery"]).groupby(["note_id", "phase", "k"])["recovery"].mean().items():
+        assert by_note[key] == pytest.approx(value), key
+
+    # App. E on the trained arm: its own ranking's attribute run feeds the read side and the edits
+    from mistill.stages.edits import TraceEditConfig, run_trace_edit
+    from mistill.stages.readside import ReadSideConfig, run_read_side
+
+    rank = tags["mistill.rank_attribute"]
+    for stage_run in (run_read_side(ReadSideConfig(attribute_run=rank, panel_top=2, panel_bottom=0, panel_random=2)),
+                      run_trace_edit(TraceEditConfig(attribute_run=rank, max_events=2))):
+        got = client.get_run(stage_run)
+        assert got.info.status == "FINISHED" and got.data.tags["mistill.model"] == f"run:{train}"
+
+    # Table 24: the arm's M1 and knock-in recovery on audited contrastive events
+    from mistill.stages.evaluate import EvaluateConfig, run_evaluate
+    from mistill.stages.report import ReportConfig, run_report
+
+    evaluated = run_evaluate(EvaluateConfig(prepare_run=prep, train_run=train, split="val", max_notes=2,
+                                            max_new_tokens=6))
+    m1 = pd.read_csv(client.download_artifacts(evaluated, "m1_events.csv", str(tmp_path / "m1")),
+                     dtype={"note_id": str})
+    p2c = m1[m1["kind"] == "P2C"].reset_index(drop=True)
+    assert len(p2c) >= 2
+    labels = p2c[["note_id", "event_id"]].assign(
+        label=["verified_rejection" if i % 2 == 0 else "enumeration" for i in range(len(p2c))])
+    labels.to_csv(tmp_path / "audit.csv", index=False)
+    report = run_report(ReportConfig(corpus=name, split="val", audit_labels=str(tmp_path / "audit.csv")))
+    t24 = pd.read_csv(client.download_artifacts(report, "tables/table24_audited_events.csv", str(tmp_path / "t24")))
+    rows = t24[t24["arm"] == "vanilla-bf16"].set_index("stratum")
+    verified = p2c.iloc[::2]["margin"]
+    assert rows.loc["verified rejection", "m1_n"] == len(verified)
+    assert rows.loc["verified rejection", "m1_p_pos"] == pytest.approx(float((verified > 0).mean()))
+    assert rows.loc["other labeled", "m1_n"] == len(p2c) - len(verified)

@@ -219,6 +219,9 @@ def _aggregate(run, notes, prepared, cfg: EvaluateConfig) -> tuple[dict, pd.Data
         if cfg.las_run:
             metrics["fidelity/las_mean"] = float(df["las"].mean())
         metrics.update(m1_summary(e for events in m1 for e in events))
+        run.log_table("m1_events", pd.DataFrame(
+            [{"note_id": n.note_id, **e} for n, events in zip(notes, m1) for e in events],
+            columns=["note_id", "event_id", "kind", "margin"]))
     predictions = [{k: p[k] for k in ("note_id", "codes", "valid", "reason", "capped", "degenerate", "n_tokens",
                                       "seed")} for p in preds]
     return metrics, df, predictions

@@ -253,11 +253,13 @@ class _Context:
                                seed=cfg.seed, range_gate=cfg.range_gate, batch_size=cfg.batch_size,
                                no_match=cfg.donor_no_match)
         rows = m4_rows(target.note_id, nec, kin, k_bins)
+        events = [{"event_id": r["event_id"], "phase": r["phase"], "k": int(r["k"]), "recovery": r["recovery"],
+                   "gated": bool(r["gated"])} for r in kin if r["set"] == "global" and r.get("draw", 0) == 0]
         read = readside_note(self.lm, target, self.prepared.inventory, self.groups)
         counts = {p: sum(1 for q in target.queries if q.kind == p) for p in PHASES}
         donor_ids = list(dict.fromkeys(r["donor_id"] for r in kin))
         m5 = m5_note(self.runner, target, self.prepared.inventory, LocusConfig())
-        return {"m4.json": {"rows": rows, "donor_ids": donor_ids}, "m5.json": {"rows": m5},
+        return {"m4.json": {"rows": rows, "donor_ids": donor_ids, "events": events}, "m5.json": {"rows": m5},
                 "readside.json": {"values": {k: (v if math.isfinite(v) else None) for k, v in read.items()},
                                   "n_events": counts}}
 
@@ -352,7 +354,7 @@ def _own_pass(run, ctx: _Context, notes: list[Note]) -> tuple[dict[str, float], 
 def _aggregate(run, cfg: OwnHeadsConfig, notes: list[Note], coverage: dict[str, float]) -> str:
     from mistill.evaluation.own_heads import m5_summary
 
-    per_note, readside, m5 = [], [], {"teacher": [], "own": []}
+    per_note, readside, m5, per_event = [], [], {"teacher": [], "own": []}, []
     k_bins = tuple(sorted(set(cfg.k) | {cfg.necessity_k}))
     for traces, subdir in (("teacher", NOTES), ("own", OWN_NOTES)):
         if traces == "own" and not cfg.own_traces:
@@ -365,6 +367,7 @@ def _aggregate(run, cfg: OwnHeadsConfig, notes: list[Note], coverage: dict[str, 
             rs = run.load_note(subdir, note.note_id, "readside.json")
             m5[traces] += run.load_note(subdir, note.note_id, "m5.json")["rows"]
             per_note += [{**r, "traces": traces} for r in m4["rows"]]
+            per_event += [{"note_id": note.note_id, "traces": traces, **e} for e in m4.get("events", [])]
             readside.append({"note_id": note.note_id, "traces": traces,
                              **{k: (float("nan") if v is None else v) for k, v in rs["values"].items()}})
     cols = ["note_id", "traces", "phase", "k", "recovery_own", "recovery_random", "necessity_own",
@@ -372,6 +375,8 @@ def _aggregate(run, cfg: OwnHeadsConfig, notes: list[Note], coverage: dict[str, 
     table = pd.DataFrame(per_note, columns=cols)
     reads = pd.DataFrame(readside)
     run.log_table("own_heads_per_note", table)
+    run.log_table("own_heads_knockin_events", pd.DataFrame(
+        per_event, columns=["note_id", "traces", "event_id", "phase", "k", "recovery", "gated"]))
     if len(reads):
         run.log_table("own_heads_readside_per_note", reads)
     metrics: dict[str, float] = {"n_notes": float(len(notes))}

@@ -50,6 +50,10 @@ class ReportConfig(Config):
     ce_steps: Table 48's optimiser steps (each >= 1, no repeats).
     sign_alpha: **[recon]** Table 50's direction: an ablation is higher or lower than Mistill
         at P2C when the paired sign test's p is below this, else level (in (0, 1)).
+    audit_labels: a local CSV of audited contrastive events (``note_id, event_id, label``; the
+        label ``verified_rejection`` or another class) for Table 24; empty: Table 24 says why it
+        has no rows. The file joins the report's identity by content; only the strata's
+        aggregates are logged.
     """
 
     corpus: str = "synthetic"
@@ -64,6 +68,7 @@ class ReportConfig(Config):
     layer_blocks: tuple[float, ...] = (0.3, 0.6, 0.8)
     ce_steps: tuple[int, ...] = (5, 20, 60, 120)
     sign_alpha: float = 0.05
+    audit_labels: str = ""
 
     def validate(self) -> None:
         from mistill.validation import check_arm, check_arms, check_name, check_no_text_fields
@@ -85,10 +90,20 @@ class ReportConfig(Config):
         check_counts(self.ce_steps, "ce_steps")
         if not 0 < self.sign_alpha < 1:
             raise MistillInputError(f"sign_alpha must lie in (0, 1), got {self.sign_alpha}", field="sign_alpha")
+        from mistill.validation import check_path
+
+        check_path(self.audit_labels, "audit_labels", "an audit labels file (.csv)", allow_empty=True)
         bounds = list(self.layer_blocks)
         if any(not 0 < b < 1 for b in bounds) or bounds != sorted(set(bounds)):
             raise MistillInputError(f"layer_blocks must be increasing fractions in (0, 1), got "
                                     f"{bounds}", field="layer_blocks")
+
+    def content_digests(self) -> dict[str, str]:
+        """The audit labels file's content (an edited file makes a new report)."""
+        from mistill.config import file_digest
+
+        digest = file_digest(self.audit_labels)
+        return {"audit_labels": digest} if digest else {}
 
     def choices(self):
         """The table choices :func:`analysis.report.build_report` takes."""
@@ -127,9 +142,14 @@ def run_report(cfg: ReportConfig) -> str:
         if run.reused:
             print(f"report: reusing finished run {run.run_id}")
             return run.run_id
+        labels = None
+        if cfg.audit_labels:
+            from analysis.audit import read_audit_labels
+
+            labels = read_audit_labels(cfg.audit_labels)
         rep = build_report(inputs, reference_arm=cfg.reference_arm, n_resamples=cfg.bootstrap,
                            corpus_resamples=cfg.corpus_bootstrap, seed=cfg.seed,
-                           choices=cfg.choices(), split=cfg.split, client=client)
+                           choices=cfg.choices(), split=cfg.split, client=client, audit_labels=labels)
         tables_dir = run.work_dir / "artifacts" / "tables"
         for t in rep.tables:
             run.log_table(f"tables/{t.name}", t.numeric)

@@ -1,0 +1,48 @@
+"""The audit labels file and Table 24's strata, by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from analysis.audit import read_audit_labels, stratified_readouts
+from mistill.errors import MistillInputError
+
+
+def test_labels_file_is_read_and_bad_rows_are_named(tmp_path):
+    good = tmp_path / "audit.csv"
+    good.write_text("note_id,event_id,label\n7,7:P2C:1,verified_rejection\n7,7:P2C:4,enumeration\n")
+    labels = read_audit_labels(good)
+    assert list(labels["note_id"]) == ["7", "7"] and list(labels["label"]) == ["verified_rejection", "enumeration"]
+    (tmp_path / "cols.csv").write_text("note_id,label\n7,enumeration\n")
+    with pytest.raises(MistillInputError, match="missing column") as err:
+        read_audit_labels(tmp_path / "cols.csv")
+    assert err.value.field == "event_id"
+    (tmp_path / "empty.csv").write_text("note_id,event_id,label\n7,7:P2C:1,\n")
+    with pytest.raises(MistillInputError, match="line 2: empty label"):
+        read_audit_labels(tmp_path / "empty.csv")
+    (tmp_path / "twice.csv").write_text("note_id,event_id,label\n7,e1,enumeration\n7,e1,other\n")
+    with pytest.raises(MistillInputError, match="line 3: event e1 labeled twice"):
+        read_audit_labels(tmp_path / "twice.csv")
+    with pytest.raises(MistillInputError, match="does not exist"):
+        read_audit_labels(tmp_path / "missing.csv")
+
+
+def test_strata_by_hand():
+    labels = pd.DataFrame({"note_id": ["a", "a", "b", "b"], "event_id": ["e1", "e2", "e3", "e4"],
+                           "label": ["verified_rejection", "enumeration", "verified_rejection", "other"]})
+    m1 = pd.DataFrame({"note_id": ["a", "a", "b", "b", "b"], "event_id": ["e1", "e2", "e3", "e4", "e5"],
+                       "kind": ["P2C", "P2C", "P2C", "P2C", "P2C"], "margin": [0.5, -1.0, -0.2, 2.0, 3.0]})
+    kin = pd.DataFrame({"note_id": ["a", "a", "b", "b"], "event_id": ["e1", "e1", "e3", "e4"],
+                        "phase": ["P2C"] * 4, "k": [40, 8, 40, 40], "recovery": [0.8, 0.1, 0.4, 0.9],
+                        "gated": [True, True, True, False]})
+    t = stratified_readouts(labels, m1, kin, k=40).set_index("stratum")
+    assert t.loc["verified rejection", "m1_n"] == 2 and t.loc["verified rejection", "m1_p_pos"] == 0.5
+    assert t.loc["other labeled", "m1_n"] == 2 and t.loc["other labeled", "m1_p_pos"] == 0.5  # e5 is unlabeled
+    assert t.loc["verified rejection", "knockin_n"] == 2
+    assert t.loc["verified rejection", "recovery_k40"] == pytest.approx(0.6)  # e1 and e3 at k=40
+    assert t.loc["other labeled", "knockin_n"] == 0 and math.isnan(t.loc["other labeled", "recovery_k40"])
+    empty = stratified_readouts(labels, m1, pd.DataFrame(), k=40).set_index("stratum")
+    assert empty.loc["verified rejection", "knockin_n"] == 0
