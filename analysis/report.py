@@ -243,6 +243,8 @@ def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str]
     for stage in ("locus", *READ_SIDE_STAGES):
         found = query.stage_runs(client, experiment, stage)
         extra[stage] = query.latest_runs(found, ("model",)) if not found.empty else found
+        if stage == "trace_edit":  # Table 22 pairs the students' runs by arm and seed
+            extra["trace_edit_all"] = query.latest_runs(found, query.RUN_KEY) if not found.empty else found
     return ReportInputs(experiment, runs, extra)
 
 
@@ -322,6 +324,7 @@ def build_report(inputs: ReportInputs, *, reference_arm: str,
     _locus(rep, inputs.extra.get("locus", pd.DataFrame()))
     _read_side(rep, {stage: inputs.extra.get(stage, pd.DataFrame()) for stage in READ_SIDE_STAGES})
     _audit(rep, inputs.runs["evaluate"], inputs.runs["own_heads"], audit_labels)
+    _student_edits(rep, inputs.extra.get("trace_edit_all", pd.DataFrame()), reference_arm, n_resamples, seed)
     _selection(rep, inputs.runs["select_lambda"], cells, extra, n_resamples, seed)
     _ablations(rep, client, extra, cells, choices, n_resamples, seed)
     rep.size_section = evidence_size(inputs.runs["evaluate"], task_notes,
@@ -787,6 +790,28 @@ def _read_side(rep: Report, runs: dict[str, pd.DataFrame]) -> None:
             why = "" if not frame.empty else f"the {stage} runs logged no rows for it"
         _listed(rep, f"appE_{name}", title, caption, frame, frame.drop(columns=["run_id"], errors="ignore"), why,
                 columns=("model",))
+
+
+def _student_edits(rep: Report, runs: pd.DataFrame, reference_arm: str, n_resamples: int, seed: int) -> None:
+    """Table 22: every arm's trace edits against the reference arm's, per seed pair and pooled."""
+    from analysis.edit_tables import edit_pairs_table
+
+    name, title = "table22_student_edits", "Table 22: the trace edits on the students"
+    caption = ("Per note, the mean edit effect over the three replacements on the events both arms' runs "
+               f"edited; each arm minus the reference arm ({reference_arm}) per seed pair, and pooled with "
+               "the note as the cluster (bootstrap-over-notes 95% interval; notes higher / lower; sign test). "
+               "The ordering is a property of the trained pair.")
+    cols = ["arm", "pair", "n_notes", "arm_mean", "reference_mean", "difference", "ci_low", "ci_high",
+            "notes_higher", "notes_lower", "sign_p"]
+    students = runs[runs["arm"].notna()] if not runs.empty and "arm" in runs.columns else pd.DataFrame()
+    if students.empty:
+        return _listed(rep, name, title, caption, pd.DataFrame(), pd.DataFrame(),
+                       "no FINISHED trace_edit runs of a trained arm", columns=cols)
+    events = _load(rep, students, "trace_edit_events.csv", ["event_id"], ("run_id", "arm", "seed"))
+    table = edit_pairs_table(events, reference_arm, n_resamples=n_resamples, seed=seed)
+    _listed(rep, name, title, caption, table, table,
+            "" if len(table) else f"no arm's trace_edit runs pair with the reference arm's ({reference_arm})",
+            columns=cols)
 
 
 def _audit(rep: Report, evaluate: pd.DataFrame, own: pd.DataFrame, labels: pd.DataFrame | None) -> None:

@@ -1,9 +1,10 @@
-"""The audit labels file and Table 24's strata, by hand."""
+"""The audit labels file and Table 24's strata, and Table 22's student pairs, by hand."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -46,3 +47,29 @@ def test_strata_by_hand():
     assert t.loc["other labeled", "knockin_n"] == 0 and math.isnan(t.loc["other labeled", "recovery_k40"])
     empty = stratified_readouts(labels, m1, pd.DataFrame(), k=40).set_index("stratum")
     assert empty.loc["verified rejection", "knockin_n"] == 0
+
+
+def test_student_edit_pairs_by_hand():
+    from analysis.edit_tables import edit_pairs_table, note_effects
+
+    def run(arm, seed, effects):  # effects: {(note, event): (neutral, unrelated, other_category)}
+        return pd.DataFrame([{"run_id": f"{arm}{seed}", "arm": arm, "seed": seed, "note_id": n, "event_id": e,
+                              "neutral": a, "unrelated": b, "other_category": c}
+                             for (n, e), (a, b, c) in effects.items()])
+
+    ref0 = run("vanilla-bf16", 0, {("n1", "e1"): (1.0, 1.0, 1.0), ("n1", "e2"): (3.0, None, 3.0),
+                                   ("n2", "e3"): (0.0, 0.0, 0.0)})
+    ref1 = run("vanilla-bf16", 1, {("n1", "e1"): (2.0, 2.0, 2.0), ("n2", "e3"): (1.0, 1.0, 1.0)})
+    mis0 = run("mistill", 0, {("n1", "e1"): (2.0, 2.0, 2.0), ("n2", "e3"): (1.0, 1.0, 4.0),
+                              ("n2", "e9"): (9.0, 9.0, 9.0)})  # e9: the reference did not edit it
+    mis1 = run("mistill", 1, {("n1", "e1"): (2.0, 2.0, 2.0), ("n2", "e3"): (0.0, 0.0, 0.0)})
+    assert note_effects(ref0) == {"n1": 2.0, "n2": 0.0}  # e2's mean skips its missing replacement
+    t = edit_pairs_table(pd.concat([ref0, ref1, mis0, mis1]), "vanilla-bf16", n_resamples=50)
+    pairs = t.set_index("pair")
+    # seed 0: shared events e1, e3 -> n1: 2 - 1, n2: 2 - 0; seed 1: n1: 2 - 2, n2: 0 - 1
+    assert pairs.loc["seed 0 vs 0", "difference"] == pytest.approx(1.5)
+    assert pairs.loc["seed 1 vs 1", "difference"] == pytest.approx(-0.5)
+    pooled = pairs.loc["pooled (note-clustered)"]
+    assert pooled["difference"] == pytest.approx(np.mean([(1 + 0) / 2, (2 - 1) / 2]))
+    assert pooled["n_notes"] == 2 and set(t["arm"]) == {"mistill"}
+    assert edit_pairs_table(pd.concat([mis0, mis1]), "vanilla-bf16").empty  # no reference runs

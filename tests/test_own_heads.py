@@ -291,6 +291,8 @@ def test_own_heads_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_
                       run_trace_edit(TraceEditConfig(attribute_run=rank, max_events=2))):
         got = client.get_run(stage_run)
         assert got.info.status == "FINISHED" and got.data.tags["mistill.model"] == f"run:{train}"
+        assert got.data.tags["mistill.arm"] == train_tags["mistill.arm"]  # pairs with the arm's other runs
+        assert got.data.tags["mistill.seed"] == train_tags["mistill.seed"]
 
     # Table 24: the arm's M1 and knock-in recovery on audited contrastive events
     from mistill.stages.evaluate import EvaluateConfig, run_evaluate
@@ -312,3 +314,5 @@ def test_own_heads_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_
     assert rows.loc["verified rejection", "m1_n"] == len(verified)
     assert rows.loc["verified rejection", "m1_p_pos"] == pytest.approx(float((verified > 0).mean()))
     assert rows.loc["other labeled", "m1_n"] == len(p2c) - len(verified)
+    text = open(client.download_artifacts(report, "report.md", str(tmp_path / "md"))).read()
+    assert "Table 22:" in text and "Table 24:" in text

@@ -443,6 +443,16 @@ def trained_subject(train_run: str) -> Subject:
                    precision=tags.get("mistill.precision"), links={k: tags[k] for k in LINK_TAGS if k in tags})
 
 
+def subject_run_args(model: str) -> dict[str, Any]:
+    """The run arguments of a stage that reads ``model``: the spec and, for a trained arm's
+    checkpoint (``run:<id>``), the arm, seed and precision of its ``train`` run, so the readout
+    pairs with the arm's other runs in the report."""
+    if not model.startswith("run:"):
+        return {"model": model}
+    subject = trained_subject(model[len("run:"):])
+    return {"model": model, "arm": subject.arm, "seed": subject.seed, "precision": subject.precision}
+
+
 class RunReader:
     """Read another stage's run: its typed config and its (per-note) artifacts.
 

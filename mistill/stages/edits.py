@@ -17,10 +17,11 @@ mediation set (the attribute run's top ``mediation_heads`` contrastive heads, or
 mean-ablated at the decision token during a second read of every variant; the share it mediates
 is ``1 - effect_ablated / effect``.
 
-Table ``trace_edit`` (Table 21, the per-run half of Table 22): per replacement, events, mean and
-median effect, events up / down with the sign test, the median mediated share over events whose
-effect exceeds ``mediation_min_effect``; paired per event, neutral minus each code replacement
-(median, Wilcoxon and sign test).
+Table ``trace_edit`` (Table 21): per replacement, events, mean and median effect, events up / down
+with the sign test, the median mediated share over events whose effect exceeds
+``mediation_min_effect``; paired per event, neutral minus each code replacement (median, Wilcoxon
+and sign test). ``trace_edit_events``: every event's effect per replacement (the report pairs
+the students' runs on it, Table 22).
 """
 
 from __future__ import annotations
@@ -138,12 +139,13 @@ def run_trace_edit(cfg: TraceEditConfig) -> str:
     from mistill.io import dumps
     from mistill.models.loading import load_model
     from mistill.stages.characterize import attribute_input, event_queries, read_realized
-    from mistill.stages.common import prepared_note_input
+    from mistill.stages.common import prepared_note_input, subject_run_args
 
     att = attribute_input(cfg.attribute_run)
     ev, prepared, notes = att.events, att.prepared, att.notes
     head_sets = att.head_sets()
-    with open_stage("trace_edit", cfg, prepared, inputs={"attribute": cfg.attribute_run}, model=ev.model) as run:
+    with open_stage("trace_edit", cfg, prepared, inputs={"attribute": cfg.attribute_run},
+                    **subject_run_args(ev.model)) as run:
         if run.reused:
             return run.run_id
         lm = load_model(ev.model, dtype=cfg.dtype, device=stage_device(cfg.device))
@@ -194,6 +196,9 @@ def run_trace_edit(cfg: TraceEditConfig) -> str:
                                   for row in reader.jsonl(note.note_id, "trace_edit.jsonl")])
         table = trace_edit_table(per_event, cfg.mediation_min_effect)
         run.log_table("trace_edit", table)
+        effects = edit_effects(per_event) if len(per_event) else pd.DataFrame(columns=list(REPLACEMENTS))
+        run.log_table("trace_edit_events", pd.concat(
+            [per_event.reindex(columns=["note_id", "event_id"]), effects[list(REPLACEMENTS)]], axis=1))
         metrics = {"n_events": float(len(per_event))}
         for _, row in table.iterrows():
             for col in ("effect_mean", "effect_median", "sign_p", "mediated_median"):
@@ -362,12 +367,13 @@ def run_note_edit(cfg: NoteEditConfig) -> str:
     from mistill.io import dumps
     from mistill.models.loading import load_model
     from mistill.stages.characterize import attribute_input, event_queries, read_realized
-    from mistill.stages.common import prepared_note_input
+    from mistill.stages.common import prepared_note_input, subject_run_args
 
     att = attribute_input(cfg.attribute_run)
     ev, prepared, notes = att.events, att.prepared, att.notes
     words = DescriptionWords.of(prepared.inventory)
-    with open_stage("note_edit", cfg, prepared, inputs={"attribute": cfg.attribute_run}, model=ev.model) as run:
+    with open_stage("note_edit", cfg, prepared, inputs={"attribute": cfg.attribute_run},
+                    **subject_run_args(ev.model)) as run:
         if run.reused:
             return run.run_id
         lm = load_model(ev.model, dtype=cfg.dtype, device=stage_device(cfg.device))

@@ -185,7 +185,7 @@ def run_key_block(cfg: KeyBlockConfig) -> str:
     from mistill.io import dumps
     from mistill.models.loading import load_model
     from mistill.stages.characterize import attribute_input, read_realized
-    from mistill.stages.common import prepared_note_input
+    from mistill.stages.common import prepared_note_input, subject_run_args
 
     rs = RunReader(cfg.read_side_run, field="read_side_run")
     if rs.tags.get("mistill.stage") != "read_side":
@@ -197,7 +197,8 @@ def run_key_block(cfg: KeyBlockConfig) -> str:
     if not pairs:
         _log.warning("key_block: the read_side run %s names no head (no region reader at P1, no P2C ranking); "
                      "the run records no blocking (name heads with heads=L30H11:N,...)", cfg.read_side_run)
-    with open_stage("key_block", cfg, prepared, inputs={"read_side": cfg.read_side_run}, model=ev.model) as run:
+    with open_stage("key_block", cfg, prepared, inputs={"read_side": cfg.read_side_run},
+                    **subject_run_args(ev.model)) as run:
         if run.reused:
             return run.run_id
         lm = load_model(ev.model, dtype=cfg.dtype, device=stage_device(cfg.device))

@@ -118,12 +118,13 @@ def run_read_side(cfg: ReadSideConfig) -> str:
     from mistill.io import npz_bytes
     from mistill.models.loading import load_model
     from mistill.stages.characterize import _ranks_from_head_sets, attribute_input, read_realized
-    from mistill.stages.common import prepared_note_input
+    from mistill.stages.common import prepared_note_input, subject_run_args
 
     source = attribute_input(cfg.attribute_run)
     att_reader, ev, prepared, notes = source.reader, source.events, source.prepared, source.notes
     head_sets = source.head_sets()
-    with open_stage("read_side", cfg, prepared, inputs={"attribute": cfg.attribute_run}, model=ev.model) as run:
+    with open_stage("read_side", cfg, prepared, inputs={"attribute": cfg.attribute_run},
+                    **subject_run_args(ev.model)) as run:
         if run.reused:
             return run.run_id
         lm = load_model(ev.model, dtype=cfg.dtype, device=stage_device(cfg.device))
