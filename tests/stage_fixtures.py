@@ -63,6 +63,18 @@ def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
+def tiny_attribute_run(prefix: str, n_notes: int = 3) -> str:
+    """``prepare -> events -> attribute`` on :data:`TINY` over ``n_notes`` synthetic notes (4 NULL
+    events a note, no self-test): the attribute run's id. The caller sets ``MISTILL_ROOT`` and
+    the tracking server."""
+    from mistill.stages.characterize import AttributeConfig, EventsConfig, run_attribute, run_events
+    from mistill.stages.prepare import PrepareConfig, run_prepare
+
+    prep = run_prepare(PrepareConfig(corpus="synthetic", corpus_name=unique(prefix), n_notes=n_notes, model=TINY))
+    events = run_events(EventsConfig(prepare_run=prep, model=TINY, n_null=4))
+    return run_attribute(AttributeConfig(events_run=events, selftest_events=0, stability_splits=5))
+
+
 def subprocess_env(tracking_uri: str, root: Path) -> dict[str, str]:
     """Environment of an entry-point subprocess: this server, this root, this venv first."""
     bindir = str(Path(sys.executable).parent)

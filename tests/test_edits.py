@@ -32,6 +32,17 @@ def setup(request):
     return lm, runner, hook, ids, prefix, mean, q
 
 
+@pytest.fixture(scope="module")
+def attributed(tracking_uri, tmp_path_factory, pinned_code_version):
+    """One tiny attribute run for the edit stages (its root, its id)."""
+    from stage_fixtures import tiny_attribute_run
+
+    root = tmp_path_factory.mktemp("edits-root")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MISTILL_ROOT", str(root))
+        return root, tiny_attribute_run("edits")
+
+
 def _fresh_margin(lm, ids: torch.Tensor, q: Query) -> float:
     with torch.no_grad():
         logits = lm.model(ids[None, :q.position + 1]).logits[0, q.position].float()
@@ -96,7 +107,7 @@ def test_replacement_codes_keep_the_shape_and_the_relation():
     assert fillers[0] == "-" and all(not any(ch.isalnum() and ch != "x" for ch in f) for f in fillers)
 
 
-def test_trace_edit_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_code_version):
+def test_trace_edit_stage_end_to_end(attributed, tmp_path, monkeypatch):
     """events -> attribute -> trace_edit on a tiny model against the real tracking server: every
     edited event has the identity re-feed at the clean margin, aligned replacements, Table 21 with
     the three replacements and the paired rows, and a rerun is reused."""
@@ -106,22 +117,17 @@ def test_trace_edit_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned
     import pandas as pd
     from mlflow.tracking import MlflowClient
 
-    from mistill.stages.characterize import AttributeConfig, EventsConfig, run_attribute, run_events
     from mistill.stages.edits import REPLACEMENTS, TraceEditConfig, run_trace_edit
-    from mistill.stages.prepare import PrepareConfig, run_prepare
-    from stage_fixtures import TINY, unique
 
-    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path))
-    prep = run_prepare(PrepareConfig(corpus="synthetic", corpus_name=unique("te"), n_notes=3, model=TINY))
-    events = run_events(EventsConfig(prepare_run=prep, model=TINY, n_null=4))
-    attribute = run_attribute(AttributeConfig(events_run=events, selftest_events=0, stability_splits=5))
+    root, attribute = attributed
+    monkeypatch.setenv("MISTILL_ROOT", str(root))
     cfg = TraceEditConfig(attribute_run=attribute, max_events=3)
     run_id = run_trace_edit(cfg)
     client = MlflowClient()
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.tags["mistill.stage"] == "trace_edit"
     rows = []
-    for d in sorted((tmp_path / "work" / run_id / "notes").iterdir()):
+    for d in sorted((root / "work" / run_id / "notes").iterdir()):
         rows += [json.loads(line) for line in (d / "trace_edit.jsonl").read_text().splitlines()]
     df = pd.DataFrame(rows)
     assert 0 < len(df) <= 3 * 3
@@ -176,7 +182,7 @@ def test_description_word_sets():
     assert "code_words" not in words.word_sets("N18.5", "N18.6", {"ambulating"}, seed=0)
 
 
-def test_note_edit_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_code_version):
+def test_note_edit_stage_end_to_end(attributed, tmp_path, monkeypatch):
     """events -> attribute -> note_edit on a tiny model against the real tracking server: every
     qualifying event has the identity re-feed at the clean margin and its variants' words counted
     (never their text), Table 23 is logged, and no note word reaches the run's files."""
@@ -185,22 +191,17 @@ def test_note_edit_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_
     import pandas as pd
     from mlflow.tracking import MlflowClient
 
-    from mistill.stages.characterize import AttributeConfig, EventsConfig, run_attribute, run_events
     from mistill.stages.edits import NOTE_VARIANTS, NoteEditConfig, run_note_edit
-    from mistill.stages.prepare import PrepareConfig, run_prepare
-    from stage_fixtures import TINY, unique
 
-    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path))
-    prep = run_prepare(PrepareConfig(corpus="synthetic", corpus_name=unique("ne"), n_notes=3, model=TINY))
-    events = run_events(EventsConfig(prepare_run=prep, model=TINY, n_null=4))
-    attribute = run_attribute(AttributeConfig(events_run=events, selftest_events=0, stability_splits=5))
+    root, attribute = attributed
+    monkeypatch.setenv("MISTILL_ROOT", str(root))
     cfg = NoteEditConfig(attribute_run=attribute, max_events=4)
     run_id = run_note_edit(cfg)
     client = MlflowClient()
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.tags["mistill.stage"] == "note_edit"
     rows = []
-    for d in sorted((tmp_path / "work" / run_id / "notes").iterdir()):
+    for d in sorted((root / "work" / run_id / "notes").iterdir()):
         text = (d / "note_edit.jsonl").read_text()
         rows += [json.loads(line) for line in text.splitlines()]
     df = pd.DataFrame(rows)

@@ -138,17 +138,13 @@ def test_key_block_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_
     from mlflow.tracking import MlflowClient
 
     from mistill.instrument.keycats import KEY_CATEGORIES
-    from mistill.stages.characterize import AttributeConfig, EventsConfig, run_attribute, run_events
     from mistill.stages.common import RunReader
     from mistill.stages.keyblock import KeyBlockConfig, chosen_heads, run_key_block
-    from mistill.stages.prepare import PrepareConfig, run_prepare
     from mistill.stages.readside import ReadSideConfig, run_read_side
-    from stage_fixtures import TINY, unique
+    from stage_fixtures import tiny_attribute_run
 
     monkeypatch.setenv("MISTILL_ROOT", str(tmp_path))
-    prep = run_prepare(PrepareConfig(corpus="synthetic", corpus_name=unique("kb"), n_notes=3, model=TINY))
-    events = run_events(EventsConfig(prepare_run=prep, model=TINY, n_null=4))
-    attribute = run_attribute(AttributeConfig(events_run=events, selftest_events=0, stability_splits=5))
+    attribute = tiny_attribute_run("kb")
     read_side = run_read_side(ReadSideConfig(attribute_run=attribute, panel_top=3, panel_bottom=0, panel_random=2))
     cfg = KeyBlockConfig(read_side_run=read_side, heads="L1H2:region+S,L1H3:N+near_miss_line", max_events=4)
     run_id = run_key_block(cfg)

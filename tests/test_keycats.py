@@ -139,15 +139,11 @@ def test_read_side_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_
 
     from mlflow.tracking import MlflowClient
 
-    from mistill.stages.characterize import AttributeConfig, EventsConfig, run_attribute, run_events
-    from mistill.stages.prepare import PrepareConfig, run_prepare
     from mistill.stages.readside import FAMILIES, ReadSideConfig, run_read_side
-    from stage_fixtures import TINY, unique
+    from stage_fixtures import tiny_attribute_run
 
     monkeypatch.setenv("MISTILL_ROOT", str(tmp_path))
-    prep = run_prepare(PrepareConfig(corpus="synthetic", corpus_name=unique("read"), n_notes=3, model=TINY))
-    events = run_events(EventsConfig(prepare_run=prep, model=TINY, n_null=4))
-    attribute = run_attribute(AttributeConfig(events_run=events, selftest_events=0, stability_splits=5))
+    attribute = tiny_attribute_run("read")
     cfg = ReadSideConfig(attribute_run=attribute, panel_top=3, panel_bottom=2, panel_random=2)
     run_id = run_read_side(cfg)
     client = MlflowClient()
