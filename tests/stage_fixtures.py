@@ -75,6 +75,20 @@ def tiny_attribute_run(prefix: str, n_notes: int = 3) -> str:
     return run_attribute(AttributeConfig(events_run=events, selftest_events=0, stability_splits=5))
 
 
+def finished_note_rows(root: Path, run_id: str, stage: str, filename: str) -> list[dict]:
+    """Check that run ``run_id`` of ``stage`` is FINISHED and return every row of the per-note
+    JSONL ``filename`` it wrote under ``notes/`` (read from its work dir under ``root``, notes
+    in order)."""
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient().get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["mistill.stage"] == stage
+    rows = []
+    for d in sorted((Path(root) / "work" / run_id / "notes").iterdir()):
+        rows += [json.loads(line) for line in (d / filename).read_text().splitlines() if line]
+    return rows
+
+
 def subprocess_env(tracking_uri: str, root: Path) -> dict[str, str]:
     """Environment of an entry-point subprocess: this server, this root, this venv first."""
     bindir = str(Path(sys.executable).parent)

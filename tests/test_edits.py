@@ -118,18 +118,14 @@ def test_trace_edit_stage_end_to_end(attributed, tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
     from mistill.stages.edits import REPLACEMENTS, TraceEditConfig, run_trace_edit
+    from stage_fixtures import finished_note_rows
 
     root, attribute = attributed
     monkeypatch.setenv("MISTILL_ROOT", str(root))
     cfg = TraceEditConfig(attribute_run=attribute, max_events=3)
     run_id = run_trace_edit(cfg)
     client = MlflowClient()
-    run = client.get_run(run_id)
-    assert run.info.status == "FINISHED" and run.data.tags["mistill.stage"] == "trace_edit"
-    rows = []
-    for d in sorted((root / "work" / run_id / "notes").iterdir()):
-        rows += [json.loads(line) for line in (d / "trace_edit.jsonl").read_text().splitlines()]
-    df = pd.DataFrame(rows)
+    df = pd.DataFrame(finished_note_rows(root, run_id, "trace_edit", "trace_edit.jsonl"))
     assert 0 < len(df) <= 3 * 3
     assert float((df["identity"] - df["clean"]).abs().max()) < 1e-4
     assert df["neutral"].notna().all()  # a filler of the same token length is always found here
@@ -185,13 +181,13 @@ def test_description_word_sets():
 def test_note_edit_stage_end_to_end(attributed, tmp_path, monkeypatch):
     """events -> attribute -> note_edit on a tiny model against the real tracking server: every
     qualifying event has the identity re-feed at the clean margin and its variants' words counted
-    (never their text), Table 23 is logged, and no note word reaches the run's files."""
-    import json
-
+    (never their text: the rows hold no string but the event id), Table 23 is logged, and a rerun is
+    reused."""
     import pandas as pd
     from mlflow.tracking import MlflowClient
 
     from mistill.stages.edits import NOTE_VARIANTS, NoteEditConfig, run_note_edit
+    from stage_fixtures import finished_note_rows
 
     root, attribute = attributed
     monkeypatch.setenv("MISTILL_ROOT", str(root))
@@ -199,18 +195,13 @@ def test_note_edit_stage_end_to_end(attributed, tmp_path, monkeypatch):
     run_id = run_note_edit(cfg)
     client = MlflowClient()
     run = client.get_run(run_id)
-    assert run.info.status == "FINISHED" and run.data.tags["mistill.stage"] == "note_edit"
-    rows = []
-    for d in sorted((root / "work" / run_id / "notes").iterdir()):
-        text = (d / "note_edit.jsonl").read_text()
-        rows += [json.loads(line) for line in text.splitlines()]
+    rows = finished_note_rows(root, run_id, "note_edit", "note_edit.jsonl")
     df = pd.DataFrame(rows)
     q = df[df["qualifies"]]
     assert len(q) > 0 and (q["code_words_words"] > 0).all()
     assert float((q["identity"] - q["clean"]).abs().max()) < 1e-4
     assert q["code_words"].notna().any()
-    assert all(isinstance(v, (int, float, str, bool)) or v is None for r in rows for k, v in r.items()
-               if k != "event_id")
+    assert all(isinstance(v, (int, float, bool)) or v is None for r in rows for k, v in r.items() if k != "event_id")
     table = pd.read_csv(client.download_artifacts(run_id, "note_edit.csv", str(tmp_path / "t")))
     assert list(table["comparison"])[:4] == list(NOTE_VARIANTS)
     assert table.set_index("comparison").loc["code_words", "n_events"] == int(q["code_words"].notna().sum())

@@ -141,7 +141,7 @@ def test_key_block_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_
     from mistill.stages.common import RunReader
     from mistill.stages.keyblock import KeyBlockConfig, chosen_heads, run_key_block
     from mistill.stages.readside import ReadSideConfig, run_read_side
-    from stage_fixtures import tiny_attribute_run
+    from stage_fixtures import finished_note_rows, tiny_attribute_run
 
     monkeypatch.setenv("MISTILL_ROOT", str(tmp_path))
     attribute = tiny_attribute_run("kb")
@@ -149,12 +149,7 @@ def test_key_block_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_
     cfg = KeyBlockConfig(read_side_run=read_side, heads="L1H2:region+S,L1H3:N+near_miss_line", max_events=4)
     run_id = run_key_block(cfg)
     client = MlflowClient()
-    run = client.get_run(run_id)
-    assert run.info.status == "FINISHED" and run.data.tags["mistill.stage"] == "key_block"
-    rows = []
-    for d in sorted((tmp_path / "work" / run_id / "notes").iterdir()):
-        rows += [json.loads(line) for line in (d / "key_block.jsonl").read_text().splitlines()]
-    df = pd.DataFrame(rows)
+    df = pd.DataFrame(finished_note_rows(tmp_path, run_id, "key_block", "key_block.jsonl"))
     assert set(df["key_set"]) >= {"region", "N"}
     assert set(df.loc[df["key_set"] == "region", "kind"]) == {"P1"}
     assert set(df.loc[df["key_set"].isin(["N", "near_miss_line"]), "kind"]) == {"P2C"}
