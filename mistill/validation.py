@@ -199,6 +199,14 @@ def _refuse(message: str, field: str, value: str) -> NoReturn:
     fail(message, field)
 
 
+def check_pattern(value: str, pattern: re.Pattern, field: str, what: str) -> None:
+    """``value`` matches ``pattern`` (``what`` describes the form); a malformed value is refused
+    without repeating what could be text (:func:`_refuse`)."""
+    check_no_text(value, field)
+    if pattern.fullmatch(value) is None:
+        _refuse(f"{field}: {_shown(value)} is not {what}", field, value)
+
+
 def check_no_text(value: str, field: str) -> None:
     """Not text: no line break or other control character, and fewer than :data:`PROSE_WORDS`
     whitespace-separated words. Refused with :class:`TextValueError`, without the value."""

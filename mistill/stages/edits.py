@@ -37,8 +37,8 @@ from mistill.config import Config
 from mistill.errors import MistillInputError
 from mistill.params import ChunkParams
 from mistill.stages.runner import WrittenNotes, note_loop, notes_written, open_stage, stage_device
-from mistill.validation import (check_device, check_dtype, check_no_text_fields, check_non_negative, check_positive,
-                                check_run_id, check_seed)
+from mistill.validation import (check_device, check_dtype, check_no_text_fields, check_non_negative, check_pattern,
+                                check_positive, check_run_id, check_seed)
 
 NOTES = "notes"
 REPLACEMENTS = ("neutral", "unrelated", "other_category")
@@ -76,9 +76,7 @@ class TraceEditConfig(Config, ChunkParams):
         check_no_text_fields(self)
         check_run_id(self.attribute_run, "attribute_run")
         for name in filter(None, (s.strip() for s in self.mediation_heads.split(","))):
-            if not _HEADS.match(name):
-                raise MistillInputError(f"mediation head {name!r} is not a head name like L30H11",
-                                        field="mediation_heads")
+            check_pattern(name, _HEADS, "mediation_heads", "a head name like L30H11")
         check_non_negative(self.max_events, "max_events")
         check_non_negative(self.n_mediation, "n_mediation")
         check_non_negative(self.mediation_min_effect, "mediation_min_effect")

@@ -40,8 +40,8 @@ from mistill.params import ChunkParams
 from mistill.progress import get_logger
 from mistill.stages.common import RunReader
 from mistill.stages.runner import WrittenNotes, note_loop, notes_written, open_stage, stage_device
-from mistill.validation import (check_device, check_dtype, check_no_text_fields, check_non_negative, check_run_id,
-                                check_seed)
+from mistill.validation import (check_device, check_dtype, check_no_text_fields, check_non_negative, check_pattern,
+                                check_run_id, check_seed)
 
 NOTES = "notes"
 _log = get_logger("key_block")
@@ -78,9 +78,7 @@ class KeyBlockConfig(Config, ChunkParams):
         check_no_text_fields(self)
         check_run_id(self.read_side_run, "read_side_run")
         for item in filter(None, (s.strip() for s in self.heads.split(","))):
-            if not _HEAD_SPEC.match(item):
-                raise MistillInputError(f"heads entry {item!r} is not HEAD:SET[+SET] (e.g. L30H11:N+near_miss_line)",
-                                        field="heads")
+            check_pattern(item, _HEAD_SPEC, "heads", "HEAD:SET[+SET] (e.g. L30H11:N+near_miss_line)")
             for name in item.split(":")[1].split("+"):
                 if name not in KEY_SETS:
                     raise MistillInputError(f"unknown key set {name!r} in heads; one of {sorted(KEY_SETS)}",
