@@ -98,6 +98,11 @@ def replace_spans(text: str, replacements: Sequence[tuple[tuple[int, int], str]]
     return "".join(out) + text[at:]
 
 
+def token_ids(tokenizer, text: str) -> torch.Tensor:
+    """``text``'s token ids as the model reads them (no special tokens added): ``[pos]`` long."""
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
 def code_shape(text: str) -> str:
     """A code's written shape: letters as ``A``, digits as ``9`` (``N18.9`` -> ``A99.9``)."""
     return re.sub(r"[0-9]", "9", re.sub(r"[A-Za-z]", "A", text))
@@ -187,4 +192,5 @@ def refeed_margins(runner: Runner, hook: HeadHook, prefix: KVPrefix, start: int,
 
 
 __all__ = ["FILLER_UNITS", "STOPWORDS", "AlignedEdit", "aligned_edit", "code_shape", "written_like",
-           "replacement_codes", "filler_candidates", "refeed_margins", "content_words", "word_spans", "replace_spans"]
+           "replacement_codes", "filler_candidates", "token_ids", "refeed_margins", "content_words", "word_spans",
+           "replace_spans"]

@@ -26,6 +26,7 @@ the students' runs on it, Table 22).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -130,7 +131,7 @@ def edit_variants(ni, tokenize, r, codes: list[str], cfg: TraceEditConfig, note_
 def run_trace_edit(cfg: TraceEditConfig) -> str:
     import torch
 
-    from mistill.instrument.edits import refeed_margins
+    from mistill.instrument.edits import refeed_margins, token_ids
     from mistill.instrument.hooks import HeadHook
     from mistill.instrument.passes import seeded_subset
     from mistill.instrument.runner import Runner
@@ -153,8 +154,7 @@ def run_trace_edit(cfg: TraceEditConfig) -> str:
         runner, hook = Runner(lm, chunk_size=cfg.chunk_size), HeadHook(lm.geometry)
         codes = list(prepared.inventory.codes)
 
-        def tokenize(text: str) -> torch.Tensor:
-            return torch.tensor(lm.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        tokenize = functools.partial(token_ids, lm.tokenizer)
 
         for note in note_loop(run, NOTES, notes, desc="trace edit"):
             ni = prepared_note_input(prepared, note, lm.tokenizer)
@@ -358,7 +358,7 @@ def note_word_edit(ni, tokenize, words: list[str], max_tries: int):
 def run_note_edit(cfg: NoteEditConfig) -> str:
     import torch
 
-    from mistill.instrument.edits import content_words, refeed_margins
+    from mistill.instrument.edits import content_words, refeed_margins, token_ids
     from mistill.instrument.hooks import HeadHook
     from mistill.instrument.passes import seeded_subset, stable_seed
     from mistill.instrument.runner import Runner
@@ -377,8 +377,7 @@ def run_note_edit(cfg: NoteEditConfig) -> str:
         lm = load_model(ev.model, dtype=cfg.dtype, device=stage_device(cfg.device))
         runner, hook = Runner(lm, chunk_size=cfg.chunk_size), HeadHook(lm.geometry)
 
-        def tokenize(text: str) -> torch.Tensor:
-            return torch.tensor(lm.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        tokenize = functools.partial(token_ids, lm.tokenizer)
 
         for note in note_loop(run, NOTES, notes, desc="note edit"):
             ni = prepared_note_input(prepared, note, lm.tokenizer)
@@ -400,7 +399,8 @@ def run_note_edit(cfg: NoteEditConfig) -> str:
                                 edits[name] = al
                         row[f"{name}_words"] = len(sets.get(name, []))
                     if prefix is None:
-                        prefix, clean = runner.prefill(ni.input_ids, logits_at=torch.tensor([x.position for x in picked]))
+                        positions = torch.tensor([x.position for x in picked])
+                        prefix, clean = runner.prefill(ni.input_ids, logits_at=positions)
                     start = min([al.first for al in edits.values()], default=r.position)
                     tokens = torch.stack([ni.input_ids] + [al.input_ids for al in edits.values()])
                     margins, _ = refeed_margins(runner, hook, prefix, start, tokens[:, start:r.position + 1], eq.query)
@@ -451,13 +451,15 @@ def note_edit_table(per_event: pd.DataFrame, *, seed: int = 0) -> pd.DataFrame:
         x = eff[name].to_numpy(float)
         x = x[np.isfinite(x)]
         pos, neg = int((x > 0).sum()), int((x < 0).sum())
-        rows.append({"comparison": name, "n_events": len(x), "n_notes": int(eff.loc[eff[name].notna(), "note_id"].nunique()),
+        n_notes = int(eff.loc[eff[name].notna(), "note_id"].nunique())
+        rows.append({"comparison": name, "n_events": len(x), "n_notes": n_notes,
                      "effect_mean": float(x.mean()) if len(x) else math.nan,
                      "effect_median": float(np.median(x)) if len(x) else math.nan,
                      "n_positive": pos, "n_negative": neg, "sign_p": sign_test(pos, neg) if pos + neg else math.nan})
     for control in ("other_chapter_words", "no_description_words", "sibling_words"):
         d = (eff["code_words"] - eff[control]).groupby(eff["note_id"], sort=True).mean().dropna()
-        row = {"comparison": f"code_words_minus_{control}", "n_events": int((eff["code_words"] - eff[control]).notna().sum()),
+        paired = (eff["code_words"] - eff[control]).notna()
+        row = {"comparison": f"code_words_minus_{control}", "n_events": int(paired.sum()),
                "n_notes": len(d)}
         if len(d):
             t = difference_tests(d.to_numpy(), seed=seed)

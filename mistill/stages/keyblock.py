@@ -27,6 +27,7 @@ its bootstrap interval, notes higher / lower and the sign test.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -112,7 +113,7 @@ def chosen_heads(read_side: RunReader, notes: list[str], cfg: KeyBlockConfig) ->
             table = pd.DataFrame(columns=["head", "family"])
         readers = [str(h) for h in table.loc[table["family"] == "region reader", "head"]][:cfg.region_heads]
         out += [(h, "region") for h in readers]
-    panel = json_file(read_side, "readside_panel.json")
+    panel = json.loads(read_side.file("readside_panel.json").read_text())
     top = panel.get("top_P2C", [])
     if cfg.loopback_heads and top:
         col = {h: j for j, h in enumerate(panel["panel"])}
@@ -129,12 +130,6 @@ def chosen_heads(read_side: RunReader, notes: list[str], cfg: KeyBlockConfig) ->
             for j in order[:cfg.loopback_heads]:
                 out += [(top[j], "N"), (top[j], "near_miss_line")]
     return out
-
-
-def json_file(reader: RunReader, name: str) -> dict:
-    import json
-
-    return json.loads(reader.file(name).read_text())
 
 
 def block_note(runner, hook, ni, picked: list, named: list, codes: list[str], cfg: KeyBlockConfig) -> list[dict]:
