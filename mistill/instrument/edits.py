@@ -151,7 +151,10 @@ def refeed_margins(runner: Runner, hook: HeadHook, prefix: KVPrefix, start: int,
     (inside :meth:`KVPrefix.overwritten`, which restores the note's afterwards); the decision
     token is then read as a row against them, and, with ``heads``, as a second row of the same
     forward with those heads mean-ablated there (the rows before the decision are the same with
-    or without the ablation, so they run once).
+    or without the ablation, so they run once). Re-fed over exactly one of the prefill's chunks,
+    the unedited tokens reproduce the clean margin bit for bit; over other spans the kernels'
+    shapes differ and they agree to rounding, which is why the identity re-feed, not the clean
+    read, is every edit's reference.
 
     Args:
         prefix: the clean input's prefix, at least ``query.position`` long (its keys before

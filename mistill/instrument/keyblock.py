@@ -79,14 +79,23 @@ def key_block(runner: Runner, hook: HeadHook, prefix: KVPrefix, query: Query, hi
     forward share its kernels, so their differences carry no kernel noise.
 
     ``prefix.length`` must be at least ``query.position``."""
+    _, z = blocked_attention(runner, prefix, query, hidden_in, head, key_sets)
+    return head_replaced(runner, hook, prefix, query, hidden_in, head, z)
+
+
+def head_replaced(runner: Runner, hook: HeadHook, prefix: KVPrefix, query: Query, hidden_in: torch.Tensor,
+                  head: int, z: torch.Tensor) -> torch.Tensor:
+    """Margins at the query with ``head``'s output replaced by each row of ``z`` ``[variant, d_head]``,
+    every other head and layer as in the clean forward (it starts at the head's layer from the
+    clean residual stream ``hidden_in`` ``[layer, d_model]``): ``[variant]`` float32. Given the
+    head's own clean output it returns the clean margin bit for bit."""
     g = runner.geometry
     layer, h = divmod(int(head), g.n_heads)
-    _, z = blocked_attention(runner, prefix, query, hidden_in, head, key_sets)
-    n = len(key_sets)
+    n = int(z.shape[0])
     mask = torch.zeros(n, g.n_layers, g.n_heads, dtype=torch.bool, device=runner.device)
     mask[:, layer, h] = True
     values = torch.zeros(n, g.n_layers, g.n_heads, g.d_head, dtype=runner.dtype, device=runner.device)
-    values[:, layer, h] = z.to(runner.dtype)
+    values[:, layer, h] = z.to(runner.device, runner.dtype)
     start_hidden = hidden_in[layer].to(runner.device, runner.dtype).view(1, 1, -1).expand(1, n, -1)
     with torch.no_grad(), hook.patch(Patch(mask=mask, values=values)):
         out = runner.forward(prefix, query.position, torch.full((1, n), query.token_id, dtype=torch.long),
@@ -161,4 +170,4 @@ def matched_control(categories: torch.Tensor, base: torch.Tensor, position: int,
     return sorted(int(p) for p in picked)
 
 
-__all__ = ["blocked_attention", "key_block", "KeySet", "KEY_SETS", "named_keys", "matched_control"]
+__all__ = ["blocked_attention", "key_block", "head_replaced", "KeySet", "KEY_SETS", "named_keys", "matched_control"]
