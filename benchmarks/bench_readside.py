@@ -36,9 +36,9 @@ from mistill.instrument.edits import refeed_margins  # noqa: E402
 from mistill.instrument.hooks import HeadHook  # noqa: E402
 from mistill.instrument.keyblock import key_block  # noqa: E402
 from mistill.instrument.passes import prefill_note  # noqa: E402
-from mistill.instrument.patching import Query, clean_read  # noqa: E402
+from mistill.instrument.patching import Query, clean_read, mean_ablate  # noqa: E402
 from mistill.instrument.readside import prefix_attention_rows  # noqa: E402
-from mistill.instrument.runner import NO_ROWS, Runner  # noqa: E402
+from mistill.instrument.runner import Runner  # noqa: E402
 from mistill.models.geometry import head_geometry  # noqa: E402
 from mistill.models.loading import LoadedModel  # noqa: E402
 
@@ -145,25 +145,22 @@ def main() -> None:
                                                                      heads=mediation), dev, reps=3)
         res[f"edit_refeed{length}_s"] = secs
         res[f"edit_refeed{length}_reads_per_s"] = 2 * variants.shape[0] / secs
+    # correctness on the card: the identity read against the clean read, the ablated read
+    # against mean-ablation at the decision (both bf16 paths of other kernel shapes)
+    length = int(args.refeed.split(",")[0])
+    plain, ablated = refeed_margins(runner, hook, prefix, q_pos + 1 - length, ids[None, q_pos + 1 - length:q_pos + 1],
+                                    query, mean=mean, heads=mediation)
+    res["edit_identity_minus_clean"] = float(plain[0]) - clean_read(runner, hook, prefix, query).margin
+    res["edit_ablated_minus_mean_ablate"] = float(ablated[0]) - float(
+        mean_ablate(runner, hook, prefix, query, [mediation], mean)[0])
     if args.parts:
-        # where an edit's time goes: the causal re-feed of one variant (by prefix kernel) and the
-        # decision rows (by attention path), at the first re-feed length
+        # how the batched re-feed scales with the variants per forward, at the first re-feed length
         length = int(args.refeed.split(",")[0])
         start = q_pos + 1 - length
-        toks = ids[start:q_pos].view(1, -1)
-        before = torch.arange(start, q_pos)
-        with prefix.overwritten(start, q_pos):
-            for kernel in ("auto", "flash", "split"):
-                runner.prefill_kernel = kernel
-                res[f"part_refeed_write_{kernel}_s"], _ = clock(lambda: runner.forward(
-                    prefix, start, toks, before, rows="causal", logits_rows=NO_ROWS, write_prefix=True), dev, reps=3)
-            runner.prefill_kernel = "auto"
-            res["part_refeed_nowrite_s"], _ = clock(lambda: runner.forward(
-                prefix, start, toks, before, rows="causal", logits_rows=NO_ROWS), dev, reps=3)
-            for rows in (1, 2, 8, 64):
-                one = torch.full((1, rows), int(ids[q_pos]))
-                res[f"part_decision_{rows}rows_s"], _ = clock(lambda o=one, r=rows: runner.forward(
-                    prefix, q_pos, o, torch.full((r,), q_pos), rows="own"), dev, reps=3)
+        for k in (1, 2, 4, 8, 16):
+            variants = ids[start:q_pos + 1].repeat(k, 1)
+            res[f"part_variants{k}_s"], _ = clock(lambda v=variants, s=start: refeed_margins(
+                runner, hook, prefix, s, v, query, mean=mean, heads=mediation), dev, reps=3)
         print(json.dumps(res), flush=True)
     clean = clean_read(runner, hook, prefix, query)
     head = g.n_heads * (g.n_layers // 2) + 1

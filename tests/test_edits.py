@@ -67,18 +67,23 @@ def test_identity_refeed_is_the_clean_margin_and_edits_equal_fresh_forwards(setu
     assert max(abs(float(margins[j] - margins[0])) for j in range(1, 4)) > 1e-3  # the edits move the margin
 
 
-def test_identity_refeed_over_a_prefill_chunk_is_the_clean_margin_bit_for_bit(setup):
-    """Re-fed over exactly one of the prefill's chunks (positions 16..31 at chunk size 16), the
-    identity edit runs the prefill's own kernels, so it reproduces the clean margin exactly; over
-    other spans the shapes differ and it agrees to float32 rounding (the test above)."""
-    lm, runner, hook, ids, prefix, mean, _ = setup
-    q = Query(position=32, token_id=int(ids[32]), target_id=301, competitor_ids=(302, 303, 304))
-    clean = clean_read(runner, hook, prefix, q).margin
-    edited = ids.clone()
-    edited[20] = 777
-    margins, _ = refeed_margins(runner, hook, prefix, 16, torch.stack([ids, edited])[:, 16:33], q)
-    assert float(margins[0]) == clean
-    assert float(margins[1]) != clean  # the same path moves with the tokens
+def test_variants_batched_or_one_per_forward_agree(setup):
+    """The variants of an event are batch elements of one forward; cut into forwards of one
+    variant (``max_rows``) they give the same margins, plain and ablated."""
+    lm, runner, hook, ids, prefix, mean, q = setup
+    g = lm.geometry
+    start = 25
+    variants = ids[start:Q + 1].repeat(3, 1)
+    variants[1, 2] = 1500
+    variants[2, 5:7] = torch.tensor([11, 12])
+    heads = [g.n_heads + 1]
+    together = refeed_margins(runner, hook, prefix, start, variants, q, mean=mean, heads=heads)
+    alone = refeed_margins(runner, hook, prefix, start, variants, q, mean=mean, heads=heads, max_rows=1)
+    for a, b in zip(together, alone):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0.0)
+    assert float((together[0] - together[1]).abs().max()) > 1e-4  # the ablation moves every read
+    with pytest.raises(ValueError, match="beyond the prefix"):
+        refeed_margins(runner, hook, prefix, N_POS + 1, ids[None, :1], Query(N_POS + 1, 1, 2, (3,)))
 
 
 def test_mediation_read_is_mean_ablation_at_the_decision(setup):

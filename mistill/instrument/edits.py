@@ -23,7 +23,7 @@ import torch
 from mistill.data.inventory import category, chapter_letter
 from mistill.instrument.hooks import HeadHook, Patch, head_mask
 from mistill.instrument.patching import Query, margins_from_logits
-from mistill.instrument.runner import NO_ROWS, KVPrefix, Runner
+from mistill.instrument.runner import KVPrefix, Runner
 
 FILLER_UNITS: tuple[str, ...] = ("-", " -", "x", " x", "=", " =", "~", " ~", "*", " *", "_", " _")
 """**[recon]** The non-code fillers tried, in order, each repeated until its tokens are as many
@@ -142,23 +142,21 @@ def filler_candidates(n_chars: int) -> list[str]:
 
 
 def refeed_margins(runner: Runner, hook: HeadHook, prefix: KVPrefix, start: int, variants: torch.Tensor,
-                   query: Query, *, mean: torch.Tensor | None = None, heads: Sequence[int] = ()) -> tuple[
-                       torch.Tensor, torch.Tensor | None]:
+                   query: Query, *, mean: torch.Tensor | None = None, heads: Sequence[int] = (),
+                   max_rows: int = 16384) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Margins at the decision with each variant's tokens re-fed from ``start``.
 
-    Each variant's tokens before the decision run as one causal forward against
-    ``prefix[:start]`` that writes their keys and values over ``[start, query.position)``
-    (inside :meth:`KVPrefix.overwritten`, which restores the note's afterwards); the decision
-    token is then read as a row against them, and, with ``heads``, as a second row of the same
-    forward with those heads mean-ablated there (the rows before the decision are the same with
-    or without the ablation, so they run once). Re-fed over exactly one of the prefill's chunks,
-    the unedited tokens reproduce the clean margin bit for bit; over other spans the kernels'
-    shapes differ and they agree to rounding, which is why the identity re-feed, not the clean
-    read, is every edit's reference.
+    The variants run as the batch elements of one causal forward against ``prefix[:start]``
+    (as many per forward as fit in ``max_rows`` rows), each ending with the decision token,
+    whose row gives the margin; with ``heads``, one more row per element reads the decision
+    token again with those heads mean-ablated there, both reads seeing the variant's rows but not
+    each other (:meth:`Runner.forward`'s ``own_tail``). The prefix is read, never written. The
+    variants' rows run in other kernel shapes than the prefill's, so the unedited tokens
+    reproduce the clean margin to rounding: the identity re-feed, run with the edits, is every
+    edit's reference.
 
     Args:
-        prefix: the clean input's prefix, at least ``query.position`` long (its keys before
-            ``start`` are shared by every variant).
+        prefix: the clean input's prefix, at least ``start`` long (shared by every variant).
         variants: ``[variant, query.position + 1 - start]`` each variant's tokens at positions
             ``start .. query.position`` (the query's own token last).
         mean: ``[layer, head, d_head]`` the note's head means, for ``heads``.
@@ -170,27 +168,29 @@ def refeed_margins(runner: Runner, hook: HeadHook, prefix: KVPrefix, start: int,
     q = query.position
     if start + n != q + 1:
         raise ValueError(f"variants cover positions {start}..{start + n - 1}, the query is at {q}")
-    if q > prefix.length:
-        raise ValueError(f"the query at {q} lies beyond the prefix ({prefix.length})")
+    if start > prefix.length:
+        raise ValueError(f"the re-feed starts at {start}, beyond the prefix ({prefix.length})")
     g = runner.geometry
     ablate = bool(heads) and mean is not None
-    n_rows = 2 if ablate else 1
+    positions = torch.arange(start, q + 1, dtype=torch.long)
+    tokens = variants.long()
     patches = []
     if ablate:
-        mask = torch.zeros(n_rows, g.n_layers, g.n_heads, dtype=torch.bool, device=runner.device)
-        mask[1] = head_mask([list(heads)], g, device=runner.device)[0]
+        tokens = torch.cat([tokens, tokens[:, -1:]], dim=1)
+        positions = torch.cat([positions, positions[-1:]])
+        mask = torch.zeros(n + 1, g.n_layers, g.n_heads, dtype=torch.bool, device=runner.device)
+        mask[n] = head_mask([list(heads)], g, device=runner.device)[0]
         patches.append(Patch(mask=mask, values=mean))
-    out = torch.empty(n_var, n_rows, dtype=torch.float32)
-    before = torch.arange(start, q, dtype=torch.long)
-    with torch.no_grad(), prefix.overwritten(start, q):
-        for v in range(n_var):
-            if n > 1:
-                runner.forward(prefix, start, variants[v:v + 1, :n - 1], before, rows="causal",
-                               logits_rows=NO_ROWS, write_prefix=True)
-            with hook.patch(*patches):
-                res = runner.forward(prefix, q, variants[v, -1].view(1, 1).expand(1, n_rows),
-                                     torch.full((n_rows,), q, dtype=torch.long), rows="own")
-            out[v] = margins_from_logits(res.logits[0], query.target_id, query.competitor_ids).float().cpu()
+    read_rows = torch.arange(n - 1, tokens.shape[1], dtype=torch.long)
+    out = torch.empty(n_var, len(read_rows), dtype=torch.float32)
+    per_forward = max(1, int(max_rows) // tokens.shape[1])
+    with torch.no_grad(), hook.patch(*patches):
+        for first in range(0, n_var, per_forward):
+            batch = tokens[first:first + per_forward]
+            res = runner.forward(prefix, start, batch, positions, rows="causal", logits_rows=read_rows,
+                                 own_tail=2 if ablate else 0)
+            out[first:first + len(batch)] = margins_from_logits(
+                res.logits, query.target_id, query.competitor_ids).float().cpu()
     return (out[:, 0], out[:, 1]) if ablate else (out[:, 0], None)
 
 

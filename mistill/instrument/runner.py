@@ -29,8 +29,6 @@ math path.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -48,9 +46,7 @@ class KVPrefix:
     ``[0, length)`` are visible to the next forward, ``[0, written)`` hold the prefill's keys.
     :meth:`crop` only moves ``length`` down; measurements never write into the buffers (only a
     prefill does, :meth:`Runner.forward` with ``write_prefix``), so :meth:`uncrop` may start a
-    second sweep over the same note from its full length. The one exception is an edited input
-    re-fed over part of the note (:func:`mistill.instrument.edits.refeed_margins`), which writes
-    inside :meth:`overwritten` and leaves the buffers as they were.
+    second sweep over the same note from its full length.
     """
 
     keys: list[torch.Tensor]
@@ -67,21 +63,6 @@ class KVPrefix:
     def uncrop(self) -> None:
         """Make every position the prefill wrote visible again (a new sweep over the note)."""
         self.length = self.written
-
-    @contextlib.contextmanager
-    def overwritten(self, start: int, stop: int) -> Iterator[None]:
-        """Let forwards write keys and values over positions ``[start, stop)`` inside the block;
-        on leaving it (also on an error) the buffers there, ``length`` and ``written`` are
-        restored bit for bit."""
-        saved = [(k[:, :, start:stop].clone(), v[:, :, start:stop].clone()) for k, v in zip(self.keys, self.values)]
-        length, written = self.length, self.written
-        try:
-            yield
-        finally:
-            for (k, v), (k0, v0) in zip(zip(self.keys, self.values), saved):
-                k[:, :, start:stop] = k0
-                v[:, :, start:stop] = v0
-            self.length, self.written = length, written
 
     @property
     def nbytes(self) -> int:
@@ -390,7 +371,7 @@ class Runner:
                 logits_rows: torch.Tensor | None = None, start_layer: int = 0,
                 start_hidden: torch.Tensor | None = None, capture_hidden: bool = False,
                 write_prefix: bool = False, row_prefix_len: torch.Tensor | None = None,
-                batch_prefix_len: torch.Tensor | None = None) -> RunnerOutput:
+                batch_prefix_len: torch.Tensor | None = None, own_tail: int = 0) -> RunnerOutput:
         """Run ``token_ids`` ``[batch, row]`` against ``prefix[:prefix_len]``.
 
         Args:
@@ -410,12 +391,17 @@ class Runner:
                 ``prefix[:batch_prefix_len[b]]`` (each ``<= prefix_len``) and its own earlier rows
                 (continuations cut at different positions, each exactly as its own forward
                 against the cropped prefix; keys past the shortest prefix on the exact math path).
+            own_tail: with ``rows="causal"``, the last ``own_tail`` rows see the prefix, the rows
+                before them and their own key, not each other: several reads of one
+                continuation's next token in one forward (e.g. plain and with heads patched).
         """
         g = self.geometry
         if prefix_len > prefix.length:
             raise ValueError(f"prefix_len {prefix_len} beyond the prefix ({prefix.length})")
         token_ids = token_ids.to(self.device)
         B, n = token_ids.shape
+        if own_tail and (rows != "causal" or write_prefix or not 0 < own_tail < n):
+            raise ValueError("own_tail needs rows='causal', no write_prefix and fewer tail rows than rows")
         pos = position_ids.to(self.device).long()
         if pos.dim() == 1:
             pos = pos.unsqueeze(0).expand(B, n)
@@ -473,7 +459,7 @@ class Runner:
                 kp = prefix.keys[l][0, :, :prefix_len]
                 vp = prefix.values[l][0, :, :prefix_len]
                 attn = self._attend(q, k, v, kp, vp, parts.scaling, rows, row_limit,
-                                    prefix_kernel=kernel)  # [batch, row, head, d_head]
+                                    prefix_kernel=kernel, own_tail=own_tail)  # [batch, row, head, d_head]
                 if write_prefix:
                     prefix.keys[l][:, :, prefix_len:prefix_len + n] = k
                     prefix.values[l][:, :, prefix_len:prefix_len + n] = v
@@ -500,12 +486,15 @@ class Runner:
 
     def _attend(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                 kp: torch.Tensor, vp: torch.Tensor, scale: float, rows: str,
-                row_limit: torch.Tensor | None = None, *, prefix_kernel: str = "flash") -> torch.Tensor:
+                row_limit: torch.Tensor | None = None, *, prefix_kernel: str = "flash",
+                own_tail: int = 0) -> torch.Tensor:
         """Attention of new rows over prefix + new keys.
 
         Args:
             q: ``[batch, head, row, d_head]``; k_new, v_new: ``[batch, kv_head, row, d_head]``;
             kp, vp: ``[kv_head, pos, d_head]``.
+            own_tail: causal rows only; the last ``own_tail`` rows see the rows before them and
+                their own key (:meth:`forward`).
         Returns:
             ``[batch, row, head, d_head]`` in the model dtype.
         """
@@ -531,18 +520,29 @@ class Runner:
             lse_n = (qf32 * k_rep).sum(-1) * scale  # [batch, head, row]
             out_n = v_rep
         elif rows == "causal":
+            m = n - own_tail
             if (self.use_flash is not False and not torch.is_grad_enabled() and _flash_available(q)
-                    and n > 1):
+                    and m > 1):
                 res = torch.ops.aten._scaled_dot_product_flash_attention(
-                    q, k_new.repeat_interleave(G, dim=1), v_new.repeat_interleave(G, dim=1),
-                    0.0, True, False, scale=scale)
+                    q[:, :, :m], k_new[:, :, :m].repeat_interleave(G, dim=1),
+                    v_new[:, :, :m].repeat_interleave(G, dim=1), 0.0, True, False, scale=scale)
                 out_n, lse_n = res[0].float(), res[1].float()
             else:
-                s = torch.matmul(qf32, k_rep.transpose(-1, -2)) * scale  # [batch, head, row, row]
-                causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+                s = torch.matmul(qf32[:, :, :m], k_rep[:, :, :m].transpose(-1, -2)) * scale  # [batch, head, m, m]
+                causal = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
                 s = s.masked_fill(~causal, float("-inf"))
                 lse_n = torch.logsumexp(s, dim=-1)
-                out_n = torch.matmul(torch.exp(s - lse_n.unsqueeze(-1)), v_rep)
+                out_n = torch.matmul(torch.exp(s - lse_n.unsqueeze(-1)), v_rep[:, :, :m])
+            if own_tail:
+                # each tail row: the m rows before the tail, then its own key
+                qt = qf32[:, :, m:]
+                s = torch.cat([torch.matmul(qt, k_rep[:, :, :m].transpose(-1, -2)),
+                               (qt * k_rep[:, :, m:]).sum(-1, keepdim=True)], dim=-1) * scale
+                # s: [batch, head, tail, m + 1]
+                lse_t = torch.logsumexp(s, dim=-1)
+                p = torch.exp(s - lse_t.unsqueeze(-1))
+                out_t = torch.matmul(p[..., :m], v_rep[:, :, :m]) + p[..., m:] * v_rep[:, :, m:]
+                out_n, lse_n = torch.cat([out_n, out_t], dim=2), torch.cat([lse_n, lse_t], dim=2)
         else:
             raise ValueError(f"rows must be 'own' or 'causal', not {rows!r}")
         lse = torch.logaddexp(lse_p, lse_n)
