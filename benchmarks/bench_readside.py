@@ -153,14 +153,27 @@ def main() -> None:
     res["edit_identity_minus_clean"] = float(plain[0]) - clean_read(runner, hook, prefix, query).margin
     res["edit_ablated_minus_mean_ablate"] = float(ablated[0]) - float(
         mean_ablate(runner, hook, prefix, query, [mediation], mean)[0])
+    res["clean_margin"] = clean_read(runner, hook, prefix, query).margin
     if args.parts:
-        # how the batched re-feed scales with the variants per forward, at the first re-feed length
+        # how the batched re-feed scales with the variants per forward, at the first re-feed length,
+        # and, per prefix kernel, a run of events of different lengths, each timed once (a kernel
+        # that plans per shape pays for it here)
         length = int(args.refeed.split(",")[0])
         start = q_pos + 1 - length
         for k in (1, 2, 4, 8, 16):
             variants = ids[start:q_pos + 1].repeat(k, 1)
             res[f"part_variants{k}_s"], _ = clock(lambda v=variants, s=start: refeed_margins(
                 runner, hook, prefix, s, v, query, mean=mean, heads=mediation), dev, reps=3)
+        for kernel in ("split", "auto"):
+            runner.prefill_kernel = kernel
+            sync(dev)
+            t = time.perf_counter()
+            for n in range(length - 8, length + 8):
+                refeed_margins(runner, hook, prefix, q_pos + 1 - n, ids[q_pos + 1 - n:q_pos + 1].repeat(4, 1), query,
+                               mean=mean, heads=mediation)
+            sync(dev)
+            res[f"part_16_events_{kernel}_reads_per_s"] = 16 * 8 / (time.perf_counter() - t)
+        runner.prefill_kernel = "auto"
         print(json.dumps(res), flush=True)
     clean = clean_read(runner, hook, prefix, query)
     head = g.n_heads * (g.n_layers // 2) + 1

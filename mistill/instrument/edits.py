@@ -188,7 +188,7 @@ def refeed_margins(runner: Runner, hook: HeadHook, prefix: KVPrefix, start: int,
         for first in range(0, n_var, per_forward):
             batch = tokens[first:first + per_forward]
             res = runner.forward(prefix, start, batch, positions, rows="causal", logits_rows=read_rows,
-                                 own_tail=2 if ablate else 0)
+                                 own_tail=2 if ablate else 0, long_rows=True)
             out[first:first + len(batch)] = margins_from_logits(
                 res.logits, query.target_id, query.competitor_ids).float().cpu()
     return (out[:, 0], out[:, 1]) if ablate else (out[:, 0], None)

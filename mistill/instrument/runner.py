@@ -371,7 +371,8 @@ class Runner:
                 logits_rows: torch.Tensor | None = None, start_layer: int = 0,
                 start_hidden: torch.Tensor | None = None, capture_hidden: bool = False,
                 write_prefix: bool = False, row_prefix_len: torch.Tensor | None = None,
-                batch_prefix_len: torch.Tensor | None = None, own_tail: int = 0) -> RunnerOutput:
+                batch_prefix_len: torch.Tensor | None = None, own_tail: int = 0,
+                long_rows: bool = False) -> RunnerOutput:
         """Run ``token_ids`` ``[batch, row]`` against ``prefix[:prefix_len]``.
 
         Args:
@@ -394,6 +395,9 @@ class Runner:
             own_tail: with ``rows="causal"``, the last ``own_tail`` rows see the prefix, the rows
                 before them and their own key, not each other: several reads of one
                 continuation's next token in one forward (e.g. plain and with heads patched).
+            long_rows: with ``rows="causal"``, the rows are many (re-fed spans of a few hundred
+                tokens and more): on CUDA their prefix part takes the prefill's kernel
+                (:data:`PREFILL_KERNELS`) instead of flash.
         """
         g = self.geometry
         if prefix_len > prefix.length:
@@ -430,10 +434,10 @@ class Runner:
             row_limit = lim.view(B, 1, 1).expand(B, n, g.n_groups).reshape(-1)
         captured = [] if capture_hidden else None
         kernel = "flash"
-        if (write_prefix and rows == "causal" and row_limit is None and B == 1 and prefix_len > 0
+        if (rows == "causal" and (write_prefix or long_rows) and row_limit is None and B * n > 0 and prefix_len > 0
                 and self.use_flash is not False and _flash_available(h) and not torch.is_grad_enabled()):
             kernel = self._prefill_kernel(h)
-        one_kernel = kernel == "one_flash"
+        one_kernel = kernel == "one_flash" and write_prefix and B == 1
         for parts in g.layers[start_layer:]:
             if captured is not None:
                 captured.append(h)
