@@ -94,6 +94,25 @@ class PatchParams(ChunkParams):
         check_positive(self.batch_size, "batch_size")
 
 
+# -------------------------------------------------------------------------------------- edits
+@dataclass(frozen=True)
+class EditParams(ParamGroup):
+    """The events and candidates of the edit stages (App. E, Tables 21-23).
+
+    max_events: at most this many seeded P2C events with an earlier near-miss mention per note
+    (>= 0; the paper: 20); at one seed the trace and the note edits draw the same events.
+    max_tries: **[recon]** candidate replacements tried per replaced span before it goes
+    without one (>= 1): each is tokenized and kept only where it aligns token for token.
+    """
+
+    max_events: int = 20
+    max_tries: int = 64
+
+    def validate_group(self) -> None:
+        check_non_negative(self.max_events, "max_events")
+        check_positive(self.max_tries, "max_tries")
+
+
 # -------------------------------------------------------------------------------- attribution
 @dataclass(frozen=True)
 class StabilityParams(ParamGroup):

@@ -36,9 +36,10 @@ GROUPS = [g for g in vars(groups_module).values()
 
 OWN_MEANING = {("shortlist", "batch_size"), ("generate", "batch_size"), ("targets", "top_k"),
                ("shortlist", "lr"), ("shortlist", "epochs"), ("las_simulator", "lr"),
-               ("las_simulator", "max_steps")}
+               ("las_simulator", "max_steps"), ("key_block", "max_events")}
 """Stage fields that share a group field's name but not its meaning (the encoder's batch, the
-targets' kept entries, the logistic head's and the LAS simulator's training): their own."""
+targets' kept entries, the logistic head's and the LAS simulator's training, key blocking's
+events of every phase, all by default): their own."""
 
 BAD = {"n_null": -1, "null_min_distance": -1, "p2c_cap": 3, "chunk_size": 0, "batch_size": 0,
        "stability_splits": 0, "selftest_events": -1, "pool_k": 0, "range_gate": -0.5,
@@ -46,7 +47,7 @@ BAD = {"n_null": -1, "null_min_distance": -1, "p2c_cap": 3, "chunk_size": 0, "ba
        "backend": "tgi", "temperature": 0.0, "top_p": 0.0, "top_k": -1, "epochs": 0, "lr": 0.0,
        "warmup_frac": 1.5, "grad_accum": 0, "clip": 0.0, "max_steps": -1, "top_nominees": -1,
        "global_nominees": -1, "p2_top_nominees": -1, "p2_global_nominees": -1, "p2c_top_nominees": -1,
-       "p2c_global_nominees": -1, "cpu_bf16_matmul": "fast"}
+       "p2c_global_nominees": -1, "cpu_bf16_matmul": "fast", "max_events": -1, "max_tries": 0}
 """One invalid value of every group field that has invalid values (booleans have none)."""
 
 

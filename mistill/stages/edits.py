@@ -36,10 +36,10 @@ import pandas as pd
 
 from mistill.config import Config
 from mistill.errors import MistillInputError
-from mistill.params import ChunkParams
+from mistill.params import ChunkParams, EditParams
 from mistill.stages.runner import WrittenNotes, note_loop, notes_written, open_stage, stage_device
 from mistill.validation import (check_device, check_dtype, check_no_text_fields, check_non_negative, check_pattern,
-                                check_positive, check_run_id, check_seed)
+                                check_run_id, check_seed)
 
 NOTES = "notes"
 REPLACEMENTS = ("neutral", "unrelated", "other_category")
@@ -50,25 +50,21 @@ _HEADS = re.compile(r"^L\d+H\d+$")
 
 
 @dataclass(frozen=True)
-class TraceEditConfig(Config, ChunkParams):
+class TraceEditConfig(Config, EditParams, ChunkParams):
     """Edits of the earlier near-miss mention at contrastive events (App. E, Tables 21-22).
 
     attribute_run: the ``attribute`` run whose notes, model and P2C ranking are used.
-    max_events: at most this many P2C events per note, seeded (the paper: 20).
     mediation_heads: the mediation set: comma-separated head names, or empty for the top
     ``n_mediation`` of the run's P2C ranking (**[recon]** for the teacher: the paper names its
     loop-back pair by hand; for the students it takes their own top-2 contrastive heads).
     mediation_min_effect: the mediated share is a median over events whose effect exceeds this
     (the paper: half a nat).
-    max_tries: **[recon]** candidate replacements tried per kind before the event goes without one.
     """
 
     attribute_run: str = ""
-    max_events: int = 20
     mediation_heads: str = ""
     n_mediation: int = 2
     mediation_min_effect: float = 0.5
-    max_tries: int = 64
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
@@ -78,10 +74,8 @@ class TraceEditConfig(Config, ChunkParams):
         check_run_id(self.attribute_run, "attribute_run")
         for name in filter(None, (s.strip() for s in self.mediation_heads.split(","))):
             check_pattern(name, _HEADS, "mediation_heads", "a head name like L30H11")
-        check_non_negative(self.max_events, "max_events")
         check_non_negative(self.n_mediation, "n_mediation")
         check_non_negative(self.mediation_min_effect, "mediation_min_effect")
-        check_positive(self.max_tries, "max_tries")
         check_dtype(self.dtype)
         check_device(self.device)
         check_seed(self.seed)
@@ -260,19 +254,14 @@ def trace_edit_table(per_event: pd.DataFrame, mediation_min_effect: float) -> pd
 
 
 @dataclass(frozen=True)
-class NoteEditConfig(Config, ChunkParams):
+class NoteEditConfig(Config, EditParams, ChunkParams):
     """Edits of the note's words at contrastive events (App. E, "Editing the note"; Table 23).
 
-    attribute_run: the ``attribute`` run whose notes, model and events are used.
-    max_events: at most this many P2C events with an earlier near-miss mention per note, seeded
-    (the same draw as ``trace_edit``'s at the same seed); events whose code has no
-    distinguishing description word in the note are counted and left out.
-    max_tries: **[recon]** fillers tried per word before the variant goes without.
+    attribute_run: the ``attribute`` run whose notes, model and events are used (events whose
+    code has no distinguishing description word in the note are counted and left out).
     """
 
     attribute_run: str = ""
-    max_events: int = 20
-    max_tries: int = 64
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
@@ -280,8 +269,6 @@ class NoteEditConfig(Config, ChunkParams):
     def validate(self) -> None:
         check_no_text_fields(self)
         check_run_id(self.attribute_run, "attribute_run")
-        check_non_negative(self.max_events, "max_events")
-        check_positive(self.max_tries, "max_tries")
         check_dtype(self.dtype)
         check_device(self.device)
         check_seed(self.seed)
