@@ -110,6 +110,19 @@ DEVIATIONS: tuple[Deviation, ...] = (
        "bf16 weights or fp32 master weights; matmul precision not stated",
        "float32 matmuls in TF32 on CUDA (the recomputed attention rows)",
        "TrainStageConfig.tf32", "the q.k inputs are bf16 projections; no effect on the CPU", True),
+    # --- the generation probe ---
+    _D("generation probe interval", "App. L.2",
+       "a generation-level probe on a few notes during training, added after the GOLD run; no interval given",
+       "off by default; with probe_every=N, every N optimizer steps and after the last",
+       "TrainStageConfig.probe_every", "decoding during training costs time; a run names its interval", 0),
+    _D("generation probe notes", "App. L.2", "a few notes",
+       "the first 4 validation notes in corpus order, the same at every probe", "TrainStageConfig.probe_notes",
+       "fixed notes make probes comparable across steps and arms", 4),
+    _D("generation probe flag", "App. L.2",
+       "the probe would have caught category-code answers and truncated traces; no rule given",
+       "flagged when category codes are at least half of the answers' entries or at least half of the "
+       "generations are truncated (capped or never closing their reasoning)",
+       "TrainStageConfig.probe_flag_share", "GOLD's answers were all categories; a healthy arm has none", 0.5),
     # --- Feature-KD ---
     _D("Feature-KD attention positions", "App. J.3, J.4",
        "64 trace positions sampled per note; a seed fixes them",

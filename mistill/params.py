@@ -313,6 +313,37 @@ class RecipeParams(ParamGroup):
         check_non_negative(self.max_steps, "max_steps", "0: the epochs decide")
 
 
+
+@dataclass(frozen=True)
+class ProbeParams(ParamGroup):
+    """The generation probe during training (App. L.2; :mod:`mistill.evaluation.probe`).
+
+    probe_every: **[recon]** optimizer steps between probes, and one after the last step (0: no
+        probe; the paper gives no interval).
+    probe_notes: **[recon]** notes decoded per probe (>= 1): the first of ``probe_split`` in
+        corpus order, the same at every probe.
+    probe_split: the split the probe notes come from.
+    probe_max_new_tokens: the probe's token cap (>= 1); its sampling is the evaluation's.
+    probe_flag_share: **[recon]** a probe is flagged when the share of its answers' entries that
+        are category codes, or the share of its generations that are truncated, reaches this.
+    """
+
+    probe_every: int = 0
+    probe_notes: int = 4
+    probe_split: str = "val"
+    probe_max_new_tokens: int = 16384
+    probe_flag_share: float = 0.5
+
+    def validate_group(self) -> None:
+        from mistill.validation import check_name
+
+        check_non_negative(self.probe_every, "probe_every", "0: no probe")
+        check_positive(self.probe_notes, "probe_notes")
+        check_name(self.probe_split, "probe_split", "a split")
+        check_positive(self.probe_max_new_tokens, "probe_max_new_tokens")
+        check_interval(self.probe_flag_share, "probe_flag_share", low_open=True)
+
+
 __all__ = ["P2C_CAPS", "NullParams", "EventsParams", "ChunkParams", "PatchParams", "StabilityParams",
            "AttributeParams", "PoolParams", "KnockinReadParams", "KnockinParams", "DonorParams",
-           "TokenCapParams", "DecodingParams", "RecipeParams"]
+           "TokenCapParams", "DecodingParams", "RecipeParams", "ProbeParams"]

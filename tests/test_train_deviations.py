@@ -10,6 +10,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from mistill.distill.arms import resolve_arm
+from mistill.errors import MistillInputError
 from mistill.stages.distill import (DEVIATION_P1_WINDOW_EMISSION, TAG_DEVIATION, TrainStageConfig,
                                     run_train, train_deviations)
 from stage_fixtures import SMALL, unique
@@ -79,3 +80,26 @@ def test_train_runs_carry_the_window_pool_deviation(targets_ids, monkeypatch, ca
     assert TAG_DEVIATION not in tags["vanilla-bf16"]
     err = capsys.readouterr().err
     assert "train: warning:" in err and f"{TAG_DEVIATION}={DEVIATION_P1_WINDOW_EMISSION}" in err
+
+
+def test_a_train_run_logs_its_generation_probe(targets_ids, monkeypatch):
+    """``probe_every=1``: a probe after each optimizer step on the corpus's validation note; the
+    untrained tiny student's 4-token generations are all truncated, so every probe is flagged
+    and the run tagged."""
+    from mistill.evaluation.probe import PROBE_METRICS
+
+    monkeypatch.setenv("MISTILL_ROOT", str(targets_ids["root"]))
+    ids = targets_ids["ids"]
+    run_id = run_train(TrainStageConfig(targets_run=ids["targets"], student="tiny:qwen3:seed=2", arm="vanilla-bf16",
+                                        max_steps=2, grad_accum=1, epochs=2, register=False, probe_every=1,
+                                        probe_notes=1, probe_max_new_tokens=4))
+    client = MlflowClient()
+    for name in PROBE_METRICS:
+        history = client.get_metric_history(run_id, f"probe/{name}")
+        assert sorted(m.step for m in history) == [1, 2], name
+    assert {m.value for m in client.get_metric_history(run_id, "probe/truncated_rate")} == {1.0}
+    assert {m.value for m in client.get_metric_history(run_id, "probe/mean_tokens")} == {4.0}
+    assert client.get_run(run_id).data.tags["mistill.probe_flagged"] == "true"
+    with pytest.raises(MistillInputError, match="no .nosuch. notes"):
+        run_train(TrainStageConfig(targets_run=ids["targets"], student="tiny:qwen3:seed=2", arm="vanilla-bf16",
+                                   max_steps=1, grad_accum=1, register=False, probe_every=1, probe_split="nosuch"))

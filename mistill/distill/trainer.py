@@ -169,11 +169,15 @@ class Trainer:
     floats; the trainer averages the loss over the micro-steps of each optimizer step.
     ``log(metrics, step)`` receives the averaged terms, the learning rate and the gradient norm
     after every optimizer step. ``state_dir`` holds the resumable state (``trainer_state.pt``).
+    ``after_step(step, last)`` runs on every rank after each optimizer step and its checkpoint
+    (``last``: the schedule's final step), e.g. the generation probe; it must leave the weights
+    and the training RNG as it found them.
     """
 
     def __init__(self, model: nn.Module, n_examples: int, recipe: RecipeConfig, micro_step: MicroStep, *,
                  state_dir: Path | None = None, log: Callable[[dict, int], None] | None = None,
-                 extra_params: Sequence[nn.Parameter] = (), world: World | None = None) -> None:
+                 extra_params: Sequence[nn.Parameter] = (), world: World | None = None,
+                 after_step: Callable[[int, bool], None] | None = None) -> None:
         if n_examples <= 0:
             raise MistillInputError("no training examples", field="notes")
         self.world = world or current_world()
@@ -183,6 +187,7 @@ class Trainer:
         self.micro_step = micro_step
         self.state_dir = Path(state_dir) if state_dir else None
         self.log = log or (lambda metrics, step: None)
+        self.after_step = after_step
         self.device = next(model.parameters()).device
         self.extra_params = list(extra_params)  # e.g. Feature-KD's adapter: saved and restored too
         params = [p for p in model.parameters() if p.requires_grad] + self.extra_params
@@ -265,6 +270,8 @@ class Trainer:
             self.log({**sums, "lr": lr, "grad_norm": float(grad_norm), "epoch": self.epoch}, self.step)
             if self.recipe.checkpoint_every and self.step % self.recipe.checkpoint_every == 0:
                 self.save_state()
+            if self.after_step is not None:
+                self.after_step(self.step, self.step >= self.total or self.epoch >= self.recipe.epochs)
             bar.update(1)
             done_now += 1
             if stop_after is not None and done_now >= stop_after:

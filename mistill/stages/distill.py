@@ -33,7 +33,7 @@ from mistill.errors import MistillInputError
 from mistill.io import npz_bytes
 from mistill.instrument.events import Event
 from mistill.models.loading import load_model, load_tokenizer
-from mistill.params import PoolParams, RecipeParams
+from mistill.params import PoolParams, ProbeParams, RecipeParams
 from mistill.progress import track
 from mistill.stages.characterize import NOTES, _events_input
 from mistill.stages.common import RunReader, require_notes
@@ -163,7 +163,7 @@ def _check_targets(reader: RunReader, notes) -> None:
 
 
 @dataclass(frozen=True)
-class TrainStageConfig(Config, RecipeParams):
+class TrainStageConfig(Config, RecipeParams, ProbeParams):
     """One arm at one seed (App. J.2 recipe).
 
     arm: a bare arm name (letters, digits, ``-``, ``_``) of ``projects/configs/arms/``, or an
@@ -178,7 +178,9 @@ class TrainStageConfig(Config, RecipeParams):
 
     The run logs every resolved arm flag as a param ``arm.<flag>`` (:func:`arm_params`) and, per
     optimizer step, ``train/loss`` (the arm's whole objective) beside its terms (``train/ce``,
-    ``train/kl``, ...).
+    ``train/kl``, ...); with ``probe_every``, the generation probe's ``probe/*`` metrics at its
+    steps and the tag ``mistill.probe_flagged`` once a probe is flagged
+    (:mod:`mistill.evaluation.probe`).
     """
 
     targets_run: str = ""
@@ -377,7 +379,8 @@ def run_train(cfg: TrainStageConfig) -> str:
                 run.log_metrics({f"train/{k}": v for k, v in metrics.items()}, step=step)
 
         trainer = Trainer(model, len(examples), recipe, micro_step, state_dir=run.work_dir / "trainer", log=log,
-                          extra_params=fkd.parameters() if fkd else (), world=world)
+                          extra_params=fkd.parameters() if fkd else (), world=world,
+                          after_step=_probe_step(cfg, prepared, lm, run, world))
         if broadcast(run.resumed, world) and trainer.load_state():
             print(f"train: resumed at step {trainer.step}")
         trainer.train()
@@ -390,6 +393,40 @@ def run_train(cfg: TrainStageConfig) -> str:
                                        n_notes=len(examples), steps=trainer.step))
         print(f"train: {cfg.arm} seed {cfg.seed} ({arm.precision}) -> run {run.run_id}")
         return run.run_id
+
+
+def _probe_step(cfg: TrainStageConfig, prepared, lm, run, world):
+    """The trainer's ``after_step`` running the generation probe every ``probe_every`` steps and
+    after the last (None without a probe). The probe notes are dealt over the ranks; rank 0
+    scores them all and logs ``probe/*``."""
+    if not cfg.probe_every:
+        return None
+    from mistill.distributed import shard
+    from mistill.evaluation.generation import DecodingConfig
+    from mistill.evaluation.probe import GenerationProbe, probe_notes
+
+    decoding = DecodingConfig(max_new_tokens=cfg.probe_max_new_tokens)
+    notes = probe_notes(prepared, lm.tokenizer, cfg.probe_split, cfg.probe_notes, decoding)
+    if not notes:
+        raise MistillInputError(f"the corpus has no {cfg.probe_split!r} notes for the generation probe",
+                                field="probe_split")
+    probe = GenerationProbe(lm, notes, list(prepared.inventory.codes), decoding, cfg.probe_flag_share)
+
+    def after_step(step: int, last: bool) -> None:
+        if step % cfg.probe_every and not last:
+            return
+        mine = shard(list(range(len(notes))), world)
+        parts = gather(list(zip(mine, probe.generate([notes[i] for i in mine]))), world)
+        if not world.leader:
+            return
+        generations = [g for _, g in sorted((pair for part in parts for pair in part), key=lambda pair: pair[0])]
+        metrics = probe.score(generations, notes)
+        run.log_metrics({f"probe/{k}": v for k, v in metrics.items()}, step=step)
+        if metrics["flagged"]:
+            run.set_tags({"mistill.probe_flagged": "true"})
+            print(f"train: the generation probe is flagged at step {step} (category codes "
+                  f"{metrics['category_rate']:.2f}, truncated {metrics['truncated_rate']:.2f})", file=sys.stderr)
+    return after_step
 
 
 def _dispreferred(run, lm, examples: list, cfg: TrainStageConfig, allows_text: bool) -> dict[int, list[int]]:
