@@ -309,6 +309,16 @@ DEVIATIONS: tuple[Deviation, ...] = (
 """One entry per row of ``docs/DEVIATIONS.md``'s table."""
 
 CONVENTIONS: tuple[Convention, ...] = (
+    Convention("OPD rollouts", "App. J.3",
+               "the student's rollouts come from transformers' generation inside TRL's trainer (the paper: a vLLM "
+               "engine colocated on the GPU); the sampling temperature is TRL's default, 1.0",
+               "mistill.distill.onpolicy.distillation_args",
+               "the same sampling distribution without a second engine; vLLM inside TRL needs CUDA"),
+    Convention("OPD schedule", "App. J.2, J.3",
+               "the recipe's own AdamW and warm-up + cosine schedule stepped by TRL, over the epochs' data orders "
+               "laid end to end (TRL's defaults would shuffle with its own seed and warm up from zero)",
+               "mistill.distill.onpolicy.recipe_optimizer",
+               "every arm sees the same data order and schedule"),
     Convention("description words", "App. E, Table 23",
                "a word is a run of three or more letters, lower-cased; English function words and the "
                "inventory's generic qualifiers (other, unspecified, specified, site, type) never count; the "

@@ -27,11 +27,11 @@ import yaml
 
 from mistill.config import Config, file_digest
 from mistill.errors import MistillInputError
-from mistill.validation import (check_choice, check_choices, check_non_negative, check_positive,
+from mistill.validation import (check_choice, check_choices, check_interval, check_non_negative, check_positive,
                                 check_seed)
 
 ARMS_DIR = Path(__file__).resolve().parents[2] / "projects" / "configs" / "arms"
-OBJECTIVES = ("cot", "mistill", "feature_kd", "distillm2")
+OBJECTIVES = ("cot", "mistill", "feature_kd", "distillm2", "opd")
 POOL_MODES = ("top", "bottom", "random", "random_all", "uniform")
 TERMS = ("attention", "interaction", "write")
 POSITIONS = ("events", "random")
@@ -75,6 +75,10 @@ class ArmConfig(Config):
         TinyBERT) or one per pair (``per_pair``). **[recon]**.
     fkd_adapter_bias: whether the adapter has a bias. **[recon]**.
     fkd_rms_eps: epsilon inside the per-position RMS normalisation. **[recon]**.
+
+    On-policy distillation (App. J.3; ``objective: opd``; :mod:`mistill.distill.onpolicy`):
+    rollout_cap: tokens per rollout of the student (the paper: 12,288 for OPD);
+    opd_beta: the generalised Jensen-Shannon divergence's beta (1: the reverse KL, as the paper).
     """
 
     objective: str = "mistill"
@@ -100,6 +104,8 @@ class ArmConfig(Config):
     fkd_adapter: str = "shared"
     fkd_adapter_bias: bool = True
     fkd_rms_eps: float = 1e-6
+    rollout_cap: int = 12288
+    opd_beta: float = 1.0
 
     def validate(self) -> None:
         check_choice(self.objective, OBJECTIVES, "objective")
@@ -123,6 +129,8 @@ class ArmConfig(Config):
         check_choice(self.fkd_hidden_site, FKD_HIDDEN_SITES, "fkd_hidden_site")
         check_choice(self.fkd_adapter, FKD_ADAPTERS, "fkd_adapter")
         check_positive(self.fkd_rms_eps, "fkd_rms_eps")
+        check_positive(self.rollout_cap, "rollout_cap")
+        check_interval(self.opd_beta, "opd_beta")
 
     @property
     def lambdas(self) -> dict[str, float]:

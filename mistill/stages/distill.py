@@ -291,6 +291,9 @@ def run_train(cfg: TrainStageConfig) -> str:
     if world.distributed and arm.objective == "distillm2":
         raise MistillInputError("the DistiLLM-2 arm trains in one process (its dispreferred generations are "
                                 "written before the first step); launch it without torchrun", field="nproc")
+    if world.distributed and arm.objective == "opd":
+        raise MistillInputError("the OPD arm trains in one process (TRL's trainer); launch it without torchrun",
+                                field="nproc")
     _check_targets(targets_run, notes)
     inputs = {"targets": cfg.targets_run}
     if cfg.student_attribute_run:
@@ -311,6 +314,14 @@ def run_train(cfg: TrainStageConfig) -> str:
         recipe = cfg.recipe(arm.precision)
         device = stage_device(cfg.device)
         lm = load_model(cfg.student, dtype="float32", device=device)
+        if arm.objective == "opd":
+            steps = _train_on_policy(cfg, arm, recipe, run, ev, notes, lm, device, tcfg)
+            run.log_metrics({"train/steps": steps, "n_notes": len(notes)})
+            _save_and_register(run, lm.model, lm.tokenizer, cfg, arm,
+                               _Provenance(teacher=ev.model, corpus_digest=prepared.corpus.digest,
+                                           n_notes=len(notes), steps=steps))
+            print(f"train: {cfg.arm} seed {cfg.seed} ({arm.precision}) -> run {run.run_id}")
+            return run.run_id
         pools = {}
         if arm.objective == "mistill":
             s_sets = json.loads(RunReader(cfg.student_attribute_run).file("head_sets.json").read_text())
@@ -393,6 +404,41 @@ def run_train(cfg: TrainStageConfig) -> str:
                                        n_notes=len(examples), steps=trainer.step))
         print(f"train: {cfg.arm} seed {cfg.seed} ({arm.precision}) -> run {run.run_id}")
         return run.run_id
+
+
+def _train_on_policy(cfg: TrainStageConfig, arm: ArmConfig, recipe: RecipeConfig, run, ev, notes, lm, device: str,
+                     tcfg: Mapping) -> int:
+    """The OPD arm on TRL's trainer (:mod:`mistill.distill.onpolicy`): the training notes'
+    shortlist prompts in the student's chat template, the teacher online; returns the steps."""
+    import torch
+
+    from mistill.data.prompts import build_prompt
+    from mistill.distill.cpu_bf16 import fp32_gemms, use_fp32_gemms
+    from mistill.distill.onpolicy import train_opd
+
+    prepared = ev.prepared
+    teacher = load_model(ev.model, dtype=tcfg.get("dtype", "float32"), device=device)
+    if not _same_vocab(teacher.tokenizer, lm.tokenizer):
+        raise MistillInputError("OPD needs the teacher's vocabulary (the cross-tokenizer on-policy arm is GOLD)",
+                                field="student")
+    teacher.model.requires_grad_(False)
+    model = lm.model.to(torch.bfloat16 if arm.precision == "bf16" else torch.float32)
+    model.requires_grad_(True)
+    model.train()
+    if use_fp32_gemms(recipe.cpu_bf16_matmul, model.device, next(model.parameters()).dtype):
+        fp32_gemms(model)
+    if model.device.type == "cpu" and arm.precision == "bf16":  # which kernels ran
+        run.set_tags({"mistill.cpu_bf16_matmul": "fp32" if uses_fp32_gemms(model) else "native"})
+    prompts = [build_prompt(note, note.shortlist, prepared.inventory, lm.tokenizer,
+                            remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
+                            narrow_instruction=prepared.narrow_instruction).text for note in notes]
+
+    def log(metrics: dict, step: int) -> None:
+        run.log_metrics({f"train/{k}": v for k, v in metrics.items()}, step=step)
+
+    return train_opd(model, teacher.model, lm.tokenizer, prompts, recipe, run.work_dir / "trainer",
+                     rollout_cap=arm.rollout_cap, beta=arm.opd_beta, device=device, log=log,
+                     after_step=_probe_step(cfg, prepared, lm, run, current_world()), resume=run.resumed)
 
 
 def _probe_step(cfg: TrainStageConfig, prepared, lm, run, world):

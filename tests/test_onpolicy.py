@@ -1,0 +1,111 @@
+"""The OPD arm on TRL's DistillationTrainer: the platform's data order and schedule, the run's
+metrics, and a run killed after a checkpoint that resumes to the same weights bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from mistill.distill.onpolicy import opd_order, opd_steps, train_opd
+from mistill.distill.trainer import RecipeConfig, epoch_order, lr_lambda
+from mistill.models.loading import tiny_model
+
+PROMPTS = ["Code note one:", "Code note two:", "Code note three:"]
+RECIPE = RecipeConfig(seed=3, precision="bf16", epochs=2, lr=1e-3, grad_accum=2)
+
+
+class Killed(Exception):
+    pass
+
+
+class KillAfterSave(TrainerCallback):
+    """A crash right after the checkpoint of optimizer step ``step`` is written."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise Killed
+
+
+def _train(out, *, resume=False, callbacks=(), probe=None):
+    student = tiny_model("qwen3", layers=2, heads=4, kv_heads=2, d_head=8, d_model=32, seed=1)
+    teacher = tiny_model("qwen3", layers=2, heads=4, kv_heads=2, d_head=8, d_model=32, seed=2)
+    model = student.model.to(torch.bfloat16)
+    logs = []
+    steps = train_opd(model, teacher.model, student.tokenizer, PROMPTS, RECIPE, out, rollout_cap=6, beta=1.0,
+                      device="cpu", log=lambda m, s: logs.append((s, m)), after_step=probe, resume=resume,
+                      callbacks=callbacks)
+    return model, logs, steps
+
+
+def test_order_and_steps_are_every_arms():
+    assert opd_order(3, RECIPE) == epoch_order(3, 3, 0) + epoch_order(3, 3, 1)
+    assert opd_steps(3, RECIPE) == 4  # ceil(3 / 2) per epoch, two epochs
+    assert opd_steps(3, RECIPE.replace(max_steps=3)) == 3
+
+
+def test_opd_trains_logs_and_resumes_bit_for_bit(tmp_path):
+    seen = []
+    full, logs, steps = _train(tmp_path / "full", probe=lambda step, last: seen.append((step, last)))
+    assert steps == 4 and seen == [(1, False), (2, False), (3, False), (4, True)]
+    per_step = {s: m for s, m in logs if "loss" in m}
+    assert sorted(per_step) == [1, 2, 3, 4]
+    for s, m in per_step.items():  # the platform's schedule, stepped by TRL
+        assert m["lr"] == pytest.approx(RECIPE.lr * lr_lambda(s - 1, 4, RECIPE.warmup_frac))
+        assert {"loss", "grad_norm", "completions/mean_length"} <= set(m)
+        assert m["completions/max_length"] <= 6  # the rollout cap
+    with pytest.raises(Killed):
+        _train(tmp_path / "half", callbacks=[KillAfterSave(2)])
+    resumed, resumed_logs, steps = _train(tmp_path / "half", resume=True)
+    assert steps == 4
+    assert sorted(s for s, m in resumed_logs if "loss" in m) == [3, 4]  # steps 1-2 were not redone
+    for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert all(p.dtype == torch.bfloat16 for p in resumed.parameters())  # no fp32 master copy
+
+
+# -------------------------------------------------------------------------- the train stage
+@pytest.fixture(scope="module")
+def targets_ids(tracking_uri, tmp_path_factory, pinned_code_version):
+    """A characterized synthetic corpus (tiny models) and the teacher's targets."""
+    from stage_fixtures import SMALL, unique
+
+    from mistill.stages.workflow import PipelineConfig, distill_steps, pipeline_steps
+
+    root = tmp_path_factory.mktemp("opd-root")
+    name = unique("opd")
+    cfg = PipelineConfig(corpus="synthetic", corpus_name=name, n_notes=3, **SMALL)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MISTILL_ROOT", str(root))
+        ids = pipeline_steps(cfg)
+        ids.update(distill_steps(cfg.replace(train_arms=(), student="tiny:qwen3:seed=2", select_lock=""),
+                                 ids, name, None))
+    return {"ids": ids, "root": root, "corpus": name}
+
+
+def test_the_opd_arm_in_the_train_stage(targets_ids, monkeypatch):
+    """``-P arm=opd``: TRL's metrics under ``train/``, the generation probe, the checkpoint
+    registered with the arm's alias like every arm's."""
+    from mlflow.tracking import MlflowClient
+
+    from mistill.stages.distill import TrainStageConfig, run_train
+    from mistill.tracking.models import TAG_MODEL_ALIAS, TAG_REGISTERED_MODEL
+
+    monkeypatch.setenv("MISTILL_ROOT", str(targets_ids["root"]))
+    run_id = run_train(TrainStageConfig(targets_run=targets_ids["ids"]["targets"], student="tiny:qwen3:seed=2",
+                                        arm="opd", overrides="rollout_cap=8", max_steps=2, grad_accum=1,
+                                        probe_every=2, probe_notes=1, probe_max_new_tokens=4))
+    client = MlflowClient()
+    run = client.get_run(run_id)
+    for name in ("train/loss", "train/grad_norm", "train/lr", "train/completions/mean_length"):
+        assert sorted(m.step for m in client.get_metric_history(run_id, name)) == [1, 2], name
+    assert run.data.metrics["train/steps"] == 2
+    assert run.data.metrics["train/completions/max_length"] <= 8
+    assert [m.step for m in client.get_metric_history(run_id, "probe/truncated_rate")] == [2]
+    assert run.data.params["arm.objective"] == "opd" and run.data.params["arm.rollout_cap"] == "8"
+    assert run.data.tags[TAG_MODEL_ALIAS] == "opd-s0"
+    version = client.get_model_version_by_alias(run.data.tags[TAG_REGISTERED_MODEL], "opd-s0")
+    assert version.run_id == run_id and version.tags["mistill.objective"] == "opd"
