@@ -75,6 +75,23 @@ def tiny_attribute_run(prefix: str, n_notes: int = 3) -> str:
     return run_attribute(AttributeConfig(events_run=events, selftest_events=0, stability_splits=5))
 
 
+def tiny_distill_inputs(root: Path, prefix: str, student: str = "tiny:qwen3:seed=2", **pipeline) -> dict:
+    """Characterization of 3 synthetic notes (:data:`SMALL`), the student's ranking and the
+    teacher's targets under ``MISTILL_ROOT=root``: ``{"ids": step run ids, "root", "corpus"}``.
+    ``pipeline``: further :class:`PipelineConfig` fields. The caller sets the tracking server."""
+    import pytest
+
+    from mistill.stages.workflow import PipelineConfig, distill_steps, pipeline_steps
+
+    name = unique(prefix)
+    cfg = PipelineConfig(corpus="synthetic", corpus_name=name, n_notes=3, **pipeline, **SMALL)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MISTILL_ROOT", str(root))
+        ids = pipeline_steps(cfg)
+        ids.update(distill_steps(cfg.replace(train_arms=(), student=student, select_lock=""), ids, name, None))
+    return {"ids": ids, "root": root, "corpus": name}
+
+
 def finished_note_rows(root: Path, run_id: str, stage: str, filename: str) -> list[dict]:
     """Check that run ``run_id`` of ``stage`` is FINISHED and return every row of the per-note
     JSONL ``filename`` it wrote under ``notes/`` (read from its work dir under ``root``, notes

@@ -7,7 +7,6 @@ import importlib.util
 import json
 import math
 import re
-import string
 from collections import Counter
 from pathlib import Path
 

@@ -8,8 +8,7 @@ import torch
 
 from mistill.instrument.attribution import exact_importance, fidelity, first_order, nominees
 from mistill.instrument.hooks import HeadHook, Patch, head_mask
-from mistill.instrument.patching import (Query, clean_read, knock_in, margins_from_logits,
-                                         mean_ablate, sequential_patch)
+from mistill.instrument.patching import (Query, clean_read, knock_in, mean_ablate, sequential_patch)
 from mistill.instrument.runner import Runner
 from mistill.models.loading import tiny_model
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from mistill.distill.arms import ArmConfig, arm_names, read_arm_file, resolve_arm
+from mistill.distill.arms import resolve_arm
 from mistill.distill.note_data import build_note_data
 from mistill.distill.objective import event_filter, micro_step_loss, pair_rows
 from mistill.distill.pools import model_pools

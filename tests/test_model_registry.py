@@ -20,7 +20,7 @@ import torch
 import yaml
 from mlflow.tracking import MlflowClient
 
-from stage_fixtures import SMALL, artifact_paths, unique
+from stage_fixtures import artifact_paths, tiny_distill_inputs, unique
 
 pytestmark = pytest.mark.usefixtures("pinned_code_version")
 
@@ -31,16 +31,7 @@ ALIAS = re.compile(r"^[\w\-]*$")  # MLflow's rule for alias names (letters, digi
 @pytest.fixture(scope="module")
 def distill_inputs(tracking_uri: str, tmp_path_factory: pytest.TempPathFactory, pinned_code_version):
     """Characterization, the student's ranking and the teacher's targets on 3 synthetic notes."""
-    from mistill.stages.workflow import PipelineConfig, distill_steps, pipeline_steps
-
-    root = tmp_path_factory.mktemp("registry-root")
-    name = unique("reg")
-    cfg = PipelineConfig(corpus="synthetic", corpus_name=name, n_notes=3, teacher_split="", **SMALL)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MISTILL_ROOT", str(root))
-        ids = pipeline_steps(cfg)
-        ids.update(distill_steps(cfg.replace(train_arms=(), student=STUDENT, select_lock=""), ids, name, None))
-    return {"ids": ids, "root": root, "corpus": name}
+    return tiny_distill_inputs(tmp_path_factory.mktemp("registry-root"), "reg", STUDENT, teacher_split="")
 
 
 def _train(inputs, arm: str, **kw) -> str:

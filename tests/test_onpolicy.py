@@ -71,19 +71,9 @@ def test_opd_trains_logs_and_resumes_bit_for_bit(tmp_path):
 @pytest.fixture(scope="module")
 def targets_ids(tracking_uri, tmp_path_factory, pinned_code_version):
     """A characterized synthetic corpus (tiny models) and the teacher's targets."""
-    from stage_fixtures import SMALL, unique
+    from stage_fixtures import tiny_distill_inputs
 
-    from mistill.stages.workflow import PipelineConfig, distill_steps, pipeline_steps
-
-    root = tmp_path_factory.mktemp("opd-root")
-    name = unique("opd")
-    cfg = PipelineConfig(corpus="synthetic", corpus_name=name, n_notes=3, **SMALL)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MISTILL_ROOT", str(root))
-        ids = pipeline_steps(cfg)
-        ids.update(distill_steps(cfg.replace(train_arms=(), student="tiny:qwen3:seed=2", select_lock=""),
-                                 ids, name, None))
-    return {"ids": ids, "root": root, "corpus": name}
+    return tiny_distill_inputs(tmp_path_factory.mktemp("opd-root"), "opd")
 
 
 def test_the_opd_arm_in_the_train_stage(targets_ids, monkeypatch):

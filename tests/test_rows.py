@@ -4,7 +4,6 @@ student tokenizer."""
 
 from __future__ import annotations
 
-import string
 
 import pytest
 

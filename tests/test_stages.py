@@ -19,7 +19,7 @@ import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
-from mistill.data.corpus import Corpus, Note
+from mistill.data.corpus import Corpus
 from mistill.data.synthetic import make_synthetic_corpus
 from mistill.stages.characterize import KnockinStageConfig
 from mistill.stages.common import load_prepared
@@ -27,7 +27,6 @@ from mistill.stages.mlproject import render
 from mistill.stages.prepare import PrepareConfig, run_prepare
 from mistill.stages.registry import stages
 from mistill.stages.workflow import PipelineConfig, pipeline_steps, run_step
-from mistill.tracking.privacy import PrivacyError
 from stage_fixtures import (CANARY_ID, CANARY_SENTENCE, REPO, SLOW_TINY, SMALL, TINY, TINY_HEADS, artifact_paths,
                             freeze_source, leaks, n_runs, phrase_needles, planted_corpus, runs_of,
                             subprocess_env, tracked_texts, unique)

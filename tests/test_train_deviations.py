@@ -13,7 +13,7 @@ from mistill.distill.arms import resolve_arm
 from mistill.errors import MistillInputError
 from mistill.stages.distill import (DEVIATION_P1_WINDOW_EMISSION, TAG_DEVIATION, TrainStageConfig,
                                     run_train, train_deviations)
-from stage_fixtures import SMALL, unique
+from stage_fixtures import tiny_distill_inputs
 
 pytestmark = pytest.mark.usefixtures("pinned_code_version")
 
@@ -51,17 +51,7 @@ def test_deviation_codes_are_stable():
 def targets_ids(tracking_uri, tmp_path_factory, pinned_code_version):
     """A characterized synthetic corpus (tiny models), the student's ranking and the teacher's
     targets without a prose-time head set."""
-    from mistill.stages.workflow import PipelineConfig, distill_steps, pipeline_steps
-
-    root = tmp_path_factory.mktemp("deviations-root")
-    name = unique("dev")
-    cfg = PipelineConfig(corpus="synthetic", corpus_name=name, n_notes=3, **SMALL)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MISTILL_ROOT", str(root))
-        ids = pipeline_steps(cfg)
-        ids.update(distill_steps(cfg.replace(train_arms=(), student="tiny:qwen3:seed=2", select_lock=""),
-                                 ids, name, None))
-    return {"ids": ids, "root": root}
+    return tiny_distill_inputs(tmp_path_factory.mktemp("deviations-root"), "dev")
 
 
 def test_train_runs_carry_the_window_pool_deviation(targets_ids, monkeypatch, capsys):

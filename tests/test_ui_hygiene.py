@@ -7,7 +7,6 @@ cursor codes, and figure legends that name arms, never run ids."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import signal
 import subprocess
@@ -16,7 +15,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import mlflow
 import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
