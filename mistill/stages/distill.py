@@ -365,8 +365,8 @@ def run_train(cfg: TrainStageConfig) -> str:
             # the untrained student, before any step
             dispreferred = _dispreferred(run, lm, examples, cfg, guard.allows_text)
         model = prepare_student(lm.model, recipe)
-        if leader and model.device.type == "cpu" and arm.precision == "bf16":  # which kernels ran
-            run.set_tags({"mistill.cpu_bf16_matmul": "fp32" if uses_fp32_gemms(model) else "native"})
+        if leader:
+            _tag_cpu_kernels(run, model, arm)
         if arm.objective == "feature_kd":  # the layer pairs, the seeded adapter(s)
             fkd = make_feature_kd(teacher_lm, lm, arm, cfg.seed, device=device)
             if leader:
@@ -385,11 +385,8 @@ def run_train(cfg: TrainStageConfig) -> str:
             return micro_step_loss(m, lm, ex.student, ex.targets, ex.pairing, pools, arm, kl_mode=kl_mode,
                                    logits_chunk=cfg.logits_chunk, teacher_positions=ex.teacher_positions)
 
-        def log(metrics: dict, step: int) -> None:
-            if leader:
-                run.log_metrics({f"train/{k}": v for k, v in metrics.items()}, step=step)
-
-        trainer = Trainer(model, len(examples), recipe, micro_step, state_dir=run.work_dir / "trainer", log=log,
+        trainer = Trainer(model, len(examples), recipe, micro_step, state_dir=run.work_dir / "trainer",
+                          log=_train_metrics(run) if leader else None,
                           extra_params=fkd.parameters() if fkd else (), world=world,
                           after_step=_probe_step(cfg, prepared, lm, run, world))
         if broadcast(run.resumed, world) and trainer.load_state():
@@ -404,6 +401,19 @@ def run_train(cfg: TrainStageConfig) -> str:
                                        n_notes=len(examples), steps=trainer.step))
         print(f"train: {cfg.arm} seed {cfg.seed} ({arm.precision}) -> run {run.run_id}")
         return run.run_id
+
+
+def _train_metrics(run):
+    """``log(metrics, step)`` of a trainer: the metrics under ``train/`` at the optimizer step."""
+    def log(metrics: dict, step: int) -> None:
+        run.log_metrics({f"train/{k}": v for k, v in metrics.items()}, step=step)
+    return log
+
+
+def _tag_cpu_kernels(run, model, arm: ArmConfig) -> None:
+    """Tag which matmul kernels a bf16 student ran on the CPU (``mistill.cpu_bf16_matmul``)."""
+    if model.device.type == "cpu" and arm.precision == "bf16":
+        run.set_tags({"mistill.cpu_bf16_matmul": "fp32" if uses_fp32_gemms(model) else "native"})
 
 
 def _train_on_policy(cfg: TrainStageConfig, arm: ArmConfig, recipe: RecipeConfig, run, ev, notes, lm, device: str,
@@ -427,17 +437,12 @@ def _train_on_policy(cfg: TrainStageConfig, arm: ArmConfig, recipe: RecipeConfig
     model.train()
     if use_fp32_gemms(recipe.cpu_bf16_matmul, model.device, next(model.parameters()).dtype):
         fp32_gemms(model)
-    if model.device.type == "cpu" and arm.precision == "bf16":  # which kernels ran
-        run.set_tags({"mistill.cpu_bf16_matmul": "fp32" if uses_fp32_gemms(model) else "native"})
+    _tag_cpu_kernels(run, model, arm)
     prompts = [build_prompt(note, note.shortlist, prepared.inventory, lm.tokenizer,
                             remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
                             narrow_instruction=prepared.narrow_instruction).text for note in notes]
-
-    def log(metrics: dict, step: int) -> None:
-        run.log_metrics({f"train/{k}": v for k, v in metrics.items()}, step=step)
-
     return train_opd(model, teacher.model, lm.tokenizer, prompts, recipe, run.work_dir / "trainer",
-                     rollout_cap=arm.rollout_cap, beta=arm.opd_beta, device=device, log=log,
+                     rollout_cap=arm.rollout_cap, beta=arm.opd_beta, device=device, log=_train_metrics(run),
                      after_step=_probe_step(cfg, prepared, lm, run, current_world()), resume=run.resumed)
 
 
