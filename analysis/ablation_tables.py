@@ -43,7 +43,7 @@ MISTILL_ARM = "mistill"
 VANILLA_ARMS: tuple[str, ...] = ("vanilla-fp32", "vanilla-bf16")
 PRECISION_ARMS: tuple[str, ...] = ("vanilla-fp32", "vanilla-bf16", "mistill", "mistill-fp32")
 """The precision control of App. L.3 (Tables 47, 48)."""
-NON_ABLATION_ARMS: tuple[str, ...] = (*PRECISION_ARMS, "feature-kd", "distillm2", "opd")
+NON_ABLATION_ARMS: tuple[str, ...] = (*PRECISION_ARMS, "feature-kd", "distillm2", "opd", "gold")
 UNTRAINED_ARM = "untrained"
 OWN_K = 40
 """The own top-k of Tables 49 and 51 (the paper's operating point)."""

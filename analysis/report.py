@@ -1007,7 +1007,7 @@ def _ablations(rep: Report, client: MlflowClient, extra: _Extra, cells: pd.DataF
     t47 = ablation_tables.precision_table(evaluate, ev_notes, train, n_resamples=n_resamples,
                                           seed=seed)
     _listed(rep, "table47_precision", "Table 47: precision control, task side",
-            f"Test micro-F1, valid and cap rate, mean ± sd over seeds; Δ: paired per-note "
+            "Test micro-F1, valid and cap rate, mean ± sd over seeds; Δ: paired per-note "
             "micro-F1 difference from each Vanilla CoT-KD arm's seed-averaged notes with its "
             "bootstrap 95% interval.", t47, ablation_tables.precision_display(t47))
     precision_train = train[train["arm"].isin(ablation_tables.PRECISION_ARMS)] \

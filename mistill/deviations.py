@@ -32,6 +32,8 @@ class Deviation:
     default: the platform's default of ``parameter`` (:data:`SET_BY_LOCK` for a lock field that
         every lock states).
     paper_value: the paper's value where it states one, else :data:`PAPER_SILENT`.
+    when: the runs the choice concerns, as ``(field, values)``: only a run whose config holds one
+        of ``values`` in ``field`` is checked (None: every run with the parameter).
     """
 
     choice: str
@@ -42,6 +44,7 @@ class Deviation:
     why: str
     default: Any
     paper_value: Any = PAPER_SILENT
+    when: tuple[str, tuple[Any, ...]] | None = None
 
     @property
     def recon(self) -> bool:
@@ -123,6 +126,37 @@ DEVIATIONS: tuple[Deviation, ...] = (
        "flagged when category codes are at least half of the answers' entries or at least half of the "
        "generations are truncated (capped or never closing their reasoning)",
        "TrainStageConfig.probe_flag_share", "GOLD's answers were all categories; a healthy arm has none", 0.5),
+    # --- the on-policy arms (OPD, GOLD) ---
+    _D("on-policy rollout engine", "App. J.3, J.5",
+       "OPD's trainer and a vLLM rollout engine share one H200",
+       "transformers' generation inside TRL's trainer (hf); TRL's colocated vLLM engine with rollout_backend=vllm "
+       "(the vllm extra, a CUDA GPU); checked on the opd and gold arms only",
+       "TrainStageConfig.rollout_backend",
+       "the same sampling distribution without a second engine, on any device", "hf", "vllm",
+       when=("arm", ("opd", "gold"))),
+    _D("arm epochs", "App. J.3, J.4",
+       "every arm two epochs; the GOLD run one, a compute cut recorded before its final run",
+       "0 keeps the recipe's epochs (two); gold.yaml sets 1, as the paper's GOLD run",
+       "ArmConfig.epochs", "the GOLD row is quoted at the settings it ran", 0, 0),
+    _D("on-policy rollout cap", "App. J.3, L.2",
+       "OPD: 12,288 tokens, never reached; GOLD: 6,144, after 16,384 and 8,192 ran out of memory in the hybrid "
+       "ULD loss, the teacher's completions cut to the same cap (200 of 500 traces lost their end)",
+       "12,288 (OPD); gold.yaml 6,144, the teacher's traces cut after as many student tokens and their count "
+       "logged as train/truncated_completions", "ArmConfig.rollout_cap",
+       "the GOLD null is a property of that cap, so the arm carries it", 12288, 12288),
+    _D("GOLD on-policy fraction", "App. J.3, J.4",
+       "0.5 for GOLD, because a fully on-policy first run collapsed to degenerate output; OPD fully on-policy",
+       "1.0 (OPD); gold.yaml 0.5 (TRL's lmbda: each micro-step on-policy with this probability)",
+       "ArmConfig.on_policy_fraction", "the settings the GOLD row ran at", 1.0, 1.0),
+    _D("GOLD shared-token divergence", "App. J.3",
+       "OPD: the generalised JSD at beta 1; GOLD's beta is not stated",
+       "1 (OPD); gold.yaml 0.5, TRL's GOLD default, for the hybrid loss's JSD on the tokens both vocabularies "
+       "share", "ArmConfig.opd_beta", "upstream's published setting", 1.0, 1.0),
+    _D("GOLD hybrid loss", "App. J.3",
+       "the hybrid ULD loss (JSD on shared tokens, sorted-probability ULD on the rest) with upstream's "
+       "text-span alignment",
+       "the hybrid loss with adaptive weights (upstream's); false: ULD on every token",
+       "ArmConfig.uld_hybrid", "the loss the GOLD row ran", True, True),
     # --- Feature-KD ---
     _D("Feature-KD attention positions", "App. J.3, J.4",
        "64 trace positions sampled per note; a seed fixes them",
@@ -309,16 +343,29 @@ DEVIATIONS: tuple[Deviation, ...] = (
 """One entry per row of ``docs/DEVIATIONS.md``'s table."""
 
 CONVENTIONS: tuple[Convention, ...] = (
-    Convention("OPD rollouts", "App. J.3",
-               "the student's rollouts come from transformers' generation inside TRL's trainer (the paper: a vLLM "
-               "engine colocated on the GPU); the sampling temperature is TRL's default, 1.0",
-               "mistill.distill.onpolicy.distillation_args",
-               "the same sampling distribution without a second engine; vLLM inside TRL needs CUDA"),
-    Convention("OPD schedule", "App. J.2, J.3",
+    Convention("on-policy sampling", "App. J.3",
+               "the student's rollouts sample at TRL's defaults: OPD at temperature 1.0, GOLD at temperature 0.9 "
+               "and top-p 0.95; one prompt per micro-step",
+               "mistill.distill.onpolicy.trainer_args",
+               "the paper runs both trainers at their published settings"),
+    Convention("on-policy schedule", "App. J.2, J.3",
                "the recipe's own AdamW and warm-up + cosine schedule stepped by TRL, over the epochs' data orders "
-               "laid end to end (TRL's defaults would shuffle with its own seed and warm up from zero)",
-               "mistill.distill.onpolicy.recipe_optimizer",
+               "laid end to end, the last optimizer step filled from the next epoch's order (TRL's defaults would "
+               "shuffle with its own seed and warm up from zero)",
+               "mistill.distill.onpolicy.on_policy_order",
                "every arm sees the same data order and schedule"),
+    Convention("GOLD completion window", "App. J.3",
+               "student and teacher logits from one position before the batch's earliest completion token onward "
+               "(transformers' logits_to_keep); labels, ids and byte offsets cut at the same position, so the "
+               "loss equals upstream's full-sequence one (a test checks it)",
+               "mistill.distill.gold.completion_window_start",
+               "the paper's one override: full-sequence logits of 30k-token prompts do not fit"),
+    Convention("GOLD teacher input", "App. J.3",
+               "the teacher reads the student's chat-templated prompt and the completion as text, re-tokenized "
+               "by its own tokenizer (upstream's text-span alignment); the off-policy completion is the teacher's "
+               "trace as the student's template renders it",
+               "mistill.distill.gold.train_gold",
+               "upstream's cross-tokenizer path; the paper changes only the logits window"),
     Convention("description words", "App. E, Table 23",
                "a word is a run of three or more letters, lower-cased; English function words and the "
                "inventory's generic qualifiers (other, unspecified, specified, site, type) never count; the "
@@ -459,6 +506,8 @@ def deviations_in(config_class: str, config: Mapping[str, Any]) -> list[dict[str
     out = []
     for d in DEVIATIONS:
         if d.class_name != config_class or d.field not in config:
+            continue
+        if d.when is not None and config.get(d.when[0]) not in d.when[1]:
             continue
         value = config[d.field]
         if not _same(value, d.default):

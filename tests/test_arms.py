@@ -14,7 +14,7 @@ from mistill.errors import MistillInputError
 
 ISSUE_ARMS = {"vanilla-fp32", "vanilla-bf16", "feature-kd", "distillm2", "mistill", "randheads", "randpos",
               "randboth", "bottom40", "top8", "top100", "uniform", "no-window", "event-weighted-vanilla",
-              "p1-only", "p2-only", "attention-only", "interaction-only", "write-term", "opd"}
+              "p1-only", "p2-only", "attention-only", "interaction-only", "write-term", "opd", "gold"}
 
 
 def test_every_arm_of_the_paper_has_a_file():

@@ -95,6 +95,19 @@ def test_deviations_in_flags_non_default_and_against_paper_values():
     assert deviations_in("ArmConfig", {"uld_alignment": "char_offset"}) == []
     # another class's field of the same name is not read
     assert deviations_in("TrainStageConfig", {"min_abs_margin": 0.0}) == []
+    # a choice scoped to some runs: the rollout engine concerns the on-policy arms only
+    assert deviations_in("TrainStageConfig", {"arm": "mistill", "rollout_backend": "hf"}) == []
+    gold = deviations_in("TrainStageConfig", {"arm": "gold", "rollout_backend": "hf"})
+    assert [(f["parameter"], f["kind"], f["paper_value"]) for f in gold] == [
+        ("TrainStageConfig.rollout_backend", "against_paper", "vllm")]
+    # the GOLD arm's run settings are recorded as values other than the protocol's
+    from mistill.distill.arms import resolve_arm
+
+    found = {f["parameter"]: f["value"] for f in deviations_in("ArmConfig", resolve_arm("gold").to_dict())}
+    assert {k: found[k] for k in ("ArmConfig.epochs", "ArmConfig.rollout_cap", "ArmConfig.on_policy_fraction",
+                                  "ArmConfig.opd_beta")} == {"ArmConfig.epochs": 1, "ArmConfig.rollout_cap": 6144,
+                                                             "ArmConfig.on_policy_fraction": 0.5,
+                                                             "ArmConfig.opd_beta": 0.5}
 
 
 def test_paper_silent_rows_are_exactly_the_reconstructions():

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from mistill.distill.onpolicy import opd_order, opd_steps, train_opd
-from mistill.distill.trainer import RecipeConfig, epoch_order, lr_lambda
+from mistill.distill.onpolicy import on_policy_order, train_opd
+from mistill.distill.trainer import RecipeConfig, epoch_order, lr_lambda, total_steps
 from mistill.models.loading import tiny_model
 
 PROMPTS = ["Code note one:", "Code note two:", "Code note three:"]
@@ -42,9 +42,11 @@ def _train(out, *, resume=False, callbacks=(), probe=None):
 
 
 def test_order_and_steps_are_every_arms():
-    assert opd_order(3, RECIPE) == epoch_order(3, 3, 0) + epoch_order(3, 3, 1)
-    assert opd_steps(3, RECIPE) == 4  # ceil(3 / 2) per epoch, two epochs
-    assert opd_steps(3, RECIPE.replace(max_steps=3)) == 3
+    """The epochs' orders end to end, the last of the recipe's steps filled from the next epoch's."""
+    assert total_steps(3, RECIPE) == 4  # ceil(3 / 2) per epoch, two epochs
+    assert on_policy_order(3, RECIPE) == epoch_order(3, 3, 0) + epoch_order(3, 3, 1) + epoch_order(3, 3, 2)[:2]
+    assert on_policy_order(3, RECIPE.replace(max_steps=1)) == epoch_order(3, 3, 0)[:2]
+    assert on_policy_order(4, RECIPE) == epoch_order(4, 3, 0) + epoch_order(4, 3, 1)
 
 
 def test_opd_trains_logs_and_resumes_bit_for_bit(tmp_path):
@@ -99,3 +101,44 @@ def test_the_opd_arm_in_the_train_stage(targets_ids, monkeypatch):
     assert run.data.tags[TAG_MODEL_ALIAS] == "opd-s0"
     version = client.get_model_version_by_alias(run.data.tags[TAG_REGISTERED_MODEL], "opd-s0")
     assert version.run_id == run_id and version.tags["mistill.objective"] == "opd"
+
+
+def test_the_gold_arm_in_the_train_stage(targets_ids, monkeypatch):
+    """``-P arm=gold``: the arm's one epoch, the teacher's traces capped at the rollout cap and
+    counted, TRL's metrics under ``train/``, the probe, the checkpoint registered as ``gold-s0``."""
+    from mlflow.tracking import MlflowClient
+
+    from mistill.stages.distill import TrainStageConfig, run_train
+    from mistill.tracking.models import TAG_MODEL_ALIAS, TAG_REGISTERED_MODEL
+
+    monkeypatch.setenv("MISTILL_ROOT", str(targets_ids["root"]))
+    run_id = run_train(TrainStageConfig(targets_run=targets_ids["ids"]["targets"], student="tiny:qwen3:seed=2",
+                                        arm="gold", overrides="rollout_cap=8", grad_accum=1, probe_every=1,
+                                        probe_notes=1, probe_max_new_tokens=4))
+    client = MlflowClient()
+    run = client.get_run(run_id)
+    assert run.data.metrics["n_notes"] == 1
+    assert run.data.metrics["train/steps"] == 1  # the arm's one epoch, a note per step (the recipe's two: 2)
+    assert run.data.metrics["train/truncated_completions"] == 1  # the trace is longer than 8 tokens
+    for name in ("train/loss", "train/grad_norm", "train/lr", "train/matched_loss"):
+        assert [m.step for m in client.get_metric_history(run_id, name)] == [1], name
+    assert [m.step for m in client.get_metric_history(run_id, "probe/truncated_rate")] == [1]
+    params = run.data.params
+    assert (params["arm.objective"], params["arm.epochs"], params["arm.on_policy_fraction"]) == ("gold", "1", "0.5")
+    assert run.data.tags[TAG_MODEL_ALIAS] == "gold-s0"
+    version = client.get_model_version_by_alias(run.data.tags[TAG_REGISTERED_MODEL], "gold-s0")
+    assert version.run_id == run_id and version.tags["mistill.objective"] == "gold"
+
+
+def test_on_policy_rollouts_from_vllm_need_vllm_and_a_gpu(targets_ids, monkeypatch):
+    """``rollout_backend=vllm`` is refused with the parameter named, before any step, where vLLM
+    is missing or the device is the CPU."""
+    from mistill.errors import MistillInputError
+    from mistill.stages.distill import TrainStageConfig, run_train
+
+    monkeypatch.setenv("MISTILL_ROOT", str(targets_ids["root"]))
+    with pytest.raises(MistillInputError) as err:
+        run_train(TrainStageConfig(targets_run=targets_ids["ids"]["targets"], student="tiny:qwen3:seed=2",
+                                   arm="opd", rollout_backend="vllm", max_steps=1))
+    assert err.value.field == "rollout_backend"
+    assert "vLLM" in str(err.value)

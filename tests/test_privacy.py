@@ -20,6 +20,7 @@ import torch
 from mistill.errors import MistillInputError
 from mistill.tracking.privacy import (CHAR_WINDOW, PrivacyError, PrivacyGuard, ngram_hashes,
                                       normalise, tokens)
+from tok_fixtures import bpe_tokenizer
 
 CANARY = "the zebra canary walked slowly past the violet lighthouse at dawn"
 NOTE = ("Discharge summary. Patient is a 67 year old man admitted with dyspnea. "
@@ -315,18 +316,6 @@ def test_unknown_binary_types_refused_for_restricted_only(tmp_path: Path, name: 
     PrivacyGuard([NOTE], "public").check_file(p)
 
 
-def _bpe_tokenizer(texts: list[str]):
-    """A byte-level BPE tokenizer trained on ``texts`` (a real vocabulary and merges)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>"]))
-    return tok, PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
-
-
 def _sentencepiece_model(pieces: list[tuple[str, float]]) -> bytes:
     """A sentencepiece ``ModelProto`` with only its pieces (field 1: piece, score)."""
     def field(tag: int, payload: bytes) -> bytes:
@@ -349,7 +338,7 @@ def test_platform_artifacts_pass_and_leaks_in_them_do_not(tmp_path: Path) -> Non
     from mistill.models.loading import tiny_model
 
     readme = Path(__file__).resolve().parents[1] / "README.md"
-    tok, hf_tok = _bpe_tokenizer([NOTE] * 20 + readme.read_text().splitlines())
+    tok, hf_tok = bpe_tokenizer([NOTE] * 20 + readme.read_text().splitlines())
     lm = tiny_model(layers=1, heads=2, kv_heads=1, d_model=16, d_head=8, tokenizer=hf_tok)
     out = tmp_path / "model"
     lm.model.save_pretrained(out)

@@ -22,3 +22,18 @@ def merging_tokenizer(merged=("18", "28", "65", "95")):
     runs = "|".join(re.escape(m) for m in merged)
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(rf" ?[A-Z]|{runs}|[0-9]|\s|\S"), behavior="isolated")
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+
+
+def bpe_tokenizer(texts: list[str], vocab_size: int = 600, *, all_bytes: bool = False):
+    """A byte-level BPE tokenizer trained on ``texts`` (a real vocabulary and merges, EOS
+    ``<|endoftext|>``; with ``all_bytes``, every byte is a token, so any text encodes):
+    ``(tokenizers.Tokenizer, PreTrainedTokenizerFast)``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if all_bytes else []))
+    return tok, PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")

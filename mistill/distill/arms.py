@@ -31,7 +31,8 @@ from mistill.validation import (check_choice, check_choices, check_interval, che
                                 check_seed)
 
 ARMS_DIR = Path(__file__).resolve().parents[2] / "projects" / "configs" / "arms"
-OBJECTIVES = ("cot", "mistill", "feature_kd", "distillm2", "opd")
+OBJECTIVES = ("cot", "mistill", "feature_kd", "distillm2", "opd", "gold")
+ON_POLICY_OBJECTIVES = ("opd", "gold")
 POOL_MODES = ("top", "bottom", "random", "random_all", "uniform")
 TERMS = ("attention", "interaction", "write")
 POSITIONS = ("events", "random")
@@ -76,9 +77,19 @@ class ArmConfig(Config):
     fkd_adapter_bias: whether the adapter has a bias. **[recon]**.
     fkd_rms_eps: epsilon inside the per-position RMS normalisation. **[recon]**.
 
-    On-policy distillation (App. J.3; ``objective: opd``; :mod:`mistill.distill.onpolicy`):
-    rollout_cap: tokens per rollout of the student (the paper: 12,288 for OPD);
-    opd_beta: the generalised Jensen-Shannon divergence's beta (1: the reverse KL, as the paper).
+    epochs: the arm's own number of epochs (0: the recipe's, two in the paper; the paper's GOLD
+        run: one, a compute cut).
+
+    On-policy arms (App. J.3; ``objective: opd``, :mod:`mistill.distill.onpolicy`; ``objective:
+    gold``, :mod:`mistill.distill.gold`):
+    rollout_cap: tokens per rollout of the student (the paper: 12,288 for OPD, 6,144 for GOLD,
+        whose off-policy teacher traces are cut to the same cap);
+    opd_beta: the generalised Jensen-Shannon divergence's beta (OPD's loss, 1: the reverse KL, as
+        the paper; GOLD's hybrid loss uses it on the tokens both vocabularies share).
+    on_policy_fraction: GOLD's share of on-policy micro-steps (TRL's ``lmbda``; the paper's run:
+        0.5, after a fully on-policy run collapsed); OPD is fully on-policy.
+    uld_hybrid: GOLD's hybrid ULD loss (JSD on the tokens both vocabularies share, ULD on the
+        rest), the loss the paper's run used.
     """
 
     objective: str = "mistill"
@@ -104,8 +115,11 @@ class ArmConfig(Config):
     fkd_adapter: str = "shared"
     fkd_adapter_bias: bool = True
     fkd_rms_eps: float = 1e-6
+    epochs: int = 0
     rollout_cap: int = 12288
     opd_beta: float = 1.0
+    on_policy_fraction: float = 1.0
+    uld_hybrid: bool = True
 
     def validate(self) -> None:
         check_choice(self.objective, OBJECTIVES, "objective")
@@ -131,6 +145,8 @@ class ArmConfig(Config):
         check_positive(self.fkd_rms_eps, "fkd_rms_eps")
         check_positive(self.rollout_cap, "rollout_cap")
         check_interval(self.opd_beta, "opd_beta")
+        check_interval(self.on_policy_fraction, "on_policy_fraction")
+        check_non_negative(self.epochs, "epochs", "0: the recipe's")
 
     @property
     def lambdas(self) -> dict[str, float]:

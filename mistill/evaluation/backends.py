@@ -149,14 +149,15 @@ def vllm_engine_kwargs(model_path: str, config: Any, *, dtype: str = "bfloat16",
     return kwargs
 
 
-def _require_vllm():
+def require_vllm(field: str = "backend"):
+    """The ``vllm`` module, or a clear error naming ``field`` when it is not installed."""
     try:
         import vllm  # noqa: F401
     except ImportError:
         raise MistillInputError("the vllm backend needs vLLM, which is not installed: run "
                                 "scripts/setup.sh (without MISTILL_VLLM=0; it installs vLLM's CPU "
                                 "build where there is no CUDA), or `pip install 'mistill[vllm]'` "
-                                "on a CUDA machine, or use backend 'hf'", field="backend") from None
+                                f"on a CUDA machine, or use {field} 'hf'", field=field) from None
     return vllm
 
 
@@ -190,7 +191,7 @@ class VLLMBackend:
 
     def __init__(self, model_spec: str, decoding: DecodingConfig, *, dtype: str = "bfloat16",
                  engine_overrides: Mapping[str, Any] | None = None) -> None:
-        vllm = _require_vllm()
+        vllm = require_vllm()
         import torch
         from transformers import AutoConfig
 
@@ -257,7 +258,7 @@ def make_backend(name: str, model_spec: str, decoding: DecodingConfig, *, device
     if name not in BACKENDS:
         raise MistillInputError(f"unknown backend {name!r}; use one of {BACKENDS}", field="backend")
     if name == "vllm":
-        _require_vllm()
+        require_vllm()
         return VLLMBackend(model_spec, decoding, dtype=dtype)
     from mistill.models.loading import load_model
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from mistill.config import Config
 from mistill.distributed import barrier, broadcast, current_world, gather
-from mistill.distill.arms import ArmConfig, arm_digest, resolve_arm
+from mistill.distill.arms import ON_POLICY_OBJECTIVES, ArmConfig, arm_digest, resolve_arm
 from mistill.distill.cpu_bf16 import uses_fp32_gemms
 from mistill.distill.note_data import NoteData, build_note_data
 from mistill.distill.objective import (align_trace_rows, compute_note_targets, distillm2_step, feature_kd_step,
@@ -36,7 +36,7 @@ from mistill.models.loading import load_model, load_tokenizer
 from mistill.params import PoolParams, ProbeParams, RecipeParams
 from mistill.progress import track
 from mistill.stages.characterize import NOTES, _events_input
-from mistill.stages.common import RunReader, require_notes
+from mistill.stages.common import RunReader, prepared_note_input, require_notes
 from mistill.stages.runner import note_loop, notes_written, open_stage, stage_device
 from mistill.validation import (check_device, check_dtype, check_non_negative, check_not_empty,
                                 check_positive, check_seed)
@@ -172,6 +172,9 @@ class TrainStageConfig(Config, RecipeParams, ProbeParams):
         anything else is refused (see :mod:`mistill.distill.arms`).
     overrides: ``key=value,...`` on the arm's flags (``lambda_p1=0.03``; ``terms=a+b`` for lists).
     precision: ``bf16`` or ``fp32``; empty keeps the arm's.
+    rollout_backend: how the on-policy arms (OPD, GOLD) sample the student's rollouts: ``hf``
+        (transformers' generation inside TRL's trainer) or ``vllm`` (TRL's colocated vLLM engine;
+        the ``vllm`` extra on a CUDA GPU).
     register: register the checkpoint (an MLflow Model, artifact path ``model``) as a version of
         ``mistill-<corpus>-<student>`` with the arm alias ``<arm>-s<seed>``, or, for a λ-selection
         cell, the cell alias ``<arm>-l<λ>-s<seed>`` (see :mod:`mistill.tracking.models`).
@@ -192,6 +195,7 @@ class TrainStageConfig(Config, RecipeParams, ProbeParams):
     precision: str = ""
     logits_chunk: int = 1024
     dispreferred_max_new_tokens: int = 16384
+    rollout_backend: str = "hf"
     device: str = "cpu"
     register: bool = True
 
@@ -199,14 +203,17 @@ class TrainStageConfig(Config, RecipeParams, ProbeParams):
         """``overrides`` with ``precision`` appended when it is set."""
         return self.overrides + (f",precision={self.precision}" if self.precision else "")
 
-    def recipe(self, precision: str) -> RecipeConfig:
-        """The trainer's recipe: this config's recipe fields and seed, at the arm's ``precision``."""
-        return RecipeConfig(seed=self.seed, precision=precision, **self.shared_params(RecipeConfig))
+    def recipe(self, precision: str, epochs: int = 0) -> RecipeConfig:
+        """The trainer's recipe: this config's recipe fields and seed, at the arm's ``precision``
+        and, when it sets them (``epochs > 0``), the arm's epochs."""
+        recipe = RecipeConfig(seed=self.seed, precision=precision, **self.shared_params(RecipeConfig))
+        return recipe.replace(epochs=epochs) if epochs else recipe
 
     def validate(self) -> None:
         import dataclasses
 
         from mistill.distill.arms import PRECISIONS, ArmConfig
+        from mistill.evaluation.backends import BACKENDS
         from mistill.validation import (check_arm, check_choice, check_model_spec, check_no_text_fields,
                                         check_overrides, check_run_id)
 
@@ -222,6 +229,7 @@ class TrainStageConfig(Config, RecipeParams, ProbeParams):
         check_seed(self.seed)
         check_positive(self.logits_chunk, "logits_chunk")
         check_positive(self.dispreferred_max_new_tokens, "dispreferred_max_new_tokens")
+        check_choice(self.rollout_backend, BACKENDS, "rollout_backend")
         check_device(self.device)
 
     def content_digests(self) -> dict[str, str]:
@@ -291,9 +299,11 @@ def run_train(cfg: TrainStageConfig) -> str:
     if world.distributed and arm.objective == "distillm2":
         raise MistillInputError("the DistiLLM-2 arm trains in one process (its dispreferred generations are "
                                 "written before the first step); launch it without torchrun", field="nproc")
-    if world.distributed and arm.objective == "opd":
-        raise MistillInputError("the OPD arm trains in one process (TRL's trainer); launch it without torchrun",
-                                field="nproc")
+    if world.distributed and arm.objective in ON_POLICY_OBJECTIVES:
+        raise MistillInputError(f"the {arm.objective.upper()} arm trains in one process (TRL's trainer); launch it "
+                                "without torchrun", field="nproc")
+    if arm.objective in ON_POLICY_OBJECTIVES and cfg.rollout_backend == "vllm":
+        _check_vllm_rollouts(stage_device(cfg.device))
     _check_targets(targets_run, notes)
     inputs = {"targets": cfg.targets_run}
     if cfg.student_attribute_run:
@@ -311,10 +321,10 @@ def run_train(cfg: TrainStageConfig) -> str:
             run.log_json("arm.json", arm.to_dict())
             _log_arm_params(run, arm)
             _mark_deviations(run, train_deviations(arm, tcfg, targets_run.tags), "train")
-        recipe = cfg.recipe(arm.precision)
+        recipe = cfg.recipe(arm.precision, arm.epochs)
         device = stage_device(cfg.device)
         lm = load_model(cfg.student, dtype="float32", device=device)
-        if arm.objective == "opd":
+        if arm.objective in ON_POLICY_OBJECTIVES:
             steps = _train_on_policy(cfg, arm, recipe, run, ev, notes, lm, device, tcfg)
             run.log_metrics({"train/steps": steps, "n_notes": len(notes)})
             _save_and_register(run, lm.model, lm.tokenizer, cfg, arm,
@@ -403,6 +413,16 @@ def run_train(cfg: TrainStageConfig) -> str:
         return run.run_id
 
 
+def _check_vllm_rollouts(device: str) -> None:
+    """Refuse TRL's colocated vLLM rollouts without vLLM or off a CUDA device."""
+    from mistill.evaluation.backends import require_vllm
+
+    require_vllm("rollout_backend")
+    if not str(device).startswith("cuda"):
+        raise MistillInputError(f"TRL's colocated vLLM engine runs on a CUDA GPU, not on device {device!r}; use "
+                                "rollout_backend 'hf'", field="rollout_backend")
+
+
 def _train_metrics(run):
     """``log(metrics, step)`` of a trainer: the metrics under ``train/`` at the optimizer step."""
     def log(metrics: dict, step: int) -> None:
@@ -418,17 +438,18 @@ def _tag_cpu_kernels(run, model, arm: ArmConfig) -> None:
 
 def _train_on_policy(cfg: TrainStageConfig, arm: ArmConfig, recipe: RecipeConfig, run, ev, notes, lm, device: str,
                      tcfg: Mapping) -> int:
-    """The OPD arm on TRL's trainer (:mod:`mistill.distill.onpolicy`): the training notes'
-    shortlist prompts in the student's chat template, the teacher online; returns the steps."""
+    """The on-policy arms on TRL's trainers, the teacher online: OPD (:mod:`mistill.distill.onpolicy`)
+    on the training notes' shortlist prompts in the student's chat template; GOLD
+    (:mod:`mistill.distill.gold`) on the same prompts and, for its off-policy micro-steps, the
+    teacher's traces capped at the rollout cap (their count logged as
+    ``train/truncated_completions``). Returns the optimizer steps."""
     import torch
 
-    from mistill.data.prompts import build_prompt
     from mistill.distill.cpu_bf16 import fp32_gemms, use_fp32_gemms
-    from mistill.distill.onpolicy import train_opd
 
     prepared = ev.prepared
     teacher = load_model(ev.model, dtype=tcfg.get("dtype", "float32"), device=device)
-    if not _same_vocab(teacher.tokenizer, lm.tokenizer):
+    if arm.objective == "opd" and not _same_vocab(teacher.tokenizer, lm.tokenizer):
         raise MistillInputError("OPD needs the teacher's vocabulary (the cross-tokenizer on-policy arm is GOLD)",
                                 field="student")
     teacher.model.requires_grad_(False)
@@ -438,12 +459,23 @@ def _train_on_policy(cfg: TrainStageConfig, arm: ArmConfig, recipe: RecipeConfig
     if use_fp32_gemms(recipe.cpu_bf16_matmul, model.device, next(model.parameters()).dtype):
         fp32_gemms(model)
     _tag_cpu_kernels(run, model, arm)
-    prompts = [build_prompt(note, note.shortlist, prepared.inventory, lm.tokenizer,
-                            remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
-                            narrow_instruction=prepared.narrow_instruction).text for note in notes]
-    return train_opd(model, teacher.model, lm.tokenizer, prompts, recipe, run.work_dir / "trainer",
-                     rollout_cap=arm.rollout_cap, beta=arm.opd_beta, device=device, log=_train_metrics(run),
-                     after_step=_probe_step(cfg, prepared, lm, run, current_world()), resume=run.resumed)
+    inputs = [prepared_note_input(prepared, note, lm.tokenizer) for note in notes]
+    common = dict(rollout_cap=arm.rollout_cap, beta=arm.opd_beta, device=device, log=_train_metrics(run),
+                  after_step=_probe_step(cfg, prepared, lm, run, current_world()), resume=run.resumed,
+                  use_vllm=cfg.rollout_backend == "vllm")
+    if arm.objective == "opd":
+        from mistill.distill.onpolicy import train_opd
+
+        return train_opd(model, teacher.model, lm.tokenizer, [ni.prompt.text for ni in inputs], recipe,
+                         run.work_dir / "trainer", **common)
+    from mistill.distill.gold import capped_completion, train_gold
+
+    capped = [capped_completion(ni.full_text, ni.offsets, ni.trace_offset, arm.rollout_cap) for ni in inputs]
+    run.log_metrics({"train/truncated_completions": sum(cut for _, cut in capped)})
+    examples = [(ni.prompt.text, text) for ni, (text, _) in zip(inputs, capped)]
+    return train_gold(model, teacher.model, lm.tokenizer, teacher.tokenizer, examples, recipe,
+                      run.work_dir / "trainer", on_policy_fraction=arm.on_policy_fraction, hybrid=arm.uld_hybrid,
+                      **common)
 
 
 def _probe_step(cfg: TrainStageConfig, prepared, lm, run, world):

@@ -299,6 +299,8 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     and D, ``-P locus_compare_suffixes=A,D``).
     train_arms: arms to train (names or ``.yaml`` paths, see ``TrainStageConfig.arm``); empty
     stops after characterization. train_max_steps: 0 lets the epochs decide.
+    train_probe_every: the generation probe during every arm's training
+    (``TrainStageConfig.probe_every``; 0: none), capped at ``eval_max_new_tokens`` tokens.
     train_gradient_checkpointing: the arms and the λ-selection cells recompute the student's
     layers in the backward (``RecipeParams.gradient_checkpointing``, memory only). Off here, a
     demo setting: the 135M student fits without it and the recompute adds about 45 % to a CPU
@@ -326,6 +328,7 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     train_max_steps: int = 2
     train_grad_accum: int = 1
     train_gradient_checkpointing: bool = False
+    train_probe_every: int = 0
     shortlist: bool = True
     select_lock: str = "projects/configs/locks/embedded-3cell.yaml"
     eval_split: str = "test"
@@ -372,6 +375,7 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
                 raise MistillInputError(f"train_arms: {exc}", field="train_arms") from None
         check_non_negative(self.train_max_steps, "train_max_steps", "0: the epochs decide")
         check_positive(self.train_grad_accum, "train_grad_accum")
+        check_non_negative(self.train_probe_every, "train_probe_every", "0: no probe")
         check_positive(self.eval_max_new_tokens, "eval_max_new_tokens")
         check_not_empty(self.las_model, "las_model", "a model spec")
         check_positive(self.las_max_steps, "las_max_steps")
@@ -572,6 +576,7 @@ def distill_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str, pa
             targets_run=out["targets"], student_attribute_run=out["student_attribute"], student=cfg.student,
             arm=arm, overrides=overrides if mistill_arm else "", seed=cfg.seed, max_steps=cfg.train_max_steps,
             grad_accum=cfg.train_grad_accum, gradient_checkpointing=cfg.train_gradient_checkpointing,
+            probe_every=cfg.train_probe_every, probe_max_new_tokens=cfg.eval_max_new_tokens,
             device=cfg.device), corpus_name, launch=cfg.launch, parent=parent)
     return dict(out)
 
