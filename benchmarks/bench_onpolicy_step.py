@@ -1,0 +1,193 @@
+"""Device benchmark of one on-policy optimizer step, OPD and GOLD, against a Vanilla CoT-KD step.
+
+The student is the Qwen3-4B architecture and the teacher the Qwen3-14B architecture (random init,
+bf16 weights, the student without an fp32 master copy), both with Qwen3's 151,936-entry
+vocabulary. The note is :mod:`bench_train_step`'s: a shortlist prompt of about 29.6k tokens and a
+scripted trace. Measured, each on one prompt per optimizer step with the teacher online:
+
+- the Vanilla CoT-KD micro-step of the shared trainer (CE + top-32 KL on the trace; the
+  teacher's targets precomputed), as in ``bench_train_step``;
+- an OPD step (TRL's ``DistillationTrainer``): the student's rollout, capped at ``--rollout-cap``
+  tokens, scored by the teacher under the generalised JSD at beta 1;
+- a GOLD step off-policy (TRL's ``GOLDTrainer``, the hybrid ULD loss, logits over the completion
+  window): the teacher's trace, repeated to and capped at the paper's 6,144 tokens;
+- a GOLD step on-policy: the student's rollout capped at ``--rollout-cap`` tokens.
+
+Rollouts come from transformers' generation (the platform's default); a random model rarely stops,
+so a rollout runs to the cap. Each time is the second of two steps (the first warms up), with its
+peak GPU memory. The SmolLM2 tokenizer (``carry/smollm2-tokenizer``) is padded with placeholder
+tokens to the models' vocabulary, so sampled ids decode and re-encode.
+
+Usage: python benchmarks/bench_onpolicy_step.py --out results.json [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_instrument import ARCHS  # noqa: E402
+from bench_train_step import student_setup, timed  # noqa: E402
+
+from mistill.distill.arms import resolve_arm  # noqa: E402
+from mistill.distill.gold import capped_completion, train_gold  # noqa: E402
+from mistill.distill.objective import micro_step_loss  # noqa: E402
+from mistill.distill.onpolicy import train_opd  # noqa: E402
+from mistill.distill.trainer import RecipeConfig, autocast, prepare_student  # noqa: E402
+
+GOLD_CAP = 6144  # the paper's GOLD rollout cap, to which the teacher's traces were cut
+
+
+def build_model(name: str, vocab: int, device: str, *, smoke: bool):
+    """A random model of the architecture (a 2-layer one in the smoke check), bf16, on ``device``."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    arch = dict(ARCHS[name], vocab_size=vocab)
+    if smoke:
+        arch.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16)
+    cfg = Qwen3Config(**arch, max_position_embeddings=65536, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return model
+
+
+class StepTimer:
+    """A transformers callback: wall time and peak GPU memory of each optimizer step."""
+
+    def __init__(self) -> None:
+        from transformers import TrainerCallback
+
+        timer = self
+        self.steps: list[tuple[float, float]] = []
+
+        class _Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                timer._t = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                peak = torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else float("nan")
+                timer.steps.append((time.perf_counter() - timer._t, peak))
+
+        self.callback = _Callback()
+
+
+def vanilla_step(tokenizer: str, extra_lines: int, device: str, *, smoke: bool) -> tuple[dict, str, str]:
+    """The Vanilla CoT-KD micro-step of the shared trainer (``bench_train_step``'s setup and step):
+    the results so far, the note's prompt and its trace."""
+    setup = student_setup(tokenizer, extra_lines, smoke=smoke)
+    lm, nd, targets, pairing = (setup[k] for k in ("lm", "nd", "targets", "pairing"))
+    res: dict = dict(setup["res"])
+    recipe = RecipeConfig(precision="bf16")
+    model = prepare_student(lm.model, recipe)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0)
+    arm = resolve_arm("vanilla-bf16")
+
+    def step():
+        with autocast(recipe, torch.device(device)):
+            loss, _ = micro_step_loss(model, lm, nd, targets, pairing, {}, arm)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    ts, peaks = [], []
+    for _ in range(2):
+        t, peak, _ = timed(step)
+        ts.append(t)
+        peaks.append(peak)
+    res["vanilla_step_s"], res["vanilla_step_peak_gib"] = float(np.median(ts)), max(peaks)
+    return res, nd.inp.prompt.text, nd.inp.trace
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizer", default="carry/smollm2-tokenizer")
+    ap.add_argument("--extra-lines", type=int, default=950)
+    ap.add_argument("--rollout-cap", type=int, default=256)
+    ap.add_argument("--gold-cap", type=int, default=GOLD_CAP, help="the teacher trace cap, off-policy GOLD")
+    ap.add_argument("--out", default="bench_onpolicy_step.json")
+    ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU: check the script runs")
+    args = ap.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    vocab = ARCHS["qwen3-4b"]["vocab_size"]
+
+    res, prompt, trace = vanilla_step(args.tokenizer, args.extra_lines, device, smoke=args.smoke)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+    # the models of the on-policy steps, and a tokenizer covering their vocabulary
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(args.tokenizer)
+    tok.add_tokens([f"<|x{i}|>" for i in range(vocab - len(tok))])
+    teacher = build_model("qwen3-14b", vocab, device, smoke=args.smoke)
+    teacher.requires_grad_(False)
+    teacher.eval()
+    long_trace = trace * (1 + args.gold_cap // max(1, len(tok(trace, add_special_tokens=False)["input_ids"])))
+    full = prompt + long_trace
+    offsets = tok(full, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    completion, _ = capped_completion(full, offsets, len(prompt), args.gold_cap)
+    res["gold_teacher_completion_tokens"] = sum(len(prompt) <= s < len(prompt) + len(completion) for s, _ in offsets)
+    res["prompt_tokens"] = len(tok(prompt, add_special_tokens=False)["input_ids"])
+    on_policy = RecipeConfig(seed=0, precision="bf16", epochs=1, grad_accum=1, max_steps=2, checkpoint_every=0)
+
+    def run(name: str, train) -> None:
+        student = build_model("qwen3-4b", vocab, device, smoke=args.smoke)
+        student.train()
+        timer = StepTimer()
+        logs: list[dict] = []
+        try:
+            with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as out:
+                train(student, Path(out), timer.callback, lambda m, s: logs.append(m))
+        except torch.OutOfMemoryError as exc:  # recorded, and the next step still measured
+            res[f"{name}_out_of_memory"] = str(exc).splitlines()[0][:300]
+            print(f"{name}: out of memory: {res[f'{name}_out_of_memory']}")
+            del student
+            torch.cuda.empty_cache()
+            return
+        (t, peak) = timer.steps[-1]
+        res[f"{name}_step_s"], res[f"{name}_step_peak_gib"] = t, peak
+        lengths = [m[k] for m in logs for k in ("completions/mean_length",) if k in m]
+        if lengths:
+            res[f"{name}_rollout_tokens"] = lengths[-1]
+        print(f"{name}: {t:.2f} s, peak {peak:.1f} GiB; {json.dumps(logs[-2] if len(logs) > 1 else logs)[:300]}")
+        del student
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    run("opd", lambda s, out, cb, log: train_opd(
+        s, teacher, tok, [prompt, prompt], on_policy, out, rollout_cap=args.rollout_cap, beta=1.0, device=device,
+        log=log, callbacks=[cb]))
+    run("gold_off_policy", lambda s, out, cb, log: train_gold(
+        s, teacher, tok, tok, [(prompt, completion)] * 2, on_policy, out, rollout_cap=args.gold_cap,
+        on_policy_fraction=0.0, beta=0.5, hybrid=True, device=device, log=log, callbacks=[cb]))
+    run("gold_on_policy", lambda s, out, cb, log: train_gold(
+        s, teacher, tok, tok, [(prompt, completion)] * 2, on_policy, out, rollout_cap=args.rollout_cap,
+        on_policy_fraction=1.0, beta=0.5, hybrid=True, device=device, log=log, callbacks=[cb]))
+    for name in ("opd", "gold_off_policy", "gold_on_policy"):
+        if f"{name}_step_s" in res:
+            res[f"{name}_over_vanilla"] = res[f"{name}_step_s"] / res["vanilla_step_s"]
+    res["rollout_cap"] = args.rollout_cap
+    print(json.dumps(res, indent=2))
+    Path(args.out).write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
