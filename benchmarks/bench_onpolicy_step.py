@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_instrument import ARCHS  # noqa: E402
-from bench_train_step import student_setup, timed  # noqa: E402
+from bench_train_step import long_note, student_setup, timed  # noqa: E402
 
 from mistill.distill.arms import resolve_arm  # noqa: E402
 from mistill.distill.gold import capped_completion, train_gold  # noqa: E402
@@ -122,15 +122,34 @@ def main() -> None:
     ap.add_argument("--extra-lines", type=int, default=950)
     ap.add_argument("--rollout-cap", type=int, default=256)
     ap.add_argument("--gold-cap", type=int, default=GOLD_CAP, help="the teacher trace cap, off-policy GOLD")
+    ap.add_argument("--steps", default="opd,gold_off_policy,gold_on_policy", help="which on-policy steps to time")
+    ap.add_argument("--no-vanilla", action="store_true", help="skip the Vanilla CoT-KD step")
+    ap.add_argument("--full-logits", action="store_true",
+                    help="GOLD without the completion window: upstream's full-sequence logits")
     ap.add_argument("--out", default="bench_onpolicy_step.json")
     ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU: check the script runs")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
     vocab = ARCHS["qwen3-4b"]["vocab_size"]
 
-    res, prompt, trace = vanilla_step(args.tokenizer, args.extra_lines, device, smoke=args.smoke)
+    if args.no_vanilla:
+        from transformers import PreTrainedTokenizerFast
+
+        from mistill.distill.note_data import build_note_data
+        from mistill.instrument.events import extract_events
+
+        base = PreTrainedTokenizerFast.from_pretrained(args.tokenizer)
+        corpus, note = long_note(base, args.extra_lines, inventory_size=60 if args.smoke else 1100)
+        events = extract_events(note.note_id, note.teacher_trace, list(corpus.inventory.codes), tokenizer=base)
+        nd = build_note_data(note, corpus.inventory, base, events)
+        res, prompt, trace = {"card": torch.cuda.get_device_name() if device == "cuda" else "cpu-smoke",
+                              "torch": torch.__version__}, nd.inp.prompt.text, nd.inp.trace
+    else:
+        res, prompt, trace = vanilla_step(args.tokenizer, args.extra_lines, device, smoke=args.smoke)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    res["gold_completion_window"] = not args.full_logits
+    steps = args.steps.split(",")
 
     # the models of the on-policy steps, and a tokenizer covering their vocabulary
     from transformers import PreTrainedTokenizerFast
@@ -149,6 +168,8 @@ def main() -> None:
     on_policy = RecipeConfig(seed=0, precision="bf16", epochs=1, grad_accum=1, max_steps=2, checkpoint_every=0)
 
     def run(name: str, train) -> None:
+        if name not in steps:
+            return
         student = build_model("qwen3-4b", vocab, device, smoke=args.smoke)
         student.train()
         timer = StepTimer()
@@ -177,12 +198,14 @@ def main() -> None:
         log=log, callbacks=[cb]))
     run("gold_off_policy", lambda s, out, cb, log: train_gold(
         s, teacher, tok, tok, [(prompt, completion)] * 2, on_policy, out, rollout_cap=args.gold_cap,
-        on_policy_fraction=0.0, beta=0.5, hybrid=True, device=device, log=log, callbacks=[cb]))
+        on_policy_fraction=0.0, beta=0.5, hybrid=True, device=device, log=log, callbacks=[cb],
+        completion_window=not args.full_logits))
     run("gold_on_policy", lambda s, out, cb, log: train_gold(
         s, teacher, tok, tok, [(prompt, completion)] * 2, on_policy, out, rollout_cap=args.rollout_cap,
-        on_policy_fraction=1.0, beta=0.5, hybrid=True, device=device, log=log, callbacks=[cb]))
+        on_policy_fraction=1.0, beta=0.5, hybrid=True, device=device, log=log, callbacks=[cb],
+        completion_window=not args.full_logits))
     for name in ("opd", "gold_off_policy", "gold_on_policy"):
-        if f"{name}_step_s" in res:
+        if f"{name}_step_s" in res and "vanilla_step_s" in res:
             res[f"{name}_over_vanilla"] = res[f"{name}_step_s"] / res["vanilla_step_s"]
     res["rollout_cap"] = args.rollout_cap
     print(json.dumps(res, indent=2))
