@@ -1,0 +1,305 @@
+"""The paper's run trees as a plan, and what each step will cost before it runs.
+
+A :class:`PlanStep` is one entry point run of one tree (HD-001, HD-002, DT-000, ...), with the
+steps it needs, the result ids of App. Q it serves, and its workload: how many notes (or
+optimizer micro-steps) of how many tokens on which model. :func:`estimate` turns a workload into
+GPU-hours from the figures recorded in ``benchmarks/results.json`` (:class:`Figures`), scaling
+the benchmark's per-note time by the tokens per note (linearly: a lower bound where attention's
+quadratic part dominates); every estimate names the figures and the formula it used, and a step
+without a recorded figure says so rather than guess. :func:`select` keeps the steps that a set
+of result ids needs, with everything they depend on.
+
+The counts are the paper's (App. A, C, J, Q), as :func:`paper_plan` states them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mistill.errors import MistillInputError
+
+BENCHMARKS_FILE = Path(__file__).resolve().parents[1] / "benchmarks" / "results.json"
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Figures:
+    """The recorded benchmark figures: ``key -> value`` (``benchmarks/results.json``)."""
+
+    values: Mapping[str, float]
+    source: str = str(BENCHMARKS_FILE)
+
+    @classmethod
+    def load(cls, path: str | Path = BENCHMARKS_FILE) -> Figures:
+        try:
+            raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise MistillInputError(f"cannot read the benchmark figures ({exc.__class__.__name__})",
+                                    file=str(path)) from None
+        return cls({k: float(v["value"]) for k, v in raw.items() if isinstance(v, Mapping) and "value" in v},
+                   str(path))
+
+    def get(self, key: str) -> float | None:
+        return self.values.get(key)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a step computes.
+
+    kind: one of :data:`COST_MODELS` (``none``: no GPU work, e.g. the report);
+    model: the benchmark architecture (``qwen3-14b``, ``qwen3-4b``);
+    units: notes for a per-note pass, optimizer micro-steps for training, events for key blocking;
+    tokens: tokens per unit (prompt + trace).
+    """
+
+    kind: str
+    model: str = ""
+    units: int = 0
+    tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """GPU-hours of a step (None: no recorded figure covers it), how they were computed, and the
+    figures read."""
+
+    gpu_hours: float | None
+    formula: str
+    keys: tuple[str, ...] = ()
+
+
+# kind -> (figure of the per-unit time, figure of the tokens it was measured at; empty: not scaled)
+COST_MODELS: dict[str, tuple[str, str]] = {
+    # events + attribution of a note: the prefill and the attribution pass at the benchmark's length
+    "characterize": ("instrument.{model}.attribution_pass_s", "instrument.{model}.tokens"),
+    "locus": ("locus.{model}.note_s_with_null_windows_and_follow_through", "locus.{model}.tokens"),
+    "read_side": ("readside.{model}.read_side_s", "readside.{model}.tokens"),
+    "key_block": ("readside.{model}.key_block_event_s", ""),
+    "edits": ("readside_edits.{model}.edit_refeed256_s", ""),
+    "targets": ("instrument.{model}.prefill_s", "instrument.{model}.tokens"),
+    "train_vanilla": ("train_step.{model}.vanilla_step_s", "train_step.{model}.tokens"),
+    "train_mistill": ("train_step.{model}.mistill_step_s", "train_step.{model}.tokens"),
+    "train_opd": ("onpolicy_step.{model}.opd_step_s", ""),
+    "train_gold": ("onpolicy_step.{model}.gold_off_policy_step_s", ""),
+    "own_heads": ("instrument.{model}.attribution_pass_s", "instrument.{model}.tokens"),
+}
+NO_FIGURE = ("generate", "evaluate", "shortlist", "las_simulator")
+
+
+def estimate(work: Workload, figures: Figures) -> Estimate:
+    """GPU-hours of ``work``: units x per-unit seconds (x tokens / benchmark tokens) / 3600."""
+    if work.kind == "none":
+        return Estimate(0.0, "no GPU work")
+    if work.kind not in COST_MODELS:
+        return Estimate(None, f"no benchmark figure for {work.kind} on a GPU yet")
+    time_key, tokens_key = (k.format(model=work.model) for k in COST_MODELS[work.kind])
+    per_unit = figures.get(time_key)
+    if per_unit is None:
+        return Estimate(None, f"{time_key} is not recorded")
+    keys = [time_key]
+    scale, scale_text = 1.0, ""
+    if tokens_key:
+        bench_tokens = figures.get(tokens_key)
+        if bench_tokens is None:
+            return Estimate(None, f"{tokens_key} is not recorded")
+        keys.append(tokens_key)
+        scale = work.tokens / bench_tokens
+        scale_text = f" x ({work.tokens} / {bench_tokens:.0f} tokens)"
+    hours = work.units * per_unit * scale / 3600
+    return Estimate(hours, f"{work.units} x {per_unit:.3g} s{scale_text}", tuple(keys))
+
+
+@dataclass(frozen=True)
+class PlanStep:
+    """One entry point run of one tree.
+
+    name: unique in the plan (``<tree>/<step>``); needs: the names of the steps whose runs it
+    reads; params: the ``-P`` settings that differ from the
+    entry point's defaults (inputs given as ``<step name>`` references); disk_gib: the
+    artifacts it writes (an estimate from the per-note sizes stated with :func:`paper_plan`).
+    """
+
+    tree: str
+    step: str
+    entry_point: str
+    work: Workload
+    needs: tuple[str, ...] = ()
+    params: Mapping[str, str] = field(default_factory=dict)
+    disk_gib: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return f"{self.tree}/{self.step}"
+
+
+@dataclass(frozen=True)
+class PaperCounts:
+    """The paper's sizes: notes, tokens and seeds (App. A, C, I, J).
+
+    characterization_traces: HD-001's traces (100 over 94 notes); full_prompt_tokens: a
+    full-inventory prompt + trace (the instrument benchmark's length); shortlist_tokens: a
+    shortlist prompt + trace; train_notes, val_notes, test_notes: the distillation corpus;
+    selection_notes: the λ selection's training notes; epochs and grad_accum: the recipe.
+    """
+
+    characterization_traces: int = 100
+    full_prompt_tokens: int = 106_000
+    shortlist_tokens: int = 36_000
+    train_notes: int = 493
+    val_notes: int = 100
+    test_notes: int = 150
+    selection_notes: int = 100
+    epochs: int = 2
+    events_per_note: int = 150
+    edit_events_per_note: int = 20
+    edit_reads_per_event: int = 4
+
+    def micro_steps(self, notes: int, epochs: int | None = None) -> int:
+        return notes * (self.epochs if epochs is None else epochs)
+
+
+def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
+    """The paper's run trees in order; a step's needs come before it."""
+    c = counts
+    full, short = c.full_prompt_tokens, c.shortlist_tokens
+    steps = [
+        PlanStep("HD-001", "prepare", "prepare", Workload("none"),
+                 params={"corpus": "mimic-iv", "remove_discharge_diagnosis": "true"}),
+        PlanStep("HD-001", "characterize", "characterize",
+                 Workload("characterize", "qwen3-14b", c.characterization_traces, full),
+                 needs=("HD-001/prepare",),
+                 disk_gib=c.characterization_traces * 0.05),
+        PlanStep("HD-001", "locus", "locus", Workload("locus", "qwen3-14b", c.characterization_traces, full),
+                 needs=("HD-001/characterize",), disk_gib=c.characterization_traces * 0.01),
+        PlanStep("HD-001", "read_side", "read_side",
+                 Workload("read_side", "qwen3-14b", c.characterization_traces, full),
+                 needs=("HD-001/characterize",), disk_gib=c.characterization_traces * 0.01),
+        PlanStep("HD-001", "key_block", "key_block",
+                 Workload("key_block", "qwen3-14b", c.characterization_traces * c.events_per_note),
+                 needs=("HD-001/read_side",)),
+        PlanStep("HD-001", "trace_edit", "trace_edit",
+                 Workload("edits", "qwen3-14b",
+                          c.characterization_traces * c.edit_events_per_note * c.edit_reads_per_event),
+                 needs=("HD-001/characterize",)),
+        PlanStep("HD-001", "note_edit", "note_edit",
+                 Workload("edits", "qwen3-14b",
+                          c.characterization_traces * c.edit_events_per_note * c.edit_reads_per_event),
+                 needs=("HD-001/characterize",)),
+        PlanStep("HD-002", "shortlist", "shortlist", Workload("shortlist"), needs=("HD-001/prepare",)),
+        PlanStep("HD-002", "characterize", "characterize",
+                 Workload("characterize", "qwen3-14b", c.characterization_traces, short),
+                 needs=("HD-002/shortlist",), disk_gib=c.characterization_traces * 0.02),
+        PlanStep("DT-000", "generate", "generate", Workload("generate"), needs=("HD-002/shortlist",),
+                 params={"split": "train,val,test"}),
+        PlanStep("DT-000", "teacher_attribute", "characterize",
+                 Workload("characterize", "qwen3-14b", c.train_notes, short), needs=("DT-000/generate",),
+                 disk_gib=c.train_notes * 0.02),
+        PlanStep("DT-000", "targets", "targets", Workload("targets", "qwen3-14b", c.train_notes, short),
+                 needs=("DT-000/teacher_attribute",), disk_gib=c.train_notes * 0.01),
+        PlanStep("DT-000", "student_attribute", "characterize",
+                 Workload("characterize", "qwen3-4b", c.val_notes, short), needs=("DT-000/generate",)),
+    ]
+    train_micro = c.micro_steps(c.train_notes)
+    arms = [("vanilla-fp32", "train_vanilla", 3), ("vanilla-bf16", "train_vanilla", 3),
+            ("feature-kd", "train_mistill", 3), ("distillm2", "train_vanilla", 1), ("opd", "train_opd", 1),
+            ("gold", "train_gold", 1)]
+    steps.append(PlanStep("DT-001", "select_lambda", "select_lambda",
+                          Workload("train_mistill", "qwen3-4b", 3 * c.micro_steps(c.selection_notes), short),
+                          needs=("DT-000/targets", "DT-000/student_attribute"),
+                          params={"lock": "projects/configs/locks/i3-bf16-selection.yaml"}, disk_gib=3 * 8.0))
+    arms.append(("mistill", "train_mistill", 3))
+    for arm, kind, seeds in arms:
+        tree = "DT-001" if arm == "mistill" else "DT-000"
+        needs = ("DT-000/targets", "DT-000/student_attribute") + (("DT-001/select_lambda",) if arm == "mistill" else ())
+        for seed in range(seeds):
+            steps.append(PlanStep(tree, f"train_{arm}_s{seed}", "train",
+                                  Workload(kind, "qwen3-4b", train_micro, short), needs=needs,
+                                  params={"arm": arm, "seed": str(seed)}, disk_gib=8.0))
+            steps.append(PlanStep(tree, f"evaluate_{arm}_s{seed}", "evaluate", Workload("evaluate"),
+                                  needs=(f"{tree}/train_{arm}_s{seed}",), params={"arm": arm}))
+            steps.append(PlanStep(tree, f"own_heads_{arm}_s{seed}", "own_heads",
+                                  Workload("own_heads", "qwen3-4b", c.test_notes, short),
+                                  needs=(f"{tree}/train_{arm}_s{seed}",)))
+    steps.append(PlanStep("report", "report", "report", Workload("none"),
+                          needs=tuple(s.name for s in steps if s.entry_point in ("evaluate", "own_heads"))))
+    return steps
+
+
+def _arms_named(params: str) -> set[str]:
+    """The arms a result index entry's params name (``arm=<name>``)."""
+    import re
+
+    return set(re.findall(r"arm=([A-Za-z0-9_-]+)", params))
+
+
+def select(plan: Sequence[PlanStep], results: Iterable[str], index: Sequence | None = None) -> list[PlanStep]:
+    """The steps of ``plan`` that the result ids ``results`` need, in plan order, with every step
+    they read (the whole plan for no ids).
+
+    A result needs the plan's steps of the entry points its result index entry names
+    (:mod:`mistill.results_index`); where the entry names arms (``arm=...``), only those arms'
+    training, evaluation and own-heads steps. Unknown ids, and ids whose entry points the plan
+    does not hold, are refused (``field='results'``)."""
+    from mistill.results_index import load
+
+    wanted = [r.strip() for r in results if r.strip()]
+    if not wanted:
+        return list(plan)
+    entries = {e.id: e for e in (index if index is not None else load())}
+    unknown = [r for r in wanted if r not in entries]
+    if unknown:
+        raise MistillInputError(f"unknown result ids {', '.join(unknown)} (App. Q's ids: see "
+                                "docs/RESULTS_INDEX.md)", field="results")
+    by_name = {s.name: s for s in plan}
+    todo: list[str] = []
+    for rid in wanted:
+        entry = entries[rid]
+        arms = _arms_named(entry.params)
+        hits = [s.name for s in plan if s.entry_point in entry.entry_points
+                and (not arms or "arm" not in s.params or s.params["arm"] in arms)]
+        if not hits:
+            raise MistillInputError(f"{rid} ({entry.status}) needs entry points the plan does not run: "
+                                    f"{', '.join(entry.entry_points) or 'none'}", field="results")
+        todo += hits
+    keep: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in keep:
+            continue
+        keep.add(name)
+        if by_name[name].entry_point != "report":  # the report reads what the selection ran
+            todo += list(by_name[name].needs)
+    return [s for s in plan if s.name in keep]
+
+
+def render(plan: Sequence[PlanStep], figures: Figures, *, reused: Mapping[str, str] | None = None) -> str:
+    """The plan as text: one line per step (entry point, inputs, reuse, GPU-hours, disk), then
+    the totals and the figures file read."""
+    reused = reused or {}
+    lines = [f"{'step':<34} {'entry point':<14} {'GPU-h':>8} {'disk GiB':>9}  inputs / estimate"]
+    total, unknown, disk = 0.0, [], 0.0
+    for s in plan:
+        est = estimate(s.work, figures)
+        hours = "?" if est.gpu_hours is None else f"{est.gpu_hours:.2f}"
+        if est.gpu_hours is None:
+            unknown.append(s.name)
+        else:
+            total += est.gpu_hours
+        disk += s.disk_gib
+        reuse = f" [reuse {reused[s.name]}]" if s.name in reused else ""
+        inputs = ", ".join(s.needs[:3]) + (f" +{len(s.needs) - 3}" if len(s.needs) > 3 else "")
+        lines.append(f"{s.name:<34} {s.entry_point:<14} {hours:>8} {s.disk_gib:>9.1f}  "
+                     f"{inputs or '-'}{reuse}; {est.formula}")
+    lines += ["", f"{len(plan)} steps; {total:.1f} GPU-hours where a benchmark figure covers the step "
+              f"({len(unknown)} steps without one); about {math.ceil(disk)} GiB of artifacts",
+              f"figures: {figures.source}"]
+    return "\n".join(lines)
+
+
+__all__ = ["BENCHMARKS_FILE", "COST_MODELS", "Figures", "Workload", "Estimate", "estimate", "PlanStep",
+           "PaperCounts", "paper_plan", "select", "render"]

@@ -1,0 +1,61 @@
+"""The paper's plan: its steps read only earlier steps, each estimate is the recorded benchmark
+figure times the workload, and a result selector keeps what those results need."""
+
+from __future__ import annotations
+
+import pytest
+
+from mistill.errors import MistillInputError
+from mistill.runbook import Figures, PaperCounts, Workload, estimate, paper_plan, render, select
+
+
+def test_every_step_reads_only_earlier_steps():
+    plan = paper_plan()
+    seen: set[str] = set()
+    for step in plan:
+        assert set(step.needs) <= seen, step.name
+        assert step.name not in seen
+        seen.add(step.name)
+    trains = [s for s in plan if s.entry_point == "train"]
+    assert {s.params["arm"] for s in trains} >= {"mistill", "vanilla-fp32", "vanilla-bf16", "opd", "gold"}
+    assert sum(s.params["arm"] == "mistill" for s in trains) == 3  # three seeds (App. J.4)
+
+
+def test_an_estimate_is_the_recorded_figure_times_the_workload():
+    figures = Figures.load()
+    per_note = figures.get("instrument.qwen3-14b.attribution_pass_s")
+    tokens = figures.get("instrument.qwen3-14b.tokens")
+    assert per_note and tokens
+    est = estimate(Workload("characterize", "qwen3-14b", 100, 53_000), figures)
+    assert est.gpu_hours == pytest.approx(100 * per_note * 53_000 / tokens / 3600)
+    assert est.keys == ("instrument.qwen3-14b.attribution_pass_s", "instrument.qwen3-14b.tokens")
+    step = figures.get("train_step.qwen3-4b.mistill_step_s")
+    est = estimate(Workload("train_mistill", "qwen3-4b", 986, int(figures.get("train_step.qwen3-4b.tokens"))),
+                   figures)
+    assert est.gpu_hours == pytest.approx(986 * step / 3600)
+    # no recorded figure: said, not guessed
+    assert estimate(Workload("evaluate"), figures).gpu_hours is None
+    assert estimate(Workload("characterize", "qwen3-14b", 1, 1), Figures({})).gpu_hours is None
+    assert estimate(Workload("none"), figures).gpu_hours == 0.0
+
+
+def test_the_rendered_plan_totals_its_estimates():
+    figures = Figures.load()
+    plan = paper_plan(PaperCounts(train_notes=10))
+    text = render(plan, figures, reused={"HD-001/prepare": "run123"})
+    total = sum(e.gpu_hours for e in (estimate(s.work, figures) for s in plan) if e.gpu_hours is not None)
+    assert f"{total:.1f} GPU-hours" in text
+    assert "[reuse run123]" in text and f"{len(plan)} steps" in text
+
+
+def test_a_result_selection_keeps_what_it_needs():
+    plan = paper_plan()
+    names = [s.name for s in select(plan, ["R-D4"])]
+    assert "DT-000/train_opd_s0" in names and "DT-000/train_gold_s0" in names
+    assert "DT-000/targets" in names and "HD-002/shortlist" in names  # what the arms read
+    assert not any("mistill" in n for n in names)  # R-D4 names its arms
+    assert names == [s.name for s in plan if s.name in set(names)]  # plan order
+    assert select(plan, []) == plan
+    with pytest.raises(MistillInputError) as err:
+        select(plan, ["R-Z9"])
+    assert err.value.field == "results"
