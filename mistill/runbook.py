@@ -89,6 +89,8 @@ COST_MODELS: dict[str, tuple[str, str]] = {
     "own_heads": ("instrument.{model}.attribution_pass_s", "instrument.{model}.tokens"),
 }
 NO_FIGURE = ("generate", "evaluate", "shortlist", "las_simulator")
+COMPOSITE: dict[str, tuple[str, ...]] = {"characterize": ("events", "attribute", "knockin")}
+"""Entry points that run others as nested steps."""
 
 
 def estimate(work: Workload, figures: Figures) -> Estimate:
@@ -135,6 +137,11 @@ class PlanStep:
     @property
     def name(self) -> str:
         return f"{self.tree}/{self.step}"
+
+    @property
+    def covers(self) -> tuple[str, ...]:
+        """The entry points this step runs: its own and, for a composite one, its nested steps'."""
+        return (self.entry_point, *COMPOSITE.get(self.entry_point, ()))
 
 
 @dataclass(frozen=True)
@@ -260,7 +267,7 @@ def select(plan: Sequence[PlanStep], results: Iterable[str], index: Sequence | N
     for rid in wanted:
         entry = entries[rid]
         arms = _arms_named(entry.params)
-        hits = [s.name for s in plan if s.entry_point in entry.entry_points
+        hits = [s.name for s in plan if set(s.covers) & set(entry.entry_points)
                 and (not arms or "arm" not in s.params or s.params["arm"] in arms)]
         if not hits:
             raise MistillInputError(f"{rid} ({entry.status}) needs entry points the plan does not run: "
@@ -301,5 +308,21 @@ def render(plan: Sequence[PlanStep], figures: Figures, *, reused: Mapping[str, s
     return "\n".join(lines)
 
 
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m mistill.runbook [--results R-C3,R-D12] [--figures PATH]``: print the plan."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m mistill.runbook", description=main.__doc__)
+    ap.add_argument("--results", default="", help="App. Q ids, comma-separated (empty: every step)")
+    ap.add_argument("--figures", default=str(BENCHMARKS_FILE), help="the recorded benchmark figures")
+    args = ap.parse_args(argv)
+    plan = select(paper_plan(), args.results.split(","))
+    print(render(plan, Figures.load(args.figures)))
+
+
 __all__ = ["BENCHMARKS_FILE", "COST_MODELS", "Figures", "Workload", "Estimate", "estimate", "PlanStep",
-           "PaperCounts", "paper_plan", "select", "render"]
+           "PaperCounts", "paper_plan", "select", "render", "main"]
+
+
+if __name__ == "__main__":
+    main()

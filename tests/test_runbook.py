@@ -55,7 +55,18 @@ def test_a_result_selection_keeps_what_it_needs():
     assert "DT-000/targets" in names and "HD-002/shortlist" in names  # what the arms read
     assert not any("mistill" in n for n in names)  # R-D4 names its arms
     assert names == [s.name for s in plan if s.name in set(names)]  # plan order
+    # a composite step serves the entry points it nests (characterize runs events)
+    assert "HD-001/characterize" in [s.name for s in select(plan, ["R-C1"])]
     assert select(plan, []) == plan
     with pytest.raises(MistillInputError) as err:
         select(plan, ["R-Z9"])
     assert err.value.field == "results"
+
+
+def test_the_command_prints_the_selected_plan(capsys):
+    from mistill.runbook import main
+
+    main(["--results", "R-D4"])
+    out = capsys.readouterr().out
+    assert "DT-000/train_gold_s0" in out and "DT-001/train_mistill_s0" not in out
+    assert "GPU-hours" in out and "results.json" in out
