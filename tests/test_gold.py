@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import TrainerCallback
 
 from mistill.distill.gold import (capped_completion, completion_window_start, gold_args, train_gold,
                                   windowed_trainer_class)
 from mistill.distill.trainer import RecipeConfig, lr_lambda
 from mistill.models.loading import embedded_tokenizer, tiny_model
 from tok_fixtures import bpe_tokenizer
+from trainer_fixtures import Killed, KillAfterSave
 
 EXAMPLES = [("Code this note. Patient with chronic kidney disease.\n",
              "<think>CKD, unspecified: N18.9.</think>\n[\"N18.9\"]"),
@@ -20,19 +20,6 @@ EXAMPLES = [("Code this note. Patient with chronic kidney disease.\n",
             ("Code the note: pneumonia, organism unspecified, and type 2 diabetes.\n",
              "<think>J18.9 for the pneumonia; E11.9 for the diabetes.</think>\n[\"J18.9\", \"E11.9\"]")]
 RECIPE = RecipeConfig(seed=3, precision="bf16", epochs=2, lr=1e-3, grad_accum=2)
-
-
-class Killed(Exception):
-    pass
-
-
-class KillAfterSave(TrainerCallback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_save(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            raise Killed
 
 
 def _pair(dtype=torch.bfloat16):

@@ -5,29 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import TrainerCallback
 
 from mistill.distill.onpolicy import on_policy_order, train_opd
 from mistill.distill.trainer import RecipeConfig, epoch_order, lr_lambda, total_steps
 from mistill.models.loading import tiny_model
+from trainer_fixtures import Killed, KillAfterSave
 
 PROMPTS = ["Code note one:", "Code note two:", "Code note three:"]
 RECIPE = RecipeConfig(seed=3, precision="bf16", epochs=2, lr=1e-3, grad_accum=2)
-
-
-class Killed(Exception):
-    pass
-
-
-class KillAfterSave(TrainerCallback):
-    """A crash right after the checkpoint of optimizer step ``step`` is written."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_save(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            raise Killed
 
 
 def _train(out, *, resume=False, callbacks=(), probe=None):
