@@ -345,3 +345,25 @@ def test_synthetic_corpus_allows_text(tracking_uri: str, tmp_path: Path) -> None
     assert got.data.params["note_field"] == CANARY
     assert [d.dataset.digest for d in got.inputs.dataset_inputs] == ["d1"]
     assert os.environ["MLFLOW_TRACKING_URI"] == tracking_uri
+
+
+def test_a_launched_run_of_another_experiment_hands_the_work_to_the_corpus_experiment(
+        tracking_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mlflow run`` without ``--experiment-name``: its run sits in the Default experiment; the
+    stage works in a run of ``mistill/<corpus>`` and points the launched run there."""
+    client = MlflowClient()
+    launched = client.create_run(client.get_experiment_by_name("Default").experiment_id).info.run_id
+    monkeypatch.setenv("MLFLOW_RUN_ID", launched)
+    c = corpus()
+    try:
+        with stage(DemoConfig(seed=11), "a", tmp_path, corpus=c) as run:
+            run.log_metrics({"n_events": 3})
+            run_id = run.run_id
+            assert "MLFLOW_RUN_ID" not in os.environ
+    finally:
+        client.set_terminated(launched)  # as `mlflow run` ends it; the reaper then deletes it
+    assert run_id != launched
+    got = client.get_run(run_id)
+    assert client.get_experiment(got.info.experiment_id).name == f"mistill/{c}"
+    assert got.info.status == "FINISHED" and got.data.metrics == {"n_events": 3.0}
+    assert client.get_run(launched).data.tags["mistill.delegated_to"] == run_id

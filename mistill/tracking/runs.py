@@ -560,10 +560,11 @@ class StageRun:
             ``torchrun`` launch): this one writes notes and tags into it but takes no lease,
             logs no params or ``config.json``, and never ends it.
 
-    Inside ``mlflow run`` (``MLFLOW_RUN_ID`` set) the launched run is adopted as the new run;
-    launch with ``--experiment-name mistill/<corpus>`` so that it lands in the corpus's
-    experiment. If the work is reused or resumed elsewhere, the launched run is tagged
-    ``mistill.delegated_to``.
+    Inside ``mlflow run`` (``MLFLOW_RUN_ID`` set) the launched run is adopted as the new run
+    when it is in the corpus's experiment (``--experiment-name mistill/<corpus>``). If the work
+    is reused or resumed elsewhere, or the launched run is in another experiment (``mlflow run``
+    without ``--experiment-name``), the work goes to a run of the corpus's experiment and the
+    launched run is tagged ``mistill.delegated_to`` and deleted once ``mlflow run`` ends it.
     """
 
     def __init__(self, stage: str, config: Config, *, corpus: str, guard: PrivacyGuard,
@@ -706,6 +707,12 @@ class StageRun:
         self.guard.check_mapping(self.params, "param")
         self.experiment_name = experiment_for_corpus(self.corpus, tracking_uri=self.tracking_uri)
         self.experiment_id = _experiment_id(self.client, self.experiment_name) or ""
+        elsewhere = None
+        if launched and self.client.get_run(launched).info.experiment_id != self.experiment_id:
+            # `mlflow run` without --experiment-name mistill/<corpus>: the work goes to the corpus's
+            # experiment, where the report and the next steps look for it
+            elsewhere, launched = launched, None
+            os.environ.pop("MLFLOW_RUN_ID", None)
 
         previous: Run | None = None
         gen = 0
@@ -713,7 +720,7 @@ class StageRun:
             kind, found, gen = self._acquire()
             if kind == "reuse":
                 self.run, self.reused = found, True
-                self._delegate(launched, found.info.run_id)
+                self._delegate(launched or elsewhere, found.info.run_id)
                 return self
             previous = found
 
@@ -734,6 +741,8 @@ class StageRun:
         else:
             active = mlflow.start_run(experiment_id=self.experiment_id, run_name=name,
                                       nested=nested, tags=lease, log_system_metrics=metrics)
+        if elsewhere is not None:
+            self._delegate(elsewhere, active.info.run_id)
         self._active = True
         self._signals = _SignalTrap.install()
         self._heartbeat = Heartbeat(self.client, active.info.run_id, self.owner,
