@@ -110,6 +110,17 @@ def test_the_gold_arm_in_the_train_stage(targets_ids, monkeypatch):
     assert [m.step for m in client.get_metric_history(run_id, "probe/truncated_rate")] == [1]
     params = run.data.params
     assert (params["arm.objective"], params["arm.epochs"], params["arm.on_policy_fraction"]) == ("gold", "1", "0.5")
+    # the run's deviations from the shared protocol, in its config.json beside the resolved arm
+    import json
+
+    import mlflow
+
+    with open(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="config.json")) as fh:
+        doc = json.load(fh)
+    assert doc["arm"]["objective"] == "gold" and doc["arm"]["rollout_cap"] == 8
+    recorded = {d["parameter"]: d["value"] for d in doc["deviations"]}
+    assert {"ArmConfig.epochs": 1, "ArmConfig.on_policy_fraction": 0.5, "ArmConfig.rollout_cap": 8,
+            "TrainStageConfig.rollout_backend": "hf"}.items() <= recorded.items()
     assert run.data.tags[TAG_MODEL_ALIAS] == "gold-s0"
     version = client.get_model_version_by_alias(run.data.tags[TAG_REGISTERED_MODEL], "gold-s0")
     assert version.run_id == run_id and version.tags["mistill.objective"] == "gold"

@@ -258,6 +258,15 @@ def train_deviations(arm: ArmConfig, targets_config: Mapping, targets_tags: Mapp
     return tuple(sorted(codes))
 
 
+def recorded_deviations(cfg: TrainStageConfig, arm: ArmConfig) -> list[dict]:
+    """The values of this run that differ from the platform's defaults or from the paper's
+    (:func:`mistill.deviations.deviations_in`: the arm's flags, e.g. the GOLD run's epoch, cap and
+    on-policy fraction, and the stage's parameters), as recorded in ``config.json``."""
+    from mistill.deviations import deviations_in
+
+    return deviations_in("ArmConfig", arm.to_dict()) + deviations_in(type(cfg).__name__, cfg.to_dict())
+
+
 def _mark_deviations(run, codes: tuple[str, ...], stage: str) -> None:
     """Tag the run with its deviation codes and say so on stderr (nothing when there are none)."""
     if not codes:
@@ -312,7 +321,8 @@ def run_train(cfg: TrainStageConfig) -> str:
     # writes to the run (its metrics are the sums over the ranks)
     with open_stage("train", cfg, prepared, inputs=inputs, model=cfg.student, arm=cfg.arm,
                     seed=cfg.seed, precision=arm.precision,
-                    lam=(arm.lambda_p1, arm.lambda_p2) if arm.objective == "mistill" else None) as run:
+                    lam=(arm.lambda_p1, arm.lambda_p2) if arm.objective == "mistill" else None,
+                    record={"arm": arm.to_dict(), "deviations": recorded_deviations(cfg, arm)}) as run:
         if run.reused:
             return run.run_id
         guard = run.guard

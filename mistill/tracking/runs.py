@@ -559,6 +559,8 @@ class StageRun:
         attach: the id of a run another process of the same pass opened (rank 0 of a
             ``torchrun`` launch): this one writes notes and tags into it but takes no lease,
             logs no params or ``config.json``, and never ends it.
+        record: further entries of ``config.json`` (a train run's resolved arm and the
+            deviations it runs under), beside ``config``.
 
     Inside ``mlflow run`` (``MLFLOW_RUN_ID`` set) the launched run is adopted as the new run
     when it is in the corpus's experiment (``--experiment-name mistill/<corpus>``). If the work
@@ -576,7 +578,7 @@ class StageRun:
                  code_version: str | None = None, tracking_uri: str | None = None,
                  lam: Any = None, split: str | None = None, name: str | None = None,
                  parent: str | None = None, system_metrics: bool | None = None,
-                 attach: str | None = None) -> None:
+                 attach: str | None = None, record: Mapping[str, Any] | None = None) -> None:
         if not isinstance(config, Config):
             raise TypeError(f"config must be a mistill.config.Config, got {type(config).__name__}")
         self.stage = stage
@@ -621,6 +623,7 @@ class StageRun:
         self._signals: _SignalTrap | None = None
         self._checkpoint: tuple[str, dict[str, str]] | None = None
         self.attach = attach
+        self.record = dict(record or {})
 
     # ------------------------------------------------------------------------ properties
     @property
@@ -762,7 +765,8 @@ class StageRun:
                 self.work_dir / CONFIG_ARTIFACT, stage=self.stage, entry_point=self.entry_point,
                 corpus=self.corpus, privacy=self.guard.level, inputs=self.inputs,
                 content_sha256=self.content_sha256, code_version=self.code_version,
-                git_commit=self.git_commit, params_digest=self.params_digest, run_id=self.run_id)
+                git_commit=self.git_commit, params_digest=self.params_digest, run_id=self.run_id,
+                **self.record)
             self.log_artifact_file(cfg_path)
         except BaseException as exc:
             if is_unreachable(exc):
