@@ -171,6 +171,26 @@ class PaperCounts:
         return notes * (self.epochs if epochs is None else epochs)
 
 
+def corpus_counts(corpus, lengths: Sequence, base: PaperCounts = PaperCounts()) -> PaperCounts:
+    """``base`` with a corpus's own sizes: the median prompt + trace tokens of its notes
+    (``lengths``: :func:`mistill.stages.prepare.prompt_lengths`), as shortlist lengths when its
+    notes list a shortlist and as full-inventory lengths otherwise, and its split sizes where it
+    has the split (``train``, ``val``, ``test``)."""
+    import dataclasses
+    import statistics
+
+    if not lengths:
+        raise MistillInputError("the corpus has no notes to count", field="prepare_run")
+    median = int(statistics.median(n.total_tokens for n in lengths))
+    shortlisted = any(note.shortlist is not None for note in corpus.notes)
+    changes: dict[str, int] = {"shortlist_tokens" if shortlisted else "full_prompt_tokens": median}
+    for split, name in (("train", "train_notes"), ("val", "val_notes"), ("test", "test_notes")):
+        n = sum(note.split == split for note in corpus.notes)
+        if n:
+            changes[name] = n
+    return dataclasses.replace(base, **changes)
+
+
 def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
     """The paper's run trees in order; a step's needs come before it."""
     c = counts
@@ -309,20 +329,37 @@ def render(plan: Sequence[PlanStep], figures: Figures, *, reused: Mapping[str, s
     return "\n".join(lines)
 
 
+def prepared_counts(prepare_run: str) -> PaperCounts:
+    """:func:`corpus_counts` of a ``prepare`` run's corpus, tokenized as that run's model reads it."""
+    from mistill.models.loading import load_tokenizer
+    from mistill.stages.common import RunReader, load_prepared
+    from mistill.stages.prepare import prompt_lengths
+
+    prepared = load_prepared(prepare_run)
+    tokenizer = load_tokenizer(RunReader(prepare_run, field="prepare_run").config["model"])
+    lengths = prompt_lengths(prepared.corpus, tokenizer, remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
+                             narrow_instruction=prepared.narrow_instruction)
+    return corpus_counts(prepared.corpus, lengths)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m mistill.runbook [--results R-C3,R-D12] [--figures PATH]``: print the plan."""
+    """``python -m mistill.runbook [--results R-C3,R-D12] [--prepare-run RUN] [--figures PATH]``:
+    print the plan; with a prepare run, at that corpus's lengths and split sizes (the tracking
+    server must be reachable)."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m mistill.runbook", description=main.__doc__)
     ap.add_argument("--results", default="", help="App. Q ids, comma-separated (empty: every step)")
+    ap.add_argument("--prepare-run", default="", help="a prepare run whose corpus sets the lengths")
     ap.add_argument("--figures", default=str(BENCHMARKS_FILE), help="the recorded benchmark figures")
     args = ap.parse_args(argv)
-    plan = select(paper_plan(), args.results.split(","))
+    counts = prepared_counts(args.prepare_run) if args.prepare_run else PaperCounts()
+    plan = select(paper_plan(counts), args.results.split(","))
     print(render(plan, Figures.load(args.figures)))
 
 
 __all__ = ["BENCHMARKS_FILE", "COST_MODELS", "Figures", "Workload", "Estimate", "estimate", "PlanStep",
-           "PaperCounts", "paper_plan", "select", "render", "main"]
+           "PaperCounts", "corpus_counts", "prepared_counts", "paper_plan", "select", "render", "main"]
 
 
 if __name__ == "__main__":

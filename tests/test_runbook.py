@@ -70,3 +70,42 @@ def test_the_command_prints_the_selected_plan(capsys):
     out = capsys.readouterr().out
     assert "DT-000/train_gold_s0" in out and "DT-001/train_mistill_s0" not in out
     assert "GPU-hours" in out and "results.json" in out
+
+
+def test_a_corpus_sets_the_lengths_and_split_sizes_of_the_estimate():
+    """The embedded default's synthetic corpus, tokenized as the embedded model reads it: its
+    median prompt + trace replaces the paper's full-inventory length, and the characterization
+    estimate scales with it."""
+    import statistics
+
+    from mistill.data.synthetic import make_synthetic_corpus
+    from mistill.models.loading import embedded_tokenizer
+    from mistill.runbook import corpus_counts
+    from mistill.stages.prepare import prompt_lengths
+
+    corpus = make_synthetic_corpus(n_notes=6, seed=0)
+    lengths = prompt_lengths(corpus, embedded_tokenizer())
+    counts = corpus_counts(corpus, lengths)
+    median = int(statistics.median(n.total_tokens for n in lengths))
+    assert counts.full_prompt_tokens == median and counts.shortlist_tokens == PaperCounts().shortlist_tokens
+    assert counts.train_notes == sum(n.split == "train" for n in corpus.notes) > 0
+    figures = Figures.load()
+    step = next(s for s in paper_plan(counts) if s.name == "HD-001/characterize")
+    assert step.work.tokens == median
+    assert estimate(step.work, figures).gpu_hours == pytest.approx(
+        counts.characterization_traces * figures.get("instrument.qwen3-14b.attribution_pass_s") * median
+        / figures.get("instrument.qwen3-14b.tokens") / 3600)
+
+
+def test_the_command_reads_a_prepare_runs_corpus(tracking_uri, tmp_path, monkeypatch, capsys):
+    from mistill.runbook import main, prepared_counts
+    from mistill.stages.prepare import PrepareConfig, run_prepare
+    from stage_fixtures import TINY, unique
+
+    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path / "root"))
+    run = run_prepare(PrepareConfig(corpus="synthetic", corpus_name=unique("runbook"), n_notes=4, model=TINY))
+    counts = prepared_counts(run)
+    assert counts.full_prompt_tokens != PaperCounts().full_prompt_tokens
+    main(["--prepare-run", run, "--results", "R-C1"])
+    out = capsys.readouterr().out
+    assert f"x ({counts.full_prompt_tokens} / " in out  # the characterization at the corpus's length
