@@ -111,8 +111,10 @@ def checkpoint_layers(model: nn.Module) -> bool:
     return True
 
 
-def prepare_student(model: nn.Module, recipe: RecipeConfig) -> nn.Module:
-    """Put the student in its training precision and mode."""
+def training_precision(model: nn.Module, recipe: RecipeConfig) -> nn.Module:
+    """The student's weights in the recipe's precision, trainable and in train mode; TF32 and the
+    CPU's bf16 matmul kernels as the recipe says. Every arm's student starts here (the on-policy
+    arms' trainers then add their own checkpointing)."""
     if recipe.precision not in PRECISIONS:
         raise MistillInputError(f"precision must be one of {PRECISIONS}", field="precision")
     model.to(torch.bfloat16 if recipe.precision == "bf16" else torch.float32)
@@ -122,6 +124,13 @@ def prepare_student(model: nn.Module, recipe: RecipeConfig) -> nn.Module:
         torch.backends.cuda.matmul.allow_tf32 = True
     if use_fp32_gemms(recipe.cpu_bf16_matmul, next(model.parameters()).device, next(model.parameters()).dtype):
         fp32_gemms(model)
+    return model
+
+
+def prepare_student(model: nn.Module, recipe: RecipeConfig) -> nn.Module:
+    """Put the student in its training precision and mode (:func:`training_precision`), with
+    the recipe's gradient checkpointing and no KV cache."""
+    training_precision(model, recipe)
     if recipe.gradient_checkpointing and not checkpoint_layers(model):
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

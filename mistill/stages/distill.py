@@ -28,7 +28,7 @@ from mistill.distill.objective import (align_trace_rows, compute_note_targets, d
 from mistill.distill.pools import model_pools
 from mistill.distill.rows import coverage_table
 from mistill.distill.targets import load_targets, targets_manifest
-from mistill.distill.trainer import RecipeConfig, Trainer, prepare_student
+from mistill.distill.trainer import RecipeConfig, Trainer, prepare_student, training_precision
 from mistill.errors import MistillInputError
 from mistill.io import npz_bytes
 from mistill.instrument.events import Event
@@ -453,21 +453,13 @@ def _train_on_policy(cfg: TrainStageConfig, arm: ArmConfig, recipe: RecipeConfig
     (:mod:`mistill.distill.gold`) on the same prompts and, for its off-policy micro-steps, the
     teacher's traces capped at the rollout cap (their count logged as
     ``train/truncated_completions``). Returns the optimizer steps."""
-    import torch
-
-    from mistill.distill.cpu_bf16 import fp32_gemms, use_fp32_gemms
-
     prepared = ev.prepared
     teacher = load_model(ev.model, dtype=tcfg.get("dtype", "float32"), device=device)
     if arm.objective == "opd" and not _same_vocab(teacher.tokenizer, lm.tokenizer):
         raise MistillInputError("OPD needs the teacher's vocabulary (the cross-tokenizer on-policy arm is GOLD)",
                                 field="student")
     teacher.model.requires_grad_(False)
-    model = lm.model.to(torch.bfloat16 if arm.precision == "bf16" else torch.float32)
-    model.requires_grad_(True)
-    model.train()
-    if use_fp32_gemms(recipe.cpu_bf16_matmul, model.device, next(model.parameters()).dtype):
-        fp32_gemms(model)
+    model = training_precision(lm.model, recipe)
     _tag_cpu_kernels(run, model, arm)
     inputs = [prepared_note_input(prepared, note, lm.tokenizer) for note in notes]
     common = dict(rollout_cap=arm.rollout_cap, beta=arm.opd_beta, device=device, log=_train_metrics(run),
