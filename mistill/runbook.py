@@ -149,13 +149,15 @@ class PlanStep:
 class PaperCounts:
     """The paper's sizes: notes, tokens and seeds (App. A, C, I, J).
 
-    characterization_traces: HD-001's traces (100 over 94 notes); full_prompt_tokens: a
+    characterization_traces: HD-001's traces (100 over 94 notes); instruction_notes: the
+    instruction control's notes (Table 4: 30, the narrowing sentence removed); full_prompt_tokens: a
     full-inventory prompt + trace (the instrument benchmark's length); shortlist_tokens: a
     shortlist prompt + trace; train_notes, val_notes, test_notes: the distillation corpus;
     selection_notes: the λ selection's training notes; epochs and grad_accum: the recipe.
     """
 
     characterization_traces: int = 100
+    instruction_notes: int = 30
     full_prompt_tokens: int = 106_000
     shortlist_tokens: int = 36_000
     train_notes: int = 493
@@ -197,10 +199,11 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
     full, short = c.full_prompt_tokens, c.shortlist_tokens
     steps = [
         PlanStep("HD-001", "prepare", "prepare", Workload("none"),
-                 params={"corpus": "mimic-iv", "remove_discharge_diagnosis": "true"}),
+                 params={"corpus": "mimic:<note table>", "select_n": "94", "remove_discharge_diagnosis": "true"}),
+        PlanStep("HD-001", "generate", "generate", Workload("generate"), needs=("HD-001/prepare",)),
         PlanStep("HD-001", "characterize", "characterize",
                  Workload("characterize", "qwen3-14b", c.characterization_traces, full),
-                 needs=("HD-001/prepare",),
+                 needs=("HD-001/generate",),
                  disk_gib=c.characterization_traces * 0.05),
         PlanStep("HD-001", "locus", "locus", Workload("locus", "qwen3-14b", c.characterization_traces, full),
                  needs=("HD-001/characterize",), disk_gib=c.characterization_traces * 0.01),
@@ -219,11 +222,20 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
                           c.characterization_traces * c.edit_events_per_note * c.edit_reads_per_event),
                  needs=("HD-001/characterize",)),
         PlanStep("HD-002", "shortlist", "shortlist", Workload("shortlist"), needs=("HD-001/prepare",)),
+        PlanStep("HD-002", "generate", "generate", Workload("generate"), needs=("HD-002/shortlist",)),
         PlanStep("HD-002", "characterize", "characterize",
                  Workload("characterize", "qwen3-14b", c.characterization_traces, short),
-                 needs=("HD-002/shortlist",), disk_gib=c.characterization_traces * 0.02),
-        PlanStep("DT-000", "generate", "generate", Workload("generate"), needs=("HD-002/shortlist",),
-                 params={"split": "train,val,test"}),
+                 needs=("HD-002/generate",), disk_gib=c.characterization_traces * 0.02),
+        PlanStep("instruction", "prepare", "prepare", Workload("none"),
+                 params={"corpus": "mimic:<note table>", "select_n": str(c.instruction_notes),
+                         "narrow_instruction": "false"}),
+        PlanStep("instruction", "generate", "generate", Workload("generate"), needs=("instruction/prepare",)),
+        PlanStep("instruction", "characterize", "characterize",
+                 Workload("characterize", "qwen3-14b", c.instruction_notes, full), needs=("instruction/generate",)),
+        PlanStep("DT-000", "prepare", "prepare", Workload("none"),
+                 params={"corpus": "mimic:<distillation corpus>"}),
+        PlanStep("DT-000", "shortlist", "shortlist", Workload("shortlist"), needs=("DT-000/prepare",)),
+        PlanStep("DT-000", "generate", "generate", Workload("generate"), needs=("DT-000/shortlist",)),
         PlanStep("DT-000", "teacher_attribute", "characterize",
                  Workload("characterize", "qwen3-14b", c.train_notes, short), needs=("DT-000/generate",),
                  disk_gib=c.train_notes * 0.02),

@@ -52,7 +52,8 @@ def test_a_result_selection_keeps_what_it_needs():
     plan = paper_plan()
     names = [s.name for s in select(plan, ["R-D4"])]
     assert "DT-000/train_opd_s0" in names and "DT-000/train_gold_s0" in names
-    assert "DT-000/targets" in names and "HD-002/shortlist" in names  # what the arms read
+    assert "DT-000/targets" in names and "DT-000/shortlist" in names  # what the arms read
+    assert not any(n.startswith("HD-") for n in names)  # the characterization trees are not read
     assert not any("mistill" in n for n in names)  # R-D4 names its arms
     assert names == [s.name for s in plan if s.name in set(names)]  # plan order
     # a composite step serves the entry points it nests (characterize runs events)
