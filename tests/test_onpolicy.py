@@ -138,3 +138,39 @@ def test_on_policy_rollouts_from_vllm_need_vllm_and_a_gpu(targets_ids, monkeypat
                                    arm="opd", rollout_backend="vllm", max_steps=1))
     assert err.value.field == "rollout_backend"
     assert "vLLM" in str(err.value)
+
+
+def test_a_killed_gold_train_run_resumes_to_the_weights_of_an_unbroken_one(targets_ids, monkeypatch):
+    """The train stage against the tracking server: a GOLD run that dies right after its first
+    checkpoint is resumed by the same command and ends with the weights, bit for bit, of a run
+    that was never interrupted (``register`` differs so that the two are separate runs)."""
+    from mlflow.tracking import MlflowClient
+    from safetensors.torch import load_file
+
+    import mistill.distill.gold as gold
+    from mistill.stages.distill import TrainStageConfig, run_train
+    from mistill.tracking.models import trained_model_dir
+
+    monkeypatch.setenv("MISTILL_ROOT", str(targets_ids["root"]))
+    cfg = TrainStageConfig(targets_run=targets_ids["ids"]["targets"], student="tiny:qwen3:seed=2", arm="gold",
+                           overrides="rollout_cap=8,epochs=2", grad_accum=1, seed=3)
+    unbroken = run_train(cfg.replace(register=False))
+    run_trainer = gold.run_trainer
+
+    def crash_after_first_checkpoint(trainer, output_dir, *, resume):
+        trainer.add_callback(KillAfterSave(1))
+        return run_trainer(trainer, output_dir, resume=resume)
+
+    monkeypatch.setattr(gold, "run_trainer", crash_after_first_checkpoint)
+    with pytest.raises(Killed):
+        run_train(cfg)
+    monkeypatch.setattr(gold, "run_trainer", run_trainer)
+    resumed = run_train(cfg)
+    client = MlflowClient()
+    assert client.get_run(resumed).info.status == "FINISHED"
+    # step 1 was logged before the crash and not redone: the run went on from its checkpoint
+    assert [m.step for m in client.get_metric_history(resumed, "train/loss")] == [1, 2]
+    a, b = (load_file(trained_model_dir(r) / "model.safetensors") for r in (unbroken, resumed))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
