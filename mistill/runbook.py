@@ -88,6 +88,10 @@ COST_MODELS: dict[str, tuple[str, str]] = {
     "train_gold": ("onpolicy_step.{model}.gold_off_policy_step_s", ""),
     "own_heads": ("instrument.{model}.attribution_pass_s", "instrument.{model}.tokens"),
 }
+COST_NOTES: dict[str, str] = {
+    "train_opd": "the benchmark's rollouts are 256 tokens: a lower bound",
+    "train_gold": "the benchmark's off-policy step at the 6,144-token cap",
+}
 NO_FIGURE = ("generate", "evaluate", "shortlist", "las_simulator")
 COMPOSITE: dict[str, tuple[str, ...]] = {"characterize": ("events", "attribute", "knockin")}
 """Entry points that run others as nested steps."""
@@ -113,7 +117,8 @@ def estimate(work: Workload, figures: Figures) -> Estimate:
         scale = work.tokens / bench_tokens
         scale_text = f" x ({work.tokens} / {bench_tokens:.0f} tokens)"
     hours = work.units * per_unit * scale / 3600
-    return Estimate(hours, f"{work.units} x {per_unit:.3g} s{scale_text}", tuple(keys))
+    note = f" ({COST_NOTES[work.kind]})" if work.kind in COST_NOTES else ""
+    return Estimate(hours, f"{work.units} x {per_unit:.3g} s{scale_text}{note}", tuple(keys))
 
 
 @dataclass(frozen=True)
@@ -244,27 +249,39 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
         PlanStep("DT-000", "student_attribute", "characterize",
                  Workload("characterize", "qwen3-4b", c.val_notes, short), needs=("DT-000/generate",)),
     ]
-    train_micro = c.micro_steps(c.train_notes)
-    arms = [("vanilla-fp32", "train_vanilla", 3), ("vanilla-bf16", "train_vanilla", 3),
-            ("feature-kd", "train_mistill", 3), ("distillm2", "train_vanilla", 1), ("opd", "train_opd", 1),
-            ("gold", "train_gold", 1)]
+    from mistill.distill.arms import resolve_arm
+
+    steps.append(PlanStep("DT-000", "student_attribute_smollm3", "characterize",
+                          Workload("characterize", "qwen3-4b", c.val_notes, short), needs=("DT-000/generate",),
+                          params={"model": "<SmolLM3-3B>"}))
     steps.append(PlanStep("DT-001", "select_lambda", "select_lambda",
                           Workload("train_mistill", "qwen3-4b", 3 * c.micro_steps(c.selection_notes), short),
                           needs=("DT-000/targets", "DT-000/student_attribute"),
                           params={"lock": "projects/configs/locks/i3-bf16-selection.yaml"}, disk_gib=3 * 8.0))
-    arms.append(("mistill", "train_mistill", 3))
-    for arm, kind, seeds in arms:
+    # (student, arm, cost model, seeds): App. J.4's seed counts; SmolLM3-3B steps are estimated with the
+    # Qwen3-4B figures (no SmolLM3 benchmark is recorded)
+    arms = [("qwen3-4b", "vanilla-fp32", "train_vanilla", 3), ("qwen3-4b", "vanilla-bf16", "train_vanilla", 3),
+            ("qwen3-4b", "feature-kd", "train_mistill", 3), ("qwen3-4b", "distillm2", "train_vanilla", 1),
+            ("qwen3-4b", "opd", "train_opd", 1), ("qwen3-4b", "mistill", "train_mistill", 3),
+            ("smollm3-3b", "vanilla-fp32", "train_vanilla", 2), ("smollm3-3b", "vanilla-bf16", "train_vanilla", 1),
+            ("smollm3-3b", "feature-kd", "train_mistill", 1), ("smollm3-3b", "gold", "train_gold", 1),
+            ("smollm3-3b", "mistill", "train_mistill", 2)]
+    for student, arm, kind, seeds in arms:
         tree = "DT-001" if arm == "mistill" else "DT-000"
-        needs = ("DT-000/targets", "DT-000/student_attribute") + (("DT-001/select_lambda",) if arm == "mistill" else ())
+        ranking = "DT-000/student_attribute" + ("_smollm3" if student == "smollm3-3b" else "")
+        # the Mistill arms read the student's own ranking and the λ selection's pick
+        needs = ("DT-000/targets",) + ((ranking, "DT-001/select_lambda") if arm == "mistill" else ())
+        model = {"qwen3-4b": "<Qwen3-4B>", "smollm3-3b": "<SmolLM3-3B>"}[student]
+        micro = c.micro_steps(c.train_notes, resolve_arm(arm).epochs or None)
         for seed in range(seeds):
-            steps.append(PlanStep(tree, f"train_{arm}_s{seed}", "train",
-                                  Workload(kind, "qwen3-4b", train_micro, short), needs=needs,
-                                  params={"arm": arm, "seed": str(seed)}, disk_gib=8.0))
-            steps.append(PlanStep(tree, f"evaluate_{arm}_s{seed}", "evaluate", Workload("evaluate"),
-                                  needs=(f"{tree}/train_{arm}_s{seed}",), params={"arm": arm}))
-            steps.append(PlanStep(tree, f"own_heads_{arm}_s{seed}", "own_heads",
+            run = f"{student}_{arm}_s{seed}"
+            steps.append(PlanStep(tree, f"train_{run}", "train", Workload(kind, "qwen3-4b", micro, short),
+                                  needs=needs, params={"arm": arm, "seed": str(seed), "student": model}, disk_gib=8.0))
+            steps.append(PlanStep(tree, f"evaluate_{run}", "evaluate", Workload("evaluate"),
+                                  needs=(f"{tree}/train_{run}",), params={"arm": arm}))
+            steps.append(PlanStep(tree, f"own_heads_{run}", "own_heads",
                                   Workload("own_heads", "qwen3-4b", c.test_notes, short),
-                                  needs=(f"{tree}/train_{arm}_s{seed}",)))
+                                  needs=(f"{tree}/train_{run}",), params={"arm": arm}))
     steps.append(PlanStep("report", "report", "report", Workload("none"),
                           needs=tuple(s.name for s in steps if s.entry_point in ("evaluate", "own_heads"))))
     return steps
@@ -321,7 +338,7 @@ def render(plan: Sequence[PlanStep], figures: Figures, *, reused: Mapping[str, s
     """The plan as text: one line per step (entry point, inputs, reuse, GPU-hours, disk), then
     the totals and the figures file read."""
     reused = reused or {}
-    lines = [f"{'step':<34} {'entry point':<14} {'GPU-h':>8} {'disk GiB':>9}  inputs / estimate"]
+    lines = [f"{'step':<42} {'entry point':<14} {'GPU-h':>8} {'disk GiB':>9}  inputs / estimate"]
     total, unknown, disk = 0.0, [], 0.0
     for s in plan:
         est = estimate(s.work, figures)
@@ -333,7 +350,7 @@ def render(plan: Sequence[PlanStep], figures: Figures, *, reused: Mapping[str, s
         disk += s.disk_gib
         reuse = f" [reuse {reused[s.name]}]" if s.name in reused else ""
         inputs = ", ".join(s.needs[:3]) + (f" +{len(s.needs) - 3}" if len(s.needs) > 3 else "")
-        lines.append(f"{s.name:<34} {s.entry_point:<14} {hours:>8} {s.disk_gib:>9.1f}  "
+        lines.append(f"{s.name:<42} {s.entry_point:<14} {hours:>8} {s.disk_gib:>9.1f}  "
                      f"{inputs or '-'}{reuse}; {est.formula}")
     lines += ["", f"{len(plan)} steps; {total:.1f} GPU-hours where a benchmark figure covers the step "
               f"({len(unknown)} steps without one); about {math.ceil(disk)} GiB of artifacts",

@@ -18,7 +18,10 @@ def test_every_step_reads_only_earlier_steps():
         seen.add(step.name)
     trains = [s for s in plan if s.entry_point == "train"]
     assert {s.params["arm"] for s in trains} >= {"mistill", "vanilla-fp32", "vanilla-bf16", "opd", "gold"}
-    assert sum(s.params["arm"] == "mistill" for s in trains) == 3  # three seeds (App. J.4)
+    # App. J.4's seeds: three for Qwen3-4B Mistill, two for SmolLM3-3B's; GOLD on SmolLM3-3B only
+    assert sum(s.params["arm"] == "mistill" and "Qwen3-4B" in s.params["student"] for s in trains) == 3
+    assert sum(s.params["arm"] == "mistill" and "SmolLM3" in s.params["student"] for s in trains) == 2
+    assert [s.params["student"] for s in trains if s.params["arm"] == "gold"] == ["<SmolLM3-3B>"]
 
 
 def test_an_estimate_is_the_recorded_figure_times_the_workload():
@@ -51,7 +54,7 @@ def test_the_rendered_plan_totals_its_estimates():
 def test_a_result_selection_keeps_what_it_needs():
     plan = paper_plan()
     names = [s.name for s in select(plan, ["R-D4"])]
-    assert "DT-000/train_opd_s0" in names and "DT-000/train_gold_s0" in names
+    assert "DT-000/train_qwen3-4b_opd_s0" in names and "DT-000/train_smollm3-3b_gold_s0" in names
     assert "DT-000/targets" in names and "DT-000/shortlist" in names  # what the arms read
     assert not any(n.startswith("HD-") for n in names)  # the characterization trees are not read
     assert not any("mistill" in n for n in names)  # R-D4 names its arms
@@ -69,7 +72,7 @@ def test_the_command_prints_the_selected_plan(capsys):
 
     main(["--results", "R-D4"])
     out = capsys.readouterr().out
-    assert "DT-000/train_gold_s0" in out and "DT-001/train_mistill_s0" not in out
+    assert "DT-000/train_smollm3-3b_gold_s0" in out and "DT-001/train_qwen3-4b_mistill_s0" not in out
     assert "GPU-hours" in out and "results.json" in out
 
 
