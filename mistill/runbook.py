@@ -383,7 +383,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--figures", default=str(BENCHMARKS_FILE), help="the recorded benchmark figures")
     args = ap.parse_args(argv)
     counts = prepared_counts(args.prepare_run) if args.prepare_run else PaperCounts()
-    plan = select(paper_plan(counts), args.results.split(","))
+    wanted = [r.strip() for r in args.results.split(",") if r.strip()]
+    plan = select(paper_plan(counts), wanted)
+    if wanted:
+        from mistill.results_index import load
+
+        entries = {e.id: e for e in load()}
+        for rid in wanted:
+            e = entries[rid]
+            print(f"{rid}: {e.what} ({e.status}{'; needs ' + e.needs if e.needs else ''})")
+        print()
     print(render(plan, Figures.load(args.figures)))
 
 

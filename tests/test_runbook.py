@@ -74,6 +74,7 @@ def test_the_command_prints_the_selected_plan(capsys):
     out = capsys.readouterr().out
     assert "DT-000/train_smollm3-3b_gold_s0" in out and "DT-001/train_qwen3-4b_mistill_s0" not in out
     assert "GPU-hours" in out and "results.json" in out
+    assert out.startswith("R-D4: the DistiLLM-2, OPD and GOLD baselines (produced)")
 
 
 def test_a_corpus_sets_the_lengths_and_split_sizes_of_the_estimate():
