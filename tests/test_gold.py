@@ -9,10 +9,10 @@ import torch
 
 from mistill.distill.gold import (capped_completion, completion_window_start, gold_args, train_gold,
                                   windowed_trainer_class)
-from mistill.distill.trainer import RecipeConfig, lr_lambda
+from mistill.distill.trainer import RecipeConfig
 from mistill.models.loading import embedded_tokenizer, tiny_model
 from tok_fixtures import bpe_tokenizer
-from trainer_fixtures import Killed, KillAfterSave
+from trainer_fixtures import trained_and_resumed
 
 EXAMPLES = [("Code this note. Patient with chronic kidney disease.\n",
              "<think>CKD, unspecified: N18.9.</think>\n[\"N18.9\"]"),
@@ -91,22 +91,9 @@ def _train(out, *, resume=False, callbacks=(), probe=None):
 
 
 def test_gold_trains_across_tokenizers_logs_and_resumes_bit_for_bit(tmp_path):
-    seen = []
-    full, logs, steps = _train(tmp_path / "full", probe=lambda step, last: seen.append((step, last)))
-    assert steps == 4 and seen == [(1, False), (2, False), (3, False), (4, True)]
-    per_step = {s: m for s, m in logs if "loss" in m}
-    assert sorted(per_step) == [1, 2, 3, 4]
-    for s, m in per_step.items():
-        assert m["lr"] == pytest.approx(RECIPE.lr * lr_lambda(s - 1, 4, RECIPE.warmup_frac))
+    per_step = trained_and_resumed(_train, tmp_path, RECIPE, 4)
+    for m in per_step.values():
         assert {"loss", "grad_norm", "matched_loss", "unmatched_loss"} <= set(m)
     # both halves ran: the student's rollouts and the teacher's traces
     assert any("on_policy_loss" in m for m in per_step.values())
     assert any("off_policy_loss" in m for m in per_step.values())
-    with pytest.raises(Killed):
-        _train(tmp_path / "half", callbacks=[KillAfterSave(2)])
-    resumed, resumed_logs, steps = _train(tmp_path / "half", resume=True)
-    assert steps == 4
-    assert sorted(s for s, m in resumed_logs if "loss" in m) == [3, 4]
-    for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
-        assert torch.equal(a, b), name
-    assert all(p.dtype == torch.bfloat16 for p in resumed.parameters())  # no fp32 master copy

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from mistill.distill.onpolicy import on_policy_order, train_opd
-from mistill.distill.trainer import RecipeConfig, epoch_order, lr_lambda, total_steps
+from mistill.distill.trainer import RecipeConfig, epoch_order, total_steps
 from mistill.models.loading import tiny_model
-from trainer_fixtures import Killed, KillAfterSave
+from trainer_fixtures import Killed, KillAfterSave, trained_and_resumed
 
 PROMPTS = ["Code note one:", "Code note two:", "Code note three:"]
 RECIPE = RecipeConfig(seed=3, precision="bf16", epochs=2, lr=1e-3, grad_accum=2)
@@ -35,23 +35,9 @@ def test_order_and_steps_are_every_arms():
 
 
 def test_opd_trains_logs_and_resumes_bit_for_bit(tmp_path):
-    seen = []
-    full, logs, steps = _train(tmp_path / "full", probe=lambda step, last: seen.append((step, last)))
-    assert steps == 4 and seen == [(1, False), (2, False), (3, False), (4, True)]
-    per_step = {s: m for s, m in logs if "loss" in m}
-    assert sorted(per_step) == [1, 2, 3, 4]
-    for s, m in per_step.items():  # the platform's schedule, stepped by TRL
-        assert m["lr"] == pytest.approx(RECIPE.lr * lr_lambda(s - 1, 4, RECIPE.warmup_frac))
+    for m in trained_and_resumed(_train, tmp_path, RECIPE, 4).values():
         assert {"loss", "grad_norm", "completions/mean_length"} <= set(m)
         assert m["completions/max_length"] <= 6  # the rollout cap
-    with pytest.raises(Killed):
-        _train(tmp_path / "half", callbacks=[KillAfterSave(2)])
-    resumed, resumed_logs, steps = _train(tmp_path / "half", resume=True)
-    assert steps == 4
-    assert sorted(s for s, m in resumed_logs if "loss" in m) == [3, 4]  # steps 1-2 were not redone
-    for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
-        assert torch.equal(a, b), name
-    assert all(p.dtype == torch.bfloat16 for p in resumed.parameters())  # no fp32 master copy
 
 
 # -------------------------------------------------------------------------- the train stage
