@@ -343,6 +343,22 @@ DEVIATIONS: tuple[Deviation, ...] = (
 """One entry per row of ``docs/DEVIATIONS.md``'s table."""
 
 CONVENTIONS: tuple[Convention, ...] = (
+    Convention("the trees a result reads", "App. Q",
+               "reproduce runs, for a result, the steps of its entry points in HD-001 for the characterization "
+               "results (R-C7: HD-001 and HD-002; R-C14: the instruction control) and in DT-000 and DT-001 for the "
+               "distillation results, with every step they read",
+               "mistill.runbook.result_trees",
+               "App. Q names each result's artifacts, not a tree"),
+    Convention("the distillation tree's prose-time set", "Sec. 4.2; App. I.1",
+               "the locus pass on the distillation corpus's teacher ranking (the validation notes, with the "
+               "shortlist), whose prose-time set pools the targets' P1 window rows",
+               "mistill.runbook.paper_plan",
+               "the paper takes the set from the teacher's run on the shortlist, which these notes are"),
+    Convention("the retriever's training notes", "App. A",
+               "reproduce prepares the release (with its split file) once more and trains the shortlist's head on "
+               "its training split, the corpus's patients dropped by the shortlist stage",
+               "mistill.runbook.paper_plan",
+               "the paper trains the head on the release's training notes"),
     Convention("on-policy sampling", "App. J.3",
                "the student's rollouts sample at TRL's defaults: OPD at temperature 1.0, GOLD at temperature 0.9 "
                "and top-p 0.95; one prompt per micro-step",

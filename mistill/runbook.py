@@ -121,15 +121,29 @@ def estimate(work: Workload, figures: Figures) -> Estimate:
     return Estimate(hours, f"{work.units} x {per_unit:.3g} s{scale_text}{note}", tuple(keys))
 
 
+ROLES: tuple[str, ...] = ("teacher", "student", "student_smollm3", "encoder", "las_model", "corpus",
+                           "distill_corpus", "split_file")
+"""The placeholders a step's ``params`` may hold (``{teacher}``): the models and data a reproduction
+is given (:class:`mistill.stages.reproduce.ReproduceConfig` has a field of each name)."""
+
+
 @dataclass(frozen=True)
 class PlanStep:
     """One entry point run of one tree.
 
-    name: unique in the plan (``<tree>/<step>``); needs: the names of the steps whose runs it
-    reads; params: the ``-P`` settings that differ from the
-    entry point's defaults (inputs given as ``<step name>`` references); disk_gib: the
-    artifacts it writes, from rough per-note sizes (**[recon]**: the paper states none; a
-    checkpoint of a 4B student in bf16 is 8 GiB).
+    name: unique in the plan (``<tree>/<step>``).
+    inputs: config field -> the step whose run it takes (``<step name>``, or
+        ``<step name>:<nested step>`` for a run a composite step nests, e.g.
+        ``DT-000/teacher_attribute:attribute``).
+    needs: every step whose run this one reads: those of ``inputs`` and any read otherwise
+        (a Mistill arm reads the λ the selection picked).
+    params: the ``-P`` settings that differ from the entry point's defaults; ``{role}``
+        placeholders (:data:`ROLES`) stand for the models and data given.
+    disk_gib: the artifacts it writes, from rough per-note sizes (**[recon]**: the paper states
+        none; a checkpoint of a 4B student in bf16 is 8 GiB).
+    skip_synthetic: on a synthetic corpus the step is not run: ``generate`` (the corpus carries
+        scripted teacher traces; the step then stands for its input) and the retriever's
+        training notes (the shortlist generates synthetic ones).
     """
 
     tree: str
@@ -139,6 +153,8 @@ class PlanStep:
     needs: tuple[str, ...] = ()
     params: Mapping[str, str] = field(default_factory=dict)
     disk_gib: float = 0.0
+    inputs: Mapping[str, str] = field(default_factory=dict)
+    skip_synthetic: bool = False
 
     @property
     def name(self) -> str:
@@ -148,6 +164,20 @@ class PlanStep:
     def covers(self) -> tuple[str, ...]:
         """The entry points this step runs: its own and, for a composite one, its nested steps'."""
         return (self.entry_point, *COMPOSITE.get(self.entry_point, ()))
+
+
+def _step(tree: str, step: str, entry_point: str, work: Workload, *, inputs: Mapping[str, str] | None = None,
+          after: tuple[str, ...] = (), params: Mapping[str, str] | None = None, disk_gib: float = 0.0,
+          skip_synthetic: bool = False) -> PlanStep:
+    """A :class:`PlanStep` whose ``needs`` are the steps of its ``inputs`` and ``after``."""
+    inputs = dict(inputs or {})
+    needs: list[str] = []
+    for ref in [*inputs.values(), *after]:
+        name = ref.split(":", 1)[0]
+        if name not in needs:
+            needs.append(name)
+    return PlanStep(tree, step, entry_point, work, tuple(needs), dict(params or {}), disk_gib, inputs,
+                    skip_synthetic)
 
 
 @dataclass(frozen=True)
@@ -198,93 +228,166 @@ def corpus_counts(corpus, lengths: Sequence, base: PaperCounts = PaperCounts()) 
     return dataclasses.replace(base, **changes)
 
 
+STUDENTS: dict[str, str] = {"qwen3-4b": "{student}", "smollm3-3b": "{student_smollm3}"}
+"""The students' plan names and the role that holds each one's model."""
+
+ARM_SEEDS: tuple[tuple[str, str, str, int], ...] = (
+    ("qwen3-4b", "vanilla-fp32", "train_vanilla", 3), ("qwen3-4b", "vanilla-bf16", "train_vanilla", 3),
+    ("qwen3-4b", "feature-kd", "train_mistill", 3), ("qwen3-4b", "distillm2", "train_vanilla", 1),
+    ("qwen3-4b", "opd", "train_opd", 1), ("qwen3-4b", "mistill", "train_mistill", 3),
+    ("smollm3-3b", "vanilla-fp32", "train_vanilla", 2), ("smollm3-3b", "vanilla-bf16", "train_vanilla", 1),
+    ("smollm3-3b", "feature-kd", "train_mistill", 1), ("smollm3-3b", "gold", "train_gold", 1),
+    ("smollm3-3b", "mistill", "train_mistill", 2))
+"""(student, arm, cost model, seeds) of the main comparison: App. J.4's seed counts. The SmolLM3-3B
+steps are estimated with the Qwen3-4B figures (no SmolLM3 benchmark is recorded)."""
+
+
+def _traced_corpus(tree: str, prepare: str, prepare_params: Mapping[str, str]) -> list[PlanStep]:
+    """A tree's corpus and the teacher's traces on it: its ``prepare`` step (when ``prepare`` is
+    ``"prepare"``; else the step named ``prepare``, a shortlist, stands for it) then ``generate``."""
+    steps = []
+    if prepare == "prepare":
+        steps.append(_step(tree, "prepare", "prepare", Workload("none"),
+                           params={"model": "{teacher}", **prepare_params}))
+    steps.append(_step(tree, "generate", "generate", Workload("generate"), inputs={"prepare_run": f"{tree}/{prepare}"},
+                       params={"model": "{teacher}"}, skip_synthetic=True))
+    return steps
+
+
 def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
-    """The paper's run trees in order; a step's needs come before it."""
+    """The paper's run trees in order; a step's needs come before it.
+
+    HD-001: the teacher characterized with the full inventory in context (App. A-F), with its
+    locus, read side, key blocking and edits; HD-002: the same notes with the retrieved shortlist
+    (App. G); ``instruction``: without the prompt's narrowing sentence (Table 4); DT-000: the
+    distillation corpus, its shortlist, the teacher's traces and targets, the students'
+    rankings, the LAS simulator, and the teacher's and untrained students' evaluations; DT-001:
+    the λ selection and the Mistill arms; the report.
+    """
     c = counts
     full, short = c.full_prompt_tokens, c.shortlist_tokens
-    steps = [
-        PlanStep("HD-001", "prepare", "prepare", Workload("none"),
-                 params={"corpus": "mimic:<note table>", "select_n": "94", "remove_discharge_diagnosis": "true"}),
-        PlanStep("HD-001", "generate", "generate", Workload("generate"), needs=("HD-001/prepare",)),
-        PlanStep("HD-001", "characterize", "characterize",
-                 Workload("characterize", "qwen3-14b", c.characterization_traces, full),
-                 needs=("HD-001/generate",),
-                 disk_gib=c.characterization_traces * 0.05),
-        PlanStep("HD-001", "locus", "locus", Workload("locus", "qwen3-14b", c.characterization_traces, full),
-                 needs=("HD-001/characterize",), disk_gib=c.characterization_traces * 0.01),
-        PlanStep("HD-001", "read_side", "read_side",
-                 Workload("read_side", "qwen3-14b", c.characterization_traces, full),
-                 needs=("HD-001/characterize",), disk_gib=c.characterization_traces * 0.01),
-        PlanStep("HD-001", "key_block", "key_block",
-                 Workload("key_block", "qwen3-14b", c.characterization_traces * c.events_per_note),
-                 needs=("HD-001/read_side",)),
-        PlanStep("HD-001", "trace_edit", "trace_edit",
-                 Workload("edits", "qwen3-14b",
-                          c.characterization_traces * c.edit_events_per_note * c.edit_reads_per_event),
-                 needs=("HD-001/characterize",)),
-        PlanStep("HD-001", "note_edit", "note_edit",
-                 Workload("edits", "qwen3-14b",
-                          c.characterization_traces * c.edit_events_per_note * c.edit_reads_per_event),
-                 needs=("HD-001/characterize",)),
-        PlanStep("HD-002", "shortlist", "shortlist", Workload("shortlist"), needs=("HD-001/prepare",)),
-        PlanStep("HD-002", "generate", "generate", Workload("generate"), needs=("HD-002/shortlist",)),
-        PlanStep("HD-002", "characterize", "characterize",
-                 Workload("characterize", "qwen3-14b", c.characterization_traces, short),
-                 needs=("HD-002/generate",), disk_gib=c.characterization_traces * 0.02),
-        PlanStep("instruction", "prepare", "prepare", Workload("none"),
-                 params={"corpus": "mimic:<note table>", "select_n": str(c.instruction_notes),
-                         "narrow_instruction": "false"}),
-        PlanStep("instruction", "generate", "generate", Workload("generate"), needs=("instruction/prepare",)),
-        PlanStep("instruction", "characterize", "characterize",
-                 Workload("characterize", "qwen3-14b", c.instruction_notes, full), needs=("instruction/generate",)),
-        PlanStep("DT-000", "prepare", "prepare", Workload("none"),
-                 params={"corpus": "mimic:<distillation corpus>"}),
-        PlanStep("DT-000", "shortlist", "shortlist", Workload("shortlist"), needs=("DT-000/prepare",)),
-        PlanStep("DT-000", "generate", "generate", Workload("generate"), needs=("DT-000/shortlist",)),
-        PlanStep("DT-000", "teacher_attribute", "characterize",
-                 Workload("characterize", "qwen3-14b", c.train_notes, short), needs=("DT-000/generate",),
-                 disk_gib=c.train_notes * 0.02),
-        PlanStep("DT-000", "targets", "targets", Workload("targets", "qwen3-14b", c.train_notes, short),
-                 needs=("DT-000/teacher_attribute",), disk_gib=c.train_notes * 0.01),
-        PlanStep("DT-000", "student_attribute", "characterize",
-                 Workload("characterize", "qwen3-4b", c.val_notes, short), needs=("DT-000/generate",)),
+    release = {"corpus": "{corpus}", "split_file": "{split_file}"}
+    chars = c.characterization_traces
+    steps: list[PlanStep] = []
+    # HD-001: the full inventory
+    steps += _traced_corpus("HD-001", "prepare",
+                            {**release, "select_n": "94", "remove_discharge_diagnosis": "true"})
+    attr = {"attribute_run": "HD-001/characterize:attribute"}
+    steps += [
+        _step("HD-001", "characterize", "characterize", Workload("characterize", "qwen3-14b", chars, full),
+              inputs={"prepare_run": "HD-001/generate"}, params={"model": "{teacher}"}, disk_gib=chars * 0.05),
+        _step("HD-001", "locus", "locus", Workload("locus", "qwen3-14b", chars, full), inputs=attr,
+              disk_gib=chars * 0.01),
+        _step("HD-001", "read_side", "read_side", Workload("read_side", "qwen3-14b", chars, full), inputs=attr,
+              disk_gib=chars * 0.01),
+        _step("HD-001", "key_block", "key_block", Workload("key_block", "qwen3-14b", chars * c.events_per_note),
+              inputs={"read_side_run": "HD-001/read_side"}),
+        _step("HD-001", "trace_edit", "trace_edit",
+              Workload("edits", "qwen3-14b", chars * c.edit_events_per_note * c.edit_reads_per_event), inputs=attr),
+        _step("HD-001", "note_edit", "note_edit",
+              Workload("edits", "qwen3-14b", chars * c.edit_events_per_note * c.edit_reads_per_event), inputs=attr),
     ]
+    # HD-002: the same notes with the retrieved shortlist (the retriever trains on the release's
+    # training split, its patients kept apart from the corpus's by the shortlist stage)
+    retriever = {**release, "model": "{teacher}"}
+    steps += [
+        _step("HD-002", "retriever_notes", "prepare", Workload("none"), params=retriever, skip_synthetic=True),
+        _step("HD-002", "shortlist", "shortlist", Workload("shortlist"),
+              inputs={"prepare_run": "HD-001/prepare", "train_prepare_run": "HD-002/retriever_notes"},
+              params={"encoder": "{encoder}"}),
+    ]
+    steps += _traced_corpus("HD-002", "shortlist", {})
+    steps.append(_step("HD-002", "characterize", "characterize", Workload("characterize", "qwen3-14b", chars, short),
+                       inputs={"prepare_run": "HD-002/generate"}, params={"model": "{teacher}"},
+                       disk_gib=chars * 0.02))
+    # the instruction control
+    steps += _traced_corpus("instruction", "prepare",
+                            {**release, "select_n": str(c.instruction_notes), "narrow_instruction": "false"})
+    steps.append(_step("instruction", "characterize", "characterize",
+                       Workload("characterize", "qwen3-14b", c.instruction_notes, full),
+                       inputs={"prepare_run": "instruction/generate"}, params={"model": "{teacher}"}))
+    # DT-000: the distillation corpus on its shortlist; the teacher is ranked on the validation
+    # notes (the characterization notes, App. A) and read on every note, so that its targets read
+    # the training notes'
+    data = "DT-000/generate"
+    steps += [
+        _step("DT-000", "prepare", "prepare", Workload("none"),
+              params={"corpus": "{distill_corpus}", "split_file": "{split_file}", "model": "{teacher}"}),
+        _step("DT-000", "retriever_notes", "prepare", Workload("none"), params=retriever, skip_synthetic=True),
+        _step("DT-000", "shortlist", "shortlist", Workload("shortlist"),
+              inputs={"prepare_run": "DT-000/prepare", "train_prepare_run": "DT-000/retriever_notes"},
+              params={"encoder": "{encoder}"}),
+    ]
+    steps += _traced_corpus("DT-000", "shortlist", {})
+    teacher_attr = "DT-000/teacher_attribute:attribute"
+    steps += [
+        _step("DT-000", "teacher_attribute", "characterize",
+              Workload("characterize", "qwen3-14b", c.train_notes + c.val_notes, short),
+              inputs={"prepare_run": data}, params={"model": "{teacher}", "rank_split": "val"},
+              disk_gib=(c.train_notes + c.val_notes) * 0.02),
+        _step("DT-000", "locus", "locus", Workload("locus", "qwen3-14b", c.val_notes, short),
+              inputs={"attribute_run": teacher_attr}, disk_gib=c.val_notes * 0.01),
+        _step("DT-000", "targets", "targets", Workload("targets", "qwen3-14b", c.train_notes, short),
+              inputs={"teacher_attribute_run": teacher_attr, "locus_run": "DT-000/locus"},
+              params={"split": "train"}, disk_gib=c.train_notes * 0.01),
+    ]
+    for student, role in STUDENTS.items():
+        steps.append(_step("DT-000", f"student_attribute_{student}", "characterize",
+                           Workload("characterize", "qwen3-4b", c.val_notes, short),
+                           inputs={"prepare_run": data}, params={"model": role, "split": "val"}))
+    steps.append(_step("DT-000", "las_simulator", "las_simulator", Workload("las_simulator"),
+                       inputs={"prepare_run": data}, params={"model": "{las_model}"}))
+    evaluation = {"prepare_run": data, "las_run": "DT-000/las_simulator"}
+    steps.append(_step("DT-000", "evaluate_teacher", "evaluate", Workload("evaluate"), inputs=evaluation,
+                       params={"model": "{teacher}", "arm": "teacher", "split": "test"}))
+    for student, role in STUDENTS.items():
+        steps.append(_step("DT-000", f"evaluate_{student}_untrained", "evaluate", Workload("evaluate"),
+                           inputs=evaluation, params={"model": role, "arm": "untrained", "split": "test"}))
+        steps.append(_step("DT-000", f"own_heads_{student}_untrained", "own_heads",
+                           Workload("own_heads", "qwen3-4b", c.test_notes, short), inputs={"prepare_run": data},
+                           params={"model": role}))
     from mistill.distill.arms import resolve_arm
 
-    steps.append(PlanStep("DT-000", "student_attribute_smollm3", "characterize",
-                          Workload("characterize", "qwen3-4b", c.val_notes, short), needs=("DT-000/generate",),
-                          params={"model": "<SmolLM3-3B>"}))
-    steps.append(PlanStep("DT-001", "select_lambda", "select_lambda",
-                          Workload("train_mistill", "qwen3-4b", 3 * c.micro_steps(c.selection_notes), short),
-                          needs=("DT-000/targets", "DT-000/student_attribute"),
-                          params={"lock": "projects/configs/locks/i3-bf16-selection.yaml"}, disk_gib=3 * 8.0))
-    # (student, arm, cost model, seeds): App. J.4's seed counts; SmolLM3-3B steps are estimated with the
-    # Qwen3-4B figures (no SmolLM3 benchmark is recorded)
-    arms = [("qwen3-4b", "vanilla-fp32", "train_vanilla", 3), ("qwen3-4b", "vanilla-bf16", "train_vanilla", 3),
-            ("qwen3-4b", "feature-kd", "train_mistill", 3), ("qwen3-4b", "distillm2", "train_vanilla", 1),
-            ("qwen3-4b", "opd", "train_opd", 1), ("qwen3-4b", "mistill", "train_mistill", 3),
-            ("smollm3-3b", "vanilla-fp32", "train_vanilla", 2), ("smollm3-3b", "vanilla-bf16", "train_vanilla", 1),
-            ("smollm3-3b", "feature-kd", "train_mistill", 1), ("smollm3-3b", "gold", "train_gold", 1),
-            ("smollm3-3b", "mistill", "train_mistill", 2)]
-    for student, arm, kind, seeds in arms:
+    steps.append(_step("DT-001", "select_lambda", "select_lambda",
+                       Workload("train_mistill", "qwen3-4b", 3 * c.micro_steps(c.selection_notes), short),
+                       inputs={"prepare_run": data, "targets_run": "DT-000/targets",
+                               "student_attribute_run": "DT-000/student_attribute_qwen3-4b:attribute"},
+                       params={"lock": "projects/configs/locks/i3-bf16-selection.yaml", "student": "{student}"},
+                       disk_gib=3 * 8.0))
+    for student, arm, kind, seeds in ARM_SEEDS:
         tree = "DT-001" if arm == "mistill" else "DT-000"
-        ranking = "DT-000/student_attribute" + ("_smollm3" if student == "smollm3-3b" else "")
-        # the Mistill arms read the student's own ranking and the λ selection's pick
-        needs = ("DT-000/targets",) + ((ranking, "DT-001/select_lambda") if arm == "mistill" else ())
-        model = {"qwen3-4b": "<Qwen3-4B>", "smollm3-3b": "<SmolLM3-3B>"}[student]
         micro = c.micro_steps(c.train_notes, resolve_arm(arm).epochs or None)
+        inputs = {"targets_run": "DT-000/targets"}
+        if arm == "mistill":  # the Mistill arms read the student's own ranking and the selection's λ
+            inputs["student_attribute_run"] = f"DT-000/student_attribute_{student}:attribute"
+        after = ("DT-001/select_lambda",) if arm == "mistill" else ()
         for seed in range(seeds):
             run = f"{student}_{arm}_s{seed}"
-            steps.append(PlanStep(tree, f"train_{run}", "train", Workload(kind, "qwen3-4b", micro, short),
-                                  needs=needs, params={"arm": arm, "seed": str(seed), "student": model}, disk_gib=8.0))
-            steps.append(PlanStep(tree, f"evaluate_{run}", "evaluate", Workload("evaluate"),
-                                  needs=(f"{tree}/train_{run}",), params={"arm": arm}))
-            steps.append(PlanStep(tree, f"own_heads_{run}", "own_heads",
-                                  Workload("own_heads", "qwen3-4b", c.test_notes, short),
-                                  needs=(f"{tree}/train_{run}",), params={"arm": arm}))
-    steps.append(PlanStep("report", "report", "report", Workload("none"),
-                          needs=tuple(s.name for s in steps if s.entry_point in ("evaluate", "own_heads"))))
+            steps.append(_step(tree, f"train_{run}", "train", Workload(kind, "qwen3-4b", micro, short),
+                               inputs=inputs, after=after,
+                               params={"arm": arm, "seed": str(seed), "student": STUDENTS[student]}, disk_gib=8.0))
+            steps.append(_step(tree, f"evaluate_{run}", "evaluate", Workload("evaluate"),
+                               inputs={**evaluation, "train_run": f"{tree}/train_{run}"},
+                               params={"arm": arm, "split": "test"}))
+            steps.append(_step(tree, f"own_heads_{run}", "own_heads",
+                               Workload("own_heads", "qwen3-4b", c.test_notes, short),
+                               inputs={"prepare_run": data, "train_run": f"{tree}/train_{run}"}))
+    steps.append(_step("report", "report", "report", Workload("none"),
+                       after=tuple(s.name for s in steps if s.entry_point in ("evaluate", "own_heads"))))
     return steps
+
+
+RESULT_TREES: dict[str, tuple[str, ...]] = {"R-C7": ("HD-001", "HD-002"), "R-C14": ("instruction",)}
+"""The trees a result reads where it is not its half's default (:func:`result_trees`)."""
+
+
+def result_trees(result_id: str) -> tuple[str, ...]:
+    """The trees whose steps produce a result: the characterization results (``R-C``) read HD-001,
+    the full-inventory characterization, the distillation results (``R-D``) DT-000 and DT-001,
+    except where :data:`RESULT_TREES` says otherwise (R-C7 compares HD-001 with the shortlist's
+    HD-002; R-C14 is the instruction control); the report serves every result."""
+    default = ("HD-001",) if result_id.startswith("R-C") else ("DT-000", "DT-001")
+    return (*RESULT_TREES.get(result_id, default), "report")
 
 
 def _arms_named(params: str) -> set[str]:
@@ -298,8 +401,8 @@ def select(plan: Sequence[PlanStep], results: Iterable[str], index: Sequence | N
     """The steps of ``plan`` that the result ids ``results`` need, in plan order, with every step
     they read (the whole plan for no ids).
 
-    A result needs the plan's steps of the entry points its result index entry names
-    (:mod:`mistill.results_index`); where the entry names arms (``arm=...``), only those arms'
+    A result needs the plan's steps, in its trees (:func:`result_trees`), of the entry points its
+    result index entry names (:mod:`mistill.results_index`); where the entry names arms (``arm=...``), only those arms'
     training, evaluation and own-heads steps. Unknown ids, and ids whose entry points the plan
     does not hold, are refused (``field='results'``)."""
     from mistill.results_index import load
@@ -317,7 +420,8 @@ def select(plan: Sequence[PlanStep], results: Iterable[str], index: Sequence | N
     for rid in wanted:
         entry = entries[rid]
         arms = _arms_named(entry.params)
-        hits = [s.name for s in plan if set(s.covers) & set(entry.entry_points)
+        trees = result_trees(rid)
+        hits = [s.name for s in plan if set(s.covers) & set(entry.entry_points) and s.tree in trees
                 and (not arms or "arm" not in s.params or s.params["arm"] in arms)]
         if not hits:
             raise MistillInputError(f"{rid} ({entry.status}) needs entry points the plan does not run: "
@@ -334,12 +438,14 @@ def select(plan: Sequence[PlanStep], results: Iterable[str], index: Sequence | N
     return [s for s in plan if s.name in keep]
 
 
-def render(plan: Sequence[PlanStep], figures: Figures, *, reused: Mapping[str, str] | None = None) -> str:
-    """The plan as text: one line per step (entry point, inputs, reuse, GPU-hours, disk), then
-    the totals and the figures file read."""
-    reused = reused or {}
+def render(plan: Sequence[PlanStep], figures: Figures, *, reused: Mapping[str, str] | None = None,
+           skipped: Mapping[str, str] | None = None) -> str:
+    """The plan as text: one line per step (entry point, inputs, reuse or why it is skipped,
+    GPU-hours, disk), then the totals and the figures file read."""
+    reused, skipped = reused or {}, skipped or {}
     lines = [f"{'step':<42} {'entry point':<14} {'GPU-h':>8} {'disk GiB':>9}  inputs / estimate"]
     total, unknown, disk = 0.0, [], 0.0
+    names = {s.name for s in plan}
     for s in plan:
         est = estimate(s.work, figures)
         hours = "?" if est.gpu_hours is None else f"{est.gpu_hours:.2f}"
@@ -349,7 +455,9 @@ def render(plan: Sequence[PlanStep], figures: Figures, *, reused: Mapping[str, s
             total += est.gpu_hours
         disk += s.disk_gib
         reuse = f" [reuse {reused[s.name]}]" if s.name in reused else ""
-        inputs = ", ".join(s.needs[:3]) + (f" +{len(s.needs) - 3}" if len(s.needs) > 3 else "")
+        reuse += f" [{skipped[s.name]}]" if s.name in skipped else ""
+        needs = [n for n in s.needs if n in names]  # the report reads what the selection runs
+        inputs = ", ".join(needs[:3]) + (f" +{len(needs) - 3}" if len(needs) > 3 else "")
         lines.append(f"{s.name:<42} {s.entry_point:<14} {hours:>8} {s.disk_gib:>9.1f}  "
                      f"{inputs or '-'}{reuse}; {est.formula}")
     lines += ["", f"{len(plan)} steps; {total:.1f} GPU-hours where a benchmark figure covers the step "

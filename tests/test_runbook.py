@@ -19,9 +19,40 @@ def test_every_step_reads_only_earlier_steps():
     trains = [s for s in plan if s.entry_point == "train"]
     assert {s.params["arm"] for s in trains} >= {"mistill", "vanilla-fp32", "vanilla-bf16", "opd", "gold"}
     # App. J.4's seeds: three for Qwen3-4B Mistill, two for SmolLM3-3B's; GOLD on SmolLM3-3B only
-    assert sum(s.params["arm"] == "mistill" and "Qwen3-4B" in s.params["student"] for s in trains) == 3
-    assert sum(s.params["arm"] == "mistill" and "SmolLM3" in s.params["student"] for s in trains) == 2
-    assert [s.params["student"] for s in trains if s.params["arm"] == "gold"] == ["<SmolLM3-3B>"]
+    assert sum(s.params["arm"] == "mistill" and s.params["student"] == "{student}" for s in trains) == 3
+    assert sum(s.params["arm"] == "mistill" and s.params["student"] == "{student_smollm3}" for s in trains) == 2
+    assert [s.params["student"] for s in trains if s.params["arm"] == "gold"] == ["{student_smollm3}"]
+
+
+def test_every_step_binds_its_entry_points_inputs_to_earlier_steps():
+    """Each input names a field of the entry point's config and a step (or a composite step's nested
+    run) that produces what the field takes; every required input is bound; placeholders are roles."""
+    import dataclasses
+    import re
+
+    from mistill.runbook import COMPOSITE, ROLES
+    from mistill.stages.registry import stages
+
+    table = stages()
+    plan = {s.name: s for s in paper_plan()}
+    for step in plan.values():
+        stage = table[step.entry_point]
+        fields = {f.name for f in dataclasses.fields(stage.config)}
+        assert set(step.inputs) <= fields and set(step.params) <= fields, step.name
+        by_field = {f: name for name, f in stage.inputs.items()}
+        by_field.setdefault("train_prepare_run", "prepare")  # the shortlist's retriever notes
+        for f, ref in step.inputs.items():
+            source, _, nested = ref.partition(":")
+            produced = nested or plan[source].entry_point
+            wanted = stage.input_stage(by_field[f])
+            standing = {s.name for s in table.values() if s.stands_for == wanted}
+            assert produced == wanted or produced in standing, (step.name, f, ref)
+            if nested:
+                assert nested in COMPOSITE[plan[source].entry_point]
+        for f in stage.required_inputs().values():
+            assert f in step.inputs, (step.name, f)
+        for value in step.params.values():
+            assert set(re.findall(r"{(\w+)}", value)) <= set(ROLES), (step.name, value)
 
 
 def test_an_estimate_is_the_recorded_figure_times_the_workload():
@@ -57,6 +88,7 @@ def test_a_result_selection_keeps_what_it_needs():
     assert "DT-000/train_qwen3-4b_opd_s0" in names and "DT-000/train_smollm3-3b_gold_s0" in names
     assert "DT-000/targets" in names and "DT-000/shortlist" in names  # what the arms read
     assert not any(n.startswith("HD-") for n in names)  # the characterization trees are not read
+    assert "DT-000/teacher_attribute" in names and "DT-000/student_attribute_qwen3-4b" not in names
     assert not any("mistill" in n for n in names)  # R-D4 names its arms
     assert names == [s.name for s in plan if s.name in set(names)]  # plan order
     # a composite step serves the entry points it nests (characterize runs events)

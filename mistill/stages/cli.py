@@ -494,7 +494,7 @@ def main(stage_name: str, argv: Sequence[str] | None = None, *, prog: str | None
     except TrackingUnavailableError as exc:
         print(f"mistill {stage_name}: {exc}", file=sys.stderr)
         raise SystemExit(EXIT_UNREACHABLE) from None
-    if current_world().leader:
+    if current_world().leader and run_id:  # a dry run creates none
         print(f"mistill {stage_name}: run {run_id}")
     return run_id
 

@@ -150,6 +150,9 @@ _TABLE = (
            {"prepare": "prepare_run"}, "events -> attribute -> knockin, reusing identical finished runs"),
     _Entry("pipeline", "mistill.stages.workflow", "PipelineConfig", "run_pipeline", {},
            "the whole platform on one corpus: prepare, then every stage that exists"),
+    _Entry("reproduce", "mistill.stages.reproduce", "ReproduceConfig", "run_reproduce", {},
+           "the paper's run trees on local models and data, each a parent run of its nested, reused steps; "
+           "a dry run (the default when a path is missing) prints the plan and its GPU-hours"),
     _Entry("report", "mistill.stages.report", "ReportConfig", "run_report", {},
            "the paper's tables and figures from the tracking store, paired note-level tests"),
 )

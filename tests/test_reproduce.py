@@ -1,0 +1,135 @@
+"""``reproduce``: the paper's trees as parent runs of nested, reused steps; a dry run (the default
+when a path is missing) that prints the plan and creates nothing; resume after a failed step."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from mistill.runbook import paper_plan, select
+from mistill.stages.reproduce import (ReproduceConfig, TAG_TREE, ids_from_tags, load_settings, missing_roles,
+                                      run_reproduce, step_config, step_tags)
+from stage_fixtures import TINY, unique
+
+pytestmark = pytest.mark.usefixtures("pinned_code_version")
+
+EMBEDDED = dict(corpus="synthetic", teacher="embedded:smollm2-135m", student="embedded:smollm2-135m@every-other",
+                student_smollm3="embedded:smollm2-135m@every-other", encoder="embedded:all-minilm-l6-v2",
+                las_model="embedded:smollm2-135m", device="cpu", dtype="float32",
+                settings="projects/configs/reproduce/smoke.yaml")
+"""The smoke settings' roles: the embedded default in every part."""
+
+TINY_SETTINGS = """
+prepare: {n_notes: 3, select_n: 0}
+characterize: {n_null: 4, selftest_events: 0, k_bins: [3, 8], events_per_phase: 3, stability_splits: 5}
+"""
+
+
+def test_every_step_of_the_plan_builds_a_valid_config_from_the_roles():
+    """On the embedded roles and the smoke settings each step's config validates, its inputs are
+    the runs of the steps it names and its roles are filled in; a Mistill arm waits for the
+    selection's λ."""
+    cfg = ReproduceConfig(**EMBEDDED)
+    settings = load_settings(cfg.settings)
+    plan = paper_plan()
+    ids = {s.name: uuid.uuid4().hex for s in plan}
+    ids.update({f"{s.name}:{n}": uuid.uuid4().hex for s in plan for n in ("events", "attribute", "knockin")})
+    del ids["DT-001/select_lambda"]
+    assert missing_roles(plan, cfg) == []
+    for step in plan:
+        config = step_config(step, cfg, ids, settings)
+        if step.entry_point == "train" and step.params["arm"] == "mistill":
+            assert config is None  # no selection run yet
+            continue
+        assert config is not None, step.name
+        for field, ref in step.inputs.items():
+            assert getattr(config, field) == ids[ref], (step.name, field)
+        if step.name == "DT-000/train_smollm3-3b_gold_s0":
+            assert config.student == EMBEDDED["student_smollm3"] and config.arm == "gold"
+        if step.name == "HD-001/characterize":
+            assert config.model == EMBEDDED["teacher"] and config.n_null == 10 and config.device == "cpu"
+        if step.entry_point == "prepare":
+            assert config.select_n == 0 and config.corpus == "synthetic"  # the smoke settings over the plan
+
+
+def test_a_missing_path_makes_a_dry_run_that_creates_nothing(tracking_uri, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path))
+    name = unique("repro-dry")
+    cfg = ReproduceConfig(teacher="/absent/models/qwen3-14b", corpus="mimic:/absent/mimic/notes.csv",
+                          corpus_name=name, results=("R-C3",))
+    assert missing_roles(select(paper_plan(), cfg.results), cfg) == ["teacher", "corpus"]
+    assert run_reproduce(cfg) == ""
+    out = capsys.readouterr().out
+    assert out.startswith("dry run: missing or empty teacher") and "corpus (mimic:" in out
+    assert "HD-001/characterize" in out and "GPU-hours" in out and "DT-000" not in out
+    assert MlflowClient().get_experiment_by_name(f"mistill/{name}") is None
+
+
+def _runs(exp_name: str) -> list:
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(exp_name)
+    return [] if exp is None else client.search_runs([exp.experiment_id], max_results=1000)
+
+
+def test_a_tree_runs_nested_under_its_run_resumes_and_is_reused(tracking_uri, tmp_path, monkeypatch, capsys):
+    """R-C3 on tiny models: the HD-001 tree's run holds prepare and the nested characterization
+    (generate is not run on the synthetic corpus). A failure part-way leaves the finished steps
+    tagged; the same command resumes the same runs without redoing them; once finished, it is
+    reused whole, and a dry run names the runs it would reuse."""
+    import mistill.stages.reproduce as reproduce
+
+    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path))
+    settings = tmp_path / "tiny.yaml"
+    settings.write_text(TINY_SETTINGS)
+    name = unique("repro")
+    cfg = ReproduceConfig(corpus="synthetic", corpus_name=name, teacher=TINY, device="cpu", dtype="float32",
+                          launch="inline", settings=str(settings), results=("R-C3",))
+    real = reproduce.run_plan_step
+
+    def fail_characterize(step, *args, **kwargs):
+        if step.entry_point == "characterize":
+            raise RuntimeError("stopped")
+        return real(step, *args, **kwargs)
+
+    monkeypatch.setattr(reproduce, "run_plan_step", fail_characterize)
+    with pytest.raises(RuntimeError, match="stopped"):
+        run_reproduce(cfg)
+    (failed,) = [r for r in _runs(f"mistill/{name}") if r.data.tags.get("mistill.stage") == "reproduce"
+                 and TAG_TREE not in r.data.tags]
+    assert failed.info.status == "FAILED"
+    (prepare,) = [r for r in _runs(f"mistill/{name}") if r.data.tags.get("mistill.stage") == "prepare"]
+    assert ids_from_tags(failed.data.tags) == {"HD-001/prepare": prepare.info.run_id}
+
+    monkeypatch.setattr(reproduce, "run_plan_step", real)
+    run_id = run_reproduce(cfg)
+    assert run_id == failed.info.run_id  # resumed, not started anew
+    runs = _runs(f"mistill/{name}")
+    by_stage: dict[str, list] = {}
+    for r in runs:
+        by_stage.setdefault(r.data.tags.get("mistill.stage"), []).append(r)
+    assert [r.info.run_id for r in by_stage["prepare"]] == [prepare.info.run_id]  # not redone
+    (tree,) = [r for r in by_stage["reproduce"] if r.data.tags.get(TAG_TREE) == "HD-001"]
+    assert tree.info.run_name == "HD-001" and tree.data.tags["mlflow.parentRunId"] == run_id
+    assert tree.info.status == "FINISHED"
+    for stage in ("prepare", "events", "attribute", "knockin"):
+        (step,) = by_stage[stage]
+        assert step.data.tags["mlflow.parentRunId"] == tree.info.run_id, stage
+        assert step.info.status == "FINISHED"
+    assert "generate" not in by_stage  # the synthetic corpus carries the teacher's traces
+    recorded = ids_from_tags(MlflowClient().get_run(run_id).data.tags)
+    assert recorded["HD-001/characterize"] == by_stage["knockin"][0].info.run_id
+    assert recorded["HD-001/characterize:attribute"] == by_stage["attribute"][0].info.run_id
+    assert step_tags(recorded) == {k: v for k, v in MlflowClient().get_run(run_id).data.tags.items()
+                                   if k.startswith("mistill.step.")}
+
+    assert run_reproduce(cfg) == run_id  # finished: reused whole
+    assert len(_runs(f"mistill/{name}")) == len(runs)
+
+    capsys.readouterr()
+    assert run_reproduce(cfg.replace(dry_run=True)) == ""
+    out = capsys.readouterr().out
+    assert f"[reuse {by_stage['knockin'][0].info.run_id}]" in out
+    assert f"[reuse {prepare.info.run_id}]" in out and "[synthetic corpus: not run]" in out
+    assert len(_runs(f"mistill/{name}")) == len(runs)
