@@ -1,4 +1,4 @@
-"""Device benchmark of one optimizer micro-step: Vanilla CoT-KD against Mistill (issue 4).
+"""Device benchmark of one optimizer micro-step: Vanilla CoT-KD against Mistill.
 
 Qwen3-4B architecture (random init) as the student, a synthetic note whose prompt lists ~2,000
 candidate lines (about 30k tokens with the note) and whose scripted trace names 25 codes. The

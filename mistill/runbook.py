@@ -54,13 +54,17 @@ class Workload:
     kind: one of :data:`COST_MODELS` (``none``: no GPU work, e.g. the report);
     model: the benchmark architecture (``qwen3-14b``, ``qwen3-4b``);
     units: notes for a per-note pass, optimizer micro-steps for training, events for key blocking;
-    tokens: tokens per unit (prompt + trace).
+    tokens: tokens per unit (prompt + trace; for generation, the prompt);
+    new_tokens: tokens generated per unit (generation, on-policy rollouts);
+    on_policy_fraction: the share of on-policy training steps that roll out.
     """
 
     kind: str
     model: str = ""
     units: int = 0
     tokens: int = 0
+    new_tokens: int = 0
+    on_policy_fraction: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -84,23 +88,83 @@ COST_MODELS: dict[str, tuple[str, str]] = {
     "targets": ("instrument.{model}.prefill_s", "instrument.{model}.tokens"),
     "train_vanilla": ("train_step.{model}.vanilla_step_s", "train_step.{model}.tokens"),
     "train_mistill": ("train_step.{model}.mistill_step_s", "train_step.{model}.tokens"),
-    "train_opd": ("onpolicy_step.{model}.opd_step_s", ""),
-    "train_gold": ("onpolicy_step.{model}.gold_off_policy_step_s", ""),
     "own_heads": ("instrument.{model}.attribution_pass_s", "instrument.{model}.tokens"),
 }
 COST_NOTES: dict[str, str] = {
-    "train_opd": "the benchmark's rollouts are 256 tokens: a lower bound",
-    "train_gold": "the benchmark's off-policy step at the 6,144-token cap",
+    "own_heads": "the attribution pass; the arm's own traces add an evaluate step's generation",
 }
-NO_FIGURE = ("generate", "evaluate", "shortlist", "las_simulator")
+ROLLOUTS = ("train_opd", "train_gold")
+"""On-policy kinds, costed by :func:`rollout_estimate`."""
+GENERATION = ("generate", "evaluate")
+"""Kinds costed as a prompt's prefill plus the generated tokens (:func:`generation_estimate`), from
+``benchmarks/bench_generate.py``'s figures ``generate.<model>.p<prompt tokens>.{prefill_s,
+decode_per_token_s}``: the HF backend, batch 1, an upper bound for the vLLM backend."""
+NO_FIGURE = ("shortlist", "las_simulator")
 COMPOSITE: dict[str, tuple[str, ...]] = {"characterize": ("events", "attribute", "knockin")}
 """Entry points that run others as nested steps."""
 
 
+def generation_estimate(work: Workload, figures: Figures) -> Estimate:
+    """GPU-hours of generating ``work.new_tokens`` after a ``work.tokens`` prompt, per unit: the
+    prefill measured at the nearest recorded prompt length, scaled by the prompt's tokens, plus the
+    new tokens at that length's time per token."""
+    import re
+
+    prefix = f"generate.{work.model}.p"
+    lengths = sorted(int(m.group(1)) for k in figures.values
+                     if (m := re.fullmatch(re.escape(prefix) + r"(\d+)\.prefill_s", k)))
+    if not lengths:
+        return Estimate(None, f"{prefix}<tokens>.prefill_s is not recorded")
+    bench = min(lengths, key=lambda n: (abs(n - work.tokens), n))
+    prefill_key, token_key = f"{prefix}{bench}.prefill_s", f"{prefix}{bench}.decode_per_token_s"
+    prefill, per_token = figures.get(prefill_key), figures.get(token_key)
+    if per_token is None:
+        return Estimate(None, f"{token_key} is not recorded")
+    per_unit = prefill * work.tokens / bench + work.new_tokens * per_token
+    return Estimate(work.units * per_unit / 3600,
+                    f"{work.units} x ({prefill:.3g} s x {work.tokens} / {bench} tokens + {work.new_tokens} x "
+                    f"{per_token:.3g} s) (HF backend, batch 1: an upper bound for vLLM)", (prefill_key, token_key))
+
+
+def rollout_estimate(work: Workload, figures: Figures) -> Estimate:
+    """GPU-hours of on-policy training (``benchmarks/bench_onpolicy_step.py``): each step's
+    measured time with a 256-token rollout, plus the rest of a ``work.new_tokens`` rollout at the
+    student's time per generated token (:func:`generation_estimate`'s figures). GOLD
+    (``train_gold``) rolls out on the arm's on-policy fraction of its steps
+    (``work.on_policy_fraction``) and trains on the teacher's trace, cut at the rollout cap, on the
+    others (the benchmark's off-policy step at the 6,144-token cap)."""
+    p = f"onpolicy_step.{work.model}."
+    on_key = p + ("opd_step_s" if work.kind == "train_opd" else "gold_on_policy_step_s")
+    keys = [on_key, p + "opd_rollout_tokens"] + ([p + "gold_off_policy_step_s"] if work.kind == "train_gold" else [])
+    values = [figures.get(k) for k in keys]
+    if any(v is None for v in values):
+        return Estimate(None, f"{keys[values.index(None)]} is not recorded")
+    rollout = generation_estimate(Workload("generate", work.model, 1, work.tokens, 1), figures)
+    if rollout.gpu_hours is None:
+        return Estimate(None, rollout.formula)
+    per_token = figures.get(rollout.keys[1])
+    extra = max(0, work.new_tokens - int(values[1]))
+    on_policy = values[0] + extra * per_token
+    if work.kind == "train_opd":
+        per_unit, text = on_policy, f"({values[0]:.3g} s + {extra} x {per_token:.3g} s)"
+    else:
+        f = work.on_policy_fraction
+        per_unit = f * on_policy + (1 - f) * values[2]
+        text = f"({f:g} x ({values[0]:.3g} s + {extra} x {per_token:.3g} s) + {1 - f:g} x {values[2]:.3g} s)"
+    return Estimate(work.units * per_unit / 3600,
+                    f"{work.units} x {text} (a {work.new_tokens}-token rollout through HF generation)",
+                    (*keys, rollout.keys[1]))
+
+
 def estimate(work: Workload, figures: Figures) -> Estimate:
-    """GPU-hours of ``work``: units x per-unit seconds (x tokens / benchmark tokens) / 3600."""
+    """GPU-hours of ``work``: units x per-unit seconds (x tokens / benchmark tokens) / 3600; for
+    generation, :func:`generation_estimate`."""
     if work.kind == "none":
         return Estimate(0.0, "no GPU work")
+    if work.kind in GENERATION:
+        return generation_estimate(work, figures)
+    if work.kind in ROLLOUTS:
+        return rollout_estimate(work, figures)
     if work.kind not in COST_MODELS:
         return Estimate(None, f"no benchmark figure for {work.kind} on a GPU yet")
     time_key, tokens_key = (k.format(model=work.model) for k in COST_MODELS[work.kind])
@@ -189,6 +253,9 @@ class PaperCounts:
     full-inventory prompt + trace (the instrument benchmark's length); shortlist_tokens: a
     shortlist prompt + trace; train_notes, val_notes, test_notes: the distillation corpus;
     selection_notes: the λ selection's training notes; epochs and grad_accum: the recipe.
+    trace_tokens: the tokens a trace takes, the teacher's and the students' generations alike
+    (**[recon]**: the paper states the 16,384-token cap and that 200 of the 500 training traces
+    run past 6,144 tokens, App. J.3, not a median; 6,000 sits just under that).
     """
 
     characterization_traces: int = 100
@@ -203,6 +270,7 @@ class PaperCounts:
     events_per_note: int = 150
     edit_events_per_note: int = 20
     edit_reads_per_event: int = 4
+    trace_tokens: int = 6_000
 
     def micro_steps(self, notes: int, epochs: int | None = None) -> int:
         return notes * (self.epochs if epochs is None else epochs)
@@ -211,7 +279,8 @@ class PaperCounts:
 def corpus_counts(corpus, lengths: Sequence, base: PaperCounts = PaperCounts()) -> PaperCounts:
     """``base`` with a corpus's own sizes: the median prompt + trace tokens of its notes
     (``lengths``: :func:`mistill.stages.prepare.prompt_lengths`), as shortlist lengths when its
-    notes list a shortlist and as full-inventory lengths otherwise, and its split sizes where it
+    notes list a shortlist and as full-inventory lengths otherwise, the median trace of the notes
+    that carry one, and its split sizes where it
     has the split (``train``, ``val``, ``test``)."""
     import dataclasses
     import statistics
@@ -221,6 +290,9 @@ def corpus_counts(corpus, lengths: Sequence, base: PaperCounts = PaperCounts()) 
     median = int(statistics.median(n.total_tokens for n in lengths))
     shortlisted = any(note.shortlist is not None for note in corpus.notes)
     changes: dict[str, int] = {"shortlist_tokens" if shortlisted else "full_prompt_tokens": median}
+    traced = [n.total_tokens - n.prompt_tokens for n in lengths if n.has_trace]
+    if traced:
+        changes["trace_tokens"] = int(statistics.median(traced))
     for split, name in (("train", "train_notes"), ("val", "val_notes"), ("test", "test_notes")):
         n = sum(note.split == split for note in corpus.notes)
         if n:
@@ -242,14 +314,15 @@ ARM_SEEDS: tuple[tuple[str, str, str, int], ...] = (
 steps are estimated with the Qwen3-4B figures (no SmolLM3 benchmark is recorded)."""
 
 
-def _traced_corpus(tree: str, prepare: str, prepare_params: Mapping[str, str]) -> list[PlanStep]:
+def _traced_corpus(tree: str, prepare: str, prepare_params: Mapping[str, str], generation: Workload) -> list[PlanStep]:
     """A tree's corpus and the teacher's traces on it: its ``prepare`` step (when ``prepare`` is
-    ``"prepare"``; else the step named ``prepare``, a shortlist, stands for it) then ``generate``."""
+    ``"prepare"``; else the step named ``prepare``, a shortlist, stands for it) then ``generate``
+    (``generation``: its workload)."""
     steps = []
     if prepare == "prepare":
         steps.append(_step(tree, "prepare", "prepare", Workload("none"),
                            params={"model": "{teacher}", **prepare_params}))
-    steps.append(_step(tree, "generate", "generate", Workload("generate"), inputs={"prepare_run": f"{tree}/{prepare}"},
+    steps.append(_step(tree, "generate", "generate", generation, inputs={"prepare_run": f"{tree}/{prepare}"},
                        params={"model": "{teacher}"}, skip_synthetic=True))
     return steps
 
@@ -270,8 +343,13 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
     chars = c.characterization_traces
     steps: list[PlanStep] = []
     # HD-001: the full inventory
-    steps += _traced_corpus("HD-001", "prepare",
-                            {**release, "select_n": "94", "remove_discharge_diagnosis": "true"})
+    trace = c.trace_tokens
+
+    def generation(model: str, notes: int, tokens: int) -> Workload:
+        return Workload("generate", model, notes, tokens - trace, trace)
+
+    steps += _traced_corpus("HD-001", "prepare", {**release, "select_n": "94", "remove_discharge_diagnosis": "true"},
+                            generation("qwen3-14b", chars, full))
     attr = {"attribute_run": "HD-001/characterize:attribute"}
     steps += [
         _step("HD-001", "characterize", "characterize", Workload("characterize", "qwen3-14b", chars, full),
@@ -296,13 +374,14 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
               inputs={"prepare_run": "HD-001/prepare", "train_prepare_run": "HD-002/retriever_notes"},
               params={"encoder": "{encoder}"}),
     ]
-    steps += _traced_corpus("HD-002", "shortlist", {})
+    steps += _traced_corpus("HD-002", "shortlist", {}, generation("qwen3-14b", chars, short))
     steps.append(_step("HD-002", "characterize", "characterize", Workload("characterize", "qwen3-14b", chars, short),
                        inputs={"prepare_run": "HD-002/generate"}, params={"model": "{teacher}"},
                        disk_gib=chars * 0.02))
     # the instruction control
     steps += _traced_corpus("instruction", "prepare",
-                            {**release, "select_n": str(c.instruction_notes), "narrow_instruction": "false"})
+                            {**release, "select_n": str(c.instruction_notes), "narrow_instruction": "false"},
+                            generation("qwen3-14b", c.instruction_notes, full))
     steps.append(_step("instruction", "characterize", "characterize",
                        Workload("characterize", "qwen3-14b", c.instruction_notes, full),
                        inputs={"prepare_run": "instruction/generate"}, params={"model": "{teacher}"}))
@@ -318,7 +397,8 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
               inputs={"prepare_run": "DT-000/prepare", "train_prepare_run": "DT-000/retriever_notes"},
               params={"encoder": "{encoder}"}),
     ]
-    steps += _traced_corpus("DT-000", "shortlist", {})
+    steps += _traced_corpus("DT-000", "shortlist", {},
+                            generation("qwen3-14b", c.train_notes + c.val_notes + c.test_notes, short))
     teacher_attr = "DT-000/teacher_attribute:attribute"
     steps += [
         _step("DT-000", "teacher_attribute", "characterize",
@@ -338,10 +418,13 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
     steps.append(_step("DT-000", "las_simulator", "las_simulator", Workload("las_simulator"),
                        inputs={"prepare_run": data}, params={"model": "{las_model}"}))
     evaluation = {"prepare_run": data, "las_run": "DT-000/las_simulator"}
-    steps.append(_step("DT-000", "evaluate_teacher", "evaluate", Workload("evaluate"), inputs=evaluation,
+    def answers(model: str) -> Workload:  # the test notes' generations (the teacher-forced reads add a prefill)
+        return Workload("evaluate", model, c.test_notes, short - trace, trace)
+
+    steps.append(_step("DT-000", "evaluate_teacher", "evaluate", answers("qwen3-14b"), inputs=evaluation,
                        params={"model": "{teacher}", "arm": "teacher", "split": "test"}))
     for student, role in STUDENTS.items():
-        steps.append(_step("DT-000", f"evaluate_{student}_untrained", "evaluate", Workload("evaluate"),
+        steps.append(_step("DT-000", f"evaluate_{student}_untrained", "evaluate", answers("qwen3-4b"),
                            inputs=evaluation, params={"model": role, "arm": "untrained", "split": "test"}))
         steps.append(_step("DT-000", f"own_heads_{student}_untrained", "own_heads",
                            Workload("own_heads", "qwen3-4b", c.test_notes, short), inputs={"prepare_run": data},
@@ -356,17 +439,21 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
                        disk_gib=3 * 8.0))
     for student, arm, kind, seeds in ARM_SEEDS:
         tree = "DT-001" if arm == "mistill" else "DT-000"
-        micro = c.micro_steps(c.train_notes, resolve_arm(arm).epochs or None)
+        resolved = resolve_arm(arm)
+        micro = c.micro_steps(c.train_notes, resolved.epochs or None)
+        rollout = min(trace, resolved.rollout_cap) if resolved.rollout_cap else trace
+        work = Workload(kind, "qwen3-4b", micro, short, rollout if kind in ROLLOUTS else 0,
+                        resolved.on_policy_fraction)
         inputs = {"targets_run": "DT-000/targets"}
         if arm == "mistill":  # the Mistill arms read the student's own ranking and the selection's λ
             inputs["student_attribute_run"] = f"DT-000/student_attribute_{student}:attribute"
         after = ("DT-001/select_lambda",) if arm == "mistill" else ()
         for seed in range(seeds):
             run = f"{student}_{arm}_s{seed}"
-            steps.append(_step(tree, f"train_{run}", "train", Workload(kind, "qwen3-4b", micro, short),
+            steps.append(_step(tree, f"train_{run}", "train", work,
                                inputs=inputs, after=after,
                                params={"arm": arm, "seed": str(seed), "student": STUDENTS[student]}, disk_gib=8.0))
-            steps.append(_step(tree, f"evaluate_{run}", "evaluate", Workload("evaluate"),
+            steps.append(_step(tree, f"evaluate_{run}", "evaluate", answers("qwen3-4b"),
                                inputs={**evaluation, "train_run": f"{tree}/train_{run}"},
                                params={"arm": arm, "split": "test"}))
             steps.append(_step(tree, f"own_heads_{run}", "own_heads",

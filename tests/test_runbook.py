@@ -67,8 +67,27 @@ def test_an_estimate_is_the_recorded_figure_times_the_workload():
     est = estimate(Workload("train_mistill", "qwen3-4b", 986, int(figures.get("train_step.qwen3-4b.tokens"))),
                    figures)
     assert est.gpu_hours == pytest.approx(986 * step / 3600)
+    # generation: the prefill at the nearest recorded prompt length, scaled, plus the new tokens
+    prefill = figures.get("generate.qwen3-14b.p36000.prefill_s")
+    per_token = figures.get("generate.qwen3-14b.p36000.decode_per_token_s")
+    assert prefill and per_token
+    est = estimate(Workload("generate", "qwen3-14b", 10, 30_000, 6_000), figures)
+    assert est.gpu_hours == pytest.approx(10 * (prefill * 30_000 / 36_000 + 6_000 * per_token) / 3600)
+    assert est.keys == ("generate.qwen3-14b.p36000.prefill_s", "generate.qwen3-14b.p36000.decode_per_token_s")
+    far = estimate(Workload("generate", "qwen3-14b", 1, 100_000, 1), figures)
+    assert far.keys[0] == "generate.qwen3-14b.p106000.prefill_s"
+    # on-policy: the measured step plus the rest of the rollout at the student's time per token
+    opd = figures.get("onpolicy_step.qwen3-4b.opd_step_s")
+    student_token = figures.get("generate.qwen3-4b.p36000.decode_per_token_s")
+    est = estimate(Workload("train_opd", "qwen3-4b", 100, 36_000, 2_256), figures)
+    assert est.gpu_hours == pytest.approx(100 * (opd + 2_000 * student_token) / 3600)
+    off = figures.get("onpolicy_step.qwen3-4b.gold_off_policy_step_s")
+    gold_on = figures.get("onpolicy_step.qwen3-4b.gold_on_policy_step_s")
+    est = estimate(Workload("train_gold", "qwen3-4b", 100, 36_000, 256, 0.25), figures)
+    assert est.gpu_hours == pytest.approx(100 * (0.25 * gold_on + 0.75 * off) / 3600)
     # no recorded figure: said, not guessed
-    assert estimate(Workload("evaluate"), figures).gpu_hours is None
+    assert estimate(Workload("evaluate", "smollm3-3b", 1, 1, 1), figures).gpu_hours is None
+    assert estimate(Workload("shortlist"), figures).gpu_hours is None
     assert estimate(Workload("characterize", "qwen3-14b", 1, 1), Figures({})).gpu_hours is None
     assert estimate(Workload("none"), figures).gpu_hours == 0.0
 
