@@ -343,6 +343,39 @@ DEVIATIONS: tuple[Deviation, ...] = (
 """One entry per row of ``docs/DEVIATIONS.md``'s table."""
 
 CONVENTIONS: tuple[Convention, ...] = (
+    Convention("namings written otherwise than their item", "App. O, P",
+               "an event is placed only at item characters from which the written naming ends with the same "
+               "characters as the item (an import alias, a capitalised label); a divergence at a blank gives no "
+               "event; without a region-level decision (P1) the first character is a P2 candidate; NULL letters "
+               "are the items' first characters (A-Z when fewer than two)",
+               "mistill.instrument.events.extract_events",
+               "the paper's adapters locate namings and trie-divergent tokens without saying how an alias aligns"),
+    Convention("MuSiQue adapter", "App. O",
+               "candidates: the passage titles, the answer and its aliases; the answer is the last 'Answer:' line "
+               "after </think> (abstentions give no event); no P2C (the paper's contrastive event is a diagnostic); "
+               "metric: SQuAD-normalised EM/F1, the best over answer and aliases",
+               "mistill.tasks.musique",
+               "the paper names the answer-emission event and the official F1, not the inventory or line format"),
+    Convention("EURLEX57K adapter", "App. P",
+               "items: the EuroVoc labels of the release's concept file; namings: whole words, case-insensitive; "
+               "relation: broader, narrower or sibling from a local id -> broader-ids file (the release has no "
+               "hierarchy); answer: the last JSON list of labels or ids; metric: micro-F1",
+               "mistill.tasks.eurlex",
+               "the paper's relation rule needs the EuroVoc hierarchy, which the release does not ship"),
+    Convention("BigCodeBench adapter", "App. P",
+               "namings: qualified module.attribute names, aliases read from the prompt's imports without running "
+               "them; inventory: the namings the prompts and the canonical solution write within the task's "
+               "libraries; relation: same module, another attribute; answer: the last fenced python block; "
+               "metric: parses, and the API namings' F1 against the solution (the tests are not executed)",
+               "mistill.tasks.bigcodebench",
+               "the paper scores sandboxed pass@1, which needs an execution sandbox the platform does not ship"),
+    Convention("the embedded parts catalogue", "App. O, P",
+               "part numbers FAM-123, families with distinct first letters (the first letter is P1, the family "
+               "the P2C relation, the dash never scored); seeded maintenance orders and scripted traces like the "
+               "clinical synthetic corpus's; -P task=catalog on prepare and pipeline",
+               "mistill.tasks.synthetic_catalog",
+               "not the paper's: a generated label space, public and small, on which the stages are shown to run "
+               "unchanged, as the paper's public tasks would need"),
     Convention("the trees a result reads", "App. Q",
                "reproduce runs, for a result, the steps of its entry points in HD-001 for the characterization "
                "results (R-C7: HD-001 and HD-002; R-C14: the instruction control) and in DT-000 and DT-001 for the "

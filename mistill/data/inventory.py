@@ -228,6 +228,8 @@ class Inventory:
     descriptions: code -> description, for every code in ``codes`` (read-only mapping).
     order_seed: the seed of the shuffle (recorded; ``restrict`` keeps the parent's order).
     source: where the descriptions came from (free text, recorded in ``inventory.json``).
+    task: the label space's task (:func:`mistill.tasks.task_for`): ``icd10`` (ICD-10-CM codes) or
+        ``catalog`` (the embedded parts catalogue); recorded in ``inventory.json``.
 
     Equality and hashing follow ``digest`` (the sha256 of the ordered lines).
     """
@@ -236,6 +238,7 @@ class Inventory:
     descriptions: Mapping[str, str]
     order_seed: int = 0
     source: str = ""
+    task: str = "icd10"
     _index: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -251,6 +254,8 @@ class Inventory:
             index[c] = i
         if not codes:
             raise MistillInputError("an inventory needs at least one code", field="codes")
+        if not isinstance(self.task, str) or not self.task:
+            raise MistillInputError(f"inventory task {self.task!r} must name a task", field="task")
         desc = self.descriptions
         missing = [c for c in codes if c not in desc]
         if missing:
@@ -323,7 +328,7 @@ class Inventory:
             raise MistillInputError("restrict() needs at least one code", field="codes")
         return Inventory(codes=tuple(c for c in self.codes if c in keep),
                          descriptions=self.descriptions, order_seed=self.order_seed,
-                         source=self.source)
+                         source=self.source, task=self.task)
 
     # -- lookups ------------------------------------------------------------------------------
 
@@ -418,6 +423,7 @@ class Inventory:
             "format": INVENTORY_FORMAT,
             "order_seed": self.order_seed,
             "source": self.source,
+            "task": self.task,
             "n_codes": len(self),
             "digest": self.digest,
             "codes": list(self.codes),
@@ -437,7 +443,8 @@ class Inventory:
                                         file=file, field=key)
         try:
             inv = cls(codes=tuple(data["codes"]), descriptions=dict(data["descriptions"]),
-                      order_seed=data["order_seed"], source=str(data.get("source", "")))
+                      order_seed=data["order_seed"], source=str(data.get("source", "")),
+                      task=str(data.get("task", "icd10")))
         except MistillInputError as exc:
             raise MistillInputError(exc.args[0], file=file, field=exc.field) from None
         if "digest" in data and data["digest"] != inv.digest:

@@ -10,6 +10,7 @@ Layout of the user turn (``user_text``), parts in order::
     \\n
     <instruction>
 
+The sentences are the inventory's task's (:class:`PromptWording`; ICD-10-CM's below).
 ``header`` names the list as the assignable ICD-10-CM diagnosis codes; ``lines`` are the
 candidate lines ``"<code> <description>"`` (the full inventory in its shared order, or a
 shortlist in the given order); ``summary_header`` introduces the discharge summary; ``note`` is
@@ -36,7 +37,7 @@ from mistill.errors import MistillInputError
 
 __all__ = ["Prompt", "build_prompt", "remove_section", "chat_template_source",
            "template_has_thinking", "HEADER", "SUMMARY_HEADER", "NARROW_SENTENCE",
-           "PART_NAMES"]
+           "PART_NAMES", "PromptWording", "ICD10_WORDING", "instruction_text", "wording_of"]
 
 PART_NAMES = ("header", "lines", "summary_header", "note", "instruction")
 
@@ -52,11 +53,36 @@ _ANSWER = ("Give your final answer as a JSON list of code strings, with every co
            "exactly as it appears in the list.")
 
 
-def instruction_text(narrow_instruction: bool = True) -> str:
+@dataclass(frozen=True)
+class PromptWording:
+    """The task's sentences of the prompt: the list's header, the input's header, the role and
+    task, the narrowing sentence and the answer format (the layout is every task's)."""
+
+    header: str
+    summary_header: str
+    role_and_task: str
+    narrow_sentence: str
+    answer: str
+
+
+ICD10_WORDING = PromptWording(HEADER, SUMMARY_HEADER, _ROLE_AND_TASK, NARROW_SENTENCE, _ANSWER)
+"""The paper's prompt (App. A/B)."""
+
+
+def instruction_text(narrow_instruction: bool = True, wording: PromptWording = ICD10_WORDING) -> str:
     """The instruction paragraph; ``narrow_instruction=False`` drops only the narrowing sentence
     (the instruction control of App. A)."""
-    parts = [_ROLE_AND_TASK] + ([NARROW_SENTENCE] if narrow_instruction else []) + [_ANSWER]
+    parts = [wording.role_and_task] + ([wording.narrow_sentence] if narrow_instruction else []) + [wording.answer]
     return " ".join(parts)
+
+
+def wording_of(inventory: Inventory) -> PromptWording:
+    """The prompt wording of the inventory's task (:attr:`Inventory.task`)."""
+    if inventory.task == "icd10":
+        return ICD10_WORDING
+    from mistill.tasks import prompt_wording
+
+    return prompt_wording(inventory.task)
 
 
 def remove_section(text: str, section: str, *, note_id: str | None = None) -> str:
@@ -195,7 +221,8 @@ def build_prompt(note: Note, candidate_codes: Sequence[str] | None, inventory: I
         pos += len(s)
         return start, pos
 
-    parts["header"] = put(HEADER)
+    wording = wording_of(inventory)
+    parts["header"] = put(wording.header)
     put("\n")
     line_spans: dict[str, tuple[int, int]] = {}
     desc = inventory.descriptions
@@ -205,11 +232,11 @@ def build_prompt(note: Note, candidate_codes: Sequence[str] | None, inventory: I
         line_spans[c] = put(f"{c} {desc[c]}")
     parts["lines"] = (line_spans[codes[0]][0], line_spans[codes[-1]][1])
     put("\n\n")
-    parts["summary_header"] = put(SUMMARY_HEADER)
+    parts["summary_header"] = put(wording.summary_header)
     put("\n")
     parts["note"] = put(body)
     put("\n\n")
-    parts["instruction"] = put(instruction_text(narrow_instruction))
+    parts["instruction"] = put(instruction_text(narrow_instruction, wording))
     user_text = "".join(pieces)
 
     if tokenizer is None:

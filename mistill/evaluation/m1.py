@@ -29,16 +29,17 @@ M1_KINDS = ("P1", "P2", "P2C")
 
 
 def note_margins(lm: LoadedModel, ni: NoteInput, codes: Sequence[str],
-                 hidden: torch.Tensor | None = None) -> list[dict]:
+                 hidden: torch.Tensor | None = None, task=None) -> list[dict]:
     """One row per realized P1/P2/P2C event of the note's teacher trace: ``event_id, kind, margin``.
 
     ni: the note's prompt + teacher trace in ``lm``'s tokenizer (:func:`mistill.stages.common.note_input`).
     hidden: ``[pos, d_model]`` final hidden states of ``ni.input_ids`` (:func:`final_hidden`),
     computed here when None.
     Events that the tokenizer cannot realize (no single-token target) are dropped, as in the
-    instrument; the coverage is the caller's to count.
+    instrument; the coverage is the caller's to count. ``task``: the label space
+    (:func:`mistill.tasks.task_for`; default ICD-10-CM).
     """
-    realized = [r for r in phase_events(ni, codes, lm.tokenizer) if r.event.kind in M1_KINDS]
+    realized = [r for r in phase_events(ni, codes, lm.tokenizer, task=task) if r.event.kind in M1_KINDS]
     if not realized:
         return []
     if hidden is None:
@@ -66,14 +67,15 @@ def m1_summary(rows: Iterable[dict]) -> dict[str, float]:
 
 
 def teacher_forced_readouts(lm: LoadedModel, ni: NoteInput, codes: Sequence[str],
-                            trace_start: int, *, prefill: PromptPrefill | None = None) -> tuple[float, list[dict]]:
+                            trace_start: int, *, prefill: PromptPrefill | None = None,
+                            task=None) -> tuple[float, list[dict]]:
     """Teacher-trace perplexity and the M1 rows of one note from a single forward of
     ``ni.input_ids``: ``(trace_perplexity(...), note_margins(...))``. ``prefill``: the
     prompt's prefill, continued instead of a forward from the first token (see
     :func:`final_hidden`)."""
     hidden = final_hidden(lm, ni.input_ids, prefill=prefill)
     return (trace_perplexity(lm, ni.input_ids, trace_start, hidden=hidden),
-            note_margins(lm, ni, codes, hidden=hidden))
+            note_margins(lm, ni, codes, hidden=hidden, task=task))
 
 
 @torch.no_grad()

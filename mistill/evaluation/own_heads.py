@@ -88,7 +88,10 @@ def note_case(note: Note, inventory: Inventory, lm: LoadedModel, *, trace: str |
     ni = note_input(note, inventory, lm.tokenizer, trace=trace,
                     remove_discharge_diagnosis=remove_discharge_diagnosis,
                     narrow_instruction=narrow_instruction, max_positions=max_positions)
-    realized = phase_events(ni, list(inventory.codes), lm.tokenizer, p2c_cap=p2c_cap, require_think=require_think)
+    from mistill.tasks import task_for
+
+    realized = phase_events(ni, list(inventory.codes), lm.tokenizer, p2c_cap=p2c_cap, require_think=require_think,
+                            task=task_for(inventory))
     return NoteCase(note_id=note.note_id, inp=ni, realized=list(realized),
                     queries=event_queries(realized, ni.input_ids))
 
@@ -281,12 +284,12 @@ def m5_note(runner: Runner, case: NoteCase, inventory: Inventory, cfg) -> list[d
     :class:`~mistill.instrument.locus.LocusConfig`) at every chapter mention of the case, on the
     arm's own model. One prefill; the probes are rows against it. Returns one row per mention:
     ``event_id``, ``outcome``, ``distance``."""
-    from mistill.instrument.events import find_mentions
     from mistill.instrument.locus import SUFFIXES, MentionProbe, forced_choice_ids, locate_many
     from mistill.instrument.locus_pass import note_mentions
+    from mistill.tasks import task_for
 
     mentions = note_mentions(case.realized, case.inp.offsets, case.inp.trace_offset,
-                             find_mentions(case.inp.trace, list(inventory)))
+                             task_for(inventory).find_mentions(case.inp.trace, list(inventory)))
     if not mentions:
         return []
     tokenizer = runner.lm.tokenizer

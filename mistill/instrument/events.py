@@ -17,6 +17,11 @@ Three layers, each usable on its own:
 3. **Margin** (:func:`margin`) and the audit tables (:func:`margin_audit`, :func:`event_counts`,
    :func:`coverage_report`).
 
+The label space is a :class:`mistill.tasks.base.Task` (``task=``; default ICD-10-CM,
+:class:`mistill.tasks.icd10.ICD10Task`): it says what a mention is, whether a P1 decision exists,
+the P2C relation and the item-like spans NULL placement avoids. The rules below are the
+ICD-10-CM task's.
+
 Choices this module makes (the paper leaves them open):
 
 * Mentions are counted in the whole trace, the reasoning block *and* the answer after
@@ -269,28 +274,59 @@ def _code_like_spans(trace: str, code_set: set[str]) -> list[Span]:
 # Extraction
 # --------------------------------------------------------------------------------------------
 
+def _default_task(task: Any) -> Any:
+    if task is None:
+        from mistill.tasks.icd10 import ICD10Task
+
+        return ICD10Task()
+    return task
+
+
+def _aligned(code: str, written: str) -> int:
+    """The first index of ``code`` from which ``written`` ends with the same characters: item
+    index ``i >= _aligned(...)`` sits at written index ``i + len(written) - len(code)``."""
+    n = 0
+    while n < min(len(code), len(written)) and code[-1 - n] == written[-1 - n]:
+        n += 1
+    return len(code) - n
+
+
 def extract_events(note_id: str, trace: str, codes: Collection[str], *, tokenizer: Any = None,
                    seed: int = 0, n_null: int = 20, null_min_distance: int = 8,
                    p2c_cap: int = 2, require_think: bool = True,
-                   include_answer: bool = True) -> list[Event]:
+                   include_answer: bool = True, task: Any = None) -> list[Event]:
     """All P1, P2, P2C and NULL events of one trace, sorted by anchor.
 
-    ``codes`` is the label inventory (dotted or undotted). ``tokenizer`` only sets the unit of
-    the NULL distance rule (tokens of the trace text via its offset mapping; whitespace words
-    when None). ``p2c_cap`` is 2 (first mention + first repeat per pair), 1 (the code's
-    first mention only) or 0 (uncapped: every mention named after the near-miss). NULL draws
-    are seeded by ``random.Random(f"{seed}:{note_id}")`` and so are stable across runs and
-    processes. ``require_think=False`` accepts a trace with no think tags at all (all of it is
-    then reasoning); ``include_answer=False`` ignores mentions after ``</think>``.
+    ``codes`` is the label inventory (dotted or undotted for ICD-10-CM). ``tokenizer`` only sets
+    the unit of the NULL distance rule (tokens of the trace text via its offset mapping;
+    whitespace words when None). ``p2c_cap`` is 2 (first mention + first repeat per pair), 1
+    (the code's first mention only) or 0 (uncapped: every mention named after the near-miss).
+    NULL draws are seeded by ``random.Random(f"{seed}:{note_id}")`` and so are stable across runs
+    and processes. ``require_think=False`` accepts a trace with no think tags at all (all of it
+    is then reasoning); ``include_answer=False`` ignores mentions after ``</think>``.
+
+    ``task`` (a :class:`mistill.tasks.base.Task`; default ICD-10-CM) says what a mention is,
+    whether the first character is a P1 decision (else it is a P2 candidate like any other),
+    which items are related for P2C, which characters are never scored, which spans are
+    item-like for NULL placement and which letters NULL events draw. The character trie of P2
+    is built over the items whatever the task. When a mention's written form differs from its
+    item (an import alias, a capital letter), an event is placed only at item characters from
+    which the written form ends with the same characters as the item; ``char_index`` indexes
+    the item, ``anchor`` the written text.
     """
     if p2c_cap not in (0, 1, 2):
         raise ValueError(f"p2c_cap must be 0 (uncapped), 1 or 2, got {p2c_cap}")
     if n_null < 0 or null_min_distance < 0:
         raise ValueError("n_null and null_min_distance must be >= 0")
-    inventory = normalise_codes(codes, note_id=note_id)
-    code_set = set(inventory)
+    task = _default_task(task)
+    inventory = task.normalise_items(codes, note_id=note_id)
     parts = split_trace(trace, note_id=note_id, require_think=require_think)
-    letters = sorted({c[0] for c in inventory})
+    letters = list(task.null_choices(inventory))
+    p1_letters = sorted({t for t in map(task.p1_target, inventory) if t}) if task.has_p1 else []
+    unscored = frozenset(task.unscored_chars)
+
+    def scored(ch: str) -> bool:
+        return ch not in unscored and not ch.isspace()
 
     # next characters after every inventory prefix: nexts["N18."] = {"1", "9", "3"}
     nexts: dict[str, set[str]] = defaultdict(set)
@@ -299,33 +335,38 @@ def extract_events(note_id: str, trace: str, codes: Collection[str], *, tokenize
             nexts[c[:i]].add(c[i])
 
     search_end = len(trace) if include_answer else parts.reasoning_end
-    mentions = find_mentions(trace, inventory, start=parts.reasoning_start, end=search_end)
+    mentions = task.find_mentions(trace, inventory, parts.reasoning_start, search_end)
 
     raw: list[dict[str, Any]] = []
     earlier: dict[str, list[Span]] = defaultdict(list)  # code -> spans of its earlier mentions
-    named_in_category: dict[str, list[str]] = defaultdict(list)  # category -> codes, by 1st mention
+    named: list[str] = []  # codes in order of first mention
     pair_repeat_done: set[tuple[str, str]] = set()
 
     for code, ms, me in mentions:
         first = not earlier[code]
+        written = trace[ms:me]
+        lo = _aligned(code, written)
+        shift = len(written) - len(code)
         base = dict(code=code, mention_start=ms, mention_end=me, first_mention=first)
         if first:
-            comp = tuple(letter for letter in letters if letter != code[0])
-            if comp:
-                raw.append(dict(base, kind="P1", anchor=ms, target=code[0], competitors=comp,
-                                char_index=0, prefix_span=(ms, ms)))
-            for i in range(1, len(code)):
+            target = task.p1_target(code) if task.has_p1 else None
+            if target:
+                comp = tuple(letter for letter in p1_letters if letter != target)
+                if comp and lo == 0 and code[0] == target:
+                    raw.append(dict(base, kind="P1", anchor=ms, target=target, competitors=comp,
+                                    char_index=0, prefix_span=(ms, ms)))
+            for i in range(1 if task.has_p1 else 0, len(code)):
                 ch = code[i]
-                if ch == ".":
+                if not scored(ch) or i < lo:
                     continue
                 comp = tuple(sorted(nexts[code[:i]] - {ch}))
                 if not comp:
                     continue
-                raw.append(dict(base, kind="P2", anchor=ms + i, target=ch, competitors=comp,
-                                char_index=i, prefix_span=(ms, ms + i)))
-        category = code[:3]
-        for sib in named_in_category[category]:
-            if sib == code:
+                a = ms + i + shift
+                raw.append(dict(base, kind="P2", anchor=a, target=ch, competitors=comp,
+                                char_index=i, prefix_span=(ms, a)))
+        for sib in named:
+            if sib == code or not task.related(code, sib):
                 continue
             pair = (code, sib)
             if p2c_cap and not first:  # a repeat: only the pair's first repeat, under cap 2
@@ -335,16 +376,19 @@ def extract_events(note_id: str, trace: str, codes: Collection[str], *, tokenize
             d = next((k for k in range(min(len(code), len(sib))) if code[k] != sib[k]), None)
             if d is None:  # one code is a prefix of the other: they differ beyond the shorter
                 continue
-            raw.append(dict(base, kind="P2C", anchor=ms + d, target=code[d],
+            if d < lo or not scored(code[d]) or not scored(sib[d]):
+                continue
+            a = ms + d + shift
+            raw.append(dict(base, kind="P2C", anchor=a, target=code[d],
                             competitors=(sib[d],), char_index=d, near_miss=sib,
                             S=tuple(earlier[code]), N=tuple(earlier[sib]),
-                            prefix_span=(ms, ms + d)))
+                            prefix_span=(ms, a)))
         earlier[code].append((ms, me))
         if first:
-            named_in_category[category].append(code)
+            named.append(code)
 
     if n_null and len(letters) >= 2:
-        anchors = _null_anchors(trace, parts, _code_like_spans(trace, code_set),
+        anchors = _null_anchors(trace, parts, task.item_like_spans(trace, inventory),
                                 tokenizer=tokenizer, min_distance=null_min_distance)
         rng = random.Random(f"{seed}:{note_id}")
         chosen = sorted(rng.sample(anchors, min(n_null, len(anchors))))
@@ -454,7 +498,7 @@ def realize_events(events: Sequence[Event], *, full_text: str, trace_offset: int
                    tokenizer: Any, input_ids: Any = None, offsets: Any = None,
                    codes: Collection[str] | None = None, add_special_tokens: bool = False,
                    check_target_roundtrip: bool = True,
-                   drops: Counter | None = None) -> list[RealizedEvent]:
+                   drops: Counter | None = None, task: Any = None) -> list[RealizedEvent]:
     """Realize extracted events on one tokenizer; unrealizable events are dropped, never moved.
 
     ``full_text = prompt_text + trace`` is exactly what the model reads; the trace starts at
@@ -477,6 +521,7 @@ def realize_events(events: Sequence[Event], *, full_text: str, trace_offset: int
 
     ``drops``, when given, is incremented per ``(kind, reason)``; reasons: ``inside_token``,
     ``no_position``, ``target_roundtrip``, ``target_not_one_token`` (NULL), ``no_competitor``.
+    ``task`` normalises ``codes`` (default ICD-10-CM; see :func:`extract_events`).
     """
     if input_ids is None or offsets is None:
         enc = tokenizer(full_text, add_special_tokens=add_special_tokens,
@@ -498,7 +543,8 @@ def realize_events(events: Sequence[Event], *, full_text: str, trace_offset: int
 
     prefixes: set[str] | None = None
     if codes is not None:
-        prefixes = {c[:i] for c in normalise_codes(codes) for i in range(1, len(c) + 1)}
+        items = _default_task(task).normalise_items(codes)
+        prefixes = {c[:i] for c in items for i in range(1, len(c) + 1)}
     unk = getattr(tokenizer, "unk_token_id", None)
     cache: dict[str, tuple[int, ...]] = {}
 

@@ -69,7 +69,7 @@ def line_category(code: str, event_code: str, near_miss: str | None) -> str:
 
 def key_categories(axis: BucketAxis, base: torch.Tensor, prompt: Prompt, offsets: Any,
                    event: RealizedEvent | Event, trace: str, codes: Collection[str], *,
-                   sink: int = SINK_TOKENS) -> torch.Tensor:
+                   sink: int = SINK_TOKENS, task=None) -> torch.Tensor:
     """The category (index into :data:`KEY_CATEGORIES`) of every key token at one event.
 
     Args:
@@ -78,7 +78,8 @@ def key_categories(axis: BucketAxis, base: torch.Tensor, prompt: Prompt, offsets
         offsets: the tokens' character spans in the templated text ``prompt.full_text(trace)``.
         event: a P1, P2 or P2C event (the read side reads decisions: NULL has no emitted code).
         trace: the trace the events came from; codes: the inventory's dotted codes (mentions of
-            other codes are found among them, :func:`~mistill.instrument.events.find_mentions`).
+            other codes are found among them, :func:`~mistill.instrument.events.find_mentions`, or
+            the ``task``'s rule, :func:`mistill.tasks.task_for`).
     Returns:
         ``[pos]`` long; every token in exactly one category.
     """
@@ -101,7 +102,8 @@ def key_categories(axis: BucketAxis, base: torch.Tensor, prompt: Prompt, offsets
     out = torch.from_numpy(by_bucket[base.cpu().numpy()])
     shift = prompt.trace_offset
     current = (ev.mention_start, ev.mention_end) if ev.mention_start is not None else None
-    others = [(s, e) for c, s, e in find_mentions(trace, codes)
+    mentions = task.find_mentions(trace, codes) if task is not None else find_mentions(trace, codes)
+    others = [(s, e) for c, s, e in mentions
               if current is None or not (s < current[1] and current[0] < e)]
     for name, spans in (("other_mentions", others), ("S", ev.S), ("N", ev.N),
                         ("prefix", [ev.prefix_span] if ev.prefix_span else [])):

@@ -108,17 +108,20 @@ def run_events(cfg: EventsConfig) -> str:
         lm = load_model(cfg.model, dtype=cfg.dtype, device=stage_device(cfg.device))
         runner = Runner(lm, chunk_size=cfg.chunk_size)
         codes = list(prepared.inventory.codes)
+        from mistill.tasks import task_for
+
+        task = task_for(prepared.inventory)
         for note in note_loop(run, NOTES, notes, desc="events"):
             ni = note_input(note, prepared.inventory, lm.tokenizer,
                             remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
                             narrow_instruction=prepared.narrow_instruction,
                             max_positions=model_positions(lm))
             events = extract_events(note.note_id, ni.trace, codes, tokenizer=lm.tokenizer, seed=cfg.seed,
-                                    **cfg.extraction())
+                                    task=task, **cfg.extraction())
             drops: Counter = Counter()
             realized = realize_events(events, full_text=ni.full_text, trace_offset=ni.trace_offset,
                                       tokenizer=lm.tokenizer, input_ids=ni.input_ids.tolist(),
-                                      offsets=ni.offsets, codes=codes, drops=drops)
+                                      offsets=ni.offsets, codes=codes, drops=drops, task=task)
             _, logits = runner.prefill(ni.input_ids, logits_at=torch.tensor([r.position for r in realized],
                                                                             dtype=torch.long))
             rows = []

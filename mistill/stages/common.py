@@ -401,15 +401,16 @@ def prepared_note_input(prepared: Prepared, note: Note, tokenizer, **kwargs) -> 
 
 
 def phase_events(ni: NoteInput, codes: Sequence[str], tokenizer, *, p2c_cap: int = 2,
-                 require_think: bool = True) -> list:
+                 require_think: bool = True, task=None) -> list:
     """The decision events (P1, P2, P2C; no NULL) of ``ni``'s trace, realized in ``tokenizer``
-    by the instrument's anchor rule; events the tokenizer cannot realize are dropped."""
+    by the instrument's anchor rule; events the tokenizer cannot realize are dropped. ``task``:
+    the label space (:func:`mistill.tasks.task_for`; default ICD-10-CM)."""
     from mistill.instrument.events import extract_events, realize_events
 
     events = extract_events(ni.note.note_id, ni.trace, codes, tokenizer=tokenizer, n_null=0, p2c_cap=p2c_cap,
-                            require_think=require_think)
+                            require_think=require_think, task=task)
     return realize_events(events, full_text=ni.full_text, trace_offset=ni.trace_offset, tokenizer=tokenizer,
-                          input_ids=ni.input_ids.tolist(), offsets=ni.offsets, codes=list(codes))
+                          input_ids=ni.input_ids.tolist(), offsets=ni.offsets, codes=list(codes), task=task)
 
 
 def model_positions(lm) -> int | None:

@@ -138,6 +138,9 @@ def run_evaluate(cfg: EvaluateConfig) -> str:
             simulator = load_simulator(cfg.las_run, device=device)
         codes = list(prepared.inventory.codes)
         index = CodeIndex(codes)
+        from mistill.tasks import task_for
+
+        task = task_for(prepared.inventory)
         for note in note_loop(run, NOTES, notes, desc=f"evaluate {arm}"):
             ni = note_input(note, prepared.inventory, lm.tokenizer,
                             remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
@@ -156,7 +159,7 @@ def run_evaluate(cfg: EvaluateConfig) -> str:
                 teacher_reasoning, _ = split_reasoning(note.teacher_trace)
                 own_reasoning, _ = split_reasoning(gen.text)
                 ppl, margins = teacher_forced_readouts(lm, ni, codes, first_trace_token(ni.offsets, ni.trace_offset),
-                                                       prefill=prefill)
+                                                       prefill=prefill, task=task)
                 fid = {"ppl": ppl, "bleu4": bleu4(own_reasoning, teacher_reasoning)}
                 if simulator is not None:
                     teacher_codes = parse_answer(note.teacher_trace, index).codes

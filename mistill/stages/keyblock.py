@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from mistill.tasks import task_for
 from mistill.config import Config
 from mistill.errors import MistillInputError
 from mistill.params import ChunkParams
@@ -132,9 +133,11 @@ def chosen_heads(read_side: RunReader, notes: list[str], cfg: KeyBlockConfig) ->
     return out
 
 
-def block_note(runner, hook, ni, picked: list, named: list, codes: list[str], cfg: KeyBlockConfig) -> list[dict]:
+def block_note(runner, hook, ni, picked: list, named: list, codes: list[str], cfg: KeyBlockConfig,
+               task=None) -> list[dict]:
     """One note's rows: every named (head, key set) at each picked event of its phases, after one
-    prefill (``named``: ``(flat head, head name, KeySet)``)."""
+    prefill (``named``: ``(flat head, head name, KeySet)``; ``task``: the label space,
+    :func:`mistill.tasks.task_for`)."""
     from mistill.distill.buckets import build_axis, token_buckets
     from mistill.instrument.keyblock import key_block, matched_control, named_keys
     from mistill.instrument.keycats import key_categories
@@ -147,7 +150,7 @@ def block_note(runner, hook, ni, picked: list, named: list, codes: list[str], cf
     prefix, mean = prefill_note(runner, hook, ni.input_ids)
     rows = []
     for r, eq in zip(picked, event_queries(picked, ni.input_ids)):
-        cats = key_categories(axis, base, ni.prompt, ni.offsets, r, ni.trace, codes)
+        cats = key_categories(axis, base, ni.prompt, ni.offsets, r, ni.trace, codes, task=task)
         clean = None
         for head, name, ks in named:
             if r.event.kind not in ks.phases:
@@ -208,7 +211,8 @@ def run_key_block(cfg: KeyBlockConfig) -> str:
             picked = [r for p in phases
                       for r in seeded_subset([r for r in realized if r.event.kind == p], cfg.max_events, cfg.seed,
                                              note.note_id, p)]
-            rows = block_note(runner, hook, ni, picked, named, codes, cfg) if picked else []
+            rows = block_note(runner, hook, ni, picked, named, codes, cfg, task_for(prepared.inventory)) \
+                if picked else []
             run.write_note(NOTES, note.note_id, {"key_block.jsonl": "".join(dumps(r) + "\n" for r in rows)})
         if not notes_written(run, NOTES, notes):
             return run.run_id

@@ -143,7 +143,7 @@ def _swap_layers(cfg: LocusStageConfig, n_layers: int) -> list[int]:
 
 def run_locus(cfg: LocusStageConfig) -> str:
     """Run (or resume, or reuse) the locus pass; returns the run id."""
-    from mistill.instrument.events import find_mentions
+    from mistill.tasks import task_for
     from mistill.instrument.hooks import HeadHook
     from mistill.instrument.locus import LocusResult
     from mistill.instrument.locus_pass import attribution_locus, note_mentions, probe_note, sets_note
@@ -171,13 +171,14 @@ def run_locus(cfg: LocusStageConfig) -> str:
         words = DescriptionWords(prepared.inventory)
         lcfg = cfg.locus_config()
         codes = list(prepared.inventory)
+        task = task_for(prepared.inventory)
 
         def open_note(note):
             ni = note_input(note, prepared.inventory, lm.tokenizer,
                             remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
                             narrow_instruction=prepared.narrow_instruction)
             realized = read_realized(ev.reader, note.note_id)
-            spans = find_mentions(ni.trace, codes)
+            spans = task.find_mentions(ni.trace, codes)
             mentions = note_mentions(realized, ni.offsets, ni.trace_offset, spans)
             if cfg.max_mentions:
                 mentions = mentions[:cfg.max_mentions]

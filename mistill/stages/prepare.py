@@ -48,6 +48,11 @@ class PrepareConfig(Config):
         stable on this machine, unlinkable elsewhere), ``clear``, or ``auto`` (hashed for a
         restricted corpus, clear otherwise). The local corpus always keeps the real ids.
 
+    task: the label space (:data:`mistill.tasks.INVENTORY_TASKS`): ``icd10`` (ICD-10-CM, the
+        paper's) or ``catalog``, the embedded parts catalogue (:mod:`mistill.tasks.synthetic_catalog`;
+        ``corpus=synthetic`` only, ``codes_per_note`` its parts per order), a second label space the
+        stages run on unchanged. The prepared inventory records it; every later stage reads it there.
+
     Files named by path (the corpus, ``codes_file``, ``split_file``) join the run's identity by
     content (:meth:`content_digests`): a file edited in place makes a new run.
     """
@@ -68,6 +73,7 @@ class PrepareConfig(Config):
     remove_discharge_diagnosis: bool = True
     narrow_instruction: bool = True
     patient_ids: str = "auto"
+    task: str = "icd10"
 
     @property
     def corpus_path(self) -> str:
@@ -103,6 +109,11 @@ class PrepareConfig(Config):
         check_model_spec(self.model, "model")
         check_choice(self.patient_ids, PATIENT_ID_MODES, "patient_ids")
         check_choice(self.privacy, PRIVACY_LEVELS, "privacy")
+        from mistill.tasks import INVENTORY_TASKS
+
+        check_choice(self.task, INVENTORY_TASKS, "task")
+        if self.task != "icd10" and (self.corpus != "synthetic" or self.codes_file):
+            fail(f"task {self.task}: its corpus is generated (corpus=synthetic, no codes_file)", "task")
         check_at_least(self.n_notes, 1, "n_notes")
         check_at_least(self.inventory_size, 1, "inventory_size")
         if len(self.codes_per_note) != 2 or not 1 <= self.codes_per_note[0] <= self.codes_per_note[1]:
@@ -128,7 +139,12 @@ class PrepareConfig(Config):
 
 def build_corpus(cfg: PrepareConfig) -> Corpus:
     """The corpus the config names (with its inventory)."""
-    if cfg.corpus == "synthetic":
+    if cfg.task == "catalog":
+        from mistill.tasks.synthetic_catalog import make_catalog_corpus
+
+        corpus = make_catalog_corpus(n_notes=cfg.n_notes, seed=cfg.seed,
+                                     items_range=(cfg.codes_per_note[0], cfg.codes_per_note[1]))
+    elif cfg.corpus == "synthetic":
         inv = Inventory.from_code_file(cfg.codes_file, order_seed=cfg.order_seed) if cfg.codes_file else None
         corpus = make_synthetic_corpus(n_notes=cfg.n_notes, seed=cfg.seed, inventory_size=cfg.inventory_size,
                                        n_codes_range=(cfg.codes_per_note[0], cfg.codes_per_note[1]),

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from mistill.tasks import task_for
 from mistill.config import Config
 from mistill.distributed import current_world
 from mistill.errors import MistillInputError
@@ -140,6 +141,7 @@ def run_read_side(cfg: ReadSideConfig) -> str:
             run.log_json("readside_panel.json", {"panel": [names[h] for h in panel],
                                                  **{g: [names[h] for h in hs] for g, hs in groups.items()}})
         codes = list(prepared.inventory.codes)
+        task = task_for(prepared.inventory)
         for note in note_loop(run, NOTES, notes, desc="read side"):
             ni = prepared_note_input(prepared, note, lm.tokenizer)
             realized = [r for r in read_realized(ev.reader, note.note_id) if r.event.kind in PHASES]
@@ -156,7 +158,7 @@ def run_read_side(cfg: ReadSideConfig) -> str:
             n_eff = np.full((len(realized), len(panel)), np.nan)
             importance = np.full((len(realized), len(panel)), np.nan)
             for i, r in enumerate(realized):
-                cats = key_categories(axis, base, ni.prompt, ni.offsets, r, ni.trace, codes)
+                cats = key_categories(axis, base, ni.prompt, ni.offsets, r, ni.trace, codes, task=task)
                 m = read_measures(rows[i], cats, r.position)
                 shares[i], lift[i], n_eff[i] = m["shares"], m["region_lift"], m["n_eff"]
                 if r.event.event_id in row_of:

@@ -72,10 +72,12 @@ def _param_strings(cfg: Config) -> dict[str, str]:
     return {k: _default(v) for k, v in cfg.to_dict().items()}
 
 
-def corpus_name_of(corpus: str, corpus_name: str = "") -> str:
+def corpus_name_of(corpus: str, corpus_name: str = "", task: str = "icd10") -> str:
     """The corpus name a ``prepare`` config will produce (the experiment is ``mistill/<name>``)."""
     if corpus_name:
         return corpus_name
+    if corpus == "synthetic" and task == "catalog":
+        return "catalog"
     if corpus == "synthetic":
         return "synthetic"
     if corpus.startswith("mimic:"):
@@ -265,7 +267,8 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     the group fields' demo defaults: ``DEMO_DEFAULTS``).
 
     The fields passed on under their own name (``corpus`` ... ``codes_file`` and ``model`` to
-    ``prepare``; ``model``, ``dtype``, ``device``, ``seed``, ``launch`` and the fields of the
+    ``prepare``, ``task`` among them: ``catalog`` runs every step on the embedded parts
+    catalogue; ``model``, ``dtype``, ``device``, ``seed``, ``launch`` and the fields of the
     parameter groups to ``characterize``) are validated by those steps' configs.
     teacher_split: the notes the teacher is ranked and knocked in on (``CharacterizeConfig.rank_split``;
     the teacher's events cover every note, so the targets can read the training notes'): the
@@ -311,6 +314,7 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
 
     corpus: str = "synthetic"
     corpus_name: str = ""
+    task: str = "icd10"
     privacy: str = "restricted"
     n_notes: int = 8
     seed: int = 0
@@ -402,7 +406,7 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     def prepare_config(self) -> PrepareConfig:
         from mistill.stages.prepare import PrepareConfig
 
-        return PrepareConfig(corpus=self.corpus, corpus_name=self.corpus_name, privacy=self.privacy,
+        return PrepareConfig(corpus=self.corpus, corpus_name=self.corpus_name, task=self.task, privacy=self.privacy,
                              n_notes=self.n_notes, seed=self.seed, inventory_size=self.inventory_size,
                              codes_per_note=self.codes_per_note,
                              codes_file=self.codes_file, model=self.model)
@@ -467,7 +471,7 @@ def pipeline_steps(cfg: PipelineConfig, parent: str | None = None, *,
     each step finishes (or is reused), before the next one starts."""
     from mistill.stages.shortlist import ShortlistConfig
 
-    corpus_name = corpus_name_of(cfg.corpus, cfg.corpus_name)
+    corpus_name = corpus_name_of(cfg.corpus, cfg.corpus_name, cfg.task)
     ids = Steps(on_step)
     ids["prepare"] = run_step("prepare", cfg.prepare_config(), corpus_name, launch=cfg.launch, parent=parent)
     if cfg.shortlist:  # every later step reads the shortlisted corpus: its prompts list the shortlist
@@ -594,7 +598,7 @@ def run_pipeline(cfg: PipelineConfig) -> str:
     from mistill.tracking.privacy import PrivacyGuard
     from mistill.tracking.runs import StageRun
 
-    corpus_name = corpus_name_of(cfg.corpus, cfg.corpus_name)
+    corpus_name = corpus_name_of(cfg.corpus, cfg.corpus_name, cfg.task)
     level = "synthetic" if cfg.corpus == "synthetic" else cfg.privacy
     with StageRun("pipeline", cfg, corpus=corpus_name, guard=PrivacyGuard([], level), resume=True,
                   root=mistill_root()) as run:

@@ -1,0 +1,96 @@
+"""Task adapters: the label spaces the instrument's event extraction runs on.
+
+:func:`task` returns a registered task by name:
+
+* ``icd10``: ICD-10-CM coding, the reference task (:mod:`mistill.tasks.icd10`);
+* ``musique``: MuSiQue-Ans answer emission (:mod:`mistill.tasks.musique`);
+* ``eurlex57k``: EuroVoc labelling of EU acts (:mod:`mistill.tasks.eurlex`);
+* ``bigcodebench``: qualified API namings in code generation (:mod:`mistill.tasks.bigcodebench`);
+* ``catalog``: the embedded synthetic parts catalogue (:mod:`mistill.tasks.synthetic_catalog`).
+
+Keyword arguments go to the task's constructor (an ICD-10-CM inventory, EuroVoc concepts and
+hierarchy, a BigCodeBench problem's aliases, a catalogue). The interface is
+:class:`mistill.tasks.base.Task`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from mistill.errors import MistillInputError
+from mistill.tasks.base import Task
+
+__all__ = ["Task", "task", "task_for", "prompt_wording", "TASK_NAMES", "INVENTORY_TASKS"]
+
+
+def _icd10(**kw: Any) -> Task:
+    from mistill.tasks.icd10 import ICD10Task
+
+    return ICD10Task(**kw)
+
+
+def _musique(**kw: Any) -> Task:
+    from mistill.tasks.musique import MuSiQueTask
+
+    return MuSiQueTask(**kw)
+
+
+def _eurlex(**kw: Any) -> Task:
+    from mistill.tasks.eurlex import EurlexTask
+
+    return EurlexTask(**kw)
+
+
+def _bigcodebench(**kw: Any) -> Task:
+    from mistill.tasks.bigcodebench import BigCodeBenchTask
+
+    return BigCodeBenchTask(**kw)
+
+
+def _catalog(**kw: Any) -> Task:
+    from mistill.tasks.synthetic_catalog import CatalogTask
+
+    return CatalogTask(**kw)
+
+
+_REGISTRY: dict[str, Callable[..., Task]] = {
+    "icd10": _icd10, "musique": _musique, "eurlex57k": _eurlex, "bigcodebench": _bigcodebench,
+    "catalog": _catalog,
+}
+TASK_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+
+
+def task(name: str, **kwargs: Any) -> Task:
+    """The task registered as ``name`` (one of :data:`TASK_NAMES`); an unknown name raises
+    :class:`MistillInputError` on field ``task``."""
+    if name not in _REGISTRY:
+        raise MistillInputError(f"unknown task {name!r} (one of {', '.join(TASK_NAMES)})", field="task")
+    return _REGISTRY[name](**kwargs)
+
+
+INVENTORY_TASKS: tuple[str, ...] = ("icd10", "catalog")
+"""Tasks whose label space is an :class:`~mistill.data.inventory.Inventory` listed in the prompt:
+the ones ``prepare`` builds corpora for and the stages run on (``Inventory.task``)."""
+
+
+def task_for(inventory: Any) -> Task:
+    """The task of a prepared corpus's inventory (``inventory.task``), built on that inventory."""
+    name = getattr(inventory, "task", "icd10")
+    if name not in INVENTORY_TASKS:
+        raise MistillInputError(f"the inventory's task {name!r} has no stages (one of {', '.join(INVENTORY_TASKS)})",
+                                field="task")
+    return task(name, inventory=inventory)
+
+
+def prompt_wording(name: str):
+    """The prompt sentences of an inventory task (:class:`mistill.data.prompts.PromptWording`)."""
+    if name not in INVENTORY_TASKS:
+        raise MistillInputError(f"task {name!r} has no prompt wording", field="task")
+    if name == "icd10":
+        from mistill.data.prompts import ICD10_WORDING
+
+        return ICD10_WORDING
+    from mistill.tasks.synthetic_catalog import CATALOG_WORDING
+
+    return CATALOG_WORDING
