@@ -27,7 +27,8 @@ from __future__ import annotations
 import re
 import string
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from types import MappingProxyType
 
 from mistill.errors import MistillInputError
@@ -243,6 +244,22 @@ class Record:
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.fail(f"must be an integer, got {value!r}", key)
         return value
+
+
+def jsonl_records(path: str | Path, id_key: str) -> Iterator[tuple[Record, str]]:
+    """Each row of a JSONL release file as a :class:`Record` with its id (the field ``id_key``); a
+    missing, empty or repeated id raises, naming the file, the line and the field."""
+    from mistill.io import iter_jsonl
+
+    p = Path(path)
+    seen: set[str] = set()
+    for lineno, row in iter_jsonl(p):
+        rec = Record(row, file=str(p), line=lineno, record=record_id(row, id_key))
+        rid = rec.text(id_key, allow_empty=False)
+        if rid in seen:
+            raise rec.fail(f"duplicate {id_key}", id_key)
+        seen.add(rid)
+        yield rec, rid
 
 
 def record_id(row: object, key: str) -> str | None:

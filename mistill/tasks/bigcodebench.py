@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mistill.errors import MistillInputError
-from mistill.tasks.base import Mention, Record, Span, Task, _merge, answer_part, record_id, set_scores
+from mistill.tasks.base import Mention, Record, Span, Task, _merge, answer_part, jsonl_records, set_scores
 
 __all__ = ["BigCodeBenchTask", "BigCodeBenchProblem", "load_bigcodebench", "import_aliases", "api_namings",
            "last_code_block"]
@@ -170,16 +170,8 @@ class BigCodeBenchProblem:
 def load_bigcodebench(path: str | Path) -> list[BigCodeBenchProblem]:
     """Read a BigCodeBench JSONL file; a malformed record raises :class:`MistillInputError`
     naming the file, the line, the ``task_id`` and the field."""
-    from mistill.io import iter_jsonl
-
-    p = Path(path)
-    out, seen = [], set()
-    for lineno, row in iter_jsonl(p):
-        rec = Record(row, file=str(p), line=lineno, record=record_id(row, "task_id"))
-        tid = rec.text("task_id", allow_empty=False)
-        if tid in seen:
-            raise rec.fail("duplicate task id", "task_id")
-        seen.add(tid)
+    out = []
+    for rec, tid in jsonl_records(path, "task_id"):
         code_prompt = rec.text("code_prompt", allow_empty=False)
         out.append(BigCodeBenchProblem(
             task_id=tid, complete_prompt=rec.text("complete_prompt", allow_empty=False),
@@ -188,7 +180,7 @@ def load_bigcodebench(path: str | Path) -> list[BigCodeBenchProblem]:
             test=rec.text("test"), entry_point=rec.text("entry_point", allow_empty=False),
             libs=_parse_libs(rec), aliases=import_aliases(code_prompt)))
     if not out:
-        raise MistillInputError("no problems in the file", file=str(p))
+        raise MistillInputError("no problems in the file", file=str(path))
     return out
 
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mistill.errors import MistillInputError
-from mistill.tasks.base import Mention, Record, Span, Task, _merge, answer_part, record_id, whole_word_mentions
+from mistill.tasks.base import Mention, Record, Span, Task, _merge, answer_part, jsonl_records, whole_word_mentions
 
 __all__ = ["MuSiQueTask", "MuSiQueQuestion", "Paragraph", "load_musique", "normalize_answer",
            "answer_em", "answer_f1", "ABSTAIN"]
@@ -96,24 +96,16 @@ class MuSiQueQuestion:
 def load_musique(path: str | Path) -> list[MuSiQueQuestion]:
     """Read a MuSiQue-Ans JSONL file. A malformed record raises :class:`MistillInputError`
     naming the file, the line, the question id and the field (``paragraphs[3].title``)."""
-    from mistill.io import iter_jsonl
-
-    p = Path(path)
     out: list[MuSiQueQuestion] = []
-    seen: set[str] = set()
-    for lineno, row in iter_jsonl(p):
-        rec = Record(row, file=str(p), line=lineno, record=record_id(row, "id"))
-        qid = rec.text("id", allow_empty=False)
-        if qid in seen:
-            raise rec.fail("duplicate question id", "id")
-        seen.add(qid)
+    for rec, qid in jsonl_records(path, "id"):
+        row, lineno = rec.row, rec.line
         raw = row.get("paragraphs")
         if not isinstance(raw, list) or not raw:
             raise rec.fail("missing field" if raw is None else "must be a non-empty list of passages",
                            "paragraphs")
         paragraphs = []
         for i, para in enumerate(raw):
-            sub = Record(para, file=str(p), line=lineno, record=qid, prefix=f"paragraphs[{i}].")
+            sub = Record(para, file=rec.file, line=lineno, record=qid, prefix=f"paragraphs[{i}].")
             paragraphs.append(Paragraph(idx=sub.integer("idx"), title=sub.text("title"),
                                         text=sub.text("paragraph_text"),
                                         is_supporting=sub.flag("is_supporting", default=False)))
@@ -122,7 +114,7 @@ def load_musique(path: str | Path) -> list[MuSiQueQuestion]:
                                    aliases=rec.texts("answer_aliases", default=()),
                                    answerable=rec.flag("answerable", default=True)))
     if not out:
-        raise MistillInputError("no questions in the file", file=str(p))
+        raise MistillInputError("no questions in the file", file=str(path))
     return out
 
 
