@@ -313,6 +313,16 @@ ARM_SEEDS: tuple[tuple[str, str, str, int], ...] = (
 """(student, arm, cost model, seeds) of the main comparison: App. J.4's seed counts. The SmolLM3-3B
 steps are estimated with the Qwen3-4B figures (no SmolLM3 benchmark is recorded)."""
 
+ABLATION_SEEDS: tuple[tuple[str, str, str, int], ...] = tuple(
+    ("qwen3-4b", arm, "train_vanilla" if arm == "event-weighted-vanilla" else "train_mistill", seeds)
+    for arm, seeds in (("randheads", 3), ("randpos", 1), ("randboth", 1), ("bottom40", 1), ("top8", 1),
+                       ("top100", 1), ("uniform", 1), ("no-window", 1), ("event-weighted-vanilla", 1),
+                       ("p1-only", 1), ("p2-only", 1), ("attention-only", 1), ("interaction-only", 1),
+                       ("write-term", 1), ("mistill-fp32", 3)))
+"""The controls and ablations of App. L and M on Qwen3-4B (tree DT-001): one seed each, three for
+RandHeads (R-D26) and for Mistill with fp32 master weights (R-D30), which trains at the λ of the
+fp32 re-selection (App. I.4); the others at the bf16 selection's."""
+
 
 def _traced_corpus(tree: str, prepare: str, prepare_params: Mapping[str, str], generation: Workload) -> list[PlanStep]:
     """A tree's corpus and the teacher's traces on it: its ``prepare`` step (when ``prepare`` is
@@ -437,17 +447,25 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
                                "student_attribute_run": "DT-000/student_attribute_qwen3-4b:attribute"},
                        params={"lock": "projects/configs/locks/i3-bf16-selection.yaml", "student": "{student}"},
                        disk_gib=3 * 8.0))
-    for student, arm, kind, seeds in ARM_SEEDS:
-        tree = "DT-001" if arm == "mistill" else "DT-000"
+    steps.append(_step("DT-001", "select_lambda_fp32", "select_lambda",
+                       Workload("train_mistill", "qwen3-4b", 5 * c.micro_steps(c.train_notes), short),
+                       inputs={"prepare_run": data, "targets_run": "DT-000/targets",
+                               "student_attribute_run": "DT-000/student_attribute_qwen3-4b:attribute"},
+                       params={"lock": "projects/configs/locks/i4-fp32-reselection.yaml", "student": "{student}"},
+                       disk_gib=5 * 8.0))
+    for student, arm, kind, seeds in ARM_SEEDS + ABLATION_SEEDS:
         resolved = resolve_arm(arm)
+        mechanism = resolved.objective == "mistill"
+        tree = "DT-001" if mechanism or (student, arm, kind, seeds) in ABLATION_SEEDS else "DT-000"
         micro = c.micro_steps(c.train_notes, resolved.epochs or None)
         rollout = min(trace, resolved.rollout_cap) if resolved.rollout_cap else trace
         work = Workload(kind, "qwen3-4b", micro, short, rollout if kind in ROLLOUTS else 0,
                         resolved.on_policy_fraction)
         inputs = {"targets_run": "DT-000/targets"}
-        if arm == "mistill":  # the Mistill arms read the student's own ranking and the selection's λ
+        after: tuple[str, ...] = ()
+        if mechanism:  # the Mistill arms read the student's own ranking and the selection's λ
             inputs["student_attribute_run"] = f"DT-000/student_attribute_{student}:attribute"
-        after = ("DT-001/select_lambda",) if arm == "mistill" else ()
+            after = ("DT-001/select_lambda_fp32" if resolved.precision == "fp32" else "DT-001/select_lambda",)
         for seed in range(seeds):
             run = f"{student}_{arm}_s{seed}"
             steps.append(_step(tree, f"train_{run}", "train", work,
@@ -477,11 +495,26 @@ def result_trees(result_id: str) -> tuple[str, ...]:
     return (*RESULT_TREES.get(result_id, default), "report")
 
 
+def _arm_of(step: PlanStep, by_name: Mapping[str, PlanStep]) -> str | None:
+    """The arm a step trains or reads: its ``arm`` param, else its ``train_run`` input's (None: no
+    arm, as for the corpus's steps)."""
+    if "arm" in step.params:
+        return step.params["arm"]
+    train = step.inputs.get("train_run")
+    return by_name[train].params.get("arm") if train in by_name else None
+
+
 def _arms_named(params: str) -> set[str]:
-    """The arms a result index entry's params name (``arm=<name>``)."""
+    """The arms a result index entry's params name: ``arm=<name>``, or a list ``arm=a, b, c`` (the
+    listed words that are arm names)."""
     import re
 
-    return set(re.findall(r"arm=([A-Za-z0-9_-]+)", params))
+    from mistill.distill.arms import arm_names
+
+    known = set(arm_names())
+    lists = re.findall(r"arm=([A-Za-z0-9_-]+(?:\s*,\s*[A-Za-z0-9_-]+)*)", params)
+    return {name for found in lists for i, name in enumerate(re.split(r"\s*,\s*", found))
+            if i == 0 or name in known}
 
 
 def select(plan: Sequence[PlanStep], results: Iterable[str], index: Sequence | None = None) -> list[PlanStep]:
@@ -509,7 +542,7 @@ def select(plan: Sequence[PlanStep], results: Iterable[str], index: Sequence | N
         arms = _arms_named(entry.params)
         trees = result_trees(rid)
         hits = [s.name for s in plan if set(s.covers) & set(entry.entry_points) and s.tree in trees
-                and (not arms or "arm" not in s.params or s.params["arm"] in arms)]
+                and (not arms or _arm_of(s, by_name) in (None, *arms))]
         if not hits:
             raise MistillInputError(f"{rid} ({entry.status}) needs entry points the plan does not run: "
                                     f"{', '.join(entry.entry_points) or 'none'}", field="results")

@@ -17,8 +17,9 @@ point runs the steps of every tree a result selection needs, in plan order:
 A step's config is built from the plan (:class:`~mistill.runbook.PlanStep`: its inputs, its
 ``-P`` settings with the roles filled in), this config's ``device``, ``dtype``, ``launch`` and
 corpus name, and the ``settings`` file (entry point or step name -> field -> value), in that
-order of precedence, the step's input runs last. The Mistill arms train with the λ that the
-tree's selection picked (``selected/lambda_p1`` and ``_p2``, as the pipeline does).
+order of precedence, the step's input runs last. The Mistill arms train with the λ that their
+selection picked (``selected/lambda_p1`` and ``_p2``, as the pipeline does: the bf16 selection's,
+or the fp32 re-selection's for Mistill with fp32 master weights).
 
 With ``dry_run``, or when a model or data path the selected steps need is missing, nothing runs:
 the plan is printed with each step's estimate (:func:`~mistill.runbook.render`) and, where the
@@ -243,8 +244,9 @@ def step_config(step: PlanStep, cfg: ReproduceConfig, ids: Mapping[str, str],
         if ref not in ids:
             return None
         values[field] = ids[ref]
-    if step.entry_point == "train" and "DT-001/select_lambda" in step.needs:
-        overrides = selected_overrides(ids.get("DT-001/select_lambda", ""))
+    selections = [n for n in step.needs if n.split("/", 1)[1].startswith("select_lambda")]
+    if step.entry_point == "train" and selections:
+        overrides = selected_overrides(ids.get(selections[0], ""))
         if overrides is None:
             return None
         values["overrides"] = overrides
