@@ -401,7 +401,7 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
     data = "DT-000/generate"
     steps += [
         _step("DT-000", "prepare", "prepare", Workload("none"),
-              params={"corpus": "{distill_corpus}", "split_file": "{split_file}", "model": "{teacher}"}),
+              params={"corpus": "{distill_corpus}", "model": "{teacher}"}),
         _step("DT-000", "retriever_notes", "prepare", Workload("none"), params=retriever, skip_synthetic=True),
         _step("DT-000", "shortlist", "shortlist", Workload("shortlist"),
               inputs={"prepare_run": "DT-000/prepare", "train_prepare_run": "DT-000/retriever_notes"},

@@ -61,8 +61,10 @@ class ReproduceConfig(Config):
     the LAS simulator's base (Qwen3-1.7B in the paper).
     corpus: the MIMIC-IV ICD-10 release, ``mimic:<table path>`` (``synthetic``: the embedded
     corpus, on which the teacher's ``generate`` steps and the retriever's training notes are not
-    run: its notes carry scripted traces); distill_corpus: the distillation corpus in the same
-    form (empty: ``corpus``); split_file: the release's split file (optional).
+    run: its notes carry scripted traces); split_file: the release's split file (optional);
+    distill_corpus: the distillation corpus (App. A: 500 training notes, the 100 characterization
+    notes as validation notes, 150 test notes, one per patient), a JSONL corpus whose records
+    carry their splits (empty with the synthetic corpus: the synthetic corpus).
     corpus_name: the experiment ``mistill/<corpus_name>`` every run goes to (empty: the name
     ``prepare`` gives the corpus).
     results: App. Q ids to reproduce (empty: every tree).
@@ -139,7 +141,7 @@ class ReproduceConfig(Config):
     def role(self, name: str) -> str:
         """The value a ``{name}`` placeholder stands for."""
         if name == "distill_corpus":
-            return self.distill_corpus or self.corpus
+            return self.distill_corpus or (self.corpus if self.synthetic else "")
         return getattr(self, name)
 
     def experiment_corpus(self) -> str:
