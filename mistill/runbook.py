@@ -276,12 +276,12 @@ class PaperCounts:
         return notes * (self.epochs if epochs is None else epochs)
 
 
-def corpus_counts(corpus, lengths: Sequence, base: PaperCounts = PaperCounts()) -> PaperCounts:
+def corpus_counts(corpus, lengths: Sequence, base: PaperCounts = PaperCounts(), *, sizes: bool = True) -> PaperCounts:
     """``base`` with a corpus's own sizes: the median prompt + trace tokens of its notes
     (``lengths``: :func:`mistill.stages.prepare.prompt_lengths`), as shortlist lengths when its
     notes list a shortlist and as full-inventory lengths otherwise, the median trace of the notes
-    that carry one, and its split sizes where it
-    has the split (``train``, ``val``, ``test``)."""
+    that carry one, and (``sizes``) its split sizes where it has the split (``train``, ``val``,
+    ``test``)."""
     import dataclasses
     import statistics
 
@@ -295,7 +295,7 @@ def corpus_counts(corpus, lengths: Sequence, base: PaperCounts = PaperCounts()) 
         changes["trace_tokens"] = int(statistics.median(traced))
     for split, name in (("train", "train_notes"), ("val", "val_notes"), ("test", "test_notes")):
         n = sum(note.split == split for note in corpus.notes)
-        if n:
+        if n and sizes:
             changes[name] = n
     return dataclasses.replace(base, **changes)
 
@@ -586,8 +586,10 @@ def render(plan: Sequence[PlanStep], figures: Figures, *, reused: Mapping[str, s
     return "\n".join(lines)
 
 
-def prepared_counts(prepare_run: str) -> PaperCounts:
-    """:func:`corpus_counts` of a ``prepare`` run's corpus, tokenized as that run's model reads it."""
+def prepared_counts(prepare_run: str, base: PaperCounts = PaperCounts(), *, sizes: bool = True) -> PaperCounts:
+    """:func:`corpus_counts` of a ``prepare`` run's corpus (or of a run standing for one),
+    tokenized as that run's model reads it, over ``base``; ``sizes=False`` keeps ``base``'s split
+    sizes."""
     from mistill.models.loading import load_tokenizer
     from mistill.stages.common import RunReader, load_prepared
     from mistill.stages.prepare import prompt_lengths
@@ -596,7 +598,7 @@ def prepared_counts(prepare_run: str) -> PaperCounts:
     tokenizer = load_tokenizer(RunReader(prepare_run, field="prepare_run").config["model"])
     lengths = prompt_lengths(prepared.corpus, tokenizer, remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
                              narrow_instruction=prepared.narrow_instruction)
-    return corpus_counts(prepared.corpus, lengths)
+    return corpus_counts(prepared.corpus, lengths, base, sizes=sizes)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

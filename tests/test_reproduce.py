@@ -133,4 +133,10 @@ def test_a_tree_runs_nested_under_its_run_resumes_and_is_reused(tracking_uri, tm
     out = capsys.readouterr().out
     assert f"[reuse {by_stage['knockin'][0].info.run_id}]" in out
     assert f"[reuse {prepare.info.run_id}]" in out and "[synthetic corpus: not run]" in out
+    # the estimates at the lengths of the corpus found, not the paper's
+    from mistill.runbook import prepared_counts
+
+    counts = prepared_counts(prepare.info.run_id, sizes=False)
+    assert f"lengths and split sizes from the corpora of HD-001/generate ({prepare.info.run_id})" in out
+    assert f"x ({counts.full_prompt_tokens} / " in out and counts.full_prompt_tokens != 106_000
     assert len(_runs(f"mistill/{name}")) == len(runs)

@@ -37,7 +37,7 @@ from typing import Any
 from mistill.config import Config, file_digest
 from mistill.errors import MistillInputError
 from mistill.progress import get_logger
-from mistill.runbook import ROLES, PlanStep, paper_plan, select
+from mistill.runbook import ROLES, PaperCounts, PlanStep, paper_plan, select
 from mistill.validation import check_choice, check_not_empty
 
 _log = get_logger("reproduce")
@@ -346,6 +346,25 @@ def trees(plan: Sequence[PlanStep]) -> Iterator[tuple[str, list[PlanStep]]]:
     yield from order.items()
 
 
+COUNTED_FROM: tuple[tuple[str, bool], ...] = (("HD-001/generate", False), ("DT-000/generate", True))
+"""The traced corpora whose lengths replace the paper's in a dry run's estimates, once found: the
+full-inventory one (its prompt and trace lengths) and the distillation one (its shortlist prompt
+and trace lengths and its split sizes)."""
+
+
+def corpus_lengths(ids: Mapping[str, str]) -> tuple[PaperCounts, list[str]]:
+    """The paper's counts with the lengths (and sizes) of the traced corpora found in ``ids``
+    (:data:`COUNTED_FROM`), and the steps whose runs were read."""
+    from mistill.runbook import prepared_counts
+
+    counts, read = PaperCounts(), []
+    for step, sizes in COUNTED_FROM:
+        if ids.get(step):
+            counts = prepared_counts(ids[step], counts, sizes=sizes)
+            read.append(f"{step} ({ids[step]})")
+    return counts, read
+
+
 def dry_run(plan: Sequence[PlanStep], cfg: ReproduceConfig, settings: Mapping[str, Mapping[str, Any]],
             missing: Sequence[str]) -> str:
     """The plan as text, with the finished runs it would reuse where the roles given make a
@@ -367,6 +386,9 @@ def dry_run(plan: Sequence[PlanStep], cfg: ReproduceConfig, settings: Mapping[st
         ids.update(found)
         if step.name in found:
             reused[step.name] = found[step.name]
+    counts, counted = corpus_lengths(ids)
+    if counted:
+        plan = select(paper_plan(counts), cfg.results)
     if missing:
         lines = ["dry run: missing or empty " + ", ".join(f"{r} ({cfg.role(r) or 'not given'})" for r in missing)
                  + "; nothing runs until every one is a local path"]
@@ -374,6 +396,8 @@ def dry_run(plan: Sequence[PlanStep], cfg: ReproduceConfig, settings: Mapping[st
         lines = ["dry run: nothing runs"]
     roles = {r: cfg.role(r) for r in roles_used(plan, cfg)}
     lines += [f"  {r} = {v or '-'}" for r, v in roles.items()]
+    if counted:
+        lines.append("lengths and split sizes from the corpora of " + ", ".join(counted) + "; the rest the paper's")
     lines.append(render(plan, Figures.load(), reused=reused, skipped=skipped))
     return "\n".join(lines)
 
