@@ -2,7 +2,7 @@
 
 The runbook's estimates of ``generate`` (the teacher's traces) and ``evaluate`` (a model's
 answers) are notes x (prefill + trace tokens x time per token). This measures both terms on
-random-init real architectures in bf16 (``bench_instrument.ARCHS``), batch 1, greedy decoding
+random-init real architectures in bf16 (``bench_instrument.ARCHS``, and SmolLM3-3B's), batch 1, greedy decoding
 forced to run ``--new`` tokens, through ``transformers``' ``generate`` (the HF backend; the
 vLLM backend batches notes and is faster, so these are upper bounds for it).
 
@@ -25,9 +25,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_instrument import build, sync  # noqa: E402
 
 
+def build_smollm3(max_pos: int):
+    """SmolLM3-3B's architecture (transformers' ``SmolLM3Config`` defaults: 36 layers of 16 heads, 4
+    key-value heads, hidden 2048, a 128,256-entry vocabulary, no rotary embedding on every fourth
+    layer), random init in bf16."""
+    from transformers import AutoModelForCausalLM, SmolLM3Config
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(SmolLM3Config(max_position_embeddings=max_pos), dtype=torch.bfloat16)
+    return model.eval()
+
+
 def measure(name: str, prompt: int, new: int, reps: int = 2) -> dict:
-    lm = build(name, max_pos=prompt + new + 1024)
-    model = lm.model
+    max_pos = prompt + new + 1024
+    model = build_smollm3(max_pos) if name == "smollm3-3b" else build(name, max_pos=max_pos).model
     gen = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), device="cuda", generator=gen)
     kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None, use_cache=True)
