@@ -86,7 +86,7 @@ def test_an_estimate_is_the_recorded_figure_times_the_workload():
     est = estimate(Workload("train_gold", "qwen3-4b", 100, 36_000, 256, 0.25), figures)
     assert est.gpu_hours == pytest.approx(100 * (0.25 * gold_on + 0.75 * off) / 3600)
     # no recorded figure: said, not guessed
-    assert estimate(Workload("evaluate", "smollm3-3b", 1, 1, 1), figures).gpu_hours is None
+    assert estimate(Workload("evaluate", "gemma-7b", 1, 1, 1), figures).gpu_hours is None
     assert estimate(Workload("shortlist"), figures).gpu_hours is None
     assert estimate(Workload("characterize", "qwen3-14b", 1, 1), Figures({})).gpu_hours is None
     assert estimate(Workload("none"), figures).gpu_hours == 0.0
