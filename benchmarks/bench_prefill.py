@@ -13,7 +13,10 @@ Where a note's prefill spends its time, and what a different attention kernel gi
    the difference of their prefixes and logits at 64 positions;
 3. the whole attribution pass of ``bench_instrument.py`` (150 events) with the faster prefill.
 
-Usage: python benchmarks/bench_prefill.py --mode kernels|prefill --out prefill.json (torch + transformers only)
+4. (``--mode chunks``) the ``cudnn`` prefill at several chunk sizes and the attribution
+   pass at ``--chunk``; (``--mode profile``) that prefill's GPU time by kernel.
+
+Usage: python benchmarks/bench_prefill.py --mode kernels|prefill|chunks --out prefill.json (torch + transformers only)
 """
 
 from __future__ import annotations
@@ -223,12 +226,102 @@ def prefill_and_pass(args) -> dict:
     return res
 
 
+def chunk_sizes(args) -> dict:
+    """The ``cudnn`` prefill (prefix and the chunk's own causal block through cuDNN) at several
+    chunk sizes, its logits at 64 positions against one flash call per 8,192-token chunk, then
+    the attribution pass (prefill ``auto``) at ``--chunk``."""
+    from mistill.instrument.passes import exact_sweep, first_order_sweep
+
+    res: dict = {}
+    lm = build(args.model, max_pos=args.tokens + 1024)
+    hook = HeadHook(lm.geometry)
+    ids = torch.randint(0, 150000, (args.tokens,), generator=torch.Generator().manual_seed(1))
+    probe = torch.arange(args.tokens - 64 * 90, args.tokens, 90)
+
+    def prefill(runner: Runner) -> tuple[float, float, torch.Tensor]:
+        runner.prefill(ids[:2 * min(runner.chunk_size, 8192)])  # warm-up, a prefix included
+        torch.cuda.reset_peak_memory_stats()
+        sync()
+        t = time.perf_counter()
+        with hook.accumulate_mean():
+            prefix, logits = runner.prefill(ids, logits_at=probe)
+        sync()
+        took = time.perf_counter() - t
+        del prefix
+        peak = torch.cuda.max_memory_allocated() / 2 ** 30
+        torch.cuda.empty_cache()
+        return took, peak, logits
+
+    runner = Runner(lm, chunk_size=8192)
+    runner.prefill_kernel = "flash"
+    res["prefill_flash_c8192_s"], res["prefill_flash_c8192_peak_gib"], ref = prefill(runner)
+    res["cudnn_prefix_usable"] = bool(runner_mod.cudnn_prefix_usable(ref.to(torch.bfloat16)))
+    for chunk in args.chunks:
+        runner = Runner(lm, chunk_size=chunk)
+        runner.prefill_kernel = "cudnn"
+        took, peak, logits = prefill(runner)
+        res[f"prefill_cudnn_c{chunk}_s"], res[f"prefill_cudnn_c{chunk}_peak_gib"] = took, peak
+        res[f"prefill_cudnn_c{chunk}_logits_max_abs_diff"] = (logits - ref).abs().max().item()
+        res[f"prefill_cudnn_c{chunk}_argmax_agree"] = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
+        print(json.dumps(res), flush=True)
+    best = args.chunk
+    res["pass_chunk"] = best
+    runner = Runner(lm, chunk_size=best)
+    events = events_for(ids, args.tokens)
+    cfg = AttributionConfig(chunk_size=best)
+    torch.cuda.reset_peak_memory_stats()
+    sync()
+    t0 = time.perf_counter()
+    sweep = first_order_sweep(runner, hook, "bench", ids, events, cfg, progress=False)
+    sync()
+    t1 = time.perf_counter()
+    att = exact_sweep(runner, hook, sweep, cfg, list(range(16)), progress=False)
+    sync()
+    t2 = time.perf_counter()
+    res["pass_s"] = t2 - t0
+    res["pass_first_order_sweep_s"] = t1 - t0  # the prefill included
+    res["pass_exact_sweep_s"] = t2 - t1
+    res["pass_peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    res["pass_exact_patches"] = int((~np.isnan(att.exact)).sum())
+    return res
+
+
+def profile(args) -> dict:
+    """The ``cudnn`` prefill at ``--chunk`` under torch's profiler: time, and the GPU time by kernel
+    (the top 30), to see where a prefill's time goes."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    lm = build(args.model, max_pos=args.tokens + 1024)
+    hook = HeadHook(lm.geometry)
+    runner = Runner(lm, chunk_size=args.chunk)
+    runner.prefill_kernel = "cudnn"
+    ids = torch.randint(0, 150000, (args.tokens,), generator=torch.Generator().manual_seed(1))
+    runner.prefill(ids[:2 * min(args.chunk, 8192)])  # warm-up
+    sync()
+    t = time.perf_counter()
+    with hook.accumulate_mean():
+        prefix = runner.prefill(ids)[0]
+    sync()
+    res: dict = {"prefill_cudnn_s": time.perf_counter() - t}
+    del prefix
+    torch.cuda.empty_cache()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof, hook.accumulate_mean():
+        runner.prefill(ids)
+        sync()
+    res["gpu_total_s"] = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
+    res["top"] = [{"name": e.key[:120], "calls": e.count, "self_gpu_s": e.self_device_time_total / 1e6}
+                  for e in sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:30]]
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-14b")
     ap.add_argument("--tokens", type=int, default=106000)
     ap.add_argument("--chunk", type=int, default=8192)
-    ap.add_argument("--mode", choices=("kernels", "prefill"), default="prefill")
+    ap.add_argument("--mode", choices=("kernels", "prefill", "chunks", "profile"), default="prefill")
+    ap.add_argument("--chunks", type=int, nargs="+", default=[8192, 16384, 32768])
     ap.add_argument("--out", default="bench_prefill.json")
     args = ap.parse_args()
     res: dict = {"model": args.model, "tokens": args.tokens, "chunk": args.chunk,
@@ -236,6 +329,10 @@ def main() -> None:
     if args.mode == "kernels":
         res.update(attention_alone(args.tokens, args.chunk))
         res.update(kernels_in_model(args))
+    elif args.mode == "chunks":
+        res.update(chunk_sizes(args))
+    elif args.mode == "profile":
+        res.update(profile(args))
     else:
         res.update(prefill_and_pass(args))
     print(json.dumps(res, indent=2))

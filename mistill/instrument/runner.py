@@ -255,21 +255,40 @@ def _cudnn_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return res[0][0].float(), res[1][0].reshape(q.shape[0], q.shape[1]).float()
 
 
+def _cudnn_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of a square block (rows and keys at the same positions) through cuDNN.
+
+    cuDNN aligns its causal mask to the top left, which for a square block is the lower-right
+    alignment a chunk's own rows need.
+
+    Args:
+        q, k, v: ``[batch, head, row, d_head]`` (key heads repeated to the query heads).
+    Returns:
+        ``out`` ``[batch, head, row, d_head]`` and ``lse`` ``[batch, head, row]``, float32.
+    """
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
+    return res[0].float(), res[1].reshape(q.shape[:3]).float()
+
+
 def cudnn_prefix_usable(like: torch.Tensor) -> bool:
-    """Whether :func:`_cudnn_prefix` runs here and agrees with flash (out and lse) on random
-    inputs of ``like``'s device and dtype; found once per process."""
+    """Whether :func:`_cudnn_prefix` and :func:`_cudnn_causal` run here and agree with flash (out
+    and lse) on random inputs of ``like``'s device and dtype; found once per process."""
     global CUDNN_PREFIX
     if CUDNN_PREFIX is None:
         gen = torch.Generator(device=like.device).manual_seed(0)
         q, k, v = (torch.randn(2, n, 128, device=like.device, dtype=like.dtype, generator=gen) for n in (96, 320, 320))
         try:
             out_c, lse_c = _cudnn_prefix(q, k, v, 0.1)
+            out_s, lse_s = _cudnn_causal(k[None], k[None], v[None], 0.1)
         except (RuntimeError, TypeError):
             CUDNN_PREFIX = False
             return False
         res = _flash(q, k, v, 0.1)
+        ref = torch.ops.aten._scaled_dot_product_flash_attention(k[None], k[None], v[None], 0.0, True, False, scale=0.1)
         CUDNN_PREFIX = bool((out_c - res[0][0].float()).abs().max() < 1e-2
-                            and (lse_c - res[1][0].float()).abs().max() < 1e-3)
+                            and (lse_c - res[1][0].float()).abs().max() < 1e-3
+                            and (out_s - ref[0].float()).abs().max() < 1e-2
+                            and (lse_s - ref[1].float()).abs().max() < 1e-3)
     return CUDNN_PREFIX
 
 
@@ -298,12 +317,12 @@ def causal_over_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 
 
 PREFILL_KERNELS = ("auto", "cudnn", "flash", "split")
-"""How a prefill chunk attends on CUDA (bf16/fp16): ``cudnn``, the prefix through cuDNN's
-kernel and the chunk's own causal block through flash, merged through the log-sum-exp;
+"""How a prefill chunk attends on CUDA (bf16/fp16): ``cudnn``, the prefix and the chunk's own
+causal block each through cuDNN's kernel, merged through the log-sum-exp;
 ``flash``, one causal flash call over prefix + chunk (:func:`causal_over_prefix`); ``split``,
-as ``cudnn`` with flash for the prefix; ``auto``, ``cudnn`` where :func:`cudnn_prefix_usable`,
-else ``flash``. Measured at Qwen3-14B @ 106k on an H200: 14.9 / 18.7 / 19.6 s
-(``benchmarks/RESULTS.md``). Elsewhere (CPU, float32) the exact math path."""
+as ``cudnn`` with flash for both parts; ``auto``, ``cudnn`` where :func:`cudnn_prefix_usable`,
+else ``flash``. Measured at Qwen3-14B @ 106k on an H200, chunks of 8,192: ``cudnn`` 14.2 s,
+``flash`` 18.9 s (``benchmarks/RESULTS.md``). Elsewhere (CPU, float32) the exact math path."""
 
 
 class Runner:
@@ -515,22 +534,27 @@ class Runner:
         flash = None if self.use_flash is None else (self.use_flash and _flash_available(q))
         out_p, lse_p = prefix_attention(qf, kp, vp, scale, use_flash=flash, row_limit=row_limit,
                                         kernel=prefix_kernel)
-        out_p = out_p.view(KV, B, n, G, d).permute(1, 0, 3, 2, 4).reshape(B, H, n, d)
+        out_p = out_p.view(KV, B, n, G, d).permute(1, 0, 3, 2, 4)  # [batch, kv_head, group, row, d_head], a view
         lse_p = lse_p.view(KV, B, n, G).permute(1, 0, 3, 2).reshape(B, H, n)
-        k_rep = k_new.repeat_interleave(G, dim=1).float()
-        v_rep = v_new.repeat_interleave(G, dim=1).float()
-        qf32 = q.float()
+        fused = (rows == "causal" and n - own_tail > 1 and self.use_flash is not False and not torch.is_grad_enabled()
+                 and _flash_available(q))
+        if not fused or own_tail:  # float32 copies for the math paths (a fused block alone needs none)
+            k_rep = k_new.repeat_interleave(G, dim=1).float()
+            v_rep = v_new.repeat_interleave(G, dim=1).float()
+            qf32 = q.float()
         if rows == "own":
             lse_n = (qf32 * k_rep).sum(-1) * scale  # [batch, head, row]
             out_n = v_rep
         elif rows == "causal":
             m = n - own_tail
-            if (self.use_flash is not False and not torch.is_grad_enabled() and _flash_available(q)
-                    and m > 1):
-                res = torch.ops.aten._scaled_dot_product_flash_attention(
-                    q[:, :, :m], k_new[:, :, :m].repeat_interleave(G, dim=1),
-                    v_new[:, :, :m].repeat_interleave(G, dim=1), 0.0, True, False, scale=scale)
-                out_n, lse_n = res[0].float(), res[1].float()
+            if fused:
+                ks, vs = k_new[:, :, :m].repeat_interleave(G, dim=1), v_new[:, :, :m].repeat_interleave(G, dim=1)
+                if prefix_kernel == "cudnn":  # a prefill chunk's own block: square, so cuDNN's alignment holds
+                    out_n, lse_n = _cudnn_causal(q[:, :, :m], ks, vs, scale)
+                else:
+                    res = torch.ops.aten._scaled_dot_product_flash_attention(q[:, :, :m], ks, vs, 0.0, True, False,
+                                                                             scale=scale)
+                    out_n, lse_n = res[0].float(), res[1].float()
             else:
                 s = torch.matmul(qf32[:, :, :m], k_rep[:, :, :m].transpose(-1, -2)) * scale  # [batch, head, m, m]
                 causal = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
@@ -550,5 +574,10 @@ class Runner:
         else:
             raise ValueError(f"rows must be 'own' or 'causal', not {rows!r}")
         lse = torch.logaddexp(lse_p, lse_n)
-        out = out_p * torch.exp(lse_p - lse).unsqueeze(-1) + out_n * torch.exp(lse_n - lse).unsqueeze(-1)
-        return out.to(q.dtype).transpose(1, 2)
+        # merged in float32 over [batch, kv_head, group, row, d_head] views, written once into the
+        # [batch, row, head, d_head] layout the output projection reads (no copies of the parts)
+        merged = out_p * torch.exp(lse_p - lse).view(B, KV, G, n, 1)
+        merged.addcmul_(out_n.unflatten(1, (KV, G)), torch.exp(lse_n - lse).view(B, KV, G, n, 1))
+        out = torch.empty(B, n, H, d, dtype=q.dtype, device=q.device)
+        out.view(B, n, KV, G, d).permute(0, 2, 3, 1, 4).copy_(merged)
+        return out
