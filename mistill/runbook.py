@@ -597,8 +597,7 @@ def prepared_counts(prepare_run: str, base: PaperCounts = PaperCounts(), *, size
 
     prepared = load_prepared(prepare_run)
     tokenizer = load_tokenizer(RunReader(prepare_run, field="prepare_run").config["model"])
-    lengths = prompt_lengths(prepared.corpus, tokenizer, remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
-                             narrow_instruction=prepared.narrow_instruction)
+    lengths = prompt_lengths(prepared.corpus, tokenizer, **prepared.prompt_settings)
     return corpus_counts(prepared.corpus, lengths, base, sizes=sizes)
 
 

@@ -49,13 +49,8 @@ class ProbeNote:
 def probe_notes(prepared, tokenizer, split: str, n: int, decoding: DecodingConfig) -> list[ProbeNote]:
     """The first ``n`` notes of ``split`` in corpus order (fixed for the whole run), each with
     the prompt the evaluation gives it (its shortlist, the prepared corpus's settings)."""
-    from mistill.data.prompts import build_prompt
-
     notes = [note for note in prepared.corpus.notes if note.split == split][:n]
-    return [ProbeNote(note.note_id,
-                      build_prompt(note, note.shortlist, prepared.inventory, tokenizer,
-                                   remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
-                                   narrow_instruction=prepared.narrow_instruction).text,
+    return [ProbeNote(note.note_id, prepared.prompt(note, tokenizer).text,
                       tuple(note.gold_codes), note_seed(decoding, note.note_id))
             for note in notes]
 

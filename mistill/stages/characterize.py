@@ -113,8 +113,7 @@ def run_events(cfg: EventsConfig) -> str:
         task = task_for(prepared.inventory)
         for note in note_loop(run, NOTES, notes, desc="events"):
             ni = note_input(note, prepared.inventory, lm.tokenizer,
-                            remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
-                            narrow_instruction=prepared.narrow_instruction,
+                            **prepared.prompt_settings,
                             max_positions=model_positions(lm))
             events = extract_events(note.note_id, ni.trace, codes, tokenizer=lm.tokenizer, seed=cfg.seed,
                                     task=task, **cfg.extraction())
@@ -350,8 +349,7 @@ def run_attribute(cfg: AttributeConfig) -> str:
 
         def load(note_id: str) -> tuple[torch.Tensor, list[EventQuery]]:
             ni = note_input(by_id[note_id], prepared.inventory, lm.tokenizer,
-                            remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
-                            narrow_instruction=prepared.narrow_instruction)
+                            **prepared.prompt_settings)
             return ni.input_ids, event_queries(read_realized(ev.reader, note_id), ni.input_ids)
 
         by_id = {n.note_id: n for n in notes}

@@ -66,6 +66,18 @@ class Prepared:
     remove_discharge_diagnosis: bool = True
     narrow_instruction: bool = True
 
+    @property
+    def prompt_settings(self) -> dict[str, bool]:
+        """The prompt flags the corpus was prepared with, as keyword arguments of
+        :func:`mistill.data.prompts.build_prompt` and :func:`note_input`."""
+        return {"remove_discharge_diagnosis": self.remove_discharge_diagnosis,
+                "narrow_instruction": self.narrow_instruction}
+
+    def prompt(self, note: Note, tokenizer) -> Prompt:
+        """The prompt a model is given for ``note``: its shortlist (the whole inventory without
+        one), the corpus's prompt flags, ``tokenizer``'s chat template."""
+        return build_prompt(note, note.shortlist, self.inventory, tokenizer, **self.prompt_settings)
+
 
 def identity_digest(record: Mapping[str, Any]) -> str:
     """sha256 of a ``corpus_meta.json`` record (canonical JSON, ``identity_digest`` left out)."""
@@ -396,8 +408,7 @@ def note_input(note: Note, inventory: Inventory, tokenizer, *, candidates: Seque
 
 def prepared_note_input(prepared: Prepared, note: Note, tokenizer, **kwargs) -> NoteInput:
     """:func:`note_input` with the prepared corpus's inventory and prompt settings."""
-    return note_input(note, prepared.inventory, tokenizer, remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
-                      narrow_instruction=prepared.narrow_instruction, **kwargs)
+    return note_input(note, prepared.inventory, tokenizer, **prepared.prompt_settings, **kwargs)
 
 
 def phase_events(ni: NoteInput, codes: Sequence[str], tokenizer, *, p2c_cap: int = 2,

@@ -128,8 +128,7 @@ def run_targets(cfg: TargetsConfig) -> str:
         n_rows = []
         for note in note_loop(run, NOTES, notes, desc="targets"):
             nd = build_note_data(note, prepared.inventory, lm.tokenizer, _read_events(ev.reader, note.note_id),
-                                 remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
-                                 narrow_instruction=prepared.narrow_instruction)
+                                 **prepared.prompt_settings)
             targets = compute_note_targets(lm, nd, pools, window=cfg.window, top_k=cfg.top_k)
             n_rows.append(len(targets["rows_pos"]))
             files, local = _targets_files(targets, guard.allows_text)
@@ -357,12 +356,10 @@ def run_train(cfg: TrainStageConfig) -> str:
         for note in notes:
             events = _read_events(ev.reader, note.note_id)
             student = build_note_data(note, prepared.inventory, lm.tokenizer, events,
-                                      remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
-                                      narrow_instruction=prepared.narrow_instruction)
+                                      **prepared.prompt_settings)
             targets = load_targets(targets_run.note_file(NOTES, note.note_id, TARGETS_FILE))
             teacher = build_note_data(note, prepared.inventory, teacher_tok, events,
-                                      remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
-                                      narrow_instruction=prepared.narrow_instruction)
+                                      **prepared.prompt_settings)
             pairing = pair_rows(student, teacher.realized.values(), targets, window=arm.window,
                                 teacher_trace_start=int(targets["trace_start"]))
             t_pos = None if same else align_trace_rows(student, teacher, arm.uld_alignment)

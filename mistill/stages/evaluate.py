@@ -143,8 +143,7 @@ def run_evaluate(cfg: EvaluateConfig) -> str:
         task = task_for(prepared.inventory)
         for note in note_loop(run, NOTES, notes, desc=f"evaluate {arm}"):
             ni = note_input(note, prepared.inventory, lm.tokenizer,
-                            remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
-                            narrow_instruction=prepared.narrow_instruction, max_positions=model_positions(lm))
+                            **prepared.prompt_settings, max_positions=model_positions(lm))
             seed = note_seed(decoding, note.note_id)
             # with the HF backend the prompt is prefilled once for the generation and the
             # teacher-forced readouts (the trace's forward continues from the prompt's cache)

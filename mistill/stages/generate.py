@@ -33,7 +33,7 @@ import pandas as pd
 
 from mistill.config import Config
 from mistill.data.corpus import Corpus, Note
-from mistill.data.prompts import build_prompt, template_has_thinking
+from mistill.data.prompts import template_has_thinking
 from mistill.errors import MistillInputError
 from mistill.distributed import current_world
 from mistill.evaluation.backends import make_backend
@@ -174,9 +174,7 @@ def run_generate(cfg: GenerateConfig) -> str:
             bar = track(total=len(todo), desc=progress_label("generate"))
             for start in range(0, len(todo), cfg.batch_size):
                 batch = todo[start:start + cfg.batch_size]
-                items = [(build_prompt(n, n.shortlist, inventory, backend.tokenizer,
-                                       remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
-                                       narrow_instruction=prepared.narrow_instruction).text,
+                items = [(prepared.prompt(n, backend.tokenizer).text,
                           note_seed(decoding, n.note_id)) for n in batch]
                 for note, gen in zip(batch, backend.generate_many(items), strict=True):
                     guard.protect([gen.text])

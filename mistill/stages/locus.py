@@ -175,8 +175,7 @@ def run_locus(cfg: LocusStageConfig) -> str:
 
         def open_note(note):
             ni = note_input(note, prepared.inventory, lm.tokenizer,
-                            remove_discharge_diagnosis=prepared.remove_discharge_diagnosis,
-                            narrow_instruction=prepared.narrow_instruction)
+                            **prepared.prompt_settings)
             realized = read_realized(ev.reader, note.note_id)
             spans = task.find_mentions(ni.trace, codes)
             mentions = note_mentions(realized, ni.offsets, ni.trace_offset, spans)
