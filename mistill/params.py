@@ -289,6 +289,12 @@ class RecipeParams(ParamGroup):
         to bf16: a bf16 GEMM's arithmetic, about 3x faster on CPUs without bf16 instructions),
         ``auto`` (``fp32`` on such CPUs, ``native`` elsewhere); no effect on CUDA
         (:mod:`mistill.distill.cpu_bf16`).
+    sharding: how the weights are held over the processes of a launch: ``replicate`` (every rank
+        a full copy, gradients all-reduced), ``fsdp`` (PyTorch's FSDP: each decoder layer a unit,
+        weights, gradients and AdamW state sharded over the ranks), ``auto`` (``fsdp`` for the
+        fp32-master-weight arms, whose full state is largest, ``replicate`` for bf16 weights and
+        where FSDP does not apply: Feature-KD's adapter, the generation probe). One process
+        always holds everything.
     """
 
     epochs: int = 2
@@ -300,11 +306,13 @@ class RecipeParams(ParamGroup):
     gradient_checkpointing: bool = True
     tf32: bool = True
     cpu_bf16_matmul: str = "auto"
+    sharding: str = "auto"
 
     def validate_group(self) -> None:
         from mistill.distill.cpu_bf16 import MODES
 
         check_choice(self.cpu_bf16_matmul, MODES, "cpu_bf16_matmul")
+        check_choice(self.sharding, SHARDINGS, "sharding")
         check_positive(self.epochs, "epochs")
         check_positive(self.lr, "lr")
         check_interval(self.warmup_frac, "warmup_frac")
@@ -312,6 +320,10 @@ class RecipeParams(ParamGroup):
         check_positive(self.clip, "clip")
         check_non_negative(self.max_steps, "max_steps", "0: the epochs decide")
 
+
+
+SHARDINGS = ("auto", "replicate", "fsdp")
+"""How a training run's weights are held over the processes of a launch (:class:`RecipeParams`)."""
 
 
 @dataclass(frozen=True)

@@ -423,6 +423,70 @@ def test_training_on_two_processes_equals_one_process(targets_run, tmp_path, mon
     assert moved > 1e-4  # the step changed the weights: the comparison is not of untouched models
 
 
+@pytest.fixture(scope="module")
+def mistill_inputs(tracking_uri, tmp_path_factory, pinned_code_version):
+    """Targets and the student's own ranking for three synthetic notes (the Mistill arms' inputs)."""
+    from stage_fixtures import tiny_distill_inputs
+
+    return tiny_distill_inputs(tmp_path_factory.mktemp("fsdp-root"), "fsdp", "tiny:qwen3:seed=2", teacher_split="")
+
+
+def test_fp32_mistill_on_two_processes_shards_and_equals_one_process(mistill_inputs, tmp_path):
+    """The fp32 Mistill arm on two gloo processes runs under FSDP (``sharding=auto``): a global
+    batch of 3 (two examples on one rank, one and a zero-weight repeat on the other), one
+    optimizer step. Losses and weights equal one process's (both with one thread), up to the
+    sign of Adam's first step on gradient entries that round differently when summed in
+    another order; the checkpoint saved from the gathered weights equals the trainer's state."""
+    import torch
+    from safetensors.torch import load_file
+
+    from mistill.models.loading import load_model
+    from mistill.tracking.models import HF_SUBDIR, MODEL_ARTIFACT
+
+    root = mistill_inputs["root"]
+    ids = mistill_inputs["ids"]
+    args = dict(targets_run=ids["targets"], student_attribute_run=ids["student_attribute"],
+                student="tiny:qwen3:seed=2", arm="mistill-fp32", grad_accum=3, max_steps=1, lr=1e-3)
+    frozen = freeze_source(tmp_path / "src")
+    env = {**subprocess_env(os.environ["MLFLOW_TRACKING_URI"], root), "OMP_NUM_THREADS": "1"}
+    base = [sys.executable, "projects/train.py", *(f"--{k}={v}" for k, v in args.items())]
+    runs, logs = {}, {}
+    for name, extra in (("one", ["--register", "false"]),
+                        ("two", ["--register", "true", "--launcher", "torchrun", "--nproc", "2"])):
+        proc = subprocess.run(base + extra, cwd=frozen, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        found = re.findall(r"mistill train: run ([0-9a-f]{32})", proc.stdout)
+        assert len(found) == 1, proc.stdout[-2000:]
+        runs[name], logs[name] = found[0], proc.stdout + proc.stderr
+    client = MlflowClient()
+    assert [client.get_run(runs[k]).data.tags["mistill.sharding"] for k in ("one", "two")] == ["replicate", "fsdp"]
+    logged = sorted(k for k in client.get_run(runs["one"]).data.metrics if k.startswith("train/"))
+    assert {"train/loss", "train/grad_norm"} <= set(logged) and any("attention" in k for k in logged), logged
+    for key in logged:  # the loss, each mechanism term, the gradient norm, the learning rate
+        one, two = (client.get_run(runs[k]).data.metrics.get(key) for k in ("one", "two"))
+        assert two == pytest.approx(one, rel=1e-4, abs=1e-7), key
+    states = {k: torch.load(root / "work" / r / "trainer" / "trainer_state.pt", weights_only=False)
+              for k, r in runs.items()}
+    assert states["one"]["step"] == states["two"]["step"] == 1
+    # the optimizer state of the sharded run was gathered whole, keyed by parameter name
+    assert set(states["two"]["optimizer"]["state"]) == set(states["one"]["optimizer"]["state"])
+    before = load_model("tiny:qwen3:seed=2").model.state_dict()
+    moved, off, total = 0.0, 0, 0
+    for key, value in states["one"]["model"].items():
+        other = states["two"]["model"][key]
+        assert value.dtype == other.dtype == torch.float32
+        close = torch.isclose(other, value, rtol=1e-5, atol=1e-7)
+        off += int((~close).sum())
+        total += value.numel()
+        assert float((other - value).abs().max()) <= 2 * args["lr"] * 1.01, key
+        moved = max(moved, float((value - before[key].float()).abs().max()))
+    assert off <= total * 1e-3, (off, total)
+    assert moved > 1e-4
+    saved = load_file(root / "work" / runs["two"] / MODEL_ARTIFACT / HF_SUBDIR / "model.safetensors")
+    for key, value in saved.items():
+        torch.testing.assert_close(value.float(), states["two"]["model"][key].float(), rtol=0, atol=0)
+
+
 _RESUME_SCRIPT = """
 import sys
 from pathlib import Path
@@ -453,15 +517,17 @@ trainer = Trainer(prepare_student(lm.model, recipe), 5, recipe, step, state_dir=
 if phase == "resume":
     assert trainer.load_state() and trainer.step == 3, trainer.step
 trainer.train(stop_after=3 if phase == "crash" else None, progress=False)
+model_state = trainer.full_state()[0]  # under FSDP every rank gathers, rank 0 gets it
 if world.leader:
-    torch.save({"model": trainer.model.state_dict(), "logs": logs, "step": trainer.step}, out)
+    torch.save({"model": model_state, "logs": logs, "step": trainer.step, "fsdp": trainer.fsdp}, out)
 """
 
 
 def test_training_resumes_on_another_world_size(tmp_path):
-    """Three optimizer steps on two gloo processes (rank 0 saves the state after each), the
-    rest of the schedule resumed by one process from that state: the weights and losses of one
-    process's uninterrupted run, to float32 summation order (the ranks' shares summed apart)."""
+    """Three optimizer steps on two gloo processes (fp32 master weights, so sharded by FSDP;
+    rank 0 saves the gathered state after each), the rest of the schedule resumed by one
+    process from that state: the weights and losses of one process's uninterrupted run, to
+    float32 summation order (the ranks' shares summed apart)."""
     import torch
 
     script = tmp_path / "resume_trainer.py"
@@ -478,6 +544,7 @@ def test_training_resumes_on_another_world_size(tmp_path):
     run(sys.executable, str(script), "resume", str(tmp_path / "two"), str(tmp_path / "resumed.pt"))
     full, crash, resumed = (torch.load(tmp_path / f"{n}.pt") for n in ("full", "crash", "resumed"))
     assert full["step"] == 6 and crash["step"] == 3 and resumed["step"] == 6
+    assert crash["fsdp"] and not full["fsdp"] and not resumed["fsdp"]
     assert [ce for _, ce in crash["logs"] + resumed["logs"]] == pytest.approx([ce for _, ce in full["logs"]],
                                                                                rel=1e-5)
     moved = 0.0

@@ -7,8 +7,10 @@ import math
 import pytest
 import torch
 
-from mistill.distill.trainer import (RecipeConfig, Trainer, epoch_order, lr_lambda, prepare_student,
-                                     steps_per_epoch, total_steps)
+from mistill.distill.trainer import (RecipeConfig, Trainer, clip_gradients, epoch_order, lr_lambda,
+                                     prepare_student, steps_per_epoch, total_steps, uses_fsdp)
+from mistill.distributed import World
+from mistill.errors import MistillInputError
 from mistill.models.loading import tiny_model
 
 
@@ -156,3 +158,41 @@ def test_checkpoint_layers_keeps_gradients_and_hooks_outside():
     for name in g0:
         torch.testing.assert_close(g0[name], g1[name], rtol=1e-5, atol=1e-7)
     assert f0 == [True] and f1 == [True]
+
+
+def test_clip_gradients_takes_the_exact_norm_and_scales_like_torch():
+    """The norm is the float64 norm to float32 rounding (on a gradient large enough that a
+    naive float32 accumulation drifts), and the gradients are scaled as ``clip_grad_norm_``
+    scales them; below the bound nothing changes."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (3_000_000, 1000, 7)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * 1e-3
+    exact = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in params))
+    reference = [p.grad.double() * min(1.0, 0.5 / (exact + 1e-6)) for p in params]
+    norm = clip_gradients(params, 0.5)
+    assert float(norm) == pytest.approx(exact, rel=1e-6)
+    for p, ref in zip(params, reference):
+        torch.testing.assert_close(p.grad.double(), ref, rtol=1e-6, atol=0)
+    before = [p.grad.clone() for p in params]
+    assert float(clip_gradients(params, 10.0)) == pytest.approx(0.5, rel=1e-5)
+    assert all(torch.equal(p.grad, b) for p, b in zip(params, before))
+
+
+def test_sharding_choice_follows_precision_and_refuses_what_fsdp_cannot_take():
+    """``auto`` shards the fp32-master-weight arms on several processes and nothing on one;
+    ``fsdp`` refuses an arm with parameters outside the model and the generation probe, which
+    ``auto`` replicates instead."""
+    two, one = World(rank=0, size=2), World()
+    fp32, bf16 = RecipeConfig(precision="fp32"), RecipeConfig(precision="bf16")
+    assert uses_fsdp(fp32, two) and not uses_fsdp(bf16, two) and not uses_fsdp(fp32, one)
+    assert uses_fsdp(RecipeConfig(precision="bf16", sharding="fsdp"), two)
+    assert not uses_fsdp(RecipeConfig(precision="fp32", sharding="replicate"), two)
+    assert not uses_fsdp(fp32, two, extra_params=True) and not uses_fsdp(fp32, two, probe=True)
+    forced = RecipeConfig(precision="fp32", sharding="fsdp")
+    for kw in ({"extra_params": True}, {"probe": True}):
+        with pytest.raises(MistillInputError) as err:
+            uses_fsdp(forced, two, **kw)
+        assert err.value.field == "sharding"
+    with pytest.raises(MistillInputError):
+        RecipeConfig(sharding="zero3").validate()

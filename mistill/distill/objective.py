@@ -358,8 +358,7 @@ def micro_step_loss(model: torch.nn.Module, lm: LoadedModel, student: NoteData, 
     blocks = RowSetBlocks([p[3] for p in plan], lm, student.axis.n)
     with LayerInputs(g, blocks.layers, final_residual=mistill, on_input=blocks) as kept:
         with record_function("mistill/forward"):
-            out = model.model(input_ids=ids.unsqueeze(0), use_cache=False)
-        hidden_last = out.last_hidden_state[0]
+            hidden_last = final_hidden(model, ids)
         ts = student.trace_start
         n = ids.numel()
         top_ids = torch.as_tensor(targets["top_ids"], device=device)
@@ -391,6 +390,16 @@ def micro_step_loss(model: torch.nn.Module, lm: LoadedModel, student: NoteData, 
     logs.update({k: float(v) for k, v in parts.items()})
     logs["loss"] = float(total.detach())
     return total, logs
+
+
+def final_hidden(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The student's final-norm hidden states ``[pos, d_model]`` for ``ids`` ``[pos]``.
+
+    The model is called as a whole, so that hooks on it run (FSDP gathers the embeddings, the
+    final norm and the head in the root's), with the head on the last position only: the
+    objective reads the head itself, chunk by chunk (``chunked_cot_loss``)."""
+    out = model(input_ids=ids.unsqueeze(0), use_cache=False, output_hidden_states=True, logits_to_keep=1)
+    return out.hidden_states[-1][0]
 
 
 def event_filter(teacher_margin: torch.Tensor, student_margin: torch.Tensor, teacher_c: torch.Tensor,
@@ -570,8 +579,7 @@ def feature_kd_step(model: torch.nn.Module, lm: LoadedModel, student: NoteData, 
         # every trace position, in the teacher's dtype (cast chunk by chunk inside the loss)
         h_t = [_hidden_at(tk, l, tg.n_layers).index_select(0, t_all) for l in t_h_layers]
     with LayerInputs(g, s_keep, final_residual=s_final) as kept:
-        out = model.model(input_ids=ids.unsqueeze(0), use_cache=False)
-        hidden_last = out.last_hidden_state[0]
+        hidden_last = final_hidden(model, ids)
         top_ids = torch.as_tensor(targets["top_ids"], device=device)
         top_logp = torch.as_tensor(targets["top_logp"], device=device)
         if teacher_positions is not None:

@@ -18,6 +18,14 @@ share scaled by the global batch size, and all-reduces of float32 buckets sum th
 the ranks (the reduction DDP performs) before every rank takes the same clipped step. The global batch, the
 data order, the schedule and the saved state are those of one process, so a run resumes on any
 number of processes; the sums differ from one process's only in float summation order.
+
+With ``sharding`` ``fsdp`` (the default for the fp32-master-weight arms on several processes)
+the weights, their gradients and AdamW's state are sharded over the ranks by PyTorch's FSDP
+(:func:`fully_shard_model`): the same examples, losses and summed gradients, each rank holding
+its shard of the fp32 state. Every rank runs as many micro-steps as the busiest one (a rank
+short of an example repeats the batch's first with weight 0), because FSDP's gathers and
+reductions are collective. The saved state is the full one, in the same file as one
+process's, so a run resumes sharded or not on any number of processes.
 """
 
 from __future__ import annotations
@@ -171,6 +179,85 @@ def _set_rng_state(state: dict) -> None:
 MicroStep = Callable[[nn.Module, int], tuple[torch.Tensor, dict[str, float]]]
 
 
+def uses_fsdp(recipe: RecipeConfig, world: World, *, extra_params: bool = False, probe: bool = False) -> bool:
+    """Whether a run of ``recipe`` on ``world`` shards its weights (:class:`RecipeParams`
+    ``sharding``). FSDP takes neither an arm's parameters outside the model (Feature-KD's
+    adapter) nor the generation probe between steps: ``auto`` replicates such runs, ``fsdp``
+    refuses them."""
+    if not world.distributed or recipe.sharding == "replicate":
+        return False
+    if recipe.sharding == "fsdp":
+        if extra_params:
+            raise MistillInputError("sharding=fsdp does not take an arm's extra parameters (Feature-KD's "
+                                    "adapter); use sharding=replicate", field="sharding")
+        if probe:
+            raise MistillInputError("the generation probe does not run on sharded weights; use "
+                                    "sharding=replicate or probe_every=0", field="sharding")
+        return True
+    return recipe.precision == "fp32" and not extra_params and not probe
+
+
+def fully_shard_model(model: nn.Module, world: World) -> None:
+    """Shard ``model`` over the world's ranks with FSDP (``fully_shard``): each decoder layer a
+    unit, the embeddings, final norm and head the root's. A unit's weights stay gathered from
+    its forward to its backward (``reshard_after_forward=False``): the objectives read layer
+    weights after the forward (the recomputed attention rows). Gradients are summed over the
+    ranks, not averaged: each rank's loss is already scaled by the global batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise MistillInputError("sharding=fsdp needs a model with a model.layers list", field="sharding")
+    mesh = init_device_mesh(next(model.parameters()).device.type, (world.size,))
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    for unit in (*layers, model):  # each unit reduces its own gradients
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # plain sums (gloo has no pre-multiplied sum)
+
+
+def unsharded_copy(model: nn.Module, state: dict) -> nn.Module:
+    """A plain (unsharded) model of ``model``'s class and config holding ``state``, its full state
+    dict, on the CPU: what is saved after a sharded run. Buffers outside the state dict (rotary
+    frequencies) are copied from ``model``, where FSDP leaves them whole."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        fresh = AutoModelForCausalLM.from_config(model.config)
+    fresh.load_state_dict(state, assign=True, strict=False)
+    if hasattr(fresh, "tie_weights"):
+        fresh.tie_weights()
+    for name, buf in model.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        module = fresh.get_submodule(owner) if owner else fresh
+        persistent = leaf not in getattr(module, "_non_persistent_buffers_set", set())
+        module.register_buffer(leaf, buf.detach().to("cpu").clone(), persistent=persistent)
+    left = [n for n, p in fresh.named_parameters() if p.is_meta]
+    if left:
+        raise RuntimeError(f"the gathered state misses parameters {left[:5]}")
+    return fresh
+
+
+def _fqn_optimizer_state(state: dict, names: Sequence[str]) -> dict:
+    """An optimizer state dict keyed by parameter index as keyed by parameter name."""
+    if all(isinstance(k, str) for k in state["state"]) and \
+            all(isinstance(p, str) for g in state["param_groups"] for p in g["params"]):
+        return state
+    return {"state": {names[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+
+
+def _indexed_optimizer_state(state: dict, names: Sequence[str]) -> dict:
+    """An optimizer state dict keyed by parameter name as keyed by parameter index."""
+    index = {n: i for i, n in enumerate(names)}
+    if all(isinstance(k, int) for k in state["state"]):
+        return state
+    return {"state": {index[n]: v for n, v in state["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]}
+
+
 class Trainer:
     """Runs the recipe over ``n_examples`` with an arm's ``micro_step(model, example_index)``.
 
@@ -199,6 +286,10 @@ class Trainer:
         self.after_step = after_step
         self.device = next(model.parameters()).device
         self.extra_params = list(extra_params)  # e.g. Feature-KD's adapter: saved and restored too
+        self.fsdp = uses_fsdp(recipe, self.world, extra_params=bool(self.extra_params), probe=after_step is not None)
+        if self.fsdp:
+            fully_shard_model(model, self.world)
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         params = [p for p in model.parameters() if p.requires_grad] + self.extra_params
         self.optimizer = torch.optim.AdamW(params, lr=recipe.lr, betas=(recipe.beta1, recipe.beta2),
                                            weight_decay=recipe.weight_decay)
@@ -215,13 +306,40 @@ class Trainer:
     def state_path(self) -> Path | None:
         return self.state_dir / "trainer_state.pt" if self.state_dir else None
 
+    def full_state(self) -> tuple[dict, dict]:
+        """The model's and the optimizer's full state dicts (the optimizer's keyed by parameter
+        name when the model has every parameter, else by index). Under FSDP every rank must
+        call it (the shards are gathered) and only rank 0 gets the tensors, on the CPU."""
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+            return get_state_dict(self.model, self.optimizer,
+                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        optimizer = self.optimizer.state_dict()
+        if not self.extra_params:
+            optimizer = _fqn_optimizer_state(optimizer, self.names)
+        return self.model.state_dict(), optimizer
+
+    def full_model_state(self) -> dict | None:
+        """The model's full state dict to save after training: under FSDP gathered from every
+        rank (all must call) onto rank 0's CPU (None elsewhere); else None (the model holds it)."""
+        if not self.fsdp:
+            return None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if self.world.leader else None
+
     def save_state(self) -> None:
-        """Save the resumable state (rank 0 only: every rank holds the same state)."""
-        if self.state_path is None or not self.world.leader:
+        """Save the resumable state (written by rank 0; under FSDP every rank gathers)."""
+        if self.state_path is None:
+            return
+        model_state, optimizer_state = self.full_state()
+        if not self.world.leader:
             return
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        state = {"model": self.model.state_dict(), "extra": [p.detach().clone() for p in self.extra_params],
-                 "optimizer": self.optimizer.state_dict(),
+        state = {"model": model_state, "extra": [p.detach().clone() for p in self.extra_params],
+                 "optimizer": optimizer_state,
                  "scheduler": self.scheduler.state_dict(), "step": self.step, "epoch": self.epoch,
                  "cursor": self.cursor, "rng": _rng_state(), "total": self.total}
         with atomic_open(self.state_path, "wb") as fh:
@@ -235,11 +353,19 @@ class Trainer:
         if state["total"] != self.total:
             raise MistillInputError("saved trainer state belongs to another schedule", file=str(self.state_path),
                                     field="total_steps")
-        self.model.load_state_dict(state["model"])
-        with torch.no_grad():
-            for p, saved in zip(self.extra_params, state.get("extra", [])):
-                p.copy_(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=_fqn_optimizer_state(state["optimizer"], self.names),
+                           options=StateDictOptions(full_state_dict=True))
+        else:
+            self.model.load_state_dict(state["model"])
+            with torch.no_grad():
+                for p, saved in zip(self.extra_params, state.get("extra", [])):
+                    p.copy_(saved)
+            self.optimizer.load_state_dict(state["optimizer"] if self.extra_params
+                                           else _indexed_optimizer_state(state["optimizer"], self.names))
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.epoch, self.cursor = state["step"], state["epoch"], state["cursor"]
         _set_rng_state(state["rng"])
@@ -255,15 +381,20 @@ class Trainer:
             order = epoch_order(self.n, self.recipe.seed, self.epoch)
             batch = order[self.cursor:self.cursor + self.recipe.grad_accum]
             sums: dict[str, float] = {}
-            for idx in shard(batch, self.world):  # every example of the batch, in one process
+            micro = [(idx, 1.0) for idx in shard(batch, self.world)]  # every example of the batch, in one process
+            if self.fsdp:  # as many micro-steps on every rank (FSDP's collectives); the padding weighs 0
+                micro += [(batch[0], 0.0)] * (math.ceil(len(batch) / self.world.size) - len(micro))
+            for idx, weight in micro:
                 with autocast(self.recipe, self.device):
                     loss, parts = self.micro_step(self.model, idx)
-                (loss / len(batch)).backward()
+                (loss * (weight / len(batch))).backward()
                 for k, v in parts.items():
-                    sums[k] = sums.get(k, 0.0) + float(v) / len(batch)
+                    sums[k] = sums.get(k, 0.0) + weight * float(v) / len(batch)
             if self.world.distributed:
-                sums = _sum_over_ranks(params, sums, self.world)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.recipe.clip)
+                if not self.fsdp:  # FSDP has summed the gradients into each rank's shard
+                    _sum_gradients_over_ranks(params)
+                sums = _sum_terms_over_ranks(sums, self.world, self.device)
+            grad_norm = clip_gradients(params, self.recipe.clip, sharded=self.fsdp)
             if not torch.isfinite(grad_norm):
                 # never let a NaN/inf update reach the weights silently
                 raise FloatingPointError(f"non-finite gradient norm at optimizer step {self.step + 1} "
@@ -295,10 +426,36 @@ its own): the sum runs in float32 whatever the weights' dtype, a bucket at a tim
 memory stays bounded."""
 
 
-def _sum_over_ranks(params: Sequence[nn.Parameter], sums: dict[str, float], world: World) -> dict[str, float]:
+SQUARES_CHUNK = 1 << 24
+"""Gradient elements squared at a time when the norm is taken (64 MB in float32)."""
+
+
+@torch.no_grad()
+def clip_gradients(params: Sequence[nn.Parameter], max_norm: float, *, sharded: bool = False) -> torch.Tensor:
+    """Gradient-norm clipping (App. J.2: at 1), as ``torch.nn.utils.clip_grad_norm_`` scales, with
+    the norm from float32 sums of squares (chunks of :data:`SQUARES_CHUNK`), exact to float32
+    rounding on every device (torch's CPU norm kernel can be off by 1e-4 on a large float32
+    gradient). ``sharded``: the gradients are FSDP's shards, the sums all-reduced over the ranks,
+    so a run clips alike sharded or not. Returns the norm before clipping."""
+    grads = [p.grad.to_local() if sharded else p.grad for p in params if p.grad is not None]
+    squares = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
+    for g in grads:
+        for part in g.reshape(-1).split(SQUARES_CHUNK):
+            squares += part.float().pow(2).sum()
+    if sharded:
+        import torch.distributed as dist
+
+        dist.all_reduce(squares)
+    total = squares.sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef)
+    return total
+
+
+def _sum_gradients_over_ranks(params: Sequence[nn.Parameter]) -> None:
     """Sum every parameter's gradient over the ranks in place (all-reduces of float32 buckets;
-    a rank without examples in this step contributes zeros) and return the loss terms summed
-    over the ranks (every rank returns the same)."""
+    a rank without examples in this step contributes zeros)."""
     import torch.distributed as dist
 
     bucket: list[nn.Parameter] = []
@@ -322,7 +479,13 @@ def _sum_over_ranks(params: Sequence[nn.Parameter], sums: dict[str, float], worl
         size += p.numel()
     if bucket:
         flush()
+
+
+def _sum_terms_over_ranks(sums: dict[str, float], world: World, device: torch.device) -> dict[str, float]:
+    """The loss terms summed over the ranks (every rank returns the same)."""
+    import torch.distributed as dist
+
     terms = sorted(set().union(*gather(sorted(sums), world)))
-    values = torch.tensor([sums.get(k, 0.0) for k in terms], dtype=torch.float64, device=params[0].device)
+    values = torch.tensor([sums.get(k, 0.0) for k in terms], dtype=torch.float64, device=device)
     dist.all_reduce(values)  # on the weights' device: NCCL reduces GPU tensors only
     return dict(zip(terms, values.tolist()))

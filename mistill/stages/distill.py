@@ -28,7 +28,7 @@ from mistill.distill.objective import (align_trace_rows, compute_note_targets, d
 from mistill.distill.pools import model_pools
 from mistill.distill.rows import coverage_table
 from mistill.distill.targets import load_targets, targets_manifest
-from mistill.distill.trainer import RecipeConfig, Trainer, prepare_student, training_precision
+from mistill.distill.trainer import RecipeConfig, Trainer, prepare_student, training_precision, unsharded_copy
 from mistill.errors import MistillInputError
 from mistill.io import npz_bytes
 from mistill.instrument.events import Event
@@ -406,12 +406,17 @@ def run_train(cfg: TrainStageConfig) -> str:
                           log=_train_metrics(run) if leader else None,
                           extra_params=fkd.parameters() if fkd else (), world=world,
                           after_step=_probe_step(cfg, prepared, lm, run, world))
+        if leader:
+            run.set_tags({"mistill.sharding": "fsdp" if trainer.fsdp else "replicate"})
         if broadcast(run.resumed, world) and trainer.load_state():
             print(f"train: resumed at step {trainer.step}")
         trainer.train()
+        gathered = trainer.full_model_state()  # under FSDP: every rank takes part, rank 0 gets the weights
         barrier(world)
         if not leader:
             return run.run_id
+        if gathered is not None:
+            model = unsharded_copy(model, gathered)
         run.log_metrics({"train/steps": trainer.step, "n_notes": len(examples)})
         _save_and_register(run, model, lm.tokenizer, cfg, arm,
                            _Provenance(teacher=ev.model, corpus_digest=prepared.corpus.digest,
