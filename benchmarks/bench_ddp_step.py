@@ -2,8 +2,9 @@
 (8 examples) through :class:`~mistill.distill.trainer.Trainer`, on one GPU or several.
 
 The student and its targets are ``bench_train_step.py``'s (random-init Qwen3-4B, a ~30k-token
-note, bf16 weights). Each rank computes its share of the batch, the gradients are summed over
-the ranks (float32 buckets), every rank steps. Per arm (Vanilla CoT-KD, Mistill): the optimizer
+note). Each rank computes its share of the batch, the gradients are summed over the ranks
+(float32 buckets for the bf16 arms' whole weights, FSDP's reduce-scatter for the fp32 arm's
+shards), every rank steps. Per arm (Vanilla CoT-KD, Mistill): the optimizer
 step's wall time after a warm-up step, samples/s and peak memory; ``--compare`` gives the
 speed-up of the second output over the first.
 
@@ -39,7 +40,9 @@ from mistill.distill.objective import micro_step_loss  # noqa: E402
 from mistill.distill.trainer import RecipeConfig, Trainer, prepare_student  # noqa: E402
 from mistill.distributed import barrier, gather, init_world  # noqa: E402
 
-ARMS = ("vanilla-bf16", "mistill")
+ARMS = ("vanilla-bf16", "mistill", "mistill-fp32")
+"""The bf16 arms replicate the weights; ``mistill-fp32`` (fp32 master weights, measured last,
+on the same weights cast to fp32) is sharded by FSDP on several processes (``sharding=auto``)."""
 GLOBAL_BATCH = 8
 
 
@@ -53,12 +56,12 @@ def run(args) -> None:
         embedded_tokenizer().save_pretrained(tokenizer)
     setup = student_setup(tokenizer, args.extra_lines, smoke=args.smoke)
     lm, nd, pools, targets, pairing = (setup[k] for k in ("lm", "nd", "pools", "targets", "pairing"))
-    recipe = RecipeConfig(precision="bf16", grad_accum=GLOBAL_BATCH, epochs=1)
-    model = prepare_student(lm.model, recipe)
     res: dict = {"world_size": world.size, "global_batch": GLOBAL_BATCH, **setup["res"]}
     cuda = not args.smoke
     for name in ARMS:
         arm = resolve_arm(name)
+        recipe = RecipeConfig(precision=arm.precision, grad_accum=GLOBAL_BATCH, epochs=1)
+        model = prepare_student(lm.model, recipe)
 
         def micro_step(m, idx, arm=arm):
             return micro_step_loss(m, lm, nd, targets, pairing, pools, arm)
@@ -80,6 +83,7 @@ def run(args) -> None:
         res[f"{name}_step_s"] = elapsed
         res[f"{name}_samples_per_s"] = GLOBAL_BATCH / elapsed
         res[f"{name}_peak_gib_max_over_ranks"] = max(peaks)
+        res[f"{name}_fsdp"] = trainer.fsdp
         del trainer
         if cuda:
             torch.cuda.empty_cache()

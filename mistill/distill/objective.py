@@ -397,8 +397,14 @@ def final_hidden(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
     The model is called as a whole, so that hooks on it run (FSDP gathers the embeddings, the
     final norm and the head in the root's), with the head on the last position only: the
-    objective reads the head itself, chunk by chunk (``chunked_cot_loss``)."""
-    out = model(input_ids=ids.unsqueeze(0), use_cache=False, output_hidden_states=True, logits_to_keep=1)
+    objective reads the head itself, chunk by chunk (``chunked_cot_loss``). FSDP warns that the
+    outputs are views (an in-place op on one would skip its gradient hook); none is changed in
+    place here, so the warning is silenced."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        out = model(input_ids=ids.unsqueeze(0), use_cache=False, output_hidden_states=True, logits_to_keep=1)
     return out.hidden_states[-1][0]
 
 
