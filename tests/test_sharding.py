@@ -526,8 +526,8 @@ if world.leader:
 def test_training_resumes_on_another_world_size(tmp_path):
     """Three optimizer steps on two gloo processes (fp32 master weights, so sharded by FSDP;
     rank 0 saves the gathered state after each), the rest of the schedule resumed by one
-    process from that state: the weights and losses of one process's uninterrupted run, to
-    float32 summation order (the ranks' shares summed apart)."""
+    process from that state, and the other way round: the weights and losses of one process's
+    uninterrupted run, to float32 summation order (the ranks' shares summed apart)."""
     import torch
 
     script = tmp_path / "resume_trainer.py"
@@ -542,13 +542,19 @@ def test_training_resumes_on_another_world_size(tmp_path):
     run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), "crash",
         str(tmp_path / "two"), str(tmp_path / "crash.pt"))
     run(sys.executable, str(script), "resume", str(tmp_path / "two"), str(tmp_path / "resumed.pt"))
-    full, crash, resumed = (torch.load(tmp_path / f"{n}.pt") for n in ("full", "crash", "resumed"))
-    assert full["step"] == 6 and crash["step"] == 3 and resumed["step"] == 6
-    assert crash["fsdp"] and not full["fsdp"] and not resumed["fsdp"]
-    assert [ce for _, ce in crash["logs"] + resumed["logs"]] == pytest.approx([ce for _, ce in full["logs"]],
+    # and the other way: three steps in one process, the rest sharded over two
+    run(sys.executable, str(script), "crash", str(tmp_path / "one"), str(tmp_path / "crash1.pt"))
+    run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), "resume",
+        str(tmp_path / "one"), str(tmp_path / "resumed2.pt"))
+    full, crash, resumed, crash1, resumed2 = (torch.load(tmp_path / f"{n}.pt")
+                                              for n in ("full", "crash", "resumed", "crash1", "resumed2"))
+    assert full["step"] == 6 and crash["step"] == crash1["step"] == 3 and resumed["step"] == resumed2["step"] == 6
+    assert crash["fsdp"] and resumed2["fsdp"] and not (full["fsdp"] or resumed["fsdp"] or crash1["fsdp"])
+    for first, rest in ((crash, resumed), (crash1, resumed2)):
+        assert [ce for _, ce in first["logs"] + rest["logs"]] == pytest.approx([ce for _, ce in full["logs"]],
                                                                                rel=1e-5)
-    moved = 0.0
-    for key, value in full["model"].items():
-        torch.testing.assert_close(resumed["model"][key], value, rtol=1e-4, atol=1e-6)
-        moved = max(moved, float((crash["model"][key] - value).abs().max()))
-    assert moved > 1e-4  # the last three steps changed the weights: the resume did work
+        moved = 0.0
+        for key, value in full["model"].items():
+            torch.testing.assert_close(rest["model"][key], value, rtol=1e-4, atol=1e-6)
+            moved = max(moved, float((first["model"][key] - value).abs().max()))
+        assert moved > 1e-4  # the last three steps changed the weights: the resume did work
