@@ -259,6 +259,7 @@ def chunk_sizes(args) -> dict:
     for chunk in args.chunks:
         runner = Runner(lm, chunk_size=chunk)
         runner.prefill_kernel = "cudnn"
+        runner.fuse_elementwise = args.fuse
         took, peak, logits = prefill(runner)
         res[f"prefill_cudnn_c{chunk}_s"], res[f"prefill_cudnn_c{chunk}_peak_gib"] = took, peak
         res[f"prefill_cudnn_c{chunk}_logits_max_abs_diff"] = (logits - ref).abs().max().item()
@@ -267,6 +268,8 @@ def chunk_sizes(args) -> dict:
     best = args.chunk
     res["pass_chunk"] = best
     runner = Runner(lm, chunk_size=best)
+    runner.fuse_elementwise = args.fuse
+    res["fuse_elementwise"] = args.fuse
     events = events_for(ids, args.tokens)
     cfg = AttributionConfig(chunk_size=best)
     torch.cuda.reset_peak_memory_stats()
@@ -322,6 +325,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--mode", choices=("kernels", "prefill", "chunks", "profile"), default="prefill")
     ap.add_argument("--chunks", type=int, nargs="+", default=[8192, 16384, 32768])
+    ap.add_argument("--fuse", action="store_true", help="the norms and rotary embedding compiled (Runner.fuse_elementwise)")
     ap.add_argument("--out", default="bench_prefill.json")
     args = ap.parse_args()
     res: dict = {"model": args.model, "tokens": args.tokens, "chunk": args.chunk,

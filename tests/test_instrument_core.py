@@ -264,3 +264,26 @@ def test_lse_share_of_the_query_gradient_is_attention_with_keys_as_values():
         return torch.softmax((a @ b.transpose(-1, -2)) * 0.5, -1) @ c
 
     torch.testing.assert_close(lse_grad_q(q.detach(), k, g, 0.5, attend).double(), q.grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_fused_norm_is_the_models_rms_norm_op_for_op(family):
+    """The function the prefill compiles for its norms (``runner._rms_norm``) gives transformers'
+    RMSNorm modules' outputs bit for bit, uncompiled, in float32 and bf16 (input, post-attention
+    and the q/k norms); on the CPU the runner never takes the compiled path."""
+    from mistill.instrument.runner import _rms_norm
+
+    lm = tiny_model(family, layers=2, heads=4, kv_heads=2, d_head=8, d_model=32, seed=3)
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        lm.model.to(dtype)
+        for parts in lm.geometry.layers:
+            norms = [parts.input_norm, parts.post_norm] + [m for m in (parts.q_norm, parts.k_norm) if m is not None]
+            for module in norms:
+                with torch.no_grad():
+                    module.weight.copy_(1 + 0.1 * torch.randn(module.weight.shape, generator=g))
+                width = module.weight.shape[0]
+                x = (3 * torch.randn(5, 4, width, generator=g)).to(dtype)
+                assert torch.equal(_rms_norm(x, module.weight, module.variance_epsilon), module(x))
+    runner = Runner(lm)
+    assert runner.fuse_elementwise and runner._fused(torch.zeros(1)) is None

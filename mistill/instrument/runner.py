@@ -29,13 +29,18 @@ math path.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from mistill.models.geometry import HeadGeometry
 from mistill.models.loading import LoadedModel
+
+
+log = logging.getLogger("mistill.runner")
 
 
 @dataclass
@@ -316,13 +321,45 @@ def causal_over_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[0].transpose(1, 2)
 
 
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm of the supported families, op for op: float32 statistics, the
+    normalised input cast back before the weight multiplies it."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class FusedElementwise:
+    """The element-wise work of a layer (the RMS norms, the rotary embedding) compiled into fused
+    kernels by ``torch.compile`` (Triton), for the prefill's long chunks on CUDA, where that work
+    otherwise runs as a dozen memory-bound kernels per layer. Compiled once per process, for any
+    chunk length (dynamic shapes); a norm that is not transformers' plain RMSNorm runs as is."""
+
+    def __init__(self, apply_rope) -> None:
+        self.norm_fn = torch.compile(_rms_norm, dynamic=True)
+        self.rope_fn = torch.compile(apply_rope, dynamic=True)
+
+    def norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        eps = getattr(module, "variance_epsilon", None)
+        if eps is None or not type(module).__name__.endswith("RMSNorm") or getattr(module, "weight", None) is None:
+            return module(x)
+        return self.norm_fn(x, module.weight, eps)
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        return self.rope_fn(q, k, cos, sin)
+
+
+FUSED: dict[int, FusedElementwise | None] = {}
+"""The compiled element-wise parts per rotary function (None where compiling failed)."""
+
+
 PREFILL_KERNELS = ("auto", "cudnn", "flash", "split")
 """How a prefill chunk attends on CUDA (bf16/fp16): ``cudnn``, the prefix and the chunk's own
 causal block each through cuDNN's kernel, merged through the log-sum-exp;
 ``flash``, one causal flash call over prefix + chunk (:func:`causal_over_prefix`); ``split``,
 as ``cudnn`` with flash for both parts; ``auto``, ``cudnn`` where :func:`cudnn_prefix_usable`,
-else ``flash``. Measured at Qwen3-14B @ 106k on an H200, chunks of 8,192: ``cudnn`` 14.2 s,
-``flash`` 18.9 s (``benchmarks/RESULTS.md``). Elsewhere (CPU, float32) the exact math path."""
+else ``flash``. Measured at Qwen3-14B @ 106k on an H200, chunks of 8,192: ``cudnn`` 14.2 s
+(13.3 s with :class:`FusedElementwise`), ``flash`` 18.9 s (``benchmarks/RESULTS.md``). Elsewhere (CPU, float32) the exact math path."""
 
 
 class Runner:
@@ -335,6 +372,9 @@ class Runner:
         # None: the flash kernel on CUDA (bf16/fp16), with or without gradients; False: always the math path
         self.use_flash = use_flash
         self.prefill_kernel = "auto"  # one of PREFILL_KERNELS
+        # the prefill's norms and rotary embedding through compiled fused kernels on CUDA
+        # (:class:`FusedElementwise`); False: the model's own modules everywhere
+        self.fuse_elementwise = True
         lm.model.requires_grad_(False)
 
     @property
@@ -457,20 +497,23 @@ class Runner:
                 and self.use_flash is not False and _flash_available(h) and not torch.is_grad_enabled()):
             kernel = self._prefill_kernel(h)
         one_kernel = kernel == "one_flash" and write_prefix and B == 1
+        fused = self._fused(h) if rows == "causal" and (write_prefix or long_rows) and B * n > 0 else None
+        norm = fused.norm if fused is not None else (lambda module, x: module(x))
+        rope = fused.rope if fused is not None else g.apply_rope
         for parts in g.layers[start_layer:]:
             if captured is not None:
                 captured.append(h)
             l = parts.index
-            x = parts.input_norm(h)
+            x = norm(parts.input_norm, h)
             q = parts.q_proj(x).view(B, n, g.n_heads, g.d_head)
             k = parts.k_proj(x).view(B, n, g.n_kv_heads, g.d_head)
             v = parts.v_proj(x).view(B, n, g.n_kv_heads, g.d_head)
             if parts.q_norm is not None:
-                q = parts.q_norm(q)
-                k = parts.k_norm(k)
+                q = norm(parts.q_norm, q)
+                k = norm(parts.k_norm, k)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [batch, head, row, d_head]
             if parts.use_rope:
-                q, k = g.apply_rope(q, k, cos, sin)
+                q, k = rope(q, k, cos, sin)
             if write_prefix and one_kernel:
                 # a prefill chunk: its keys join the prefix, then one causal flash call over
                 # prefix + chunk, aligned to the last key (row r sees keys <= prefix_len + r)
@@ -487,7 +530,7 @@ class Runner:
                     prefix.keys[l][:, :, prefix_len:prefix_len + n] = k
                     prefix.values[l][:, :, prefix_len:prefix_len + n] = v
             h = h + parts.o_proj(attn.reshape(B, n, g.n_heads * g.d_head))
-            h = h + parts.mlp(parts.post_norm(h))
+            h = h + parts.mlp(norm(parts.post_norm, h))
         if write_prefix:
             prefix.length = prefix.written = prefix_len + n
         hs = h if logits_rows is None else h[:, torch.as_tensor(logits_rows, device=self.device).long()]
@@ -496,6 +539,24 @@ class Runner:
         if captured is not None:
             hidden = torch.stack(captured, dim=0)
         return RunnerOutput(logits=logits, hidden_in=hidden)
+
+    def _fused(self, like: torch.Tensor) -> FusedElementwise | None:
+        """The compiled element-wise parts when ``fuse_elementwise`` is on, ``like`` is on CUDA
+        and nothing needs gradients; None otherwise, or where compiling fails (said once)."""
+        if not self.fuse_elementwise or like.device.type != "cuda" or torch.is_grad_enabled():
+            return None
+        key = id(self.geometry.apply_rope)
+        if key not in FUSED:
+            try:
+                fused = FusedElementwise(self.geometry.apply_rope)
+                x = torch.randn(2, 3, 8, 16, device=like.device, dtype=like.dtype)
+                fused.norm_fn(x, torch.ones(16, device=like.device, dtype=like.dtype), 1e-6)
+                fused.rope_fn(x, x, x[:, 0], x[:, 0])
+                FUSED[key] = fused
+            except Exception as err:  # noqa: BLE001 - any compiler failure falls back to the modules
+                log.warning("fused element-wise kernels unavailable (%s); the model's modules run", err)
+                FUSED[key] = None
+        return FUSED[key]
 
     def _prefill_kernel(self, like: torch.Tensor) -> str:
         """The prefix kernel of a CUDA prefill chunk: ``"cudnn"``, ``"flash"`` (split) or
