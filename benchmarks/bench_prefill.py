@@ -172,41 +172,30 @@ def kernels_in_model(args) -> dict:
     return res
 
 
-def prefill_and_pass(args) -> dict:
-    """The model's prefill by kernel (``Runner.prefill_kernel``; the logits at 64 positions
-    against the split path's), then the attribution pass with the default (``auto``), timed in
-    its parts."""
+def timed_prefill(runner: Runner, hook: HeadHook, ids: torch.Tensor,
+                  probe: torch.Tensor) -> tuple[float, float, torch.Tensor]:
+    """One prefill of ``ids`` with the head-mean hook, after a warm-up of two chunks: seconds,
+    peak GiB and the logits at ``probe``."""
+    runner.prefill(ids[:2 * min(runner.chunk_size, 8192)])  # warm-up, a prefix included
+    torch.cuda.reset_peak_memory_stats()
+    sync()
+    t = time.perf_counter()
+    with hook.accumulate_mean():
+        prefix, logits = runner.prefill(ids, logits_at=probe)
+    sync()
+    took = time.perf_counter() - t
+    del prefix
+    peak = torch.cuda.max_memory_allocated() / 2 ** 30
+    torch.cuda.empty_cache()
+    return took, peak, logits
+
+
+def timed_pass(runner: Runner, hook: HeadHook, ids: torch.Tensor, tokens: int, chunk: int) -> dict:
+    """The attribution pass (150 events, 16 running global heads) timed in its parts: the
+    first-order sweep with the prefill, the exact sweep; peak memory and exact patches."""
     from mistill.instrument.passes import exact_sweep, first_order_sweep
 
-    res: dict = {}
-    lm = build(args.model, max_pos=args.tokens + 1024)
-    runner, hook = Runner(lm, chunk_size=args.chunk), HeadHook(lm.geometry)
-    ids = torch.randint(0, 150000, (args.tokens,), generator=torch.Generator().manual_seed(1))
-    probe = torch.arange(args.tokens - 64 * 90, args.tokens, 90)
-    ref = None
-    for kernel in ("split", "flash", "cudnn"):
-        runner.prefill_kernel = kernel
-        runner.prefill(ids[:2 * args.chunk])  # warm-up, a prefix included
-        torch.cuda.reset_peak_memory_stats()
-        sync()
-        t = time.perf_counter()
-        with hook.accumulate_mean():
-            prefix, logits = runner.prefill(ids, logits_at=probe)
-        sync()
-        res[f"prefill_{kernel}_s"] = time.perf_counter() - t
-        res[f"prefill_{kernel}_peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
-        del prefix
-        torch.cuda.empty_cache()
-        if ref is None:
-            ref = logits
-        else:
-            res[f"prefill_{kernel}_logits_max_abs_diff"] = (logits - ref).abs().max().item()
-            res[f"prefill_{kernel}_argmax_agree"] = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
-        print(json.dumps(res), flush=True)
-    runner.prefill_kernel = "auto"
-    res["cudnn_prefix_usable"] = bool(runner_mod.cudnn_prefix_usable(ref.to(torch.bfloat16)))
-    chunk = args.chunk
-    events = events_for(ids, args.tokens)
+    events = events_for(ids, tokens)
     cfg = AttributionConfig(chunk_size=chunk)
     torch.cuda.reset_peak_memory_stats()
     sync()
@@ -217,12 +206,35 @@ def prefill_and_pass(args) -> dict:
     att = exact_sweep(runner, hook, sweep, cfg, list(range(16)), progress=False)
     sync()
     t2 = time.perf_counter()
-    res["pass_s"] = t2 - t0
-    res["pass_first_order_sweep_s"] = t1 - t0  # the prefill included
-    res["pass_exact_sweep_s"] = t2 - t1
-    res["pass_peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
-    res["pass_exact_patches"] = int((~np.isnan(att.exact)).sum())
-    res["pass_exact_events"] = int((~np.isnan(att.exact)).any(axis=1).sum())
+    return {"pass_s": t2 - t0, "pass_first_order_sweep_s": t1 - t0,  # the prefill included
+            "pass_exact_sweep_s": t2 - t1, "pass_peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30,
+            "pass_exact_patches": int((~np.isnan(att.exact)).sum()),
+            "pass_exact_events": int((~np.isnan(att.exact)).any(axis=1).sum())}
+
+
+def prefill_and_pass(args) -> dict:
+    """The model's prefill by kernel (``Runner.prefill_kernel``; the logits at 64 positions
+    against the split path's), then the attribution pass with the default (``auto``), timed in
+    its parts."""
+
+    res: dict = {}
+    lm = build(args.model, max_pos=args.tokens + 1024)
+    runner, hook = Runner(lm, chunk_size=args.chunk), HeadHook(lm.geometry)
+    ids = torch.randint(0, 150000, (args.tokens,), generator=torch.Generator().manual_seed(1))
+    probe = torch.arange(args.tokens - 64 * 90, args.tokens, 90)
+    ref = None
+    for kernel in ("split", "flash", "cudnn"):
+        runner.prefill_kernel = kernel
+        res[f"prefill_{kernel}_s"], res[f"prefill_{kernel}_peak_gib"], logits = timed_prefill(runner, hook, ids, probe)
+        if ref is None:
+            ref = logits
+        else:
+            res[f"prefill_{kernel}_logits_max_abs_diff"] = (logits - ref).abs().max().item()
+            res[f"prefill_{kernel}_argmax_agree"] = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
+        print(json.dumps(res), flush=True)
+    runner.prefill_kernel = "auto"
+    res["cudnn_prefix_usable"] = bool(runner_mod.cudnn_prefix_usable(ref.to(torch.bfloat16)))
+    res.update(timed_pass(runner, hook, ids, args.tokens, args.chunk))
     return res
 
 
@@ -230,7 +242,6 @@ def chunk_sizes(args) -> dict:
     """The ``cudnn`` prefill (prefix and the chunk's own causal block through cuDNN) at several
     chunk sizes, its logits at 64 positions against one flash call per 8,192-token chunk, then
     the attribution pass (prefill ``auto``) at ``--chunk``."""
-    from mistill.instrument.passes import exact_sweep, first_order_sweep
 
     res: dict = {}
     lm = build(args.model, max_pos=args.tokens + 1024)
@@ -238,29 +249,15 @@ def chunk_sizes(args) -> dict:
     ids = torch.randint(0, 150000, (args.tokens,), generator=torch.Generator().manual_seed(1))
     probe = torch.arange(args.tokens - 64 * 90, args.tokens, 90)
 
-    def prefill(runner: Runner) -> tuple[float, float, torch.Tensor]:
-        runner.prefill(ids[:2 * min(runner.chunk_size, 8192)])  # warm-up, a prefix included
-        torch.cuda.reset_peak_memory_stats()
-        sync()
-        t = time.perf_counter()
-        with hook.accumulate_mean():
-            prefix, logits = runner.prefill(ids, logits_at=probe)
-        sync()
-        took = time.perf_counter() - t
-        del prefix
-        peak = torch.cuda.max_memory_allocated() / 2 ** 30
-        torch.cuda.empty_cache()
-        return took, peak, logits
-
     runner = Runner(lm, chunk_size=8192)
     runner.prefill_kernel = "flash"
-    res["prefill_flash_c8192_s"], res["prefill_flash_c8192_peak_gib"], ref = prefill(runner)
+    res["prefill_flash_c8192_s"], res["prefill_flash_c8192_peak_gib"], ref = timed_prefill(runner, hook, ids, probe)
     res["cudnn_prefix_usable"] = bool(runner_mod.cudnn_prefix_usable(ref.to(torch.bfloat16)))
     for chunk in args.chunks:
         runner = Runner(lm, chunk_size=chunk)
         runner.prefill_kernel = "cudnn"
         runner.fuse_elementwise = args.fuse
-        took, peak, logits = prefill(runner)
+        took, peak, logits = timed_prefill(runner, hook, ids, probe)
         res[f"prefill_cudnn_c{chunk}_s"], res[f"prefill_cudnn_c{chunk}_peak_gib"] = took, peak
         res[f"prefill_cudnn_c{chunk}_logits_max_abs_diff"] = (logits - ref).abs().max().item()
         res[f"prefill_cudnn_c{chunk}_argmax_agree"] = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
@@ -270,22 +267,7 @@ def chunk_sizes(args) -> dict:
     runner = Runner(lm, chunk_size=best)
     runner.fuse_elementwise = args.fuse
     res["fuse_elementwise"] = args.fuse
-    events = events_for(ids, args.tokens)
-    cfg = AttributionConfig(chunk_size=best)
-    torch.cuda.reset_peak_memory_stats()
-    sync()
-    t0 = time.perf_counter()
-    sweep = first_order_sweep(runner, hook, "bench", ids, events, cfg, progress=False)
-    sync()
-    t1 = time.perf_counter()
-    att = exact_sweep(runner, hook, sweep, cfg, list(range(16)), progress=False)
-    sync()
-    t2 = time.perf_counter()
-    res["pass_s"] = t2 - t0
-    res["pass_first_order_sweep_s"] = t1 - t0  # the prefill included
-    res["pass_exact_sweep_s"] = t2 - t1
-    res["pass_peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
-    res["pass_exact_patches"] = int((~np.isnan(att.exact)).sum())
+    res.update(timed_pass(runner, hook, ids, args.tokens, best))
     return res
 
 
