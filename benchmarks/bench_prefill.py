@@ -307,7 +307,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--mode", choices=("kernels", "prefill", "chunks", "profile"), default="prefill")
     ap.add_argument("--chunks", type=int, nargs="+", default=[8192, 16384, 32768])
-    ap.add_argument("--fuse", action="store_true", help="the norms and rotary embedding compiled (Runner.fuse_elementwise)")
+    ap.add_argument("--fuse", action="store_true",
+                    help="the norms and rotary embedding compiled (Runner.fuse_elementwise)")
     ap.add_argument("--out", default="bench_prefill.json")
     args = ap.parse_args()
     res: dict = {"model": args.model, "tokens": args.tokens, "chunk": args.chunk,
