@@ -15,6 +15,7 @@ Collectives go through ``torch.distributed``: NCCL between GPUs, gloo on CPUs (a
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from collections.abc import Sequence
@@ -96,7 +97,18 @@ def init_world(device: str = "cpu") -> World:
         timeout = float(os.environ.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S))
         dist.init_process_group(backend=backend, rank=world.rank, world_size=world.size,
                                 timeout=datetime.timedelta(seconds=timeout))
+        atexit.register(_leave_group)
     return world
+
+
+def _leave_group() -> None:
+    """Destroy the process group when the process exits, so that its communication threads stop
+    before the interpreter does (a group left to the interpreter's teardown can abort the
+    process with ``terminate called without an active exception``)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def broadcast(obj: T, world: World) -> T:
