@@ -359,7 +359,8 @@ causal block each through cuDNN's kernel, merged through the log-sum-exp;
 ``flash``, one causal flash call over prefix + chunk (:func:`causal_over_prefix`); ``split``,
 as ``cudnn`` with flash for both parts; ``auto``, ``cudnn`` where :func:`cudnn_prefix_usable`,
 else ``flash``. Measured at Qwen3-14B @ 106k on an H200, chunks of 8,192: ``cudnn`` 14.2 s
-(13.3 s with :class:`FusedElementwise`), ``flash`` 18.9 s (``benchmarks/RESULTS.md``). Elsewhere (CPU, float32) the exact math path."""
+(13.3 s with :class:`FusedElementwise`), ``flash`` 18.9 s (``benchmarks/RESULTS.md``). Elsewhere (CPU,
+float32) the exact math path."""
 
 
 class Runner:
@@ -597,9 +598,9 @@ class Runner:
                                         kernel=prefix_kernel)
         out_p = out_p.view(KV, B, n, G, d).permute(1, 0, 3, 2, 4)  # [batch, kv_head, group, row, d_head], a view
         lse_p = lse_p.view(KV, B, n, G).permute(1, 0, 3, 2).reshape(B, H, n)
-        fused = (rows == "causal" and n - own_tail > 1 and self.use_flash is not False and not torch.is_grad_enabled()
-                 and _flash_available(q))
-        if not fused or own_tail:  # float32 copies for the math paths (a fused block alone needs none)
+        fused_block = (rows == "causal" and n - own_tail > 1 and self.use_flash is not False
+                       and not torch.is_grad_enabled() and _flash_available(q))
+        if not fused_block or own_tail:  # float32 copies for the math paths (a fused block alone needs none)
             k_rep = k_new.repeat_interleave(G, dim=1).float()
             v_rep = v_new.repeat_interleave(G, dim=1).float()
             qf32 = q.float()
@@ -608,7 +609,7 @@ class Runner:
             out_n = v_rep
         elif rows == "causal":
             m = n - own_tail
-            if fused:
+            if fused_block:
                 ks, vs = k_new[:, :, :m].repeat_interleave(G, dim=1), v_new[:, :, :m].repeat_interleave(G, dim=1)
                 if prefix_kernel == "cudnn":  # a prefill chunk's own block: square, so cuDNN's alignment holds
                     out_n, lse_n = _cudnn_causal(q[:, :, :m], ks, vs, scale)
