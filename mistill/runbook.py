@@ -3,19 +3,33 @@
 A :class:`PlanStep` is one entry point run of one tree (HD-001, HD-002, DT-000, ...), with the
 steps it needs, the result ids of App. Q it serves, and its workload: how many notes (or
 optimizer micro-steps) of how many tokens on which model. :func:`estimate` turns a workload into
-GPU-hours from the figures recorded in ``benchmarks/results.json`` (:class:`Figures`), scaling
-the benchmark's per-note time by the tokens per note (linearly: a lower bound where attention's
-quadratic part dominates); every estimate names the figures and the formula it used, and a step
-without a recorded figure says so rather than guess. :func:`select` keeps the steps that a set
-of result ids needs, with everything they depend on.
+GPU-hours from the figures recorded in ``benchmarks/results.json`` (:class:`Figures`); every
+estimate names the figures and the formula it used, and a step without a recorded figure says so
+rather than guess.
+
+- A per-note pass or a training step: the benchmark's per-unit time, scaled by the tokens per
+  note (linearly: a lower bound where attention's quadratic part dominates).
+- Sampling (``generate``, ``evaluate``; :func:`generation_estimate`): a batched engine's measured
+  wall time for a batch of prompts (``sampling.<engine>.<model>.p<prompt>.b<batch>.n<new>.wall_s``,
+  vLLM preferred, then batched HF), per note, on a line through two measured new-token counts, at
+  the shortest recorded prompt length at least the work's and the batch of least time per note;
+  a model without its own such figures falls back to the HF backend at batch 1 (``generate.*``).
+- On-policy training (:func:`rollout_estimate`): the measured step (with TRL's colocated vLLM
+  rollouts where recorded, else through HF generation), plus the rest of the rollout at the same
+  backend's time per generated token.
+
+:func:`render` prints the steps, their GPU-hours by tree and in total; :func:`select` keeps the
+steps that a set of result ids needs, with everything they depend on.
 
 The counts are the paper's (App. A, C, J, Q), as :func:`paper_plan` states them.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,20 +110,104 @@ COST_NOTES: dict[str, str] = {
 ROLLOUTS = ("train_opd", "train_gold")
 """On-policy kinds, costed by :func:`rollout_estimate`."""
 GENERATION = ("generate", "evaluate")
-"""Kinds costed as a prompt's prefill plus the generated tokens (:func:`generation_estimate`), from
-``benchmarks/bench_generate.py``'s figures ``generate.<model>.p<prompt tokens>.{prefill_s,
-decode_per_token_s}``: the HF backend, batch 1, an upper bound for the vLLM backend."""
+"""Kinds costed as sampling ``work.new_tokens`` after a ``work.tokens`` prompt for each of
+``work.units`` notes (:func:`generation_estimate`). From a batched engine's measured wall time
+where one is recorded for the model (:data:`SAMPLING_ENGINES`, in that order: the figures
+``sampling.<engine>.<model>.p<prompt tokens>.b<batch>.n<new tokens>.wall_s``, the wall seconds of
+``batch`` prompts each generating ``new tokens``, their prefills included, the engine's start not),
+a note costing the wall time of its batch over the batch size, on a line through the two measured
+new-token counts nearest the work's; otherwise from ``benchmarks/bench_generate.py``'s HF figures
+at batch 1 (``generate.<model>.p<prompt tokens>.{prefill_s,decode_per_token_s}``), an upper bound
+for a batched engine."""
+SAMPLING_ENGINES: tuple[str, ...] = ("vllm", "hf_batched")
+"""The batched engines whose ``sampling.*`` figures cost generation, most preferred first."""
 NO_FIGURE = ("shortlist", "las_simulator")
 COMPOSITE: dict[str, tuple[str, ...]] = {"characterize": ("events", "attribute", "knockin")}
 """Entry points that run others as nested steps."""
 
 
-def generation_estimate(work: Workload, figures: Figures) -> Estimate:
-    """GPU-hours of generating ``work.new_tokens`` after a ``work.tokens`` prompt, per unit: the
-    prefill measured at the nearest recorded prompt length, scaled by the prompt's tokens, plus the
-    new tokens at that length's time per token."""
-    import re
+def sampling_key(engine: str, model: str, prompt: int, batch: int, new_tokens: int) -> str:
+    """The figure of ``batch`` prompts of ``prompt`` tokens each sampling ``new_tokens`` tokens
+    on ``engine``: their wall seconds."""
+    return f"sampling.{engine}.{model}.p{prompt}.b{batch}.n{new_tokens}.wall_s"
 
+
+def _sampling_walls(figures: Figures, engine: str, model: str) -> dict[int, dict[int, dict[int, float]]]:
+    """The recorded wall times of ``engine`` on ``model``: prompt tokens -> batch -> new tokens ->
+    seconds (the other figures under the same prefix, such as the engine's start, are not read)."""
+    pattern = re.compile(re.escape(f"sampling.{engine}.{model}.") + r"p(\d+)\.b(\d+)\.n(\d+)\.wall_s")
+    table: dict[int, dict[int, dict[int, float]]] = {}
+    for key, value in figures.values.items():
+        if m := pattern.fullmatch(key):
+            prompt, batch, new = (int(g) for g in m.groups())
+            table.setdefault(prompt, {}).setdefault(batch, {})[new] = value
+    return table
+
+
+def _prompt_length(lengths: Iterable[int], tokens: int) -> int:
+    """The recorded prompt length to cost a ``tokens``-token prompt at: the shortest one at least
+    as long (an upper bound), else the longest (shorter than the work's: a lower bound)."""
+    ordered = sorted(lengths)
+    return next((n for n in ordered if n >= tokens), ordered[-1])
+
+
+def _segment(counts: Iterable[int], n: int) -> tuple[int, int]:
+    """Two recorded new-token counts ``n1 < n2`` (at least two are given) whose line gives the
+    time at ``n``: those either side of ``n``, else the two nearest it (extrapolated)."""
+    ordered = sorted(counts)
+    i = max(0, min(bisect.bisect_left(ordered, n) - 1, len(ordered) - 2))
+    return ordered[i], ordered[i + 1]
+
+
+def _prompt_note(recorded: int, tokens: int) -> str:
+    """What costing a ``tokens``-token prompt at a ``recorded``-token one makes of the estimate."""
+    if recorded < tokens:
+        return f"; prompts shorter than the work's {tokens} tokens: a lower bound"
+    if recorded > tokens:
+        return f"; prompts longer than the work's {tokens} tokens: an upper bound"
+    return ""
+
+
+def _sampling_estimate(engine: str, work: Workload, figures: Figures) -> Estimate | str:
+    """``work`` costed from ``engine``'s measured wall times, or why it cannot be (empty: the
+    engine has no figure at all)."""
+    table = _sampling_walls(figures, engine, work.model)
+    if not table:
+        others = any(k.startswith(f"sampling.{engine}.") and k.endswith(".wall_s") for k in figures.values)
+        return (f"sampling.{engine}.{work.model}.* is not recorded (another model's figures are not used for it)"
+                if others else "")
+    prompt = _prompt_length(table, work.tokens)
+    curves = {b: walls for b, walls in table[prompt].items() if len(walls) >= 2}
+    if not curves:
+        return f"sampling.{engine}.{work.model}.p{prompt}: no batch is recorded at two new-token counts"
+    fitting = {b: walls for b, walls in curves.items() if b <= max(work.units, 1)}
+    if not fitting:
+        return (f"sampling.{engine}.{work.model}.p{prompt}: every batch recorded at two new-token counts is "
+                f"larger than the work's {work.units} notes")
+    n = work.new_tokens
+
+    def per_note(batch: int) -> float:
+        walls = fitting[batch]
+        n1, n2 = _segment(walls, n)
+        return (walls[n1] + (walls[n2] - walls[n1]) * (n - n1) / (n2 - n1)) / batch
+
+    batch = min(fitting, key=lambda b: (per_note(b), b))
+    walls = fitting[batch]
+    n1, n2 = _segment(walls, n)
+    w1, w2 = walls[n1], walls[n2]
+    beyond = "" if n1 <= n <= n2 else f", extrapolated to {n}"
+    return Estimate(work.units * per_note(batch) / 3600,
+                    f"{work.units} x ({w1:.4g} s + ({w2:.4g} - {w1:.4g}) s x ({n} - {n1}) / ({n2} - {n1})) / {batch} "
+                    f"(measured: {engine}, batch {batch}, {prompt}-token prompts, {n1} and {n2} new tokens{beyond}"
+                    f"{_prompt_note(prompt, work.tokens)})",
+                    (sampling_key(engine, work.model, prompt, batch, n1),
+                     sampling_key(engine, work.model, prompt, batch, n2)))
+
+
+def _hf_generation_estimate(work: Workload, figures: Figures) -> Estimate:
+    """``work`` costed from the HF backend at batch 1: the prefill measured at the nearest recorded
+    prompt length, scaled by the prompt's tokens, plus the new tokens at that length's time per
+    token."""
     prefix = f"generate.{work.model}.p"
     lengths = sorted(int(m.group(1)) for k in figures.values
                      if (m := re.fullmatch(re.escape(prefix) + r"(\d+)\.prefill_s", k)))
@@ -118,47 +216,128 @@ def generation_estimate(work: Workload, figures: Figures) -> Estimate:
     bench = min(lengths, key=lambda n: (abs(n - work.tokens), n))
     prefill_key, token_key = f"{prefix}{bench}.prefill_s", f"{prefix}{bench}.decode_per_token_s"
     prefill, per_token = figures.get(prefill_key), figures.get(token_key)
-    if per_token is None:
+    if prefill is None or per_token is None:
         return Estimate(None, f"{token_key} is not recorded")
     per_unit = prefill * work.tokens / bench + work.new_tokens * per_token
     return Estimate(work.units * per_unit / 3600,
                     f"{work.units} x ({prefill:.3g} s x {work.tokens} / {bench} tokens + {work.new_tokens} x "
-                    f"{per_token:.3g} s) (HF backend, batch 1: an upper bound for vLLM)", (prefill_key, token_key))
+                    f"{per_token:.3g} s) (HF backend, batch 1: an upper bound for a batched engine)",
+                    (prefill_key, token_key))
 
 
-def rollout_estimate(work: Workload, figures: Figures) -> Estimate:
-    """GPU-hours of on-policy training (``benchmarks/bench_onpolicy_step.py``): each step's
-    measured time with a 256-token rollout, plus the rest of a ``work.new_tokens`` rollout at the
-    student's time per generated token (:func:`generation_estimate`'s figures). GOLD
-    (``train_gold``) rolls out on the arm's on-policy fraction of its steps
-    (``work.on_policy_fraction``) and trains on the teacher's trace, cut at the rollout cap, on the
-    others (the benchmark's off-policy step at the 6,144-token cap)."""
+def generation_estimate(work: Workload, figures: Figures) -> Estimate:
+    """GPU-hours of sampling ``work.new_tokens`` after a ``work.tokens`` prompt for each of
+    ``work.units`` notes.
+
+    The first engine of :data:`SAMPLING_ENGINES` with a usable figure for ``work.model`` (its own:
+    no other model's figures stand in for it) costs it: at the shortest recorded prompt length at
+    least the work's (else the longest, said to be shorter), among the batches no larger than the
+    work's notes and recorded at two new-token counts or more, the batch of least seconds per note,
+    ``(w1 + (w2 - w1) x (N - n1) / (n2 - n1)) / batch`` from the walls ``w1``, ``w2`` measured at the
+    counts ``n1 < n2`` either side of the work's ``N`` (else the two nearest it); GPU-hours are notes
+    x that / 3600. Without one, the HF backend at batch 1 (``generate.*`` figures), its formula
+    saying why each recorded engine was passed over; without that either, no estimate."""
+    passed: list[str] = []
+    for engine in SAMPLING_ENGINES:
+        found = _sampling_estimate(engine, work, figures)
+        if isinstance(found, Estimate):
+            return found
+        if found:
+            passed.append(found)
+    hf = _hf_generation_estimate(work, figures)
+    return Estimate(hf.gpu_hours, "; ".join([hf.formula, *passed]), hf.keys) if passed else hf
+
+
+def _vllm_token_rate(work: Workload, figures: Figures) -> tuple[float, int, tuple[str, str]] | str:
+    """The student's vLLM batch-1 time per generated token, ``(w2 - w1) / (n2 - n1)`` at the
+    recorded prompt length :func:`generation_estimate` would pick among those with a batch-1
+    figure, with that length and the two figures read; or why there is none."""
+    table = _sampling_walls(figures, "vllm", work.model)
+    lengths = [p for p, batches in table.items() if 1 in batches]
+    if not lengths:
+        return f"sampling.vllm.{work.model}.p<tokens>.b1.n<new tokens>.wall_s is not recorded"
+    prompt = _prompt_length(lengths, work.tokens)
+    walls = table[prompt][1]
+    if len(walls) < 2:
+        return (f"sampling.vllm.{work.model}.p{prompt}.b1 is recorded at one new-token count; a time per "
+                "token needs two")
+    n1, n2 = _segment(walls, work.new_tokens)
+    return ((walls[n2] - walls[n1]) / (n2 - n1), prompt,
+            (sampling_key("vllm", work.model, prompt, 1, n1), sampling_key("vllm", work.model, prompt, 1, n2)))
+
+
+def _onpolicy_estimate(work: Workload, figures: Figures, on_key: str, vllm: bool) -> Estimate:
+    """On-policy training from the step measured at ``on_key`` (``vllm``: with TRL's colocated
+    vLLM rollouts, the rest of the rollout at vLLM's batch-1 time per token; else through HF
+    generation, the rest at the HF backend's)."""
     p = f"onpolicy_step.{work.model}."
-    on_key = p + ("opd_step_s" if work.kind == "train_opd" else "gold_on_policy_step_s")
     keys = [on_key, p + "opd_rollout_tokens"] + ([p + "gold_off_policy_step_s"] if work.kind == "train_gold" else [])
     values = [figures.get(k) for k in keys]
     if any(v is None for v in values):
         return Estimate(None, f"{keys[values.index(None)]} is not recorded")
-    rollout = generation_estimate(Workload("generate", work.model, 1, work.tokens, 1), figures)
-    if rollout.gpu_hours is None:
-        return Estimate(None, rollout.formula)
-    per_token = figures.get(rollout.keys[1])
-    extra = max(0, work.new_tokens - int(values[1]))
-    on_policy = values[0] + extra * per_token
+    step, cap = values[0], int(values[1])
+    extra = max(0, work.new_tokens - cap)
+    if vllm:
+        per_token = 0.0
+        if extra:
+            rate = _vllm_token_rate(work, figures)
+            if isinstance(rate, str):
+                return Estimate(None, rate)
+            per_token, prompt, token_keys = rate
+            keys += token_keys
+            how = (f"the step measured with TRL's colocated vLLM rollouts of {cap} tokens, the rest at vLLM's "
+                   f"batch-1 time per token at {prompt}-token prompts")
+        else:
+            how = f"the step measured with TRL's colocated vLLM rollouts of {cap} tokens"
+    else:
+        rollout = _hf_generation_estimate(Workload("generate", work.model, 1, work.tokens, 1), figures)
+        if rollout.gpu_hours is None:
+            return Estimate(None, rollout.formula)
+        per_token = figures.get(rollout.keys[1])
+        keys.append(rollout.keys[1])
+        how = "through HF generation"
+    on_policy = step + extra * per_token
     if work.kind == "train_opd":
-        per_unit, text = on_policy, f"({values[0]:.3g} s + {extra} x {per_token:.3g} s)"
+        per_unit, text = on_policy, f"({step:.3g} s + {extra} x {per_token:.3g} s)"
     else:
         f = work.on_policy_fraction
         per_unit = f * on_policy + (1 - f) * values[2]
-        text = f"({f:g} x ({values[0]:.3g} s + {extra} x {per_token:.3g} s) + {1 - f:g} x {values[2]:.3g} s)"
-    return Estimate(work.units * per_unit / 3600,
-                    f"{work.units} x {text} (a {work.new_tokens}-token rollout through HF generation)",
-                    (*keys, rollout.keys[1]))
+        text = f"({f:g} x ({step:.3g} s + {extra} x {per_token:.3g} s) + {1 - f:g} x {values[2]:.3g} s)"
+        how += "; the off-policy steps as measured"
+    return Estimate(work.units * per_unit / 3600, f"{work.units} x {text} (a {work.new_tokens}-token rollout, {how})",
+                    tuple(keys))
+
+
+def rollout_estimate(work: Workload, figures: Figures) -> Estimate:
+    """GPU-hours of on-policy training (``benchmarks/bench_onpolicy_step.py``): each step's
+    measured time with a rollout of ``onpolicy_step.<model>.opd_rollout_tokens`` tokens, plus the
+    rest of a ``work.new_tokens`` rollout at the student's time per generated token. GOLD
+    (``train_gold``) rolls out on the arm's on-policy fraction of its steps
+    (``work.on_policy_fraction``) and trains on the teacher's trace, cut at the rollout cap, on the
+    others (the benchmark's off-policy step, ``gold_off_policy_step_s``).
+
+    Where the on-policy step is recorded with TRL's colocated vLLM rollouts
+    (``opd_step_vllm_s``, ``gold_on_policy_step_vllm_s``), that step, the rest of the rollout at
+    vLLM's batch-1 time per token (``sampling.vllm.<model>.p<prompt>.b1.n<new tokens>.wall_s``
+    at two counts); where that time is not recorded, or the step is not, the step through HF
+    generation (``opd_step_s``, ``gold_on_policy_step_s``), the rest at the HF backend's time per
+    token (``generate.<model>.p<prompt>.decode_per_token_s``), its formula saying why vLLM's was
+    passed over."""
+    name = "opd_step" if work.kind == "train_opd" else "gold_on_policy_step"
+    vllm_key = f"onpolicy_step.{work.model}.{name}_vllm_s"
+    passed = ""
+    if figures.get(vllm_key) is not None:
+        found = _onpolicy_estimate(work, figures, vllm_key, vllm=True)
+        if found.gpu_hours is not None:
+            return found
+        passed = found.formula
+    hf = _onpolicy_estimate(work, figures, f"onpolicy_step.{work.model}.{name}_s", vllm=False)
+    return Estimate(hf.gpu_hours, f"{hf.formula}; {vllm_key} not used: {passed}", hf.keys) if passed else hf
 
 
 def estimate(work: Workload, figures: Figures) -> Estimate:
     """GPU-hours of ``work``: units x per-unit seconds (x tokens / benchmark tokens) / 3600; for
-    generation, :func:`generation_estimate`."""
+    generation, :func:`generation_estimate`; for on-policy training, :func:`rollout_estimate`."""
     if work.kind == "none":
         return Estimate(0.0, "no GPU work")
     if work.kind in GENERATION:
@@ -559,16 +738,53 @@ def select(plan: Sequence[PlanStep], results: Iterable[str], index: Sequence | N
     return [s for s in plan if s.name in keep]
 
 
+@dataclass(frozen=True)
+class Subtotal:
+    """The GPU-hours of a group of steps where a figure covers them, the steps, and how many of
+    them no figure covers."""
+
+    gpu_hours: float
+    steps: int
+    without_figure: int
+
+
+def subtotals(plan: Sequence[PlanStep], figures: Figures, by: str = "tree") -> dict[str, Subtotal]:
+    """The plan's estimates summed by ``by`` (``tree`` or ``entry_point``), in plan order."""
+    if by not in ("tree", "entry_point"):
+        raise MistillInputError(f"cannot group the plan by {by!r} (tree, entry_point)", field="by")
+    return _group(plan, [estimate(s.work, figures) for s in plan], by)
+
+
+def _group(plan: Sequence[PlanStep], estimates: Sequence[Estimate], by: str) -> dict[str, Subtotal]:
+    groups: dict[str, Subtotal] = {}
+    for step, est in zip(plan, estimates):
+        name = getattr(step, by)
+        had = groups.get(name, Subtotal(0.0, 0, 0))
+        groups[name] = Subtotal(had.gpu_hours + (est.gpu_hours or 0.0), had.steps + 1,
+                                had.without_figure + (est.gpu_hours is None))
+    return groups
+
+
+def _subtotal_lines(title: str, groups: Mapping[str, Subtotal]) -> list[str]:
+    lines = [f"GPU-hours by {title}:"]
+    for name, sub in groups.items():
+        missing = f", {sub.without_figure} without a figure" if sub.without_figure else ""
+        steps = f"{sub.steps} step" + ("" if sub.steps == 1 else "s")
+        lines.append(f"  {name:<16} {sub.gpu_hours:>9.2f}  ({steps}{missing})")
+    return lines
+
+
 def render(plan: Sequence[PlanStep], figures: Figures, *, reused: Mapping[str, str] | None = None,
-           skipped: Mapping[str, str] | None = None) -> str:
+           skipped: Mapping[str, str] | None = None, by_entry_point: bool = False) -> str:
     """The plan as text: one line per step (entry point, inputs, reuse or why it is skipped,
-    GPU-hours, disk), then the totals and the figures file read."""
+    GPU-hours, disk), then the GPU-hours of each tree (and, ``by_entry_point``, of each entry
+    point), the totals and the figures file read."""
     reused, skipped = reused or {}, skipped or {}
     lines = [f"{'step':<42} {'entry point':<14} {'GPU-h':>8} {'disk GiB':>9}  inputs / estimate"]
     total, unknown, disk = 0.0, [], 0.0
     names = {s.name for s in plan}
-    for s in plan:
-        est = estimate(s.work, figures)
+    estimates = [estimate(s.work, figures) for s in plan]
+    for s, est in zip(plan, estimates):
         hours = "?" if est.gpu_hours is None else f"{est.gpu_hours:.2f}"
         if est.gpu_hours is None:
             unknown.append(s.name)
@@ -581,6 +797,9 @@ def render(plan: Sequence[PlanStep], figures: Figures, *, reused: Mapping[str, s
         inputs = ", ".join(needs[:3]) + (f" +{len(needs) - 3}" if len(needs) > 3 else "")
         lines.append(f"{s.name:<42} {s.entry_point:<14} {hours:>8} {s.disk_gib:>9.1f}  "
                      f"{inputs or '-'}{reuse}; {est.formula}")
+    lines += ["", *_subtotal_lines("tree", _group(plan, estimates, "tree"))]
+    if by_entry_point:
+        lines += ["", *_subtotal_lines("entry point", _group(plan, estimates, "entry_point"))]
     lines += ["", f"{len(plan)} steps; {total:.1f} GPU-hours where a benchmark figure covers the step "
               f"({len(unknown)} steps without one); about {math.ceil(disk)} GiB of artifacts",
               f"figures: {figures.source}"]
@@ -601,20 +820,53 @@ def prepared_counts(prepare_run: str, base: PaperCounts = PaperCounts(), *, size
     return corpus_counts(prepared.corpus, lengths, base, sizes=sizes)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m mistill.runbook [--results R-C3,R-D12] [--prepare-run RUN] [--figures PATH]``:
-    print the plan; with a prepare run, at that corpus's lengths and split sizes (the tracking
-    server must be reachable)."""
-    import argparse
+PROG = "python -m mistill.runbook"
+ALL_RESULTS = "all"
+"""The ``--results`` value that stands for every result (as no value does)."""
 
-    ap = argparse.ArgumentParser(prog="python -m mistill.runbook", description=main.__doc__)
-    ap.add_argument("--results", default="", help="App. Q ids, comma-separated (empty: every step)")
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m mistill.runbook [--results R-C3,R-D12|all] [--prepare-run RUN] [--figures PATH]
+    [--by-entry-point]``: print the plan; with a prepare run, at that corpus's lengths and split
+    sizes (the tracking server must be reachable).
+
+    Exits with code 2 on bad input (an unknown result id, an unreadable figures file), 3 when the
+    tracking server cannot be reached, as the stage command line does."""
+    import argparse
+    import sys
+
+    from mistill.errors import TrackingUnavailableError
+    from mistill.stages.cli import EXIT_INPUT, EXIT_UNREACHABLE
+
+    ap = argparse.ArgumentParser(prog=PROG, description=main.__doc__)
+    ap.add_argument("--results", default="",
+                    help=f"App. Q ids, comma-separated ('{ALL_RESULTS}' or empty: every step)")
     ap.add_argument("--prepare-run", default="", help="a prepare run whose corpus sets the lengths")
     ap.add_argument("--figures", default=str(BENCHMARKS_FILE), help="the recorded benchmark figures")
+    ap.add_argument("--by-entry-point", action="store_true",
+                    help="also sum the GPU-hours by entry point")
     args = ap.parse_args(argv)
-    counts = prepared_counts(args.prepare_run) if args.prepare_run else PaperCounts()
-    wanted = [r.strip() for r in args.results.split(",") if r.strip()]
-    plan = select(paper_plan(counts), wanted)
+    try:
+        _print_plan(args.results, args.prepare_run, args.figures, by_entry_point=args.by_entry_point)
+    except MistillInputError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_INPUT) from None
+    except TrackingUnavailableError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_UNREACHABLE) from None
+
+
+def _print_plan(results: str, prepare_run: str, figures_file: str, *, by_entry_point: bool) -> None:
+    """:func:`main`'s work: the results' descriptions, then the plan they need (every step where
+    ``results`` is empty or holds ``all``; the other ids it holds are checked all the same)."""
+    given = [r.strip() for r in results.split(",") if r.strip()]
+    wanted = [r for r in given if r.lower() != ALL_RESULTS]
+    figures = Figures.load(figures_file)
+    counts = prepared_counts(prepare_run) if prepare_run else PaperCounts()
+    plan = paper_plan(counts)
+    chosen = select(plan, wanted)
+    if len(wanted) == len(given):
+        plan = chosen
     if wanted:
         from mistill.results_index import load
 
@@ -623,11 +875,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             e = entries[rid]
             print(f"{rid}: {e.what} ({e.status}{'; needs ' + e.needs if e.needs else ''})")
         print()
-    print(render(plan, Figures.load(args.figures)))
+    print(render(plan, figures, by_entry_point=by_entry_point))
 
 
-__all__ = ["BENCHMARKS_FILE", "COST_MODELS", "Figures", "Workload", "Estimate", "estimate", "PlanStep",
-           "PaperCounts", "corpus_counts", "prepared_counts", "paper_plan", "select", "render", "main"]
+__all__ = ["BENCHMARKS_FILE", "COST_MODELS", "SAMPLING_ENGINES", "Figures", "Workload", "Estimate", "estimate",
+           "generation_estimate", "rollout_estimate", "sampling_key", "PlanStep", "PaperCounts", "corpus_counts",
+           "prepared_counts", "paper_plan", "select", "Subtotal", "subtotals", "render", "main"]
 
 
 if __name__ == "__main__":

@@ -9,6 +9,21 @@ from mistill.errors import MistillInputError
 from mistill.runbook import Figures, PaperCounts, Workload, estimate, paper_plan, render, select
 
 
+def figures_file(path, values: dict[str, float]) -> Figures:
+    """A figures file as ``benchmarks/results.json`` records them, written to ``path`` and read."""
+    import json
+
+    path.write_text(json.dumps({k: {"value": v, "unit": "s"} for k, v in values.items()}), encoding="utf-8")
+    return Figures.load(path)
+
+
+def hf_only(tmp_path) -> Figures:
+    """The recorded figures without any batched engine's or vLLM step's: the HF backend's path."""
+    recorded = Figures.load().values
+    return figures_file(tmp_path / "hf_only.json", {k: v for k, v in recorded.items()
+                                                   if not k.startswith("sampling.") and not k.endswith("_vllm_s")})
+
+
 def test_every_step_reads_only_earlier_steps():
     plan = paper_plan()
     seen: set[str] = set()
@@ -55,8 +70,8 @@ def test_every_step_binds_its_entry_points_inputs_to_earlier_steps():
             assert set(re.findall(r"{(\w+)}", value)) <= set(ROLES), (step.name, value)
 
 
-def test_an_estimate_is_the_recorded_figure_times_the_workload():
-    figures = Figures.load()
+def test_an_estimate_is_the_recorded_figure_times_the_workload(tmp_path):
+    figures = hf_only(tmp_path)  # generation and rollouts through the HF backend at batch 1
     per_note = figures.get("instrument.qwen3-14b.attribution_pass_s")
     tokens = figures.get("instrument.qwen3-14b.tokens")
     assert per_note and tokens
@@ -174,3 +189,194 @@ def test_the_command_reads_a_prepare_runs_corpus(tracking_uri, tmp_path, monkeyp
     main(["--prepare-run", run, "--results", "R-C1"])
     out = capsys.readouterr().out
     assert f"x ({counts.full_prompt_tokens} / " in out  # the characterization at the corpus's length
+
+
+# sampling from a batched engine's measured wall times: walls of b prompts generating n tokens each
+HF_4B = {"generate.qwen3-4b.p36000.prefill_s": 1.5, "generate.qwen3-4b.p36000.decode_per_token_s": 0.1}
+VLLM_4B = {
+    "sampling.vllm.qwen3-4b.p36000.b1.n256.wall_s": 10.0, "sampling.vllm.qwen3-4b.p36000.b1.n6000.wall_s": 200.0,
+    "sampling.vllm.qwen3-4b.p36000.b16.n256.wall_s": 30.0, "sampling.vllm.qwen3-4b.p36000.b16.n6000.wall_s": 900.0,
+    "sampling.vllm.qwen3-4b.p36000.b64.n256.wall_s": 80.0, "sampling.vllm.qwen3-4b.p36000.b64.n6000.wall_s": 3000.0,
+    "sampling.vllm.qwen3-4b.p36000.b64.engine_start_s": 1.0, "sampling.vllm.qwen3-4b.p36000.b64.peak_gib": 1.0,
+    "sampling.vllm.qwen3-4b.p24000.b64.n256.wall_s": 1.0, "sampling.vllm.qwen3-4b.p24000.b64.n6000.wall_s": 2.0,
+    "sampling.vllm.qwen3-4b.p106000.b16.n256.wall_s": 90.0, "sampling.vllm.qwen3-4b.p106000.b16.n6000.wall_s": 1800.0,
+}
+HF_BATCHED_4B = {"sampling.hf_batched.qwen3-4b.p36000.b8.n256.wall_s": 1.0,
+                 "sampling.hf_batched.qwen3-4b.p36000.b8.n6000.wall_s": 2.0}
+
+
+def line(w1: float, w2: float, n1: int, n2: int, n: int, batch: int) -> float:
+    """Seconds per note at ``n`` new tokens on the line through two measured batch walls."""
+    return (w1 + (w2 - w1) * (n - n1) / (n2 - n1)) / batch
+
+
+def test_sampling_is_costed_from_the_preferred_engines_measured_batch(tmp_path):
+    from mistill.runbook import generation_estimate
+
+    figures = figures_file(tmp_path / "f.json", {**HF_4B, **VLLM_4B, **HF_BATCHED_4B})
+    # vLLM before batched HF (cheaper here), at the shortest recorded prompt at least the work's
+    # (36000 for 30000; the shorter 24000 is passed over), the batch of least seconds per note
+    est = estimate(Workload("evaluate", "qwen3-4b", 150, 30_000, 6_000), figures)
+    assert est.gpu_hours == pytest.approx(150 * 3000.0 / 64 / 3600, rel=1e-9)
+    assert est.keys == ("sampling.vllm.qwen3-4b.p36000.b64.n256.wall_s",
+                        "sampling.vllm.qwen3-4b.p36000.b64.n6000.wall_s")
+    assert "measured" in est.formula and "vllm" in est.formula and "batch 64" in est.formula
+    assert "256" in est.formula and "6000" in est.formula and "an upper bound" in est.formula
+    # between the measured counts: the line through them
+    est = generation_estimate(Workload("generate", "qwen3-4b", 100, 36_000, 3_000), figures)
+    assert est.gpu_hours == pytest.approx(100 * line(80.0, 3000.0, 256, 6000, 3_000, 64) / 3600, rel=1e-9)
+    assert "bound" not in est.formula  # the work's own prompt length
+    # a work of fewer notes than a batch cannot fill it: the largest batch that fits, b16
+    est = estimate(Workload("generate", "qwen3-4b", 30, 30_000, 6_000), figures)
+    assert est.gpu_hours == pytest.approx(30 * 900.0 / 16 / 3600, rel=1e-9)
+    assert est.keys[0] == "sampling.vllm.qwen3-4b.p36000.b16.n256.wall_s"
+    # the least time per note decides, not the largest batch
+    cheap_b16 = {**VLLM_4B, "sampling.vllm.qwen3-4b.p36000.b16.n6000.wall_s": 600.0}
+    est = estimate(Workload("generate", "qwen3-4b", 150, 30_000, 6_000), figures_file(tmp_path / "g.json", cheap_b16))
+    assert est.gpu_hours == pytest.approx(150 * 600.0 / 16 / 3600, rel=1e-9) and "batch 16" in est.formula
+    # beyond the measured counts: the same line, extrapolated and said so
+    est = estimate(Workload("generate", "qwen3-4b", 64, 36_000, 8_000), figures)
+    assert est.gpu_hours == pytest.approx(64 * line(80.0, 3000.0, 256, 6000, 8_000, 64) / 3600, rel=1e-9)
+    assert "extrapolated to 8000" in est.formula
+
+
+def test_the_prompt_length_is_an_upper_bound_where_one_is_recorded(tmp_path):
+    figures = figures_file(tmp_path / "f.json", {**HF_4B, **VLLM_4B})
+    # 40000 tokens: 106000 (at least as long), not the nearer 36000
+    est = estimate(Workload("generate", "qwen3-4b", 16, 40_000, 6_000), figures)
+    assert est.keys == ("sampling.vllm.qwen3-4b.p106000.b16.n256.wall_s",
+                        "sampling.vllm.qwen3-4b.p106000.b16.n6000.wall_s")
+    assert est.gpu_hours == pytest.approx(16 * 1800.0 / 16 / 3600, rel=1e-9)
+    assert "106000-token prompts" in est.formula and "an upper bound" in est.formula
+    # longer than every recorded prompt: the longest, said to be shorter than the work's
+    est = estimate(Workload("generate", "qwen3-4b", 16, 200_000, 6_000), figures)
+    assert est.keys[0] == "sampling.vllm.qwen3-4b.p106000.b16.n256.wall_s"
+    assert "shorter than the work's 200000 tokens: a lower bound" in est.formula
+
+
+def test_an_engine_without_two_new_token_counts_is_passed_over_and_said(tmp_path):
+    one_count = {"sampling.vllm.qwen3-4b.p36000.b16.n6000.wall_s": 100.0}
+    figures = figures_file(tmp_path / "f.json", {**HF_4B, **one_count, **HF_BATCHED_4B})
+    est = estimate(Workload("generate", "qwen3-4b", 150, 30_000, 6_000), figures)
+    assert est.keys[0].startswith("sampling.hf_batched.qwen3-4b.p36000.b8.")
+    assert est.gpu_hours == pytest.approx(150 * 2.0 / 8 / 3600, rel=1e-9)
+    # neither batched engine usable: the HF backend at batch 1, saying why vLLM was passed over
+    figures = figures_file(tmp_path / "g.json", {**HF_4B, **one_count})
+    est = estimate(Workload("generate", "qwen3-4b", 150, 30_000, 6_000), figures)
+    assert est.keys == ("generate.qwen3-4b.p36000.prefill_s", "generate.qwen3-4b.p36000.decode_per_token_s")
+    assert est.gpu_hours == pytest.approx(150 * (1.5 * 30_000 / 36_000 + 6_000 * 0.1) / 3600, rel=1e-9)
+    assert "HF backend, batch 1" in est.formula and "no batch is recorded at two new-token counts" in est.formula
+
+
+def test_smollm3_is_costed_from_its_own_figures_only(tmp_path):
+    hf_smol = {"generate.smollm3-3b.p36000.prefill_s": 0.8, "generate.smollm3-3b.p36000.decode_per_token_s": 0.12}
+    smol_batched = {"sampling.hf_batched.smollm3-3b.p36000.b8.n256.wall_s": 40.0,
+                    "sampling.hf_batched.smollm3-3b.p36000.b8.n6000.wall_s": 960.0}
+    work = Workload("evaluate", "smollm3-3b", 150, 30_000, 6_000)
+    # vLLM holds Qwen3-4B's figures only: not substituted, the next engine with SmolLM3's own
+    est = estimate(work, figures_file(tmp_path / "f.json", {**hf_smol, **VLLM_4B, **smol_batched}))
+    assert est.keys == ("sampling.hf_batched.smollm3-3b.p36000.b8.n256.wall_s",
+                        "sampling.hf_batched.smollm3-3b.p36000.b8.n6000.wall_s")
+    assert est.gpu_hours == pytest.approx(150 * 960.0 / 8 / 3600, rel=1e-9)
+    # no batched figure of its own: its HF figures at batch 1, saying the others' were not used
+    est = estimate(work, figures_file(tmp_path / "g.json", {**hf_smol, **VLLM_4B, **HF_BATCHED_4B}))
+    assert est.keys == ("generate.smollm3-3b.p36000.prefill_s", "generate.smollm3-3b.p36000.decode_per_token_s")
+    assert "not used for it" in est.formula and "sampling.vllm.smollm3-3b" in est.formula
+    # no figure of any engine: no estimate
+    assert estimate(work, figures_file(tmp_path / "h.json", {**HF_4B, **VLLM_4B})).gpu_hours is None
+    # its own vLLM figures, once recorded, come first
+    smol_vllm = {k.replace("qwen3-4b", "smollm3-3b"): v for k, v in VLLM_4B.items()}
+    est = estimate(work, figures_file(tmp_path / "i.json", {**hf_smol, **smol_vllm, **smol_batched}))
+    assert est.keys[0] == "sampling.vllm.smollm3-3b.p36000.b64.n256.wall_s"
+
+
+ONPOLICY_4B = {"onpolicy_step.qwen3-4b.opd_step_s": 16.0, "onpolicy_step.qwen3-4b.gold_on_policy_step_s": 15.0,
+               "onpolicy_step.qwen3-4b.gold_off_policy_step_s": 25.0,
+               "onpolicy_step.qwen3-4b.opd_rollout_tokens": 256}
+VLLM_STEPS_4B = {"onpolicy_step.qwen3-4b.opd_step_vllm_s": 6.0,
+                 "onpolicy_step.qwen3-4b.gold_on_policy_step_vllm_s": 5.0}
+
+
+def test_on_policy_steps_with_vllm_rollouts_are_costed_from_their_own_figures(tmp_path):
+    figures = figures_file(tmp_path / "f.json", {**HF_4B, **VLLM_4B, **ONPOLICY_4B, **VLLM_STEPS_4B})
+    per_token = (200.0 - 10.0) / (6000 - 256)  # vLLM at batch 1, 36000-token prompts
+    est = estimate(Workload("train_opd", "qwen3-4b", 986, 36_000, 6_000), figures)
+    assert est.gpu_hours == pytest.approx(986 * (6.0 + 5_744 * per_token) / 3600, rel=1e-9)
+    assert est.keys == ("onpolicy_step.qwen3-4b.opd_step_vllm_s", "onpolicy_step.qwen3-4b.opd_rollout_tokens",
+                        "sampling.vllm.qwen3-4b.p36000.b1.n256.wall_s",
+                        "sampling.vllm.qwen3-4b.p36000.b1.n6000.wall_s")
+    assert "vLLM" in est.formula and "batch-1" in est.formula
+    # GOLD: the on-policy share with vLLM rollouts, the off-policy steps as measured
+    est = estimate(Workload("train_gold", "qwen3-4b", 493, 36_000, 6_000, 0.5), figures)
+    assert est.gpu_hours == pytest.approx(493 * (0.5 * (5.0 + 5_744 * per_token) + 0.5 * 25.0) / 3600, rel=1e-9)
+    assert "onpolicy_step.qwen3-4b.gold_off_policy_step_s" in est.keys
+    assert "onpolicy_step.qwen3-4b.gold_on_policy_step_vllm_s" in est.keys
+    # a rollout within the measured cap needs no time per token
+    est = estimate(Workload("train_opd", "qwen3-4b", 10, 36_000, 256),
+                   figures_file(tmp_path / "g.json", {**ONPOLICY_4B, **VLLM_STEPS_4B}))
+    assert est.gpu_hours == pytest.approx(10 * 6.0 / 3600, rel=1e-9)
+    # no vLLM step recorded: through HF generation, as before
+    hf = figures_file(tmp_path / "h.json", {**HF_4B, **VLLM_4B, **ONPOLICY_4B})
+    est = estimate(Workload("train_opd", "qwen3-4b", 986, 36_000, 6_000), hf)
+    assert est.gpu_hours == pytest.approx(986 * (16.0 + 5_744 * 0.1) / 3600, rel=1e-9)
+    assert "HF generation" in est.formula and "onpolicy_step.qwen3-4b.opd_step_s" in est.keys
+    # the vLLM step without vLLM's time per token: through HF generation, saying why
+    est = estimate(Workload("train_opd", "qwen3-4b", 986, 36_000, 6_000),
+                   figures_file(tmp_path / "i.json", {**HF_4B, **ONPOLICY_4B, **VLLM_STEPS_4B}))
+    assert est.gpu_hours == pytest.approx(986 * (16.0 + 5_744 * 0.1) / 3600, rel=1e-9)
+    assert "opd_step_vllm_s not used" in est.formula
+
+
+def test_the_tree_subtotals_sum_to_the_total(tmp_path):
+    from mistill.runbook import subtotals
+
+    for figures in (Figures.load(), figures_file(tmp_path / "f.json", {**Figures.load().values, **VLLM_4B})):
+        plan = paper_plan()
+        trees = subtotals(plan, figures)
+        assert list(trees) == ["HD-001", "HD-002", "instruction", "DT-000", "DT-001", "report"]
+        estimates = [estimate(s.work, figures) for s in plan]
+        total = sum(e.gpu_hours for e in estimates if e.gpu_hours is not None)
+        assert sum(t.gpu_hours for t in trees.values()) == pytest.approx(total, rel=1e-12)
+        assert sum(t.steps for t in trees.values()) == len(plan)
+        assert sum(t.without_figure for t in trees.values()) == sum(e.gpu_hours is None for e in estimates)
+        text = render(plan, figures, by_entry_point=True)
+        lines = text.splitlines()
+        at = lines.index("GPU-hours by tree:")
+        assert [ln.split()[0] for ln in lines[at + 1:at + 7]] == list(trees)
+        printed = sum(float(ln.split()[1]) for ln in lines[at + 1:at + 7])
+        assert printed == pytest.approx(total, abs=0.035)  # six subtotals rounded to 0.01 each
+        assert lines.index("GPU-hours by entry point:") > at + 7
+        assert f"{total:.1f} GPU-hours" in text
+        by_entry = subtotals(plan, figures, "entry_point")
+        assert sum(t.gpu_hours for t in by_entry.values()) == pytest.approx(total, rel=1e-12)
+
+
+def test_the_command_takes_all_results_and_refuses_an_unknown_id_in_one_line(capsys):
+    from mistill.runbook import main
+
+    main([])
+    every = capsys.readouterr().out
+    main(["--results", "all"])
+    assert capsys.readouterr().out == every
+    assert f"{len(paper_plan())} steps" in every and "GPU-hours by tree:" in every
+    for results in ("R-Z9", "all,R-Z9"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--results", results])
+        assert exit_.value.code == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and "Traceback" not in captured.err
+        assert captured.err.startswith("python -m mistill.runbook: unknown result ids R-Z9")
+        assert len(captured.err.strip().splitlines()) == 1
+
+
+def test_the_command_reads_a_figures_file(tmp_path, capsys):
+    from mistill.runbook import main
+
+    path = tmp_path / "f.json"
+    figures_file(path, {**Figures.load().values, **VLLM_4B})
+    main(["--results", "R-D4", "--figures", str(path)])
+    out = capsys.readouterr().out
+    assert "measured: vllm, batch 64" in out and str(path) in out
+    with pytest.raises(SystemExit) as exit_:
+        main(["--figures", str(tmp_path / "missing.json")])
+    assert exit_.value.code == 2 and "cannot read the benchmark figures" in capsys.readouterr().err
