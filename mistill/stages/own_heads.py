@@ -18,10 +18,9 @@
 
 Per-note results are written as the notes finish (resume loses none). Reported values are
 medians over notes of the per-note values (App. K "Floors, medians and means"). Generated text
-never reaches the tracking store: for a restricted corpus each own generation is a local file of
-the run's enclave (``<enclave>/own_traces/<note_id>/generation.json``, tag ``mistill.enclave_dir``;
-see :meth:`mistill.tracking.runs.StageRun.write_note`), otherwise it stays in the run's work dir
-(``own_traces/``). The per-note readouts (``m4.json``, ``readside.json``, ``m5.json``, ``generation.json``
+never reaches the tracking store: the own generations are sampled before the model is loaded for
+the passes, many notes per engine call (:mod:`mistill.evaluation.sampling`), and each is a local
+file of the run's enclave (``<enclave>/own_traces/<note_id>.json``) for every corpus. The per-note readouts (``m4.json``, ``readside.json``, ``m5.json``, ``generation.json``
 with the token count and seed) are numbers over events and heads, never token ids of the text.
 """
 
@@ -38,8 +37,12 @@ from mistill.config import Config
 from mistill.data.corpus import Note
 from mistill.distributed import broadcast, current_world, gather, shard
 from mistill.errors import MistillInputError
+from mistill.evaluation.backends import resolve_backend
+from mistill.evaluation.generation import DecodingConfig, Generation, note_seed
+from mistill.evaluation.sampling import SampleRequest, sample_then_load
 from mistill.instrument.passes import PHASES, donor_order
-from mistill.params import (DonorParams, KnockinReadParams, NomineeParams, NullParams, PatchParams,
+from mistill.models.loading import load_model, load_tokenizer
+from mistill.params import (BackendParams, DonorParams, KnockinReadParams, NomineeParams, NullParams, PatchParams,
                             StabilityParams, TokenCapParams)
 from mistill.progress import get_logger, track
 from mistill.stages.common import Prepared, RunReader, Subject, load_prepared, model_positions, trained_subject
@@ -51,15 +54,14 @@ from mistill.validation import (check_choice, check_counts, check_device, check_
 NOTES = "notes"
 OWN_NOTES = "own_notes"
 OWN_TRACES = "own_traces"
-OWN_TRACE_FILE = "generation.json"
 TRACES = ("teacher", "own")
 
 _log = get_logger("own_heads")
 
 
 @dataclass(frozen=True)
-class OwnHeadsConfig(Config, KnockinReadParams, DonorParams, TokenCapParams, NullParams, StabilityParams,
-                     NomineeParams, PatchParams):
+class OwnHeadsConfig(Config, KnockinReadParams, DonorParams, TokenCapParams, BackendParams, NullParams,
+                     StabilityParams, NomineeParams, PatchParams):
     """Own-heads readouts of one arm: ``train_run`` (model ``run:<id>``) or a plain ``model``.
 
     rank_split: the notes the arm's heads are ranked on; test_split: the notes measured (empty:
@@ -68,7 +70,9 @@ class OwnHeadsConfig(Config, KnockinReadParams, DonorParams, TokenCapParams, Nul
         size and the M2/M3/prefix set size; n_random: random floor draws per bin, averaged
         (>= 1; the paper draws one per bin, redrawn for every bin, App. K; **[recon]** more
         draws average them).
-    own_traces: also measure on the arm's own generations of the test notes.
+    own_traces: also measure on the arm's own generations of the test notes, sampled with the
+        paper's decoding through ``backend`` (``auto``: vLLM on a CUDA device where it is
+        installed, else HF's batched generation; the run's tag ``mistill.backend`` says which).
     launch: how the ranking steps run, ``mlflow`` or ``inline``.
     """
 
@@ -179,7 +183,6 @@ def run_own_heads(cfg: OwnHeadsConfig) -> str:
     from mistill.evaluation.own_heads import random_panel
     from mistill.instrument.hooks import HeadHook
     from mistill.instrument.runner import Runner
-    from mistill.models.loading import load_model
     from mistill.stages.characterize import _ranks_from_head_sets
     from mistill.tracking.runs import TAG_SPLIT
 
@@ -196,7 +199,13 @@ def run_own_heads(cfg: OwnHeadsConfig) -> str:
         ranked = _rank_steps(cfg, arm.spec, prepared.corpus.name, parent=run.run_id)
         if world.leader:
             run.set_tags({"mistill.rank_events": ranked["events"], "mistill.rank_attribute": ranked["attribute"]})
-        lm = load_model(arm.spec, dtype=cfg.dtype, device=stage_device(cfg.device))
+        device = stage_device(cfg.device)
+        load = lambda: load_model(arm.spec, dtype=cfg.dtype, device=device)  # noqa: E731
+        own: dict[str, Generation] = {}
+        if cfg.own_traces:  # sampled first: a vLLM engine is freed before the model loads
+            own, lm = _sample_own(run, cfg, prepared, arm.spec, notes, load, device)
+        else:
+            lm = load()
         runner, hook = Runner(lm, chunk_size=cfg.chunk_size), HeadHook(lm.geometry)
         names = lm.geometry.head_names()
         head_sets = json.loads(RunReader(ranked["attribute"], field="attribute").file("head_sets.json").read_text())
@@ -215,7 +224,7 @@ def run_own_heads(cfg: OwnHeadsConfig) -> str:
         coverage: dict[str, float] = {}
         written = notes_written(run, NOTES, notes)
         if cfg.own_traces:
-            coverage, usable = _own_pass(run, ctx, notes)
+            coverage, usable = _own_pass(run, ctx, notes, own)
             written = notes_written(run, OWN_NOTES, usable)
         if not written:
             return run.run_id
@@ -284,49 +293,31 @@ def _teacher_pass(run, ctx: _Context, notes: list[Note]) -> None:
             cache.pop(key)
 
 
-def _generate(run, ctx: _Context, note: Note, done: set[str]) -> dict:
-    """The arm's own generation of one note, kept so a resumed run reuses it; its text is never
-    logged. For a restricted corpus a local file of the run's enclave
-    (``own_traces/<note_id>/generation.json``, checked against its ``_DONE`` sha256 when read
-    back; ``done``: the notes already kept there), otherwise ``own_traces/<note_id>.json`` in
-    the run's work dir."""
-    from mistill.evaluation.generation import DecodingConfig, generate_hf, note_seed
-    from mistill.io import read_json, write_json
-    from mistill.stages.common import note_input
-
-    allows_text = run.guard.allows_text
-    path = run.work_dir / OWN_TRACES / f"{note.note_id}.json"
-    if allows_text and path.exists():
-        return read_json(path)
-    if not allows_text and note.note_id in done:
-        return run.load_note(OWN_TRACES, note.note_id, OWN_TRACE_FILE)
-    decoding = DecodingConfig(max_new_tokens=ctx.cfg.max_new_tokens, seed=ctx.cfg.seed)
-    prompt = note_input(note, ctx.prepared.inventory, ctx.lm.tokenizer, trace=" ",
-                        remove_discharge_diagnosis=ctx.prepared.remove_discharge_diagnosis,
-                        narrow_instruction=ctx.prepared.narrow_instruction).prompt
-    gen = generate_hf(ctx.lm, prompt.text, decoding, note_seed(decoding, note.note_id))
-    rec = {"text": gen.text, "n_tokens": gen.n_tokens, "capped": gen.capped, "seed": gen.seed}
-    if allows_text:
-        write_json(path, rec)
-    else:
-        run.write_note(OWN_TRACES, note.note_id, {}, local_files={OWN_TRACE_FILE: rec})
-    return rec
-
-
-def _own_pass(run, ctx: _Context, notes: list[Note]) -> tuple[dict[str, float], list[Note]]:
-    """Generate, keep the usable own traces (closed reasoning, at least one phase event), measure
-    each against the next usable one; returns the coverage counts and the usable notes.
-
-    Under a launch each process generates its share of the notes; the generations are then
-    exchanged (in memory, never logged), so that every process knows the usable traces and
-    their order, and each measures its share of them."""
+def _sample_own(run, cfg: OwnHeadsConfig, prepared: Prepared, spec: str, notes: list[Note], load,
+                device: str) -> tuple[dict[str, Generation], object]:
+    """The arm's own generation of every note and the loaded model (:func:`sample_then_load`).
+    Each process samples its share of the notes; the generations are then exchanged in memory
+    (never logged), so every process knows them all. They are staged in the run's local enclave
+    (``own_traces/<note_id>.json``), so a resumed run does not sample a note twice."""
+    decoding = DecodingConfig(max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    tokenizer = load_tokenizer(spec)
     world = current_world()
-    kept = set() if run.guard.allows_text else broadcast(run.finished_notes(OWN_TRACES) if world.leader else None,
-                                                         world)
-    mine = shard(notes, world)
-    own = {note.note_id: _generate(run, ctx, note, kept)
-           for note in track(mine, desc=progress_label("own_heads generations"), total=len(mine))}
-    recs = {k: v for part in gather(own, world) for k, v in part.items()}
+    requests = [SampleRequest(n.note_id, prepared.prompt(n, tokenizer).text, note_seed(decoding, n.note_id))
+                for n in shard(notes, world)]
+    mine, lm = sample_then_load(requests, run.enclave_dir / OWN_TRACES, spec, decoding, load, backend=cfg.backend,
+                                device=device, dtype=cfg.dtype, desc=progress_label("own_heads generations"))
+    if world.leader:
+        from mistill.tracking.runs import TAG_BACKEND
+
+        run.set_tags({TAG_BACKEND: resolve_backend(cfg.backend, device)})
+    return {k: v for part in gather(mine, world) for k, v in part.items()}, lm
+
+
+def _own_pass(run, ctx: _Context, notes: list[Note], own: dict[str, Generation]) -> tuple[dict[str, float], list[Note]]:
+    """Keep the usable own traces (``own``: every note's generation; closed reasoning, at least
+    one phase event), measure each against the next usable one; returns the coverage counts and
+    the usable notes. Under a launch each process measures its share of them."""
+    recs = {k: {"text": g.text, "n_tokens": g.n_tokens, "capped": g.capped, "seed": g.seed} for k, g in own.items()}
     cases, closed = {}, 0
     for note in notes:
         rec = recs[note.note_id]

@@ -690,14 +690,17 @@ def headline_table(ids: dict[str, str]) -> str:
     from mlflow.tracking import MlflowClient
 
     from analysis.report import EvidenceSize
+    from mistill.tracking.runs import TAG_BACKEND
 
     client = MlflowClient()
     metrics: dict[str, dict[str, float]] = {}
+    tags: dict[str, dict[str, str]] = {}
     for step, run_id in ids.items():
         try:
-            metrics[step] = dict(client.get_run(run_id).data.metrics)
+            data = client.get_run(run_id).data
+            metrics[step], tags[step] = dict(data.metrics), dict(data.tags)
         except MlflowException:
-            metrics[step] = {}
+            metrics[step], tags[step] = {}, {}
 
     names = [s[len("evaluate_"):] for s in ids if s.startswith("evaluate_")]
     arms = [n for n in names if n not in ("teacher", "untrained")]
@@ -725,9 +728,9 @@ def headline_table(ids: dict[str, str]) -> str:
     else:
         heading = (f"Headline numbers. Measured per event: {per_event}. Task: {task} "
                    f"({size.task_basis()}).")
-    header = ["model", *(c[0] for c in HEADLINE_COLUMNS)]
-    body = [[label, *(cell(name, stage, key) for _, stage, key in HEADLINE_COLUMNS)]
-            for name, label in rows]
+    header = ["model", *(c[0] for c in HEADLINE_COLUMNS), "sampled by"]
+    body = [[label, *(cell(name, stage, key) for _, stage, key in HEADLINE_COLUMNS),
+             tags.get(f"evaluate_{name}", {}).get(TAG_BACKEND, "-")] for name, label in rows]
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
 
     def line(r: list[str]) -> str:
@@ -736,5 +739,6 @@ def headline_table(ids: dict[str, str]) -> str:
 
     legend = ("  M1: share of events with margin > 0, teacher-forced (evaluate run). rec own / rec random: "
               "knock-in recovery at P1, k=8, of the model's own top heads / of random heads (own_heads run; "
-              "teacher: its global set, knockin run). -: no such run or metric.")
+              "teacher: its global set, knockin run). sampled by: the backend that generated the evaluate run's "
+              "answers (hf or vllm). -: no such run or metric.")
     return "\n".join([heading, line(header), *(line(r) for r in body), legend])

@@ -74,6 +74,7 @@ TAG_ARM = "mistill.arm"
 TAG_SEED = "mistill.seed"
 TAG_PRECISION = "mistill.precision"
 TAG_SPLIT = "mistill.split"  # the notes a readout ran on (evaluate, own_heads)
+TAG_BACKEND = "mistill.backend"  # the backend that sampled a readout's generations (hf or vllm)
 TAG_GIT_COMMIT = "mistill.git_commit"
 TAG_CODE_VERSION = "mistill.code_version"
 TAG_ENTRY_POINT = "mistill.entry_point"
