@@ -13,12 +13,21 @@ scripted trace. Measured, each on one prompt per optimizer step with the teacher
   window): the teacher's trace, repeated to and capped at the paper's 6,144 tokens;
 - a GOLD step on-policy: the student's rollout capped at ``--rollout-cap`` tokens.
 
-Rollouts come from transformers' generation (the platform's default); a random model rarely stops,
-so a rollout runs to the cap. Each time is the second of two steps (the first warms up), with its
+Rollouts (``--rollout``): ``hf``, transformers' generation inside TRL's trainer; ``vllm``, TRL's
+colocated vLLM engine taking ``--rollout-gpu-memory`` of the GPU (the train stage's
+``rollout_gpu_memory``), as the paper ran OPD. With ``vllm`` the random student is saved once to
+a temporary directory with the padded tokenizer, each measured student is loaded from there (TRL
+builds the engine from ``model.name_or_path``), the recorded keys carry ``_vllm``
+(``opd_step_vllm_s``, ``gold_on_policy_step_vllm_s``, their ``_peak_gib``; the off-policy GOLD
+step is measured with the engine resident beside it), and ``rollout_engine_start_s`` is how long
+building the first engine took (``<step>_rollout_engine_start_s`` each). The peak GPU memory
+includes the engine's, which it allocates through PyTorch. A random model rarely stops, so a
+rollout runs to the cap. Each time is the second of two steps (the first warms up), with its
 peak GPU memory. The SmolLM2 tokenizer (``carry/smollm2-tokenizer``) is padded with placeholder
 tokens to the models' vocabulary, so sampled ids decode and re-encode.
 
-Usage: python benchmarks/bench_onpolicy_step.py --out results.json [--smoke]
+Usage: python benchmarks/bench_onpolicy_step.py --out results.json [--smoke] [--rollout vllm]
+(``--smoke``: tiny models on the CPU, HF rollouts.)
 """
 
 from __future__ import annotations
@@ -40,9 +49,9 @@ from bench_instrument import ARCHS  # noqa: E402
 from bench_train_step import long_note, student_setup, timed  # noqa: E402
 
 from mistill.distill.arms import resolve_arm  # noqa: E402
-from mistill.distill.gold import capped_completion, train_gold  # noqa: E402
+from mistill.distill.gold import capped_completion, padded_tokenizer, train_gold  # noqa: E402
 from mistill.distill.objective import micro_step_loss  # noqa: E402
-from mistill.distill.onpolicy import train_opd  # noqa: E402
+from mistill.distill.onpolicy import ROLLOUT_GPU_MEMORY, RolloutEngine, save_rollout_model, train_opd  # noqa: E402
 from mistill.distill.trainer import RecipeConfig, autocast, prepare_student  # noqa: E402
 
 GOLD_CAP = 6144  # the paper's GOLD rollout cap, to which the teacher's traces were cut
@@ -61,6 +70,31 @@ def build_model(name: str, vocab: int, device: str, *, smoke: bool):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     return model
+
+
+def load_saved(directory: Path, device: str):
+    """The student saved in ``directory``, bf16 on ``device``; its ``name_or_path`` is the
+    directory, from which TRL builds the colocated engine."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16, device_map=device)
+
+
+class EngineStartTimer:
+    """Times each start of TRL's colocated vLLM engine (``VLLMGeneration._init_vllm``)."""
+
+    def __init__(self) -> None:
+        from trl.generation.vllm_generation import VLLMGeneration
+
+        self.starts: list[float] = []
+        timer, init = self, VLLMGeneration._init_vllm
+
+        def timed_init(generation) -> None:
+            t = time.perf_counter()
+            init(generation)
+            timer.starts.append(time.perf_counter() - t)
+
+        VLLMGeneration._init_vllm = timed_init
 
 
 class StepTimer:
@@ -126,11 +160,19 @@ def main() -> None:
     ap.add_argument("--no-vanilla", action="store_true", help="skip the Vanilla CoT-KD step")
     ap.add_argument("--full-logits", action="store_true",
                     help="GOLD without the completion window: upstream's full-sequence logits")
+    ap.add_argument("--rollout", choices=("hf", "vllm"), default="hf",
+                    help="the rollout engine: transformers' generation or TRL's colocated vLLM engine")
+    ap.add_argument("--rollout-gpu-memory", type=float, default=ROLLOUT_GPU_MEMORY,
+                    help="the colocated engine's share of the GPU's memory (--rollout vllm)")
     ap.add_argument("--out", default="bench_onpolicy_step.json")
     ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU: check the script runs")
     args = ap.parse_args()
+    if args.smoke and args.rollout == "vllm":
+        ap.error("--smoke runs on the CPU with HF rollouts; TRL's colocated vLLM engine needs a CUDA GPU")
     device = "cpu" if args.smoke else "cuda"
     vocab = ARCHS["qwen3-4b"]["vocab_size"]
+    vllm = args.rollout == "vllm"
+    sfx = "_vllm" if vllm else ""
 
     if args.no_vanilla:
         from transformers import PreTrainedTokenizerFast
@@ -166,47 +208,67 @@ def main() -> None:
     res["gold_teacher_completion_tokens"] = sum(len(prompt) <= s < len(prompt) + len(completion) for s, _ in offsets)
     res["prompt_tokens"] = len(tok(prompt, add_special_tokens=False)["input_ids"])
     on_policy = RecipeConfig(seed=0, precision="bf16", epochs=1, grad_accum=1, max_steps=2, checkpoint_every=0)
+    engine, saved, starts = None, None, None
+    if vllm:  # one random student on disk, with the tokenizer the engine decodes with
+        res["rollout"] = args.rollout
+        saved = tempfile.TemporaryDirectory(prefix="bench-student-")
+        student = build_model("qwen3-4b", vocab, device, smoke=args.smoke)
+        save_rollout_model(student, padded_tokenizer(tok), Path(saved.name))
+        del student
+        torch.cuda.empty_cache()
+        engine = RolloutEngine(gpu_memory=args.rollout_gpu_memory)  # built from the student's name_or_path
+        starts = EngineStartTimer()
+        res["rollout_gpu_memory"] = args.rollout_gpu_memory
 
     def run(name: str, train) -> None:
         if name not in steps:
             return
-        student = build_model("qwen3-4b", vocab, device, smoke=args.smoke)
+        if saved is not None:
+            student = load_saved(Path(saved.name), device)
+        else:
+            student = build_model("qwen3-4b", vocab, device, smoke=args.smoke)
         student.train()
         timer = StepTimer()
         logs: list[dict] = []
+        n_starts = len(starts.starts) if starts is not None else 0
         try:
             with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as out:
                 train(student, Path(out), timer.callback, lambda m, s: logs.append(m))
         except torch.OutOfMemoryError as exc:  # recorded, and the next step still measured
-            res[f"{name}_out_of_memory"] = str(exc).splitlines()[0][:300]
-            print(f"{name}: out of memory: {res[f'{name}_out_of_memory']}")
+            res[f"{name}{sfx}_out_of_memory"] = str(exc).splitlines()[0][:300]
+            print(f"{name}: out of memory: {res[f'{name}{sfx}_out_of_memory']}")
             del student
             torch.cuda.empty_cache()
             return
         (t, peak) = timer.steps[-1]
-        res[f"{name}_step_s"], res[f"{name}_step_peak_gib"] = t, peak
+        res[f"{name}_step{sfx}_s"], res[f"{name}_step{sfx}_peak_gib"] = t, peak
         lengths = [m[k] for m in logs for k in ("completions/mean_length",) if k in m]
         if lengths:
-            res[f"{name}_rollout_tokens"] = lengths[-1]
-        print(f"{name}: {t:.2f} s, peak {peak:.1f} GiB; {json.dumps(logs[-2] if len(logs) > 1 else logs)[:300]}")
+            res[f"{name}_rollout_tokens{sfx}"] = lengths[-1]
+        if starts is not None and len(starts.starts) > n_starts:
+            res[f"{name}_rollout_engine_start_s"] = starts.starts[n_starts]
+            res.setdefault("rollout_engine_start_s", starts.starts[n_starts])
+        print(f"{name}{sfx}: {t:.2f} s, peak {peak:.1f} GiB; {json.dumps(logs[-2] if len(logs) > 1 else logs)[:300]}")
         del student
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     run("opd", lambda s, out, cb, log: train_opd(
         s, teacher, tok, [prompt, prompt], on_policy, out, rollout_cap=args.rollout_cap, beta=1.0, device=device,
-        log=log, callbacks=[cb]))
+        log=log, callbacks=[cb], engine=engine))
     run("gold_off_policy", lambda s, out, cb, log: train_gold(
         s, teacher, tok, tok, [(prompt, completion)] * 2, on_policy, out, rollout_cap=args.gold_cap,
         on_policy_fraction=0.0, beta=0.5, hybrid=True, device=device, log=log, callbacks=[cb],
-        completion_window=not args.full_logits))
+        completion_window=not args.full_logits, engine=engine))
     run("gold_on_policy", lambda s, out, cb, log: train_gold(
         s, teacher, tok, tok, [(prompt, completion)] * 2, on_policy, out, rollout_cap=args.rollout_cap,
         on_policy_fraction=1.0, beta=0.5, hybrid=True, device=device, log=log, callbacks=[cb],
-        completion_window=not args.full_logits))
+        completion_window=not args.full_logits, engine=engine))
+    if saved is not None:
+        saved.cleanup()
     for name in ("opd", "gold_off_policy", "gold_on_policy"):
-        if f"{name}_step_s" in res and "vanilla_step_s" in res:
-            res[f"{name}_over_vanilla"] = res[f"{name}_step_s"] / res["vanilla_step_s"]
+        if f"{name}_step{sfx}_s" in res and "vanilla_step_s" in res:
+            res[f"{name}{sfx}_over_vanilla"] = res[f"{name}_step{sfx}_s"] / res["vanilla_step_s"]
     res["rollout_cap"] = args.rollout_cap
     print(json.dumps(res, indent=2))
     Path(args.out).write_text(json.dumps(res, indent=2))

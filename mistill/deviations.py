@@ -34,6 +34,10 @@ class Deviation:
     paper_value: the paper's value where it states one, else :data:`PAPER_SILENT`.
     when: the runs the choice concerns, as ``(field, values)``: only a run whose config holds one
         of ``values`` in ``field`` is checked (None: every run with the parameter).
+    resolves: values that stand for another value, chosen when the run starts (``auto``); a run
+        at one of them is checked on the value it resolved to where that is given
+        (:func:`deviations_in`'s ``resolved``), and is no finding where it is not (the stage
+        records the resolution itself, in a tag).
     """
 
     choice: str
@@ -45,6 +49,7 @@ class Deviation:
     default: Any
     paper_value: Any = PAPER_SILENT
     when: tuple[str, tuple[Any, ...]] | None = None
+    resolves: tuple[Any, ...] = ()
 
     @property
     def recon(self) -> bool:
@@ -129,11 +134,21 @@ DEVIATIONS: tuple[Deviation, ...] = (
     # --- the on-policy arms (OPD, GOLD) ---
     _D("on-policy rollout engine", "App. J.3, J.5",
        "OPD's trainer and a vLLM rollout engine share one H200",
-       "transformers' generation inside TRL's trainer (hf); TRL's colocated vLLM engine with rollout_backend=vllm "
-       "(the vllm extra, a CUDA GPU); checked on the opd and gold arms only",
+       "auto: TRL's colocated vLLM engine where vLLM is installed and the device is CUDA, else transformers' "
+       "generation inside TRL's trainer (hf); the run records the engine (tag mistill.rollout_backend) and, when "
+       "it is hf, the deviation (tag mistill.deviation=rollout_backend=hf and config.json's deviations); "
+       "checked on the opd and gold arms only",
        "TrainStageConfig.rollout_backend",
-       "the same sampling distribution without a second engine, on any device", "hf", "vllm",
-       when=("arm", ("opd", "gold"))),
+       "vLLM needs a CUDA GPU; elsewhere transformers samples from the same distribution, more slowly",
+       "auto", "vllm", when=("arm", ("opd", "gold")), resolves=("auto",)),
+    _D("rollout engine's GPU memory", "App. J.3, J.5",
+       "trainer and vLLM rollout engine share one 141 GB H200 (OPD and GOLD); the engine's share is not stated",
+       "TRL's colocated engine may take 0.2 of the GPU's memory (its copy of the student, activations, "
+       "key/value cache); the trainer keeps the rest",
+       "TrainStageConfig.rollout_gpu_memory",
+       "on an H200, 28 GiB hold a 4B student and the cache of two to three paper-length rollouts, while GOLD's "
+       "off-policy step at the paper's cap peaks at 95 GiB beside it (benchmarks/RESULTS.md)",
+       0.2, when=("arm", ("opd", "gold"))),
     _D("arm epochs", "App. J.3, J.4",
        "every arm two epochs; the GOLD run one, a compute cut recorded before its final run",
        "0 keeps the recipe's epochs (two); gold.yaml sets 1, as the paper's GOLD run",
@@ -539,7 +554,8 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def deviations_in(config_class: str, config: Mapping[str, Any]) -> list[dict[str, Any]]:
+def deviations_in(config_class: str, config: Mapping[str, Any], *,
+                  resolved: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """The registry's parameters of ``config_class`` whose value in ``config`` is not the
     platform's default or differs from the paper's stated value.
 
@@ -547,10 +563,14 @@ def deviations_in(config_class: str, config: Mapping[str, Any]) -> list[dict[str
         config_class: the class name of the run's config (``config.json``'s ``class``, last part),
             or ``ArmConfig`` for the resolved arm.
         config: the run's recorded values by field name.
+        resolved: what a value that stands for another (``Deviation.resolves``, e.g. ``auto``)
+            resolved to in the run, by field name; such a value is checked as its resolution, and
+            is no finding where ``resolved`` does not name its field.
     Returns:
         one dict per finding: parameter, value, default, paper_value, kind (``non_default``
         when the value is not the default; ``against_paper`` when the value is the default but the
-        paper states another value).
+        paper states another value); for a resolved value, ``value`` is the resolution and
+        ``resolved_from`` the value in ``config``.
     """
     out = []
     for d in DEVIATIONS:
@@ -559,14 +579,23 @@ def deviations_in(config_class: str, config: Mapping[str, Any]) -> list[dict[str
         if d.when is not None and config.get(d.when[0]) not in d.when[1]:
             continue
         value = config[d.field]
-        if not _same(value, d.default):
+        extra: dict[str, Any] = {}
+        if any(_same(value, r) for r in d.resolves):
+            if resolved is None or d.field not in resolved:
+                continue
+            extra = {"resolved_from": value}
+            value = resolved[d.field]
+            if d.recon or _same(value, d.paper_value):
+                continue
+            kind = "non_default" if not _same(extra["resolved_from"], d.default) else "against_paper"
+        elif not _same(value, d.default):
             kind = "non_default"
         elif not d.recon and not _same(value, d.paper_value):
             kind = "against_paper"
         else:
             continue
         out.append({"parameter": d.parameter, "value": value, "default": d.default,
-                    "paper_value": None if d.recon else d.paper_value, "kind": kind})
+                    "paper_value": None if d.recon else d.paper_value, "kind": kind, **extra})
     return out
 
 

@@ -99,7 +99,16 @@ def test_deviations_in_flags_non_default_and_against_paper_values():
     assert deviations_in("TrainStageConfig", {"arm": "mistill", "rollout_backend": "hf"}) == []
     gold = deviations_in("TrainStageConfig", {"arm": "gold", "rollout_backend": "hf"})
     assert [(f["parameter"], f["kind"], f["paper_value"]) for f in gold] == [
-        ("TrainStageConfig.rollout_backend", "against_paper", "vllm")]
+        ("TrainStageConfig.rollout_backend", "non_default", "vllm")]
+    # a value resolved when the run starts: auto is checked as what it resolved to, when given
+    auto = {"arm": "opd", "rollout_backend": "auto"}
+    assert deviations_in("TrainStageConfig", auto) == []
+    assert deviations_in("TrainStageConfig", auto, resolved={"rollout_backend": "vllm"}) == []
+    assert deviations_in("TrainStageConfig", auto, resolved={"rollout_backend": "hf"}) == [
+        {"parameter": "TrainStageConfig.rollout_backend", "value": "hf", "default": "auto", "paper_value": "vllm",
+         "kind": "against_paper", "resolved_from": "auto"}]
+    assert deviations_in("TrainStageConfig", {"arm": "opd", "rollout_backend": "vllm"},
+                         resolved={"rollout_backend": "vllm"})[0]["kind"] == "non_default"
     # the GOLD arm's run settings are recorded as values other than the protocol's
     from mistill.distill.arms import resolve_arm
 

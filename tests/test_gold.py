@@ -97,3 +97,35 @@ def test_gold_trains_across_tokenizers_logs_and_resumes_bit_for_bit(tmp_path):
     # both halves ran: the student's rollouts and the teacher's traces
     assert any("on_policy_loss" in m for m in per_step.values())
     assert any("off_policy_loss" in m for m in per_step.values())
+
+
+def test_gold_rollouts_through_trls_colocated_engine_from_the_students_directory(tmp_path, monkeypatch):
+    """A student loaded from a directory the rollout engine can build from (config, weights and
+    the padded tokenizer): TRL's colocated engine is built from that directory, with the engine's
+    share of the GPU and a window of the longest prompt plus the rollout cap, the student's
+    weights are copied into it before each on-policy step's rollouts, and it is closed after."""
+    import trl.experimental.gold.gold_trainer as upstream
+    from test_onpolicy import stand_in_engine
+    from transformers import AutoModelForCausalLM
+
+    from mistill.distill.gold import padded_tokenizer
+    from mistill.distill.onpolicy import LAUNCH_VARIABLES, RolloutEngine, save_rollout_model
+
+    built: list = []
+    monkeypatch.setattr(upstream, "VLLMGeneration", stand_in_engine(built))
+    monkeypatch.setattr(upstream, "is_vllm_available", lambda *args, **kwargs: True)
+    for key in LAUNCH_VARIABLES:
+        monkeypatch.delenv(key, raising=False)
+    student, tok, teacher, teacher_tok = _pair()
+    directory = save_rollout_model(student, padded_tokenizer(tok), tmp_path / "student")
+    loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
+    steps = train_gold(loaded, teacher, tok, teacher_tok, EXAMPLES, RECIPE.replace(max_steps=2), tmp_path / "out",
+                       rollout_cap=6, on_policy_fraction=1.0, beta=0.5, hybrid=True, device="cpu",
+                       log=lambda m, s: None, engine=RolloutEngine(gpu_memory=0.3))
+    (engine,) = built
+    assert engine.built_from == str(directory) and loaded.name_or_path == str(directory)
+    longest = max(len(padded_tokenizer(tok)(text=p)["input_ids"]) for p, _ in EXAMPLES)
+    assert (engine.kwargs["mode"], engine.kwargs["gpu_memory_utilization"], engine.kwargs["max_model_length"]) == (
+        "colocate", 0.3, longest + 6)
+    assert steps == engine.syncs == 2 and engine.rollouts >= 2  # every micro-step on-policy
+    assert not hasattr(engine, "llm")

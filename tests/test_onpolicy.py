@@ -1,12 +1,17 @@
 """The OPD arm on TRL's DistillationTrainer: the platform's data order and schedule, the run's
-metrics, and a run killed after a checkpoint that resumes to the same weights bit for bit."""
+metrics, a run killed after a checkpoint that resumes to the same weights bit for bit, and what
+TRL's colocated vLLM rollout engine is built with; in the train stage, the rollout engine
+``auto`` resolves to and records."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
-from mistill.distill.onpolicy import on_policy_order, train_opd
+from mistill.distill.onpolicy import (LAUNCH_VARIABLES, RolloutEngine, colocated_engine, on_policy_order,
+                                      save_rollout_model, train_opd)
 from mistill.distill.trainer import RecipeConfig, epoch_order, total_steps
 from mistill.models.loading import tiny_model
 from trainer_fixtures import Killed, KillAfterSave, trained_and_resumed
@@ -40,6 +45,68 @@ def test_opd_trains_logs_and_resumes_bit_for_bit(tmp_path):
         assert m["completions/max_length"] <= 6  # the rollout cap
 
 
+# ------------------------------------------------------------------ TRL's colocated engine
+def stand_in_engine(built: list):
+    """A class standing in for TRL's ``VLLMGeneration`` (vLLM's colocated engine needs a CUDA
+    GPU): it keeps the keyword arguments the trainer built it with and the student's
+    ``name_or_path`` at that moment (the directory vLLM would load), sets the launcher's variables
+    as TRL's does, counts weight syncs and rollouts, and rolls out three fixed tokens per prompt.
+    Each instance is appended to ``built``."""
+
+    class StandIn:
+        def __init__(self, model, accelerator, processing_class, **kwargs):
+            self.kwargs, self.built_from = kwargs, model.name_or_path
+            self.syncs = self.rollouts = 0
+            self.llm = object()
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="localhost", MASTER_PORT="29555")
+            built.append(self)
+
+        def sync_weights(self):
+            self.syncs += 1
+
+        def generate(self, prompts, images, num_generations, profiler=None):
+            self.rollouts += 1
+            return prompts, [[7, 8, 9] for _ in prompts for _ in range(num_generations)], None, None
+
+    return StandIn
+
+
+def test_opd_rollouts_through_trls_colocated_engine(tmp_path, monkeypatch):
+    """With a rollout engine, TRL builds its colocated vLLM engine from the saved student (the
+    directory as ``name_or_path``), with the engine's share of the GPU and a window of the
+    longest prompt plus the rollout cap, and copies the student's weights into it before each
+    optimizer step's rollouts; afterwards the engine is closed and the student's name and the
+    launcher's variables are as they were."""
+    import trl.trainer.distillation_trainer as upstream
+
+    built: list = []
+    monkeypatch.setattr(upstream, "VLLMGeneration", stand_in_engine(built))
+    monkeypatch.setattr(upstream, "is_vllm_available", lambda *args, **kwargs: True)
+    for key in LAUNCH_VARIABLES:
+        monkeypatch.delenv(key, raising=False)
+    student = tiny_model("qwen3", layers=2, heads=4, kv_heads=2, d_head=8, d_model=32, seed=1)
+    teacher = tiny_model("qwen3", layers=2, heads=4, kv_heads=2, d_head=8, d_model=32, seed=2)
+    model = student.model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="config.json"), colocated_engine(model, RolloutEngine(tmp_path / "none")):
+        pass
+    saved = save_rollout_model(model, student.tokenizer, tmp_path / "engine")
+    assert (saved / "config.json").is_file() and (saved / "tokenizer_config.json").is_file()
+    name, logs = model.name_or_path, []
+    steps = train_opd(model, teacher.model, student.tokenizer, PROMPTS, RECIPE.replace(max_steps=2), tmp_path / "out",
+                      rollout_cap=6, beta=1.0, device="cpu", log=lambda m, s: logs.append(m),
+                      engine=RolloutEngine(saved, gpu_memory=0.25))
+    (engine,) = built
+    assert engine.built_from == str(saved)
+    longest = max(len(student.tokenizer(text=p)["input_ids"]) for p in PROMPTS)
+    assert (engine.kwargs["mode"], engine.kwargs["gpu_memory_utilization"], engine.kwargs["max_model_length"]) == (
+        "colocate", 0.25, longest + 6)
+    assert engine.kwargs["max_completion_length"] == 6
+    assert steps == engine.syncs == engine.rollouts == 2  # one rollout batch per optimizer step
+    assert [m["completions/mean_length"] for m in logs if "loss" in m] == [3.0, 3.0]
+    assert not hasattr(engine, "llm")  # closed after training
+    assert model.name_or_path == name and not any(key in os.environ for key in LAUNCH_VARIABLES)
+
+
 # -------------------------------------------------------------------------- the train stage
 @pytest.fixture(scope="module")
 def targets_ids(tracking_uri, tmp_path_factory, pinned_code_version):
@@ -69,6 +136,9 @@ def test_the_opd_arm_in_the_train_stage(targets_ids, monkeypatch):
     assert run.data.metrics["train/completions/max_length"] <= 8
     assert [m.step for m in client.get_metric_history(run_id, "probe/truncated_rate")] == [2]
     assert run.data.params["arm.objective"] == "opd" and run.data.params["arm.rollout_cap"] == "8"
+    # rollout_backend=auto on the CPU: transformers' generation, recorded as the engine and a deviation
+    assert run.data.tags["mistill.rollout_backend"] == "hf"
+    assert "rollout_backend=hf" in run.data.tags["mistill.deviation"].split(",")
     assert run.data.tags[TAG_MODEL_ALIAS] == "opd-s0"
     version = client.get_model_version_by_alias(run.data.tags[TAG_REGISTERED_MODEL], "opd-s0")
     assert version.run_id == run_id and version.tags["mistill.objective"] == "opd"
@@ -107,23 +177,40 @@ def test_the_gold_arm_in_the_train_stage(targets_ids, monkeypatch):
     recorded = {d["parameter"]: d["value"] for d in doc["deviations"]}
     assert {"ArmConfig.epochs": 1, "ArmConfig.on_policy_fraction": 0.5, "ArmConfig.rollout_cap": 8,
             "TrainStageConfig.rollout_backend": "hf"}.items() <= recorded.items()
+    # the engine rollout_backend=auto resolved to on the CPU, against the paper's
+    (engine,) = [d for d in doc["deviations"] if d["parameter"] == "TrainStageConfig.rollout_backend"]
+    assert (engine["resolved_from"], engine["kind"], engine["paper_value"]) == ("auto", "against_paper", "vllm")
+    assert doc["config"]["rollout_backend"] == "auto" and run.data.tags["mistill.rollout_backend"] == "hf"
     assert run.data.tags[TAG_MODEL_ALIAS] == "gold-s0"
     version = client.get_model_version_by_alias(run.data.tags[TAG_REGISTERED_MODEL], "gold-s0")
     assert version.run_id == run_id and version.tags["mistill.objective"] == "gold"
 
 
 def test_on_policy_rollouts_from_vllm_need_vllm_and_a_gpu(targets_ids, monkeypatch):
-    """``rollout_backend=vllm`` is refused with the parameter named, before any step, where vLLM
-    is missing or the device is the CPU."""
+    """``rollout_backend=vllm`` is refused with the parameter named, before any run is created,
+    where vLLM is missing or the device is the CPU; ``auto`` resolves to transformers' generation
+    there."""
+    import sys
+
+    from stage_fixtures import runs_of
+
     from mistill.errors import MistillInputError
-    from mistill.stages.distill import TrainStageConfig, run_train
+    from mistill.stages.distill import TrainStageConfig, resolve_rollout_backend, run_train
 
     monkeypatch.setenv("MISTILL_ROOT", str(targets_ids["root"]))
-    with pytest.raises(MistillInputError) as err:
-        run_train(TrainStageConfig(targets_run=targets_ids["ids"]["targets"], student="tiny:qwen3:seed=2",
-                                   arm="opd", rollout_backend="vllm", max_steps=1))
-    assert err.value.field == "rollout_backend"
-    assert "vLLM" in str(err.value)
+    experiment = f"mistill/{targets_ids['corpus']}"
+    before = len(runs_of(experiment, stage="train"))
+    for missing in (False, True):  # off CUDA, with vLLM as installed here and without it
+        with monkeypatch.context() as m:
+            if missing:
+                m.setitem(sys.modules, "vllm", None)  # `import vllm` fails
+            with pytest.raises(MistillInputError) as err:
+                run_train(TrainStageConfig(targets_run=targets_ids["ids"]["targets"], student="tiny:qwen3:seed=2",
+                                           arm="opd", rollout_backend="vllm", max_steps=1))
+            assert err.value.field == "rollout_backend"
+            assert "vLLM" in str(err.value)
+            assert resolve_rollout_backend("auto", "cpu") == "hf"
+    assert len(runs_of(experiment, stage="train")) == before
 
 
 def test_a_killed_gold_train_run_resumes_to_the_weights_of_an_unbroken_one(targets_ids, monkeypatch):

@@ -1,6 +1,8 @@
 """The generation probe during training (App. L.2): its metrics by hand, a scripted model that
 answers with a category code is flagged while one that answers with the billable code is not,
-and probing between optimizer steps leaves training bit for bit as it was."""
+the probe notes decoded together as each alone, and probing between optimizer steps leaves
+training bit for bit as it was. And the train stage's other sampler, DistiLLM-2's dispreferred
+generations: batched in chunks, resumed note by note."""
 
 from __future__ import annotations
 
@@ -121,3 +123,81 @@ def test_probing_between_steps_leaves_training_as_it_was(tmp_path):
     assert plain[1] == probed[1]
     for (name, a), b in zip(plain[0].items(), probed[0].values()):
         assert torch.equal(a, b), name
+
+
+def test_the_probe_decodes_its_notes_together_as_each_alone():
+    """The probe notes go through one batched call, each with its own seed: every note's
+    completion is the one it gets alone, in the order given."""
+    lm = tiny_model("qwen3", layers=2, heads=4, kv_heads=2, d_head=8, d_model=32, seed=1)
+    decoding = DecodingConfig(max_new_tokens=5)
+    notes = [ProbeNote("a", PROMPT, ("I10",), 11), ProbeNote("b", "Code the longer note, please:", ("I10",), 12),
+             ProbeNote("c", PROMPT, ("I10",), 13)]
+    probe = GenerationProbe(lm, notes, CODES, decoding, flag_share=0.5)
+    together = probe.generate(notes)
+    assert [g.seed for g in together] == [11, 12, 13]
+    for note, gen in zip(notes, together):
+        assert gen.token_ids == generate_hf(lm, note.prompt_text, decoding, note.seed).token_ids
+
+
+class _Run:
+    """The part of a train run that DistiLLM-2's dispreferred generations use: a work dir and,
+    for a restricted corpus, per-note local files with their ``_DONE`` markers."""
+
+    def __init__(self, work_dir) -> None:
+        self.work_dir = work_dir
+        self.local: dict[str, dict] = {}
+
+    def finished_notes(self, subdir: str) -> set[str]:
+        return set(self.local)
+
+    def load_note(self, subdir: str, note_id: str, name: str):
+        return self.local[note_id][name]
+
+    def write_note(self, subdir: str, note_id: str, files: dict, local_files: dict | None = None) -> None:
+        self.local[note_id] = dict(local_files or {})
+
+
+@pytest.mark.parametrize("allows_text", [True, False])
+def test_dispreferred_generations_are_batched_and_resume_note_by_note(tmp_path, monkeypatch, allows_text):
+    """Five notes in chunks of two: a run that dies in its second chunk keeps the first chunk's
+    notes, and the resumed run samples only the other three, ending with the generations of a
+    run that was never interrupted (a synthetic or public corpus keeps them in the work dir, a
+    restricted one as local files of the run)."""
+    from types import SimpleNamespace
+
+    import mistill.evaluation.generation as generation
+    import mistill.stages.distill as distill
+    from mistill.stages.distill import TrainStageConfig
+
+    lm = tiny_model("qwen3", layers=2, heads=4, kv_heads=2, d_head=8, d_model=32, seed=1)
+    examples = [SimpleNamespace(student=SimpleNamespace(note=SimpleNamespace(note_id=f"n{i}"),
+                                                        inp=SimpleNamespace(prompt=SimpleNamespace(
+                                                            text=f"Code note {i}:" + " more" * i))))
+                for i in range(5)]
+    cfg = TrainStageConfig(dispreferred_max_new_tokens=4, seed=3)
+    monkeypatch.setattr(distill, "DISPREFERRED_CHUNK", 2)
+    sampled: list[list[str]] = []
+    many = generation.generate_hf_many
+
+    def counting(lm_, items, decoding, **kwargs):
+        sampled.append([text for text, _ in items])
+        if crash and len(sampled) == 2:
+            raise RuntimeError("killed")
+        return many(lm_, items, decoding, **kwargs)
+
+    monkeypatch.setattr(generation, "generate_hf_many", counting)
+    crash = False
+    unbroken = distill._dispreferred(_Run(tmp_path / "unbroken"), lm, examples, cfg, allows_text)
+    assert [len(call) for call in sampled] == [2, 2, 1]
+    sampled.clear()
+    run, crash = _Run(tmp_path / "resumed"), True
+    with pytest.raises(RuntimeError, match="killed"):
+        distill._dispreferred(run, lm, examples, cfg, allows_text)
+    kept = sorted(p.stem for p in (run.work_dir / "dispreferred").glob("*.json")) if allows_text else sorted(run.local)
+    assert kept == ["n0", "n1"]
+    sampled.clear()
+    crash = False
+    resumed = distill._dispreferred(run, lm, examples, cfg, allows_text)
+    assert sampled == [[examples[i].student.inp.prompt.text for i in (2, 3)], [examples[4].student.inp.prompt.text]]
+    assert resumed == unbroken and sorted(resumed) == list(range(5))
+    assert all(1 <= len(ids) <= 4 for ids in resumed.values())

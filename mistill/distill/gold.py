@@ -13,8 +13,10 @@ One override, as in the paper: the logits are computed only over the completion 
 30k-token prompts do not fit; the loss, the alignment and the on-policy machinery are upstream's.
 A test checks that the windowed loss equals upstream's full-sequence one.
 
-The data order, optimiser, schedule, metrics, probe and resume are every on-policy arm's
-(:mod:`mistill.distill.onpolicy`).
+The data order, optimiser, schedule, metrics, probe, resume and rollout engine are every
+on-policy arm's (:mod:`mistill.distill.onpolicy`). With TRL's colocated vLLM engine, only the
+on-policy micro-steps roll out through it, and TRL copies the student's weights into it before
+the first on-policy rollout of each optimizer step (``vllm_sync_frequency`` 1).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from pathlib import Path
 
 import torch
 
-from mistill.distill.onpolicy import (on_policy_order, recipe_optimizer, run_metrics_callback, run_trainer,
-                                      trainer_args)
+from mistill.distill.onpolicy import (RolloutEngine, close_rollout_engine, colocated_engine, engine_args,
+                                      on_policy_order, recipe_optimizer, rollout_context, run_metrics_callback,
+                                      run_trainer, trainer_args)
 from mistill.distill.trainer import RecipeConfig, total_steps
 
 IGNORE = -100
@@ -137,24 +140,27 @@ def windowed_trainer_class():
 
 def gold_args(recipe: RecipeConfig, output_dir: Path, *, n_examples: int, rollout_cap: int,
               on_policy_fraction: float, beta: float, hybrid: bool, teacher_tokenizer_dir: Path, device: str,
-              use_vllm: bool = False):
+              engine: RolloutEngine | None = None, context: int = 0):
     """TRL's ``GOLDConfig``: :func:`~mistill.distill.onpolicy.trainer_args`, the ULD loss with
     its extended (text-span) alignment, ``hybrid`` (with adaptive weights, upstream's default),
     the on-policy fraction, the rollout cap, ``beta`` (the hybrid loss's matched-token JSD), no
     length limit on prompt + completion (the stage capped the teacher's completion already);
-    sampling and the ULD temperatures at TRL's defaults."""
+    sampling and the ULD temperatures at TRL's defaults. Rollouts from TRL's colocated vLLM
+    engine with ``engine``, over a window of ``context`` tokens
+    (:func:`~mistill.distill.onpolicy.engine_args`), else from transformers' generation."""
     from trl.experimental.gold import GOLDConfig
 
     return GOLDConfig(**trainer_args(recipe, output_dir, steps=total_steps(n_examples, recipe), device=device),
                       max_completion_length=rollout_cap, lmbda=on_policy_fraction, beta=beta, use_uld_loss=True,
                       use_extended_uld=True, uld_use_hybrid_loss=hybrid,
                       teacher_tokenizer_name_or_path=str(teacher_tokenizer_dir), max_length=None,
-                      use_vllm=use_vllm, vllm_mode="colocate", log_completions=False)
+                      log_completions=False, **engine_args(engine, context))
 
 
-def _with_pad(tokenizer):
+def padded_tokenizer(tokenizer):
     """``tokenizer``, or a copy of it with its EOS as the pad token when it has none (TRL's
-    collator pads; the run's own tokenizer is left as it is)."""
+    collator pads; the run's own tokenizer is left as it is). The GOLD trainer's tokenizer, and
+    the one to save beside the student for its rollout engine."""
     if tokenizer.pad_token_id is not None:
         return tokenizer
     padded = copy.deepcopy(tokenizer)
@@ -166,33 +172,42 @@ def train_gold(student, teacher, tokenizer, teacher_tokenizer, examples: Sequenc
                recipe: RecipeConfig, output_dir: Path, *, rollout_cap: int, on_policy_fraction: float, beta: float,
                hybrid: bool, device: str, log: Callable[[dict, int], None],
                after_step: Callable[[int, bool], None] | None = None, resume: bool = False, callbacks: Sequence = (),
-               completion_window: bool = True, use_vllm: bool = False) -> int:
+               completion_window: bool = True, engine: RolloutEngine | None = None) -> int:
     """Train ``student`` (its weights already in the arm's precision) against ``teacher`` on
     ``examples``, one ``(prompt, completion)`` per training note: the chat-templated prompt and
     the teacher's trace (already capped) for the off-policy micro-steps. The teacher reads the
     same text in its own tokenizer (``teacher_tokenizer``; upstream's alignment). Returns the
     optimizer steps done; with ``resume``, continues from the last checkpoint in ``output_dir``.
-    ``completion_window=False`` runs upstream's full-sequence loss (the test's reference)."""
+    ``completion_window=False`` runs upstream's full-sequence loss (the test's reference).
+    ``engine``: the on-policy rollouts through TRL's colocated vLLM engine, whose model
+    directory holds the tokenizer with a pad token (:func:`padded_tokenizer`); None: through
+    transformers' generation inside the trainer."""
     from datasets import Dataset
 
     output_dir = Path(output_dir)
     teacher_dir = output_dir / "teacher_tokenizer"
-    _with_pad(teacher_tokenizer).save_pretrained(teacher_dir)
+    padded_tokenizer(teacher_tokenizer).save_pretrained(teacher_dir)
     order = on_policy_order(len(examples), recipe)
     dataset = Dataset.from_dict({"prompt": [examples[i][0] for i in order],
                                  "completion": [examples[i][1] for i in order]})
+    tokenizer = padded_tokenizer(tokenizer)
+    context = rollout_context(tokenizer, [p for p, _ in examples], rollout_cap) if engine is not None else 0
     args = gold_args(recipe, output_dir, n_examples=len(examples), rollout_cap=rollout_cap,
                      on_policy_fraction=on_policy_fraction, beta=beta, hybrid=hybrid, teacher_tokenizer_dir=teacher_dir,
-                     device=device, use_vllm=use_vllm)
+                     device=device, engine=engine, context=context)
     total = total_steps(len(examples), recipe)
     optimizer, scheduler = recipe_optimizer(student, recipe, total)
     trainer_class = windowed_trainer_class()
-    trainer = trainer_class(model=student, teacher_model=teacher, args=args, train_dataset=dataset,
-                            processing_class=_with_pad(tokenizer), optimizers=(optimizer, scheduler),
-                            callbacks=[run_metrics_callback(log, after_step, total), *callbacks])
-    trainer.completion_window = completion_window
-    return run_trainer(trainer, output_dir, resume=resume)
+    with colocated_engine(student, engine):
+        trainer = trainer_class(model=student, teacher_model=teacher, args=args, train_dataset=dataset,
+                                processing_class=tokenizer, optimizers=(optimizer, scheduler),
+                                callbacks=[run_metrics_callback(log, after_step, total), *callbacks])
+        trainer.completion_window = completion_window
+        try:
+            return run_trainer(trainer, output_dir, resume=resume)
+        finally:
+            close_rollout_engine(trainer)
 
 
 __all__ = ["capped_completion", "completion_window_start", "window_logits", "windowed_trainer_class", "gold_args",
-           "train_gold"]
+           "padded_tokenizer", "train_gold"]

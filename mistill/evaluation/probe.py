@@ -17,9 +17,11 @@ afterwards. Per probe it logs, over its notes (``probe/*`` metrics of the train 
   ``mean_tokens``: generated tokens per note;
 - ``flagged``: 1 when ``category_rate`` or ``truncated_rate`` reaches the flag share, else 0.
 
-The generation is the evaluation's (:func:`~mistill.evaluation.generation.generate_hf`: the
-paper's sampling, seeded per note, RNG state forked so training's draws are untouched) with the
-probe's own token cap. No text leaves the probe: only these numbers.
+The generation is the evaluation's HF sampling (:func:`~mistill.evaluation.generation.generate_hf_many`:
+the paper's decoding, each note drawn with its own seeded generator, so its tokens do not depend
+on the other probe notes or the batch, and the global RNG, training's draws, is untouched) with
+the probe's own token cap, the notes decoded together in left-padded batches. No text leaves the
+probe: only these numbers.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mistill.evaluation.generation import DecodingConfig, Generation, generate_hf, note_seed
+from mistill.evaluation.generation import DecodingConfig, Generation, generate_hf_many, note_seed
 from mistill.evaluation.metrics import micro_prf
 from mistill.evaluation.parsing import CodeIndex, last_json_list, parse_answer, split_reasoning, undotted
 
@@ -111,7 +113,10 @@ class GenerationProbe:
         self.flag_share = flag_share
 
     def generate(self, notes: Sequence[ProbeNote]) -> list[Generation]:
-        return [generate_hf(self.lm, note.prompt_text, self.decoding, note.seed) for note in notes]
+        """One completion per note, in the order given: the notes decoded together in batches
+        (:func:`~mistill.evaluation.generation.generate_hf_many`), each with its own seed; the
+        model's train/eval mode and the global RNG are left as they were."""
+        return generate_hf_many(self.lm, [(n.prompt_text, n.seed) for n in notes], self.decoding)
 
     def score(self, generations: Sequence[Generation], notes: Sequence[ProbeNote]) -> dict[str, float]:
         return probe_metrics(generations, [n.gold for n in notes], self.index, self.categories, self.flag_share)

@@ -46,6 +46,9 @@ TARGETS_FILE = "targets.npz"
 TARGETS_MANIFEST = "targets_manifest.json"
 DISPREFERRED = "dispreferred"
 DISPREFERRED_FILE = "generation.json"
+DISPREFERRED_CHUNK = 16
+"""Notes per batched generation call of DistiLLM-2's dispreferred responses; each call's
+records are written when it returns (a crash loses at most one call)."""
 TAG_DEVIATION = "mistill.deviation"
 """Tag of a run that departs from the paper's procedure: a comma-separated, sorted list of
 deviation codes (one per departure)."""
@@ -54,6 +57,16 @@ DEVIATION_P1_WINDOW_EMISSION = "p1_window_pool=emission"
 over the teacher's prose-time set (App. I.1, "The window, and its asymmetry."): no ``locus`` run
 was given to ``targets`` (``locus_run``), or the one given has no prose-time set (none of its
 chapter mentions had a locus to attribute)."""
+DEVIATION_ROLLOUT_HF = "rollout_backend=hf"
+"""An on-policy arm (OPD, GOLD) sampled its rollouts with transformers' generation inside TRL's
+trainer, where the paper colocated a vLLM rollout engine with the trainer (App. J.3):
+``rollout_backend`` was ``hf``, or ``auto`` on a machine without vLLM or a CUDA device."""
+TAG_ROLLOUT_BACKEND = "mistill.rollout_backend"
+"""Tag of an on-policy train run: the engine that sampled its rollouts (``hf`` or ``vllm``;
+``rollout_backend=auto`` resolved)."""
+ROLLOUT_MODEL = "rollout_model"
+"""The train run's work-dir folder holding the student TRL's colocated vLLM engine is built
+from (removed after training)."""
 
 
 def _read_events(reader: RunReader, note_id: str) -> list[Event]:
@@ -171,9 +184,15 @@ class TrainStageConfig(Config, RecipeParams, ProbeParams):
         anything else is refused (see :mod:`mistill.distill.arms`).
     overrides: ``key=value,...`` on the arm's flags (``lambda_p1=0.03``; ``terms=a+b`` for lists).
     precision: ``bf16`` or ``fp32``; empty keeps the arm's.
-    rollout_backend: how the on-policy arms (OPD, GOLD) sample the student's rollouts: ``hf``
-        (transformers' generation inside TRL's trainer) or ``vllm`` (TRL's colocated vLLM engine;
-        the ``vllm`` extra on a CUDA GPU).
+    rollout_backend: how the on-policy arms (OPD, GOLD) sample the student's rollouts: ``auto``
+        (TRL's colocated vLLM engine where vLLM is installed and the device is CUDA, else
+        ``hf``), ``hf`` (transformers' generation inside TRL's trainer) or ``vllm`` (TRL's
+        colocated vLLM engine, as the paper ran OPD; refused without vLLM or off a CUDA device).
+        The run records the engine (tag ``mistill.rollout_backend``); with ``hf`` its deviation
+        from the paper (tag ``mistill.deviation``, and in ``config.json``'s ``deviations``).
+    rollout_gpu_memory: **[recon]** the share of the GPU's memory, in (0, 1), that TRL's
+        colocated vLLM engine may take (its copy of the student, activations, key/value cache);
+        the trainer keeps the rest (see :data:`mistill.distill.onpolicy.ROLLOUT_GPU_MEMORY`).
     register: register the checkpoint (an MLflow Model, artifact path ``model``) as a version of
         ``mistill-<corpus>-<student>`` with the arm alias ``<arm>-s<seed>``, or, for a λ-selection
         cell, the cell alias ``<arm>-l<λ>-s<seed>`` (see :mod:`mistill.tracking.models`).
@@ -194,7 +213,8 @@ class TrainStageConfig(Config, RecipeParams, ProbeParams):
     precision: str = ""
     logits_chunk: int = 1024
     dispreferred_max_new_tokens: int = 16384
-    rollout_backend: str = "hf"
+    rollout_backend: str = "auto"
+    rollout_gpu_memory: float = 0.2
     device: str = "cpu"
     register: bool = True
 
@@ -213,8 +233,8 @@ class TrainStageConfig(Config, RecipeParams, ProbeParams):
 
         from mistill.distill.arms import PRECISIONS, ArmConfig
         from mistill.evaluation.backends import BACKENDS
-        from mistill.validation import (check_arm, check_choice, check_model_spec, check_no_text_fields,
-                                        check_overrides, check_run_id)
+        from mistill.validation import (check_arm, check_choice, check_interval, check_model_spec,
+                                        check_no_text_fields, check_overrides, check_run_id)
 
         check_no_text_fields(self)
         check_run_id(self.targets_run, "targets_run")
@@ -229,6 +249,7 @@ class TrainStageConfig(Config, RecipeParams, ProbeParams):
         check_positive(self.logits_chunk, "logits_chunk")
         check_positive(self.dispreferred_max_new_tokens, "dispreferred_max_new_tokens")
         check_choice(self.rollout_backend, BACKENDS, "rollout_backend")
+        check_interval(self.rollout_gpu_memory, "rollout_gpu_memory", low_open=True, high_open=True)
         check_device(self.device)
 
     def content_digests(self) -> dict[str, str]:
@@ -238,8 +259,8 @@ class TrainStageConfig(Config, RecipeParams, ProbeParams):
         return {"arm": digest} if digest else {}
 
 
-def train_deviations(arm: ArmConfig, targets_config: Mapping, targets_tags: Mapping[str, str] | None = None
-                     ) -> tuple[str, ...]:
+def train_deviations(arm: ArmConfig, targets_config: Mapping, targets_tags: Mapping[str, str] | None = None, *,
+                     rollout_backend: str = "") -> tuple[str, ...]:
     """The deviation codes of a train run of ``arm`` on targets computed with ``targets_config``
     (the targets run's ``config.json``; ``targets_tags``: its tags), sorted.
 
@@ -247,6 +268,8 @@ def train_deviations(arm: ArmConfig, targets_config: Mapping, targets_tags: Mapp
     both the arm and the targets, ``lambda_p1 > 0``) on targets whose teacher window pool fell back
     to the P1 emission pool (no ``locus_run``, or the targets run tagged with the code: its locus
     run had no prose-time set).
+    ``rollout_backend=hf``: an on-policy arm whose rollouts come from transformers' generation
+    (``rollout_backend``: the engine the run's ``rollout_backend`` resolved to).
     """
     codes = []
     window = min(arm.window, int(targets_config.get("window", TargetsConfig.window)))
@@ -254,16 +277,22 @@ def train_deviations(arm: ArmConfig, targets_config: Mapping, targets_tags: Mapp
     fell_back = not targets_config.get("locus_run") or DEVIATION_P1_WINDOW_EMISSION in targets_codes
     if arm.objective == "mistill" and window > 0 and arm.lambda_p1 > 0 and fell_back:
         codes.append(DEVIATION_P1_WINDOW_EMISSION)
+    if arm.objective in ON_POLICY_OBJECTIVES and rollout_backend == "hf":
+        codes.append(DEVIATION_ROLLOUT_HF)
     return tuple(sorted(codes))
 
 
-def recorded_deviations(cfg: TrainStageConfig, arm: ArmConfig) -> list[dict]:
+def recorded_deviations(cfg: TrainStageConfig, arm: ArmConfig, rollout_backend: str = "") -> list[dict]:
     """The values of this run that differ from the platform's defaults or from the paper's
     (:func:`mistill.deviations.deviations_in`: the arm's flags, e.g. the GOLD run's epoch, cap and
-    on-policy fraction, and the stage's parameters), as recorded in ``config.json``."""
+    on-policy fraction, and the stage's parameters), as recorded in ``config.json``.
+    ``rollout_backend``: the engine ``cfg.rollout_backend`` resolved to (on-policy arms), checked
+    in place of ``auto``."""
     from mistill.deviations import deviations_in
 
-    return deviations_in("ArmConfig", arm.to_dict()) + deviations_in(type(cfg).__name__, cfg.to_dict())
+    resolved = {"rollout_backend": rollout_backend} if rollout_backend else None
+    return deviations_in("ArmConfig", arm.to_dict()) + deviations_in(type(cfg).__name__, cfg.to_dict(),
+                                                                     resolved=resolved)
 
 
 def _mark_deviations(run, codes: tuple[str, ...], stage: str) -> None:
@@ -276,6 +305,10 @@ def _mark_deviations(run, codes: tuple[str, ...], stage: str) -> None:
             print(f"{stage}: warning: the teacher's P1 window rows are pooled over its P1 emission set "
                   "(no locus run given as locus_run, or it has no prose-time set); the paper pools them over the "
                   f"prose-time set. Tagged {TAG_DEVIATION}={code}.", file=sys.stderr)
+        elif code == DEVIATION_ROLLOUT_HF:
+            print(f"{stage}: warning: the student's rollouts come from transformers' generation inside TRL's "
+                  "trainer (rollout_backend hf, or auto without vLLM or a CUDA device); the paper colocated a vLLM "
+                  f"rollout engine with the trainer. Tagged {TAG_DEVIATION}={code}.", file=sys.stderr)
 
 
 @dataclass
@@ -310,8 +343,8 @@ def run_train(cfg: TrainStageConfig) -> str:
     if world.distributed and arm.objective in ON_POLICY_OBJECTIVES:
         raise MistillInputError(f"the {arm.objective.upper()} arm trains in one process (TRL's trainer); launch it "
                                 "without torchrun", field="nproc")
-    if arm.objective in ON_POLICY_OBJECTIVES and cfg.rollout_backend == "vllm":
-        _check_vllm_rollouts(stage_device(cfg.device))
+    rollout = resolve_rollout_backend(cfg.rollout_backend, stage_device(cfg.device)) \
+        if arm.objective in ON_POLICY_OBJECTIVES else ""
     _check_targets(targets_run, notes)
     inputs = {"targets": cfg.targets_run}
     if cfg.student_attribute_run:
@@ -321,7 +354,8 @@ def run_train(cfg: TrainStageConfig) -> str:
     with open_stage("train", cfg, prepared, inputs=inputs, model=cfg.student, arm=cfg.arm,
                     seed=cfg.seed, precision=arm.precision,
                     lam=(arm.lambda_p1, arm.lambda_p2) if arm.objective == "mistill" else None,
-                    record={"arm": arm.to_dict(), "deviations": recorded_deviations(cfg, arm)}) as run:
+                    tags={TAG_ROLLOUT_BACKEND: rollout} if rollout else None,
+                    record={"arm": arm.to_dict(), "deviations": recorded_deviations(cfg, arm, rollout)}) as run:
         if run.reused:
             return run.run_id
         guard = run.guard
@@ -329,12 +363,12 @@ def run_train(cfg: TrainStageConfig) -> str:
         if leader:
             run.log_json("arm.json", arm.to_dict())
             _log_arm_params(run, arm)
-            _mark_deviations(run, train_deviations(arm, tcfg, targets_run.tags), "train")
+            _mark_deviations(run, train_deviations(arm, tcfg, targets_run.tags, rollout_backend=rollout), "train")
         recipe = cfg.recipe(arm.precision, arm.epochs)
         device = stage_device(cfg.device)
         lm = load_model(cfg.student, dtype="float32", device=device)
         if arm.objective in ON_POLICY_OBJECTIVES:
-            steps = _train_on_policy(cfg, arm, recipe, run, ev, notes, lm, device, tcfg)
+            steps = _train_on_policy(cfg, arm, recipe, run, ev, notes, lm, device, tcfg, rollout)
             run.log_metrics({"train/steps": steps, "n_notes": len(notes)})
             _save_and_register(run, lm.model, lm.tokenizer, cfg, arm,
                                _Provenance(teacher=ev.model, corpus_digest=prepared.corpus.digest,
@@ -432,7 +466,20 @@ def _check_vllm_rollouts(device: str) -> None:
     require_vllm("rollout_backend")
     if not str(device).startswith("cuda"):
         raise MistillInputError(f"TRL's colocated vLLM engine runs on a CUDA GPU, not on device {device!r}; use "
-                                "rollout_backend 'hf'", field="rollout_backend")
+                                "rollout_backend 'hf' or 'auto'", field="rollout_backend")
+
+
+def resolve_rollout_backend(name: str, device: str) -> str:
+    """The engine an on-policy arm's rollouts come from on ``device``: ``hf`` or ``vllm``, with
+    ``auto`` resolved (:func:`mistill.evaluation.backends.resolve_backend`: ``vllm`` where vLLM
+    is installed and ``device`` is a CUDA device this machine has). ``vllm`` asked for by name is
+    refused without vLLM or off a CUDA device (:class:`MistillInputError` naming
+    ``rollout_backend``)."""
+    from mistill.evaluation.backends import resolve_backend
+
+    if name == "vllm":
+        _check_vllm_rollouts(device)
+    return resolve_backend(name, device)
 
 
 def _train_metrics(run):
@@ -449,12 +496,22 @@ def _tag_cpu_kernels(run, model, arm: ArmConfig) -> None:
 
 
 def _train_on_policy(cfg: TrainStageConfig, arm: ArmConfig, recipe: RecipeConfig, run, ev, notes, lm, device: str,
-                     tcfg: Mapping) -> int:
+                     tcfg: Mapping, rollout: str) -> int:
     """The on-policy arms on TRL's trainers, the teacher online: OPD (:mod:`mistill.distill.onpolicy`)
     on the training notes' shortlist prompts in the student's chat template; GOLD
     (:mod:`mistill.distill.gold`) on the same prompts and, for its off-policy micro-steps, the
     teacher's traces capped at the rollout cap (their count logged as
-    ``train/truncated_completions``). Returns the optimizer steps."""
+    ``train/truncated_completions``). Returns the optimizer steps.
+
+    ``rollout``: the engine of the rollouts (:func:`resolve_rollout_backend`). With ``vllm`` the student,
+    in the arm's precision, and its tokenizer are written to the work dir's
+    :data:`ROLLOUT_MODEL` folder for TRL's colocated engine to build from (taking
+    ``cfg.rollout_gpu_memory`` of the GPU), and the folder is removed after training."""
+    import shutil
+
+    from mistill.distill.gold import padded_tokenizer
+    from mistill.distill.onpolicy import RolloutEngine, save_rollout_model
+
     prepared = ev.prepared
     teacher = load_model(ev.model, dtype=tcfg.get("dtype", "float32"), device=device)
     if arm.objective == "opd" and not _same_vocab(teacher.tokenizer, lm.tokenizer):
@@ -464,22 +521,30 @@ def _train_on_policy(cfg: TrainStageConfig, arm: ArmConfig, recipe: RecipeConfig
     model = training_precision(lm.model, recipe)
     _tag_cpu_kernels(run, model, arm)
     inputs = [prepared_note_input(prepared, note, lm.tokenizer) for note in notes]
+    engine = None
+    if rollout == "vllm":
+        engine = RolloutEngine(save_rollout_model(model, padded_tokenizer(lm.tokenizer), run.work_dir / ROLLOUT_MODEL),
+                               gpu_memory=cfg.rollout_gpu_memory)
     common = dict(rollout_cap=arm.rollout_cap, beta=arm.opd_beta, device=device, log=_train_metrics(run),
                   after_step=_probe_step(cfg, prepared, lm, run, current_world()), resume=run.resumed,
-                  use_vllm=cfg.rollout_backend == "vllm")
-    if arm.objective == "opd":
-        from mistill.distill.onpolicy import train_opd
+                  engine=engine)
+    try:
+        if arm.objective == "opd":
+            from mistill.distill.onpolicy import train_opd
 
-        return train_opd(model, teacher.model, lm.tokenizer, [ni.prompt.text for ni in inputs], recipe,
-                         run.work_dir / "trainer", **common)
-    from mistill.distill.gold import capped_completion, train_gold
+            return train_opd(model, teacher.model, lm.tokenizer, [ni.prompt.text for ni in inputs], recipe,
+                             run.work_dir / "trainer", **common)
+        from mistill.distill.gold import capped_completion, train_gold
 
-    capped = [capped_completion(ni.full_text, ni.offsets, ni.trace_offset, arm.rollout_cap) for ni in inputs]
-    run.log_metrics({"train/truncated_completions": sum(cut for _, cut in capped)})
-    examples = [(ni.prompt.text, text) for ni, (text, _) in zip(inputs, capped)]
-    return train_gold(model, teacher.model, lm.tokenizer, teacher.tokenizer, examples, recipe,
-                      run.work_dir / "trainer", on_policy_fraction=arm.on_policy_fraction, hybrid=arm.uld_hybrid,
-                      **common)
+        capped = [capped_completion(ni.full_text, ni.offsets, ni.trace_offset, arm.rollout_cap) for ni in inputs]
+        run.log_metrics({"train/truncated_completions": sum(cut for _, cut in capped)})
+        examples = [(ni.prompt.text, text) for ni, (text, _) in zip(inputs, capped)]
+        return train_gold(model, teacher.model, lm.tokenizer, teacher.tokenizer, examples, recipe,
+                          run.work_dir / "trainer", on_policy_fraction=arm.on_policy_fraction, hybrid=arm.uld_hybrid,
+                          **common)
+    finally:
+        if engine is not None:
+            shutil.rmtree(engine.model_dir, ignore_errors=True)
 
 
 def _probe_step(cfg: TrainStageConfig, prepared, lm, run, world):
@@ -520,33 +585,46 @@ def _dispreferred(run, lm, examples: list, cfg: TrainStageConfig, allows_text: b
     """The untrained student's own generation for each training prompt (DistiLLM-2's dispreferred
     responses), sampled before any update with the paper's decoding and a seed per note.
 
-    Model text, never logged, and kept so a resumed run reuses it: for a restricted corpus as a
-    local file of the run's enclave (``dispreferred/<note_id>/generation.json``, checked against
-    its ``_DONE`` sha256 when read back), otherwise in the run's work dir
+    The notes without a generation yet are sampled :data:`DISPREFERRED_CHUNK` at a time through
+    :func:`~mistill.evaluation.generation.generate_hf_many` (left-padded batches, each note drawn
+    with its own seed: its tokens do not depend on the chunk it falls in), and each note's record
+    is written as soon as its chunk returns. Model text, never logged, and kept so a resumed run
+    reuses it (a crash loses at most the chunk in flight): for a restricted corpus as a local file
+    of the run's enclave (``dispreferred/<note_id>/generation.json``, checked against its
+    ``_DONE`` sha256 when read back), otherwise in the run's work dir
     (``dispreferred/<note_id>.json``).
     """
-    from mistill.evaluation.generation import DecodingConfig, generate_hf, note_seed
+    from mistill.evaluation.generation import DecodingConfig, generate_hf_many, note_seed
     from mistill.io import read_json, write_json
 
     decoding = DecodingConfig(max_new_tokens=cfg.dispreferred_max_new_tokens, seed=cfg.seed)
     done = set() if allows_text else run.finished_notes(DISPREFERRED)
-    out = {}
-    for i, ex in enumerate(track(examples, desc="student generations")):
+    out: dict[int, list[int]] = {}
+    todo: list[int] = []
+    for i, ex in enumerate(examples):
         note_id = ex.student.note.note_id
         path = run.work_dir / DISPREFERRED / f"{note_id}.json"
         if allows_text and path.exists():
             out[i] = read_json(path)["token_ids"]
-            continue
-        if note_id in done:
+        elif note_id in done:
             out[i] = run.load_note(DISPREFERRED, note_id, DISPREFERRED_FILE)["token_ids"]
-            continue
-        gen = generate_hf(lm, ex.student.inp.prompt.text, decoding, note_seed(decoding, note_id))
-        record = {"token_ids": gen.token_ids, "capped": gen.capped, "seed": gen.seed, "decoding": gen.decoding}
-        if allows_text:
-            write_json(path, record)
         else:
-            run.write_note(DISPREFERRED, note_id, {}, local_files={DISPREFERRED_FILE: record})
-        out[i] = gen.token_ids
+            todo.append(i)
+    bar = track(total=len(todo), desc="student generations")
+    for start in range(0, len(todo), DISPREFERRED_CHUNK):
+        chunk = todo[start:start + DISPREFERRED_CHUNK]
+        ids = [examples[i].student.note.note_id for i in chunk]
+        gens = generate_hf_many(lm, [(examples[i].student.inp.prompt.text, note_seed(decoding, note_id))
+                                     for i, note_id in zip(chunk, ids)], decoding)
+        for i, note_id, gen in zip(chunk, ids, gens, strict=True):
+            record = {"token_ids": gen.token_ids, "capped": gen.capped, "seed": gen.seed, "decoding": gen.decoding}
+            if allows_text:
+                write_json(run.work_dir / DISPREFERRED / f"{note_id}.json", record)
+            else:
+                run.write_note(DISPREFERRED, note_id, {}, local_files={DISPREFERRED_FILE: record})
+            out[i] = gen.token_ids
+            bar.update(1)
+    bar.close()
     return out
 
 
