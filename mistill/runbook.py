@@ -27,6 +27,7 @@ The counts are the paper's (App. A, C, J, Q), as :func:`paper_plan` states them.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import math
 import re
@@ -69,8 +70,11 @@ class Workload:
     model: the benchmark architecture (``qwen3-14b``, ``qwen3-4b``);
     units: notes for a per-note pass, optimizer micro-steps for training, events for key blocking;
     tokens: tokens per unit (prompt + trace; for generation, the prompt);
-    new_tokens: tokens generated per unit (generation, on-policy rollouts);
-    on_policy_fraction: the share of on-policy training steps that roll out.
+    new_tokens: tokens generated per unit (generation, on-policy rollouts, the own traces of
+        ``own_heads``);
+    on_policy_fraction: the share of on-policy training steps that roll out;
+    sampler: the model whose own generations an ``own_heads`` step samples before its passes
+        (``new_tokens`` each after a ``tokens - new_tokens``-token prompt; empty: none).
     """
 
     kind: str
@@ -79,6 +83,7 @@ class Workload:
     tokens: int = 0
     new_tokens: int = 0
     on_policy_fraction: float = 1.0
+    sampler: str = ""
 
 
 @dataclass(frozen=True)
@@ -105,7 +110,7 @@ COST_MODELS: dict[str, tuple[str, str]] = {
     "own_heads": ("instrument.{model}.attribution_pass_s", "instrument.{model}.tokens"),
 }
 COST_NOTES: dict[str, str] = {
-    "own_heads": "the attribution pass; the arm's own traces add an evaluate step's generation",
+    "own_heads": "the attribution pass",
 }
 ROLLOUTS = ("train_opd", "train_gold")
 """On-policy kinds, costed by :func:`rollout_estimate`."""
@@ -121,6 +126,16 @@ at batch 1 (``generate.<model>.p<prompt tokens>.{prefill_s,decode_per_token_s}``
 for a batched engine."""
 SAMPLING_ENGINES: tuple[str, ...] = ("vllm", "hf_batched")
 """The batched engines whose ``sampling.*`` figures cost generation, most preferred first."""
+STAND_INS: dict[str, tuple[str, str]] = {
+    "smollm3-3b": ("qwen3-4b", "SmolLM3-3B reads less per token than Qwen3-4B: 3.1B against 4.0B parameters, "
+                               "4 key-value heads against 8 at the same 36 layers of 128-wide heads"),
+}
+"""A model -> (a larger model, why it is larger in every term a forward reads): where the model has
+no batched-engine or forward-pass figure of its own, the larger model's measured figure costs it,
+as an upper bound that the estimate's formula names."""
+READOUT = ("instrument.{model}.prefill_s", "instrument.{model}.tokens")
+"""The figures of one teacher-forced forward, which ``evaluate`` runs per note over the teacher's
+prompt and trace for its readouts after sampling (the prefill the instrument benchmark times)."""
 NO_FIGURE = ("shortlist", "las_simulator")
 COMPOSITE: dict[str, tuple[str, ...]] = {"characterize": ("events", "attribute", "knockin")}
 """Entry points that run others as nested steps."""
@@ -244,6 +259,13 @@ def generation_estimate(work: Workload, figures: Figures) -> Estimate:
             return found
         if found:
             passed.append(found)
+    if work.model in STAND_INS:  # a larger model's batched figures: an upper bound, said so
+        larger, why = STAND_INS[work.model]
+        for engine in SAMPLING_ENGINES:
+            found = _sampling_estimate(engine, dataclasses.replace(work, model=larger), figures)
+            if isinstance(found, Estimate):
+                return Estimate(found.gpu_hours, f"{found.formula}; {larger}'s figures stand for {work.model}: "
+                                                 f"an upper bound ({why})", found.keys)
     hf = _hf_generation_estimate(work, figures)
     return Estimate(hf.gpu_hours, "; ".join([hf.formula, *passed]), hf.keys) if passed else hf
 
@@ -335,15 +357,49 @@ def rollout_estimate(work: Workload, figures: Figures) -> Estimate:
     return Estimate(hf.gpu_hours, f"{hf.formula}; {vllm_key} not used: {passed}", hf.keys) if passed else hf
 
 
+def _sum(parts: Sequence[Estimate]) -> Estimate:
+    """Estimates of a step's parts added: the hours (None when a part has none), the formulas
+    joined by ``+``, the figures read."""
+    hours = None if any(p.gpu_hours is None for p in parts) else sum(p.gpu_hours for p in parts)
+    return Estimate(hours, " + ".join(f"[{p.formula}]" for p in parts), tuple(k for p in parts for k in p.keys))
+
+
+def readout_estimate(work: Workload, figures: Figures) -> Estimate:
+    """GPU-hours of ``evaluate``'s teacher-forced readouts: one forward per note over its prompt
+    and the teacher's trace (``work.tokens + work.new_tokens``), from :data:`READOUT`'s figures
+    scaled by tokens (the model's own, else its :data:`STAND_INS` larger model's, said so)."""
+    note = ""
+    model = work.model
+    if figures.get(READOUT[0].format(model=model)) is None and model in STAND_INS:
+        model, why = STAND_INS[model]
+        note = f"; {model}'s forward stands for {work.model}'s: an upper bound ({why})"
+    time_key, tokens_key = (k.format(model=model) for k in READOUT)
+    per_note, bench = figures.get(time_key), figures.get(tokens_key)
+    if per_note is None or bench is None:
+        return Estimate(None, f"{time_key} is not recorded")
+    tokens = work.tokens + work.new_tokens
+    return Estimate(work.units * per_note * tokens / bench / 3600,
+                    f"{work.units} x {per_note:.3g} s x ({tokens} / {bench:.0f} tokens) (the readouts' forward{note})",
+                    (time_key, tokens_key))
+
+
 def estimate(work: Workload, figures: Figures) -> Estimate:
     """GPU-hours of ``work``: units x per-unit seconds (x tokens / benchmark tokens) / 3600; for
-    generation, :func:`generation_estimate`; for on-policy training, :func:`rollout_estimate`."""
+    generation, :func:`generation_estimate` (``evaluate`` adds :func:`readout_estimate`); for
+    on-policy training, :func:`rollout_estimate`; an ``own_heads`` step with a ``sampler`` adds
+    the generation of its own traces."""
     if work.kind == "none":
         return Estimate(0.0, "no GPU work")
+    if work.kind == "evaluate":
+        return _sum([generation_estimate(work, figures), readout_estimate(work, figures)])
     if work.kind in GENERATION:
         return generation_estimate(work, figures)
     if work.kind in ROLLOUTS:
         return rollout_estimate(work, figures)
+    if work.kind == "own_heads" and work.sampler:
+        traces = Workload("generate", work.sampler, work.units, work.tokens - work.new_tokens, work.new_tokens)
+        passes = dataclasses.replace(work, sampler="", new_tokens=0)
+        return _sum([estimate(passes, figures), generation_estimate(traces, figures)])
     if work.kind not in COST_MODELS:
         return Estimate(None, f"no benchmark figure for {work.kind} on a GPU yet")
     time_key, tokens_key = (k.format(model=work.model) for k in COST_MODELS[work.kind])
@@ -617,8 +673,8 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
         steps.append(_step("DT-000", f"evaluate_{student}_untrained", "evaluate", answers(student),
                            inputs=evaluation, params={"model": role, "arm": "untrained", "split": "test"}))
         steps.append(_step("DT-000", f"own_heads_{student}_untrained", "own_heads",
-                           Workload("own_heads", "qwen3-4b", c.test_notes, short), inputs={"prepare_run": data},
-                           params={"model": role}))
+                           Workload("own_heads", "qwen3-4b", c.test_notes, short, trace, sampler=student),
+                           inputs={"prepare_run": data}, params={"model": role}))
     from mistill.distill.arms import resolve_arm
 
     steps.append(_step("DT-001", "select_lambda", "select_lambda",
@@ -655,7 +711,7 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
                                inputs={**evaluation, "train_run": f"{tree}/train_{run}"},
                                params={"arm": arm, "split": "test"}))
             steps.append(_step(tree, f"own_heads_{run}", "own_heads",
-                               Workload("own_heads", "qwen3-4b", c.test_notes, short),
+                               Workload("own_heads", "qwen3-4b", c.test_notes, short, trace, sampler=student),
                                inputs={"prepare_run": data, "train_run": f"{tree}/train_{run}"}))
     steps.append(_step("report", "report", "report", Workload("none"),
                        after=tuple(s.name for s in steps if s.entry_point in ("evaluate", "own_heads"))))

@@ -3,6 +3,8 @@ figure times the workload, and a result selector keeps what those results need."
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from mistill.errors import MistillInputError
@@ -216,7 +218,7 @@ def test_sampling_is_costed_from_the_preferred_engines_measured_batch(tmp_path):
     figures = figures_file(tmp_path / "f.json", {**HF_4B, **VLLM_4B, **HF_BATCHED_4B})
     # vLLM before batched HF (cheaper here), at the shortest recorded prompt at least the work's
     # (36000 for 30000; the shorter 24000 is passed over), the batch of least seconds per note
-    est = estimate(Workload("evaluate", "qwen3-4b", 150, 30_000, 6_000), figures)
+    est = estimate(Workload("generate", "qwen3-4b", 150, 30_000, 6_000), figures)
     assert est.gpu_hours == pytest.approx(150 * 3000.0 / 64 / 3600, rel=1e-9)
     assert est.keys == ("sampling.vllm.qwen3-4b.p36000.b64.n256.wall_s",
                         "sampling.vllm.qwen3-4b.p36000.b64.n6000.wall_s")
@@ -268,26 +270,50 @@ def test_an_engine_without_two_new_token_counts_is_passed_over_and_said(tmp_path
     assert "HF backend, batch 1" in est.formula and "no batch is recorded at two new-token counts" in est.formula
 
 
-def test_smollm3_is_costed_from_its_own_figures_only(tmp_path):
+def test_smollm3_is_costed_from_its_own_figures_first_then_a_larger_models_as_a_bound(tmp_path):
     hf_smol = {"generate.smollm3-3b.p36000.prefill_s": 0.8, "generate.smollm3-3b.p36000.decode_per_token_s": 0.12}
     smol_batched = {"sampling.hf_batched.smollm3-3b.p36000.b8.n256.wall_s": 40.0,
                     "sampling.hf_batched.smollm3-3b.p36000.b8.n6000.wall_s": 960.0}
-    work = Workload("evaluate", "smollm3-3b", 150, 30_000, 6_000)
-    # vLLM holds Qwen3-4B's figures only: not substituted, the next engine with SmolLM3's own
+    work = Workload("generate", "smollm3-3b", 150, 30_000, 6_000)
+    # its own batched figures come before Qwen3-4B's, whatever the engine
     est = estimate(work, figures_file(tmp_path / "f.json", {**hf_smol, **VLLM_4B, **smol_batched}))
     assert est.keys == ("sampling.hf_batched.smollm3-3b.p36000.b8.n256.wall_s",
                         "sampling.hf_batched.smollm3-3b.p36000.b8.n6000.wall_s")
     assert est.gpu_hours == pytest.approx(150 * 960.0 / 8 / 3600, rel=1e-9)
-    # no batched figure of its own: its HF figures at batch 1, saying the others' were not used
+    # no batched figure of its own: the larger Qwen3-4B's vLLM figures, named as an upper bound,
+    # before its own HF figures at batch 1
     est = estimate(work, figures_file(tmp_path / "g.json", {**hf_smol, **VLLM_4B, **HF_BATCHED_4B}))
+    assert est.keys[0].startswith("sampling.vllm.qwen3-4b.")
+    assert "qwen3-4b's figures stand for smollm3-3b: an upper bound" in est.formula
+    assert est.gpu_hours == estimate(dataclasses.replace(work, model="qwen3-4b"),
+                                     figures_file(tmp_path / "g2.json", VLLM_4B)).gpu_hours
+    # no batched figure of either: its own HF figures at batch 1
+    est = estimate(work, figures_file(tmp_path / "h.json", {**hf_smol, **HF_4B}))
     assert est.keys == ("generate.smollm3-3b.p36000.prefill_s", "generate.smollm3-3b.p36000.decode_per_token_s")
-    assert "not used for it" in est.formula and "sampling.vllm.smollm3-3b" in est.formula
-    # no figure of any engine: no estimate
-    assert estimate(work, figures_file(tmp_path / "h.json", {**HF_4B, **VLLM_4B})).gpu_hours is None
+    # a model without a stand-in is never costed from another's figures: no estimate
+    assert estimate(dataclasses.replace(work, model="qwen3-14b"),
+                    figures_file(tmp_path / "i.json", {**HF_4B, **VLLM_4B})).gpu_hours is None
     # its own vLLM figures, once recorded, come first
     smol_vllm = {k.replace("qwen3-4b", "smollm3-3b"): v for k, v in VLLM_4B.items()}
-    est = estimate(work, figures_file(tmp_path / "i.json", {**hf_smol, **smol_vllm, **smol_batched}))
+    est = estimate(work, figures_file(tmp_path / "j.json", {**hf_smol, **smol_vllm, **smol_batched}))
     assert est.keys[0] == "sampling.vllm.smollm3-3b.p36000.b64.n256.wall_s"
+
+
+def test_evaluate_adds_its_readouts_and_own_heads_its_own_traces(tmp_path):
+    readout = {"instrument.qwen3-4b.prefill_s": 2.0, "instrument.qwen3-4b.tokens": 30_000,
+               "instrument.qwen3-4b.attribution_pass_s": 6.0}
+    figures = figures_file(tmp_path / "f.json", {**VLLM_4B, **readout})
+    sampling = estimate(Workload("generate", "qwen3-4b", 150, 30_000, 6_000), figures).gpu_hours
+    ev = estimate(Workload("evaluate", "qwen3-4b", 150, 30_000, 6_000), figures)
+    assert ev.gpu_hours == pytest.approx(sampling + 150 * 2.0 * 36_000 / 30_000 / 3600, rel=1e-9)
+    assert "the readouts' forward" in ev.formula and "instrument.qwen3-4b.prefill_s" in ev.keys
+    own = estimate(Workload("own_heads", "qwen3-4b", 150, 36_000, 6_000, sampler="qwen3-4b"), figures)
+    passes = estimate(Workload("own_heads", "qwen3-4b", 150, 36_000), figures).gpu_hours
+    assert passes == pytest.approx(150 * 6.0 * 36_000 / 30_000 / 3600, rel=1e-9)
+    assert own.gpu_hours == pytest.approx(passes + sampling, rel=1e-9)
+    # SmolLM3-3B's readouts: Qwen3-4B's forward, named as an upper bound
+    smol = estimate(Workload("evaluate", "smollm3-3b", 150, 30_000, 6_000), figures)
+    assert smol.gpu_hours == pytest.approx(ev.gpu_hours, rel=1e-9) and "stands for smollm3-3b" in smol.formula
 
 
 ONPOLICY_4B = {"onpolicy_step.qwen3-4b.opd_step_s": 16.0, "onpolicy_step.qwen3-4b.gold_on_policy_step_s": 15.0,
