@@ -1,0 +1,203 @@
+"""Device benchmark of sampling through the platform's backends: vLLM and the batched HF path.
+
+The runbook costs every ``generate`` and ``evaluate`` step (and the on-policy rollouts) as notes
+x seconds per note, read from these figures. Each run gives ``batch`` prompts of ``--prompt``
+tokens to the backend in one :meth:`generate_many` call and times it until every prompt has
+``new`` tokens, each prompt's prefill included and the engine's start excluded (recorded
+apart). The backends are the stages' own (:class:`~mistill.evaluation.backends.VLLMBackend`,
+:class:`~mistill.evaluation.backends.HFBackend`) with the paper's sampling (temperature 0.6,
+top-p 0.95, top-k 20, a seed per prompt); a random-init model rarely stops, and the end-of-text
+tokens are ignored, so every prompt runs to ``new`` tokens.
+
+Models: random-init real architectures in bf16 (``bench_instrument.ARCHS``'s Qwen3-4B and
+Qwen3-14B, SmolLM3-3B from transformers' defaults), saved once to ``--model-root`` (vLLM loads
+a directory) with a tokenizer padded by placeholder tokens to the model's vocabulary; the
+prompts are strings of placeholder tokens, so each tokenizes to exactly ``--prompt`` ids.
+
+Records, per run ``b<batch>.n<new>``: ``wall_s``, ``tokens`` (generated), ``per_token_s``
+(wall over tokens: the aggregate rate, prefills included); per engine ``engine_start_s`` and
+``used_gib`` (device memory in use after the runs, every process's: vLLM reserves
+``gpu_memory_utilization`` of the card for weights and KV cache at start).
+
+Usage (on the GPU machine, vLLM's CUDA build installed):
+    python3 benchmarks/bench_sampling.py --engine vllm --model qwen3-4b --prompt 36000 \\
+        --runs 1x256 16x256 16x6000 1x6000 --tokenizer carry/smollm2-tokenizer --out raw.json
+    python3 benchmarks/bench_sampling.py --smoke      # a tiny model on the CPU, the HF path, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_instrument import ARCHS  # noqa: E402
+
+from mistill.evaluation.backends import HFBackend, VLLMBackend  # noqa: E402
+from mistill.evaluation.generation import DecodingConfig  # noqa: E402
+from mistill.models.geometry import head_geometry  # noqa: E402
+from mistill.models.loading import EMBEDDED_DEFAULT, LoadedModel, load_tokenizer  # noqa: E402
+
+SMOKE_ARCH = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=49152 + 64, tie_word_embeddings=True)
+
+
+def model_config(name: str, max_pos: int):
+    """The transformers config of ``name`` (``smoke``: a 2-layer Qwen3) with ``max_pos`` positions."""
+    from transformers import Qwen3Config, SmolLM3Config
+
+    if name == "smollm3-3b":
+        return SmolLM3Config(max_position_embeddings=max_pos)
+    arch = SMOKE_ARCH if name == "smoke" else ARCHS[name]
+    return Qwen3Config(**arch, max_position_embeddings=max_pos, rms_norm_eps=1e-6)
+
+
+def padded_tokenizer(source: str, vocab: int):
+    """The tokenizer at ``source`` (``embedded``: the embedded SmolLM2's) with placeholder tokens
+    ``<|x<i>|>`` added up to ``vocab`` entries."""
+    tok = load_tokenizer(EMBEDDED_DEFAULT) if source == "embedded" else load_tokenizer(source)
+    tok.add_tokens([f"<|x{i}|>" for i in range(vocab - len(tok))])
+    return tok
+
+
+def model_dir(name: str, root: Path, max_pos: int, tokenizer_source: str, device: str) -> Path:
+    """A directory with the random-init model ``name`` in bf16 and its padded tokenizer, written
+    once (a later call with a window at most as large reuses it)."""
+    path = root / name
+    done = path / ".bench-max-pos"
+    if done.is_file() and int(done.read_text()) >= max_pos:
+        return path
+    from transformers import AutoModelForCausalLM
+
+    cfg = model_config(name, max_pos)
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.generation_config.eos_token_id = None  # never stops early: every run is full length
+    model.save_pretrained(path)
+    padded_tokenizer(tokenizer_source, cfg.vocab_size).save_pretrained(path)
+    done.write_text(str(max_pos))
+    print(f"wrote {name} to {path} in {time.perf_counter() - start:.1f} s", flush=True)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return path
+
+
+def prompts(tokenizer, n: int, length: int, vocab_from: int, vocab: int, seed: int) -> list[str]:
+    """``n`` distinct strings of ``length`` placeholder tokens (each one token id)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(vocab_from, vocab, (n, length), generator=g)
+    return ["".join(f"<|x{int(i) - vocab_from}|>" for i in row) for row in ids]
+
+
+def used_gib() -> float:
+    if not torch.cuda.is_available():
+        return float("nan")
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 2 ** 30
+
+
+def open_backend(engine: str, path: Path, decoding: DecodingConfig, max_len: int, device: str):
+    """The stage's backend for the model at ``path``; vLLM at ``max_len`` positions, eager
+    without CUDA."""
+    if engine == "vllm":
+        return VLLMBackend(str(path), decoding, dtype="bfloat16",
+                           engine_overrides={"max_model_len": max_len, "gpu_memory_utilization": 0.9,
+                                             "enable_prefix_caching": False, "skip_tokenizer_init": True})
+    from transformers import AutoModelForCausalLM
+
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+    tokenizer = load_tokenizer(str(path))
+    tokenizer.eos_token = None  # a random model's draw of the end-of-text id must not end a timed row
+    lm = LoadedModel(model=model, tokenizer=tokenizer, geometry=head_geometry(model), spec=str(path))
+    backend = HFBackend(lm, decoding)
+    backend.engine_start_s = time.perf_counter() - start
+    return backend
+
+
+def measure(backend, texts: list[str], seeds: list[int], engine: str) -> tuple[float, int]:
+    """Seconds for one ``generate_many`` of ``texts`` and the tokens it generated."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    if engine == "vllm":
+        ids = [backend.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        gens = backend.generate_ids(ids, seeds, ignore_eos=True)
+    else:
+        gens = backend.generate_many(list(zip(texts, seeds, strict=True)))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, sum(g.n_tokens for g in gens)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", choices=("vllm", "hf_batched"), default="vllm")
+    ap.add_argument("--model", default="qwen3-4b", choices=(*sorted(ARCHS), "smollm3-3b"))
+    ap.add_argument("--prompt", type=int, default=36000, help="prompt tokens")
+    ap.add_argument("--runs", nargs="+", default=["1x256", "16x256", "16x6000", "1x6000"],
+                    help="<batch>x<new tokens>, timed in this order")
+    ap.add_argument("--tokenizer", default="carry/smollm2-tokenizer", help="a tokenizer directory or 'embedded'")
+    ap.add_argument("--model-root", default="/root/bench-models")
+    ap.add_argument("--out", default="bench_sampling.json")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU through the HF path: seconds")
+    args = ap.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    if args.smoke:
+        args.engine, args.model, args.prompt, args.runs, args.tokenizer = "hf_batched", "smoke", 24, ["1x4", "3x4"], \
+            "embedded"
+        import tempfile
+
+        args.model_root = tempfile.mkdtemp(prefix="bench-sampling-")
+    runs = [tuple(int(x) for x in r.split("x")) for r in args.runs]
+    max_new = max(n for _, n in runs)
+    max_len = args.prompt + max_new + 64
+    path = model_dir(args.model, Path(args.model_root), max_len, args.tokenizer, device)
+    tokenizer = load_tokenizer(str(path))
+    base = len(load_tokenizer(EMBEDDED_DEFAULT) if args.tokenizer == "embedded" else load_tokenizer(args.tokenizer))
+    vocab = len(tokenizer)
+    prefix = f"{args.engine}.{args.model}.p{args.prompt}"
+    res: dict = {"card": torch.cuda.get_device_name(0) if device == "cuda" else "cpu-smoke", "torch": torch.__version__,
+                 "engine": args.engine, "model": args.model}
+    if args.engine == "vllm":
+        import vllm
+
+        res["vllm"] = vllm.__version__
+        res["env"] = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+
+    def save() -> None:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=2))
+
+    with open_backend(args.engine, path, DecodingConfig(max_new_tokens=max_new), max_len, device) as backend:
+        res[f"{prefix}.engine_start_s"] = backend.engine_start_s
+        print(f"{args.engine} {args.model}: engine up in {backend.engine_start_s:.1f} s", flush=True)
+        for i, (batch, new) in enumerate(runs):
+            backend.decoding = DecodingConfig(max_new_tokens=new)
+            texts = prompts(tokenizer, batch, args.prompt, base, vocab, seed=1000 * i)
+            wall, tokens = measure(backend, texts, list(range(batch)), args.engine)
+            key = f"{prefix}.b{batch}.n{new}"
+            res[f"{key}.wall_s"], res[f"{key}.tokens"] = wall, tokens
+            res[f"{key}.per_token_s"] = wall / tokens
+            if device == "cuda":
+                res[f"{prefix}.used_gib"] = max(res.get(f"{prefix}.used_gib", 0.0), used_gib())
+            print(f"{key}: {wall:.2f} s, {tokens} tokens, {1000 * wall / tokens:.2f} ms/token", flush=True)
+            assert tokens == batch * new, f"{tokens} tokens generated, {batch * new} asked for"
+            save()
+    print(json.dumps(res, indent=2))
+    save()
+
+
+if __name__ == "__main__":
+    main()
