@@ -132,6 +132,18 @@ DEVIATIONS: tuple[Deviation, ...] = (
        "generations are truncated (capped or never closing their reasoning)",
        "TrainStageConfig.probe_flag_share", "GOLD's answers were all categories; a healthy arm has none", 0.5),
     # --- the on-policy arms (OPD, GOLD) ---
+    *(_D(f"sampling engine ({stage})", "App. J.5, Q (G)",
+         "every evaluation and the teacher's traces generated in vLLM, sampling seeded per note; a seed does not "
+         "reproduce tokens across GPUs, builds or batch composition",
+         "auto: vLLM where it is installed and the device is CUDA, else HF's batched generation, each note drawn "
+         "with a generator seeded by its own seed (its tokens independent of its batch-mates); the run records "
+         "the engine (tag " + tag + ")",
+         f"{cls}.backend",
+         "vLLM needs a CUDA GPU (or its CPU build); on the same seed the two engines draw different tokens from the "
+         "same distribution, as the paper's own runs did across GPUs and builds",
+         "auto", "vllm", resolves=("auto",))
+      for stage, cls, tag in (("generate", "GenerateConfig", "mistill.generate.backend"),
+                              ("evaluate", "EvaluateConfig", "mistill.backend"))),
     _D("on-policy rollout engine", "App. J.3, J.5",
        "OPD's trainer and a vLLM rollout engine share one H200",
        "auto: TRL's colocated vLLM engine where vLLM is installed and the device is CUDA, else transformers' "
