@@ -86,40 +86,6 @@ def test_teacher_forced_readouts_share_one_forward(tiny_note):
         assert a["margin"] == pytest.approx(b["margin"], abs=1e-5)
 
 
-def test_one_prompt_prefill_serves_generation_and_readouts(tiny_note):
-    """The prompt prefilled once: generation continues from a copy of its cache and the
-    teacher-forced forward from the cache itself; the same tokens, margins and perplexity as
-    without it (float summation order aside), and the prompt is not run again."""
-    from mistill.distill.note_data import first_trace_token
-    from mistill.evaluation.generation import DecodingConfig, generate_hf, prefill_prompt
-
-    corpus, lm, ni = tiny_note
-    codes = list(corpus.inventory.codes)
-    ts = first_trace_token(ni.offsets, ni.trace_offset)
-    dec = DecodingConfig(max_new_tokens=8, seed=0)
-    plain_gen = generate_hf(lm, ni.prompt.text, dec, seed=4)
-    plain_ppl, plain_rows = teacher_forced_readouts(lm, ni, codes, ts)
-    prefill = prefill_prompt(lm, ni.prompt.text)
-    lengths = []  # tokens per forward of the backbone after the prefill
-    handle = lm.model.model.register_forward_hook(lambda _m, _a, kw, _o: lengths.append(kw["input_ids"].shape[1]),
-                                                  with_kwargs=True)
-    try:
-        gen = generate_hf(lm, ni.prompt.text, dec, seed=4, prefill=prefill)
-        ppl, rows = teacher_forced_readouts(lm, ni, codes, ts, prefill=prefill)
-    finally:
-        handle.remove()
-    assert gen.token_ids == plain_gen.token_ids
-    n_prompt = prefill.n_tokens
-    # generation: one token at a time from the cache; readouts: the trace from the prompt's last token
-    assert lengths[:-1] == [1] * (len(lengths) - 1) and lengths[-1] == ni.input_ids.numel() - n_prompt + 1
-    assert ppl == pytest.approx(plain_ppl, rel=1e-4)
-    assert [r["event_id"] for r in rows] == [r["event_id"] for r in plain_rows]
-    for a, b in zip(rows, plain_rows):
-        assert a["margin"] == pytest.approx(b["margin"], abs=1e-4)
-    with pytest.raises(ValueError, match="another prompt"):
-        generate_hf(lm, ni.prompt.text + " more", dec, seed=4, prefill=prefill_prompt(lm, ni.prompt.text))
-
-
 def test_evaluate_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_code_version):
     from mistill.stages.evaluate import EvaluateConfig, run_evaluate
     from mistill.stages.prepare import PrepareConfig, run_prepare

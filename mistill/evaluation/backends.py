@@ -43,8 +43,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from mistill.errors import MistillInputError
-from mistill.evaluation.generation import (CPU_BATCH, MAX_AUTO_BATCH, DecodingConfig, Generation, PromptPrefill,
-                                           generate_hf, generate_hf_many)
+from mistill.evaluation.generation import (CPU_BATCH, MAX_AUTO_BATCH, DecodingConfig, Generation, generate_hf,
+                                           generate_hf_many)
 from mistill.models.loading import LoadedModel
 
 BACKENDS = ("auto", "hf", "vllm")
@@ -131,10 +131,10 @@ class _Closing:
 
 
 class HFBackend(_Closing):
-    """HF ``generate`` on a loaded model: one prompt (:func:`generate_hf`, which can continue from
-    a prompt's prefill) or many in left-padded batches (:func:`generate_hf_many`), each row
-    sampled with its own seeded generator. ``batch_size``: rows per ``generate`` call (None:
-    from the device's free memory; see :func:`generate_hf_many`)."""
+    """HF ``generate`` on a loaded model: one prompt (:func:`generate_hf`) or many in left-padded
+    batches (:func:`generate_hf_many`), each row sampled with its own seeded generator.
+    ``batch_size``: rows per ``generate`` call (None: from the device's free memory; see
+    :func:`generate_hf_many`)."""
 
     name = "hf"
 
@@ -145,9 +145,8 @@ class HFBackend(_Closing):
         self.rope_scaling = rope_scaling_of(lm.model.config)
         self.batch_size = batch_size
 
-    def generate(self, prompt_text: str, seed: int, *, prefill: PromptPrefill | None = None) -> Generation:
-        """One completion; ``prefill``: the prompt's :class:`PromptPrefill` to continue from."""
-        gen = generate_hf(self.lm, prompt_text, self.decoding, int(seed), prefill=prefill)
+    def generate(self, prompt_text: str, seed: int) -> Generation:
+        gen = generate_hf(self.lm, prompt_text, self.decoding, int(seed))
         gen.decoding = _recorded(self.decoding, self.name, self.rope_scaling)
         return gen
 

@@ -33,13 +33,11 @@ transformers does not mark ready for the static cache (``_can_compile_fullgraph`
 the dynamic cache instead, with one warning. On CUDA, a batch whose longest prompt exceeds
 :data:`PREFILL_CHUNK` tokens is prefilled in chunks of that many positions
 (``prefill_chunk_size``), so that a batch of very long prompts never needs one forward over all
-of them. :func:`generate_hf` with a :class:`PromptPrefill` continues from (a copy of) that
-prefill's dynamic cache instead.
+of them.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import warnings
 from collections.abc import Sequence
@@ -54,7 +52,6 @@ from mistill.config import Config
 from mistill.data.corpus import Note
 from mistill.evaluation.parsing import THINK_CLOSE, CodeIndex, parse_answer
 from mistill.instrument.passes import stable_seed
-from mistill.models.decoding import cache_argument, output_cache
 from mistill.models.loading import LoadedModel
 
 
@@ -86,43 +83,10 @@ def note_seed(decoding: DecodingConfig, note_id: str) -> int:
     return stable_seed(decoding.seed, note_id, "sampling") % (2 ** 31)
 
 
-@dataclass
-class PromptPrefill:
-    """One forward of a prompt but its last token, kept to serve both the generation and the
-    teacher-forced readouts of the same prompt (one prefill instead of two).
-
-    ids: ``[1, P]`` the prompt's token ids; cache: the key/value cache of ``ids[:, :P-1]``;
-    hidden: ``[P-1, d_model]`` their final hidden states (after the final norm).
-    The cache grows when used: :func:`generate_hf` continues from a copy of it, and
-    :func:`mistill.evaluation.m1.final_hidden` (the last to use it) from the cache itself.
-    """
-
-    ids: torch.Tensor
-    cache: object
-    hidden: torch.Tensor
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.ids.shape[1])
-
-
 def prompt_ids(lm: LoadedModel, prompt_text: str) -> torch.Tensor:
     """``[1, P]`` token ids of a chat-templated prompt, on the model's device."""
     device = next(lm.model.parameters()).device
     return torch.tensor([lm.tokenizer(prompt_text, add_special_tokens=False)["input_ids"]], device=device)
-
-
-@torch.no_grad()
-def prefill_prompt(lm: LoadedModel, prompt_text: str) -> PromptPrefill:
-    """The prompt's :class:`PromptPrefill` (one forward of all but its last token)."""
-    ids = prompt_ids(lm, prompt_text)
-    if ids.shape[1] < 2:
-        raise ValueError("a prompt to prefill needs at least two tokens")
-    was = lm.model.training
-    lm.model.eval()
-    out = lm.model.model(input_ids=ids[:, :-1], use_cache=True)
-    lm.model.train(was)
-    return PromptPrefill(ids=ids, cache=output_cache(out), hidden=out.last_hidden_state[0])
 
 
 PREFILL_CHUNK = 2048
@@ -388,31 +352,11 @@ def generate_hf_many(lm: LoadedModel, items: Sequence[tuple[str, int]], decoding
     return [gen for gen in out if gen is not None]
 
 
-@torch.no_grad()
-def generate_hf(lm: LoadedModel, prompt_text: str, decoding: DecodingConfig, seed: int, *,
-                prefill: PromptPrefill | None = None) -> Generation:
-    """Sample one completion of ``prompt_text`` (already chat-templated) with HF ``generate``.
-
-    The single-prompt case of :func:`generate_hf_many` (the same per-row seeded sampler), so
-    ``seed`` gives the same tokens here as in any batch.
-    prefill: the prompt's :class:`PromptPrefill`; generation then continues from a copy of its
-    (dynamic) cache instead of prefilling the prompt again: the same tokens up to float summation
-    order.
-    """
-    if prefill is None:
-        return generate_hf_many(lm, [(prompt_text, seed)], decoding, batch_size=1)[0]
-    ids = prompt_ids(lm, prompt_text)
-    if not torch.equal(prefill.ids, ids):
-        raise ValueError("the prefill is of another prompt")
-    model = lm.model
-    was_training = model.training
-    model.eval()
-    try:
-        seqs = _run_generate(lm, ids, torch.ones_like(ids), [int(seed)], decoding, greedy=False,
-                             options={cache_argument(model): copy.deepcopy(prefill.cache)})
-    finally:
-        model.train(was_training)
-    return _generation(lm, seqs[0, ids.shape[1]:].tolist(), int(seed), decoding, _stop_ids(lm))
+def generate_hf(lm: LoadedModel, prompt_text: str, decoding: DecodingConfig, seed: int) -> Generation:
+    """Sample one completion of ``prompt_text`` (already chat-templated) with HF ``generate``: the
+    single-prompt case of :func:`generate_hf_many` (the same per-row seeded sampler), so ``seed``
+    gives the same tokens here as in any batch."""
+    return generate_hf_many(lm, [(prompt_text, seed)], decoding, batch_size=1)[0]
 
 
 def generation_record(note: Note, gen: Generation, index: CodeIndex) -> dict:

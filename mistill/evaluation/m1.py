@@ -19,9 +19,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from mistill.evaluation.generation import PromptPrefill
 from mistill.instrument.events import margin
-from mistill.models.decoding import cache_argument
 from mistill.models.loading import LoadedModel
 from mistill.stages.common import NoteInput, phase_events
 
@@ -67,38 +65,21 @@ def m1_summary(rows: Iterable[dict]) -> dict[str, float]:
 
 
 def teacher_forced_readouts(lm: LoadedModel, ni: NoteInput, codes: Sequence[str],
-                            trace_start: int, *, prefill: PromptPrefill | None = None,
-                            task=None) -> tuple[float, list[dict]]:
+                            trace_start: int, *, task=None) -> tuple[float, list[dict]]:
     """Teacher-trace perplexity and the M1 rows of one note from a single forward of
-    ``ni.input_ids``: ``(trace_perplexity(...), note_margins(...))``. ``prefill``: the
-    prompt's prefill, continued instead of a forward from the first token (see
-    :func:`final_hidden`)."""
-    hidden = final_hidden(lm, ni.input_ids, prefill=prefill)
+    ``ni.input_ids``: ``(trace_perplexity(...), note_margins(...))``."""
+    hidden = final_hidden(lm, ni.input_ids)
     return (trace_perplexity(lm, ni.input_ids, trace_start, hidden=hidden),
             note_margins(lm, ni, codes, hidden=hidden, task=task))
 
 
 @torch.no_grad()
-def final_hidden(lm: LoadedModel, input_ids: torch.Tensor, *, prefill: PromptPrefill | None = None) -> torch.Tensor:
-    """Final hidden states ``[pos, d_model]`` of one teacher-forced forward of ``input_ids`` ``[pos]``.
-
-    prefill: a :class:`~mistill.evaluation.generation.PromptPrefill` of a prompt that
-    ``input_ids`` begins with: the forward continues from its cache (which it extends; use it
-    last) and the prompt's states are its own. Where ``input_ids`` does not begin with that
-    prompt's tokens (a tokenizer that merges across the prompt's end), the forward starts from
-    the first token as without it.
-    """
+def final_hidden(lm: LoadedModel, input_ids: torch.Tensor) -> torch.Tensor:
+    """Final hidden states ``[pos, d_model]`` of one teacher-forced forward of ``input_ids`` ``[pos]``."""
     device = next(lm.model.parameters()).device
-    ids = input_ids.to(device)
     was = lm.model.training
     lm.model.eval()
-    p = prefill.n_tokens if prefill is not None else 0
-    if prefill is not None and ids.numel() > p and torch.equal(ids[:p], prefill.ids[0]):
-        out = lm.model.model(input_ids=ids[p - 1:].unsqueeze(0), use_cache=True,
-                             **{cache_argument(lm.model.model): prefill.cache})
-        hidden = torch.cat([prefill.hidden, out.last_hidden_state[0]])
-    else:
-        hidden = lm.model.model(input_ids=ids.unsqueeze(0), use_cache=False).last_hidden_state[0]
+    hidden = lm.model.model(input_ids=input_ids.to(device).unsqueeze(0), use_cache=False).last_hidden_state[0]
     lm.model.train(was)
     return hidden
 

@@ -20,8 +20,9 @@ Per-note results are written as the notes finish (resume loses none). Reported v
 medians over notes of the per-note values (App. K "Floors, medians and means"). Generated text
 never reaches the tracking store: the own generations are sampled before the model is loaded for
 the passes, many notes per engine call (:mod:`mistill.evaluation.sampling`), and each is a local
-file of the run's enclave (``<enclave>/own_traces/<note_id>.json``) for every corpus. The per-note readouts (``m4.json``, ``readside.json``, ``m5.json``, ``generation.json``
-with the token count and seed) are numbers over events and heads, never token ids of the text.
+file of the run's enclave (``<enclave>/own_traces/<note_id>.json``) for every corpus. The
+per-note readouts (``m4.json``, ``readside.json``, ``m5.json``, ``generation.json`` with the token
+count and seed) are numbers over events and heads, never token ids of the text.
 """
 
 from __future__ import annotations
