@@ -23,8 +23,8 @@ DECOYS = {
 """Metrics near the right ones in name, at values no column may show."""
 
 
-def _run(client: MlflowClient, exp: str, metrics: dict[str, float]) -> str:
-    run = client.create_run(exp)
+def _run(client: MlflowClient, exp: str, metrics: dict[str, float], tags: dict[str, str] | None = None) -> str:
+    run = client.create_run(exp, tags=tags)
     for key, value in metrics.items():
         client.log_metric(run.info.run_id, key, value)
     client.set_terminated(run.info.run_id)
@@ -52,8 +52,8 @@ def _run_set(tracking_uri: str, *, test_notes: int, steps: int, train_notes: int
     for arm in ("vanilla-bf16", "mistill"):
         ids[f"train_{arm}"] = _run(client, exp, {"train/steps": float(steps),
                                                  "n_notes": float(train_notes), "train/loss": 9.3})
-    ids["evaluate_teacher"] = _run(client, exp, _evaluate(0.1, test_notes))
-    ids["evaluate_untrained"] = _run(client, exp, _evaluate(0.2, test_notes))
+    ids["evaluate_teacher"] = _run(client, exp, _evaluate(0.1, test_notes), {"mistill.backend": "vllm"})
+    ids["evaluate_untrained"] = _run(client, exp, _evaluate(0.2, test_notes), {"mistill.backend": "hf"})
     ids["evaluate_vanilla-bf16"] = _run(client, exp, _evaluate(0.3, test_notes, skip="m1/P2/p_pos"))
     ids["evaluate_mistill"] = _run(client, exp, _evaluate(0.4, test_notes))
     ids["own_heads_untrained"] = _run(client, exp, _own(0.2))
@@ -75,12 +75,12 @@ def test_each_column_reads_its_metric_and_missing_shows_as_dash(tracking_uri):
     text = headline_table(_run_set(tracking_uri, test_notes=8, steps=2, train_notes=8))
     rows = _rows(text)
     assert list(rows) == ["model", "teacher", "untrained student", "vanilla-bf16", "mistill"]
-    # M1 P1, P2, P2C, recovery own, recovery random, micro-F1, valid rate
-    assert rows["teacher"] == ["0.101", "0.102", "0.103", "0.106", "0.107", "0.104", "0.105"]
+    # M1 P1, P2, P2C, recovery own, recovery random, micro-F1, valid rate, the backend that sampled
+    assert rows["teacher"] == ["0.101", "0.102", "0.103", "0.106", "0.107", "0.104", "0.105", "vllm"]
     assert rows["untrained student"] == ["0.201", "0.202", "0.203", "0.206", "0.207", "0.204",
-                                         "0.205"]
-    assert rows["vanilla-bf16"] == ["0.301", "-", "0.303", "0.306", "0.307", "0.304", "0.305"]
-    assert rows["mistill"] == ["0.401", "0.402", "0.403", "-", "-", "0.404", "0.405"]
+                                         "0.205", "hf"]
+    assert rows["vanilla-bf16"] == ["0.301", "-", "0.303", "0.306", "0.307", "0.304", "0.305", "-"]
+    assert rows["mistill"] == ["0.401", "0.402", "0.403", "-", "-", "0.404", "0.405", "-"]
     assert "9." not in text  # no near-named metric shown
 
 
@@ -99,7 +99,7 @@ def test_heading_marks_what_is_meaningful_at_this_size(tracking_uri):
 def test_no_runs_at_all_gives_dashes(tracking_uri):
     text = headline_table({})
     rows = _rows(text)
-    assert rows["teacher"] == ["-"] * 7 and rows["untrained student"] == ["-"] * 7
+    assert rows["teacher"] == ["-"] * 8 and rows["untrained student"] == ["-"] * 8
     assert "vanilla-bf16" not in rows
 
 
