@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -104,10 +105,18 @@ def init_world(device: str = "cpu") -> World:
 def _leave_group() -> None:
     """Destroy the process group when the process exits, so that its communication threads stop
     before the interpreter does (a group left to the interpreter's teardown can abort the
-    process with ``terminate called without an active exception``)."""
+    process with ``terminate called without an active exception``). On a normal exit the ranks
+    first meet at a barrier, so that no rank tears its side of the group down while another
+    still works on it (rank 0 writing what it alone saves); after an uncaught exception the rank
+    leaves at once (the others may never arrive)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
+        if getattr(sys, "last_value", None) is None and getattr(sys, "last_exc", None) is None:
+            try:
+                dist.barrier()
+            except Exception:  # noqa: BLE001 - a rank already gone: leave all the same
+                pass
         dist.destroy_process_group()
 
 
