@@ -279,8 +279,15 @@ class VLLMBackend(_Closing):
         kwargs.update(engine_overrides or {})
         self.engine_kwargs = kwargs
         self._vllm = vllm
-        if torch.cuda.is_available():  # a stage may have touched CUDA already: a forked engine could not
+        if torch.cuda.is_available():
+            # a stage may have touched CUDA already: a forked engine process could not
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+            # vLLM sizes itself from the driver's free memory: hand back what an earlier step of
+            # this process left in PyTorch's cache (an inline pipeline's models, freed but cached)
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
         start = time.perf_counter()
         self.llm = vllm.LLM(**kwargs)
         self.engine_start_s = time.perf_counter() - start
