@@ -33,3 +33,14 @@ def test_bench_evaluate_smoke_runs_the_stage_end_to_end(tmp_path):
     res = _smoke("bench_evaluate.py", tmp_path / "evaluate.json")
     assert res["status"] == "FINISHED" and res["backend"] == "hf" and res["n_notes"] == 3
     assert res["mean_generated_tokens"] == 8 and res["evaluate_s"] > 0
+
+
+def test_bench_hf_decode_smoke_times_every_step_it_asks_for(tmp_path):
+    res = _smoke("bench_hf_decode.py", tmp_path / "hf_decode.json")
+    prefix = "smoke.p24"
+    first = res[f"{prefix}.b4_static_compile_greedy_1.steps"]
+    assert first == 4  # one clock tick per generated token
+    for tag in ("b4_static_compile_greedy_2", "b4_static_compile_sampled", "b16_static_compile_greedy"):
+        assert res[f"{prefix}.{tag}.steps"] == 4
+        assert 0 < res[f"{prefix}.{tag}.prefill_s"] < res[f"{prefix}.{tag}.total_s"]
+    assert res[f"{prefix}.b4_dynamic_greedy.steps"] == 2

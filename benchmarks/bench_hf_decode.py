@@ -1,0 +1,145 @@
+"""Where the batched HF backend's time goes: prefill, compilation and the steady decode step.
+
+The batched HF path (``generate_hf_many``) decodes through ``model.generate`` with transformers'
+static key/value cache, compiled on CUDA, and a chunked prefill. This benchmark times that call's
+parts at the paper's student shape (random-init Qwen3-4B in bf16, a 36,864-token prompt of random
+ids, one row left-padded as in a real batch): a clock in the logits processors records when each
+step's logits are ready, so the first interval is the prefill (and the first compilation), the
+next ones are decode steps. Variants, in this order:
+
+- ``b4_static_compile_greedy_1`` / ``_2``: batch 4, the stage's options; the second call reuses the
+  compiled graphs (the steady state);
+- ``b4_static_compile_sampled``: the same with the per-row seeded sampler (:class:`SeededSampler`);
+- ``b4_static_eager_greedy``: the static cache without compilation;
+- ``b4_dynamic_greedy``: transformers' dynamic cache, nothing compiled;
+- ``b4_static_compile_prof``: 8 steps under ``torch.profiler`` (its table is printed);
+- ``b16_static_compile_greedy``: batch 16 (a new batch size compiles again), if time is left.
+
+``--smoke``: a 2-layer Qwen3 on the CPU, a 24-token prompt, eager (seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_sampling import model_dir  # noqa: E402
+
+from mistill.evaluation.generation import DecodingConfig, SeededSampler  # noqa: E402
+
+
+class StepClock(LogitsProcessor):
+    """Records the time at which each step's logits are ready (after a device sync)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if scores.is_cuda:
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def timed_generate(model, batch: int, prompt: int, new: int, cache_len: int, *, static: bool = True,
+                   compile_: bool = True, sampled: bool = False, chunk: int | None = 2048,
+                   profile: bool = False) -> dict:
+    """One ``generate`` call over ``batch`` random prompts of ``prompt`` ids ([B, prompt]), forced to
+    ``new`` tokens; returns its total, prefill and per-step seconds and the peak device memory."""
+    device = next(model.parameters()).device
+    g = torch.Generator().manual_seed(batch)
+    ids = torch.randint(1000, 40000, (batch, prompt), generator=g).to(device)
+    mask = torch.ones_like(ids)
+    mask[0, :min(100, prompt // 4)] = 0  # one left-padded row, as in a real batch
+    clock = StepClock()
+    processors: list[LogitsProcessor] = [clock]
+    if sampled:
+        gens = [torch.Generator(device=device).manual_seed(i) for i in range(batch)]
+        processors.append(SeededSampler(DecodingConfig(max_new_tokens=new), gens))
+    kwargs: dict = dict(attention_mask=mask, do_sample=False, max_new_tokens=new, min_new_tokens=new,
+                        logits_processor=LogitsProcessorList(processors), pad_token_id=0, eos_token_id=None,
+                        temperature=None, top_k=None, top_p=None)
+    if static:
+        kwargs.update(cache_implementation="static", max_cache_len=cache_len)
+        if chunk and device.type == "cuda":
+            kwargs["prefill_chunk_size"] = chunk
+    if not compile_ or device.type != "cuda":
+        kwargs["disable_compile"] = True
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.no_grad():
+        if profile:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            with torch_profile(activities=activities) as prof:
+                model.generate(ids, **kwargs)
+            sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+            print(prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
+        else:
+            model.generate(ids, **kwargs)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    total = time.perf_counter() - start
+    steps = [b - a for a, b in zip(clock.times, clock.times[1:])]
+    return {"total_s": total, "prefill_s": clock.times[0] - start, "first_steps_s": steps[:4],
+            "step_median_s": statistics.median(steps) if steps else None, "steps": len(clock.times),
+            "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else float("nan")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt", type=int, default=36864, help="prompt tokens (a multiple of the prefill chunk)")
+    ap.add_argument("--new", type=int, default=48, help="new tokens of the timed batch-4 calls")
+    ap.add_argument("--tokenizer", default="carry/smollm2-tokenizer")
+    ap.add_argument("--model-root", default="/root/bench-models")
+    ap.add_argument("--budget-s", type=float, default=330.0, help="skip the batch-16 call when this much has passed")
+    ap.add_argument("--out", default="bench_hf_decode.json")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: seconds")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    device, name = ("cpu", "smoke") if args.smoke else ("cuda", "qwen3-4b")
+    if args.smoke:
+        import tempfile
+
+        args.prompt, args.new, args.tokenizer = 24, 4, "embedded"
+        args.model_root = tempfile.mkdtemp(prefix="bench-hf-decode-")
+    cache_len = args.prompt + 2048
+    path = model_dir(name, Path(args.model_root), cache_len, args.tokenizer, device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+    res: dict = {"card": torch.cuda.get_device_name(0) if device == "cuda" else "cpu-smoke",
+                 "torch": torch.__version__, "attn_implementation": model.config._attn_implementation}
+    prefix = f"{name}.p{args.prompt}"
+
+    def run(tag: str, batch: int, new: int, **kw) -> None:
+        r = timed_generate(model, batch, args.prompt, new, cache_len, **kw)
+        for key, value in r.items():
+            res[f"{prefix}.{tag}.{key}"] = value
+        print(tag, json.dumps(r), f"elapsed {time.perf_counter() - t0:.0f} s", flush=True)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+    half = max(2, args.new // 2)
+    run("b4_static_compile_greedy_1", 4, args.new)
+    run("b4_static_compile_greedy_2", 4, args.new)
+    run("b4_static_compile_sampled", 4, args.new, sampled=True)
+    run("b4_static_eager_greedy", 4, half, compile_=False)
+    run("b4_dynamic_greedy", 4, half, static=False, compile_=False)
+    run("b4_static_compile_prof", 4, max(2, args.new // 6), profile=True)
+    if time.perf_counter() - t0 < args.budget_s:
+        run("b16_static_compile_greedy", 16, args.new)
+
+
+if __name__ == "__main__":
+    main()
