@@ -226,7 +226,8 @@ def test_train_trains_from_the_local_targets(restricted):
 
 def test_distillm2_student_generations_are_local_files_of_the_train_run(restricted):
     """DistiLLM-2's dispreferred responses (the student's token ids) stay in the train run's
-    enclave for a restricted corpus: the store holds only their _DONE markers."""
+    local enclave for a restricted corpus: nothing of them reaches the store or the work dir
+    the store's artifacts are uploaded from."""
     from mistill.stages.distill import TrainStageConfig, run_train
 
     run_id = run_train(TrainStageConfig(targets_run=restricted["targets"], student=STUDENT, arm="distillm2",
@@ -237,12 +238,11 @@ def test_distillm2_student_generations_are_local_files_of_the_train_run(restrict
     assert run.info.status == "FINISHED" and run.data.metrics["train/distillm2/srkl"] > 0
     enclave = Path(run.data.tags["mistill.enclave_dir"])
     for note in restricted["notes"]:
-        record = json.loads((enclave / "dispreferred" / note.note_id / "generation.json").read_text())
-        assert 1 <= len(record["token_ids"]) <= 8
-    outside = restricted["root"] / "work" / run_id / "dispreferred"  # the uploaded side: _DONE only
-    assert {p.name for p in outside.rglob("*") if p.is_file() and not p.name.startswith(".")} == {"_DONE"}
-    stored = {a for a in artifact_paths(client, run_id) if a.startswith("dispreferred/")}
-    assert stored == {f"dispreferred/{n.note_id}/_DONE" for n in restricted["notes"]}
+        record = json.loads((enclave / "dispreferred" / f"{note.note_id}.json").read_text())
+        assert 1 <= len(record["token_ids"]) <= 8 and record["decoding"]["backend"] == "hf"
+    assert not (restricted["root"] / "work" / run_id / "dispreferred").exists()
+    assert not [a for a in artifact_paths(client, run_id) if a.startswith("dispreferred")]
+    assert run.data.tags["mistill.rollout_backend"] == "hf"
 
 
 def test_a_changed_local_targets_file_is_refused(restricted):

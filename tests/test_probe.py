@@ -140,32 +140,27 @@ def test_the_probe_decodes_its_notes_together_as_each_alone():
 
 
 class _Run:
-    """The part of a train run that DistiLLM-2's dispreferred generations use: a work dir and,
-    for a restricted corpus, per-note local files with their ``_DONE`` markers."""
+    """The part of a train run that DistiLLM-2's dispreferred generations use: a work dir and a
+    local enclave (where a restricted corpus's model text stays)."""
 
     def __init__(self, work_dir) -> None:
         self.work_dir = work_dir
-        self.local: dict[str, dict] = {}
+        self.enclave_dir = work_dir / "enclave"
+        self.tags: dict[str, str] = {}
 
-    def finished_notes(self, subdir: str) -> set[str]:
-        return set(self.local)
-
-    def load_note(self, subdir: str, note_id: str, name: str):
-        return self.local[note_id][name]
-
-    def write_note(self, subdir: str, note_id: str, files: dict, local_files: dict | None = None) -> None:
-        self.local[note_id] = dict(local_files or {})
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self.tags.update(tags)
 
 
 @pytest.mark.parametrize("allows_text", [True, False])
 def test_dispreferred_generations_are_batched_and_resume_note_by_note(tmp_path, monkeypatch, allows_text):
-    """Five notes in chunks of two: a run that dies in its second chunk keeps the first chunk's
-    notes, and the resumed run samples only the other three, ending with the generations of a
-    run that was never interrupted (a synthetic or public corpus keeps them in the work dir, a
-    restricted one as local files of the run)."""
+    """Five notes in chunks of two through the HF backend: a run that dies in its second chunk
+    keeps the first chunk's notes, and the resumed run samples only the other three, ending with
+    the generations of a run that was never interrupted (a synthetic or public corpus keeps them
+    in the work dir, a restricted one in the run's local enclave)."""
     from types import SimpleNamespace
 
-    import mistill.evaluation.generation as generation
+    import mistill.evaluation.backends as backends
     import mistill.stages.distill as distill
     from mistill.stages.distill import TrainStageConfig
 
@@ -177,7 +172,7 @@ def test_dispreferred_generations_are_batched_and_resume_note_by_note(tmp_path, 
     cfg = TrainStageConfig(dispreferred_max_new_tokens=4, seed=3)
     monkeypatch.setattr(distill, "DISPREFERRED_CHUNK", 2)
     sampled: list[list[str]] = []
-    many = generation.generate_hf_many
+    many = backends.generate_hf_many
 
     def counting(lm_, items, decoding, **kwargs):
         sampled.append([text for text, _ in items])
@@ -185,19 +180,19 @@ def test_dispreferred_generations_are_batched_and_resume_note_by_note(tmp_path, 
             raise RuntimeError("killed")
         return many(lm_, items, decoding, **kwargs)
 
-    monkeypatch.setattr(generation, "generate_hf_many", counting)
+    monkeypatch.setattr(backends, "generate_hf_many", counting)
     crash = False
-    unbroken = distill._dispreferred(_Run(tmp_path / "unbroken"), lm, examples, cfg, allows_text)
+    unbroken = distill._dispreferred(_Run(tmp_path / "unbroken"), lm, examples, cfg, allows_text, "hf", "cpu")
     assert [len(call) for call in sampled] == [2, 2, 1]
     sampled.clear()
     run, crash = _Run(tmp_path / "resumed"), True
     with pytest.raises(RuntimeError, match="killed"):
-        distill._dispreferred(run, lm, examples, cfg, allows_text)
-    kept = sorted(p.stem for p in (run.work_dir / "dispreferred").glob("*.json")) if allows_text else sorted(run.local)
-    assert kept == ["n0", "n1"]
+        distill._dispreferred(run, lm, examples, cfg, allows_text, "hf", "cpu")
+    stage = (run.work_dir if allows_text else run.enclave_dir) / "dispreferred"
+    assert sorted(p.stem for p in stage.glob("*.json")) == ["n0", "n1"]
     sampled.clear()
     crash = False
-    resumed = distill._dispreferred(run, lm, examples, cfg, allows_text)
+    resumed = distill._dispreferred(run, lm, examples, cfg, allows_text, "hf", "cpu")
     assert sampled == [[examples[i].student.inp.prompt.text for i in (2, 3)], [examples[4].student.inp.prompt.text]]
     assert resumed == unbroken and sorted(resumed) == list(range(5))
     assert all(1 <= len(ids) <= 4 for ids in resumed.values())

@@ -339,7 +339,8 @@ class VLLMBackend(_Closing):
 
 # ------------------------------------------------------------------------------ factory
 def make_backend(name: str, model_spec: str, decoding: DecodingConfig, *, device: str = "cpu",
-                 dtype: str = "float32", lm: LoadedModel | None = None) -> Backend:
+                 dtype: str = "float32", lm: LoadedModel | None = None,
+                 engine_overrides: Mapping[str, Any] | None = None) -> Backend:
     """The backend ``name`` (``auto`` resolved by :func:`resolve_backend`) for ``model_spec``
     under ``decoding``; its ``name`` says which it is.
 
@@ -347,12 +348,13 @@ def make_backend(name: str, model_spec: str, decoding: DecodingConfig, *, device
     model with :func:`mistill.models.loading.load_model` on ``device`` in ``dtype``; ``vllm``
     serves it in ``dtype`` on the GPU with vLLM's CUDA build, or on the CPU with its CPU build
     (``device`` is ignored: the installed build decides), and needs vLLM (scripts/setup.sh
-    installs the build that fits the machine).
+    installs the build that fits the machine); ``engine_overrides`` are further ``vllm.LLM``
+    arguments (``gpu_memory_utilization`` beside models already on the card).
     """
     name = resolve_backend(name, device)
     if name == "vllm":
         require_vllm()
-        return VLLMBackend(model_spec, decoding, dtype=dtype)
+        return VLLMBackend(model_spec, decoding, dtype=dtype, engine_overrides=engine_overrides)
     if lm is not None:
         return HFBackend(lm, decoding)
     from mistill.models.loading import load_model

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mistill.config import Config
-from mistill.distributed import barrier, broadcast, current_world, gather
+from mistill.distributed import barrier, broadcast, current_world, gather, shard
 from mistill.distill.arms import ON_POLICY_OBJECTIVES, ArmConfig, arm_digest, resolve_arm
 from mistill.distill.cpu_bf16 import uses_fp32_gemms
 from mistill.distill.note_data import NoteData, build_note_data
@@ -30,6 +30,10 @@ from mistill.distill.rows import coverage_table
 from mistill.distill.targets import load_targets, targets_manifest
 from mistill.distill.trainer import RecipeConfig, Trainer, prepare_student, training_precision, unsharded_copy
 from mistill.errors import MistillInputError
+from mistill.evaluation.backends import BACKENDS, make_backend, require_vllm, resolve_backend
+from mistill.evaluation.generation import DecodingConfig, note_seed
+from mistill.evaluation.probe import GenerationProbe, probe_notes
+from mistill.evaluation.sampling import SampleRequest, sample_notes
 from mistill.io import npz_bytes
 from mistill.instrument.events import Event
 from mistill.models.loading import load_model, load_tokenizer
@@ -38,6 +42,7 @@ from mistill.progress import track
 from mistill.stages.characterize import NOTES, _events_input
 from mistill.stages.common import RunReader, prepared_note_input, require_notes
 from mistill.stages.runner import note_loop, notes_written, open_stage, stage_device
+from mistill.tracking.runs import TAG_ENCLAVE_DIR
 from mistill.validation import (check_device, check_dtype, check_non_negative, check_not_empty,
                                 check_positive, check_seed)
 
@@ -45,8 +50,11 @@ EMBEDDED_STUDENT = "embedded:smollm2-135m@every-other"
 TARGETS_FILE = "targets.npz"
 TARGETS_MANIFEST = "targets_manifest.json"
 DISPREFERRED = "dispreferred"
-DISPREFERRED_FILE = "generation.json"
 DISPREFERRED_CHUNK = 16
+"""Notes per call of DistiLLM-2's dispreferred generations through the HF backend."""
+SAMPLING_OBJECTIVES = (*ON_POLICY_OBJECTIVES, "distillm2")
+"""Arms that sample from the student during training: the on-policy rollouts and DistiLLM-2's
+dispreferred responses (``rollout_backend`` chooses their engine)."""
 """Notes per batched generation call of DistiLLM-2's dispreferred responses; each call's
 records are written when it returns (a crash loses at most one call)."""
 TAG_DEVIATION = "mistill.deviation"
@@ -62,8 +70,8 @@ DEVIATION_ROLLOUT_HF = "rollout_backend=hf"
 trainer, where the paper colocated a vLLM rollout engine with the trainer (App. J.3):
 ``rollout_backend`` was ``hf``, or ``auto`` on a machine without vLLM or a CUDA device."""
 TAG_ROLLOUT_BACKEND = "mistill.rollout_backend"
-"""Tag of an on-policy train run: the engine that sampled its rollouts (``hf`` or ``vllm``;
-``rollout_backend=auto`` resolved)."""
+"""Tag of a train run whose arm samples the student (:data:`SAMPLING_OBJECTIVES`): the engine
+that drew from it (``hf`` or ``vllm``; ``rollout_backend=auto`` resolved)."""
 ROLLOUT_MODEL = "rollout_model"
 """The train run's work-dir folder holding the student TRL's colocated vLLM engine is built
 from (removed after training)."""
@@ -184,12 +192,14 @@ class TrainStageConfig(Config, RecipeParams, ProbeParams):
         anything else is refused (see :mod:`mistill.distill.arms`).
     overrides: ``key=value,...`` on the arm's flags (``lambda_p1=0.03``; ``terms=a+b`` for lists).
     precision: ``bf16`` or ``fp32``; empty keeps the arm's.
-    rollout_backend: how the on-policy arms (OPD, GOLD) sample the student's rollouts: ``auto``
-        (TRL's colocated vLLM engine where vLLM is installed and the device is CUDA, else
-        ``hf``), ``hf`` (transformers' generation inside TRL's trainer) or ``vllm`` (TRL's
-        colocated vLLM engine, as the paper ran OPD; refused without vLLM or off a CUDA device).
-        The run records the engine (tag ``mistill.rollout_backend``); with ``hf`` its deviation
-        from the paper (tag ``mistill.deviation``, and in ``config.json``'s ``deviations``).
+    rollout_backend: how the arms that sample the student during training draw from it (the
+        on-policy rollouts of OPD and GOLD, DistiLLM-2's dispreferred responses): ``auto``
+        (vLLM where it is installed and the device is CUDA, else ``hf``), ``hf`` (transformers'
+        generation: inside TRL's trainer, or batched for DistiLLM-2) or ``vllm`` (TRL's colocated
+        engine, as the paper ran OPD; for DistiLLM-2 an engine beside the loaded models, shut down
+        before the first step; refused without vLLM or off a CUDA device). The run records the
+        engine (tag ``mistill.rollout_backend``); an on-policy arm with ``hf`` also records its
+        deviation from the paper (tag ``mistill.deviation``, and in ``config.json``'s ``deviations``).
     rollout_gpu_memory: **[recon]** the share of the GPU's memory, in (0, 1), that TRL's
         colocated vLLM engine may take (its copy of the student, activations, key/value cache);
         the trainer keeps the rest (see :data:`mistill.distill.onpolicy.ROLLOUT_GPU_MEMORY`).
@@ -232,7 +242,6 @@ class TrainStageConfig(Config, RecipeParams, ProbeParams):
         import dataclasses
 
         from mistill.distill.arms import PRECISIONS, ArmConfig
-        from mistill.evaluation.backends import BACKENDS
         from mistill.validation import (check_arm, check_choice, check_interval, check_model_spec,
                                         check_no_text_fields, check_overrides, check_run_id)
 
@@ -344,7 +353,7 @@ def run_train(cfg: TrainStageConfig) -> str:
         raise MistillInputError(f"the {arm.objective.upper()} arm trains in one process (TRL's trainer); launch it "
                                 "without torchrun", field="nproc")
     rollout = resolve_rollout_backend(cfg.rollout_backend, stage_device(cfg.device)) \
-        if arm.objective in ON_POLICY_OBJECTIVES else ""
+        if arm.objective in SAMPLING_OBJECTIVES else ""
     _check_targets(targets_run, notes)
     inputs = {"targets": cfg.targets_run}
     if cfg.student_attribute_run:
@@ -414,7 +423,7 @@ def run_train(cfg: TrainStageConfig) -> str:
                 raise MistillInputError("DistiLLM-2 needs the teacher's vocabulary (no cross-tokenizer path)",
                                         field="student")
             # the untrained student, before any step
-            dispreferred = _dispreferred(run, lm, examples, cfg, guard.allows_text)
+            dispreferred = _dispreferred(run, lm, examples, cfg, guard.allows_text, rollout, device)
         model = prepare_student(lm.model, recipe)
         if leader:
             _tag_cpu_kernels(run, model, arm)
@@ -461,8 +470,6 @@ def run_train(cfg: TrainStageConfig) -> str:
 
 def _check_vllm_rollouts(device: str) -> None:
     """Refuse TRL's colocated vLLM rollouts without vLLM or off a CUDA device."""
-    from mistill.evaluation.backends import require_vllm
-
     require_vllm("rollout_backend")
     if not str(device).startswith("cuda"):
         raise MistillInputError(f"TRL's colocated vLLM engine runs on a CUDA GPU, not on device {device!r}; use "
@@ -475,8 +482,6 @@ def resolve_rollout_backend(name: str, device: str) -> str:
     is installed and ``device`` is a CUDA device this machine has). ``vllm`` asked for by name is
     refused without vLLM or off a CUDA device (:class:`MistillInputError` naming
     ``rollout_backend``)."""
-    from mistill.evaluation.backends import resolve_backend
-
     if name == "vllm":
         _check_vllm_rollouts(device)
     return resolve_backend(name, device)
@@ -553,10 +558,6 @@ def _probe_step(cfg: TrainStageConfig, prepared, lm, run, world):
     scores them all and logs ``probe/*``."""
     if not cfg.probe_every:
         return None
-    from mistill.distributed import shard
-    from mistill.evaluation.generation import DecodingConfig
-    from mistill.evaluation.probe import GenerationProbe, probe_notes
-
     decoding = DecodingConfig(max_new_tokens=cfg.probe_max_new_tokens)
     notes = probe_notes(prepared, lm.tokenizer, cfg.probe_split, cfg.probe_notes, decoding)
     if not notes:
@@ -581,51 +582,35 @@ def _probe_step(cfg: TrainStageConfig, prepared, lm, run, world):
     return after_step
 
 
-def _dispreferred(run, lm, examples: list, cfg: TrainStageConfig, allows_text: bool) -> dict[int, list[int]]:
+def _dispreferred(run, lm, examples: list, cfg: TrainStageConfig, allows_text: bool, backend: str,
+                  device: str) -> dict[int, list[int]]:
     """The untrained student's own generation for each training prompt (DistiLLM-2's dispreferred
     responses), sampled before any update with the paper's decoding and a seed per note.
 
-    The notes without a generation yet are sampled :data:`DISPREFERRED_CHUNK` at a time through
-    :func:`~mistill.evaluation.generation.generate_hf_many` (left-padded batches, each note drawn
-    with its own seed: its tokens do not depend on the chunk it falls in), and each note's record
-    is written as soon as its chunk returns. Model text, never logged, and kept so a resumed run
-    reuses it (a crash loses at most the chunk in flight): for a restricted corpus as a local file
-    of the run's enclave (``dispreferred/<note_id>/generation.json``, checked against its
-    ``_DONE`` sha256 when read back), otherwise in the run's work dir
-    (``dispreferred/<note_id>.json``).
+    ``backend``: the engine (:func:`resolve_rollout_backend` of ``cfg.rollout_backend``): ``vllm``
+    serves the student from ``cfg.student`` in bf16 beside the loaded models, with
+    ``cfg.rollout_gpu_memory`` of the GPU, and is shut down before training; ``hf`` samples with
+    ``lm`` :data:`DISPREFERRED_CHUNK` notes per call (:func:`generate_hf_many`'s left-padded
+    batches). Either way each note is drawn with its own seed, so its tokens do not depend on the
+    notes sampled with it. The notes go through :func:`sample_notes`: each note's generation is
+    written as soon as its call returns (model text, never logged: for a restricted corpus in the
+    run's local enclave, ``<enclave>/dispreferred/<note_id>.json``, otherwise in the run's work
+    dir), and a resumed run reads back the ones drawn under the same settings.
     """
-    from mistill.evaluation.generation import DecodingConfig, generate_hf_many, note_seed
-    from mistill.io import read_json, write_json
-
     decoding = DecodingConfig(max_new_tokens=cfg.dispreferred_max_new_tokens, seed=cfg.seed)
-    done = set() if allows_text else run.finished_notes(DISPREFERRED)
-    out: dict[int, list[int]] = {}
-    todo: list[int] = []
-    for i, ex in enumerate(examples):
-        note_id = ex.student.note.note_id
-        path = run.work_dir / DISPREFERRED / f"{note_id}.json"
-        if allows_text and path.exists():
-            out[i] = read_json(path)["token_ids"]
-        elif note_id in done:
-            out[i] = run.load_note(DISPREFERRED, note_id, DISPREFERRED_FILE)["token_ids"]
-        else:
-            todo.append(i)
-    bar = track(total=len(todo), desc="student generations")
-    for start in range(0, len(todo), DISPREFERRED_CHUNK):
-        chunk = todo[start:start + DISPREFERRED_CHUNK]
-        ids = [examples[i].student.note.note_id for i in chunk]
-        gens = generate_hf_many(lm, [(examples[i].student.inp.prompt.text, note_seed(decoding, note_id))
-                                     for i, note_id in zip(chunk, ids)], decoding)
-        for i, note_id, gen in zip(chunk, ids, gens, strict=True):
-            record = {"token_ids": gen.token_ids, "capped": gen.capped, "seed": gen.seed, "decoding": gen.decoding}
-            if allows_text:
-                write_json(run.work_dir / DISPREFERRED / f"{note_id}.json", record)
-            else:
-                run.write_note(DISPREFERRED, note_id, {}, local_files={DISPREFERRED_FILE: record})
-            out[i] = gen.token_ids
-            bar.update(1)
-    bar.close()
-    return out
+    requests = [SampleRequest(ex.student.note.note_id, ex.student.inp.prompt.text,
+                              note_seed(decoding, ex.student.note.note_id)) for ex in examples]
+    stage_dir = (run.work_dir if allows_text else run.enclave_dir) / DISPREFERRED
+    if not allows_text:
+        run.set_tags({TAG_ENCLAVE_DIR: str(run.enclave_dir)})  # where the local files are (a path, no text)
+    dtype = "bfloat16" if backend == "vllm" else str(next(lm.model.parameters()).dtype).removeprefix("torch.")
+    overrides = {"gpu_memory_utilization": cfg.rollout_gpu_memory} if backend == "vllm" else None
+    samples = sample_notes(requests, stage_dir,
+                           lambda: make_backend(backend, cfg.student, decoding, device=device, dtype=dtype, lm=lm,
+                                                engine_overrides=overrides),
+                           decoding.to_dict(), chunk=DISPREFERRED_CHUNK if backend == "hf" else 0,
+                           desc="student generations")
+    return {i: samples[r.note_id].token_ids for i, r in enumerate(requests)}
 
 
 ARM_PARAM_PREFIX = "arm."
