@@ -12,6 +12,7 @@ generations are never logged either (for a restricted corpus: local files of the
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,7 +23,9 @@ from mistill.config import Config
 from mistill.distributed import barrier, broadcast, current_world, gather, shard
 from mistill.distill.arms import ON_POLICY_OBJECTIVES, ArmConfig, arm_digest, resolve_arm
 from mistill.distill.cpu_bf16 import uses_fp32_gemms
+from mistill.distill.gold import capped_completion, padded_tokenizer, train_gold
 from mistill.distill.note_data import NoteData, build_note_data
+from mistill.distill.onpolicy import RolloutEngine, save_rollout_model, train_opd
 from mistill.distill.objective import (align_trace_rows, compute_note_targets, distillm2_step, feature_kd_step,
                                       make_feature_kd, micro_step_loss, pair_rows)
 from mistill.distill.pools import model_pools
@@ -512,10 +515,6 @@ def _train_on_policy(cfg: TrainStageConfig, arm: ArmConfig, recipe: RecipeConfig
     in the arm's precision, and its tokenizer are written to the work dir's
     :data:`ROLLOUT_MODEL` folder for TRL's colocated engine to build from (taking
     ``cfg.rollout_gpu_memory`` of the GPU), and the folder is removed after training."""
-    import shutil
-
-    from mistill.distill.gold import padded_tokenizer
-    from mistill.distill.onpolicy import RolloutEngine, save_rollout_model
 
     prepared = ev.prepared
     teacher = load_model(ev.model, dtype=tcfg.get("dtype", "float32"), device=device)
@@ -535,12 +534,8 @@ def _train_on_policy(cfg: TrainStageConfig, arm: ArmConfig, recipe: RecipeConfig
                   engine=engine)
     try:
         if arm.objective == "opd":
-            from mistill.distill.onpolicy import train_opd
-
             return train_opd(model, teacher.model, lm.tokenizer, [ni.prompt.text for ni in inputs], recipe,
                              run.work_dir / "trainer", **common)
-        from mistill.distill.gold import capped_completion, train_gold
-
         capped = [capped_completion(ni.full_text, ni.offsets, ni.trace_offset, arm.rollout_cap) for ni in inputs]
         run.log_metrics({"train/truncated_completions": sum(cut for _, cut in capped)})
         examples = [(ni.prompt.text, text) for ni, (text, _) in zip(inputs, capped)]
@@ -588,7 +583,8 @@ def _dispreferred(run, lm, examples: list, cfg: TrainStageConfig, allows_text: b
     responses), sampled before any update with the paper's decoding and a seed per note.
 
     ``backend``: the engine (:func:`resolve_rollout_backend` of ``cfg.rollout_backend``): ``vllm``
-    serves the student from ``cfg.student`` in bf16 beside the loaded models, with
+    serves the student as loaded (written to the work dir's :data:`ROLLOUT_MODEL` folder, removed
+    afterwards) in bf16 beside the loaded models, with
     ``cfg.rollout_gpu_memory`` of the GPU, and is shut down before training; ``hf`` samples with
     ``lm`` :data:`DISPREFERRED_CHUNK` notes per call (:func:`generate_hf_many`'s left-padded
     batches). Either way each note is drawn with its own seed, so its tokens do not depend on the
@@ -605,11 +601,19 @@ def _dispreferred(run, lm, examples: list, cfg: TrainStageConfig, allows_text: b
         run.set_tags({TAG_ENCLAVE_DIR: str(run.enclave_dir)})  # where the local files are (a path, no text)
     dtype = "bfloat16" if backend == "vllm" else str(next(lm.model.parameters()).dtype).removeprefix("torch.")
     overrides = {"gpu_memory_utilization": cfg.rollout_gpu_memory} if backend == "vllm" else None
-    samples = sample_notes(requests, stage_dir,
-                           lambda: make_backend(backend, cfg.student, decoding, device=device, dtype=dtype, lm=lm,
-                                                engine_overrides=overrides),
-                           decoding.to_dict(), chunk=DISPREFERRED_CHUNK if backend == "hf" else 0,
-                           desc="student generations")
+    rollout_dir = run.work_dir / ROLLOUT_MODEL
+
+    def open_backend():
+        # vLLM builds its engine from a directory: the student as loaded (any spec, a derived one too)
+        source = str(save_rollout_model(lm.model, lm.tokenizer, rollout_dir)) if backend == "vllm" else cfg.student
+        return make_backend(backend, source, decoding, device=device, dtype=dtype, lm=lm, engine_overrides=overrides)
+
+    try:
+        samples = sample_notes(requests, stage_dir, open_backend, decoding.to_dict(),
+                               chunk=DISPREFERRED_CHUNK if backend == "hf" else 0, desc="student generations")
+    finally:
+        if backend == "vllm":
+            shutil.rmtree(rollout_dir, ignore_errors=True)
     return {i: samples[r.note_id].token_ids for i, r in enumerate(requests)}
 
 
