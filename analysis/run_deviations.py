@@ -18,6 +18,7 @@ from typing import Any
 import pandas as pd
 
 from analysis.query import read_json_artifact, run_config
+from mistill.deviations import arm_conventions, deviations_in
 
 __all__ = ["ARM_CLASS", "ARM_JSON", "FINDING_COLUMNS", "TAG_COLUMNS", "deviation_tags",
            "run_deviations"]
@@ -48,8 +49,6 @@ def resolved_arm(run_id: str, doc: Mapping[str, Any] | None) -> dict[str, Any] |
 
 def _findings(run: Mapping[str, Any], class_name: str, values: Mapping[str, Any]
               ) -> list[dict[str, Any]]:
-    from mistill.deviations import deviations_in
-
     return [{"run_id": run["run_id"], "run_name": run.get("run_name"), "stage": run.get("stage"),
              "arm": run.get("arm"), **d} for d in deviations_in(class_name, values)]
 
@@ -71,6 +70,8 @@ def run_deviations(runs: Iterable[Mapping[str, Any]]) -> tuple[pd.DataFrame, lis
                 problems.append(f"run {run['run_id']} (train): no resolved arm recorded")
             else:
                 rows += _findings(run, ARM_CLASS, arm)
+                rows += [{"run_id": run["run_id"], "run_name": run.get("run_name"), "stage": run.get("stage"),
+                          "arm": run.get("arm"), **d} for d in arm_conventions(arm)]
     return pd.DataFrame.from_records(rows, columns=list(FINDING_COLUMNS)), problems
 
 

@@ -84,13 +84,14 @@ DEVIATIONS: tuple[Deviation, ...] = (
     # --- the Mistill objective ---
     _D("near-tie guard on c", "App. I.1",
        "no filter: the interaction term averages over every event",
-       "events whose teacher or student |margin| is below 0.5 nats leave the interaction and "
-       "write terms; events with margin exactly 0 or a non-finite c always leave",
+       "by default none (the paper's rule); an opt-in guard (min_abs_margin > 0) drops events whose "
+       "teacher or student |margin| is below it from the interaction and write terms; events with "
+       "margin exactly 0 or a non-finite c always leave",
        "ArmConfig.min_abs_margin",
-       "c divides by the margin; on the embedded default, without the guard one P1 event at "
+       "c divides by the margin; on the embedded default, without a guard one P1 event at "
        "|margin| 0.018 made the interaction gradient about 10^4 times larger in the first step "
-       "(benchmarks/RESULTS.md, min_abs_margin); at 0.5 it drops 22-29% of events per phase",
-       0.5, 0.0),
+       "(benchmarks/RESULTS.md, min_abs_margin); a 0.5-nat guard drops 22-29% of events per phase",
+       0.0, 0.0),
     _D("teacher pool on the P1 window", "App. I.1",
        "the teacher's prose-time set supervises the W = 8 rows before each P1 event",
        "the P1 emission pool when no locus run is given, or when the locus run has no "
@@ -284,6 +285,23 @@ DEVIATIONS: tuple[Deviation, ...] = (
        "the pipeline's key_block, trace_edit and note_edit read at most 2 events per note and phase",
        "PipelineConfig.read_side_max_events",
        "a CPU cost control for the embedded default; pass 0 for the stages' own defaults", 2, 0),
+    _D("pipeline: NULL positions", "App. C", "20 NULL positions per note", "10 per note",
+       "PipelineConfig.n_null", "a CPU cost control for the embedded default; the events stage keeps 20", 10, 20),
+    _D("pipeline: knock-in set sizes", "Sec. 3.1, App. D, Table 10", "k = 3, 8, 16, 40 and 100",
+       "k = 3, 8, 16, 40 (no k = 100)", "PipelineConfig.k_bins",
+       "a CPU cost control for the embedded default; the knock-in stage keeps every k", (3, 8, 16, 40),
+       (3, 8, 16, 40, 100)),
+    _D("pipeline: split-half draws", "App. F", "200 split-half draws", "50 draws",
+       "PipelineConfig.stability_splits", "a CPU cost control for the embedded default", 50, 200),
+    _D("pipeline: P1 and NULL nominees", "App. C", "top-40 per event and the running global top-16",
+       "top-8 and top-4", "PipelineConfig.top_nominees",
+       "exact patches are most of the attribution pass's time on a CPU (global: PipelineConfig.global_nominees, "
+       "4 against 16)", 8, 40),
+    _D("pipeline: P2 nominees", "App. C", "top-24 per event and the running global top-8", "top-6 and top-2",
+       "PipelineConfig.p2_top_nominees", "as above (global: PipelineConfig.p2_global_nominees, 2 against 8)", 6, 24),
+    _D("pipeline: P2C nominees", "App. D", "top-40 per event and the running global top-16", "top-8 and top-4",
+       "PipelineConfig.p2c_top_nominees", "as above (global: PipelineConfig.p2c_global_nominees, 4 against 16)",
+       8, 40),
     _D("LAS answer length", "App. K", "not stated",
        "the answer target fitted to 96 tokens", "LasSimulatorConfig.max_answer_tokens",
        "the simulator needs a bounded target", 96),
@@ -419,6 +437,31 @@ CONVENTIONS: tuple[Convention, ...] = (
                "its training split, the corpus's patients dropped by the shortlist stage",
                "mistill.runbook.paper_plan",
                "the paper trains the head on the release's training notes"),
+    Convention("DistiLLM-2 trainer", "App. J.3",
+               "written here from the paper's equations of DistiLLM-2 (Ko et al., 2025): skew KL on the teacher's "
+               "trace (preferred), skew reverse KL on the untrained student's own generation (dispreferred), at the "
+               "released trainer's mixing and clipping defaults; the paper ran the trainer vendored from the "
+               "official repository",
+               "mistill.distill.losses.distillm2_loss",
+               "the official trainer is a separate code base; the equations are what the paper reports"),
+    Convention("events in the answer block", "Sec. 2.2, App. C",
+               "decision events are extracted from the whole generation, the answer block after </think> included "
+               "(include_answer=True)",
+               "mistill.instrument.events.extract_events",
+               "the paper counts every emitted code; the answer block's codes are decisions the model makes"),
+    Convention("LAS simulator decoding", "App. K",
+               "the simulator's prediction is greedy decoding, stopped at its answer length",
+               "mistill.evaluation.las.greedy_answer",
+               "the paper does not state the simulator's decoding; greedy makes a note's prediction reproducible"),
+    Convention("attribution self-test scope", "Sec. 2.3, App. B, C, Table 8",
+               "the first selftest_events P1 events of every note are checked against exact patching of every "
+               "head (the paper: ten events of one note); no integrated-gradients row",
+               "mistill.stages.characterize (attribute, selftest_events)",
+               "every note's first events are a deterministic, corpus-wide sample"),
+    Convention("read-side events", "Sec. 3.3, App. E",
+               "the read side reads every P2 and P2C event of the notes, not only those of the faithfulness pass",
+               "mistill.stages.readside.run_read_side",
+               "more events per head; the faithfulness pass's subset is not a stated requirement of the readout"),
     Convention("on-policy sampling", "App. J.3",
                "the student's rollouts sample at TRL's defaults: OPD at temperature 1.0, GOLD at temperature 0.9 "
                "and top-p 0.95; one prompt per micro-step",
@@ -564,6 +607,22 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
         return math.isclose(float(a), float(b), rel_tol=1e-12, abs_tol=0.0)
     return a == b
+
+
+ARM_CONVENTIONS: dict[str, str] = {"distillm2": "DistiLLM-2 trainer"}
+"""An arm objective -> the :data:`CONVENTIONS` choice every run of it carries as a finding."""
+
+
+def arm_conventions(arm: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The conventions a train run of the resolved ``arm`` (its flags) follows where the paper ran
+    other code (:data:`ARM_CONVENTIONS`): one finding each, of kind ``convention``, its
+    ``parameter`` the code that implements it and its ``value`` the arm's objective."""
+    choice = ARM_CONVENTIONS.get(str(arm.get("objective", "")))
+    if choice is None:
+        return []
+    conv = next(c for c in CONVENTIONS if c.choice == choice)
+    return [{"parameter": conv.where, "value": arm.get("objective"), "default": None, "paper_value": None,
+             "kind": "convention"}]
 
 
 def deviations_in(config_class: str, config: Mapping[str, Any], *,

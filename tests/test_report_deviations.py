@@ -19,8 +19,8 @@ from mistill.stages.report import ReportConfig, run_report
 pytestmark = pytest.mark.usefixtures("pinned_code_version")
 
 MARGIN = Deviation(choice="near-tie guard", section="App. I.1", parameter="ArmConfig.min_abs_margin", paper="the paper states no filter",
-                   platform="events with a margin below 0.5 nats leave the interaction term",
-                   why="c divides by the margin", default=0.5)
+                   platform="an opt-in guard: events with a margin below it leave the interaction term",
+                   why="c divides by the margin", default=0.0, paper_value=0.0)
 FDR = Deviation(choice="BH level", section="App. C", parameter="AttributeConfig.fdr_q", paper="BH at FDR 0.05 (App. C)",
                 platform="BH at fdr_q", why="a parameter", default=0.05, paper_value=0.05)
 
@@ -63,14 +63,14 @@ def test_report_lists_non_default_registry_values_and_tags(tracking_uri, tmp_pat
                           (ids["attribute"], "AttributeConfig.fdr_q")}
     margin = found[(ids["top8"], "ArmConfig.min_abs_margin")]
     assert (margin["value"], margin["default"], margin["paper_value"], margin["kind"],
-            margin["stage"]) == (0.3, 0.5, None, "non_default", "train")
+            margin["stage"]) == (0.3, 0.0, 0.0, "non_default", "train")
     assert found[(ids["attribute"], "AttributeConfig.fdr_q")]["paper_value"] == 0.05
     assert doc["tags"] == [{"run_id": ids["tagged"], "run_name": doc["tags"][0]["run_name"],
                             "stage": "evaluate", "arm": "mistill", "codes": "D3,D7"}]
     text = _artifact(run_id, "report.md", tmp_path / "md").read_text()
     section = text.split("## Deviations in these runs", 1)[1].split("\n## ", 1)[0]
     assert ids["top8"] in section and "ArmConfig.min_abs_margin" in section
-    assert "| 0.3 | 0.5 |" in section and "non_default" in section
+    assert "| 0.3 | 0.0 |" in section and "non_default" in section
     assert ids["vanilla"] not in section and ids["attribute_default"] not in section
     assert "D3,D7" in section and "None found." not in section
     assert MlflowClient().get_run(run_id).data.metrics["n_deviations"] == 2

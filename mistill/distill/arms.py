@@ -56,11 +56,13 @@ class ArmConfig(Config):
     attention_eps: clamp of both distributions inside the attention KL (Mistill's attention
         term and Feature-KD's). **[recon]**: the paper states no clamp.
     min_abs_margin: events whose teacher or student margin is below this (nats) leave the
-        interaction and write terms (0: none by size); see
-        :func:`mistill.distill.objective.event_filter`. **[recon]**: not in the paper. ``c``
-        divides by the margin, so the interaction term's gradient grows as 1 / margin^2; on the
-        embedded default (``benchmarks/min_abs_margin.py``) one event at |margin| 0.018 made the
-        term's gradient norm 10^4 times that with the guard, which drops 22-29% of the events.
+        interaction and write terms; 0 (the default, the paper's rule: the interaction term
+        averages over every event) drops none by size; see
+        :func:`mistill.distill.objective.event_filter`. A positive value is an opt-in guard,
+        **[recon]**: not in the paper. ``c`` divides by the margin, so the interaction term's
+        gradient grows as 1 / margin^2; on the embedded default (``benchmarks/min_abs_margin.py``)
+        one event at |margin| 0.018 made the term's gradient norm 10^4 times that with a 0.5-nat
+        guard, which drops 22-29% of the events.
     uld_alignment: which teacher trace row serves each student trace row when the tokenizers
         differ (ULD; :func:`mistill.distill.objective.align_trace_rows`). **[recon]**.
 
@@ -106,7 +108,7 @@ class ArmConfig(Config):
     event_weight: float = 1.0
     kl_weight: float = 1.0
     attention_eps: float = 1e-8
-    min_abs_margin: float = 0.5
+    min_abs_margin: float = 0.0
     uld_alignment: str = "char_offset"
     fkd_pairs: int = 4
     fkd_positions: int = 64
