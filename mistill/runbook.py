@@ -544,8 +544,9 @@ ARM_SEEDS: tuple[tuple[str, str, str, int], ...] = (
     ("qwen3-4b", "opd", "train_opd", 1), ("qwen3-4b", "mistill", "train_mistill", 3),
     ("smollm3-3b", "vanilla-fp32", "train_vanilla", 2), ("smollm3-3b", "vanilla-bf16", "train_vanilla", 1),
     ("smollm3-3b", "feature-kd", "train_mistill", 1), ("smollm3-3b", "gold", "train_gold", 1),
-    ("smollm3-3b", "mistill", "train_mistill", 2))
-"""(student, arm, cost model, seeds) of the main comparison: App. J.4's seed counts. SmolLM3-3B's
+    ("smollm3-3b", "mistill", "train_mistill", 3))
+"""(student, arm, cost model, seeds) of the main comparison: App. J.4's seed counts, with the third
+SmolLM3-3B Mistill seed of the revision (R-D27, R-D36). SmolLM3-3B's
 generations are estimated from its own recorded figures; its training, characterization and own-heads steps
 from the Qwen3-4B ones (no SmolLM3 training or pass benchmark is recorded)."""
 
@@ -554,10 +555,19 @@ ABLATION_SEEDS: tuple[tuple[str, str, str, int], ...] = tuple(
     for arm, seeds in (("randheads", 3), ("randpos", 1), ("randboth", 1), ("bottom40", 1), ("top8", 1),
                        ("top100", 1), ("uniform", 1), ("no-window", 1), ("event-weighted-vanilla", 1),
                        ("p1-only", 1), ("p2-only", 1), ("attention-only", 1), ("interaction-only", 1),
-                       ("write-term", 1), ("mistill-fp32", 3)))
-"""The controls and ablations of App. L and M on Qwen3-4B (tree DT-001): one seed each, three for
-RandHeads (R-D26) and for Mistill with fp32 master weights (R-D30), which trains at the λ of the
-fp32 re-selection (App. I.4); the others at the bf16 selection's."""
+                       ("write-term", 1), ("mistill-fp32", 3), ("low-lambda", 1),
+                       ("mistill-fp32-bf16-lambda", 3))) + (("smollm3-3b", "bottom40", "train_mistill", 1),)
+"""The controls and ablations of App. L and M (tree DT-001), on Qwen3-4B unless named: one seed
+each, three for RandHeads (R-D26), for Mistill with fp32 master weights at the λ of the fp32
+re-selection (App. I.4, R-D30) and at the bf16 selection's (the precision control, R-D17); the
+lower-λ ablation at its own λ (R-D14, :data:`OWN_LAMBDA_ARMS`); SmolLM3-3B's bottom-40 pool; the
+others at the bf16 selection's λ."""
+
+OWN_LAMBDA_ARMS: frozenset[str] = frozenset({"low-lambda"})
+"""Mechanism arms that train at the λ of their arm file, never a selection's pick."""
+SELECTION_OF: dict[str, str] = {"mistill-fp32-bf16-lambda": "DT-001/select_lambda"}
+"""A mechanism arm whose λ comes from another selection than its precision's (the fp32 arm of the
+precision control reads the bf16 selection)."""
 
 
 def _traced_corpus(tree: str, prepare: str, prepare_params: Mapping[str, str], generation: Workload) -> list[PlanStep]:
@@ -701,7 +711,9 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
         after: tuple[str, ...] = ()
         if mechanism:  # the Mistill arms read the student's own ranking and the selection's λ
             inputs["student_attribute_run"] = f"DT-000/student_attribute_{student}:attribute"
-            after = ("DT-001/select_lambda_fp32" if resolved.precision == "fp32" else "DT-001/select_lambda",)
+            if arm not in OWN_LAMBDA_ARMS:
+                after = (SELECTION_OF.get(arm) or ("DT-001/select_lambda_fp32" if resolved.precision == "fp32"
+                                                   else "DT-001/select_lambda"),)
         for seed in range(seeds):
             run = f"{student}_{arm}_s{seed}"
             steps.append(_step(tree, f"train_{run}", "train", work,

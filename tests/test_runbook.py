@@ -37,7 +37,7 @@ def test_every_step_reads_only_earlier_steps():
     assert {s.params["arm"] for s in trains} >= {"mistill", "vanilla-fp32", "vanilla-bf16", "opd", "gold"}
     # App. J.4's seeds: three for Qwen3-4B Mistill, two for SmolLM3-3B's; GOLD on SmolLM3-3B only
     assert sum(s.params["arm"] == "mistill" and s.params["student"] == "{student}" for s in trains) == 3
-    assert sum(s.params["arm"] == "mistill" and s.params["student"] == "{student_smollm3}" for s in trains) == 2
+    assert sum(s.params["arm"] == "mistill" and s.params["student"] == "{student_smollm3}" for s in trains) == 3
     assert [s.params["student"] for s in trains if s.params["arm"] == "gold"] == ["{student_smollm3}"]
 
 
