@@ -5,7 +5,10 @@ Appendix Q of the paper gives every reported result a reproduction identifier: `
 ``results_index.yaml`` beside this module holds one :class:`ResultEntry` per identifier: the
 result in a few words, where the paper reports it, the ``MLproject`` entry points and ``-P``
 settings that produce it here, the table that shows it, and whether the platform produces it
-(``produced``), part of it (``partial``) or none of it (``missing``), naming what it lacks.
+(``produced``), part of it (``partial``) or none of it (``missing``), naming what it lacks, and
+the values the paper expects (:class:`ExpectedValue`, from the "Expected:" lines of Appendix Q),
+each with its interval or tolerance and, where a run of the platform logs the number, the metric
+that holds the reproduced value (:class:`MetricSource`; ``mistill.stages.verify`` compares them).
 
 :func:`load` reads and validates the file; :func:`render_markdown` is the source of
 ``docs/RESULTS_INDEX.md`` (``python -m mistill.results_index > docs/RESULTS_INDEX.md``; a test
@@ -15,8 +18,9 @@ entry point named exists in ``MLproject``).
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,8 +29,9 @@ import yaml
 
 from mistill.errors import MistillInputError
 
-__all__ = ["DATA_FILE", "REGENERATE", "STATUSES", "ResultEntry", "expected_ids", "id_key", "load",
-           "paper_result_ids", "render_markdown", "validate"]
+__all__ = ["DATA_FILE", "EXPECTED_FIELDS", "REDUCTIONS", "REGENERATE", "SOURCE_FIELDS", "STATUSES",
+           "ExpectedValue", "MetricSource", "ResultEntry", "expected_ids", "id_key", "load",
+           "paper_result_ids", "render_markdown", "source_text", "validate"]
 
 DATA_FILE = Path(__file__).with_name("results_index.yaml")
 """The index's data file, shipped with the package."""
@@ -43,7 +48,184 @@ C_NUMBERS = range(1, 16)
 D_NUMBERS = range(0, 47)
 """The identifier ranges of Appendix Q: ``R-C1``..``R-C15`` and ``R-D0``..``R-D46``."""
 
-FIELDS: tuple[str, ...] = ("id", "what", "paper", "entry_points", "params", "report", "status", "needs")
+FIELDS: tuple[str, ...] = ("id", "what", "paper", "entry_points", "params", "report", "status", "needs",
+                           "expected")
+
+EXPECTED_FIELDS: tuple[str, ...] = ("statistic", "value", "interval", "tolerance", "tolerance_source", "unit",
+                                    "source")
+"""Fields of one expected value; ``interval`` or else ``tolerance`` with ``tolerance_source``."""
+
+SOURCE_FIELDS: tuple[str, ...] = ("entry_point", "metric", "tags", "params", "reduce", "interval")
+"""Fields of a source; ``entry_point`` and ``metric`` are required, the others optional."""
+
+NEWEST, MEAN = "newest", "mean"
+REDUCTIONS: tuple[str, ...] = (NEWEST, MEAN)
+"""How the matching runs give one value: the newest run's metric, or the mean over the newest run of
+each seed (a value the paper reports as a mean over seeds)."""
+
+
+@dataclass(frozen=True)
+class MetricSource:
+    """Where the tracking store holds the reproduced value of one expected value.
+
+    entry_point: the ``MLproject`` entry point whose FINISHED runs are read (their
+        ``mistill.stage`` tag).
+    metric: the metric key as the runs log it.
+    tags: run tags that must match, by their short names (``arm``, ``model``, ``seed``,
+        ``precision``, ``split``, ``lambda``: the columns of :data:`analysis.query.TAG_COLUMNS`);
+        a value ``{teacher}``, ``{student}`` or ``{student_smollm3}`` stands for the model given
+        for that role, and an unset role matches every model.
+    params: run params that must match (``lock`` of a ``select_lambda`` run).
+    reduce: one of :data:`REDUCTIONS`.
+    interval: the metrics holding the reproduced value's interval (lower, upper), where the runs
+        log one; empty: none.
+    """
+
+    entry_point: str
+    metric: str
+    tags: tuple[tuple[str, str], ...] = ()
+    params: tuple[tuple[str, str], ...] = ()
+    reduce: str = NEWEST
+    interval: tuple[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class ExpectedValue:
+    """One value the paper expects for a result (Appendix Q, "Expected:").
+
+    statistic: what is measured, in words.
+    value: the paper's value.
+    interval: the paper's interval ``(lo, hi)``, bounds included; None when it gives a tolerance.
+    tolerance: the absolute tolerance around ``value`` (bounds included); None where the paper
+        gives none (then only the value itself agrees) or gives an interval.
+    tolerance_source: the paper's words for the tolerance ("exact ...", its nondeterminism class),
+        or "paper gives none"; empty with an interval.
+    unit: nats, share, count, F1, ...
+    source: where the platform logs the reproduced value; None when no run logs it.
+    """
+
+    statistic: str
+    value: float
+    interval: tuple[float, float] | None
+    tolerance: float | None
+    tolerance_source: str
+    unit: str
+    source: MetricSource | None
+
+    def bounds(self) -> tuple[float, float]:
+        """The closed range of values that agree with the paper."""
+        if self.interval is not None:
+            return self.interval
+        tol = self.tolerance or 0.0
+        return (self.value - tol, self.value + tol)
+
+    def agrees(self, reproduced: float) -> bool:
+        """Whether a reproduced value lies in :meth:`bounds`, both included (up to float rounding:
+        a reproduced value equal to a bound as printed agrees)."""
+        lo, hi = self.bounds()
+        slack = 1e-9 * max(1.0, abs(lo), abs(hi))
+        return lo - slack <= reproduced <= hi + slack
+
+    def allowed(self) -> str:
+        """The paper's interval or tolerance in words, for a table cell."""
+        if self.interval is not None:
+            return f"[{_num(self.interval[0])}, {_num(self.interval[1])}]"
+        if self.tolerance is None:
+            return f"the value only ({self.tolerance_source})"
+        if self.tolerance == 0:
+            return self.tolerance_source
+        return f"± {_num(self.tolerance)} ({self.tolerance_source})"
+
+
+def _num(value: float) -> str:
+    return f"{value:g}"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _string_map(raw: Any, what: str, bad: Callable[[str], MistillInputError]) -> tuple[tuple[str, str], ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, Mapping) or not all(isinstance(k, str) and k for k in raw):
+        raise bad(f"'{what}' must map names to values")
+    out = []
+    for k, v in raw.items():
+        if isinstance(v, bool) or not isinstance(v, (str, int, float)):
+            raise bad(f"'{what}.{k}' must be a string or a number")
+        out.append((k, str(v)))
+    return tuple(out)
+
+
+def _source(raw: Any, bad: Callable[[str], MistillInputError]) -> MetricSource | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise bad("'source' must be a mapping or null")
+    unknown = sorted(set(raw) - set(SOURCE_FIELDS))
+    if unknown:
+        raise bad(f"'source' has unknown fields {unknown}")
+    for name in ("entry_point", "metric"):
+        if not isinstance(raw.get(name), str) or not raw[name].strip():
+            raise bad(f"'source.{name}' must be a non-empty string")
+    reduce = raw.get("reduce", NEWEST)
+    if reduce not in REDUCTIONS:
+        raise bad(f"'source.reduce' must be one of {', '.join(REDUCTIONS)}, got {reduce!r}")
+    interval = raw.get("interval")
+    if interval is not None and (not isinstance(interval, list) or len(interval) != 2
+                                 or not all(isinstance(m, str) and m for m in interval)):
+        raise bad("'source.interval' must be two metric names [lower, upper]")
+    return MetricSource(entry_point=raw["entry_point"].strip(), metric=raw["metric"].strip(),
+                        tags=_string_map(raw.get("tags"), "source.tags", bad),
+                        params=_string_map(raw.get("params"), "source.params", bad), reduce=reduce,
+                        interval=tuple(interval) if interval else None)
+
+
+def _expected(raw: Any, where: str, file: str) -> tuple[ExpectedValue, ...]:
+    """The ``expected`` field of one entry, checked; ``where`` names the entry."""
+    if not isinstance(raw, list):
+        raise MistillInputError(f"{where}: a list of expected values is expected", file=file, field="expected")
+    out = []
+    for i, item in enumerate(raw):
+        def bad(message: str, _i: int = i) -> MistillInputError:
+            return MistillInputError(f"{where}, expected value {_i + 1}: {message}", file=file, field="expected")
+
+        if not isinstance(item, Mapping):
+            raise bad("not a mapping")
+        unknown = sorted(set(item) - set(EXPECTED_FIELDS))
+        missing = [f for f in ("statistic", "value", "unit", "source") if f not in item]
+        if unknown or missing:
+            raise bad(f"missing fields {missing}, unknown fields {unknown}")
+        for name in ("statistic", "unit"):
+            if not isinstance(item[name], str) or not item[name].strip():
+                raise bad(f"'{name}' must be a non-empty string")
+        if not _is_number(item["value"]):
+            raise bad(f"'value' must be a number, got {item['value']!r}")
+        interval, tolerance, words = None, None, ""
+        if "interval" in item:
+            if "tolerance" in item or "tolerance_source" in item:
+                raise bad("give either 'interval' or 'tolerance' with 'tolerance_source', not both")
+            iv = item["interval"]
+            if not isinstance(iv, list) or len(iv) != 2 or not all(_is_number(x) for x in iv) or iv[0] > iv[1]:
+                raise bad(f"'interval' must be [lo, hi] with lo <= hi, got {iv!r}")
+            interval = (float(iv[0]), float(iv[1]))
+        else:
+            if "tolerance" not in item or "tolerance_source" not in item:
+                raise bad("give 'interval', or 'tolerance' (null where the paper gives none) and "
+                          "'tolerance_source'")
+            tolerance = item["tolerance"]
+            if tolerance is not None and (not _is_number(tolerance) or tolerance < 0):
+                raise bad(f"'tolerance' must be a number >= 0 or null, got {tolerance!r}")
+            words = item["tolerance_source"]
+            if not isinstance(words, str) or not words.strip():
+                raise bad("'tolerance_source' must say where the tolerance comes from "
+                          "(\"paper gives none\" where it gives none)")
+        out.append(ExpectedValue(statistic=item["statistic"].strip(), value=float(item["value"]),
+                                 interval=interval, tolerance=None if tolerance is None else float(tolerance),
+                                 tolerance_source=words.strip(), unit=item["unit"].strip(),
+                                 source=_source(item["source"], bad)))
+    return tuple(out)
 
 _ID = re.compile(r"^R-([CD])(0|[1-9][0-9]*)$")
 _CITED = re.compile(r"\[R-([CD])(\d+)\]")
@@ -62,6 +244,7 @@ class ResultEntry:
     report: the table or figure that shows it (empty: none).
     status: one of :data:`STATUSES`.
     needs: for a partial or missing result, the capability the platform lacks.
+    expected: the values the paper expects (empty where Appendix Q states none).
     """
 
     id: str
@@ -72,6 +255,7 @@ class ResultEntry:
     report: str
     status: str
     needs: str
+    expected: tuple[ExpectedValue, ...] = ()
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any], *, file: str, position: int) -> ResultEntry:
@@ -86,6 +270,8 @@ class ResultEntry:
             raise MistillInputError(f"{where}: missing fields {missing}, unknown fields {unknown}", file=file)
         for name in FIELDS:
             value = raw[name]
+            if name == "expected":
+                continue
             if name == "entry_points":
                 if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
                     raise MistillInputError(f"{where}: a list of entry point names is expected", file=file,
@@ -95,7 +281,8 @@ class ResultEntry:
                                         field=name)
         return cls(id=raw["id"], what=raw["what"].strip(), paper=raw["paper"].strip(),
                    entry_points=tuple(raw["entry_points"]), params=raw["params"].strip(),
-                   report=raw["report"].strip(), status=raw["status"].strip(), needs=raw["needs"].strip())
+                   report=raw["report"].strip(), status=raw["status"].strip(), needs=raw["needs"].strip(),
+                   expected=_expected(raw["expected"], where, file))
 
 
 def id_key(result_id: str) -> tuple[int, int]:
@@ -219,7 +406,44 @@ def render_markdown(entries: Sequence[ResultEntry] | None = None) -> str:
               "| needs | results |", "|---|---|"]
     for needs, ids in waiting.items():
         lines.append(f"| {_text(needs)} | {', '.join(ids)} |")
+    lines += _expected_section(entries)
     return "\n".join(lines) + "\n"
+
+
+def source_text(source: MetricSource | None) -> str:
+    """A source in words: ``<entry point>: <metric> [tag=value, ...]`` (empty for None)."""
+    if source is None:
+        return ""
+    filters = [f"{k}={v}" for k, v in (*source.tags, *source.params)]
+    if source.reduce == MEAN:
+        filters.append("mean over seeds")
+    return f"{source.entry_point}: {source.metric}" + (f" [{', '.join(filters)}]" if filters else "")
+
+
+def _expected_section(entries: Sequence[ResultEntry]) -> list[str]:
+    """The page's section listing every expected value of Appendix Q and where it is read."""
+    values = [v for e in entries for v in e.expected]
+    with_source = sum(v.source is not None for v in values)
+    lines = ["", "## Expected values", "",
+             "The values Appendix Q of the paper expects for each result, with the paper's interval or",
+             "tolerance (its nondeterminism classes: K for teacher-forced passes, T for training, G for",
+             "generation; \"exact\" where the paper says the number is exact; where it gives none, only",
+             "the value itself agrees), and the metric of the platform's runs that holds the reproduced",
+             "value. The entry point `verify` (`mistill verify`) reads those metrics from the tracking",
+             "store and says for each value whether it agrees. A value with no metric has no readout: no",
+             "run of the platform logs that number.",
+             "",
+             f"{len(values)} expected values: {with_source} with a metric, {len(values) - with_source} without.",
+             "",
+             "| id | statistic | paper | agrees within | unit | read from |",
+             "|---|---|---|---|---|---|"]
+    for e in entries:
+        if not e.expected:
+            lines.append(f"| {e.id} | Appendix Q states no expected value | | | | |")
+        for v in e.expected:
+            lines.append(f"| {e.id} | {_text(v.statistic)} | {_num(v.value)} | {_text(v.allowed())} | "
+                         f"{_text(v.unit)} | {_code(source_text(v.source)) or 'no readout'} |")
+    return lines
 
 
 if __name__ == "__main__":

@@ -155,6 +155,9 @@ _TABLE = (
            "a dry run (the default when a path is missing) prints the plan and its GPU-hours"),
     _Entry("report", "mistill.stages.report", "ReportConfig", "run_report", {},
            "the paper's tables and figures from the tracking store, paired note-level tests"),
+    _Entry("verify", "mistill.stages.verify", "VerifyConfig", "run_verify", {},
+           "the reproduced numbers against the values the paper expects (Appendix Q): agrees, differs, "
+           "not run or no readout"),
 )
 
 

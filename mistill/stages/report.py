@@ -11,7 +11,9 @@ experiment ``mistill/<corpus>`` (the newest of each model, arm, precision and se
   deviations from the paper found in the runs read;
 * ``deviations.json``: those deviations (registry findings, ``mistill.deviation`` tags);
 * ``tables/<name>.csv`` and ``.md`` (numeric), ``tables/<name>_display.md`` and ``.tex``;
-* ``figures/<name>.html``: plotly figures with plotly.js embedded (open in the MLflow UI).
+* ``figures/<name>.html``: plotly figures with plotly.js embedded (open in the MLflow UI);
+* ``tables/verify.csv`` / ``.md`` and a last section of ``report.md``: the paper's expected values
+  against the store, as the ``verify`` stage reads them (:mod:`mistill.stages.verify`).
 
 Every input run is recorded as lineage (``mistill.input.<stage>.<run id>``), so an identical
 request over the same runs with the same code reuses the finished report, and a new or rerun
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 from mistill.config import Config
 from mistill.errors import MistillInputError
+from mistill.stages.verify import verify_markdown, verify_store
 from mistill.stats import N_BOOTSTRAP, N_BOOTSTRAP_CORPUS
 from mistill.validation import check_counts, check_not_empty, check_positive, check_seed
 
@@ -161,8 +164,10 @@ def run_report(cfg: ReportConfig) -> str:
         for name, fig in rep.figures.items():
             run.log_figure(fig, f"figures/{name}")
         run.log_json("deviations.json", rep.deviations_json())
+        checked, _ = verify_store(client, experiment)  # the verify stage's table, as a report section
+        run.log_table("tables/verify", checked, index=False)
         report_path = run.work_dir / "artifacts" / "report.md"
-        write_text(report_path, rep.markdown())
+        write_text(report_path, rep.markdown() + "\n" + verify_markdown(checked, heading="##"))
         run.log_artifact_file(report_path)
         run.log_metrics({**{f"n_runs/{s}": n for s, n in rep.counts.items()},
                          "n_tables": len(rep.tables), "n_figures": len(rep.figures),
