@@ -54,7 +54,7 @@ from mistill.models.loading import EMBEDDED_DEFAULT, LoadedModel, load_model  # 
 
 STUDENT = "embedded:smollm2-135m@every-other"
 THRESHOLD = 0.5
-PHASES = ("P1", "P2", "P2C")
+PHASES = ("P1", "P2")  # the loss's phases: Phase 2 holds the P2 and P2C events
 
 
 def random_head_sets(lm: LoadedModel, seed: int) -> dict:
@@ -138,7 +138,8 @@ def train_steps(examples, pools_s, steps: int, min_abs_margin: float, device: st
         with captured() as rec:
             loss, parts = micro_step_loss(model, lm, ex["student"], ex["targets"], ex["pairing"], pools_s, arm)
         phases = [p for p in PHASES if f"{p}/interaction" in parts]
-        # the interaction terms in phase order (a phase without event rows computes none)
+        # the interaction terms in phase order (a phase without event rows computes none); Phase 2's
+        # per-kind diagnostics, computed last and without a graph, fall off the end of the zip
         int_total = sum(arm.lambdas[p] * t for p, t in zip(phases, rec["interaction"]))
         g_int = torch.autograd.grad(int_total, params, retain_graph=True, allow_unused=True)
         opt.zero_grad(set_to_none=True)

@@ -47,9 +47,78 @@ def test_terms_vanish_when_student_is_teacher(setup):
     arm = resolve_arm("mistill")
     with torch.no_grad():
         loss, parts = micro_step_loss(teacher.model, teacher, nd_s, targets, pairing, pools_t, arm)
-    for phase in ("P1", "P2", "P2C"):
-        assert parts[f"{phase}/attention"] == pytest.approx(0.0, abs=1e-5)
-        assert parts[f"{phase}/interaction"] == pytest.approx(0.0, abs=1e-6)
+    # two phases, P2C inside Phase 2: no term of its own, only the per-kind diagnostics
+    assert not any(k.startswith("P2C/") for k in parts)
+    for name in ("P1/attention", "P2/attention", "P2/attention/P2", "P2/attention/P2C"):
+        assert parts[name] == pytest.approx(0.0, abs=1e-5)
+    for name in ("P1/interaction", "P2/interaction", "P2/interaction/P2", "P2/interaction/P2C"):
+        assert parts[name] == pytest.approx(0.0, abs=1e-6)
+    assert parts["loss"] == pytest.approx(parts["ce"] + parts["kl"], abs=1e-5)
+
+
+def _kl_rows(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """``KL(p || q)`` per row over the buckets where ``p > 0``, in float64."""
+    p, q = p.astype(np.float64), q.astype(np.float64)
+    on = p > 0
+    return np.where(on, p * (np.log(np.where(on, p, 1.0)) - np.log(np.where(on, q, 1.0))), 0.0).sum(1)
+
+
+def test_phase_two_is_one_mean_over_its_p2_and_p2c_rows(setup):
+    """Phase 2 = P2 with P2C (Sec. 2.2), one weight lambda_P2 (App. I.3): each Phase-2 term is one
+    mean over the union of the P2 and P2C rows (events), weighted once. The teacher stands in for
+    the student, so the student's rows, m and c are the stored ones (previous test); the targets
+    of the Phase-2 rows are then moved by a known, kind-dependent amount and the expected terms
+    computed here from the stored arrays alone."""
+    corpus, note, teacher, events, nd_t, pools_t, targets = setup
+    kind_of = {e: r.event.kind for e, r in nd_t.realized.items()}
+    row_kind = np.array([kind_of[e] for e in targets["row_event_id"]])
+    ev_kind = np.array([kind_of[e] for e in targets["event_id"]])
+    n_p2, n_p2c = int((row_kind == "P2").sum()), int((row_kind == "P2C").sum())
+    assert n_p2 > 0 and n_p2c > 0 and n_p2 != n_p2c  # unequal counts: a union mean is not a mean of means
+
+    # attention: each Phase-2 teacher row reweighted within its support, harder at P2C rows
+    rng = np.random.default_rng(0)
+    moved = {k: np.asarray(v).copy() for k, v in targets.items()}
+    pooled = targets["pooled"].astype(np.float64)
+    for kind, spread in (("P2", 0.3), ("P2C", 1.5)):
+        rows = row_kind == kind
+        p = pooled[rows] * np.exp(spread * rng.standard_normal(pooled[rows].shape))
+        moved["pooled"][rows] = (p / p.sum(1, keepdims=True)).astype(targets["pooled"].dtype)
+    kl = _kl_rows(moved["pooled"], pooled)  # the student's rows are the stored teacher rows
+    want_attn = {k: kl[row_kind == k].mean() for k in ("P2", "P2C")}
+    want_attn["phase"] = kl[(row_kind == "P2") | (row_kind == "P2C")].mean()
+
+    # interaction: the teacher's c moved by a kind-dependent offset, so m_T c_T moves by m * offset
+    offset = np.where(ev_kind == "P2", 1.0, np.where(ev_kind == "P2C", 5.0, 0.0))
+    moved["c"] = (targets["c"] + offset).astype(targets["c"].dtype)
+    kept = np.isfinite(targets["margin"]) & (targets["margin"] != 0) & np.isfinite(targets["c"])
+    sq = (targets["m"].astype(np.float64) * offset) ** 2
+    want_int = {k: sq[kept & (ev_kind == k)].mean() for k in ("P2", "P2C")}
+    want_int["phase"] = sq[kept & ((ev_kind == "P2") | (ev_kind == "P2C"))].mean()
+
+    # the fixture separates the readings: the union mean is neither one kind's mean nor their sum
+    for want in (want_attn, want_int):
+        assert abs(want["phase"] - want["P2"]) > 0.1 * want["phase"]
+        assert abs(want["phase"] - (want["P2"] + want["P2C"])) > 0.1 * want["phase"]
+        assert abs(want["phase"] - (want["P2"] + want["P2C"]) / 2) > 0.05 * want["phase"]
+
+    nd_s = build_note_data(note, corpus.inventory, teacher.tokenizer, events)
+    pairing = pair_rows(nd_s, nd_t.realized.values(), moved, window=8, teacher_trace_start=nd_t.trace_start)
+    arm = resolve_arm("mistill", "min_abs_margin=0,lambda_p1=0.1,lambda_p2=0.3")
+    with torch.no_grad():
+        loss, parts = micro_step_loss(teacher.model, teacher, nd_s, moved, pairing, pools_t, arm)
+    assert parts["P2/attention"] == pytest.approx(want_attn["phase"], rel=1e-3)
+    assert parts["P2/interaction"] == pytest.approx(want_int["phase"], rel=1e-3)
+    for kind in ("P2", "P2C"):  # the per-kind diagnostics
+        assert parts[f"P2/attention/{kind}"] == pytest.approx(want_attn[kind], rel=1e-3)
+        assert parts[f"P2/interaction/{kind}"] == pytest.approx(want_int[kind], rel=1e-3)
+    # weighted once by lambda_P2; the diagnostics and P2C add nothing; Phase 1 is untouched
+    assert parts["P2/weighted"] == pytest.approx(0.3 * (want_attn["phase"] + want_int["phase"]), rel=1e-3)
+    assert not any(k.startswith("P2C/") for k in parts)
+    assert parts["P1/attention"] == pytest.approx(0.0, abs=1e-5)
+    assert parts["loss"] == pytest.approx(parts["ce"] + parts["kl"] + parts["P1/weighted"] + parts["P2/weighted"],
+                                          rel=1e-5)
+    assert float(loss) == pytest.approx(parts["loss"])
 
 
 def test_student_terms_are_positive_and_train_the_pool(setup):
@@ -60,7 +129,7 @@ def test_student_terms_are_positive_and_train_the_pool(setup):
     pools_s = model_pools(_head_sets(student, 1), student.geometry.head_names(), k=4)
     student.model.requires_grad_(True)
     loss, parts = micro_step_loss(student.model, student, nd_s, targets, pairing, pools_s, resolve_arm("mistill"))
-    assert parts["P2C/attention"] > 0 and parts["loss"] > parts["ce"]
+    assert parts["P2/attention"] > 0 and parts["P2/attention/P2C"] > 0 and parts["loss"] > parts["ce"]
     loss.backward()
     layer = pools_s["P2C"].layers[0]
     assert student.geometry.layers[layer].q_proj.weight.grad.abs().sum() > 0

@@ -11,6 +11,13 @@ Student side (every micro-step): one forward of the student keeping the inputs o
 layers; the attention rows of the pooled heads are recomputed only at the supervised positions
 (:mod:`mistill.distill.attention_rows`), bucketed on the same axis, and the same ``m`` and ``c``
 read off them. Rows pair by event id (and, for window rows, by token distance).
+
+The loss has two phases, two terms each (Sec. 2.2: "Phase 1 is P1; Phase 2 is P2 with its
+contrastive case P2C"; Sec. 4.1, App. I.3, M.4: one weight per phase, ``lambda_P1`` and
+``lambda_P2``). Each row is read through the pool of its own event kind (P1, P1 window, P2, P2C),
+but a phase's attention term is one mean over all of the phase's rows and its interaction term one
+mean over all of its events: Phase 2's P2 and P2C rows form one mean per term, weighted once by
+``lambda_P2``.
 """
 
 from __future__ import annotations
@@ -36,7 +43,12 @@ from mistill.errors import MistillInputError
 from mistill.instrument.passes import stable_seed
 from mistill.models.loading import LoadedModel
 
-PHASE_OF_POOL = {"P1": "P1", "P1_window": "P1", "P2": "P2", "P2C": "P2C"}
+PHASES = ("P1", "P2")
+"""The loss's phases, in the order their terms are computed: Phase 1 and Phase 2."""
+KINDS = ("P1", "P2", "P2C")
+"""The supervised event kinds, each read through its own pool."""
+PHASE_OF_POOL = {"P1": "P1", "P1_window": "P1", "P2": "P2", "P2C": "P2"}
+"""The phase whose terms a pool's rows enter (an event kind is its own pool's key)."""
 
 
 # ------------------------------------------------------------------------------ teacher side
@@ -326,9 +338,19 @@ def micro_step_loss(model: torch.nn.Module, lm: LoadedModel, student: NoteData, 
                     logits_chunk: int = 1024, teacher_positions: np.ndarray | None = None):
     """The loss of one note for the ``cot`` and ``mistill`` objectives.
 
-    ``teacher_positions``: for cross-tokenizer students, the teacher trace row whose top-32
-    serves each student trace row (ULD); ``None`` when the tokenizers agree.
-    Returns ``(loss, parts)`` with float parts for logging.
+    ``L = L_CoT + lambda_P1 (L_attn,P1 + L_int,P1) + lambda_P2 (L_attn,P2 + L_int,P2)`` (with the
+    arm's ``terms``): Phase 1's terms run over its P1 event rows and window rows, Phase 2's over
+    its P2 and P2C rows together, one mean per term (:func:`_phase_terms`). A phase whose rows
+    this note lacks contributes nothing.
+
+    ``teacher_positions``: ``[student trace tokens]``, for cross-tokenizer students the teacher
+    trace row whose top-32 serves each student trace row (ULD); ``None`` when the tokenizers agree.
+
+    Returns ``(loss, parts)``: the scalar loss and float parts for logging: the CoT parts, ``loss``,
+    and for each phase with non-zero lambda ``<phase>/<term>`` (the terms the loss sums) and
+    ``<phase>/weighted``, phases ``P1`` and ``P2``. Diagnostics outside the loss:
+    ``P2/attention/<kind>`` and ``P2/interaction/<kind>``, the same means restricted to the P2 or
+    the P2C rows (events) of Phase 2, for each kind with rows (kept events) in the note.
     """
     g = lm.geometry
     device = next(model.parameters()).device
@@ -343,18 +365,18 @@ def micro_step_loss(model: torch.nn.Module, lm: LoadedModel, student: NoteData, 
         with record_function("mistill/row_maps"):
             positions = ([r.student_pos for r in pairing.rows] if arm.positions == "events"
                          else random_positions(pairing.rows, student, arm.pool_seed))
-            for phase in ("P1", "P2", "P2C"):
-                if arm.lambdas[phase] == 0:
+            for kind in KINDS:  # each event kind's rows read through the kind's own pool
+                if arm.lambdas[PHASE_OF_POOL[kind]] == 0:
                     continue
-                idx = [i for i, r in enumerate(pairing.rows) if r.phase == phase]
+                idx = [i for i, r in enumerate(pairing.rows) if r.phase == kind]
                 for role in ("event", "window"):
                     sel = [i for i in idx if pairing.rows[i].role == role]
                     if sel:
                         maps = student.row_maps([pairing.rows[i].event_id if role == "event" else None
                                                  for i in sel], device)
                         # the student's window rows read its own P1 pool (App. I.1)
-                        plan.append((phase, role, sel, RowSet(pools[phase], [positions[i] for i in sel], maps,
-                                                              with_outputs=role == "event")))
+                        plan.append((kind, role, sel, RowSet(pools[kind], [positions[i] for i in sel], maps,
+                                                             with_outputs=role == "event")))
     blocks = RowSetBlocks([p[3] for p in plan], lm, student.axis.n)
     with LayerInputs(g, blocks.layers, final_residual=mistill, on_input=blocks) as kept:
         with record_function("mistill/forward"):
@@ -381,13 +403,15 @@ def micro_step_loss(model: torch.nn.Module, lm: LoadedModel, student: NoteData, 
             computed = blocks.finish(kept)
         final = kept.final[0]
     with record_function("mistill/terms"):
-        phase_terms = _phase_terms(plan, computed, student, targets, pairing, positions, arm, g,
-                                   hidden_last, final, device)
+        phase_terms, by_kind = _phase_terms(plan, computed, student, targets, pairing, positions, arm, g,
+                                            hidden_last, final, device)
     # phases whose rows this note lacks contribute nothing (their lambda is applied to no term)
     complete = {p: t for p, t in phase_terms.items() if all(name in t for name in arm.terms)}
-    lambdas = {p: (arm.lambdas[p] if p in complete else 0.0) for p in ("P1", "P2", "P2C")}
+    lambdas = {p: (arm.lambdas[p] if p in complete else 0.0) for p in PHASES}
     total, parts = mistill_objective(cot, complete, lambdas, terms=tuple(arm.terms))
     logs.update({k: float(v) for k, v in parts.items()})
+    entered = {k.split("/")[0] for k in parts if k.endswith("/weighted")}  # phases the loss holds
+    logs.update({k: float(v) for k, v in by_kind.items() if k.split("/")[0] in entered})
     logs["loss"] = float(total.detach())
     return total, logs
 
@@ -428,46 +452,102 @@ def event_filter(teacher_margin: torch.Tensor, student_margin: torch.Tensor, tea
 
 def _phase_terms(plan, computed, student: NoteData, targets: Mapping[str, np.ndarray], pairing: Pairing,
                  positions: Sequence[int], arm: ArmConfig, g, hidden_last: torch.Tensor, final: torch.Tensor,
-                 device: torch.device) -> dict[str, dict[str, torch.Tensor]]:
-    """Each supervised phase's terms from its recomputed rows (attention; interaction and write
-    at its event rows). Per-event quantities are gathered as whole tensors: no per-event
-    host round trips."""
+                 device: torch.device) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """Each supervised phase's terms from its recomputed rows, and Phase 2's per-kind diagnostics.
+
+    plan: ``(kind, role, sel, RowSet)`` per row set, ``kind`` P1 / P2 / P2C and ``sel`` the row
+    indices into ``pairing.rows``; computed: per row set its student rows ``[row, bucket]`` and,
+    for event sets, its per-layer head outputs, heads and weights.
+
+    A phase's row sets (Phase 1: the P1 event and window rows; Phase 2: the P2 and P2C event
+    rows, each kind read through its own pool) are concatenated before each term is taken, so
+    every term is one mean over the whole phase: the attention term over ``[row, bucket]``
+    teacher and student rows of all of the phase's rows, the interaction (and write) term over
+    ``[event]`` quantities of all of its events that pass :func:`event_filter`. Per-event
+    quantities are gathered as whole tensors: no per-event host round trips.
+
+    Returns ``(phase_terms, by_kind)``: ``{phase: {term: scalar}}`` for the phases with rows, and
+    ``{"P2/<term>/<kind>": scalar}`` (detached) for the attention and interaction terms restricted
+    to each kind present in Phase 2, logged only, never summed into the loss.
+    """
     phase_terms: dict[str, dict[str, torch.Tensor]] = {}
-    for phase in ("P1", "P2", "P2C"):
-        mine = [(role, sel, res) for (ph, role, sel, _), res in zip(plan, computed) if ph == phase]
+    by_kind: dict[str, torch.Tensor] = {}
+    for phase in PHASES:
+        mine = [(kind, role, sel, res) for (kind, role, sel, _), res in zip(plan, computed)
+                if PHASE_OF_POOL[kind] == phase]
         if not mine:
             continue
         terms: dict[str, torch.Tensor] = {}
-        a_s_parts = [res[0] for _, _, res in mine]
+        kinds = [kind for kind, *_ in mine]
+        a_s_parts = [res[0] for *_, res in mine]  # [row, bucket] each
         a_t_parts = [torch.as_tensor(targets["pooled"][pairing.teacher_row[sel]], device=device)
-                     for _, sel, _ in mine]
-        event_info = next(((sel, res[0], res[1]) for role, sel, res in mine if role == "event"), None)
+                     for _, _, sel, _ in mine]
         if "attention" in arm.terms:
             terms["attention"] = attention_term(torch.cat(a_t_parts), torch.cat(a_s_parts), eps=arm.attention_eps)
-        if event_info is not None and ({"interaction", "write"} & set(arm.terms)):
-            sel, a_s, (z, heads, w) = event_info
-            event_ids = [pairing.rows[i].event_id for i in sel]
-            target, comp, region = student.event_tables(event_ids, device)
-            pos_t = torch.as_tensor([positions[i] for i in sel], device=device)
-            logits = g.lm_head(hidden_last.index_select(0, pos_t)).float()  # [e, vocab]
-            comp_logits = logits.gather(1, comp.clamp_min(0)).masked_fill(comp < 0, float("-inf"))
-            margins = logits.gather(1, target.unsqueeze(1))[:, 0] - torch.logsumexp(comp_logits, dim=-1)
-            ev = pairing.teacher_event[sel]
-            m_t = torch.as_tensor(targets["m"][ev], device=device, dtype=torch.float32)
-            c_t = torch.as_tensor(targets["c"][ev], device=device, dtype=torch.float32)
-            t_margin = torch.as_tensor(targets["margin"][ev], device=device, dtype=torch.float32)
-            ok = event_filter(t_margin, margins.detach(), c_t, arm.min_abs_margin)
-            # c divides by the margin: a left-out event must not reach the backward as 0 * inf
-            safe = torch.where(ok, margins, torch.ones_like(margins))
-            c_s = contribution(z, heads, w, g, final.index_select(0, pos_t), target, comp, comp_logits, safe)
-            m_s = region_mass(a_s, region)
-            m_s, c_s, m_t, c_t = m_s[ok], c_s[ok], m_t[ok], c_t[ok]
+        events = [(kind, sel, res[0], res[1]) for kind, role, sel, res in mine if role == "event"]
+        ev_kinds: list[str] = []
+        if events and ({"interaction", "write"} & set(arm.terms)):
+            ev_kinds, ev_quantities = _event_quantities(events, student, targets, pairing, positions, arm, g,
+                                                        hidden_last, final, device)
+            m_s, c_s, m_t, c_t = ev_quantities
             if "interaction" in arm.terms:
                 terms["interaction"] = interaction_term(m_s, c_s, m_t, c_t)
             if "write" in arm.terms:
                 terms["write"] = write_term(c_s, c_t, normalize=arm.write_norm)
         phase_terms[phase] = terms
-    return phase_terms
+        if phase != "P2":
+            continue
+        # diagnostics: the same means over one kind's rows (events) of Phase 2, outside the loss
+        with torch.no_grad():
+            for kind in KINDS:
+                rows = [i for i, k in enumerate(kinds) if k == kind]
+                if not rows:
+                    continue
+                if "attention" in terms:
+                    by_kind[f"P2/attention/{kind}"] = attention_term(
+                        torch.cat([a_t_parts[i] for i in rows]), torch.cat([a_s_parts[i] for i in rows]).detach(),
+                        eps=arm.attention_eps)
+                if "interaction" in terms and kind in ev_kinds:
+                    keep = torch.as_tensor([k == kind for k in ev_kinds], dtype=torch.bool, device=device)
+                    by_kind[f"P2/interaction/{kind}"] = interaction_term(*(q.detach()[keep] for q in ev_quantities))
+    return phase_terms, by_kind
+
+
+def _event_quantities(events, student: NoteData, targets: Mapping[str, np.ndarray], pairing: Pairing,
+                      positions: Sequence[int], arm: ArmConfig, g, hidden_last: torch.Tensor,
+                      final: torch.Tensor, device: torch.device
+                      ) -> tuple[list[str], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """One phase's per-event quantities over all of its event row sets, concatenated in order.
+
+    events: per event row set ``(kind, sel, a_s [event, bucket], (z, heads, w))``, each set's
+    ``c`` computed through its own pool. The event filter runs once over the phase's events.
+
+    Returns ``(kinds, (m_S, c_S, m_T, c_T))``: the kind of each kept event and the four ``[event]``
+    tensors of the kept events (the student's carry the graph).
+    """
+    tables, margins, teacher = [], [], []
+    for kind, sel, a_s, _ in events:
+        target, comp, region = student.event_tables([pairing.rows[i].event_id for i in sel], device)
+        pos_t = torch.as_tensor([positions[i] for i in sel], device=device)
+        logits = g.lm_head(hidden_last.index_select(0, pos_t)).float()  # [event, vocab]
+        comp_logits = logits.gather(1, comp.clamp_min(0)).masked_fill(comp < 0, float("-inf"))
+        margins.append(logits.gather(1, target.unsqueeze(1))[:, 0] - torch.logsumexp(comp_logits, dim=-1))
+        tables.append((pos_t, target, comp, region, comp_logits))
+        ev = pairing.teacher_event[sel]
+        teacher.append([torch.as_tensor(targets[key][ev], device=device, dtype=torch.float32)
+                        for key in ("m", "c", "margin")])
+    m_t, c_t, t_margin = (torch.cat([t[j] for t in teacher]) for j in range(3))
+    ok = event_filter(t_margin, torch.cat(margins).detach(), c_t, arm.min_abs_margin)
+    oks = ok.split([len(sel) for _, sel, _, _ in events])
+    m_s, c_s, kinds = [], [], []
+    for (kind, sel, a_s, (z, heads, w)), (pos_t, target, comp, region, comp_logits), margin, ok_k in zip(
+            events, tables, margins, oks):
+        # c divides by the margin: a left-out event must not reach the backward as 0 * inf
+        safe = torch.where(ok_k, margin, torch.ones_like(margin))
+        c_s.append(contribution(z, heads, w, g, final.index_select(0, pos_t), target, comp, comp_logits, safe))
+        m_s.append(region_mass(a_s, region))
+        kinds += [kind] * int(ok_k.sum())
+    return kinds, (torch.cat(m_s)[ok], torch.cat(c_s)[ok], m_t[ok], c_t[ok])
 
 
 # ------------------------------------------------------------------------------ Feature-KD
