@@ -1,0 +1,130 @@
+"""The result index held against the reproduction plan: a result marked *produced* must have every
+run that the paper's Appendix Q entry names (arms, students, seeds, the λ each trains at, the
+models and note counts) among the steps ``reproduce`` runs for it.
+
+``APP_Q_RUNS`` is the appendix read by hand, result by result (its "Seeds:" line and the text of
+the entry); each value lists the plan's step names the result needs. A result marked produced with
+no row here fails, so a promotion in the index has to state its runs first."""
+
+from __future__ import annotations
+
+import pytest
+
+from mistill.results_index import load
+from mistill.runbook import PaperCounts, paper_plan, select
+
+Q4B, SMOL = "qwen3-4b", "smollm3-3b"
+BF16_SELECTION, FP32_SELECTION = "DT-001/select_lambda", "DT-001/select_lambda_fp32"
+
+
+def trained(student: str, arm: str, seeds: int, *, tree: str = "DT-001", evaluated: bool = True,
+            own_heads: bool = True) -> list[str]:
+    """The train steps of ``arm`` on ``student`` at seeds ``0..seeds-1`` and, per seed, its test
+    evaluation and its own-heads readout."""
+    out = []
+    for seed in range(seeds):
+        run = f"{student}_{arm}_s{seed}"
+        out.append(f"{tree}/train_{run}")
+        if evaluated:
+            out.append(f"{tree}/evaluate_{run}")
+        if own_heads:
+            out.append(f"{tree}/own_heads_{run}")
+    return out
+
+
+UNTRAINED = ["DT-000/evaluate_qwen3-4b_untrained", "DT-000/evaluate_smollm3-3b_untrained"]
+UNTRAINED_HEADS = ["DT-000/own_heads_qwen3-4b_untrained", "DT-000/own_heads_smollm3-3b_untrained"]
+HD001 = ["HD-001/prepare", "HD-001/generate", "HD-001/characterize"]
+MAIN = (trained(Q4B, "vanilla-fp32", 3, tree="DT-000") + trained(SMOL, "vanilla-fp32", 2, tree="DT-000")
+        + trained(Q4B, "mistill", 3) + trained(SMOL, "mistill", 3))
+
+APP_Q_RUNS: dict[str, list[str]] = {
+    # characterization: the teacher's 100 HD-001 notes (one trace each)
+    "R-C1": HD001,
+    "R-C3": HD001,
+    "R-C4": HD001,
+    "R-C5": [*HD001, "HD-001/read_side"],
+    "R-C6": [*HD001, "HD-001/locus"],
+    "R-C10": [*HD001, "HD-001/read_side", "HD-001/key_block"],
+    "R-C11": [*HD001, "HD-001/trace_edit", "HD-001/note_edit"],
+    "R-C12": [*HD001, "HD-001/locus"],
+    # distillation
+    "R-D0": ["DT-000/shortlist", "DT-000/generate", "DT-000/evaluate_teacher"],
+    "R-D1": UNTRAINED,
+    "R-D2": trained(Q4B, "vanilla-fp32", 3, tree="DT-000") + trained(SMOL, "vanilla-fp32", 2, tree="DT-000"),
+    "R-D3": trained(Q4B, "feature-kd", 3, tree="DT-000") + trained(SMOL, "feature-kd", 1, tree="DT-000"),
+    "R-D4": (trained(Q4B, "distillm2", 1, tree="DT-000") + trained(Q4B, "opd", 1, tree="DT-000")
+             + trained(SMOL, "gold", 1, tree="DT-000")),
+    "R-D5": trained(Q4B, "mistill", 3) + trained(SMOL, "mistill", 3) + trained(Q4B, "vanilla-bf16", 3, tree="DT-000"),
+    "R-D6": MAIN + UNTRAINED_HEADS,
+    "R-D7": (trained(Q4B, "randpos", 1) + trained(Q4B, "randheads", 1) + trained(Q4B, "randboth", 1)
+             + trained(SMOL, "randpos", 1) + trained(SMOL, "randheads", 1)),
+    "R-D10": [BF16_SELECTION, *trained(Q4B, "write-term", 1)],
+    "R-D12": MAIN + trained(SMOL, "randheads", 2) + trained(SMOL, "bottom40", 2) + trained(Q4B, "randheads", 3),
+    "R-D14": [name for arm in ("p1-only", "p2-only", "attention-only", "interaction-only", "low-lambda")
+              for name in trained(Q4B, arm, 1)],
+    "R-D15": MAIN + UNTRAINED_HEADS,
+    "R-D17": (trained(Q4B, "vanilla-bf16", 3, tree="DT-000") + trained(SMOL, "vanilla-bf16", 1, tree="DT-000")
+              + trained(Q4B, "vanilla-fp32", 3, tree="DT-000") + trained(SMOL, "vanilla-fp32", 2, tree="DT-000")
+              + trained(Q4B, "mistill-fp32-bf16-lambda", 3)),
+    "R-D18": MAIN,
+    "R-D21": ["DT-000/shortlist"],
+    "R-D23": trained(Q4B, "event-weighted-vanilla", 1),
+    "R-D24": trained(Q4B, "uniform", 1),
+    "R-D25": trained(Q4B, "no-window", 1),
+    "R-D26": trained(Q4B, "randheads", 3),
+    "R-D27": trained(SMOL, "mistill", 3) + UNTRAINED_HEADS,
+    "R-D29": MAIN,
+    "R-D30": trained(Q4B, "mistill-fp32", 3) + trained(Q4B, "vanilla-fp32", 3, tree="DT-000"),
+    "R-D36": trained(SMOL, "mistill", 3),
+}
+
+LAMBDA_SOURCE: dict[str, str | None] = {"mistill": BF16_SELECTION, "mistill-fp32": FP32_SELECTION,
+                                        "mistill-fp32-bf16-lambda": BF16_SELECTION, "low-lambda": None,
+                                        "randheads": BF16_SELECTION, "write-term": BF16_SELECTION}
+"""The selection whose pick each arm trains at (None: the arm file's own λ; App. I.3, I.4, M.1)."""
+
+ENTRIES = {e.id: e for e in load()}
+PRODUCED = [rid for rid, e in ENTRIES.items() if e.status == "produced"]
+
+
+def test_every_produced_result_states_the_runs_it_needs():
+    assert not [rid for rid in PRODUCED if rid not in APP_Q_RUNS], \
+        "a result marked produced needs its Appendix Q runs listed in APP_Q_RUNS"
+
+
+@pytest.mark.parametrize("rid", PRODUCED)
+def test_a_produced_result_is_in_the_plan_with_every_run_the_paper_names(rid):
+    """Every listed step exists in the plan, and the result's selection holds each one that trains
+    or that runs an entry point the result reads (an evaluation where the result reads
+    ``evaluate``, an own-heads readout where it reads ``own_heads``)."""
+    plan = {s.name: s for s in paper_plan()}
+    entry = ENTRIES[rid]
+    listed = APP_Q_RUNS.get(rid, [])
+    assert not [n for n in listed if n not in plan], f"{rid}: steps the plan does not hold"
+    needed = [n for n in listed if plan[n].entry_point == "train" or set(plan[n].covers) & set(entry.entry_points)]
+    chosen = {s.name for s in select(list(plan.values()), [rid])}
+    missing = [name for name in needed if name not in chosen]
+    assert not missing, f"{rid} is marked produced but reproduce would not run {missing}"
+
+
+def test_each_mechanism_arm_trains_at_the_lambda_the_paper_names():
+    plan = {s.name: s for s in paper_plan()}
+    for step in plan.values():
+        arm = step.params.get("arm") if step.entry_point == "train" else None
+        if arm not in LAMBDA_SOURCE:
+            continue
+        selections = [n for n in step.needs if n.split("/", 1)[1].startswith("select_lambda")]
+        expected = LAMBDA_SOURCE[arm]
+        assert selections == ([expected] if expected else []), step.name
+
+
+def test_the_paper_sizes_of_the_plan():
+    """The note counts the appendix states: 100 HD-001 notes, 493 training, 100 validation and
+    150 test notes in DT-000, and the λ grid at 100 training notes (App. I.3)."""
+    counts = PaperCounts()
+    assert (counts.characterization_traces, counts.train_notes, counts.val_notes, counts.test_notes,
+            counts.selection_notes) == (100, 493, 100, 150, 100)
+    plan = {s.name: s for s in paper_plan()}
+    assert plan["HD-001/characterize"].work.units == 100
+    assert plan["DT-000/evaluate_teacher"].work.units == 150
