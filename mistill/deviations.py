@@ -306,6 +306,12 @@ DEVIATIONS: tuple[Deviation, ...] = (
        "the answer target fitted to 96 tokens", "LasSimulatorConfig.max_answer_tokens",
        "the simulator needs a bounded target", 96),
     # --- lambda selection ---
+    _D("training notes of the lambda selection", "App. I.3, J.4",
+       "nine runs at 100 training notes, the Vanilla CoT-KD reference on the same 100; how the 100 "
+       "were drawn is not stated",
+       "the training split's note ids sorted, numpy default_rng(train_notes_seed).permutation, the first "
+       "train_notes (the bf16 selection's lock: 100 notes, seed 0); draws at one seed are nested",
+       "TrainStageConfig.train_notes_seed", "a deterministic, seeded draw that any run can repeat", 0),
     _D("tie-break fallback", "App. I.3, I.4, M.2",
        "ties within the band broken by M1 at P2C; no fallback stated",
        "a NaN tie-break ranks last; a tie left by the tie-break goes to the higher selection "

@@ -1,12 +1,13 @@
 """The selection lock: a YAML file that fixes the λ selection before any trial runs (App. I.3, I.4,
 M.2, O).
 
-A lock names the grid, the arm, the training size and seed, the selection metric, the inclusive
-tie band, the tie rule and the edge rule. Its sha256 (over the file's bytes) is written into the
-Optuna study when the study is created; a later load under a different lock is refused
-(:func:`selection.grid.open_study`). The same sha256 is part of the ``select_lambda`` run's
-identity (the param ``lock_sha256``), so a run made under other lock bytes is never reused.
-Example (``projects/configs/locks/embedded-3cell.yaml``)::
+A lock names the grid, the arm, the training notes, size and seed, the selection metric, the
+inclusive tie band, the tie rule and the edge rule. Its sha256 (over the file's bytes, so over
+every field, ``training.train_notes`` included) is written into the Optuna study when the study is
+created; a later load under a different lock is refused (:func:`selection.grid.open_study`). The
+same sha256 is part of the ``select_lambda`` run's identity (the param ``lock_sha256``), so a run
+made under other lock bytes is never reused. Example
+(``projects/configs/locks/embedded-3cell.yaml``)::
 
     study: embedded-3cell
     arm: mistill
@@ -14,6 +15,20 @@ Example (``projects/configs/locks/embedded-3cell.yaml``)::
     training: {seed: 0, max_steps: 1}
     selection: {metric: micro_f1, split: val, tie_band: 0.004, tie_break: m1/P2C/p_pos}
     edge: {extend: true, max_extensions: 1}
+
+The training notes (``training.train_notes: {n: 100, seed: 0}``; absent or ``n: 0`` = every note
+of the targets run's training split): each cell's ``train`` run gets ``train_notes = n`` and
+``train_notes_seed = seed`` and trains on :func:`mistill.stages.distill.train_note_ids` of them
+(the split's ids sorted, ``numpy.random.default_rng(seed).permutation``, the first ``n``).
+**[recon]**: App. I.3 trains at "100 training notes" without saying how they were chosen. A plain
+``train`` run given the same two values trains on the same notes (the Vanilla CoT-KD reference
+"trained on the same 100 notes", Tables 39-41). ``seed`` is the draw's, not the training seed's.
+
+Metric names (``selection.metric``, ``selection.tie_break``, ``selection.validity_metric``) are
+MLflow metric names, whose parts are separated by ``/`` (``m1/P2C/p_pos``); the dotted spelling
+(``m1.P2C.p_pos``) names the same metric and is normalised when the lock is read. A name that,
+so normalised, is no metric the evaluation logs (:data:`METRIC_PATTERNS`) is refused, naming the
+lock file and the field.
 
 ``grid.tied: true`` means λ_P1 = λ_P2 = λ over ``grid.lambda``; ``tied: false`` takes
 ``grid.lambda_p1`` and ``grid.lambda_p2`` (their product is the grid). ``edge.outward`` may fix the
@@ -69,7 +84,7 @@ _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
 _SECTIONS: dict[str, set[str]] = {
     "grid": {"tied", "scale", TIED_AXIS, *UNTIED_AXES},
-    "training": {"seed", "max_steps", "epochs", "grad_accum", "precision"},
+    "training": {"seed", "max_steps", "epochs", "grad_accum", "precision", "train_notes"},
     "selection": {"metric", "split", "tie_band", "tie_break", "max_new_tokens", "validity_floor",
                   "validity_metric", "tie_fallback"},
     "edge": {"extend", "max_extensions", "outward"},
@@ -91,6 +106,28 @@ SMALLER_LAMBDA = "smaller_lambda"
 LARGER_LAMBDA = "larger_lambda"
 LAMBDA_ORDERS = (SMALLER_LAMBDA, LARGER_LAMBDA)
 DEFAULT_TIE_FALLBACK = (FALLBACK_METRIC, SMALLER_LAMBDA)
+METRIC_SEPARATOR = "/"
+"""Between the parts of a metric name (as :data:`mistill.tracking.runs.METRIC_SEPARATOR`)."""
+TRAIN_NOTES_KEYS = ("n", "seed")
+"""The keys of ``training.train_notes``: the count (0 = every training note) and the draw's seed."""
+
+METRIC_PATTERNS: tuple[str, ...] = (
+    # the task metrics of the evaluate stage (mistill.evaluation.metrics.task_metrics)
+    r"micro_f1|micro_precision|micro_recall|macro_f1|mean_note_f1|head_macro_f1|tail_macro_f1",
+    r"(p|r|psp|psndcg)_at_[0-9]+",
+    r"n_notes|n_head_labels|n_tail_labels",
+    # the answers' validity (evaluate)
+    r"valid_rate|cap_rate|degenerate_rate|mean_generated_tokens|n_unclosed_think|n_not_json"
+    r"|n_out_of_inventory|thinking_switch",
+    # M1 per event kind (mistill.evaluation.m1.m1_summary) and the fidelity metrics (evaluate)
+    r"m1/(P1|P2|P2C)/(p_pos|median_margin|n)",
+    r"fidelity/(ppl_median|bleu4_mean|las_mean)",
+    # App. O's answer metrics (mistill.tasks.musique)
+    r"answer_f1|answer_em",
+)
+"""The metric names a lock may select or break ties by (full matches): what the ``evaluate``
+stage logs, and App. O's answer metrics."""
+_METRIC = re.compile("|".join(f"(?:{p})" for p in METRIC_PATTERNS))
 
 
 @dataclass(frozen=True)
@@ -108,13 +145,19 @@ class GridSpec:
 
 @dataclass(frozen=True)
 class TrainingSpec:
-    """How each cell trains: the seed and the size (``max_steps``; 0 = the full recipe)."""
+    """How each cell trains: the seed and the size (``max_steps``; 0 = the full recipe), and on
+    which notes: ``train_notes`` of the training split (0 = every one) drawn with
+    ``train_notes_seed`` (:func:`mistill.stages.distill.train_note_ids`; **[recon]** App. I.3
+    does not say how its 100 training notes were chosen). The lock spells the last two
+    ``train_notes: {n: <count>, seed: <seed>}``."""
 
     seed: int
     max_steps: int
     epochs: int = 2
     grad_accum: int = 8
     precision: str = ""
+    train_notes: int = 0
+    train_notes_seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -255,11 +298,35 @@ def _grid(path: str, data: Any) -> GridSpec:
     return GridSpec(tied=tied, scale=scale, axes={n: r.values(n, scale) for n in names})
 
 
+def _train_notes(r: _Reader) -> tuple[int, int]:
+    """``training.train_notes: {n: <count>, seed: <seed>}`` as ``(n, seed)``; absent = ``(0, 0)``
+    (every training note). ``n`` is required, ``seed`` too when ``n > 0``."""
+    raw = r.get("train_notes", dict, None)
+    if raw is None:
+        return 0, 0
+    unknown = sorted(set(raw) - set(TRAIN_NOTES_KEYS), key=str)
+    if unknown:
+        raise r.fail("train_notes", f"unknown key(s) {unknown}; expected {{n: <count>, seed: <seed>}}")
+    values = {}
+    for key in TRAIN_NOTES_KEYS:
+        value = raw.get(key)
+        if value is None and key == "seed" and raw.get("n") == 0:
+            value = 0
+        if value is None:
+            raise r.fail(f"train_notes.{key}", "missing (a lock states the count and the draw's seed)")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise r.fail(f"train_notes.{key}", f"expected an integer >= 0, got {value!r}"
+                                               + (" (0: every training note)" if key == "n" else ""))
+        values[key] = value
+    return values["n"], values["seed"]
+
+
 def _training(path: str, data: Any) -> TrainingSpec:
     r = _Reader(path, "training", data)
+    n, notes_seed = _train_notes(r)
     spec = TrainingSpec(seed=r.get("seed", int), max_steps=r.get("max_steps", int),
                         epochs=r.get("epochs", int, 2), grad_accum=r.get("grad_accum", int, 8),
-                        precision=r.get("precision", str, ""))
+                        precision=r.get("precision", str, ""), train_notes=n, train_notes_seed=notes_seed)
     for key in ("seed", "max_steps"):
         if getattr(spec, key) < 0:
             raise r.fail(key, f"must be >= 0, got {getattr(spec, key)}")
@@ -281,14 +348,36 @@ def _tie_fallback(r: _Reader) -> tuple[str, ...]:
     return tuple(raw)
 
 
+def known_metric(name: str) -> bool:
+    """True iff ``name`` (``/``-separated) is a metric a lock may name (:data:`METRIC_PATTERNS`)."""
+    return _METRIC.fullmatch(name) is not None
+
+
+def _metric(r: _Reader, key: str, default: str | None = None) -> str:
+    """The metric named by ``key``, dotted parts normalised to ``/`` (``m1.P2C.p_pos`` is
+    ``m1/P2C/p_pos``); refused, naming the field, when it is empty or names no known metric.
+    ``tie_break``'s literal :data:`SMALLEST_LAMBDA` is returned as it is."""
+    raw = r.get(key, str, default)
+    if raw is None or not raw.strip():
+        raise r.fail(key, "must not be empty")
+    if key == "tie_break" and raw == SMALLEST_LAMBDA:
+        return raw
+    name = raw.strip().replace(".", METRIC_SEPARATOR)
+    if not known_metric(name):
+        shown = f"{raw!r}" + (f" (read as {name!r})" if name != raw else "")
+        raise r.fail(key, f"{shown} is no metric the evaluation logs; known (full matches): "
+                          f"{' | '.join(METRIC_PATTERNS)}")
+    return name
+
+
 def _selection(path: str, data: Any) -> SelectionRule:
     r = _Reader(path, "selection", data)
-    rule = SelectionRule(metric=r.get("metric", str), split=r.get("split", str),
-                         tie_band=r.get("tie_band", float), tie_break=r.get("tie_break", str),
+    rule = SelectionRule(metric=_metric(r, "metric"), split=r.get("split", str),
+                         tie_band=r.get("tie_band", float), tie_break=_metric(r, "tie_break"),
                          max_new_tokens=r.get("max_new_tokens", int, 16384),
                          validity_floor=None if data.get("validity_floor") is None
                          else r.get("validity_floor", float),
-                         validity_metric=r.get("validity_metric", str, VALID_RATE),
+                         validity_metric=_metric(r, "validity_metric", VALID_RATE),
                          tie_fallback=_tie_fallback(r))
     if rule.max_new_tokens < 1:
         raise r.fail("max_new_tokens", f"must be >= 1, got {rule.max_new_tokens!r}")
@@ -296,14 +385,8 @@ def _selection(path: str, data: Any) -> SelectionRule:
         raise r.fail("tie_band", f"must be >= 0, got {rule.tie_band!r}")
     if rule.validity_floor is not None and not 0.0 <= rule.validity_floor <= 1.0:
         raise r.fail("validity_floor", f"must be in [0, 1] (a rate), got {rule.validity_floor!r}")
-    for key in ("metric", "split", "tie_break", "validity_metric"):
-        if not getattr(rule, key).strip():
-            raise r.fail(key, "must not be empty")
-    for key in ("metric", "tie_break", "validity_metric"):  # MLflow metric names: parts between '/'
-        value = getattr(rule, key)
-        if "." in value:
-            raise r.fail(key, f"{value!r} is not a metric name: metric names separate their parts with '/' "
-                              f"(write {value.replace('.', '/')!r})")
+    if not rule.split.strip():
+        raise r.fail("split", "must not be empty")
     return rule
 
 

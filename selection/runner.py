@@ -1,10 +1,11 @@
 """The default cell runner: the ``train`` entry point at the cell's λ, then ``evaluate`` on it.
 
-``train`` gets ``overrides="lambda_p1=<λ_P1>,lambda_p2=<λ_P2>"`` and the lock's arm, seed and size,
-and runs as a λ-selection cell (:func:`mistill.tracking.models.selection_cells`): its checkpoint's
-registered version gets the cell alias (``<arm>-l<λ>-s<seed>``), never the arm alias, which
-``select_lambda`` gives to the pick once its decision completes (a reused train run's version gets
-the cell alias here too);
+``train`` gets ``overrides="lambda_p1=<λ_P1>,lambda_p2=<λ_P2>"`` and the lock's arm, seed, size and
+training notes (``train_notes``, ``train_notes_seed``: every cell trains on the same notes, which a
+plain ``train`` run given the same two values trains on too), and runs as a λ-selection cell
+(:func:`mistill.tracking.models.selection_cells`): its checkpoint's registered version gets the
+cell alias (``<arm>-l<λ>-s<seed>``), never the arm alias, which ``select_lambda`` gives to the pick
+once its decision completes (a reused train run's version gets the cell alias here too);
 ``evaluate`` (``mistill.stages.evaluate.EvaluateConfig``: ``prepare_run``, ``train_run``,
 ``split``, ``device``) logs the selection metric (``micro_f1``), the tie-break
 (``m1/P2C/p_pos``: P(margin > 0) at P2C events) and the valid-answer rate (``valid_rate``), read
@@ -64,7 +65,8 @@ class TrainEvaluateRunner:
         train_cfg = TrainStageConfig(targets_run=self.targets_run, student_attribute_run=self.student_attribute_run,
                                      student=self.student, arm=self.lock.arm, overrides=lambda_overrides(p1, p2),
                                      seed=t.seed, precision=t.precision, epochs=t.epochs, grad_accum=t.grad_accum,
-                                     max_steps=t.max_steps, device=self.device,
+                                     max_steps=t.max_steps, train_notes=t.train_notes,
+                                     train_notes_seed=t.train_notes_seed, device=self.device,
                                      gradient_checkpointing=self.gradient_checkpointing)
         with selection_cells():
             train_run = run_step("train", train_cfg, self.corpus_name, launch=self.launch, parent=run.mlflow_run)

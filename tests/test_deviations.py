@@ -83,11 +83,10 @@ def test_a_reconstruction_is_labelled_where_its_parameter_is_documented(d: Devia
 
 
 def test_deviations_in_flags_non_default_and_against_paper_values():
-    # the registry's own rows: min_abs_margin's default (0.5) differs from the paper's (0.0)
-    at_default = deviations_in("ArmConfig", {"min_abs_margin": 0.5, "pool_k": 40})
-    assert [(f["parameter"], f["kind"]) for f in at_default] == [("ArmConfig.min_abs_margin", "against_paper")]
-    off = deviations_in("ArmConfig", {"min_abs_margin": 0.0})
-    assert [f["kind"] for f in off] == ["non_default"]
+    # the registry's own rows: min_abs_margin's default is the paper's 0; the opt-in guard is a finding
+    assert deviations_in("ArmConfig", {"min_abs_margin": 0.0, "pool_k": 40}) == []
+    guarded = deviations_in("ArmConfig", {"min_abs_margin": 0.5})
+    assert [(f["parameter"], f["kind"], f["value"]) for f in guarded] == [("ArmConfig.min_abs_margin", "non_default", 0.5)]
     # a paper-stated value at its default is not a finding; another value is
     assert deviations_in("OwnHeadsConfig", {"n_random": 1}) == []
     assert [f["value"] for f in deviations_in("OwnHeadsConfig", {"n_random": 3})] == [3]
@@ -122,3 +121,18 @@ def test_deviations_in_flags_non_default_and_against_paper_values():
 def test_paper_silent_rows_are_exactly_the_reconstructions():
     for d in DEVIATIONS:
         assert d.recon == (d.paper_value == PAPER_SILENT)
+
+
+def test_every_distillm2_run_carries_its_trainer_convention():
+    """DistiLLM-2's trainer is written from the paper's equations, not the vendored one: each
+    DistiLLM-2 train run records that among its deviations; other arms do not."""
+    from mistill.deviations import arm_conventions
+    from mistill.distill.arms import resolve_arm
+    from mistill.stages.distill import TrainStageConfig, recorded_deviations
+
+    found = recorded_deviations(TrainStageConfig(arm="distillm2"), resolve_arm("distillm2"))
+    conventions = [f for f in found if f["kind"] == "convention"]
+    assert conventions == [{"parameter": "mistill.distill.losses.distillm2_loss", "value": "distillm2",
+                            "default": None, "paper_value": None, "kind": "convention"}]
+    for arm in ("mistill", "vanilla-bf16", "opd", "gold", "feature-kd"):
+        assert arm_conventions(resolve_arm(arm).to_dict()) == []

@@ -95,8 +95,16 @@ def test_example_lock_loads_with_its_sha256():
     ({"edge__outward": {"lambda": {"low": 0.05}}}, "edge.outward"),  # inside the grid
     ({"arm": "../x"}, "arm"),
     ({"extra": 1}, "extra"),
-    ({"selection__tie_break": "m1.P2C.p_pos"}, "selection.tie_break"),  # metric names use '/'
-    ({"selection__validity_metric": "eval.valid_rate"}, "selection.validity_metric"),
+    ({"selection__tie_break": "m1.P2X.p_pos"}, "selection.tie_break"),  # no such event kind
+    ({"selection__tie_break": "m1/P2C/p_neg"}, "selection.tie_break"),
+    ({"selection__metric": "micro_f2"}, "selection.metric"),
+    ({"selection__validity_metric": "eval.valid_rate"}, "selection.validity_metric"),  # eval/valid_rate: none
+    ({"training__train_notes": 100}, "training.train_notes"),  # a mapping {n, seed}
+    ({"training__train_notes": {"n": 100}}, "training.train_notes.seed"),
+    ({"training__train_notes": {"n": -1, "seed": 0}}, "training.train_notes.n"),
+    ({"training__train_notes": {"n": True, "seed": 0}}, "training.train_notes.n"),
+    ({"training__train_notes": {"n": 100, "seed": 0.5}}, "training.train_notes.seed"),
+    ({"training__train_notes": {"n": 100, "seed": 0, "order": "sorted"}}, "training.train_notes"),
 ])
 def test_lock_validation_names_the_file_and_field(tmp_path, changes, field):
     path = write_lock(tmp_path, **changes)
@@ -104,6 +112,86 @@ def test_lock_validation_names_the_file_and_field(tmp_path, changes, field):
         load_lock(path)
     assert err.value.file == str(path) and err.value.field == field
     assert str(path) in str(err.value)
+
+
+def test_dotted_metric_names_are_the_same_metric(tmp_path):
+    """``m1.P2C.p_pos`` is read as ``m1/P2C/p_pos`` (MLflow's name), in every metric field."""
+    from mistill.tracking.runs import METRIC_SEPARATOR
+    from selection.lock import METRIC_SEPARATOR as LOCK_SEPARATOR
+    from selection.runner import cell_result
+
+    assert LOCK_SEPARATOR == METRIC_SEPARATOR
+
+    slash = load_lock(write_lock(tmp_path, "slash.yaml"))
+    dotted = load_lock(write_lock(tmp_path, "dotted.yaml", selection__tie_break="m1.P2C.p_pos",
+                                  selection__metric="fidelity.ppl_median", selection__validity_metric="valid_rate"))
+    assert slash.selection.tie_break == dotted.selection.tie_break == "m1/P2C/p_pos"
+    assert dotted.selection.metric == "fidelity/ppl_median" and dotted.selection.tie_break_metric == "m1/P2C/p_pos"
+    assert dotted.to_dict()["selection"]["tie_break"] == "m1/P2C/p_pos"
+    got = cell_result(dotted, {"fidelity/ppl_median": 3.0, "m1/P2C/p_pos": 0.7}, {"evaluate": "e"})
+    assert (got.metric, got.tie_break) == (3.0, 0.7)
+    assert slash.sha256 != dotted.sha256  # the hash is the file's bytes: the spelling is in it
+
+
+def test_an_unknown_metric_is_refused_naming_the_lock_and_the_field(tmp_path):
+    path = write_lock(tmp_path, selection__tie_break="m1.P2C.ppos")
+    with pytest.raises(MistillInputError) as err:
+        load_lock(path)
+    assert err.value.file == str(path) and err.value.field == "selection.tie_break"
+    assert "'m1.P2C.ppos' (read as 'm1/P2C/ppos') is no metric" in str(err.value) and str(path) in str(err.value)
+
+
+# ------------------------------------------------------------------------ the training notes
+def test_train_notes_is_a_lock_field_and_changes_the_hash(tmp_path):
+    every = load_lock(write_lock(tmp_path, "every.yaml"))
+    assert (every.training.train_notes, every.training.train_notes_seed) == (0, 0)  # absent: every note
+    locks = {(n, seed): load_lock(write_lock(tmp_path, f"n{n}-s{seed}.yaml",
+                                             training__train_notes={"n": n, "seed": seed}))
+             for n, seed in ((100, 0), (100, 1), (50, 0), (0, 0))}
+    assert {(k.training.train_notes, k.training.train_notes_seed) for k in locks.values()} == set(locks)
+    shas = [every.sha256, *(k.sha256 for k in locks.values())]
+    assert len(set(shas)) == len(shas)
+    training = locks[100, 1].to_dict()["training"]
+    assert (training["train_notes"], training["train_notes_seed"]) == (100, 1)
+    zero = load_lock(write_lock(tmp_path, "zero.yaml", training__train_notes={"n": 0}))  # n 0: no seed needed
+    assert (zero.training.train_notes, zero.training.train_notes_seed) == (0, 0)
+
+
+def test_the_training_notes_rule():
+    """Sorted ids, ``default_rng(seed).permutation``, the first n: the same ids for one seed, other
+    ids for another, never more than asked, nested in n, and refused above the split's size."""
+    import numpy as np
+
+    from mistill.stages.distill import train_note_ids
+
+    ids = [f"note-{i:03d}" for i in range(493)][::-1]  # the order given does not matter
+    first = train_note_ids(ids, 100, 0)
+    assert first == train_note_ids(sorted(ids), 100, 0) == train_note_ids(ids, 100, 0)
+    assert len(first) == len(set(first)) == 100 and set(first) <= set(ids) and first == sorted(first)
+    expected = sorted(sorted(ids)[i] for i in np.random.default_rng(0).permutation(493)[:100])
+    assert first == expected
+    assert train_note_ids(ids, 100, 1) != first and len(train_note_ids(ids, 100, 1)) == 100
+    assert set(first) <= set(train_note_ids(ids, 250, 0))  # one seed: 100 of the 250
+    assert train_note_ids(ids, 0, 5) == sorted(ids) == train_note_ids(ids, 493, 5)
+    for n in (1, 7, 492):
+        assert len(train_note_ids(ids, n, 3)) == n
+    with pytest.raises(MistillInputError, match="exceeds the 493 notes") as err:
+        train_note_ids(ids, 494, 0)
+    assert err.value.field == "train_notes"
+    with pytest.raises(MistillInputError) as err:
+        train_note_ids(["a", "a", "b"], 1, 0)
+    assert err.value.field == "train_notes"
+
+
+def test_train_stage_config_takes_the_training_notes():
+    from mistill.stages.distill import TrainStageConfig
+
+    cfg = TrainStageConfig(targets_run="a" * 32, train_notes=100, train_notes_seed=3)
+    assert cfg.to_dict()["train_notes"] == 100 and cfg.to_dict()["train_notes_seed"] == 3
+    for field, value in (("train_notes", -1), ("train_notes_seed", -2)):
+        with pytest.raises(MistillInputError) as err:
+            TrainStageConfig(targets_run="a" * 32, **{field: value})
+        assert err.value.field == field
 
 
 def test_untied_grid_is_the_product_of_its_axes(tmp_path):
@@ -452,3 +540,89 @@ def test_default_runner_checks_the_arm_before_any_trial(tmp_path):
     with pytest.raises(MistillInputError):
         TrainEvaluateRunner(lock=bad, corpus_name="c", prepare_run="p", targets_run="t",
                             student_attribute_run="s", student="m").check()
+
+
+# ---------------------------------------------------------- a cell's training notes, end to end
+TINY_STUDENT = "tiny:qwen3:seed=2"
+
+
+@pytest.fixture(scope="module")
+def tiny_inputs(tracking_uri, tmp_path_factory, pinned_code_version):
+    """Characterization, the student's ranking and the teacher's targets on 3 synthetic notes, every
+    one a training note of the targets run."""
+    from stage_fixtures import tiny_distill_inputs
+
+    return tiny_distill_inputs(tmp_path_factory.mktemp("train-notes-root"), "trainnotes", TINY_STUDENT,
+                               teacher_split="", train_split="")
+
+
+def _train_notes_json(client, run_id: str, dest: Path) -> dict:
+    return json.loads(Path(client.download_artifacts(run_id, "train_notes.json", str(dest))).read_text())
+
+
+def test_a_selection_cell_trains_on_exactly_the_locks_notes(tiny_inputs, tmp_path, monkeypatch,
+                                                             pinned_code_version):
+    """The lock's ``train_notes`` reach each cell's ``train`` run, which trains on exactly
+    :func:`train_note_ids` of the targets run's notes and records them; a plain ``train`` run given
+    the same two values is the same run (reused), one given another draw seed is not and trains on
+    other notes."""
+    from mlflow.tracking import MlflowClient
+
+    from mistill.stages.distill import TrainStageConfig, run_train, train_note_ids
+    from mistill.stages.select_lambda import SelectLambdaConfig, run_select_lambda
+    from selection.runner import TrainEvaluateRunner, lambda_overrides
+    from stage_fixtures import unique
+
+    monkeypatch.setenv("MISTILL_ROOT", str(tiny_inputs["root"]))
+    ids = tiny_inputs["ids"]
+    client = MlflowClient()
+    split = sorted(Path(a.path).name for a in client.list_artifacts(ids["targets"], "notes") if a.is_dir)
+    assert len(split) == 3
+    n, seed = 2, 0
+    other = next(s for s in range(1, 50) if train_note_ids(split, n, s) != train_note_ids(split, n, seed))
+    chosen = train_note_ids(split, n, seed)
+
+    lock_path = write_lock(tmp_path, study=unique("train-notes"), grid={"tied": True, "scale": "log",
+                                                                       "lambda": [0.1]},
+                           training={"seed": 1, "max_steps": 1, "grad_accum": 1,
+                                     "train_notes": {"n": n, "seed": seed}},
+                           edge={"extend": False})
+    lock = load_lock(lock_path)
+    cells = TrainEvaluateRunner(lock=lock, corpus_name=tiny_inputs["corpus"], prepare_run=ids["prepare"],
+                                targets_run=ids["targets"], student_attribute_run=ids["student_attribute"],
+                                student=TINY_STUDENT, launch="inline", gradient_checkpointing=False)
+    trained: list[str] = []
+
+    def runner(run: CellRun) -> CellResult:
+        trained.append(cells.train_cell(run))
+        return CellResult(metric=0.2, tie_break=0.5, run_ids={"train": trained[-1]})
+
+    cfg = SelectLambdaConfig(lock=str(lock_path), prepare_run=ids["prepare"], targets_run=ids["targets"],
+                             student_attribute_run=ids["student_attribute"], student=TINY_STUDENT, launch="inline",
+                             train_gradient_checkpointing=False)
+    run_select_lambda(cfg, runner=runner)
+    [cell_train] = trained
+    run = client.get_run(cell_train)
+    assert run.info.status == "FINISHED"
+    assert (run.data.params["train_notes"], run.data.params["train_notes_seed"]) == (str(n), str(seed))
+    record = _train_notes_json(client, cell_train, tmp_path / "cell")
+    assert record["note_ids"] == chosen and record["n_split"] == 3 and record["n_chosen"] == n
+    assert run.data.params["train_notes.sha256"] == record["sha256"]
+    assert run.data.metrics["n_notes"] == n
+    config = json.loads(Path(client.download_artifacts(cell_train, "config.json", str(tmp_path / "cfg"))).read_text())
+    assert config["train_notes"]["note_ids"] == chosen
+
+    # a plain train run with the same values is the cell's run; another draw seed is another run
+    plain = TrainStageConfig(targets_run=ids["targets"], student_attribute_run=ids["student_attribute"],
+                             student=TINY_STUDENT, arm=lock.arm, overrides=lambda_overrides(0.1, 0.1), seed=1,
+                             epochs=2, grad_accum=1, max_steps=1, gradient_checkpointing=False,
+                             train_notes=n, train_notes_seed=seed)
+    assert run_train(plain) == cell_train
+    moved = run_train(plain.replace(train_notes_seed=other))
+    assert moved != cell_train
+    assert _train_notes_json(client, moved, tmp_path / "moved")["note_ids"] == train_note_ids(split, n, other) != chosen
+    every = run_train(plain.replace(train_notes=0, arm="vanilla-bf16", overrides=""))
+    assert _train_notes_json(client, every, tmp_path / "every")["note_ids"] == split
+    with pytest.raises(MistillInputError, match="exceeds the 3 notes") as err:
+        run_train(plain.replace(train_notes=4))
+    assert err.value.field == "train_notes"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -38,11 +39,11 @@ REPO = Path(__file__).resolve().parents[1]
 LOCKS = REPO / "projects" / "configs" / "locks"
 
 PINNED_SHA256 = {
-    # a shipped lock's bytes change only on purpose (last: the embedded validation cap set to the
-    # demo's evaluation cap, 32); a study made under other bytes refuses the lock
+    # a shipped lock's bytes change only on purpose (last: the training notes, 100 for App. I.3
+    # and every note for App. I.4); a study made under other bytes refuses the lock
     "embedded-3cell.yaml": "d310dab18b2c5fd866fd85871a9aebb5f64dff893575c83143a209f4ad75c119",
-    "i3-bf16-selection.yaml": "9354256e9e36531352f956a5022c41af659b93926ed0da4035d1f337b8442b01",
-    "i4-fp32-reselection.yaml": "96f0fa4cbaf7702fc87702aa5e1655db991aa18d2b6e1a6212c046f4fb552b36",
+    "i3-bf16-selection.yaml": "8185abe01b949f6526d7a1584e06dd85159ad0112e1aee1e0c7f1cd4e82851be",
+    "i4-fp32-reselection.yaml": "abcee0cd4355a74d84493c97cd9c118874aaff208bd0434760c7ac7b2c9d9629",
     "m2-matched-mistill.yaml": "635499f110535ca2792fe3bceed6220fd2cefc3e0e8753a1a21647b014dd4446",
     "m2-matched-randheads.yaml": "8bfabf9be3103e4403e3b74dd1698387688ea0eeb3f1c9910a9b1704005e4121",
 }
@@ -287,10 +288,29 @@ def test_every_shipped_lock_is_pinned():
 
 def test_the_fp32_lock_states_app_i4(fp32_lock):
     assert fp32_lock.grid.axes == {"lambda": (0.03, 0.1, 0.3, 1.0)} and fp32_lock.grid.tied
+    assert fp32_lock.training.train_notes == 0  # tier-1 size: every training note (493)
     assert fp32_lock.training.precision == "fp32" and fp32_lock.training.seed == 0
     assert (fp32_lock.selection.metric, fp32_lock.selection.tie_band, fp32_lock.selection.tie_break) == \
         ("micro_f1", 0.004, "m1/P2C/p_pos")
     assert fp32_lock.edge.extend and fp32_lock.edge.outward["lambda"]["low"] == 0.01
+
+
+def test_the_bf16_lock_trains_on_100_notes():
+    """App. I.3: "nine runs at 100 training notes"; the draw's seed is the lock's, apart from the
+    training seed."""
+    lock = load_lock(LOCKS / "i3-bf16-selection.yaml")
+    assert (lock.training.train_notes, lock.training.train_notes_seed, lock.training.seed) == (100, 0, 0)
+    assert lock.to_dict()["training"]["train_notes"] == 100
+
+
+@pytest.mark.parametrize("name", sorted(PINNED_SHA256))
+def test_no_shipped_lock_sets_a_near_tie_guard(name):
+    """The near-tie guard (``ArmConfig.min_abs_margin``) is off by default, the paper's rule; a lock
+    holds no arm flag, so no shipped lock can turn it on."""
+    text = (LOCKS / name).read_text()
+    found = [float(v) for v in re.findall(r"min_abs_margin\s*[:=]\s*([0-9.eE+-]+)", text)]
+    assert all(v == 0 for v in found)
+    assert "min_abs_margin" not in json.dumps(load_lock(LOCKS / name).to_dict())
 
 
 def test_the_bf16_lock_reproduces_app_i3s_pick():

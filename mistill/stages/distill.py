@@ -11,10 +11,11 @@ generations are never logged either (for a restricted corpus: local files of the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +33,7 @@ from mistill.distill.pools import model_pools
 from mistill.distill.rows import coverage_table
 from mistill.distill.targets import load_targets, targets_manifest
 from mistill.distill.trainer import RecipeConfig, Trainer, prepare_student, training_precision, unsharded_copy
+from mistill.deviations import arm_conventions, deviations_in
 from mistill.errors import MistillInputError
 from mistill.evaluation.backends import BACKENDS, make_backend, require_vllm, resolve_backend
 from mistill.evaluation.generation import DecodingConfig, note_seed
@@ -209,6 +211,14 @@ class TrainStageConfig(Config, RecipeParams, ProbeParams):
     register: register the checkpoint (an MLflow Model, artifact path ``model``) as a version of
         ``mistill-<corpus>-<student>`` with the arm alias ``<arm>-s<seed>``, or, for a λ-selection
         cell, the cell alias ``<arm>-l<λ>-s<seed>`` (see :mod:`mistill.tracking.models`).
+    train_notes: how many of the targets run's training notes the run trains on (0 = every one),
+        chosen by :func:`train_note_ids` (**[recon]**: the paper does not say how App. I.3's 100
+        were drawn) with ``train_notes_seed``. App. I.3's λ selection and its Vanilla CoT-KD
+        reference train on 100. A count above the split's size is refused before the run starts.
+    train_notes_seed: **[recon]** the seed of that draw (independent of ``seed``, so the three seeds of a
+        confirmation train on the same notes). Both are part of the run's identity; the run
+        records the chosen ids and their sha256 in ``train_notes.json`` and in ``config.json``
+        (``train_notes``), and the sha256 as the param ``train_notes.sha256``.
 
     The run logs every resolved arm flag as a param ``arm.<flag>`` (:func:`arm_params`) and, per
     optimizer step, ``train/loss`` (the arm's whole objective) beside its terms (``train/ce``,
@@ -230,6 +240,8 @@ class TrainStageConfig(Config, RecipeParams, ProbeParams):
     rollout_gpu_memory: float = 0.2
     device: str = "cpu"
     register: bool = True
+    train_notes: int = 0
+    train_notes_seed: int = 0
 
     def arm_overrides(self) -> str:
         """``overrides`` with ``precision`` appended when it is set."""
@@ -263,12 +275,57 @@ class TrainStageConfig(Config, RecipeParams, ProbeParams):
         check_choice(self.rollout_backend, BACKENDS, "rollout_backend")
         check_interval(self.rollout_gpu_memory, "rollout_gpu_memory", low_open=True, high_open=True)
         check_device(self.device)
+        check_non_negative(self.train_notes, "train_notes", "0: every training note")
+        check_seed(self.train_notes_seed, "train_notes_seed")
 
     def content_digests(self) -> dict[str, str]:
         """The content of an arm given by explicit path (the repository's arms are covered by
         the code version)."""
         digest = arm_digest(self.arm)
         return {"arm": digest} if digest else {}
+
+
+TRAIN_NOTES_FILE = "train_notes.json"
+TRAIN_NOTES_RULE = "sorted ids, numpy default_rng(seed).permutation, first n"
+"""The rule of :func:`train_note_ids`, in words (recorded in ``train_notes.json``)."""
+
+
+def train_note_ids(note_ids: Sequence[str], n: int, seed: int) -> list[str]:
+    """The ``n`` training notes a run trains on (``train_notes``, ``train_notes_seed``), sorted.
+
+    The rule: the ids sorted (as strings), permuted by ``numpy.random.default_rng(seed)
+    .permutation``, and the first ``n`` positions kept; ``n = 0`` keeps every id. Note ids are
+    unique, so there are no ties. For one seed the draws are nested: the first 100 of the
+    permutation are among the first 250. **[recon]**: the paper trains App. I.3's selection and
+    its Vanilla CoT-KD reference on "the same 100 notes" without saying how they were chosen.
+    The λ selection (``training.train_notes`` of a lock) and a plain ``train`` run reach the same
+    notes through this one function.
+
+    Raises:
+        MistillInputError: ``n`` is negative or exceeds the number of ids (field
+            ``train_notes``), or an id repeats.
+    """
+    ids = sorted(str(i) for i in note_ids)
+    if len(set(ids)) != len(ids):
+        raise MistillInputError("the training notes' ids repeat", field="train_notes")
+    if n < 0:
+        raise MistillInputError(f"train_notes must be >= 0 (0: every training note), got {n}", field="train_notes")
+    if n == 0:
+        return ids
+    if n > len(ids):
+        raise MistillInputError(f"train_notes = {n} exceeds the {len(ids)} notes of the training split "
+                                "(0: every training note)", field="train_notes")
+    order = np.random.default_rng(seed).permutation(len(ids))
+    return sorted(ids[i] for i in order[:n])
+
+
+def train_notes_record(chosen: Sequence[str], n: int, seed: int, n_split: int) -> dict:
+    """What a train run records of its notes: the count and seed asked, the split's size, the
+    rule, the chosen ids (sorted) and their sha256 (over the ids joined by newlines)."""
+    ids = sorted(chosen)
+    digest = hashlib.sha256("\n".join(ids).encode("utf-8")).hexdigest()
+    return {"n": n, "seed": seed, "n_split": n_split, "n_chosen": len(ids), "rule": TRAIN_NOTES_RULE,
+            "sha256": digest, "note_ids": ids}
 
 
 def train_deviations(arm: ArmConfig, targets_config: Mapping, targets_tags: Mapping[str, str] | None = None, *,
@@ -300,11 +357,9 @@ def recorded_deviations(cfg: TrainStageConfig, arm: ArmConfig, rollout_backend: 
     on-policy fraction, and the stage's parameters), as recorded in ``config.json``.
     ``rollout_backend``: the engine ``cfg.rollout_backend`` resolved to (on-policy arms), checked
     in place of ``auto``."""
-    from mistill.deviations import deviations_in
-
     resolved = {"rollout_backend": rollout_backend} if rollout_backend else None
-    return deviations_in("ArmConfig", arm.to_dict()) + deviations_in(type(cfg).__name__, cfg.to_dict(),
-                                                                     resolved=resolved)
+    return (deviations_in("ArmConfig", arm.to_dict()) + arm_conventions(arm.to_dict())
+            + deviations_in(type(cfg).__name__, cfg.to_dict(), resolved=resolved))
 
 
 def _mark_deviations(run, codes: tuple[str, ...], stage: str) -> None:
@@ -345,6 +400,10 @@ def run_train(cfg: TrainStageConfig) -> str:
     prepared = ev.prepared
     notes = require_notes([n for n in ev.notes if not tcfg.get("split") or n.split == tcfg["split"]],
                           tcfg.get("split", ""), prepared, field="targets_run")
+    chosen = train_notes_record(train_note_ids([n.note_id for n in notes], cfg.train_notes, cfg.train_notes_seed),
+                                cfg.train_notes, cfg.train_notes_seed, len(notes))
+    kept = set(chosen["note_ids"])
+    notes = [n for n in notes if n.note_id in kept]  # in corpus order, as the full split
     if arm.objective == "mistill" and not cfg.student_attribute_run:
         raise MistillInputError("Mistill arms need the student's calibrated ranking (student_attribute_run)",
                                 field="student_attribute_run")
@@ -367,13 +426,16 @@ def run_train(cfg: TrainStageConfig) -> str:
                     seed=cfg.seed, precision=arm.precision,
                     lam=(arm.lambda_p1, arm.lambda_p2) if arm.objective == "mistill" else None,
                     tags={TAG_ROLLOUT_BACKEND: rollout} if rollout else None,
-                    record={"arm": arm.to_dict(), "deviations": recorded_deviations(cfg, arm, rollout)}) as run:
+                    record={"arm": arm.to_dict(), "deviations": recorded_deviations(cfg, arm, rollout),
+                            "train_notes": chosen}) as run:
         if run.reused:
             return run.run_id
         guard = run.guard
         leader = world.leader
         if leader:
             run.log_json("arm.json", arm.to_dict())
+            run.log_json(TRAIN_NOTES_FILE, chosen)
+            _log_train_notes_param(run, chosen["sha256"])
             _log_arm_params(run, arm)
             _mark_deviations(run, train_deviations(arm, tcfg, targets_run.tags, rollout_backend=rollout), "train")
         recipe = cfg.recipe(arm.precision, arm.epochs)
@@ -630,6 +692,14 @@ def arm_params(arm: ArmConfig) -> dict[str, str]:
 
     return {f"{ARM_PARAM_PREFIX}{k}": "+".join(map(str, v)) if isinstance(v, (list, tuple)) else param_string(v)
             for k, v in arm.to_dict().items()}
+
+
+def _log_train_notes_param(run, digest: str) -> None:
+    """The param ``train_notes.sha256``: the sha256 of the chosen notes' ids (kept on a resumed run)."""
+    from mlflow.entities import Param
+
+    if "train_notes.sha256" not in run.client.get_run(run.run_id).data.params:
+        run.client.log_batch(run.run_id, params=[Param("train_notes.sha256", digest)])
 
 
 def _log_arm_params(run, arm: ArmConfig) -> None:

@@ -52,7 +52,7 @@ from mistill.results_index import MEAN, ExpectedValue, MetricSource, ResultEntry
 from mistill.stages.common import mistill_root
 from mistill.tracking.privacy import PrivacyGuard
 from mistill.tracking.runs import StageRun, experiment_for_corpus, resolve_tracking_uri
-from mistill.validation import check_name, check_no_text_fields, check_not_empty
+from mistill.validation import check_model_spec, check_name, check_no_text_fields, check_not_empty
 
 AGREES, DIFFERS, NOT_RUN, NO_READOUT = "agrees", "differs", "not run", "no readout"
 STATUSES: tuple[str, ...] = (AGREES, DIFFERS, NOT_RUN, NO_READOUT)
@@ -85,6 +85,8 @@ class VerifyConfig(Config):
         check_no_text_fields(self)
         check_not_empty(self.corpus, "corpus", "the corpus whose experiment is read")
         check_name(self.corpus, "corpus", "the corpus whose experiment is read")
+        for role in ROLES:
+            check_model_spec(getattr(self, role), role, allow_empty=True)
 
     def roles(self) -> dict[str, str]:
         """Role -> model spec, for the roles given."""
