@@ -702,6 +702,20 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
                                "student_attribute_run": "DT-000/student_attribute_qwen3-4b:attribute"},
                        params={"lock": "projects/configs/locks/i4-fp32-reselection.yaml", "student": "{student}"},
                        disk_gib=5 * 8.0))
+    # the Vanilla CoT-KD reference of the selection's tables (Tables 39-41): trained on the same
+    # training notes as the bf16 selection's cells (its lock: 100 notes, note seed 0), read on
+    # the validation notes the selection reads
+    for seed in range(3):
+        run = f"qwen3-4b_vanilla-bf16_n{c.selection_notes}_s{seed}"
+        steps.append(_step("DT-001", f"train_{run}", "train",
+                           Workload("train_vanilla", "qwen3-4b", c.micro_steps(c.selection_notes), short),
+                           inputs={"targets_run": "DT-000/targets"},
+                           params={"arm": "vanilla-bf16", "seed": str(seed), "student": "{student}",
+                                   "train_notes": str(c.selection_notes), "train_notes_seed": "0"}, disk_gib=8.0))
+        steps.append(_step("DT-001", f"evaluate_{run}", "evaluate",
+                           Workload("evaluate", "qwen3-4b", c.val_notes, short - trace, trace),
+                           inputs={**evaluation, "train_run": f"DT-001/train_{run}"},
+                           params={"arm": "vanilla-bf16", "split": "val"}))
     for student, arm, kind, seeds in ARM_SEEDS + ABLATION_SEEDS:
         resolved = resolve_arm(arm)
         mechanism = resolved.objective == "mistill"

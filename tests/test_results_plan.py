@@ -12,6 +12,7 @@ import pytest
 
 from mistill.results_index import load
 from mistill.runbook import PaperCounts, paper_plan, select
+from selection.lock import load_lock
 
 Q4B, SMOL = "qwen3-4b", "smollm3-3b"
 BF16_SELECTION, FP32_SELECTION = "DT-001/select_lambda", "DT-001/select_lambda_fp32"
@@ -59,7 +60,8 @@ APP_Q_RUNS: dict[str, list[str]] = {
     "R-D6": MAIN + UNTRAINED_HEADS,
     "R-D7": (trained(Q4B, "randpos", 1) + trained(Q4B, "randheads", 1) + trained(Q4B, "randboth", 1)
              + trained(SMOL, "randpos", 1) + trained(SMOL, "randheads", 1)),
-    "R-D10": [BF16_SELECTION, *trained(Q4B, "write-term", 1)],
+    "R-D10": [BF16_SELECTION, *trained(Q4B, "write-term", 1),
+              *trained(Q4B, "vanilla-bf16_n100", 3, own_heads=False)],
     "R-D12": MAIN + trained(SMOL, "randheads", 2) + trained(SMOL, "bottom40", 2) + trained(Q4B, "randheads", 3),
     "R-D14": [name for arm in ("p1-only", "p2-only", "attention-only", "interaction-only", "low-lambda")
               for name in trained(Q4B, arm, 1)],
@@ -117,6 +119,19 @@ def test_each_mechanism_arm_trains_at_the_lambda_the_paper_names():
         selections = [n for n in step.needs if n.split("/", 1)[1].startswith("select_lambda")]
         expected = LAMBDA_SOURCE[arm]
         assert selections == ([expected] if expected else []), step.name
+
+
+def test_the_selection_and_its_vanilla_reference_train_on_the_same_100_notes():
+    """App. I.3: the grid at 100 training notes, and Tables 39-41's Vanilla CoT-KD reference
+    trained on the same 100 (the lock's count and note seed, passed to train)."""
+
+    plan = {s.name: s for s in paper_plan()}
+    lock = load_lock(plan[BF16_SELECTION].params["lock"])
+    refs = [plan[f"DT-001/train_qwen3-4b_vanilla-bf16_n100_s{seed}"] for seed in range(3)]
+    assert {(r.params["train_notes"], r.params["train_notes_seed"]) for r in refs} == \
+        {(str(lock.training.train_notes), str(lock.training.train_notes_seed))} == {("100", "0")}
+    assert [plan[f"DT-001/evaluate_qwen3-4b_vanilla-bf16_n100_s{seed}"].params["split"] for seed in range(3)] \
+        == ["val"] * 3
 
 
 def test_the_paper_sizes_of_the_plan():

@@ -134,7 +134,8 @@ def test_a_result_selection_keeps_what_it_needs():
     names = [s.name for s in select(plan, ["R-D7"])]
     trains = [n for n in names if "/train_" in n]
     assert trains == [f"DT-001/train_qwen3-4b_{a}" for a in ("randheads_s0", "randheads_s1", "randheads_s2",
-                                                               "randpos_s0", "randboth_s0")]
+                                                               "randpos_s0", "randboth_s0")] + [
+        f"DT-001/train_smollm3-3b_{a}" for a in ("randheads_s0", "randheads_s1", "randpos_s0")]
     assert "DT-001/own_heads_qwen3-4b_randpos_s0" in names and "DT-001/select_lambda" in names
     assert not any("vanilla" in n or n.endswith("mistill_s0") for n in names)
     fp32 = {s.name: s for s in plan}["DT-001/train_qwen3-4b_mistill-fp32_s2"]
