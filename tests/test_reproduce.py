@@ -9,7 +9,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from mistill.distill.arms import resolve_arm
-from mistill.runbook import paper_plan, select
+from mistill.runbook import OWN_LAMBDA_ARMS, paper_plan, select
 from mistill.stages.reproduce import (ReproduceConfig, TAG_TREE, ids_from_tags, load_settings, missing_roles,
                                       run_reproduce, step_config, step_tags)
 from stage_fixtures import TINY, unique
@@ -41,7 +41,8 @@ def test_every_step_of_the_plan_builds_a_valid_config_from_the_roles():
     assert missing_roles(plan, cfg) == []
     for step in plan:
         config = step_config(step, cfg, ids, settings)
-        if step.entry_point == "train" and resolve_arm(step.params["arm"]).objective == "mistill":
+        if step.entry_point == "train" and resolve_arm(step.params["arm"]).objective == "mistill" \
+                and step.params["arm"] not in OWN_LAMBDA_ARMS:
             assert config is None  # no selection run yet
             continue
         assert config is not None, step.name
@@ -53,6 +54,10 @@ def test_every_step_of_the_plan_builds_a_valid_config_from_the_roles():
             assert config.model == EMBEDDED["teacher"] and config.n_null == 10 and config.device == "cpu"
         if step.entry_point == "prepare":
             assert config.select_n == 0 and config.corpus == "synthetic"  # the smoke settings over the plan
+        if step.name == "DT-001/train_qwen3-4b_low-lambda_s0":
+            assert (config.overrides, resolve_arm(config.arm).lambda_p1) == ("", 0.03)  # its own λ
+        if step.name.startswith("DT-001/train_qwen3-4b_vanilla-bf16_n100_"):
+            assert config.train_notes == 0 and config.train_notes_seed == 0  # the smoke lock's notes
 
 
 def test_a_missing_path_makes_a_dry_run_that_creates_nothing(tracking_uri, tmp_path, monkeypatch, capsys):
