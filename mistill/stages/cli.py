@@ -16,20 +16,25 @@ before the stage loads anything.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import inspect
+import os
 import re
+import shlex
 import sys
 import textwrap
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from mistill.distributed import current_world
 from mistill.errors import MistillInputError, TrackingUnavailableError
 
 if typing.TYPE_CHECKING:
     from mistill.stages.registry import Stage
+    from mistill.tracking.privacy import PrivacyGuard
 
 EXIT_INPUT, EXIT_UNREACHABLE, EXIT_BUSY = 2, 3, 4
 CLOSE_MATCH = 0.5
@@ -417,8 +422,6 @@ def check_tracking_server() -> str:
     to, never from a local store. An unreachable server raises the MLflow error that
     :func:`~mistill.tracking.connection.tracking_errors` reports (exit code 3).
     """
-    import os
-
     from mlflow.tracking import MlflowClient
 
     from mistill.stages.common import mistill_root
@@ -435,37 +438,33 @@ def main(stage_name: str, argv: Sequence[str] | None = None, *, prog: str | None
 
     Exits with code 2 on bad input, 3 when the tracking server cannot be reached (the run is
     left as it was: rerunning the same command resumes it), 4 when an identical run is held by
-    another live process and waiting was refused; the message goes to stderr. ``--help``
-    prints the stage's options and exits with code 0. Bad options, values and missing required
-    input runs are refused before the tracking server is contacted; the server is then asked
-    once, before the stage starts (:func:`check_tracking_server`). Under
-    ``mlflow run``, a run that ``mlflow run`` opened but the stage never adopted (refused input,
-    a refused busy run) is ended and deleted, so a refusal leaves no run behind. When the refusal
-    is of text (protected note text, :class:`~mistill.tracking.privacy.PrivacyError`, or a
-    parameter shaped like text, :class:`~mistill.validation.TextValueError`), that run, which
-    holds the ``-P`` values as params, is purged from the tracking store instead
-    (:func:`purge_launched_run`).
+    another live process and waiting was refused; the message goes to stderr, as one line.
+    ``--help`` prints the stage's options and exits with code 0. Bad options, values and missing
+    required input runs are refused before the tracking server is contacted; the server is then
+    asked once, before the stage starts (:func:`check_tracking_server`).
+
+    Under ``mlflow run`` (``MLFLOW_RUN_ID`` set), the run ``mlflow run`` opened holds every ``-P``
+    value as a param before the stage starts. A refusal (exit code 2 or 4) of a stage that did not
+    adopt that run purges it from the tracking store, params, tags, metrics and artifacts, so no
+    refused value stays there (:func:`purge_launched_run`). Where the command line reads a
+    restricted corpus, the corpus's privacy guard first checks every value given and every param
+    of that run (:func:`refusal_guard`): a value holding protected note text is named by its
+    field, and the stage's message, which could repeat it, is not shown.
     """
     from mistill.stages.registry import stage as find_stage
     from mistill.tracking.connection import configure_client_timeouts, tracking_errors
     from mistill.tracking.lease import LeaseError  # imports MLflow: not needed for `mistill --help`
-    from mistill.tracking.privacy import PrivacyError
-    from mistill.tracking.purge import RunNotPurgedError
-    from mistill.validation import TextValueError
-
-    import os
-
-    from mistill.distributed import current_world
 
     stage = find_stage(stage_name)
     if current_world().rank > 0:  # the run `mlflow run` opened is rank 0's to adopt or discard
         os.environ.pop("MLFLOW_RUN_ID", None)
+    given: dict[str, str] = {}
     try:
         launcher, nproc, rest = split_launch_args(stage, sys.argv[1:] if argv is None else argv)
-        args = parse_stage_args(stage, rest, prog)
+        given = parse_stage_args(stage, rest, prog)
         configure_client_timeouts()
         with tracking_errors():
-            cfg = stage.config.from_dict(args, source=f"entry point {stage_name}")
+            cfg = stage.config.from_dict(given, source=f"entry point {stage_name}")
             stage.check_inputs(cfg)
             cfg.check_environment()
             check_tracking_server()
@@ -475,21 +474,11 @@ def main(stage_name: str, argv: Sequence[str] | None = None, *, prog: str | None
                     raise SystemExit(status)
                 return ""
             run_id = stage.run(cfg)
-    except PrivacyError as exc:
-        print(f"mistill {stage_name}: {exc}", file=sys.stderr)
-        if not isinstance(exc, RunNotPurgedError):  # that one says what is left to do
-            purge_launched_run(stage_name)
-        raise SystemExit(EXIT_INPUT) from None
     except MistillInputError as exc:
-        print(f"mistill {stage_name}: {exc}", file=sys.stderr)
-        if isinstance(exc, TextValueError):
-            purge_launched_run(stage_name)
-        else:
-            discard_launched_run()
+        refuse(stage, exc, given)
         raise SystemExit(EXIT_INPUT) from None
     except LeaseError as exc:
-        print(f"mistill {stage_name}: {exc}", file=sys.stderr)
-        discard_launched_run()
+        refuse(stage, exc, given)
         raise SystemExit(EXIT_BUSY) from None
     except TrackingUnavailableError as exc:
         print(f"mistill {stage_name}: {exc}", file=sys.stderr)
@@ -497,6 +486,99 @@ def main(stage_name: str, argv: Sequence[str] | None = None, *, prog: str | None
     if current_world().leader and run_id:  # a dry run creates none
         print(f"mistill {stage_name}: run {run_id}")
     return run_id
+
+
+def refuse(stage: Stage, exc: Exception, given: Mapping[str, str]) -> None:
+    """Say on stderr, in one line, why the stage refused (``exc``) and what became of the run
+    ``mlflow run`` opened for it (purged: :func:`purge_launched_run`).
+
+    When there is such a run and the corpus the command line reads is restricted
+    (:func:`refusal_guard`), every value given, every param, tag and the name of that run, and
+    the refusal's message are checked first: when one holds protected note text, the line names
+    where, never the text, and leaves the message out. A
+    :class:`~mistill.tracking.privacy.PrivacyError` is shown as it is: it names only where the
+    text was. Without such a run (a direct launch) nothing reached the tracking store, and the
+    refusal asks the tracking server nothing: the message is shown as the stage wrote it.
+    """
+    from mistill.tracking.privacy import PrivacyError  # imports numpy: not needed for `mistill --help`
+
+    message = str(exc)
+    launched = os.environ.get("MLFLOW_RUN_ID") or None
+    if launched is None:
+        print(f"mistill {stage.name}: {message}", file=sys.stderr)
+        return
+    held = None
+    if not isinstance(exc, PrivacyError):
+        with contextlib.suppress(Exception):  # the refusal is said whatever the guard's inputs hold
+            held = protected_value(stage, given, launched, message)
+    if held is not None:
+        message = (f"{held} holds protected note text (corpus privacy level 'restricted'): refused; the "
+                   "stage's message is not shown, as it may repeat it")
+    fate = purge_launched_run(launched)
+    print(f"mistill {stage.name}: {message}{'; ' + fate if fate else ''}", file=sys.stderr)
+
+
+def protected_value(stage: Stage, given: Mapping[str, str], launched: str, message: str) -> str | None:
+    """Where the refused command line, or the run ``launched`` that ``mlflow run`` opened for it,
+    holds text the privacy guard of its restricted corpus protects (``param split``, ``run name``,
+    ``the refusal's message``), or None (no such text, or a corpus that is not restricted or
+    cannot be read here)."""
+    from mlflow.tracking import MlflowClient
+
+    from mistill.tracking.privacy import PrivacyError
+    from mistill.tracking.purge import protected_place
+
+    guard = refusal_guard(stage, given)
+    if guard is None:
+        return None
+    try:
+        guard.check_mapping(dict(given), "param")
+    except PrivacyError as exc:
+        return exc.where
+    with contextlib.suppress(Exception):  # a run already purged holds nothing
+        where = protected_place(MlflowClient().get_run(launched), guard)
+        if where is not None:
+            return where
+    return "the refusal's message" if guard.contains_protected(message) else None
+
+
+LINEAGE_MAX_RUNS = 64
+"""The most runs :func:`refusal_guard` reads to find the corpus behind a command line's inputs."""
+
+
+def refusal_guard(stage: Stage, given: Mapping[str, str]) -> PrivacyGuard | None:
+    """The privacy guard of the restricted corpus a command line reads through its input runs
+    (``prepare_run``, ``events_run``, ...: followed along their ``mistill.input.*`` lineage to the
+    run that holds the prepared data), or None: no input run, input runs of a corpus that is not
+    restricted, or a corpus that cannot be read on this machine (an unknown run id, a data folder
+    that is not here)."""
+    from mlflow.tracking import MlflowClient
+
+    from mistill.stages.common import TAG_DATA_DIR, load_prepared, privacy_guard
+    from mistill.tracking.runs import TAG_INPUT_PREFIX, TAG_PRIVACY
+    from mistill.validation import RUN_ID
+
+    client = MlflowClient()
+    todo = [str(given.get(f, "")) for f in stage.inputs.values()]
+    seen: set[str] = set()
+    while todo and len(seen) < LINEAGE_MAX_RUNS:
+        run_id = todo.pop(0)
+        if run_id in seen or RUN_ID.fullmatch(run_id) is None:
+            continue
+        seen.add(run_id)
+        try:
+            tags = client.get_run(run_id).data.tags
+        except Exception:  # noqa: BLE001 - an unknown run is the stage's refusal, not this one's
+            continue
+        if tags.get(TAG_PRIVACY) != "restricted":
+            continue
+        if TAG_DATA_DIR in tags:
+            try:
+                return privacy_guard(load_prepared(run_id).corpus)
+            except (MistillInputError, OSError):
+                return None
+        todo += [value for key, value in sorted(tags.items()) if key.startswith(TAG_INPUT_PREFIX)]
+    return None
 
 
 def overview() -> str:
@@ -539,9 +621,9 @@ def console(argv: Sequence[str] | None = None) -> int:
 def discard_launched_run() -> None:
     """Have the run ``mlflow run`` opened for this process (``MLFLOW_RUN_ID``) deleted once
     ``mlflow run`` has ended it, when no stage adopted it (it carries no ``mistill.stage`` tag):
-    a refusal leaves no empty FAILED run (:mod:`mistill.tracking.reaper`)."""
-    import os
-
+    an entry point with nothing to run (a dry run) leaves no empty run
+    (:mod:`mistill.tracking.reaper`). A refusal purges that run instead
+    (:func:`purge_launched_run`)."""
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
@@ -560,46 +642,43 @@ def discard_launched_run() -> None:
         return
 
 
-def purge_launched_run(stage_name: str) -> None:
-    """Purge the run ``mlflow run`` opened for this process (``MLFLOW_RUN_ID``) from the tracking
-    store, when no stage adopted it (it carries no ``mistill.stage`` tag).
+def purge_launched_run(launched: str) -> str:
+    """Purge the run ``mlflow run`` opened for this process (``launched``, its ``MLFLOW_RUN_ID``)
+    unless a stage adopted it (it carries a ``mistill.stage`` tag), or the stage's refusal already
+    purged it or left it to a purger; returns what was done, for the refusal's line ('' when
+    nothing was).
 
-    Called when the stage refused text: such a run holds only what ``mlflow run`` stored, the
-    ``-P`` values the refused one came from, so deleting it is not enough. A run a stage adopted
-    passed the privacy guard before adoption (:class:`~mistill.tracking.runs.StageRun`), and a
-    run already purged (by the stage) is gone. Says on stderr what was done, or the
-    ``mlflow gc`` command an operator must run (:func:`mistill.tracking.purge.purge_run`).
+    Such a run holds only what ``mlflow run`` stored: the ``-P`` values the refused command line
+    came from, so deleting it is not enough
+    (:func:`mistill.tracking.purge.purge_launched_run`). When it cannot be purged the text gives
+    the ``mlflow gc`` command an operator must run.
     """
-    import os
-    import shlex
-
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
     from mistill.stages.common import mistill_root
-    from mistill.tracking.purge import RunNotPurgedError, gc_command, purge_run
+    from mistill.tracking import purge
     from mistill.tracking.runs import TAG_STAGE
 
-    launched = os.environ.get("MLFLOW_RUN_ID")
-    if not launched:
-        return
     client = MlflowClient()
+    if purge.purge_pending(launched):  # the stage's own refusal said so
+        return ""
     try:
-        if TAG_STAGE in client.get_run(launched).data.tags:
-            return
-        purge_run(launched, tracking_uri=client.tracking_uri, root=mistill_root())
-    except RunNotPurgedError as exc:
-        print(f"mistill {stage_name}: {exc}", file=sys.stderr)
-        return
-    except MlflowException as exc:
-        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
-            return
-        print(f"mistill {stage_name}: run {launched} that `mlflow run` opened holds the refused value, and "
-              f"could not be purged ({type(exc).__name__}); delete it, then run: "
-              f"{shlex.join(gc_command(launched, client.tracking_uri))}", file=sys.stderr)
-        return
-    print(f"mistill {stage_name}: run {launched} that `mlflow run` opened held the refused value: it is "
-          "deleted and purged from the tracking store", file=sys.stderr)
+        run = client.get_run(launched)
+        if TAG_STAGE in run.data.tags or run.info.lifecycle_stage == "deleted":
+            return ""
+        outcome = purge.purge_launched_run(launched, tracking_uri=client.tracking_uri, root=mistill_root())
+    except purge.RunNotPurgedError as exc:
+        return str(exc)
+    except Exception as exc:  # noqa: BLE001 - the refusal is said, with what is left to do
+        if isinstance(exc, MlflowException) and exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return ""
+        return (f"run {launched} that `mlflow run` opened holds the refused values and could not be purged "
+                f"({type(exc).__name__}); delete it, then run: "
+                f"{shlex.join(purge.gc_command(launched, client.tracking_uri))}")
+    if outcome == purge.ABSENT:
+        return ""
+    return f"run {launched} that `mlflow run` opened held these values: {purge.purged_words(outcome)}"
 
 
 if __name__ == "__main__":

@@ -2,10 +2,13 @@
 
 ``mlflow run`` creates a run before the entry point starts and, once the entry point exits, always
 sets that run's status (FINISHED or FAILED); setting the status of a deleted run is an error that
-fails the whole ``mlflow run``. A stage that reuses a finished run, waits for another process's
-run, or refuses its input has no use for that launched run, so it starts this reaper: a small
-detached process that waits until ``mlflow run`` has ended the launched run (or until the process
-that waits on the stage is gone), then deletes the run, so one ``mlflow run`` leaves one run.
+fails the whole ``mlflow run``. A stage that reuses a finished run or waits for another process's
+run has no use for that launched run, so it starts this reaper: a small detached process that
+waits until ``mlflow run`` has ended the launched run (or until the process that waits on the
+stage is gone), then deletes the run, so one ``mlflow run`` leaves one run. A stage that refuses
+its input purges the launched run instead, which holds the refused values
+(:func:`mistill.tracking.purge.purge_launched_run`); it starts this reaper only where the run
+cannot be purged (a backend store it does not know).
 
     python -m mistill.tracking.reaper RUN_ID WATCH_PID [TIMEOUT_S]
 """
