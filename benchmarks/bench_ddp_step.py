@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_scaling import run_or_compare  # noqa: E402
-from bench_train_step import student_setup  # noqa: E402
+from bench_train_step import smoke_tokenizer, student_setup  # noqa: E402
 
 from mistill.distill.arms import resolve_arm  # noqa: E402
 from mistill.distill.objective import micro_step_loss  # noqa: E402
@@ -44,30 +43,28 @@ ARMS = ("vanilla-bf16", "mistill", "mistill-fp32")
 """The bf16 arms replicate the weights; ``mistill-fp32`` (fp32 master weights, measured last,
 on the same weights cast to fp32) is sharded by FSDP on several processes (``sharding=auto``)."""
 GLOBAL_BATCH = 8
+SMOKE_GLOBAL_BATCH = 2
+"""The smoke mode's global batch: the same code path, a quarter of the micro-steps."""
 
 
 def run(args) -> None:
     world = init_world("cpu" if args.smoke else "cuda")
-    tokenizer = args.tokenizer
-    if args.smoke and not Path(tokenizer).is_dir():
-        from mistill.models.loading import embedded_tokenizer
-
-        tokenizer = tempfile.mkdtemp(prefix="tok-")
-        embedded_tokenizer().save_pretrained(tokenizer)
+    tokenizer = smoke_tokenizer(args.tokenizer) if args.smoke else args.tokenizer
     setup = student_setup(tokenizer, args.extra_lines, smoke=args.smoke)
     lm, nd, pools, targets, pairing = (setup[k] for k in ("lm", "nd", "pools", "targets", "pairing"))
-    res: dict = {"world_size": world.size, "global_batch": GLOBAL_BATCH, **setup["res"]}
+    batch = SMOKE_GLOBAL_BATCH if args.smoke else GLOBAL_BATCH
+    res: dict = {"world_size": world.size, "global_batch": batch, **setup["res"]}
     cuda = not args.smoke
     for name in ARMS:
         arm = resolve_arm(name)
-        recipe = RecipeConfig(precision=arm.precision, grad_accum=GLOBAL_BATCH, epochs=1)
+        recipe = RecipeConfig(precision=arm.precision, grad_accum=batch, epochs=1)
         model = prepare_student(lm.model, recipe)
 
         def micro_step(m, idx, arm=arm):
             return micro_step_loss(m, lm, nd, targets, pairing, pools, arm)
 
         # two optimizer steps' worth of examples: the first warms kernels and the allocator up
-        trainer = Trainer(model, 2 * GLOBAL_BATCH, recipe, micro_step, world=world)
+        trainer = Trainer(model, 2 * batch, recipe, micro_step, world=world)
         trainer.train(stop_after=1, progress=False)
         if cuda:
             torch.cuda.synchronize()
@@ -81,7 +78,7 @@ def run(args) -> None:
         elapsed = time.perf_counter() - t0
         peaks = gather(torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else 0.0, world)
         res[f"{name}_step_s"] = elapsed
-        res[f"{name}_samples_per_s"] = GLOBAL_BATCH / elapsed
+        res[f"{name}_samples_per_s"] = batch / elapsed
         res[f"{name}_peak_gib_max_over_ranks"] = max(peaks)
         res[f"{name}_fsdp"] = trainer.fsdp
         del trainer

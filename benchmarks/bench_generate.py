@@ -7,6 +7,9 @@ forced to run ``--new`` tokens, through ``transformers``' ``generate`` (the HF b
 vLLM backend batches notes and is faster, so these are upper bounds for it).
 
 Usage: python benchmarks/bench_generate.py --model qwen3-14b --prompt 36000 --new 256 --out raw.json
+
+``--smoke``: the same calls on a tiny Qwen3 (``bench_instrument.SMOKE_ARCH``, float32) on the CPU,
+a 24-token prompt and 4 new tokens: seconds.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_instrument import build, sync  # noqa: E402
+from bench_instrument import build, card, empty_cache, peak_gib, reset_peak, sync  # noqa: E402
 
 
 def build_smollm3(max_pos: int):
@@ -37,16 +40,20 @@ def build_smollm3(max_pos: int):
     return model.eval()
 
 
-def measure(name: str, prompt: int, new: int, reps: int = 2) -> dict:
+def measure(name: str, prompt: int, new: int, reps: int = 2, *, device: str = "cuda") -> dict:
     max_pos = prompt + new + 1024
-    model = build_smollm3(max_pos) if name == "smollm3-3b" else build(name, max_pos=max_pos).model
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (1, prompt), device="cuda", generator=gen)
+    if name == "smollm3-3b":
+        model = build_smollm3(max_pos)
+    else:
+        model = build(name, max_pos=max_pos, device=device,
+                      dtype=torch.bfloat16 if device == "cuda" else torch.float32).model
+    gen = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt), device=device, generator=gen)
     kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None, use_cache=True)
     with torch.inference_mode():
         model.generate(ids[:, :1024], max_new_tokens=8, min_new_tokens=8, **kwargs)  # warm-up
         sync()
-        torch.cuda.reset_peak_memory_stats()
+        reset_peak()
         prefill = []
         for _ in range(reps):
             t = time.perf_counter()
@@ -61,7 +68,7 @@ def measure(name: str, prompt: int, new: int, reps: int = 2) -> dict:
     prefill_s = min(prefill)
     return {"prompt_tokens": prompt, "new_tokens": new, "prefill_s": prefill_s, "generate_s": total,
             "decode_per_token_s": (total - prefill_s) / (new - 1),
-            "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30}
+            "peak_gib": peak_gib()}
 
 
 def main() -> None:
@@ -70,14 +77,18 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, nargs="+", default=[36000])
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: seconds")
     args = ap.parse_args()
-    out: dict = {"card": torch.cuda.get_device_name(0), "model": args.model}
+    device = "cuda"
+    if args.smoke:
+        args.model, args.prompt, args.new, device = "smoke", [24], 4, "cpu"
+    out: dict = {"card": card(args.smoke), "model": args.model}
     for prompt in args.prompt:
-        r = measure(args.model, prompt, args.new)
+        r = measure(args.model, prompt, args.new, device=device)
         for key, value in r.items():
             out[f"p{prompt}.{key}"] = value
         print(json.dumps({"prompt": prompt, **r}), flush=True)
-        torch.cuda.empty_cache()
+        empty_cache()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
 

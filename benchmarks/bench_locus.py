@@ -26,6 +26,11 @@ those margins (so walks take several rounds, as on a trained model). The tied em
 Qwen3-4B are scaled with it (the inputs then differ; the cost does not). Usage:
     python benchmarks/bench_locus.py --model qwen3-14b --tokens 106000 --out raw.json
 Needs torch + transformers only (no MLflow).
+
+``--smoke``: every measurement and check above on a tiny Qwen3 (``bench_instrument.SMOKE_ARCH``,
+float32, 16 heads) on the CPU: a 700-token note, 3 mentions, windows of 16 rows: seconds. The CPU
+has no flash kernel, so the "flash" figures there are the math path; the masked-only runs still
+swap :func:`~mistill.instrument.runner.prefix_attention` as on the card.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mistill.instrument.runner as runner_module  # noqa: E402
-from bench_instrument import build, sync  # noqa: E402
+from bench_instrument import build, card, peak_gib, reset_peak, sync  # noqa: E402
 from mistill.instrument.hooks import HeadHook  # noqa: E402
 from mistill.instrument.locus import ForcedChoice, LocusConfig, MentionProbe, forced_margins, locate_many  # noqa: E402
 from mistill.instrument.passes import prefill_note  # noqa: E402
@@ -66,9 +71,9 @@ def _masked_only(fn):
     """Run ``fn`` with the shared-keys split off: every key of a probe on the masked math path."""
     real = runner_module.prefix_attention
 
-    def masked(q, k, v, scale, *, use_flash=None, row_limit=None):
+    def masked(q, k, v, scale, *, use_flash=None, row_limit=None, kernel="flash"):
         if row_limit is None:
-            return real(q, k, v, scale, use_flash=use_flash)
+            return real(q, k, v, scale, use_flash=use_flash, kernel=kernel)
         return runner_module._MathPrefixAttention.apply(q, k, v, scale, row_limit)
 
     runner_module.prefix_attention = masked
@@ -89,23 +94,29 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--logit-scale", type=float, default=64.0)
     ap.add_argument("--out", default="bench_locus.json")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: seconds")
     args = ap.parse_args()
+    device, dtype = "cuda", torch.bfloat16
+    if args.smoke:
+        args.model, args.tokens, args.trace, args.mentions, args.nulls = "smoke", 700, 300, 3, 2
+        args.chunk, args.width, device, dtype = 512, 16, "cpu", torch.float32
 
-    lm = build(args.model, max_pos=max(args.tokens + 1024, 40960))
+    lm = build(args.model, max_pos=max(args.tokens + 1024, 40960), dtype=dtype, device=device)
     g = lm.geometry
     runner, hook = Runner(lm, chunk_size=args.chunk), HeadHook(g)
     ids = torch.randint(0, min(150000, g.vocab), (args.tokens,),
                         generator=torch.Generator().manual_seed(1))
     res: dict = {"model": args.model, "tokens": args.tokens, "trace_tokens": args.trace, "mentions": args.mentions,
-                 "card": torch.cuda.get_device_name(), "torch": torch.__version__}
-    torch.cuda.reset_peak_memory_stats()
+                 "card": card(args.smoke), "torch": torch.__version__}
+    reset_peak()
     res["prefill_s"], (prefix, mean) = _elapsed(lambda: prefill_note(runner, hook, ids))
     res["kv_prefix_gib"] = prefix.nbytes / 2 ** 30
-    res["prefill_peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    res["prefill_peak_gib"] = peak_gib()
 
     trace_start = args.tokens - args.trace
     rng = np.random.default_rng(0)
-    qs = np.sort(rng.choice(np.arange(trace_start + 600, args.tokens - 2), size=args.mentions, replace=False)).tolist()
+    first = trace_start + min(600, args.trace // 2)  # the mentions sit past the trace's start
+    qs = np.sort(rng.choice(np.arange(first, args.tokens - 2), size=args.mentions, replace=False)).tolist()
 
     # correctness on the card, before the output layer is scaled (bf16 rounding of plain logits)
     base = ForcedChoice(LETTERS[0], tuple(LETTERS[1:]))
@@ -148,13 +159,13 @@ def main() -> None:
     # probe throughput: 16 cuts per mention (two grid rounds' worth), several batch sizes
     cuts = [q - d for q in qs for d in range(0, 16 * 8, 8)]
     per_cut = [c for c in choices for _ in range(16)]
-    torch.cuda.reset_peak_memory_stats()
+    reset_peak()
     for b in (64, 128, 320):
         forced_margins(runner, prefix, cuts[:b], SUFFIX, per_cut[:b], batch_size=b)  # warm-up
         t, _ = _elapsed(lambda: forced_margins(runner, prefix, cuts, SUFFIX, per_cut, batch_size=b))
         res[f"probes_per_s_batch{b}"] = len(cuts) / t
         res[f"probe_forward_s_batch{b}"] = t / -(-len(cuts) // b)
-    res["probe_peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    res["probe_peak_gib"] = peak_gib()
     t, _ = _elapsed(lambda: _masked_only(lambda: forced_margins(runner, prefix, cuts, SUFFIX, per_cut, batch_size=64)))
     res["probes_per_s_batch64_masked_math_only"] = len(cuts) / t
 
@@ -169,7 +180,7 @@ def main() -> None:
     loci = [w.locus if w.locus is not None else q - 1 for w, q in zip(walks, qs)]
 
     # window attribution, passes A and B, follow-through
-    torch.cuda.reset_peak_memory_stats()
+    reset_peak()
     n_heads = g.n_total_heads
     top = rng.permutation(n_heads).tolist()
     t_wa = t_a = t_b = t_ft = 0.0
@@ -203,7 +214,7 @@ def main() -> None:
     res["pass_a_s_per_mention"] = t_a / len(qs)
     res["pass_b_s_per_mention"] = t_b / len(qs)
     res["follow_through_s_per_mention"] = t_ft / len(qs)
-    res["window_peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    res["window_peak_gib"] = peak_gib()
     nulls = np.sort(rng.choice(np.arange(trace_start + 100, args.tokens - 2), size=args.nulls, replace=False)).tolist()
     t_null = 0.0
     for p in nulls:
@@ -213,8 +224,9 @@ def main() -> None:
     res["null_windows_s"] = t_null
     res["note_s_probes_window_attribution_passes_ab"] = res["walk_s"] + t_wa + t_a + t_b
     res["note_s_with_null_windows_and_follow_through"] = res["note_s_probes_window_attribution_passes_ab"] + t_null + t_ft
-    res["peak_gib"] = max(res["prefill_peak_gib"], res["probe_peak_gib"], torch.cuda.max_memory_allocated() / 2 ** 30)
+    res["peak_gib"] = max(res["prefill_peak_gib"], res["probe_peak_gib"], peak_gib())
     print(json.dumps(res, indent=2))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
 
 

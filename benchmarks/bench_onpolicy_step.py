@@ -27,7 +27,10 @@ peak GPU memory. The SmolLM2 tokenizer (``carry/smollm2-tokenizer``) is padded w
 tokens to the models' vocabulary, so sampled ids decode and re-encode.
 
 Usage: python benchmarks/bench_onpolicy_step.py --out results.json [--smoke] [--rollout vllm]
-(``--smoke``: tiny models on the CPU, HF rollouts.)
+(``--smoke``: every step above on tiny models on the CPU with HF rollouts (TRL's colocated vLLM
+engine needs CUDA), a short note, rollouts capped at 8 tokens and the teacher's trace at 16, the
+tiny architecture's vocabulary; the carried tokenizer or, where it is absent, the embedded one:
+seconds.)
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_instrument import ARCHS  # noqa: E402
-from bench_train_step import long_note, student_setup, timed  # noqa: E402
+from bench_instrument import ARCHS, SMOKE_ARCH  # noqa: E402
+from bench_train_step import long_note, smoke_tokenizer, student_setup, timed  # noqa: E402
 
 from mistill.distill.arms import resolve_arm  # noqa: E402
 from mistill.distill.gold import capped_completion, padded_tokenizer, train_gold  # noqa: E402
@@ -171,6 +174,9 @@ def main() -> None:
         ap.error("--smoke runs on the CPU with HF rollouts; TRL's colocated vLLM engine needs a CUDA GPU")
     device = "cpu" if args.smoke else "cuda"
     vocab = ARCHS["qwen3-4b"]["vocab_size"]
+    if args.smoke:  # a short note, short rollouts, the tiny models' vocabulary
+        args.tokenizer, args.extra_lines = smoke_tokenizer(args.tokenizer), 0
+        args.rollout_cap, args.gold_cap, vocab = 8, 16, SMOKE_ARCH["vocab_size"]
     vllm = args.rollout == "vllm"
     sfx = "_vllm" if vllm else ""
 
@@ -271,6 +277,7 @@ def main() -> None:
             res[f"{name}{sfx}_over_vanilla"] = res[f"{name}_step{sfx}_s"] / res["vanilla_step_s"]
     res["rollout_cap"] = args.rollout_cap
     print(json.dumps(res, indent=2))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
 
 

@@ -14,7 +14,9 @@ For one note of Qwen3-14B at 106k tokens (bf16, one GPU):
    and the control key sets of one head at an event, one forward from the head's layer.
 
 Usage: python benchmarks/bench_readside.py --model qwen3-14b --tokens 106000 --out readside.json
-(torch + transformers only; ``--device cpu --layers 2 --tokens 3000`` checks it on a CPU).
+(torch + transformers only). ``--smoke``: all three parts (not ``--parts``) on a tiny Qwen3
+(``bench_instrument.SMOKE_ARCH``, float32) on the CPU, an 800-token note, 8 events, 8 panel heads,
+re-feeds of 16 and 32 tokens: seconds.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_instrument import ARCHS  # noqa: E402
+from bench_instrument import build as build_model  # noqa: E402
 
 from mistill.instrument.edits import refeed_margins  # noqa: E402
 from mistill.instrument.hooks import HeadHook  # noqa: E402
@@ -39,23 +42,13 @@ from mistill.instrument.passes import prefill_note  # noqa: E402
 from mistill.instrument.patching import Query, clean_read, mean_ablate  # noqa: E402
 from mistill.instrument.readside import prefix_attention_rows  # noqa: E402
 from mistill.instrument.runner import Runner  # noqa: E402
-from mistill.models.geometry import head_geometry  # noqa: E402
 from mistill.models.loading import LoadedModel  # noqa: E402
 
 
 def build(name: str, max_pos: int, device: str, layers: int | None) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    arch = dict(ARCHS[name])
-    if layers is not None:
-        arch["num_hidden_layers"] = layers
-    cfg = Qwen3Config(**arch, max_position_embeddings=max_pos, rms_norm_eps=1e-6)
-    torch.manual_seed(0)
+    """``bench_instrument.build`` in bf16 on CUDA, in float32 elsewhere."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    model.eval()
-    return LoadedModel(model=model, tokenizer=None, geometry=head_geometry(model), spec=f"random:{name}")
+    return build_model(name, max_pos, layers=layers, dtype=dtype, device=device)
 
 
 def sync(device: str) -> None:
@@ -114,12 +107,17 @@ def main() -> None:
     ap.add_argument("--only-edits", action="store_true", help="skip part 1")
     ap.add_argument("--parts", action="store_true", help="also time the parts of an edit's re-feed")
     ap.add_argument("--out", default="readside.json")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: seconds")
     args = ap.parse_args()
+    if args.smoke:
+        args.model, args.tokens, args.events, args.panel, args.refeed = "smoke", 800, 8, 8, "16,32"
+        args.device, args.chunk = "cpu", 512
     dev = args.device
     lm = build(args.model, args.tokens + 16, dev, args.layers)
     g = lm.geometry
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 150000, (args.tokens,), generator=gen)
+    vocab = min(150000, g.vocab)
+    ids = torch.randint(0, vocab, (args.tokens,), generator=gen)
     # the events sit in the trace: the last 30% of the input
     positions = sorted(torch.randint(int(args.tokens * 0.7), args.tokens - 1, (args.events,), generator=gen).tolist())
     panel = sorted(torch.randperm(g.n_total_heads, generator=gen)[:args.panel].tolist())
@@ -140,7 +138,7 @@ def main() -> None:
     for length in (int(x) for x in args.refeed.split(",")):
         start = q_pos + 1 - length
         variants = ids[start:q_pos + 1].repeat(4, 1)
-        variants[1:, :3] = torch.randint(0, 150000, (3, 3), generator=gen)  # three replacements at the edit
+        variants[1:, :3] = torch.randint(0, vocab, (3, 3), generator=gen)  # three replacements at the edit
         secs, _ = clock(lambda v=variants, s=start: refeed_margins(runner, hook, prefix, s, v, query, mean=mean,
                                                                      heads=mediation), dev, reps=3)
         res[f"edit_refeed{length}_s"] = secs
@@ -177,12 +175,16 @@ def main() -> None:
         print(json.dumps(res), flush=True)
     clean = clean_read(runner, hook, prefix, query)
     head = g.n_heads * (g.n_layers // 2) + 1
-    named, control = list(range(100, 400)), list(range(1000, 1300))
+    # 300 key positions each, from 100 and from 1,000 (scaled down where the note is short)
+    span, named_from, control_from = min(300, q_pos // 4), min(100, q_pos // 8), min(1000, q_pos // 2)
+    named = list(range(named_from, named_from + span))
+    control = list(range(control_from, control_from + span))
     secs, _ = clock(lambda: key_block(runner, hook, prefix, query, clean.hidden_in, head, [[], named, control]),
                     dev, reps=5)
     res["key_block_event_s"] = secs
     res["edits_peak_gib"] = peak_gib(dev)
     print(json.dumps(res), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
 
 

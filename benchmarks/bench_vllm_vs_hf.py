@@ -16,6 +16,10 @@ No MLflow: the corpus is built in memory (``make_synthetic_corpus``), as ``prepa
 Usage: python benchmarks/bench_vllm_vs_hf.py [--notes 8] [--max-new-tokens 256]
            [--out benchmarks/raw_bench_vllm_cpu.json]
 The KV cache of a CPU engine is ``VLLM_CPU_KVCACHE_SPACE`` GiB (2 unless set).
+
+``--smoke``: the same corpus, prompts, timing and record for 2 notes and 4 new tokens on a tiny
+Qwen3 (``tiny:qwen3``, the embedded tokenizer), where a second HF backend stands in for the vLLM
+engine (whose start alone takes minutes on a CPU); ``vllm_engine`` names what ran: seconds.
 """
 
 from __future__ import annotations
@@ -46,12 +50,14 @@ def main() -> None:
     ap.add_argument("--notes", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--out", default="")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model, HF in place of vLLM: seconds")
     args = ap.parse_args()
+    if args.smoke:
+        args.notes, args.max_new_tokens = 2, 4
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     import torch
-    import vllm
 
     from mistill.data.prompts import build_prompt
     from mistill.data.synthetic import make_synthetic_corpus
@@ -61,9 +67,10 @@ def main() -> None:
 
     corpus = make_synthetic_corpus(n_notes=args.notes, seed=0)
     decoding = DecodingConfig(max_new_tokens=args.max_new_tokens)
+    model = "tiny:qwen3" if args.smoke else EMBEDDED_DEFAULT
 
     t = time.perf_counter()
-    lm = load_model(EMBEDDED_DEFAULT, dtype="float32")
+    lm = load_model(model, dtype="float32")
     hf_load_s = time.perf_counter() - t
     items = [(build_prompt(n, n.shortlist, corpus.inventory, lm.tokenizer).text,
               note_seed(decoding, n.note_id)) for n in corpus.notes]
@@ -76,7 +83,13 @@ def main() -> None:
 
     hf_s, hf = timed(HFBackend(lm, decoding))
     t = time.perf_counter()
-    engine = VLLMBackend(EMBEDDED_DEFAULT, decoding, dtype="float32")
+    if args.smoke:
+        engine, engine_name, vllm_version, engine_kwargs = HFBackend(lm, decoding), "hf (smoke)", None, {}
+    else:
+        import vllm
+
+        engine = VLLMBackend(model, decoding, dtype="float32")
+        engine_name, vllm_version, engine_kwargs = "vllm", vllm.__version__, engine.engine_kwargs
     vllm_start_s = time.perf_counter() - t
     vllm_s, vl = timed(engine)
     engine.close()
@@ -85,10 +98,10 @@ def main() -> None:
     out = {
         "card": f"cpu: {_cpu_name()} x{os.cpu_count()}" if not torch.cuda.is_available()
         else f"gpu: {torch.cuda.get_device_name(0)}",
-        "model": EMBEDDED_DEFAULT, "dtype": "float32", "notes": args.notes,
+        "model": model, "dtype": "float32", "notes": args.notes,
         "max_new_tokens": args.max_new_tokens, "decoding": decoding.to_dict(),
-        "prompt_tokens": prompt_tokens, "vllm_version": vllm.__version__, "torch_version": torch.__version__,
-        "torch_threads": torch.get_num_threads(), "vllm_engine_kwargs": engine.engine_kwargs,
+        "prompt_tokens": prompt_tokens, "vllm_version": vllm_version, "torch_version": torch.__version__,
+        "torch_threads": torch.get_num_threads(), "vllm_engine": engine_name, "vllm_engine_kwargs": engine_kwargs,
         "vllm_cpu_kvcache_space_gib": float(os.environ["VLLM_CPU_KVCACHE_SPACE"]),
         "load_average_1min_at_end": os.getloadavg()[0],
         "hf_load_s": hf_load_s, "hf_generate_s": hf_s, "hf_generated_tokens": hf_tokens,
@@ -100,6 +113,7 @@ def main() -> None:
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n")
 
 

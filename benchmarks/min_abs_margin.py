@@ -24,6 +24,10 @@ CPU cost: about a minute per note for the targets and two per optimizer step (th
 3 notes and 3 steps per setting, took 16 minutes on two cores shared with other work; less
 on an idle machine). Prints one JSON document (``--out`` writes it too).
 Usage: python benchmarks/min_abs_margin.py [--notes 3] [--steps 3] [--out min_abs_margin.json]
+
+``--smoke``: the same measurements for 1 note and 1 step per setting, with tiny Qwen3 models
+(:data:`SMOKE_TEACHER`, :data:`SMOKE_STUDENT`, the embedded tokenizer) in place of SmolLM2 and its
+copy, a 20-code inventory, and pools of at most as many heads as the model has: seconds.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ from mistill.instrument.events import extract_events  # noqa: E402
 from mistill.models.loading import EMBEDDED_DEFAULT, LoadedModel, load_model  # noqa: E402
 
 STUDENT = "embedded:smollm2-135m@every-other"
+SMOKE_TEACHER = "tiny:qwen3:layers=4:heads=8:kv=2"
+SMOKE_STUDENT = "tiny:qwen3:seed=1:layers=2:heads=8:kv=2"
 THRESHOLD = 0.5
 PHASES = ("P1", "P2")  # the loss's phases: Phase 2 holds the P2 and P2C events
 
@@ -121,12 +127,13 @@ def _norm(gs) -> float:
     return float(torch.sqrt(sum((g.double() ** 2).sum() for g in gs if g is not None)))
 
 
-def train_steps(examples, pools_s, steps: int, min_abs_margin: float, device: str) -> tuple[list[dict], dict]:
+def train_steps(examples, pools_s, steps: int, min_abs_margin: float, device: str,
+                student: str = STUDENT) -> tuple[list[dict], dict]:
     """``steps`` optimizer steps (one note each, in turn) of the Mistill arm with the guard at
     ``min_abs_margin``: per step the interaction terms, the norm of the interaction terms' own
     gradient (``sum_P lambda_P L_int,P``) and of the whole loss's, before clipping. Also returns
     the margins the event filter saw on each note's first visit, by phase."""
-    lm = load_model(STUDENT, dtype="float32", device=device)
+    lm = load_model(student, dtype="float32", device=device)
     recipe = RecipeConfig(precision="bf16", grad_accum=1)
     model = prepare_student(lm.model, recipe)
     arm = resolve_arm("mistill", {"min_abs_margin": str(min_abs_margin)})
@@ -183,15 +190,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per setting, one note each")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default="")
+    ap.add_argument("--smoke", action="store_true", help="tiny models, 1 note, 1 step per setting: seconds")
     args = ap.parse_args()
+    teacher_spec, student_spec = EMBEDDED_DEFAULT, STUDENT
+    if args.smoke:
+        args.notes, args.steps, teacher_spec, student_spec = 1, 1, SMOKE_TEACHER, SMOKE_STUDENT
     torch.manual_seed(0)
     t0 = time.time()
     # short synthetic notes (4-6 codes, a 40-code inventory): ~1.5k tokens each
-    corpus = make_synthetic_corpus(n_notes=args.notes, seed=0, n_codes_range=(4, 6), inventory_size=40)
-    teacher = load_model(EMBEDDED_DEFAULT, dtype="float32", device=args.device)
-    student_tok = load_model(STUDENT, dtype="float32", device="cpu")
-    pools_t = model_pools(random_head_sets(teacher, 0), teacher.geometry.head_names(), k=40)
-    pools_s = model_pools(random_head_sets(student_tok, 1), student_tok.geometry.head_names(), k=40)
+    corpus = make_synthetic_corpus(n_notes=args.notes, seed=0, n_codes_range=(4, 6),
+                                   inventory_size=20 if args.smoke else 40)
+    teacher = load_model(teacher_spec, dtype="float32", device=args.device)
+    student_tok = load_model(student_spec, dtype="float32", device="cpu")
+    pools_t = model_pools(random_head_sets(teacher, 0), teacher.geometry.head_names(),
+                          k=min(40, teacher.geometry.n_total_heads))
+    pools_s = model_pools(random_head_sets(student_tok, 1), student_tok.geometry.head_names(),
+                          k=min(40, student_tok.geometry.n_total_heads))
     codes = list(corpus.inventory.codes)
     examples = []
     for note in corpus.notes[:args.notes]:
@@ -204,12 +218,12 @@ def main() -> None:
                          "tokens": int(nd_s.input_ids.numel())})
     del teacher, student_tok
     print(f"targets: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
-    summary = {"teacher": EMBEDDED_DEFAULT, "student": STUDENT, "precision": "bf16", "threshold": THRESHOLD,
+    summary = {"teacher": teacher_spec, "student": student_spec, "precision": "bf16", "threshold": THRESHOLD,
                "notes": len(examples), "tokens_per_note": [ex["tokens"] for ex in examples],
                "tied_margin_probe": tied_margin_probe()}
     runs = {}
     for thr in (THRESHOLD, 0.0):
-        log, seen = train_steps(examples, pools_s, args.steps, thr, args.device)
+        log, seen = train_steps(examples, pools_s, args.steps, thr, args.device, student_spec)
         runs[str(thr)] = log
         if thr == THRESHOLD:
             summary["dropped_at_0.5"] = drop_counts(seen)
@@ -225,6 +239,7 @@ def main() -> None:
     text = json.dumps(summary, indent=2, default=float)
     print(text)
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n")
 
 
