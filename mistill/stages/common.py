@@ -25,6 +25,8 @@ from mistill.data.corpus import Corpus, Note
 from mistill.data.inventory import Inventory
 from mistill.data.prompts import Prompt, build_prompt
 from mistill.errors import MistillInputError
+from mistill.io import read_json
+from mistill.tracking.models import checkpoint_logged_model
 
 if TYPE_CHECKING:
     from mlflow.entities import Run
@@ -432,27 +434,74 @@ def model_positions(lm) -> int | None:
 LINK_TAGS = ("mistill.registered_model", "mistill.model_version", "mistill.model_alias")
 
 
+ARM_PARAM_NAMES = ("arm.name", "arm.seed", "arm.precision", "arm.lambda_p1", "arm.lambda_p2")
+"""The params a readout of an arm logs, so MLflow's compare view lines its runs up by arm.
+``arm.precision``, ``arm.lambda_p1`` and ``arm.lambda_p2`` are the train run's own param names;
+the name and seed are ``arm.name`` and ``arm.seed`` because a readout's ``arm`` and ``seed``
+params, when its config has such fields, are its own identity params."""
+
+
 @dataclass(frozen=True)
 class Subject:
-    """The model a readout stage reads: its spec, the arm / seed / precision it stands for, and
-    the registry tags linking the readout to a trained arm (empty for a plain model)."""
+    """The model a readout stage reads: its spec, the arm / seed / precision it stands for, the
+    registry tags linking the readout to a trained arm (empty for a plain model), the ``train``
+    run whose checkpoint it is, and the arm params a readout of it logs (:func:`link_subject`)."""
 
     spec: str
     arm: str | None = None
     seed: str | None = None
     precision: str | None = None
     links: dict[str, str] = field(default_factory=dict)
+    train_run: str | None = None
+    params: dict[str, str] = field(default_factory=dict)
 
 
 def trained_subject(train_run: str) -> Subject:
-    """A ``train`` run as a subject: the checkpoint ``run:<id>``, its arm, seed and precision tags
-    and its registered model, version and alias."""
-    tags = RunReader(train_run, field="train_run").tags
+    """A ``train`` run as a subject: the checkpoint ``run:<id>``, its arm, seed and precision tags,
+    its registered model, version and alias, and its arm params (:func:`arm_subject_params`)."""
+    reader = RunReader(train_run, field="train_run")
+    tags = reader.tags
     if tags.get("mistill.stage") != "train":
         raise MistillInputError(f"run {train_run} is a {tags.get('mistill.stage')!r} run, not a train run",
                                 field="train_run")
     return Subject(spec=f"run:{train_run}", arm=tags.get("mistill.arm"), seed=tags.get("mistill.seed"),
-                   precision=tags.get("mistill.precision"), links={k: tags[k] for k in LINK_TAGS if k in tags})
+                   precision=tags.get("mistill.precision"), links={k: tags[k] for k in LINK_TAGS if k in tags},
+                   train_run=train_run, params=arm_subject_params(reader))
+
+
+def arm_subject_params(reader: RunReader) -> dict[str, str]:
+    """The :data:`ARM_PARAM_NAMES` of a ``train`` run's arm, from its resolved arm (its params
+    ``arm.<flag>``, else its ``arm.json``): the arm's name and seed, its precision and, only for
+    an arm whose objective is ``mistill``, λ_P1 and λ_P2 (other objectives have no λ)."""
+    logged = reader.run.data.params
+    if "arm.objective" in logged:
+        flags = {k[len("arm."):]: v for k, v in logged.items() if k.startswith("arm.")}
+    else:
+        flags = {k: v if isinstance(v, str) else json.dumps(v) for k, v in read_json(reader.file("arm.json")).items()}
+    tags = reader.tags
+    params = {"arm.name": tags.get("mistill.arm"), "arm.seed": tags.get("mistill.seed"),
+              "arm.precision": flags.get("precision") or tags.get("mistill.precision")}
+    if flags.get("objective") == "mistill":
+        params.update({"arm.lambda_p1": flags.get("lambda_p1"), "arm.lambda_p2": flags.get("lambda_p2")})
+    return {k: v for k, v in params.items() if v}
+
+
+def link_subject(run: Any, subject: Subject) -> None:
+    """Record on an open readout run what it reads: the subject's arm params (logged once: those
+    a resumed run holds are kept; they are no part of the run's identity) and, for a train run's
+    checkpoint, that checkpoint's logged model as the run's model input, which the run page lists
+    under "Logged models" (:func:`~mistill.tracking.models.checkpoint_logged_model`)."""
+    from mlflow.entities import LoggedModelInput, Param
+
+    current = run.client.get_run(run.run_id)
+    params = {k: v for k, v in subject.params.items() if k not in current.data.params}
+    if params:
+        run.guard.check_mapping(params, "param")
+        run.client.log_batch(run.run_id, params=[Param(k, v) for k, v in params.items()])
+    if subject.train_run:
+        model_id = checkpoint_logged_model(run.client, subject.train_run, params=subject.params)
+        if model_id not in {m.model_id for m in current.inputs.model_inputs or []}:
+            run.client.log_inputs(run.run_id, models=[LoggedModelInput(model_id)])
 
 
 def subject_run_args(model: str) -> dict[str, Any]:

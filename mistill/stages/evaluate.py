@@ -6,7 +6,13 @@ trace: teacher-trace perplexity, M1 margins at the teacher's events (realized in
 tokenizer), BLEU-4 of this model's reasoning against the teacher's, and LAS when a simulator run
 is given. Aggregated: ``metrics.json`` (and MLflow metrics) with task metrics, valid / cap /
 degenerate rates, mean generated tokens, fidelity (PPL median over notes, BLEU-4 and LAS means
-over notes) and M1 per event kind; ``per_note_metrics`` and ``predictions.jsonl`` (codes and flags).
+over notes) and M1 per event kind; ``per_note_metrics`` and ``predictions.jsonl`` (codes and flags),
+both also MLflow tables (``per_note_metrics.json``, ``predictions.json``: ``mlflow.load_table``
+reads them, the UI shows them as tables). The run links what it scored: a train run's checkpoint
+is its model input (the checkpoint's logged model, listed under the run page's "Logged models"),
+and its params ``arm.name``, ``arm.seed``, ``arm.precision`` (and ``arm.lambda_p1``,
+``arm.lambda_p2`` for a Mistill-objective arm) line the arms up in MLflow's compare view
+(:func:`mistill.stages.common.link_subject`).
 
 Nothing the model wrote is logged for a restricted corpus: each generation is a local file of
 the run's enclave (``<enclave>/notes/<note_id>/generation.txt``, tag ``mistill.enclave_dir``,
@@ -50,7 +56,9 @@ from mistill.io import write_text
 from mistill.models.loading import load_model, load_tokenizer
 from mistill.progress import track
 from mistill.stages.characterize import stage_notes
-from mistill.stages.common import Subject, load_prepared, model_positions, note_input, trained_subject
+from mistill.distributed import current_world
+from mistill.stages.common import (Subject, link_subject, load_prepared, model_positions, note_input,
+                                   trained_subject)
 from mistill.stages.runner import notes_written, open_stage, pending_notes, progress_label, stage_device
 from mistill.tasks import task_for
 from mistill.tracking.runs import TAG_BACKEND, TAG_SPLIT
@@ -62,6 +70,9 @@ TAG_ENCLAVE = "mistill.enclave_dir"
 """The run's enclave dir, set by :meth:`~mistill.tracking.runs.StageRun.write_note` (``TAG_ENCLAVE_DIR``)."""
 GENERATION_FILE = "generation.txt"
 SAMPLES = "samples"
+PREDICTION_COLUMNS = ("note_id", "codes", "valid", "reason", "capped", "degenerate", "n_tokens", "seed")
+"""A prediction's fields (``predictions.jsonl`` and the MLflow table ``predictions.json``): ids,
+codes, flags and numbers, never the model's text."""
 """The enclave folder of the generations sampled before their readouts (:mod:`mistill.evaluation.sampling`)."""
 
 
@@ -112,7 +123,7 @@ def _subject(cfg: EvaluateConfig) -> Subject:
         return trained_subject(cfg.train_run)
     if not cfg.model:
         raise MistillInputError("give train_run or model", field="model")
-    return Subject(spec=cfg.model, arm=cfg.arm or "model")
+    return Subject(spec=cfg.model, arm=cfg.arm or "model", params={"arm.name": cfg.arm} if cfg.arm else {})
 
 
 def run_evaluate(cfg: EvaluateConfig) -> str:
@@ -133,6 +144,8 @@ def run_evaluate(cfg: EvaluateConfig) -> str:
                     tags={**subject.links, TAG_SPLIT: cfg.split or "all", TAG_BACKEND: backend}) as run:
         if run.reused:
             return run.run_id
+        if current_world().leader:
+            link_subject(run, subject)
         guard = run.guard
         pending = pending_notes(run, NOTES, notes, desc=f"evaluate {arm}")
         lm = None
@@ -150,11 +163,12 @@ def run_evaluate(cfg: EvaluateConfig) -> str:
         metrics, per_note, predictions = _aggregate(run, notes, prepared, cfg)
         metrics["thinking_switch"] = float(template_has_thinking(lm.tokenizer if lm is not None
                                                                  else load_tokenizer(subject.spec)))
-        run.log_table("per_note_metrics", per_note)
+        run.log_table("per_note_metrics", per_note, mlflow_table=True)
         run.log_json("metrics.json", metrics)
         path = run.work_dir / "predictions.jsonl"
         write_text(path, "".join(json.dumps(p) + "\n" for p in predictions))
         run.log_artifact_file(path)
+        run.log_mlflow_table("predictions", pd.DataFrame(predictions, columns=list(PREDICTION_COLUMNS)))
         run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, float) and np.isfinite(v)})
         print(f"evaluate: {arm} on {len(notes)} {cfg.split} notes ({backend} sampled): micro-F1 "
               f"{metrics['micro_f1']:.3f}, valid {metrics['valid_rate']:.2f} -> run {run.run_id}")
@@ -233,6 +247,5 @@ def _aggregate(run, notes, prepared, cfg: EvaluateConfig) -> tuple[dict, pd.Data
         run.log_table("m1_events", pd.DataFrame(
             [{"note_id": n.note_id, **e} for n, events in zip(notes, m1) for e in events],
             columns=["note_id", "event_id", "kind", "margin"]))
-    predictions = [{k: p[k] for k in ("note_id", "codes", "valid", "reason", "capped", "degenerate", "n_tokens",
-                                      "seed")} for p in preds]
+    predictions = [{k: p[k] for k in PREDICTION_COLUMNS} for p in preds]
     return metrics, df, predictions

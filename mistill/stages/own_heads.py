@@ -23,6 +23,11 @@ the passes, many notes per engine call (:mod:`mistill.evaluation.sampling`), and
 file of the run's enclave (``<enclave>/own_traces/<note_id>.json``) for every corpus. The
 per-note readouts (``m4.json``, ``readside.json``, ``m5.json``, ``generation.json`` with the token
 count and seed) are numbers over events and heads, never token ids of the text.
+
+The per-note tables ``own_heads_per_note`` and ``own_heads_readside_per_note`` are also MLflow
+tables (``.json``, read back by ``mlflow.load_table``). A run on a train run's checkpoint links it
+as its model input and logs the arm params ``arm.name``, ``arm.seed``, ``arm.precision`` (and λ
+for a Mistill-objective arm), as ``evaluate`` does (:func:`mistill.stages.common.link_subject`).
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ from mistill.models.loading import load_model, load_tokenizer
 from mistill.params import (BackendParams, DonorParams, KnockinReadParams, NomineeParams, NullParams, PatchParams,
                             StabilityParams, TokenCapParams)
 from mistill.progress import get_logger, track
-from mistill.stages.common import Prepared, RunReader, Subject, load_prepared, model_positions, trained_subject
+from mistill.stages.common import (Prepared, RunReader, Subject, link_subject, load_prepared, model_positions,
+                                   trained_subject)
 from mistill.stages.runner import note_loop, notes_written, open_stage, progress_label, stage_device
 from mistill.stages.workflow import LAUNCHES
 from mistill.validation import (check_choice, check_counts, check_device, check_dtype, check_non_negative,
@@ -197,6 +203,8 @@ def run_own_heads(cfg: OwnHeadsConfig) -> str:
         if run.reused:
             return run.run_id
         world = current_world()
+        if world.leader:
+            link_subject(run, arm)
         ranked = _rank_steps(cfg, arm.spec, prepared.corpus.name, parent=run.run_id)
         if world.leader:
             run.set_tags({"mistill.rank_events": ranked["events"], "mistill.rank_attribute": ranked["attribute"]})
@@ -366,11 +374,11 @@ def _aggregate(run, cfg: OwnHeadsConfig, notes: list[Note], coverage: dict[str, 
             "necessity_own_nats", "n_events", "n_matched", "n_gated", "n_random_draws"]
     table = pd.DataFrame(per_note, columns=cols)
     reads = pd.DataFrame(readside)
-    run.log_table("own_heads_per_note", table)
+    run.log_table("own_heads_per_note", table, mlflow_table=True)
     run.log_table("own_heads_knockin_events", pd.DataFrame(
         per_event, columns=["note_id", "traces", "event_id", "phase", "k", "recovery", "gated"]))
     if len(reads):
-        run.log_table("own_heads_readside_per_note", reads)
+        run.log_table("own_heads_readside_per_note", reads, mlflow_table=True)
     metrics: dict[str, float] = {"n_notes": float(len(notes))}
     for traces, prefix in (("teacher", ""), ("own", "own/")):
         t = table[table["traces"] == traces]

@@ -1,7 +1,8 @@
 """Trained checkpoints as MLflow Models, in the model registry, and as model specs.
 
 **The checkpoint.** A ``train`` run saves its student with ``mlflow.transformers`` (task
-``text-generation``, a signature whose parameters default to the paper's decoding, an input
+``text-generation``, a signature whose parameters default to the paper's sampling with a
+512-token cap (pass ``max_new_tokens=16384`` for the paper's cap), an input
 example, the tokenizer) into a local folder, has the run's privacy guard read every file of it,
 and logs the folder as the run's artifact path ``model``:
 
@@ -155,17 +156,26 @@ def pip_requirements() -> list[str]:
     return out
 
 
+SERVING_MAX_NEW_TOKENS = 512
+"""The logged model's default ``max_new_tokens``: a cap a CPU answers in reasonable time. The
+paper's cap (16,384, :class:`~mistill.evaluation.generation.DecodingConfig`) is the parameter to
+pass to reproduce its decoding: ``predict(..., params={"max_new_tokens": 16384})``."""
+
+
 def signature() -> Any:
-    """Text in, text out; the generation parameters default to the paper's decoding
+    """Text in, text out; the generation parameters default to the paper's sampling
     (:class:`~mistill.evaluation.generation.DecodingConfig`: sampled, temperature 0.6, top-p
-    0.95, top-k 20, up to 16,384 new tokens)."""
+    0.95, top-k 20) with at most :data:`SERVING_MAX_NEW_TOKENS` (512) new tokens, not the
+    paper's 16,384: a reasoning trace of that length takes hours on a CPU, where a served model
+    or a quick ``predict`` often runs. Pass ``params={"max_new_tokens": 16384}`` for the
+    paper's cap."""
     from mlflow.models.signature import ModelSignature
     from mlflow.types import ColSpec, DataType, ParamSchema, ParamSpec, Schema
 
     from mistill.evaluation.generation import DecodingConfig
 
     d = DecodingConfig()
-    params = ParamSchema([ParamSpec("max_new_tokens", DataType.long, d.max_new_tokens),
+    params = ParamSchema([ParamSpec("max_new_tokens", DataType.long, SERVING_MAX_NEW_TOKENS),
                           ParamSpec("do_sample", DataType.boolean, True),
                           ParamSpec("temperature", DataType.double, d.temperature),
                           ParamSpec("top_p", DataType.double, d.top_p),
@@ -325,6 +335,46 @@ def adopt(client: Any, train_run_id: str, alias: str) -> tuple[str, str] | None:
     return name, version
 
 
+# --------------------------------------------------------------------------- logged models
+TAG_TRAIN_RUN = "mistill.train_run"
+"""The tag of a checkpoint's logged model naming the ``train`` run that saved it."""
+TAG_MODEL_URI = "mistill.model_uri"
+"""The tag of a checkpoint's logged model holding the checkpoint's URI, ``runs:/<id>/model``."""
+
+
+def checkpoint_logged_model(client: Any, train_run_id: str, *, params: Mapping[str, str] | None = None) -> str:
+    """The id of the logged model (MLflow 3's ``LoggedModel``) that stands for the checkpoint
+    ``train_run_id`` saved, created the first time a run asks for it.
+
+    It is found by its :data:`TAG_TRAIN_RUN` tag (the oldest one when concurrent first readers
+    made two). A new one lives in the train run's experiment, is named by the arm alias
+    (``<arm>-s<seed>``), has the train run as its source run and its output, carries the train
+    run's arm, seed, precision and registry tags, :data:`TAG_MODEL_URI`, and ``params`` (the
+    arm's flags), and is READY. The weights stay where the train run logged them.
+    """
+    from mlflow.entities import LoggedModelOutput, LoggedModelStatus
+
+    run = client.get_run(train_run_id)
+    experiment = run.info.experiment_id
+    found = client.search_logged_models([experiment], filter_string=f"tags.`{TAG_TRAIN_RUN}` = '{train_run_id}'",
+                                        order_by=[{"field_name": "creation_time", "ascending": True}],
+                                        max_results=1)
+    if found:
+        return found[0].model_id
+    tags = run.data.tags
+    copied = ("mistill.arm", "mistill.seed", "mistill.precision", "mistill.lambda", "mistill.corpus",
+              TAG_REGISTERED_MODEL, TAG_MODEL_VERSION, TAG_MODEL_ALIAS)
+    model_tags = {k: tags[k] for k in copied if tags.get(k)}
+    model_tags.update({TAG_TRAIN_RUN: train_run_id, TAG_MODEL_URI: f"runs:/{train_run_id}/{MODEL_ARTIFACT}"})
+    seed = tags.get("mistill.seed", "")
+    name = arm_alias(tags["mistill.arm"], seed) if tags.get("mistill.arm") else alias_part(f"train-{train_run_id}")
+    model = client.create_logged_model(experiment, name=name, source_run_id=train_run_id, tags=model_tags,
+                                       params=dict(params or {}), model_type=TASK)
+    client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+    client.log_outputs(train_run_id, [LoggedModelOutput(model.model_id, step=0)])
+    return model.model_id
+
+
 def model_card(*, name: str, arm: str, arm_flags: Mapping[str, Any], seed: int, precision: str, role: str,
                alias: str, student: str, teacher: str, corpus: str, corpus_digest: str, n_notes: int,
                recipe: Mapping[str, Any], steps: int, run_id: str, inputs: Mapping[str, str]) -> str:
@@ -345,6 +395,7 @@ def model_card(*, name: str, arm: str, arm_flags: Mapping[str, Any], seed: int, 
         f"- Train run: `{run_id}`.",
         f"- Load: `mlflow.pyfunc.load_model(\"models:/{name}@{alias}\")` or "
         f"`mlflow.transformers.load_model(...)` (text generation; parameters default to the paper's "
-        f"decoding); in mistill stages, the model spec `run:{run_id}`.",
+        f"sampling with at most {SERVING_MAX_NEW_TOKENS} new tokens: pass `max_new_tokens=16384` for the "
+        f"paper's cap); in mistill stages, the model spec `run:{run_id}`.",
     ]
     return "\n".join(lines)

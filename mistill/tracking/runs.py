@@ -706,7 +706,7 @@ class StageRun:
             # they hold protected text, the run is purged from the store, not only refused
             from mistill.tracking.purge import purge_if_protected
 
-            purge_if_protected(launched, self.guard, tracking_uri=self.tracking_uri, root=self.root)
+            purge_if_protected(launched, self.guard, tracking_uri=self.tracking_uri, root=self.root, launched=True)
         self.guard.check_mapping(tags, "tag")
         self.guard.check_mapping(self.params, "param")
         self.experiment_name = experiment_for_corpus(self.corpus, tracking_uri=self.tracking_uri)
@@ -979,10 +979,12 @@ class StageRun:
         return path
 
     def log_table(self, name: str, df: Any, *, float_format: str = ".6g",
-                  index: bool | None = None) -> tuple[Path, Path]:
+                  index: bool | None = None, mlflow_table: bool = False) -> tuple[Path, Path]:
         """Log a pandas DataFrame as ``<name>.csv`` and ``<name>.md``; return both local paths.
 
         ``index`` defaults to writing the index only when it is not a plain RangeIndex.
+        ``mlflow_table``: also log it as an MLflow table, ``<name>.json``
+        (:meth:`log_mlflow_table`).
         """
         import pandas as pd
 
@@ -996,7 +998,32 @@ class StageRun:
         self.guard.check_file(md_path)
         self.log_artifact_file(csv_path, artifact_dir)
         self.log_artifact_file(md_path, artifact_dir)
+        if mlflow_table:
+            self.log_mlflow_table(name, df.reset_index() if index else df)
         return csv_path, md_path
+
+    def log_mlflow_table(self, name: str, df: Any) -> Path:
+        """Log a pandas DataFrame as the MLflow table ``<name>.json`` and return its local path.
+
+        The file is what ``mlflow.log_table`` writes (``orient="split"``, no index), so
+        ``mlflow.load_table`` reads it back, and it is listed in the run's
+        ``mlflow.loggedArtifacts`` tag, so the UI shows it as a table. Unlike ``mlflow.log_table``
+        a second call replaces the table instead of appending to it: a resumed run logs it once.
+        For a restricted corpus the frame must hold no free text and no protected text
+        (:meth:`PrivacyGuard.check_dataframe`), then the file is checked like any artifact.
+        """
+        from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
+
+        self._require_active()
+        self.guard.check_dataframe(df, f"table {name}")
+        path, artifact_dir = self._local_artifact(name + ".json")
+        write_text(path, df.to_json(orient="split", index=False, date_format="iso"))
+        self.log_artifact_file(path, artifact_dir)
+        entry = {"path": f"{artifact_dir}/{path.name}" if artifact_dir else path.name, "type": "table"}
+        listed = json.loads(self.client.get_run(self.run_id).data.tags.get(MLFLOW_LOGGED_ARTIFACTS) or "[]")
+        if entry not in listed:
+            self._log_batch(tags={MLFLOW_LOGGED_ARTIFACTS: json.dumps(listed + [entry])})
+        return path
 
     def log_figure(self, fig: Any, name: str) -> Path:
         """Log a plotly figure as self-contained HTML (plotly.js embedded: opens offline).
