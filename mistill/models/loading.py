@@ -20,9 +20,11 @@ other layer kept).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -275,6 +277,20 @@ def prune_layers(model: nn.Module, keep: list[int]) -> nn.Module:
     return model
 
 
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off inside the block, restored after."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def load_model(spec: str = EMBEDDED_DEFAULT, *, dtype: str | torch.dtype = "float32",
                device: str | torch.device = "cpu", attn_implementation: str = "sdpa") -> LoadedModel:
     """Load a causal LM and its tokenizer offline; see the module docstring for ``spec``."""
@@ -312,9 +328,10 @@ def load_model(spec: str = EMBEDDED_DEFAULT, *, dtype: str | torch.dtype = "floa
     kwargs = {"gguf_file": gguf} if gguf else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(local) if looks_local else path, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(local) if looks_local else path, dtype=td, attn_implementation=attn_implementation,
-            **kwargs)
+        with _no_progress_bars():  # a pipeline loads dozens of models: no weight-loading bar each time
+            model = AutoModelForCausalLM.from_pretrained(
+                str(local) if looks_local else path, dtype=td, attn_implementation=attn_implementation,
+                **kwargs)
     except OSError as exc:
         raise MistillInputError(
             f"cannot load model {spec!r} offline ({exc.__class__.__name__}: {str(exc).splitlines()[0]}); "
