@@ -14,4 +14,14 @@ export MLFLOW_TRACKING_URI
 # the steps run in the pipeline's own process (no interpreter start and import per step)
 mlflow run . -e pipeline --env-manager local --experiment-name mistill/synthetic -P launch=inline "$@"
 echo
-echo "MLflow UI: $MLFLOW_TRACKING_URI   (experiment mistill/synthetic)"
+python - <<'PY'
+import os
+
+from mlflow.tracking import MlflowClient
+
+from mistill.tracking.runs import experiment_url
+
+uri = os.environ["MLFLOW_TRACKING_URI"]
+exp = MlflowClient(uri).get_experiment_by_name("mistill/synthetic")
+print(f"MLflow UI: {experiment_url(uri, exp.experiment_id) if exp else uri}   (experiment mistill/synthetic)")
+PY

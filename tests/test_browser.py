@@ -208,3 +208,20 @@ def test_mlflow_ui_shows_the_report_run_and_its_figure(tracking_uri, report_run,
     out = Path(os.environ.get("MISTILL_SCREENSHOT_DIR", tmp_path))
     out.mkdir(parents=True, exist_ok=True)
     (out / "report_figure.png").write_bytes(png)
+
+
+def test_the_printed_experiment_link_opens_the_runs_table(tracking_uri, report_run, browser):
+    """The link the demo and the pipeline print (``experiment_url``) opens the experiment's runs
+    table, with the report run listed, not the GenAI traces overview."""
+    from mistill.tracking.runs import experiment_url, run_url
+
+    exp_id, run_id, run_name = report_run
+    assert run_url(tracking_uri, exp_id, run_id).endswith("?workflowType=machine_learning")
+    target = browser.call("Target.createTarget", {"url": "about:blank"})["targetId"]
+    page = browser.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+    browser.call("Page.enable", session=page)
+    browser.call("Emulation.setDeviceMetricsOverride", {"width": 1400, "height": 1000, "deviceScaleFactor": 1,
+                                                        "mobile": False}, session=page)
+    browser.call("Page.navigate", {"url": experiment_url(tracking_uri, exp_id)}, session=page)
+    text = _until(lambda: (t := browser.evaluate("document.body.innerText", page)) and run_name in t and t)
+    assert text and run_name in text, "the runs table does not list the report run"

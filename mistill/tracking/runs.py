@@ -1367,9 +1367,19 @@ def quiet_run_links() -> Iterator[None]:
                     os.environ[_ENV_QUIET_LINKS] = saved
 
 
+UI_VIEW = "?workflowType=machine_learning"
+"""The UI's query that opens the runs views (MLflow 3 otherwise opens an experiment on its GenAI
+traces overview)."""
+
+
 def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
     """A run's page in the MLflow UI of ``tracking_uri``."""
-    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}{UI_VIEW}"
+
+
+def experiment_url(tracking_uri: str, experiment_id: str) -> str:
+    """An experiment's runs table in the MLflow UI of ``tracking_uri``."""
+    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs{UI_VIEW}"
 
 
 # --------------------------------------------------------------------------- system metrics
@@ -1510,7 +1520,8 @@ __all__ = [
     "run_name", "markdown_table", "resolve_tracking_uri", "verify_note_file", "DONE_MARKER",
     "TAG_ENCLAVE_DIR", "ENCLAVE_DIR", "LOCAL_FILES_KEY", "verify_local_note_file", "enclave_missing_error",
     "TAG_LAMBDA", "TAG_PARENT_RUN", "TAG_EXPERIMENT_KIND", "EXPERIMENT_KIND", "SYSTEM_METRICS_STAGES",
-    "StageInterrupted", "child_runs_of", "quiet_run_links", "run_url", "short_model", "lambda_label",
+    "StageInterrupted", "child_runs_of", "experiment_url", "quiet_run_links", "run_url", "short_model",
+    "lambda_label",
     "system_metrics_wanted", "quiet_downloads", "METRIC_SEPARATOR", "metric_name", "check_metric_name",
     "repo_file",
 ]
