@@ -147,7 +147,7 @@ def test_stage_run_logs_tags_params_config_and_finishes(tracking_uri: str, tmp_p
     client = MlflowClient()
     got = client.get_run(run_id)
     assert got.info.status == "FINISHED"
-    assert got.info.run_name == "attribution-SmolLM2-135M-Instruct-mistill-s0"
+    assert got.info.run_name == "mistill s0 · attribution · SmolLM2-135M-Instruct"
     tags = got.data.tags
     assert tags["mistill.stage"] == "attribution" and tags["mistill.model"] == MODEL
     assert tags["mistill.corpus"] == c and tags["mistill.corpus_digest"] == "abc"

@@ -76,10 +76,10 @@ def test_run_names_say_stage_model_arm_lambda_split_seed(tracking_uri: str, tmp_
         readout_id = readout.run_id
     client = MlflowClient()
     trained, read = client.get_run(train_id), client.get_run(readout_id)
-    assert trained.info.run_name == "train-smollm2-135m@every-other-mistill-λ0.03-s0"
+    assert trained.info.run_name == "mistill λ0.03 s0 · train · smollm2-135m@every-other"
     assert trained.data.tags[TAG_LAMBDA] == "0.03"
     # a readout of the checkpoint `run:<id>` is named by what that run trained, not by its id
-    assert read.info.run_name == "evaluate-smollm2-135m@every-other-mistill-λ0.03-test-s0"
+    assert read.info.run_name == "mistill λ0.03 s0 · evaluate · smollm2-135m@every-other · test"
     assert not RUN_ID.search(read.info.run_name) and read.data.tags[TAG_LAMBDA] == "0.03"
 
 
@@ -89,7 +89,7 @@ def test_one_view_run_line_per_run_in_the_log(tracking_uri: str, tmp_path: Path,
     out, err = capsys.readouterr()
     assert "View run" not in out  # MLflow's own print is replaced by the logged line
     lines = [line for line in err.splitlines() if "View run" in line]
-    assert len(lines) == 1 and "evaluate-tiny-qwen3-test-s0 (FINISHED)" in lines[0] and run_id in lines[0]
+    assert len(lines) == 1 and "evaluate · tiny-qwen3 · test · s0 (FINISHED)" in lines[0] and run_id in lines[0]
     assert " INFO " in lines[0]
 
 
@@ -178,7 +178,7 @@ def test_pipeline_tags_each_step_as_it_finishes_and_ends_failed(tracking_uri: st
     assert pipeline.info.status == "FAILED"
     assert pipeline.data.tags[STEP_TAG + "prepare"] == prepare.info.run_id
     assert prepare.data.tags[TAG_PARENT_RUN] == pipeline.info.run_id
-    assert pipeline.info.run_name == "pipeline-tiny-qwen3-s0"
+    assert pipeline.info.run_name == "pipeline · tiny-qwen3 · s0"
 
 
 KILLED_SCRIPT = textwrap.dedent("""

@@ -3,8 +3,8 @@
 * One experiment per corpus: ``mistill/<corpus>`` (:func:`experiment_for_corpus`), artifacts
   inherited from the server (proxied ``mlflow-artifacts:/``), tagged as a model-development
   experiment (``mlflow.experimentKind``) so that the MLflow UI opens on its runs.
-* A run's name says what it is: stage, model, arm, λ, split and seed (:func:`run_name`), never a
-  run id. A stage started for another (:func:`child_runs_of`) is nested under it.
+* A run's name says what it is, arm, λ and seed first, then stage, model and split
+  (:func:`run_name`), never a run id. A stage started for another (:func:`child_runs_of`) is nested under it.
 * Long stages (:data:`SYSTEM_METRICS_STAGES`) log MLflow's system metrics (CPU, memory, GPU):
   ``MISTILL_SYSTEM_METRICS=0`` turns them off, ``=1`` turns them on for every stage.
 * A stage stopped by SIGTERM or Ctrl-C ends KILLED, one stopped by an error FAILED; each ended
@@ -467,13 +467,21 @@ def lambda_label(lam: Any) -> str | None:
 
 def run_name(stage: str, model: str | None = None, arm: str | None = None,
              seed: int | str | None = None, *, lam: Any = None, split: str | None = None) -> str:
-    """``<stage>-<model>-<arm>-λ<λ>-<split>-s<seed>``, leaving out the parts that are None or
-    empty; ``model`` as :func:`short_model` shows it. Never a run id: a part that holds one is
-    left out (the run's tags and lineage keep it)."""
+    """What the run is, the parts a reader compares first leading (the UI cuts long names):
+    ``<arm> λ<λ> s<seed> · <stage> · <model> · <split>`` for a run of an arm (``mistill λ0.03 s0 ·
+    evaluate · smollm2-135m · test``), else ``<stage> · <model> · <split> · s<seed>``; parts that
+    are None or empty are left out; ``model`` as :func:`short_model` shows it. Never a run id: a
+    part that holds one is left out (the run's tags and lineage keep it)."""
+    def kept(*parts: Any) -> list[str]:
+        return [str(p) for p in parts if p not in (None, "") and not _RUN_ID.search(str(p))]
+
     label = lambda_label(lam)
-    parts = [stage, short_model(model), arm, f"λ{label}" if label else None, split or None,
-             f"s{seed}" if seed not in (None, "") else None]
-    return "-".join(str(p) for p in parts if p not in (None, "") and not _RUN_ID.search(str(p)))
+    seed_part = f"s{seed}" if seed not in (None, "") else None
+    rest = kept(stage, short_model(model), split or None)
+    head = kept(arm)
+    if head:
+        return " · ".join([" ".join(head + kept(f"λ{label}" if label else None, seed_part)), *rest])
+    return " · ".join(rest + kept(seed_part))
 
 
 def metric_name(*parts: Any) -> str:
