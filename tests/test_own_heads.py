@@ -253,6 +253,9 @@ def test_m5_summary_on_hand_built_rows():
     got = m5_summary(rows)
     assert got["median_distance"] == 7.0  # of the window-decided mentions only
     assert got["share_window"] == 3 / 8 and got["share_inherited"] == 1 / 8 and got["share_code_token"] == 1 / 8
+    assert got["share_probe_failure"] == 2 / 8 and got["share_censored"] == 1 / 8
+    # the five outcomes partition the mentions: eighths are exact in binary, so the sum is exactly 1
+    assert sum(got[f"share_{o}"] for o in M5_OUTCOMES) == 1.0
     assert got["n_mentions"] == 8.0
     empty = m5_summary([])
     assert math.isnan(empty["median_distance"]) and math.isnan(empty["share_window"]) and empty["n_mentions"] == 0
@@ -315,7 +318,10 @@ def test_own_heads_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_
     m5 = {f"m5/share_{o}" for o in M5_OUTCOMES} | {"m5/n_mentions"}
     assert m5 <= set(metrics)
     assert metrics["m5/n_mentions"] > 0
-    assert 0.0 <= sum(metrics[f"m5/share_{o}"] for o in M5_OUTCOMES) <= 1.0 + 1e-12
+    # every mention receives exactly one of the five outcomes, so the shares sum to 1: five
+    # quotients count/n, each within half an ulp (2^-53 relative), and four additions, so well
+    # within 1e-12
+    assert sum(metrics[f"m5/share_{o}"] for o in M5_OUTCOMES) == pytest.approx(1.0, rel=0, abs=1e-12)
     assert metrics["own/coverage/n_generated"] == 2 and metrics["own/coverage/n_with_events"] == 0
     assert metrics["own/coverage/n_closed"] <= 2
     # a second identical call reuses the finished run

@@ -14,8 +14,8 @@ validation notes); this module measures that ranking on other notes:
 - **M2 / M3 / prefix share**: the read side of the own top-16 (:mod:`mistill.instrument.readside`)
   beside a fixed panel of 16 random heads.
 - **M5**: the forcing probe of the locus pass (:mod:`mistill.instrument.locus`) on the arm's own
-  model: where each chapter mention becomes elicitable (at the event, in the window, inherited)
-  and how far before the letter.
+  model: where each chapter mention becomes elicitable (at the event, in the window, inherited,
+  or not at all: probe failure, censored) and how far before the letter.
 
 Per-note values: recovery is the mean over the note's gated events (per draw for the floor, then
 the mean over draws); necessity the mean over its events. The stage reports medians over notes.
@@ -35,6 +35,7 @@ from mistill.data.inventory import Inventory
 from mistill.distill.buckets import build_axis, row_buckets, token_buckets
 from mistill.instrument.events import RealizedEvent
 from mistill.instrument.hooks import HeadHook
+from mistill.instrument.locus import OUTCOMES as LOCUS_OUTCOMES
 from mistill.instrument.passes import (PHASES, DonorCandidate, DonorWork, EventQuery, KnockinConfig, knockin_sweep,
                                        plan_donors, stable_seed)
 from mistill.instrument.readside import (bucket_rows, chapter_region, event_chapter, head_attention_rows,
@@ -274,9 +275,11 @@ def readside_note(lm: LoadedModel, case: NoteCase, inventory: Inventory,
     return out
 
 
-M5_OUTCOMES = ("code_token", "window", "inherited")
-"""M5's shares: chapter mentions decided at the event (the code token), in the reasoning window,
-and inherited from an earlier code (App. K)."""
+M5_OUTCOMES = LOCUS_OUTCOMES
+"""M5's shares: the forcing probe's five outcomes, a partition of the chapter mentions (App. F,
+"Locus": every mention receives exactly one), so the shares sum to 1. The paper reports three of
+them (decided at the event, in the reasoning window, inherited; App. K); the other two, probe
+failure and censored, are logged beside them so that the shares account for every mention read."""
 
 
 def m5_note(runner: Runner, case: NoteCase, inventory: Inventory, cfg) -> list[dict]:
@@ -306,7 +309,8 @@ def m5_note(runner: Runner, case: NoteCase, inventory: Inventory, cfg) -> list[d
 
 def m5_summary(rows: Sequence[Mapping]) -> dict[str, float]:
     """M5 over every mention read: the median locus distance of the window-decided mentions and
-    the shares decided at the event, in the window and inherited (NaN without mentions)."""
+    the share of each of the five outcomes (:data:`M5_OUTCOMES`; they sum to 1, NaN without
+    mentions)."""
     n = len(rows)
     out = {f"share_{o}": (sum(1 for r in rows if r["outcome"] == o) / n if n else float("nan"))
            for o in M5_OUTCOMES}
