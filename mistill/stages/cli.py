@@ -10,7 +10,9 @@ it (``--flag`` alone means ``true``).
 Before a run is created the command line refuses, with exit code 2, an unknown option (naming the
 closest known one), a value that does not fit its field, and a required input run left empty; it
 then makes one request to the tracking server, so an unreachable server is reported (exit code 3)
-before the stage loads anything.
+before the stage loads anything, and checks every input run, model and file the config names
+(:func:`mistill.stages.runner.preflight`: a run of the wrong stage, a run that did not finish, a
+model directory without ``config.json`` are refused with exit code 2).
 """
 
 from __future__ import annotations
@@ -441,7 +443,8 @@ def main(stage_name: str, argv: Sequence[str] | None = None, *, prog: str | None
     another live process and waiting was refused; the message goes to stderr, as one line.
     ``--help`` prints the stage's options and exits with code 0. Bad options, values and missing
     required input runs are refused before the tracking server is contacted; the server is then
-    asked once, before the stage starts (:func:`check_tracking_server`).
+    asked once (:func:`check_tracking_server`), and the input runs, models and files the config
+    names are checked (:func:`~mistill.stages.runner.preflight`), before the stage starts.
 
     Under ``mlflow run`` (``MLFLOW_RUN_ID`` set), the run ``mlflow run`` opened holds every ``-P``
     value as a param before the stage starts. A refusal (exit code 2 or 4) of a stage that did not
@@ -452,6 +455,7 @@ def main(stage_name: str, argv: Sequence[str] | None = None, *, prog: str | None
     field, and the stage's message, which could repeat it, is not shown.
     """
     from mistill.stages.registry import stage as find_stage
+    from mistill.stages.runner import preflight  # imports MLflow and torch: not needed for `--help`
     from mistill.tracking.connection import configure_client_timeouts, tracking_errors
     from mistill.tracking.lease import LeaseError  # imports MLflow: not needed for `mistill --help`
 
@@ -468,6 +472,7 @@ def main(stage_name: str, argv: Sequence[str] | None = None, *, prog: str | None
             stage.check_inputs(cfg)
             cfg.check_environment()
             check_tracking_server()
+            preflight(stage, cfg)
             if launcher != "none" and "WORLD_SIZE" not in os.environ:
                 status = launch(stage_name, nproc, rest, launcher)
                 if status:

@@ -12,21 +12,28 @@ read from the enclave on this machine and checked against its ``_DONE`` sha256, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
 
 from mistill.data.corpus import Corpus, Note
 from mistill.data.inventory import Inventory
 from mistill.data.prompts import Prompt, build_prompt
 from mistill.errors import MistillInputError
 from mistill.io import read_json
+from mistill.models.loading import check_model_present, split_layer_spec
 from mistill.tracking.models import checkpoint_logged_model
+from mistill.tracking.runs import TAG_STAGE, repo_file
 
 if TYPE_CHECKING:
     from mlflow.entities import Run
@@ -645,3 +652,103 @@ class RunReader:
             verify_local_note_file(path, done, run_id=self.run_id, subdir=subdir, note_id=str(note_id))
             self._verified[path] = stamp
         return path
+
+
+# ----------------------------------------------------------------------- input runs, checked first
+PREPARED_DATA_STAGES = ("prepare", "shortlist", "generate")
+"""The stages whose runs hold a prepared corpus (:func:`load_prepared`)."""
+
+INPUT_RUN_STAGES: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "prepare_run": PREPARED_DATA_STAGES,
+    "train_prepare_run": PREPARED_DATA_STAGES,
+    "exclude_prepare_runs": PREPARED_DATA_STAGES,
+    "events_run": ("events",),
+    "attribute_run": ("attribute",),
+    "teacher_attribute_run": ("attribute",),
+    "student_attribute_run": ("attribute",),
+    "locus_run": ("locus",),
+    "read_side_run": ("read_side",),
+    "targets_run": ("targets",),
+    "train_run": ("train",),
+    "las_run": ("las_simulator",),
+})
+"""Every config field that names input runs (a field ending in ``_run`` or ``_runs``), and the
+stages whose runs it accepts, by their ``mistill.stage`` tag. A stage reads each such run as the
+stage that wrote it left it (its ``config.json``, its files), so only those stages fit. An
+``attribute`` field takes the ``attribute`` run itself: a ``characterize`` run is the parent of
+its three steps and holds none of their files (the run plans of ``reproduce`` name its nested
+attribute run as ``<step>:attribute`` and pass that run's id on). A ``run:<id>`` model spec takes
+a ``train`` run (:data:`MODEL_RUN_STAGES`)."""
+
+MODEL_RUN_STAGES = ("train",)
+"""The stages whose runs a ``run:<id>`` model spec may name (the checkpoint a ``train`` run saved)."""
+
+
+def run_fields(config: type) -> tuple[str, ...]:
+    """The fields of a config class that name input runs: a string or a tuple of strings whose
+    name ends in ``_run`` or ``_runs`` (``dry_run``, a boolean, is none)."""
+    hints = typing.get_type_hints(config)
+    out = []
+    for f in dataclasses.fields(config):
+        hint = hints[f.name]
+        if f.name.endswith(("_run", "_runs")) and (hint is str or typing.get_args(hint)[:1] == (str,)):
+            out.append(f.name)
+    return tuple(out)
+
+
+def _stages_text(stages: Sequence[str]) -> str:
+    """``a `prepare` run``'s stage part: "a `targets`", "a `prepare`, `shortlist` or `generate`"."""
+    names = [f"`{s}`" for s in stages]
+    joined = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+    return f"{'an' if stages[0][:1] in 'aeiou' else 'a'} {joined}"
+
+
+def check_input_run(client: MlflowClient, run_id: str, field: str, stages: Sequence[str]) -> None:
+    """Refuse ``run_id`` as the value of ``field`` unless the run exists, is not deleted, ended
+    FINISHED and is a run of one of ``stages`` (its ``mistill.stage`` tag), e.g. "run <id> is a
+    `prepare` run; --targets_run needs a `targets` run". Asks the tracking server one request.
+
+    Raises:
+        MistillInputError: naming ``field``.
+    """
+    need = f"--{field} needs {_stages_text(stages)} run"
+    try:
+        run = client.get_run(run_id)
+    except MlflowException as exc:
+        if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        raise MistillInputError(f"no run {run_id} on the tracking server {client.tracking_uri}; {need}",
+                                field=field) from None
+    if run.info.lifecycle_stage == "deleted":
+        raise MistillInputError(f"run {run_id} is deleted; {need}", field=field)
+    stage = run.data.tags.get(TAG_STAGE)
+    if stage not in stages:
+        what = f"{'an' if stage[:1] in 'aeiou' else 'a'} `{stage}` run" if stage else \
+            f"not a stage's run (no {TAG_STAGE} tag)"
+        raise MistillInputError(f"run {run_id} is {what}; {need}", field=field)
+    if run.info.status != "FINISHED":
+        raise MistillInputError(f"run {run_id} is {run.info.status}, not FINISHED; {need} that finished "
+                                "(rerun its stage to resume it)", field=field)
+
+
+def check_model_input(client: MlflowClient, spec: str, field: str) -> None:
+    """Refuse a model spec whose model is not there, without loading it: a ``run:<id>`` names a
+    FINISHED ``train`` run (:func:`check_input_run`), any other spec has its files on this
+    machine (:func:`~mistill.models.loading.check_model_present`)."""
+    base = split_layer_spec(spec)[0]
+    if base.startswith("run:"):
+        check_input_run(client, base[len("run:"):], field, MODEL_RUN_STAGES)
+    else:
+        check_model_present(spec, field)
+
+
+def check_input_files(config: Any, fields: Sequence[str]) -> None:
+    """Refuse a non-empty file field of ``config`` (``fields``) that names no file here (a
+    relative path is looked for from the current folder, then under the repository root, as
+    the stages read it: :func:`~mistill.tracking.runs.repo_file`)."""
+    for name in fields:
+        value = getattr(config, name)
+        if value and not Path(repo_file(value)).expanduser().is_file():
+            raise MistillInputError(f"no file {value} here; --{name} needs an existing file", file=value,
+                                    field=name)
+

@@ -35,6 +35,10 @@ class Stage:
     shardable: ``torchrun`` / ``accelerate launch`` may share the stage's work among processes
         (a pass's independent notes, :mod:`mistill.stages.runner`; a training batch's examples,
         :mod:`mistill.distill.trainer`); its entry point takes ``launcher`` and ``nproc``.
+    models: the config fields naming a model the stage loads (a spec of
+        :mod:`mistill.models.loading`); files: the config fields naming a file it reads. Both are
+        checked before the stage's run is created (:func:`mistill.stages.runner.preflight`), as
+        are the runs every ``*_run`` / ``*_runs`` field names.
     """
 
     name: str
@@ -46,6 +50,8 @@ class Stage:
     sources: Mapping[str, str] = field(default_factory=dict)
     stands_for: str = ""
     shardable: bool = False
+    models: tuple[str, ...] = ()
+    files: tuple[str, ...] = ()
 
     def input_runs(self, cfg: Config) -> dict[str, str]:
         """Lineage of a config: the input runs it names (optional inputs left empty are omitted)."""
@@ -89,19 +95,22 @@ class _Entry:
     sources: Mapping[str, str] = field(default_factory=dict)
     stands_for: str = ""
     shardable: bool = False
+    models: tuple[str, ...] = ()
+    files: tuple[str, ...] = ()
 
 
 _TABLE = (
     _Entry("prepare", "mistill.stages.prepare", "PrepareConfig", "run_prepare", {},
-           "inventory, corpus and prompts"),
+           "inventory, corpus and prompts", models=("model",), files=("codes_file", "split_file")),
     _Entry("shortlist", "mistill.stages.shortlist", "ShortlistConfig", "run_shortlist", {"prepare": "prepare_run"},
            "the retrieved shortlist: a prepared corpus whose prompts list it (use as prepare_run)",
-           stands_for="prepare"),
+           stands_for="prepare", models=("encoder",)),
     _Entry("generate", "mistill.stages.generate", "GenerateConfig", "run_generate", {"prepare": "prepare_run"},
            "a model's traces under the paper's decoding: flags, rates, a traced corpus (use as prepare_run)",
-           stands_for="prepare", shardable=True),
+           stands_for="prepare", shardable=True, models=("model",)),
     _Entry("events", "mistill.stages.characterize", "EventsConfig", "run_events", {"prepare": "prepare_run"},
-           "decision events per note, realized in the model's tokenizer, and the margin audit", shardable=True),
+           "decision events per note, realized in the model's tokenizer, and the margin audit", shardable=True,
+           models=("model",)),
     _Entry("attribute", "mistill.stages.characterize", "AttributeConfig", "run_attribute",
            {"events": "events_run"}, "attribution pass, exact patches, calibration and global head sets",
            shardable=True),
@@ -130,31 +139,38 @@ _TABLE = (
     _Entry("train", "mistill.stages.distill", "TrainStageConfig", "run_train",
            {"targets": "targets_run", "student_attribute": "student_attribute_run"},
            "one arm at one seed with the shared recipe; the checkpoint registered per arm and seed",
-           optional=frozenset({"student_attribute"}), sources={"student_attribute": "attribute"}, shardable=True),
+           optional=frozenset({"student_attribute"}), sources={"student_attribute": "attribute"}, shardable=True,
+           models=("student",)),
     _Entry("evaluate", "mistill.stages.evaluate", "EvaluateConfig", "run_evaluate",
            {"prepare": "prepare_run", "train": "train_run", "las": "las_run"},
            "a model or trained arm on a split: predictions, task metrics, fidelity (PPL, BLEU-4, LAS), M1",
-           optional=frozenset({"train", "las"}), sources={"las": "las_simulator"}, shardable=True),
+           optional=frozenset({"train", "las"}), sources={"las": "las_simulator"}, shardable=True,
+           models=("model",)),
     _Entry("las_simulator", "mistill.stages.las", "LasSimulatorConfig", "run_las_simulator",
            {"prepare": "prepare_run"},
-           "the frozen LAS simulator: fine-tuned once on the teacher's traces (note + rationale, note alone)"),
+           "the frozen LAS simulator: fine-tuned once on the teacher's traces (note + rationale, note alone)",
+           models=("model",)),
     _Entry("own_heads", "mistill.stages.own_heads", "OwnHeadsConfig", "run_own_heads",
            {"prepare": "prepare_run", "train": "train_run"},
            "mechanism readouts on an arm's own heads (M4 knock-in and floors, M2, M3, prefix share; own traces)",
-           optional=frozenset({"train"}), shardable=True),
+           optional=frozenset({"train"}), shardable=True, models=("model",)),
     _Entry("select_lambda", "mistill.stages.select_lambda", "SelectLambdaConfig", "run_select_lambda",
            {"prepare": "prepare_run", "targets": "targets_run", "student_attribute": "student_attribute_run"},
            "pre-registered λ selection: a locked grid on Optuna, each cell trained and evaluated once",
-           optional=frozenset({"student_attribute"}), sources={"student_attribute": "attribute"}),
+           optional=frozenset({"student_attribute"}), sources={"student_attribute": "attribute"},
+           models=("student",), files=("lock",)),
     _Entry("characterize", "mistill.stages.workflow", "CharacterizeConfig", "run_characterize",
-           {"prepare": "prepare_run"}, "events -> attribute -> knockin, reusing identical finished runs"),
+           {"prepare": "prepare_run"}, "events -> attribute -> knockin, reusing identical finished runs",
+           models=("model",)),
     _Entry("pipeline", "mistill.stages.workflow", "PipelineConfig", "run_pipeline", {},
-           "the whole platform on one corpus: prepare, then every stage that exists"),
+           "the whole platform on one corpus: prepare, then every stage that exists",
+           models=("model", "student", "las_model"), files=("codes_file", "select_lock")),
     _Entry("reproduce", "mistill.stages.reproduce", "ReproduceConfig", "run_reproduce", {},
            "the paper's run trees on local models and data, each a parent run of its nested, reused steps; "
            "a dry run (the default when a path is missing) prints the plan and its GPU-hours"),
     _Entry("report", "mistill.stages.report", "ReportConfig", "run_report", {},
-           "the paper's tables and figures from the tracking store, paired note-level tests"),
+           "the paper's tables and figures from the tracking store, paired note-level tests",
+           files=("audit_labels",)),
     _Entry("verify", "mistill.stages.verify", "VerifyConfig", "run_verify", {},
            "the reproduced numbers against the values the paper expects (Appendix Q): agrees, differs, "
            "not run or no readout"),
@@ -170,7 +186,7 @@ def _stage(entry: _Entry) -> Stage:
     module = importlib.import_module(entry.module)
     return Stage(entry.name, getattr(module, entry.config), getattr(module, entry.run), dict(entry.inputs),
                  entry.help, optional=entry.optional, sources=dict(entry.sources), stands_for=entry.stands_for,
-                 shardable=entry.shardable)
+                 shardable=entry.shardable, models=entry.models, files=entry.files)
 
 
 def stage(name: str) -> Stage:

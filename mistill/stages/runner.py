@@ -46,18 +46,48 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mlflow.tracking import MlflowClient
+
 from mistill.distributed import barrier, broadcast, current_world, init_world, rank_device, shard
 from mistill.errors import MistillInputError
 from mistill.progress import get_logger, track
+from mistill.stages.common import INPUT_RUN_STAGES, check_input_files, check_input_run, check_model_input, run_fields
 
 if TYPE_CHECKING:
     from mistill.config import Config
     from mistill.data.corpus import Note
     from mistill.stages.common import Prepared
+    from mistill.stages.registry import Stage
     from mistill.tracking.privacy import PrivacyGuard
     from mistill.tracking.runs import StageRun
 
 _log = get_logger("runner")
+
+
+def preflight(stage: Stage, cfg: Config) -> None:
+    """Check what a stage's config names outside itself, before the stage reads anything or
+    creates its run: every run a ``*_run`` / ``*_runs`` field names exists, ended FINISHED and is
+    a run of a stage that field accepts (:data:`~mistill.stages.common.INPUT_RUN_STAGES`); every
+    model the stage loads is there (``stage.models``: a local directory with ``config.json``, a
+    cached hub id, an installed ``embedded:`` model, or a FINISHED ``train`` run for
+    ``run:<id>``); every file it reads exists (``stage.files``). Nothing is loaded; each run is
+    one request to the tracking server. The command line calls it for every stage
+    (:func:`mistill.stages.cli.main`), as does a workflow step run in its process.
+
+    Raises:
+        MistillInputError: naming the field, e.g. "run <id> is a `prepare` run; --targets_run
+            needs a `targets` run".
+    """
+    client = MlflowClient()
+    for name in run_fields(type(cfg)):
+        value = getattr(cfg, name)
+        for run_id in value if isinstance(value, (tuple, list)) else (value,):
+            if run_id:
+                check_input_run(client, run_id, name, INPUT_RUN_STAGES[name])
+    for name in stage.models:
+        if getattr(cfg, name):
+            check_model_input(client, getattr(cfg, name), name)
+    check_input_files(cfg, stage.files)
 
 
 @contextlib.contextmanager
@@ -177,5 +207,5 @@ class WrittenNotes:
             return {k: d[k] for k in d.files}
 
 
-__all__ = ["open_stage", "stage_device", "pending_notes", "progress_label", "note_loop", "notes_written",
+__all__ = ["preflight", "open_stage", "stage_device", "pending_notes", "progress_label", "note_loop", "notes_written",
            "WrittenNotes"]

@@ -28,6 +28,7 @@ from mistill.errors import MistillInputError
 from mistill.models.loading import EMBEDDED_DEFAULT
 from mistill.params import AttributeParams, KnockinParams, NomineeParams, NullParams
 from mistill.progress import get_logger
+from mistill.stages.runner import preflight
 from mistill.validation import (check_choice, check_name, check_non_negative, check_not_empty,
                                 check_positive)
 
@@ -124,6 +125,7 @@ def run_step(stage_name: str, cfg: Config, corpus_name: str, *, launch: str = "m
     with child_runs_of(parent):
         if launch == "inline" or world.distributed:
             cfg.check_environment()
+            preflight(stage, cfg)
             # inside a launched entry point (`mlflow run` sets MLFLOW_RUN_ID), a step run in
             # this process opens its own run rather than adopting the launcher's
             with environment_variable("MLFLOW_RUN_ID", None):
@@ -624,6 +626,8 @@ def summary(ids: dict[str, str]) -> str:
     import mlflow
     from mlflow.tracking import MlflowClient
 
+    from mistill.tracking.runs import run_url
+
     client = MlflowClient()
     lines = [f"MLflow UI: {mlflow.get_tracking_uri()}"]
     keys = {"prepare": ("n_notes", "n_codes_inventory", "median_total_tokens"),
@@ -651,8 +655,7 @@ def summary(ids: dict[str, str]) -> str:
         m = run.data.metrics
         wanted = keys.get(step, next((v for p, v in by_prefix.items() if step.startswith(p)), ()))
         shown = ", ".join(f"{k}={m[k]:.3g}" for k in wanted if k in m)
-        lines.append(f"  {step:<10} {run_id}  {mlflow.get_tracking_uri()}/#/experiments/"
-                     f"{exp.experiment_id}/runs/{run_id}  {shown}")
+        lines.append(f"  {step:<10} {run_id}  {run_url(mlflow.get_tracking_uri(), exp.experiment_id, run_id)}  {shown}")
     return "\n".join(lines)
 
 
