@@ -384,7 +384,7 @@ def test_training_on_two_processes_equals_one_process(targets_run, tmp_path, mon
     root = targets_run["root"]
     monkeypatch.setenv("MISTILL_ROOT", str(root))
     args = dict(targets_run=targets_run["targets"], student="tiny:qwen3:seed=2", arm="vanilla-bf16", grad_accum=3,
-                max_steps=1, lr=1e-3)
+                max_steps=2, lr=1e-3)
     # `register` tells the two runs apart (identical runs are reused); it does not touch training
     runs = {"one": run_train(TrainStageConfig(**args, register=False))}
     frozen = freeze_source(tmp_path / "src")
@@ -399,10 +399,16 @@ def test_training_on_two_processes_equals_one_process(targets_run, tmp_path, mon
     client = MlflowClient()
     history = {k: [m.value for m in sorted(client.get_metric_history(r, "train/loss"), key=lambda m: m.step)]
                for k, r in runs.items()}
-    assert len(history["one"]) == 1 and history["two"] == pytest.approx(history["one"], rel=1e-3)
+    # the first loss is of the same weights (only the summation order differs); the second is of
+    # the weights after one update, which may differ in the few entries whose near-zero gradient
+    # flipped sign (at most 0.1% of the entries, asserted below). The update moves the loss by
+    # about 0.2 nats; 1e-4 of the loss (about 2e-3 nats) is 1% of that move (measured: 2e-6)
+    assert len(history["one"]) == 2 and history["two"][0] == pytest.approx(history["one"][0], rel=1e-3)
+    assert history["two"][1] == pytest.approx(history["one"][1], rel=1e-4)
+    assert history["one"][1] != history["one"][0]  # the update changed the loss: the comparison is not vacuous
     states = {k: torch.load(root / "work" / r / "trainer" / "trainer_state.pt", weights_only=False)
               for k, r in runs.items()}
-    assert states["one"]["step"] == states["two"]["step"] == 1
+    assert states["one"]["step"] == states["two"]["step"] == 2
     before = load_model("tiny:qwen3:seed=2").model.state_dict()
     # bf16 gradients are summed in another order (each rank's share, then over the ranks), so a
     # gradient entry can round to another bf16 value; where it is near zero, its sign (Adam's
@@ -467,7 +473,7 @@ def test_fp32_mistill_on_two_processes_shards_and_equals_one_process(mistill_inp
         assert two == pytest.approx(one, rel=1e-4, abs=1e-7), key
     states = {k: torch.load(root / "work" / r / "trainer" / "trainer_state.pt", weights_only=False)
               for k, r in runs.items()}
-    assert states["one"]["step"] == states["two"]["step"] == 1
+    assert states["one"]["step"] == states["two"]["step"] == 2
     # the optimizer state of the sharded run was gathered whole, keyed by parameter name
     assert set(states["two"]["optimizer"]["state"]) == set(states["one"]["optimizer"]["state"])
     before = load_model("tiny:qwen3:seed=2").model.state_dict()
