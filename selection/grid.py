@@ -1,20 +1,29 @@
-"""The Optuna study of a λ selection: one SQLite (RDB) study per lock and inputs, each cell once.
+"""The Optuna study of a λ selection: one RDB study per lock and inputs, each cell run to a result.
 
-* :func:`open_study` creates the study (direction maximize) with the lock's sha256 in its user
-  attributes, or loads it and refuses when the lock changed. Its storage records heartbeats
-  (:mod:`selection.heartbeat`: interval, grace period, retries).
+* :func:`open_study` creates the study (direction maximize) with the lock's sha256 and the retry
+  cap of failed cells (``max_retries``) in its user attributes, or loads it and refuses when the
+  lock changed. Its storage records heartbeats (:mod:`selection.heartbeat`: interval, grace
+  period, retries).
 * :func:`run_cells` runs the cells of a grid through Optuna's :class:`GridSampler` (ask/tell),
-  ``workers`` threads in this process; other processes may work on the same study at the same
-  time. Claiming a cell (failing stale trials, taking a queued retry or creating a trial and
-  fixing its grid point, recording its first heartbeat) happens under an exclusive file lock next
-  to the SQLite file, so no two workers, threads or processes, ever hold one cell at once.
-* Each cell runs to completion once. A cell whose runner raised stays failed (reported, not
-  retried). A cell whose worker stopped (killed, its machine lost, interrupted) is retried: its
-  heartbeat goes stale after the grace period, the next claim fails the trial and Optuna's
-  :class:`~optuna.storages.RetryHeartbeatStaleTrialCallback` queues a WAITING trial with the same
-  grid point, which the next free worker takes; at most ``max_retry`` retries per cell, after
-  which the cell counts as failed. A worker interrupted in-process (``KeyboardInterrupt``) fails
-  its trial and queues the retry at once.
+  ``workers`` at once: threads of this process, or with ``processes`` spawned worker processes
+  (each its own interpreter, storage connection and MLflow client, its torch threads a share of
+  the CPUs), for runners that load models (importing and loading models is not thread-safe);
+  other processes may work on the same study at the same time. Claiming a cell (failing stale
+  trials, taking a queued retry or creating a trial and fixing its grid point, recording its
+  first heartbeat) happens under an exclusive lock (a file lock next to a SQLite file, an
+  advisory lock on PostgreSQL), so no two workers ever hold one cell at once.
+* A cell whose runner raised is failed, with its reason (``failure_reason``, one line) on the
+  trial, and is not run again by the same call. The next call on the study (a rerun) queues it
+  again, at most ``max_retries`` times per cell (the study's user attribute of that name); the
+  study's ``failure_retries`` attribute counts the retries per cell and each retry trial carries
+  its number (``failure_retry``). A cell out of retries stays failed and is reported with its
+  reason (:func:`failure_summary`).
+* A cell whose worker stopped (killed, its machine lost, interrupted) is retried within the same
+  call: its heartbeat goes stale after the grace period, the next claim fails the trial and
+  Optuna's :class:`~optuna.storages.RetryHeartbeatStaleTrialCallback` queues a WAITING trial with
+  the same grid point, which the next free worker takes; at most ``max_retry`` such retries per
+  attempt, after which the cell counts as failed (and a rerun retries it as above). A worker
+  interrupted in-process (``KeyboardInterrupt``) fails its trial and queues the retry at once.
 * A worker with nothing left to claim while cells of its grid are RUNNING (or queued) elsewhere
   waits for them, polling; it never ends on another worker's cell. A stale one is failed and
   retried by the polling worker itself, so the wait is bounded by the grace period whenever the
@@ -33,6 +42,9 @@ import contextlib
 import fcntl
 import hashlib
 import math
+import multiprocessing
+import os
+import pickle
 import threading
 import time
 import traceback
@@ -65,6 +77,15 @@ ATTR_TIE_BREAK = "tie_break"
 ATTR_VALIDITY = "validity"
 ATTR_RUN_IDS = "run_ids"
 ATTR_ERROR = "error"
+ATTR_REASON = "failure_reason"
+ATTR_FAILURE_RETRY = "failure_retry"
+ATTR_MAX_RETRIES = "max_retries"
+ATTR_RETRIES = "failure_retries"
+DEFAULT_MAX_RETRIES = 2
+"""Retries of a failed cell when the study does not say otherwise **[recon]**: the paper states
+no retry policy; two reruns cover a transient failure (a lost file system, a busy server) without
+hiding a cell that fails every time."""
+REASON_CHARS = 500
 STALE_ERROR = "worker stopped: heartbeat stale, retries used up"
 INTERRUPTED = "interrupted"
 TAG_STUDY = "mistill.selection.study"
@@ -153,8 +174,8 @@ def claim_lock(storage_url: str, study_name: str, lock_file: Path) -> Iterator[N
 
 @dataclass
 class SelectionStudy:
-    """An opened study: its name, storage (with heartbeat), and the file lock that serialises
-    claims."""
+    """An opened study: its name, storage (with heartbeat), the file lock that serialises claims
+    and the retry cap of failed cells recorded in the study."""
 
     name: str
     storage_url: str
@@ -162,6 +183,7 @@ class SelectionStudy:
     lock_file: Path
     created: bool
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
+    max_retries: int = DEFAULT_MAX_RETRIES
 
     def load(self, sampler: Any = None) -> Any:
         import optuna
@@ -178,20 +200,33 @@ def _storage(url: str, heartbeat: Heartbeat) -> Any:
     return rdb_storage(url, heartbeat, kwargs)
 
 
+def _check_max_retries(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MistillInputError(f"the retry cap of failed cells must be an integer >= 0, got {value!r}",
+                                field=ATTR_MAX_RETRIES)
+    return value
+
+
 def open_study(lock: Lock, storage_url: str, study_name: str, *, root: Path | str = ".mistill",
-               heartbeat: Heartbeat | None = None) -> SelectionStudy:
+               heartbeat: Heartbeat | None = None, max_retries: int | None = None) -> SelectionStudy:
     """Create the study under ``lock`` or load it; refuse a study created under another lock.
 
     heartbeat: how this process records and judges liveness (default :class:`Heartbeat`).
+    max_retries: retries of a failed cell across reruns, recorded as the study's user attribute
+        ``max_retries``; None keeps the recorded value (:data:`DEFAULT_MAX_RETRIES` for a new
+        study or one that records none).
 
     Raises:
         MistillInputError: the study exists with a different lock sha256 (names the lock file and
-            both hashes), or the heartbeat settings are invalid.
+            both hashes), the heartbeat settings are invalid, or the retry cap is not an integer
+            >= 0.
     """
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     heartbeat = heartbeat or Heartbeat()
+    if max_retries is not None:
+        _check_max_retries(max_retries)
     lock_file = lock_file_for(storage_url, root)
     with claim_lock(storage_url, study_name, lock_file):
         storage = _storage(storage_url, heartbeat)
@@ -208,13 +243,21 @@ def open_study(lock: Lock, storage_url: str, study_name: str, *, root: Path | st
                     f"(file {attrs.get(ATTR_LOCK_PATH)}); this lock's sha256 is {lock.sha256}. A "
                     f"pre-registered lock cannot change after its study started: restore the lock, "
                     f"or give the new one another study name", file=lock.path, field="sha256")
-            return SelectionStudy(study_name, storage_url, storage, lock_file, created=False, heartbeat=heartbeat)
+            cap = attrs.get(ATTR_MAX_RETRIES)
+            if max_retries is not None or cap is None:
+                cap = DEFAULT_MAX_RETRIES if max_retries is None else max_retries
+                storage.set_study_user_attr(study_id, ATTR_MAX_RETRIES, cap)
+            return SelectionStudy(study_name, storage_url, storage, lock_file, created=False, heartbeat=heartbeat,
+                                  max_retries=_check_max_retries(cap))
         study = optuna.create_study(study_name=study_name, storage=storage, direction="maximize")
+        cap = DEFAULT_MAX_RETRIES if max_retries is None else max_retries
         study.set_user_attr(ATTR_LOCK_SHA, lock.sha256)
         study.set_user_attr(ATTR_LOCK_PATH, lock.path)
         study.set_user_attr(ATTR_LOCK_TEXT, lock.text)
+        study.set_user_attr(ATTR_MAX_RETRIES, cap)
         study.set_user_attr("created", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-        return SelectionStudy(study_name, storage_url, storage, lock_file, created=True, heartbeat=heartbeat)
+        return SelectionStudy(study_name, storage_url, storage, lock_file, created=True, heartbeat=heartbeat,
+                              max_retries=cap)
 
 
 def _grid_sampler(space: Mapping[str, list[float]]) -> Any:
@@ -267,33 +310,67 @@ def _deciding_trials(trials: Iterable[Any]) -> dict[Cell, Any]:
 
 
 def _error_of(trial: Any) -> str:
-    """A FAIL trial's error, first line: the runner's, else the stale-heartbeat reason."""
+    """A FAIL trial's reason in one line: the runner's error, else the stale-heartbeat reason."""
+    reason = trial.user_attrs.get(ATTR_REASON)
+    if reason:
+        return str(reason)
     error = trial.user_attrs.get(ATTR_ERROR)
     return str(error).splitlines()[0] if error else STALE_ERROR
+
+
+def _one_line(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= REASON_CHARS else line[:REASON_CHARS - 3] + "..."
+
+
+def _retries_used(trials: Iterable[Any]) -> int:
+    """How many times a rerun queued the cell of ``trials`` (all of one cell) after it failed."""
+    return max((int(t.user_attrs.get(ATTR_FAILURE_RETRY) or 0) for t in trials), default=0)
+
+
+def _by_cell(trials: Iterable[Any]) -> dict[Cell, list[Any]]:
+    out: dict[Cell, list[Any]] = {}
+    for t in trials:
+        if t.params:
+            out.setdefault(Cell.of(t.params), []).append(t)
+    return out
 
 
 @dataclass
 class CellReport:
     """What one :func:`run_cells` call found and did, by cell key.
 
-    ``running_elsewhere``: cells some other worker held (RUNNING or queued) when the call began;
-    the call waited for them. ``stale``: trials this call failed because their heartbeat went
-    stale (their cells were queued again unless out of retries). ``superseded``: cells whose
-    trial another worker failed as stale while this one still ran it (its result is dropped; the
-    retry stands).
+    ``failed_before``: cells failed when the call began, with their reasons; ``retried``: those
+    of them the call queued again (the retry's number, 1 for the first), ``gave_up``: those out of
+    retries (not run again). ``running_elsewhere``: cells some other worker held (RUNNING or
+    queued) when the call began; the call waited for them. ``stale``: trials this call failed
+    because their heartbeat went stale (their cells were queued again unless out of retries).
+    ``superseded``: cells whose trial another worker failed as stale while this one still ran it
+    (its result is dropped; the retry stands).
     """
 
     ran: list[str] = field(default_factory=list)
     failed_now: dict[str, str] = field(default_factory=dict)
     complete_before: list[str] = field(default_factory=list)
     failed_before: dict[str, str] = field(default_factory=dict)
+    retried: dict[str, int] = field(default_factory=dict)
+    gave_up: dict[str, str] = field(default_factory=dict)
     running_elsewhere: list[str] = field(default_factory=list)
     stale: dict[str, list[int]] = field(default_factory=dict)
     superseded: list[str] = field(default_factory=list)
 
+    def merge(self, other: CellReport) -> None:
+        """Add what another worker of the same call (a worker process) ran, failed and saw go stale."""
+        self.ran.extend(other.ran)
+        self.failed_now.update(other.failed_now)
+        for key, numbers in other.stale.items():
+            self.stale.setdefault(key, []).extend(numbers)
+        self.superseded.extend(other.superseded)
+
     def to_dict(self) -> dict[str, Any]:
         return {"ran": sorted(self.ran), "failed_now": self.failed_now,
                 "complete_before": sorted(self.complete_before), "failed_before": self.failed_before,
+                "retried": self.retried, "gave_up": self.gave_up,
                 "running_elsewhere": sorted(self.running_elsewhere), "stale": self.stale,
                 "superseded": sorted(self.superseded)}
 
@@ -458,10 +535,10 @@ def _run_claimed(handle: SelectionStudy, study: Any, claim: Claim, runner: Runne
             raise TypeError(f"the runner returned {type(result).__name__}, not a CellResult")
         if not math.isfinite(result.metric):
             raise ValueError(f"the selection metric is not finite ({result.metric!r})")
-    except Exception as exc:  # noqa: BLE001 - a failed cell is recorded and reported, not retried
+    except Exception as exc:  # noqa: BLE001 - a failed cell is recorded and reported; a rerun retries it
         error = f"{type(exc).__name__}: {exc}"
-        told = _tell(handle, study, claim, {ATTR_ERROR: error + "\n" + traceback.format_exc()[-4000:]}, None,
-                     state=TrialState.FAIL)
+        told = _tell(handle, study, claim, {ATTR_ERROR: error + "\n" + traceback.format_exc()[-4000:],
+                                            ATTR_REASON: _one_line(error)}, None, state=TrialState.FAIL)
         if mlflow_run:
             _end_trial_run(mlflow_run, tracking, None, error)
         with report_lock:
@@ -511,18 +588,43 @@ def _unfinished(study: Any, space: Mapping[str, list[float]]) -> bool:
     return any(t.state.name in ("RUNNING", "WAITING") for t in _in_space(study.get_trials(deepcopy=False), space))
 
 
-def run_cells(handle: SelectionStudy, space: Mapping[str, list[float]], runner: Runner, *,
-              scale: str, workers: int = 1, tracking: TrialTracking | None = None) -> CellReport:
-    """Run every cell of ``space`` (``{axis: values}``) to completion once, ``workers`` threads here.
+def _queue_failed(handle: SelectionStudy, study: Any, space: Mapping[str, list[float]], report: CellReport) -> None:
+    """Under the claim lock: queue again (a WAITING trial at the same grid point) every cell of
+    ``space`` whose latest attempt failed, while it has retries left under the study's cap;
+    record the retry's number on the trial and in the study's ``failure_retries``; report the
+    cells out of retries in ``gave_up``."""
+    import optuna
 
-    Cells already complete are skipped; cells whose runner failed earlier are reported and not
-    run again; cells another worker is running are waited for (a stale one is failed and
-    retried here). Returns once no cell of ``space`` is running or queued anywhere.
-    """
-    if workers < 1:
-        raise MistillInputError(f"workers must be >= 1, got {workers}", field="workers")
-    study = handle.load(_grid_sampler(space))
-    report = _found(study, space)
+    with claim_lock(handle.storage_url, handle.name, handle.lock_file):
+        trials = _in_space(study.get_trials(deepcopy=False), space)
+        cells = _by_cell(trials)
+        queued: dict[str, int] = {}
+        for cell, t in sorted(_deciding_trials(trials).items()):
+            if t.state.name != "FAIL":
+                continue
+            used = _retries_used(cells[cell])
+            if used >= handle.max_retries:
+                report.gave_up[cell.key] = _error_of(t)
+                continue
+            first = retried_from(t)
+            system_attrs = {k: v for k, v in t.system_attrs.items() if k in ("grid_id", "search_space")}
+            system_attrs["failed_trial"] = t.number if first is None else first
+            user_attrs = {ATTR_CELL: cell.key, ATTR_FAILURE_RETRY: used + 1, "retry_reason": _error_of(t)}
+            study.add_trial(optuna.create_trial(state=optuna.trial.TrialState.WAITING, params=t.params,
+                                                distributions=t.distributions, user_attrs=user_attrs,
+                                                system_attrs=system_attrs))
+            queued[cell.key] = used + 1
+        if queued:
+            counts = dict(handle.storage.get_study_user_attrs(handle.study_id).get(ATTR_RETRIES) or {})
+            counts.update(queued)
+            handle.storage.set_study_user_attr(handle.study_id, ATTR_RETRIES, counts)
+            report.retried.update(queued)
+
+
+def _work(handle: SelectionStudy, study: Any, space: Mapping[str, list[float]], runner: Runner, scale: str,
+          tracking: TrialTracking | None, report: CellReport, workers: int) -> None:
+    """Claim and run cells in ``workers`` threads of this process until no cell of ``space`` is
+    running or queued anywhere; re-raise the first error of a thread."""
     report_lock = threading.Lock()
     finished_here = threading.Condition()  # wakes this process's waiting threads at once
 
@@ -543,7 +645,7 @@ def run_cells(handle: SelectionStudy, space: Mapping[str, list[float]], runner: 
 
     if workers == 1:
         work()
-        return report
+        return
     errors: list[BaseException] = []
 
     def guarded() -> None:
@@ -559,31 +661,188 @@ def run_cells(handle: SelectionStudy, space: Mapping[str, list[float]], runner: 
         th.join()
     if errors:
         raise errors[0]
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker process needs to open the study and run cells (sent pickled to it)."""
+
+    storage_url: str
+    study_name: str
+    lock_file: Path
+    heartbeat: Heartbeat
+    max_retries: int
+    space: dict[str, list[float]]
+    scale: str
+    runner: Runner
+    tracking: TrialTracking | None
+    tracking_uri: str
+    torch_threads: int
+
+
+def cpu_share(workers: int) -> int:
+    """The CPUs this process may use, divided among ``workers`` (at least 1 each)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # platforms without CPU affinity
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // max(1, workers))
+
+
+def _sendable(exc: BaseException) -> BaseException:
+    """``exc`` when it pickles, else a RuntimeError carrying its type, message and traceback."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any pickling failure
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return RuntimeError(f"{type(exc).__name__}: {exc}\n{text[-4000:]}")
+
+
+def _process_main(spec: WorkerSpec, conn: Any) -> None:
+    """A worker process: limit torch to its share of the CPUs, open the study, claim and run cells
+    until none is running or queued; send back ``("ok", CellReport)`` or ``("error", exception)``."""
+    threads = str(spec.torch_threads)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = threads
+    try:
+        import mlflow
+        import torch
+
+        torch.set_num_threads(spec.torch_threads)
+        mlflow.set_tracking_uri(spec.tracking_uri)
+        handle = SelectionStudy(spec.study_name, spec.storage_url, _storage(spec.storage_url, spec.heartbeat),
+                                spec.lock_file, created=False, heartbeat=spec.heartbeat,
+                                max_retries=spec.max_retries)
+        report = CellReport()
+        _work(handle, handle.load(_grid_sampler(spec.space)), spec.space, spec.runner, spec.scale, spec.tracking,
+              report, 1)
+        conn.send(("ok", report))
+    except BaseException as exc:  # noqa: BLE001 - sent to the parent, which re-raises it
+        conn.send(("error", _sendable(exc)))
+    finally:
+        conn.close()
+
+
+def _run_processes(spec: WorkerSpec, workers: int) -> list[CellReport]:
+    """Start ``workers`` spawned worker processes on ``spec`` and wait for all of them; their
+    reports, or the first error once every process has ended (a process that died without a
+    word is an error too; its cell is retried by the others once its heartbeat is stale)."""
+    ctx = multiprocessing.get_context("spawn")
+    started: list[tuple[Any, Any]] = []
+    try:
+        for i in range(workers):
+            receiver, sender = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_process_main, args=(spec, sender), name=f"select-lambda-{i}")
+            proc.start()
+            sender.close()
+            started.append((proc, receiver))
+        reports: list[CellReport] = []
+        errors: list[BaseException] = []
+        for proc, receiver in started:
+            try:
+                kind, payload = receiver.recv()
+            except EOFError:
+                proc.join()
+                kind, payload = "error", RuntimeError(f"λ-selection worker process {proc.name} exited with code "
+                                                      f"{proc.exitcode} before reporting")
+            proc.join()
+            (reports if kind == "ok" else errors).append(payload)
+    except BaseException:  # interrupted here: the workers give their cells back themselves
+        for proc, _ in started:
+            proc.join(timeout=max(30, spec.heartbeat.grace))
+            if proc.is_alive():
+                proc.terminate()
+        raise
+    if errors:
+        raise errors[0]
+    return reports
+
+
+def run_cells(handle: SelectionStudy, space: Mapping[str, list[float]], runner: Runner, *,
+              scale: str, workers: int = 1, tracking: TrialTracking | None = None,
+              processes: bool = False) -> CellReport:
+    """Run every cell of ``space`` (``{axis: values}``) to a result, ``workers`` at once.
+
+    Cells already complete are skipped; cells failed earlier are queued again first while they
+    have retries left under the study's ``max_retries`` (a cell failing in this call is not run
+    again by it); cells another worker is running are waited for (a stale one is failed and
+    retried here). Returns once no cell of ``space`` is running or queued anywhere.
+
+    processes: with ``workers`` > 1, run each worker as a spawned process (``runner`` must
+        pickle), with ``torch.set_num_threads`` at its share of the CPUs; else threads here.
+    """
+    if workers < 1:
+        raise MistillInputError(f"workers must be >= 1, got {workers}", field="workers")
+    study = handle.load(_grid_sampler(space))
+    report = _found(study, space)
+    _queue_failed(handle, study, space, report)
+    if not processes or workers == 1:
+        _work(handle, study, space, runner, scale, tracking, report, workers)
+        return report
+    import mlflow
+
+    spec = WorkerSpec(storage_url=handle.storage_url, study_name=handle.name, lock_file=handle.lock_file,
+                      heartbeat=handle.heartbeat, max_retries=handle.max_retries,
+                      space={k: list(v) for k, v in space.items()}, scale=scale, runner=runner, tracking=tracking,
+                      tracking_uri=mlflow.get_tracking_uri(), torch_threads=cpu_share(workers))
+    for part in _run_processes(spec, workers):
+        report.merge(part)
     return report
 
 
 @dataclass
 class StudyCells:
-    """Every trial of the study read back by cell."""
+    """Every trial of the study read back by cell; ``retries``: how many times reruns queued a
+    cell after it failed (cells never retried are absent); ``failures``: a cell's failed attempts;
+    ``max_retries``: the study's cap on ``retries``."""
 
     results: dict[Cell, CellResult] = field(default_factory=dict)
     failed: dict[Cell, str] = field(default_factory=dict)
     running: set[Cell] = field(default_factory=set)
     waiting: set[Cell] = field(default_factory=set)
     trials: dict[Cell, list[dict[str, Any]]] = field(default_factory=dict)
+    retries: dict[Cell, int] = field(default_factory=dict)
+    failures: dict[Cell, int] = field(default_factory=dict)
+    max_retries: int = DEFAULT_MAX_RETRIES
+
+    def retryable(self, cell: Cell) -> bool:
+        """True when ``cell`` failed and a rerun would queue it again (retries left)."""
+        return cell in self.failed and self.retries.get(cell, 0) < self.max_retries
+
+
+def failure_summary(cells: StudyCells) -> str:
+    """One line on the failed cells: for each, its failed attempts, the retries used of the cap,
+    whether a rerun retries it, and the last reason; empty when no cell failed."""
+    parts = []
+    for cell in sorted(cells.failed):
+        used, n = cells.retries.get(cell, 0), cells.failures.get(cell, 1)
+        then = "a rerun retries it" if cells.retryable(cell) else "out of retries"
+        parts.append(f"{cell.key} failed {n} time{'s' if n != 1 else ''} ({used}/{cells.max_retries} retries "
+                     f"used, {then}): {cells.failed[cell]}")
+    return "; ".join(parts)
 
 
 def study_cells(handle: SelectionStudy) -> StudyCells:
     """Results of the complete cells, errors of the failed ones (no trial of theirs complete,
-    running or queued), the running and the queued (retry WAITING) cells, and each cell's trials
-    (number, state, MLflow run, the trial it retries)."""
-    out = StudyCells()
+    running or queued), the running and the queued (retry WAITING) cells, each cell's trials
+    (number, state, MLflow run, the trial it retries, the failure retry's number and the failure's
+    reason) and its failure retries and failed attempts."""
+    out = StudyCells(max_retries=handle.max_retries)
     trials = handle.load().get_trials(deepcopy=False)
     for t in trials:
         if t.params:
-            out.trials.setdefault(Cell.of(t.params), []).append({
+            cell = Cell.of(t.params)
+            out.trials.setdefault(cell, []).append({
                 "number": t.number, "state": t.state.name, "mlflow_run": t.user_attrs.get(ATTR_MLFLOW_RUN),
-                "retry_of": retried_from(t)})
+                "retry_of": retried_from(t), "failure_retry": t.user_attrs.get(ATTR_FAILURE_RETRY),
+                "failure_reason": _error_of(t) if t.state.name == "FAIL" else None})
+            if t.state.name == "FAIL":
+                out.failures[cell] = out.failures.get(cell, 0) + 1
+    for cell, group in _by_cell(trials).items():
+        used = _retries_used(group)
+        if used:
+            out.retries[cell] = used
     for cell, t in _deciding_trials(trials).items():
         if t.state.name == "COMPLETE":
             tb, valid = t.user_attrs.get(ATTR_TIE_BREAK), t.user_attrs.get(ATTR_VALIDITY)

@@ -1,5 +1,5 @@
 """Pre-registered λ selection: the lock and its sha256 refusal, the Optuna grid (each cell once,
-across two processes; failed cells reported, not retried), the decision rule on hand-built cells
+across two processes; failed cells reported, and retried by a rerun up to the study's cap), the decision rule on hand-built cells
 (winner, tie band and tie-break, the inclusive boundary, the edge extension), the sensitivity view,
 and the ``select_lambda`` stage on a real MLflow server with a deterministic runner."""
 
@@ -238,25 +238,39 @@ def fixed_runner(table: dict[float, tuple[float, float]], calls: list | None = N
     return runner
 
 
-def test_failed_cells_are_reported_not_retried(tmp_path):
+def test_failed_cells_are_reported_and_retried_by_a_rerun(tmp_path):
     lock = load_lock(write_lock(tmp_path))
     handle = open_study(lock, f"sqlite:///{tmp_path / 'db.sqlite'}", "s", root=tmp_path)
     table = {0.03: (0.10, 0.7), 0.1: (0.12, 0.8), 0.3: (0.11, 0.9)}
     calls: list = []
     first = run_cells(handle, lock.grid.search_space(), fixed_runner(table, calls, fail={0.1}), scale="log")
-    assert sorted(calls) == [0.03, 0.1, 0.3]
+    assert sorted(calls) == [0.03, 0.1, 0.3]  # the failed cell is not run again by the same call
     assert list(first.failed_now) == ["lambda=0.1"] and "diverged" in first.failed_now["lambda=0.1"]
     assert sorted(first.ran) == ["lambda=0.03", "lambda=0.3"]
-    calls.clear()
-    second = run_cells(handle, lock.grid.search_space(), fixed_runner(table, calls), scale="log")
-    assert calls == [] and second.ran == [] and second.failed_now == {}
-    assert sorted(second.complete_before) == ["lambda=0.03", "lambda=0.3"]
-    assert list(second.failed_before) == ["lambda=0.1"] and "diverged" in second.failed_before["lambda=0.1"]
     cells = study_cells(handle)
     assert set(cells.failed) == {tied(0.1)} and set(cells.results) == {tied(0.03), tied(0.3)}
     assert cells.results[tied(0.3)].tie_break == 0.9 and cells.results[tied(0.3)].run_ids == {"train": "t0.3"}
     d = decide(lock, cells.results)
     assert d.rule == INCOMPLETE and d.pick is None and d.missing == (tied(0.1),)
+    calls.clear()
+    second = run_cells(handle, lock.grid.search_space(), fixed_runner(table, calls), scale="log")
+    assert calls == [0.1] and second.ran == ["lambda=0.1"] and second.retried == {"lambda=0.1": 1}
+    assert sorted(second.complete_before) == ["lambda=0.03", "lambda=0.3"]
+    assert list(second.failed_before) == ["lambda=0.1"] and "diverged" in second.failed_before["lambda=0.1"]
+    cells = study_cells(handle)
+    assert cells.failed == {} and len(cells.results) == 3 and cells.retries == {tied(0.1): 1}
+
+
+def test_a_study_without_retries_reports_failed_cells_and_runs_nothing(tmp_path):
+    lock = load_lock(write_lock(tmp_path))
+    handle = open_study(lock, f"sqlite:///{tmp_path / 'db.sqlite'}", "s", root=tmp_path, max_retries=0)
+    table = {0.03: (0.10, 0.7), 0.1: (0.12, 0.8), 0.3: (0.11, 0.9)}
+    run_cells(handle, lock.grid.search_space(), fixed_runner(table, fail={0.1}), scale="log")
+    calls: list = []
+    second = run_cells(handle, lock.grid.search_space(), fixed_runner(table, calls), scale="log")
+    assert calls == [] and second.ran == [] and second.failed_now == {} and second.retried == {}
+    assert list(second.gave_up) == ["lambda=0.1"] and "diverged" in second.gave_up["lambda=0.1"]
+    assert set(study_cells(handle).failed) == {tied(0.1)}
 
 
 def test_threads_in_one_process_run_each_cell_once(tmp_path):
@@ -479,7 +493,7 @@ def test_select_lambda_stage_nests_cells_and_logs_the_decision(tracking_uri, tmp
     assert err.value.file == str(lock_path) and calls == []
 
 
-def test_select_lambda_stage_reports_failed_cells_and_fails(tracking_uri, tmp_path, monkeypatch,
+def test_select_lambda_stage_reports_failed_cells_and_a_rerun_retries_them(tracking_uri, tmp_path, monkeypatch,
                                                            pinned_code_version):
     from mlflow.tracking import MlflowClient
 
@@ -492,13 +506,13 @@ def test_select_lambda_stage_reports_failed_cells_and_fails(tracking_uri, tmp_pa
     with pytest.raises(MistillInputError, match="diverged"):
         run_select_lambda(cfg, runner=fixed_runner(table, fail={0.3}))
     calls: list = []
-    with pytest.raises(MistillInputError, match="not retried"):
-        run_select_lambda(cfg, runner=fixed_runner(table, calls))
-    assert calls == []  # completed cells skipped, the failed one reported, not retried
+    run_select_lambda(cfg, runner=fixed_runner(table, calls))
+    assert calls == [0.3]  # completed cells skipped, the failed one retried
     client = MlflowClient()
     exp = client.get_experiment_by_name("mistill/selection-test-fail")
     runs = client.search_runs([exp.experiment_id], filter_string="tags.`mistill.stage` = 'select_lambda'")
-    assert len(runs) == 1 and runs[0].info.status == "FAILED"  # the second call resumed the same run
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"  # the second call resumed the same run
+    assert runs[0].data.tags["mistill.selection.pick"] == "lambda=0.1"
     failed = client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FAILED' and "
                                 "tags.`mistill.stage` = 'select_lambda.cell'")
     assert [r.data.tags["mistill.selection.cell"] for r in failed] == ["lambda=0.3"]

@@ -204,7 +204,7 @@ def test_two_workers_on_one_study_run_each_cell_once_and_agree(tracking_uri, tmp
 
 
 # ----------------------------------------------------------------------- retries in one process
-def test_an_interrupted_cell_is_queued_again_and_a_failed_one_is_not(tmp_path):
+def test_an_interrupted_cell_is_queued_again_and_a_failed_one_once_per_rerun(tmp_path):
     lock = load_lock(write_lock(tmp_path / "lock.yaml"))
     handle = open_study(lock, f"sqlite:///{tmp_path / 'db.sqlite'}", "s", root=tmp_path, heartbeat=FAST)
     calls: list = []
@@ -225,7 +225,8 @@ def test_an_interrupted_cell_is_queued_again_and_a_failed_one_is_not(tmp_path):
     assert interrupted.state.name == "FAIL" and interrupted.user_attrs["error"] == "interrupted"
     report = run_cells(handle, lock.grid.search_space(), runner, scale="log")
     assert "lambda=0.1" in report.ran and calls.count("lambda=0.1") == 2
-    assert calls.count("lambda=0.3") == 1  # a runner's failure stays failed
+    # a runner's failure is retried once by the rerun (queued at its start), never twice by one call
+    assert calls.count("lambda=0.3") == 2 and report.retried == {"lambda=0.3": 1}
     cells = study_cells(handle)
     assert set(cells.results) == {Cell.of({"lambda": 0.03}), Cell.of({"lambda": 0.1})}
     assert list(cells.failed) == [Cell.of({"lambda": 0.3})] and "diverged" in cells.failed[Cell.of({"lambda": 0.3})]

@@ -7,10 +7,28 @@ to completion once as a nested run, decide, run the outward cell when the edge r
 (it joins the grid and the rule is applied again; a further outward cell only under the
 further-extension condition), decide again, log the decision (``decision.json``).
 
-Crashes and concurrency: several ``select_lambda`` processes may work on one study at once. A
-process that finds a cell running in another waits for it and then reaches the same decision;
-a cell whose worker died (its heartbeat older than ``grace_period``) is failed and retried by the
-next process that looks, up to ``max_retry`` times. A cell whose runner raised stays failed.
+Inputs are checked before the study is opened or any cell starts (:func:`check_inputs`): each
+input run given must exist, be finished and come from the stage the field names (``prepare_run``
+a ``prepare`` run or a run that stands for one, ``targets_run`` a ``targets`` run,
+``student_attribute_run`` an ``attribute`` run) and the student model must be there (a local
+directory with its ``config.json``, a model in the local Hugging Face cache, an installed
+embedded model, or a finished ``train`` run's checkpoint); with the default runner the prepare
+and targets runs are required, and the student's ranking too when the lock's arm is a Mistill
+arm. A failure that is the input's fault is refused naming the field, never recorded as a failed
+cell.
+
+Workers: ``workers`` cells run at once. With the default runner each worker is a spawned process
+(importing and loading models from several threads at once is not safe), its torch threads
+limited to its share of the CPUs; each claims cells of the same Optuna study and logs to the same
+MLflow server. A custom runner (a callable that need not pickle) runs in threads of this process.
+
+Crashes, failures and concurrency: several ``select_lambda`` processes may work on one study at
+once. A process that finds a cell running in another waits for it and then reaches the same
+decision; a cell whose worker died (its heartbeat older than ``grace_period``) is failed and
+retried by the next process that looks, up to ``max_retry`` times. A cell whose runner raised is
+failed with its reason and not run again in the same invocation; a rerun of the same lock and
+study retries it, at most ``max_retries`` times per cell (the study's user attribute, default 2),
+and each invocation prints one line on the cells that failed, how often, and why.
 
 The lock's content is part of the run's identity (the param ``lock_sha256``), not only its path:
 
@@ -48,9 +66,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mistill.config import Config, file_digest
+from mistill.distill.arms import resolve_arm
 from mistill.errors import MistillInputError
 from mistill.stages.distill import EMBEDDED_STUDENT
-from selection.cells import Runner
+from mistill.stages.registry import stage
+from mistill.stages.runner import preflight
+from selection.cells import Runner, grid_cells
+from selection.runner import lambda_overrides
 
 if TYPE_CHECKING:
     from mistill.tracking.runs import StageRun
@@ -73,7 +95,8 @@ class SelectLambdaConfig(Config):
     lock: the lock file (YAML; see ``selection.lock``).
     prepare_run, targets_run, student_attribute_run, student: what each cell's ``train`` and
         ``evaluate`` runs take.
-    workers: cells run at once in this process (threads); more processes may share the study.
+    workers: cells run at once: worker processes with the default runner, threads with a custom
+        one; more ``select_lambda`` processes may share the study.
     heartbeat_interval: seconds between heartbeats of a running cell's trial.
     grace_period: seconds without a heartbeat after which a running cell's worker counts as dead:
         its trial is failed and the cell retried (must exceed ``heartbeat_interval``).
@@ -156,8 +179,10 @@ def run_select_lambda(cfg: SelectLambdaConfig, runner: Runner | None = None) -> 
     the study's ``best_trial`` is only the cell with the highest metric, not the pick.
 
     Raises:
-        MistillInputError: a bad or changed lock, or no pick because grid cells failed (they are
-            logged first; a second invocation skips completed cells and reports failed ones).
+        MistillInputError: a bad or changed lock, an input run or model that is missing or of the
+            wrong stage (before any cell starts; names the field), or no pick because grid cells
+            failed (they are logged first with a one-line summary; a second invocation skips
+            completed cells and retries failed ones while they have retries left).
     """
     from mlflow.entities import Param
 
@@ -170,6 +195,7 @@ def run_select_lambda(cfg: SelectLambdaConfig, runner: Runner | None = None) -> 
         TAG_STUDY,
         TrialTracking,
         default_storage_url,
+        failure_summary,
         open_study,
         run_cells,
         study_cells,
@@ -187,6 +213,8 @@ def run_select_lambda(cfg: SelectLambdaConfig, runner: Runner | None = None) -> 
     lock = load_lock(repo_file(cfg.lock))  # a relative lock missing here: the repository's
     heartbeat = Heartbeat(interval=cfg.heartbeat_interval, grace=cfg.grace_period, max_retry=cfg.max_retry)
     heartbeat.check()
+    default_runner = runner is None
+    check_inputs(cfg, lock, default_runner=default_runner)
     corpus, level = _corpus(cfg)
     name = study_name(cfg, lock.study, corpus)
     storage = cfg.storage or default_storage_url(mistill_root())
@@ -219,14 +247,17 @@ def run_select_lambda(cfg: SelectLambdaConfig, runner: Runner | None = None) -> 
         tracking = TrialTracking(run.run_id, lock.selection.metric, lock.selection.tie_break_metric or "",
                                  lock.selection.validity_metric)
         reports = {"grid": run_cells(handle, lock.grid.search_space(), runner, scale=lock.grid.scale,
-                                     workers=cfg.workers, tracking=tracking)}
+                                     workers=cfg.workers, tracking=tracking, processes=default_runner)}
         cells = study_cells(handle)
         decision = decide(lock, cells.results)
-        while decision.pending is not None and decision.pending not in cells.failed \
-                and decision.pending not in cells.running | cells.waiting:
-            space = {axis: [value] for axis, value in decision.pending.values}
-            reports[f"extension {decision.pending.key}"] = run_cells(handle, space, runner, scale=lock.grid.scale,
-                                                                     tracking=tracking)
+        while decision.pending is not None and decision.pending not in cells.running | cells.waiting:
+            pending = decision.pending
+            failed_here = any(pending.key in r.failed_now for r in reports.values())
+            if pending in cells.failed and (failed_here or not cells.retryable(pending)):
+                break  # failed in this invocation, or out of retries
+            space = {axis: [value] for axis, value in pending.values}
+            reports[f"extension {pending.key}"] = run_cells(handle, space, runner, scale=lock.grid.scale,
+                                                            tracking=tracking)
             cells = study_cells(handle)
             decision = decide(lock, cells.results)
         run.log_json("decision.json", decision_record(lock, decision, cells, reports, study=name, storage=masked(storage),
@@ -244,8 +275,12 @@ def run_select_lambda(cfg: SelectLambdaConfig, runner: Runner | None = None) -> 
                           f"{e.cell.key} {'picked' if e.picked else 'not picked'}" for e in taken) or "none"})
         for key, cell_report in reports.items():
             print(f"select_lambda [{key}]: ran {cell_report.ran}, complete before {cell_report.complete_before}, "
-                  f"failed {dict(cell_report.failed_before, **cell_report.failed_now)}, "
-                  f"waited for {cell_report.running_elsewhere}, stale (retried) {cell_report.stale}")
+                  f"retried after failing {cell_report.retried}, failed now {cell_report.failed_now}, "
+                  f"out of retries {cell_report.gave_up}, waited for {cell_report.running_elsewhere}, "
+                  f"stale (retried) {cell_report.stale}")
+        failures = failure_summary(cells)
+        if failures:
+            print(f"select_lambda: failed cells: {failures}")
         if decision.rule == NO_ELIGIBLE:
             why = {c.key: reason for c, reason in decision.ineligible.items()}
             raise MistillInputError(f"no pick: no grid cell is eligible under the validity floor {why} (see "
@@ -255,11 +290,33 @@ def run_select_lambda(cfg: SelectLambdaConfig, runner: Runner | None = None) -> 
             unresolved = {c.key: cells.failed.get(c, "running" if c in cells.running else
                                                   "queued for retry" if c in cells.waiting else "not run")
                           for c in (*decision.missing, *([decision.pending] if decision.pending else []))}
-            raise MistillInputError(f"no pick: cells without a result {unresolved} (cells whose runner failed "
-                                    f"are not retried; see decision.json of run {run.run_id})", file=lock.path,
-                                    field="grid")
+            raise MistillInputError(f"no pick: cells without a result {unresolved}; failed cells: "
+                                    f"{failures or 'none'} (a rerun retries a failed cell at most "
+                                    f"{cells.max_retries} times; see decision.json of run {run.run_id})",
+                                    file=lock.path, field="grid")
         print(f"select_lambda: {decision.rule} -> {decision.pick.key} (run {run.run_id})")
         return run.run_id
+
+
+def check_inputs(cfg: SelectLambdaConfig, lock: Lock, *, default_runner: bool) -> None:
+    """Refuse, before the study is opened or any cell starts, the inputs every cell would fail on:
+    an input run that is missing, unfinished or of another stage, a student model or lock file
+    that is not there (:func:`~mistill.stages.runner.preflight`); with the default runner also a
+    required input run left empty (``student_attribute_run`` when the lock's arm is a Mistill arm).
+
+    Raises:
+        MistillInputError: names the field.
+    """
+    entry = stage("select_lambda")
+    if default_runner:
+        entry.check_inputs(cfg)
+        first = grid_cells(lock.grid)[0]
+        if resolve_arm(lock.arm, lambda_overrides(*first.lambdas)).objective == "mistill" \
+                and not cfg.student_attribute_run:
+            raise MistillInputError(f"student_attribute_run is required: the lock's arm {lock.arm!r} needs the "
+                                    f"student's calibrated ranking ({entry.input_description('student_attribute')})",
+                                    field="student_attribute_run")
+    preflight(entry, cfg)
 
 
 def locked_pick(lock: Lock, decision: Decision, cells: StudyCells, run_id: str) -> dict[str, Any]:
