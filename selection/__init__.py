@@ -4,8 +4,9 @@
   edge rule before any trial; its sha256 guards the study.
 * ``cells``: grid cells, the runner contract ``(CellRun) -> CellResult``, the outward cell.
 * ``grid``: the Optuna study (RDB storage, GridSampler), each cell run to completion once across
-  threads and processes; a worker waits for cells another one runs; cells whose runner failed
-  reported, not retried; cells whose worker died retried.
+  threads and processes (spawned worker processes for runners that load models); a worker waits
+  for cells another one runs; cells whose runner failed reported with their reason and retried by
+  a rerun up to the study's ``max_retries``; cells whose worker died retried.
 * ``heartbeat``: liveness of a running cell (Optuna's heartbeat), stale trials failed and queued
   again through Optuna's retry callback.
 * ``decide``: the decision rule (pure) and the sensitivity view over other bands.

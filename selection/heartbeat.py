@@ -7,7 +7,7 @@ more than ``grace`` seconds old belongs to a worker that stopped (killed, its ma
 storage's :class:`~optuna.storages.RetryHeartbeatStaleTrialCallback` queues a WAITING copy that
 carries the same grid point (params, ``grid_id``, user attributes), at most ``max_retry`` times in
 a cell's chain of retries. A trial told FAIL because its runner raised never passes through that
-callback: it stays failed.
+callback: it stays failed until a rerun queues it again (:mod:`selection.grid`).
 
 A RUNNING trial with no heartbeat at all was claimed by a version of this package that recorded
 none; it is taken as stale once it started more than ``grace`` seconds ago (its worker cannot be
