@@ -152,6 +152,12 @@ def test_arm_flags_are_flat_params_and_vanilla_logs_its_total_loss(distill_input
         assert float(params["lambda_p1"]) == flags["lambda_p1"] and params["precision"] == flags["precision"]
         m = run.data.metrics
         assert {"train/loss", "train/ce"} <= set(m)
+    # the registered versions carry λ only where it applies (Mistill's terms)
+    for run_id, has_lambda in ((mistill_id, True), (vanilla_id, False)):
+        tags = client.get_run(run_id).data.tags
+        version = client.get_model_version(tags["mistill.registered_model"], tags["mistill.model_version"])
+        assert ("mistill.lambda_p1" in version.tags) is has_lambda
+        assert ("mistill.lambda_p2" in version.tags) is has_lambda
     # Vanilla's total is ce + kl (kl_weight 1); each is a float32 average of one micro-step, so
     # they agree to float32 rounding of one addition (relative 2**-23 per term)
     v = client.get_run(vanilla_id).data.metrics

@@ -750,8 +750,9 @@ def _save_and_register(run, model, tokenizer, cfg: TrainStageConfig, arm: ArmCon
     run.set_tags({reg.TAG_LOGGED_MODELS: reg.logged_model_tag(mlflow_model, run.run_id)})
     if not cfg.register:
         return
-    tags = {"mistill.arm": cfg.arm, "mistill.lambda_p1": repr(arm.lambda_p1), "mistill.lambda_p2": repr(arm.lambda_p2),
-            "mistill.seed": str(cfg.seed), "mistill.precision": arm.precision, "mistill.objective": arm.objective,
+    lambdas = {"mistill.lambda_p1": repr(arm.lambda_p1), "mistill.lambda_p2": repr(arm.lambda_p2)} \
+        if arm.objective == "mistill" else {}  # λ weighs Mistill's terms: tagged only where it applies
+    tags = {"mistill.arm": cfg.arm, **lambdas, "mistill.seed": str(cfg.seed), "mistill.precision": arm.precision, "mistill.objective": arm.objective,
             "mistill.student": cfg.student, "mistill.teacher": prov.teacher, "mistill.corpus": run.corpus,
             "mistill.corpus_digest": prov.corpus_digest, "mistill.train_run": run.run_id,
             reg.TAG_MODEL_ROLE: role}

@@ -19,7 +19,7 @@ accepts such a spec (see :mod:`mistill.models.loading`). Checkpoints logged befo
 Model layout (``model/config.json``) still load.
 
 **The registry.** Every registered ``train`` checkpoint is a version of the registered model
-``mistill-<corpus>-<student>``, tagged with its arm, λ (``mistill.lambda_p1``,
+``mistill-<corpus>-<student>``, tagged with its arm, λ for a Mistill arm (``mistill.lambda_p1``,
 ``mistill.lambda_p2``), seed, precision, teacher model spec and corpus digest, and described by
 a short model card (:func:`model_card`). Aliases (letters, digits, ``_`` and ``-`` only, as
 MLflow requires):
@@ -380,13 +380,14 @@ def model_card(*, name: str, arm: str, arm_flags: Mapping[str, Any], seed: int, 
                recipe: Mapping[str, Any], steps: int, run_id: str, inputs: Mapping[str, str]) -> str:
     """A short Markdown model card: what was trained (arm, λ, seed, precision), on what data,
     with which recipe, by which run, and how to load it."""
-    lam = f"λ_P1 = {arm_flags.get('lambda_p1')!r}, λ_P2 = {arm_flags.get('lambda_p2')!r}"
+    lam = (f", λ_P1 = {arm_flags.get('lambda_p1')!r}, λ_P2 = {arm_flags.get('lambda_p2')!r}"
+           if arm_flags.get("objective") == "mistill" else "")
     what = ("a λ-selection cell (it gets the arm alias only if the selection picks it)" if role == ROLE_CELL
             else "a trained arm")
     lines = [
         f"**{arm}**, seed {seed}, {precision}: {what}; alias at registration `{alias}`.",
         "",
-        f"- Arm: `{arm}` (objective `{arm_flags.get('objective')}`), {lam}; every flag is a param "
+        f"- Arm: `{arm}` (objective `{arm_flags.get('objective')}`){lam}; every flag is a param "
         f"`arm.<flag>` of the train run.",
         f"- Student: `{student}`, distilled from the teacher `{teacher}`.",
         f"- Data: corpus `{corpus}` (digest `{corpus_digest}`), {n_notes} training notes; "
