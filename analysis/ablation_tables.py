@@ -18,6 +18,9 @@ a row without runs saying so.
   own top-40 with random floors, the per-note paired difference against each Mistill seed, the
   difference from the untrained student, M2, the prefix share, and micro-F1 with its paired
   difference from Mistill's seed-averaged notes.
+* The carriers of App. M.3 (:func:`pool_carriers_table`): per trained arm, seed and phase, how
+  many of the heads its train run supervised are among its own top-40 after training, and how
+  many of the untrained student's own top-40 are.
 """
 
 from __future__ import annotations
@@ -31,13 +34,13 @@ import numpy as np
 import pandas as pd
 
 from analysis import paired
-from analysis.tables import fmt_ci, fmt_mean_sd
+from analysis.tables import TEACHER_ARM, fmt_ci, fmt_mean_sd
 from mistill import stats
 from mistill.errors import MistillInputError
 
 __all__ = ["MISTILL_ARM", "NON_ABLATION_ARMS", "PRECISION_ARMS", "VANILLA_ARMS", "ablation_arms",
-           "ablation_plan_table", "ablation_table", "own_traces_table", "precision_table",
-           "training_ce_table"]
+           "ablation_plan_table", "ablation_table", "own_traces_table", "pool_carriers_table",
+           "precision_table", "training_ce_table"]
 
 MISTILL_ARM = "mistill"
 VANILLA_ARMS: tuple[str, ...] = ("vanilla-fp32", "vanilla-bf16")
@@ -467,3 +470,137 @@ def _direction_f1(rows: pd.DataFrame) -> str:
             continue
         dirs.add("higher" if lo > 0 else "lower" if hi < 0 else "level")
     return "" if not dirs else dirs.pop() if len(dirs) == 1 else "mixed"
+
+
+# ------------------------------------------------------------------------ App. M.3 carriers
+CARRIER_PHASES: tuple[str, ...] = ("P1", "P2", "P2C")
+CARRIER_COLUMNS: tuple[str, ...] = (
+    "model", "arm", "precision", "seed", "phase", "pool_size", "own_top_k", "pool_carriers",
+    "pool_carrier_share", "base_top_k", "base_carriers", "base_carrier_share", "rank_notes",
+    "rank_events", "own_heads_run", "train_run", "note")
+
+
+def _top(sets: Mapping[str, Any] | None, phase: str, k: int) -> list[str] | None:
+    """The first ``k`` heads of an own-heads run's ranking at ``phase`` (``own_heads_sets.json``:
+    phase -> head names, best first), or None when the run lists none there."""
+    heads = sets.get(phase) if isinstance(sets, Mapping) else None
+    return [str(h) for h in heads[:k]] if isinstance(heads, list) and heads else None
+
+
+def _pool_heads(pools: Mapping[str, Any] | None, phase: str) -> list[str] | None:
+    """The head names of a train run's supervised pool at ``phase`` (``student_pools.json``:
+    phase -> :meth:`mistill.distill.pools.Pool.to_dict`), or None without one."""
+    pool = pools.get(phase) if isinstance(pools, Mapping) else None
+    names = pool.get("head_names") if isinstance(pool, Mapping) else None
+    return [str(h) for h in names] if isinstance(names, list) else None
+
+
+def _count(value: Any) -> float:
+    return float(value) if value is not None and pd.notna(value) else math.nan
+
+
+def pool_carriers_table(own: pd.DataFrame, pools: Mapping[str, Any], own_sets: Mapping[str, Any],
+                        rank_counts: Mapping[str, Mapping[str, float]] | None = None, *,
+                        k: int = OWN_K, phases: Sequence[str] = CARRIER_PHASES) -> pd.DataFrame:
+    """App. M.3's carriers: per own-heads run of a trained arm (``own``: one row per run with
+    ``run_id``, ``model``, ``arm``, ``precision``, ``seed``, ``train_run``) and per phase:
+
+    * ``pool_size``: the heads the arm's train run supervised at that phase (its
+      ``student_pools.json``, ``pools``: train run id -> document; NaN for an arm without an
+      attention term, whose train run logs no pools);
+    * ``own_top_k``: the heads of the trained student's own top-``k`` (its own-heads run's
+      ``own_heads_sets.json``, ``own_sets``: own-heads run id -> document; fewer than ``k`` when
+      the run ranked fewer);
+    * ``pool_carriers``: how many supervised heads are among them, and ``pool_carrier_share``
+      that count over ``pool_size``;
+    * ``base_top_k``, ``base_carriers``, ``base_carrier_share``: the same against the untrained
+      student's own top-``k`` (the own-heads run of arm ``untrained`` on the same model), the
+      share over ``own_top_k``;
+    * ``rank_notes``, ``rank_events``: the notes and events the trained student's own ranking
+      rests on at that phase (``rank_counts``: own-heads run id -> ``{"<phase>/notes": n,
+      "<phase>/events": n}``; NaN where not logged).
+
+    A run without a readable own ranking is one row with ``note``. The untrained student's and
+    the teacher's own-heads runs give no rows of their own."""
+    counts = rank_counts or {}
+    rows: list[dict[str, Any]] = []
+    if own.empty:
+        return pd.DataFrame(columns=list(CARRIER_COLUMNS))
+    base_runs = own[own["arm"] == UNTRAINED_ARM]
+    trained = own[~own["arm"].isin([UNTRAINED_ARM, TEACHER_ARM])]
+    for _, run in trained.sort_values(["model", "arm", "seed"], kind="stable").iterrows():
+        train_run = run.get("train_run")
+        train_run = str(train_run) if isinstance(train_run, str) and train_run else None
+        rec: dict[str, Any] = {"model": run["model"], "arm": run["arm"],
+                               "precision": run.get("precision"), "seed": run.get("seed"),
+                               "own_heads_run": run["run_id"], "train_run": train_run}
+        sets = own_sets.get(run["run_id"])
+        if not isinstance(sets, Mapping):
+            rows.append({**rec, "note": "the own-heads run logged no own_heads_sets.json"})
+            continue
+        doc = pools.get(train_run) if train_run else None
+        base = base_runs[base_runs["model"] == run["model"]]
+        base_sets = own_sets.get(base["run_id"].iloc[0]) if len(base) else None
+        for phase in phases:
+            mine = _top(sets, phase, k)
+            notes: list[str] = []
+            out = {**rec, "phase": phase}
+            if mine is None:
+                rows.append({**out, "note": f"the own ranking has no {phase} heads"})
+                continue
+            out["own_top_k"] = len(mine)
+            if len(mine) < k:
+                notes.append(f"the own ranking lists {len(mine)} heads, fewer than {k}")
+            pool = _pool_heads(doc, phase)
+            if pool is not None:
+                hits = len(set(pool) & set(mine))
+                out.update(pool_size=len(pool), pool_carriers=hits,
+                           pool_carrier_share=hits / len(pool) if pool else math.nan)
+            elif not train_run:
+                notes.append("no train run named")
+            elif doc is None:
+                notes.append("the train run logged no supervised pools")
+            else:
+                notes.append(f"the train run supervised no {phase} pool")
+            theirs = _top(base_sets, phase, k)
+            if theirs is not None:
+                hits = len(set(theirs) & set(mine))
+                out.update(base_top_k=len(theirs), base_carriers=hits,
+                           base_carrier_share=hits / len(mine))
+            else:
+                notes.append("no own ranking of the untrained student" if base.empty else
+                             f"the untrained student's own ranking has no {phase} heads")
+            got = counts.get(run["run_id"], {})
+            out["rank_notes"] = _count(got.get(f"{phase}/notes"))
+            out["rank_events"] = _count(got.get(f"{phase}/events"))
+            rows.append({**out, "note": "; ".join(notes)})
+    table = pd.DataFrame.from_records(rows, columns=list(CARRIER_COLUMNS))
+    for col in ("pool_size", "own_top_k", "pool_carriers", "base_top_k", "base_carriers"):
+        table[col] = pd.to_numeric(table[col], errors="coerce").astype("Int64")
+    return table
+
+
+def pool_carriers_display(table: pd.DataFrame) -> pd.DataFrame:
+    """The carriers table as printed: ``carriers of pool (share)`` per comparison."""
+    def of(hits: Any, total: Any, share: Any) -> str:
+        if hits is None or pd.isna(hits):
+            return ""
+        return f"{int(hits)} of {int(total)} ({share:.3f})"
+
+    def num(v: Any) -> str:
+        return "" if v is None or pd.isna(v) else str(int(v))
+
+    out = []
+    for _, r in table.iterrows():
+        out.append({"model": r["model"] if isinstance(r["model"], str) else "", "arm": r["arm"],
+                    "seed": num(r["seed"]), "phase": r["phase"] if isinstance(r["phase"], str) else "",
+                    "supervised heads in own top-k": of(r["pool_carriers"], r["pool_size"],
+                                                        r["pool_carrier_share"]),
+                    "untrained top-k in own top-k": of(r["base_carriers"], r["own_top_k"],
+                                                       r["base_carrier_share"]),
+                    "own top-k": num(r["own_top_k"]),
+                    "ranking notes / events": (f"{num(r['rank_notes'])} / {num(r['rank_events'])}"
+                                               if pd.notna(r["rank_notes"]) or pd.notna(r["rank_events"])
+                                               else ""),
+                    "note": r["note"] if isinstance(r["note"], str) else ""})
+    return pd.DataFrame.from_records(out)

@@ -8,9 +8,9 @@ arm, precision and seed); :func:`build_report` turns them into a :class:`Report`
 
 A kind of run that is absent (no ``evaluate``, ``own_heads``, ``knockin`` or ``select_lambda``
 runs, no reference arm, a missing artifact) skips Tables 1/10, 2, 43 and 3/45 with a note in the
-report; it never stops the report. Tables 11, 15, 39-42 and 47-51 are always listed: where the
-runs read hold no data for them, their rows are empty and say why (:attr:`ReportTable.reason`
-and the ``note`` column).
+report; it never stops the report. Tables 11, 15, 39-42 and 47-51 and App. M.3's carriers are
+always listed: where the runs read hold no data for them, their rows are empty and say why
+(:attr:`ReportTable.reason` and the ``note`` column).
 
 The report also names every deviation from the paper it finds in the runs it reads
 (:mod:`analysis.run_deviations`): registry parameters at a value other than the default or the
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from analysis import ablation_tables, characterization, figures, query, run_deviations, tables
@@ -1052,6 +1053,53 @@ def _ablations(rep: Report, client: MlflowClient, extra: _Extra, cells: pd.DataF
             "student; M2: P2C region lift (random); prefix: share on the emitted prefix; "
             "micro-F1 with the paired difference from Mistill's seed-averaged notes [95% "
             "interval].", t51, ablation_tables.ablation_display(t51))
+    _pool_carriers(rep, client, own)
+
+
+POOLS_FILE = "student_pools.json"
+OWN_SETS_FILE = "own_heads_sets.json"
+RANK_TAGS = {"notes": ("mistill.rank_attribute", "calib/{phase}/n_notes"),
+             "events": ("mistill.rank_events", "events/{phase}/realized")}
+"""What the carriers table reads of the runs behind an own ranking: the own-heads run's tag naming
+the ranking's attribute (events) run, and that run's per-phase note (event) count metric."""
+
+
+def _rank_counts(client: MlflowClient, run_id: str) -> dict[str, float]:
+    """``{"<phase>/notes": n, "<phase>/events": n}`` of the runs behind an own-heads run's
+    ranking (empty where a run or a metric is missing)."""
+    out: dict[str, float] = {}
+    try:
+        tags = client.get_run(run_id).data.tags
+        for what, (tag, metric) in RANK_TAGS.items():
+            if not tags.get(tag):
+                continue
+            metrics = client.get_run(tags[tag]).data.metrics
+            for phase in ablation_tables.CARRIER_PHASES:
+                value = metrics.get(metric.format(phase=phase))
+                if value is not None:
+                    out[f"{phase}/{what}"] = float(value)
+    except MlflowException:
+        return out
+    return out
+
+
+def _pool_carriers(rep: Report, client: MlflowClient, own: pd.DataFrame) -> None:
+    """App. M.3's carriers: the supervised pools and the untrained student's own top-40 among
+    each trained arm's own top-40 (:func:`analysis.ablation_tables.pool_carriers_table`)."""
+    k = ablation_tables.OWN_K
+    sets = {rid: query.read_json_artifact(rid, OWN_SETS_FILE) for rid in own.get("run_id", [])}
+    trains = {str(t) for t in own.get("train_run", pd.Series(dtype=object)).dropna() if t}
+    pools = {t: query.read_json_artifact(t, POOLS_FILE) for t in sorted(trains)}
+    counts = {rid: _rank_counts(client, rid) for rid in own.get("run_id", [])}
+    table = ablation_tables.pool_carriers_table(own, pools, sets, counts, k=k)
+    _listed(rep, "pool_carriers", "App. M.3: the supervised heads among each arm's carriers",
+            f"Per trained arm, seed and phase: of the heads its train run supervised (pool), how many "
+            f"are among the trained student's own top-{k} after training (its own-heads ranking), "
+            f"and how many of the untrained student's own top-{k} are (the paper's carriers, 27-38 "
+            f"of 40); share: over the pool, and over the own top-{k}. Ranking notes / events: "
+            "what the trained student's own ranking rests on at that phase.",
+            table, ablation_tables.pool_carriers_display(table) if not table.empty else pd.DataFrame(),
+            "no own_heads runs of a trained arm", list(ablation_tables.CARRIER_COLUMNS))
 
 
 def _own_pairs_display(table: pd.DataFrame) -> pd.DataFrame:

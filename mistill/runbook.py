@@ -558,12 +558,13 @@ ABLATION_SEEDS: tuple[tuple[str, str, str, int], ...] = tuple(
                        ("write-term", 1), ("mistill-fp32", 3), ("low-lambda", 1),
                        ("mistill-fp32-bf16-lambda", 3))) + tuple(
     ("smollm3-3b", arm, "train_mistill", seeds)
-    for arm, seeds in (("randheads", 2), ("randpos", 1), ("bottom40", 2), ("attention-only", 1)))
+    for arm, seeds in (("randheads", 2), ("randpos", 1), ("bottom40", 2), ("top8", 1), ("attention-only", 1)))
 """The controls and ablations of App. L and M (tree DT-001), on Qwen3-4B unless named: one seed
 each, three for RandHeads (R-D26), for Mistill with fp32 master weights at the λ of the fp32
 re-selection (App. I.4, R-D30) and at the bf16 selection's (the precision control, R-D17); the
 lower-λ ablation at its own λ (R-D14, :data:`OWN_LAMBDA_ARMS`); on SmolLM3-3B, RandHeads and the
-bottom-40 pool at two seeds (R-D12, R-D13), RandPos (R-D7) and attention-only (R-D11) at one; the
+bottom-40 pool at two seeds (R-D12, R-D13), the top-8 pool (R-D13), RandPos (R-D7) and
+attention-only (R-D11) at one; the
 others at the bf16 selection's λ."""
 
 OWN_LAMBDA_ARMS: frozenset[str] = frozenset({"low-lambda"})

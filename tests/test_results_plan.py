@@ -63,6 +63,8 @@ APP_Q_RUNS: dict[str, list[str]] = {
     "R-D10": [BF16_SELECTION, *trained(Q4B, "write-term", 1),
               *trained(Q4B, "vanilla-bf16_n100", 3, own_heads=False)],
     "R-D12": MAIN + trained(SMOL, "randheads", 2) + trained(SMOL, "bottom40", 2) + trained(Q4B, "randheads", 3),
+    "R-D13": (trained(Q4B, "bottom40", 1) + trained(Q4B, "top8", 1) + trained(Q4B, "top100", 1)
+              + trained(SMOL, "bottom40", 2) + trained(SMOL, "top8", 1) + UNTRAINED_HEADS),
     "R-D14": [name for arm in ("p1-only", "p2-only", "attention-only", "interaction-only", "low-lambda")
               for name in trained(Q4B, arm, 1)],
     "R-D15": MAIN + UNTRAINED_HEADS,

@@ -4,7 +4,8 @@ Reads the FINISHED ``knockin``, ``evaluate``, ``own_heads`` and ``select_lambda`
 experiment ``mistill/<corpus>`` (the newest of each model, arm, precision and seed), the
 ``attribute`` runs the knockin runs name, every ``train`` run and the newest ``locus``,
 ``read_side``, ``key_block``, ``trace_edit`` and ``note_edit`` run of each model, builds Tables
-1/10, 2, 43, 3/45, the λ cells, Tables 11, 15, 16-23, 25-33 and 39-42 and 47-51 with
+1/10, 2, 43, 3/45, the λ cells, Tables 11, 15, 16-23, 25-33 and 39-42 and 47-51 and App.
+M.3's carriers (``pool_carriers``: the supervised pools among each arm's own top-40) with
 :mod:`analysis`, and logs to one ``report`` run:
 
 * ``report.md``: every table, which tables were skipped or have no rows and why, and the
