@@ -3,7 +3,6 @@ mapping without vLLM installed, and the clear error when vLLM is asked for but m
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 
@@ -16,7 +15,6 @@ from mistill.evaluation.backends import (Backend, HFBackend, make_backend, rope_
 from mistill.evaluation.generation import DecodingConfig
 from mistill.evaluation.parsing import parse_answer
 
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
 SCRIPT = ' violet stapler hummed</think>["B27"]'
 
 
@@ -92,10 +90,24 @@ def test_backends_module_imports_without_vllm():
     assert "vllm" in out.stdout
 
 
-@pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here")
 def test_vllm_backend_without_vllm_says_install_the_extra():
-    with pytest.raises(MistillInputError, match=r"mistill\[vllm\]") as err:
-        make_backend("vllm", "tiny:qwen3", DecodingConfig())
-    assert err.value.field == "backend"
-    with pytest.raises(MistillInputError, match="unknown backend"):
-        make_backend("onnx", "tiny:qwen3", DecodingConfig())
+    """Run where vLLM cannot be imported (a subprocess that blocks the module), so the check runs
+    on every machine, the suite's own (which installs vLLM) included."""
+    code = ("import sys; sys.modules['vllm'] = None\n"
+            "from mistill.errors import MistillInputError\n"
+            "from mistill.evaluation.backends import make_backend, resolve_backend\n"
+            "from mistill.evaluation.generation import DecodingConfig\n"
+            "assert resolve_backend('auto', 'cpu') == 'hf'\n"
+            "try:\n"
+            "    make_backend('vllm', 'tiny:qwen3', DecodingConfig())\n"
+            "except MistillInputError as err:\n"
+            "    assert 'mistill[vllm]' in str(err) and err.field == 'backend', err\n"
+            "else:\n"
+            "    raise AssertionError('no error without vLLM')\n"
+            "try:\n"
+            "    make_backend('onnx', 'tiny:qwen3', DecodingConfig())\n"
+            "except MistillInputError as err:\n"
+            "    assert 'unknown backend' in str(err), err\n"
+            "print('refused')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "refused" in out.stdout, out.stderr[-2000:]
