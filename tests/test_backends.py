@@ -6,10 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
 from gen_fixtures import scripted_model
-from mistill.errors import MistillInputError
 from mistill.evaluation.backends import (Backend, HFBackend, make_backend, rope_scaling_of,
                                          vllm_engine_kwargs, vllm_sampling_kwargs)
 from mistill.evaluation.generation import DecodingConfig
