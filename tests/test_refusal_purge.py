@@ -205,12 +205,12 @@ def test_a_refused_value_of_a_restricted_corpus_is_purged_and_not_repeated(store
 
 
 def test_values_refused_with_an_unknown_input_run_are_purged(store):
-    """No corpus is known, so no guard: the stage's own message (which names the unknown run id)
+    """No corpus is known, so no guard: the pre-flight message (which names the unknown run id)
     is shown, and the run holding both values is purged."""
     unknown = uuid.uuid4().hex
     run_id, proc = launch_events(store, {"prepare_run": unknown, "split": SPLIT})
     line = one_line(proc)
-    assert f"no prepare run '{unknown}'" in line and "(field 'prepare_run')" in line, line
+    assert f"no run {unknown} on the tracking server" in line and "(field 'prepare_run')" in line, line
     assert f"run {run_id} that `mlflow run` opened held these values: deleted and purged" in line, line
     assert_left_nothing(store, run_id, NEEDLES, ids=(unknown,))
 
