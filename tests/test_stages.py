@@ -532,7 +532,7 @@ def test_selection_evaluation_own_heads_and_report_steps(pipeline, monkeypatch, 
     # arms and the selection's cells are checked)
     trials = client.search_runs([sel.info.experiment_id], f"tags.mlflow.parentRunId = '{sel.info.run_id}'")
     cells = [r for t in trials for r in client.search_runs(
-        [sel.info.experiment_id], f"tags.mlflow.runName LIKE 'train-%' and tags.mlflow.parentRunId = '{t.info.run_id}'")]
+        [sel.info.experiment_id], f"tags.`mistill.stage` = 'train' and tags.mlflow.parentRunId = '{t.info.run_id}'")]
     trained = cells + [client.get_run(ids["train_mistill"]), client.get_run(ids["train_vanilla-bf16"])]
     assert len(cells) >= 3  # the three grid cells at least
     assert {r.data.params["gradient_checkpointing"] for r in trained} == {"false"}
