@@ -47,10 +47,10 @@ def resolved_arm(run_id: str, doc: Mapping[str, Any] | None) -> dict[str, Any] |
     return dict(arm) if isinstance(arm, Mapping) else None
 
 
-def _findings(run: Mapping[str, Any], class_name: str, values: Mapping[str, Any]
-              ) -> list[dict[str, Any]]:
+def _rows(run: Mapping[str, Any], findings: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Each finding of ``run`` as a row of :data:`FINDING_COLUMNS`."""
     return [{"run_id": run["run_id"], "run_name": run.get("run_name"), "stage": run.get("stage"),
-             "arm": run.get("arm"), **d} for d in deviations_in(class_name, values)]
+             "arm": run.get("arm"), **d} for d in findings]
 
 
 def run_deviations(runs: Iterable[Mapping[str, Any]]) -> tuple[pd.DataFrame, list[str]]:
@@ -63,15 +63,13 @@ def run_deviations(runs: Iterable[Mapping[str, Any]]) -> tuple[pd.DataFrame, lis
         if doc is None or not isinstance(doc.get("config"), Mapping):
             problems.append(f"run {run['run_id']} ({run.get('stage')}): no readable config.json")
             continue
-        rows += _findings(run, _class_name(doc), doc["config"])
+        rows += _rows(run, deviations_in(_class_name(doc), doc["config"]))
         if run.get("stage") == "train":
             arm = resolved_arm(str(run["run_id"]), doc)
             if arm is None:
                 problems.append(f"run {run['run_id']} (train): no resolved arm recorded")
             else:
-                rows += _findings(run, ARM_CLASS, arm)
-                rows += [{"run_id": run["run_id"], "run_name": run.get("run_name"), "stage": run.get("stage"),
-                          "arm": run.get("arm"), **d} for d in arm_conventions(arm)]
+                rows += _rows(run, deviations_in(ARM_CLASS, arm) + arm_conventions(arm))
     return pd.DataFrame.from_records(rows, columns=list(FINDING_COLUMNS)), problems
 
 
