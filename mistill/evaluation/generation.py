@@ -28,7 +28,10 @@ Key/value cache and compilation. The batched path preallocates transformers' sta
 ``max_new_tokens`` (``max_cache_len``, where transformers has it), so that every batch of a call
 has the same cache shape. On CUDA, transformers compiles the decode step of a static cache by
 itself (``torch.compile`` in ``reduce-overhead`` mode, i.e. CUDA graphs; a new batch size
-compiles once more); on CPU nothing is compiled (``disable_compile``). A model class that
+compiles once more); on CPU nothing is compiled (``disable_compile``). A model with SDPA attention
+decodes through :mod:`mistill.models.grouped_attention` for the length of the call: its decode
+steps read each key/value head once instead of expanding them per query head (``repeat_kv``),
+which is most of a long-context step's memory traffic; prefills stay on SDPA. A model class that
 transformers does not mark ready for the static cache (``_can_compile_fullgraph``) decodes with
 the dynamic cache instead, with one warning. On CUDA, a batch whose longest prompt exceeds
 :data:`PREFILL_CHUNK` tokens is prefilled in chunks of that many positions
@@ -52,6 +55,7 @@ from mistill.config import Config
 from mistill.data.corpus import Note
 from mistill.evaluation.parsing import THINK_CLOSE, CodeIndex, parse_answer
 from mistill.instrument.passes import stable_seed
+from mistill.models.grouped_attention import use_grouped_decode_attention
 from mistill.models.loading import LoadedModel
 
 
@@ -331,22 +335,23 @@ def generate_hf_many(lm: LoadedModel, items: Sequence[tuple[str, int]], decoding
     was_training = model.training
     model.eval()
     try:
-        for start in range(0, len(order), int(batch_size)):
-            rows = order[start:start + int(batch_size)]
-            n = width(len(ids[rows[0]]))
-            batch = torch.full((len(rows), n), pad, dtype=torch.long)
-            mask = torch.zeros((len(rows), n), dtype=torch.long)
-            for r, i in enumerate(rows):
-                batch[r, n - len(ids[i]):] = torch.tensor(ids[i], dtype=torch.long)
-                mask[r, n - len(ids[i]):] = 1
-            extra = dict(options)
-            if chunked and n > PREFILL_CHUNK:
-                extra["prefill_chunk_size"] = PREFILL_CHUNK
-            seqs = _run_generate(lm, batch.to(device), mask.to(device), [pairs[i][1] for i in rows], decoding,
-                                 greedy=greedy, options=extra)
-            new_rows = seqs[:, n:].tolist()
-            for r, i in enumerate(rows):
-                out[i] = _generation(lm, new_rows[r], pairs[i][1], decoding, stops)
+        with use_grouped_decode_attention(model):  # decode steps read each key/value head once
+            for start in range(0, len(order), int(batch_size)):
+                rows = order[start:start + int(batch_size)]
+                n = width(len(ids[rows[0]]))
+                batch = torch.full((len(rows), n), pad, dtype=torch.long)
+                mask = torch.zeros((len(rows), n), dtype=torch.long)
+                for r, i in enumerate(rows):
+                    batch[r, n - len(ids[i]):] = torch.tensor(ids[i], dtype=torch.long)
+                    mask[r, n - len(ids[i]):] = 1
+                extra = dict(options)
+                if chunked and n > PREFILL_CHUNK:
+                    extra["prefill_chunk_size"] = PREFILL_CHUNK
+                seqs = _run_generate(lm, batch.to(device), mask.to(device), [pairs[i][1] for i in rows], decoding,
+                                     greedy=greedy, options=extra)
+                new_rows = seqs[:, n:].tolist()
+                for r, i in enumerate(rows):
+                    out[i] = _generation(lm, new_rows[r], pairs[i][1], decoding, stops)
     finally:
         model.train(was_training)
     return [gen for gen in out if gen is not None]

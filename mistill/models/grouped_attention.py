@@ -1,0 +1,102 @@
+"""Decode-step attention that reads each key/value head once (grouped queries, no ``repeat_kv``).
+
+transformers' SDPA path expands a grouped-query model's key/value heads to one per query head
+(``repeat_kv``) whenever it is given a mask, and a left-padded batch over a static cache always
+has one. At a decode step, that copy of the whole cache is most of the step's memory traffic:
+Qwen3-4B has 32 query heads over 8 key/value heads, so each step reads and writes four times the
+cache it needs. :func:`grouped_attention_forward` instead views the ``G = H / KV`` query heads
+of a group as ``G`` rows against their shared key/value head, so one batched matrix product per
+group reads the cache once:
+
+    scores = (q [B, KV, G*q, D]) @ (k [B, KV, S, D])^T * scaling      -> [B, KV, G*q, S]
+    probs  = softmax over S in float32 (masked positions at -inf)
+    out    = probs @ v [B, KV, S, D]                                   -> [B, KV, G*q, D]
+
+Query head ``h`` uses key/value head ``h // G``, as ``repeat_kv`` does. The products run in the
+model's dtype with float32 accumulation, so the scores are rounded to that dtype before the
+float32 softmax: the precision of transformers' eager attention, not of SDPA's fused kernels.
+
+Only short queries (at most :data:`GROUPED_MAX_QUERY` positions, i.e. decode steps) with a mask
+take this path; a prefill, a call without a mask, or a model without grouped heads goes to
+transformers' SDPA function unchanged. :func:`use_grouped_decode_attention` switches a loaded
+model to it for the length of a ``with`` block (the batched generation path uses it on CUDA);
+the name is registered with transformers' attention and mask interfaces, the mask being SDPA's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+GROUPED_ATTENTION = "mistill_grouped_decode"
+"""The name under which :func:`grouped_attention_forward` is registered with transformers."""
+
+GROUPED_MAX_QUERY = 8
+"""Queries of at most this many positions (decode steps) take the grouped path; longer ones SDPA's."""
+
+
+def grouped_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                              value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                              scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention of ``query`` [B, H, q, D] over ``key``/``value`` [B, KV, S, D] (H a multiple of KV).
+
+    ``attention_mask``: SDPA's mask, boolean ``[B, 1, q, S]`` (True: attend) or additive float of
+    that shape. Returns ``(out [B, q, H, D], None)``, the layout transformers' attention functions
+    return. Falls back to :func:`sdpa_attention_forward` for a prefill (``q`` above
+    :data:`GROUPED_MAX_QUERY`), without a mask, with dropout, or when ``H == KV``.
+    """
+    batch, heads, q_len, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    if (q_len > GROUPED_MAX_QUERY or attention_mask is None or dropout > 0.0 or kv_heads == heads
+            or attention_mask.shape[-1] != length):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    group = heads // kv_heads
+    scale = float(scaling) if scaling is not None else dim ** -0.5
+    grouped = query.reshape(batch, kv_heads, group * q_len, dim)
+    scores = torch.matmul(grouped, key.transpose(-1, -2)).view(batch, kv_heads, group, q_len, length)
+    scores = scores.float() * scale
+    mask = attention_mask[:, :, None]  # [B, 1, 1, q, S] against [B, KV, G, q, S]
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask.float()
+    probs = torch.softmax(scores, dim=-1).to(value.dtype).view(batch, kv_heads, group * q_len, length)
+    out = torch.matmul(probs, value).view(batch, heads, q_len, dim)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GROUPED_ATTENTION, grouped_attention_forward)
+AttentionMaskInterface.register(GROUPED_ATTENTION, sdpa_mask)
+
+
+def _configs(model: torch.nn.Module) -> list:
+    """Every config object of ``model`` (itself and its submodules'), each once."""
+    seen: dict[int, object] = {}
+    for sub in model.modules():
+        cfg = getattr(sub, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            seen.setdefault(id(cfg), cfg)
+    return list(seen.values())
+
+
+@contextlib.contextmanager
+def use_grouped_decode_attention(model: torch.nn.Module) -> Iterator[bool]:
+    """Within the block, ``model``'s SDPA attention runs through :func:`grouped_attention_forward`.
+
+    Yields whether it switched: only a model whose attention is SDPA is switched (an eager or
+    flash model is left as it is). The previous implementation is restored on exit.
+    """
+    configs = [cfg for cfg in _configs(model) if cfg._attn_implementation == "sdpa"]
+    for cfg in configs:
+        cfg._attn_implementation = GROUPED_ATTENTION
+    try:
+        yield bool(configs)
+    finally:
+        for cfg in configs:
+            cfg._attn_implementation = "sdpa"
