@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Make the folders that the device commands of benchmarks/RESULTS.md name, for a GPU machine that
+# has torch and transformers but not the project's environment (no network, no ./scripts/setup.sh):
+#
+#   carry/smollm2-tokenizer   the embedded SmolLM2 tokenizer, saved as a plain directory (the
+#                             benchmarks pad it to each model's vocabulary)
+#   .whl/                     the locked wheels the benchmarks import beyond torch and
+#                             transformers (TRL and its datasets stack, simple-icd-10-cm, MLflow),
+#                             downloaded without their dependencies
+#
+# Run it here, in the repository, with the project's .venv made by ./scripts/setup.sh; copy both
+# folders with the tree. On the GPU machine:
+#   python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl
+#   export PYTHONPATH="$SITE:$PWD"
+# where SITE is any writable folder (RESULTS.md writes /tmp/site). On a GPU machine that runs
+# ./scripts/setup.sh itself, none of this is needed: activate .venv and pass
+# `--tokenizer embedded` (or a saved tokenizer directory) to the benchmarks instead.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck disable=SC1091
+. .venv/bin/activate
+export HF_HUB_OFFLINE=1
+python - <<'PY'
+from mistill.models.loading import load_tokenizer
+
+load_tokenizer("embedded:smollm2-135m").save_pretrained("carry/smollm2-tokenizer")
+print("wrote carry/smollm2-tokenizer")
+PY
+mkdir -p .whl
+pins=()
+for name in trl datasets dill multiprocess xxhash pyarrow simple_icd_10_cm mlflow mlflow-skinny mlflow-tracing; do
+  pin=$(grep -i -E "^${name}==" requirements/lock.txt || true)
+  [ -n "$pin" ] && pins+=("$pin")
+done
+python -m pip download -q --no-deps --only-binary :all: -d .whl "${pins[@]}"
+echo "wrote .whl/ (${#pins[@]} wheels: ${pins[*]})"
