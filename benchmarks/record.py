@@ -21,6 +21,8 @@ def unit_of(key: str) -> str:
         return "GiB"
     if key.endswith("_s"):
         return "s"
+    if key.endswith("_ms"):
+        return "ms"
     if "nats" in key or "margin" in key:
         return "nats"
     return "count"
