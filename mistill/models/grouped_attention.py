@@ -16,8 +16,8 @@ Query head ``h`` uses key/value head ``h // G``, as ``repeat_kv`` does. The prod
 model's dtype with float32 accumulation, so the scores are rounded to that dtype before the
 float32 softmax: the precision of transformers' eager attention, not of SDPA's fused kernels.
 
-Only short queries (at most :data:`GROUPED_MAX_QUERY` positions, i.e. decode steps) with a mask
-take this path; a prefill, a call without a mask, or a model without grouped heads goes to
+Only decode steps (queries of at most :data:`GROUPED_MAX_QUERY` positions) with a mask take this
+path; a prefill, a call without a mask, or a model without grouped heads goes to
 transformers' SDPA function unchanged. :func:`use_grouped_decode_attention` switches a loaded
 model to it for the length of a ``with`` block (the batched generation path uses it on CUDA);
 the name is registered with transformers' attention and mask interfaces, the mask being SDPA's.
@@ -36,8 +36,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 GROUPED_ATTENTION = "mistill_grouped_decode"
 """The name under which :func:`grouped_attention_forward` is registered with transformers."""
 
-GROUPED_MAX_QUERY = 8
-"""Queries of at most this many positions (decode steps) take the grouped path; longer ones SDPA's."""
+GROUPED_MAX_QUERY = 1
+"""Queries of at most this many positions (decode steps) take the grouped path; longer ones
+(prefills, however short) SDPA's, whose mask handling of fully padded query rows they keep."""
 
 
 def grouped_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -62,8 +63,8 @@ def grouped_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     scores = torch.matmul(grouped, key.transpose(-1, -2)).view(batch, kv_heads, group, q_len, length)
     scores = scores.float() * scale
     mask = attention_mask[:, :, None]  # [B, 1, 1, q, S] against [B, KV, G, q, S]
-    if mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, float("-inf"))
+    if mask.dtype == torch.bool:  # the float minimum, not -inf: a fully masked row stays finite
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     else:
         scores = scores + mask.float()
     probs = torch.softmax(scores, dim=-1).to(value.dtype).view(batch, kv_heads, group * q_len, length)
