@@ -9,8 +9,9 @@ cd "$(dirname "$0")/.."
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export MLFLOW_DISABLE_TELEMETRY=true HF_HUB_OFFLINE=1
-MLFLOW_TRACKING_URI=$(python -m mistill.tracking.server start)
-export MLFLOW_TRACKING_URI
+python -m mistill.tracking.server start >/dev/null
+# the URI and the owner's credentials: the server refuses a client without them
+eval "$(python -m mistill.tracking.server env)"
 # the steps run in the pipeline's own process (no interpreter start and import per step)
 mlflow run . -e pipeline --env-manager local --experiment-name mistill/synthetic -P launch=inline "$@"
 echo

@@ -222,8 +222,8 @@ def test_a_note_longer_than_the_model_is_refused_before_a_run(tracking_uri, tmp_
     cfg = PrepareConfig(corpus=str(path), corpus_name=unique("long"), codes_file=str(codes),
                         model=str(_model_dir(tmp_path, limit)))
     err = _refused_without_a_run(cfg)
-    assert (err.note, err.file) == (long_note.note_id, str(path))
-    assert f"{limit} positions" in str(err)
+    assert (err.note, err.file, err.line) == (long_note.note_id, str(path), 2)
+    assert f"{limit} positions" in str(err) and f"file {path} line 2" in str(err)
     # the same corpus fits a model with exactly the positions its longest note needs
     roomy = _model_dir(tmp_path, lengths[long_note.note_id])
     run_id = run_prepare(cfg.replace(model=str(roomy)))

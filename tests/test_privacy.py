@@ -4,6 +4,7 @@ positives."""
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import random
 import struct
@@ -122,6 +123,12 @@ DISGUISES: dict[str, Callable[[list[str]], str]] = {
     "html-numeric-entities": lambda w: "".join(f"&#{ord(c)};" for c in " ".join(w)),
     "json-surrogate-pairs": lambda w: json.dumps(_bold(" ".join(w))),
     "camel-cyrillic-url": lambda w: urllib.parse.quote(_camel(w).translate(_CYRILLIC)),
+    "reversed": lambda w: " ".join(w)[::-1],
+    "doubled-words": lambda w: " ".join(f"{x} {x}" for x in w),
+    "leetspeak": lambda w: " ".join(w).translate(str.maketrans("aeiost", "431057")),
+    "base64": lambda w: base64.b64encode(" ".join(w).encode()).decode(),
+    "base64-urlsafe-unpadded": lambda w: base64.urlsafe_b64encode(("~" + " ".join(w)).encode()).decode().rstrip("="),
+    "base64-twice": lambda w: base64.b64encode(base64.b64encode(" ".join(w).encode())).decode(),
 }
 
 
@@ -517,3 +524,21 @@ def test_scan_time_is_linear_in_the_candidate_size() -> None:
     # runs each, and 8x, leave room for a loaded machine.
     assert t_large < 8 * t_small, (t_small, t_large)
     assert not g.contains_protected(large[:-len(planted)])
+
+
+def test_byte_arrays_are_read_as_utf8(tmp_path: Path) -> None:
+    """Raw UTF-8 bytes of protected text: a uint8 numpy array, a JSON list of byte values, a
+    pickled list; numeric arrays and long integer lists that are not bytes still pass."""
+    g = restricted()
+    raw = CANARY.encode()
+    np.save(tmp_path / "bytes.npy", np.frombuffer(raw, dtype=np.uint8))
+    np.savez(tmp_path / "bytes.npz", b=np.frombuffer(raw, dtype=np.int8))
+    (tmp_path / "bytes.json").write_text(json.dumps({"b": list(raw)}))
+    torch.save({"b": list(raw)}, tmp_path / "bytes.pt")
+    for name in ("bytes.npy", "bytes.npz", "bytes.json", "bytes.pt"):
+        with pytest.raises(PrivacyError, match=name):
+            g.check_file(tmp_path / name)
+    np.save(tmp_path / "mask.npy", np.ones(500, dtype=np.uint8))
+    (tmp_path / "ids.json").write_text(json.dumps({"ids": list(range(1000)), "small": list(range(200))}))
+    g.check_file(tmp_path / "mask.npy")
+    g.check_file(tmp_path / "ids.json")

@@ -125,14 +125,17 @@ def places_holding(root: Path, needles: tuple[str, ...], *, log: bool = True) ->
 def served(uri: str, run_id: str, needles: tuple[str, ...]) -> list[str]:
     """What the REST API still serves of ``run_id`` or of ``needles``: ``runs/get`` of the run, and
     ``runs/search`` over every experiment (deleted ones and deleted runs included)."""
+    from mistill.tracking.auth import basic_auth
+
     found = []
-    got = requests.get(f"{uri}/api/2.0/mlflow/runs/get", params={"run_id": run_id}, timeout=30)
+    auth = basic_auth()  # the server answers its owner only
+    got = requests.get(f"{uri}/api/2.0/mlflow/runs/get", params={"run_id": run_id}, auth=auth, timeout=30)
     if got.status_code != 404 or got.json().get("error_code") != "RESOURCE_DOES_NOT_EXIST":
         found.append(f"runs/get: {got.status_code} {got.text[:200]}")
-    experiments = requests.post(f"{uri}/api/2.0/mlflow/experiments/search",
+    experiments = requests.post(f"{uri}/api/2.0/mlflow/experiments/search", auth=auth,
                                 json={"max_results": 1000, "view_type": "ALL"}, timeout=30).json()["experiments"]
     body = {"experiment_ids": [e["experiment_id"] for e in experiments], "run_view_type": "ALL", "max_results": 1000}
-    runs = requests.post(f"{uri}/api/2.0/mlflow/runs/search", json=body, timeout=30)
+    runs = requests.post(f"{uri}/api/2.0/mlflow/runs/search", json=body, auth=auth, timeout=30)
     runs.raise_for_status()
     text = runs.text.lower()
     found += [f"runs/search holds {n!r}" for n in (run_id, *needles) if n.lower() in text]

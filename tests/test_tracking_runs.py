@@ -245,8 +245,11 @@ def test_per_note_resume_after_crash(tracking_uri: str, tmp_path: Path) -> None:
                     for name, content in files.items():
                         p = run.note_artifact_path("notes", nid, name)
                         p.write_text(json.dumps(content) if name.endswith(".json") else content)
+                    from mistill.tracking.auth import sign_done
+
                     sums = {f.name: sha256_file(f) for f in p.parent.iterdir()}
-                    (p.parent / "_DONE").write_text(json.dumps({"files": sums}))
+                    signed = sign_done({"files": sums}, run_id=run.run_id, subdir="notes", note_id=nid)
+                    (p.parent / "_DONE").write_text(json.dumps(signed))
                 else:
                     run.write_note("notes", nid, files)
             return run

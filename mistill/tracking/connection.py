@@ -26,6 +26,7 @@ import contextlib
 import math
 import os
 import re
+import socket
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -318,6 +319,13 @@ def tracking_errors(*, uri: str | None = None, run_id: str | None = None) -> Ite
         raise error from exc
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS reports free on ``host`` (bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
 __all__ = ["SERVER_TIMEOUT_ENV", "DEFAULT_SERVER_TIMEOUT_S", "ClientTimeouts", "client_timeouts",
            "server_timeout_s", "configure_client_timeouts", "applied_bound_s", "active_run_id",
-           "is_unreachable", "unavailable_error", "tracking_errors"]
+           "is_unreachable", "unavailable_error", "tracking_errors", "free_port"]

@@ -32,6 +32,7 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from mistill.errors import MistillInputError
+from mistill.tracking.connection import free_port
 
 ENV_DATABASE_URL = "MISTILL_DATABASE_URL"
 SELECTION_SUFFIX = "_selection"
@@ -92,14 +93,14 @@ def masked(url: str) -> str:
 def ensure_database(url: str) -> None:
     """Create the database ``url`` names on its server unless it exists (connecting to the
     server's ``postgres`` database to do so)."""
-    import psycopg
+    import psycopg  # deferred: psycopg is optional (PostgreSQL only)
 
     name = _database_name(url)
     admin = libpq_url(urlunsplit(urlsplit(url)._replace(path="/postgres")))
     with psycopg.connect(admin, autocommit=True) as conn:
         exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
         if not exists:
-            from psycopg import errors, sql
+            from psycopg import errors, sql  # deferred: psycopg is optional (PostgreSQL only)
 
             try:
                 conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
@@ -147,8 +148,6 @@ class LocalPostgres:
         return subprocess.run(args, check=True, capture_output=True, text=True, **kw)
 
     def start(self, databases: tuple[str, ...] = (), timeout: float = 60) -> LocalPostgres:
-        from mistill.tracking.server import free_port
-
         self.folder.mkdir(parents=True, exist_ok=True)
         if self._as_postgres:
             shutil.chown(self.folder, "postgres", "postgres")

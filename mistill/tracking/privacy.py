@@ -68,19 +68,32 @@ and one that cannot be loaded that way is refused; ``.safetensors`` have their J
 scanned (tensor names and ``__metadata__``), tensor data allowed; ``.model`` (sentencepiece
 protobuf) is scanned for the strings it stores. Any other file is scanned if it is UTF-8 text and
 refused otherwise (images, archives, pickles: text inside them cannot be read). Numeric tensors
-and arrays are never read as text: text encoded as numbers is out of scope.
+and arrays are never read as text, with one exception: byte arrays (``uint8``/``int8``
+numpy arrays, and JSON or pickled lists of at least 16 integers in 0..255) are read as UTF-8.
+
+**Casual disguises.** Besides the original, a candidate is also read reversed (character order,
+``tneitap eht``), with doubled words collapsed (``the the patient patient``) when at least
+three words are doubled, with leetspeak undone (``0 1 3 4 5 7 @ $ ! |`` as ``o i e a s t a s i
+l``) when one of them stands between letters, and every base64 (standard or URL-safe) run of at
+least 32 characters is decoded and read too, recursively twice. Each is one more linear pass.
+A text over :data:`ALWAYS_DISGUISED_CHARS` is read reversed only when it holds a reversed common
+word (``eht``, ``dna``, ...), and with doubled words collapsed only when a tenth of its words
+are doubled, so that large artifacts are scanned in about one pass.
 
 Cost is linear in the text size: a few C-level passes for normalisation, one hash per word and
 per character, a binary search per hash. Protected texts added one at a time (a trace after each
 generation) go into sorted runs merged geometrically, so adding them costs ``O(m log n)``.
-Out of scope: deliberate encodings (base64, compression, encryption, reversed or spelled-out
-text) -- the guard stops accidental leaks and their casual disguises.
+Out of scope: deliberate encodings (compression, encryption, ciphers, spelled-out or shuffled
+text, numbers in tensors other than byte arrays, short fragments below the 6-gram and 40-letter
+thresholds) -- the guard stops accidental leaks and their casual disguises.
 
 Error messages never repeat the protected text: they name only *where* it was found.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
 import html
 import json
@@ -627,13 +640,24 @@ class PrivacyGuard:
         self._windows.add(_protected_windows(split_stream), exclude=self._public_windows)
 
     # ----------------------------------------------------------------------------------- checks
-    def contains_protected(self, text: str) -> bool:
+    def contains_protected(self, text: str, *, _depth: int = 0) -> bool:
         """True iff ``text`` shares a 6-gram or a 40-letter window with a protected text, or
-        contains a short one (after normalising both: see the module docstring)."""
+        contains a short one (after normalising both: see the module docstring), read as it is
+        and under its casual disguises (reversed, doubled words, leetspeak, base64)."""
         if self.allows_text or not text:
             return False
-        return any(self._stream_protected(_Stream.of(_segments_of(_cased(form))))
-                   for form in _folded_forms(text))
+        for candidate in _disguises(text):
+            for form in _folded_forms(candidate):
+                runs = _segments_of(_cased(form))
+                if self._stream_protected(_Stream.of(runs)):
+                    return True
+                undoubled = _undoubled(runs)
+                if undoubled is not None and self._stream_protected(_Stream.of(undoubled)):
+                    return True
+        if _depth < MAX_BASE64_DEPTH:
+            return any(self.contains_protected(decoded, _depth=_depth + 1)
+                       for decoded in _base64_texts(text))
+        return False
 
     def _stream_protected(self, stream: _Stream) -> bool:
         """True iff one candidate token stream shares a 6-gram, a window or a short text."""
@@ -759,6 +783,9 @@ class PrivacyGuard:
                 if a.dtype.kind in "US":
                     strings += [x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
                                 for x in np.asarray(a).ravel().tolist()]
+                elif a.dtype.kind in "ui" and a.dtype.itemsize == 1 and a.size:  # raw UTF-8 bytes
+                    strings.append(np.ascontiguousarray(a).astype(np.uint8).tobytes()
+                                   .decode("utf-8", "replace"))
         self._check_strings(strings, where, p)
 
     def check_dir(self, path: str | os.PathLike) -> None:
@@ -846,7 +873,7 @@ def _pickle_strings(p: Path, where: str) -> list[str]:
 
     A file that loader refuses (other objects than tensors and plain containers) is refused.
     """
-    import torch
+    import torch  # deferred: torch is slow to import
 
     try:
         obj = torch.load(p, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(p))
@@ -879,6 +906,8 @@ def _object_strings(obj: Any) -> Iterator[str]:
                     stack.append(k)
             elif isinstance(item, (set, frozenset)):
                 stack.extend(sorted(item, key=repr, reverse=True))
+            elif (raw := _byte_list(item)) is not None:
+                yield raw
             else:
                 stack.extend(reversed(item))
 
@@ -903,4 +932,68 @@ def _json_strings(text: str, *, jsonl: bool) -> Iterator[str]:
                 stack.append(v)
                 stack.append(k)
         elif isinstance(item, list):
-            stack.extend(reversed(item))
+            raw = _byte_list(item)
+            if raw is not None:
+                yield raw
+            else:
+                stack.extend(reversed(item))
+
+
+MIN_BYTE_LIST = 16
+"""A list of at least this many integers, all in 0..255, is read as UTF-8 bytes too."""
+
+
+def _byte_list(items: Any) -> str | None:
+    """A list or tuple of integers in 0..255 (at least :data:`MIN_BYTE_LIST`), as UTF-8 text."""
+    if not isinstance(items, (list, tuple)) or len(items) < MIN_BYTE_LIST:
+        return None
+    if not all(type(x) is int and 0 <= x <= 255 for x in items):
+        return None
+    return bytes(items).decode("utf-8", errors="replace")
+
+
+MAX_BASE64_DEPTH = 2
+"""base64 inside base64 is decoded this many times."""
+_BASE64 = re.compile(r"(?:[A-Za-z0-9+/]{4}){8,}(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?"
+                     r"|(?:[A-Za-z0-9_-]{4}){8,}(?:[A-Za-z0-9_-]{2}(?:==)?|[A-Za-z0-9_-]{3}=?)?")
+_LEET_HINT = re.compile(r"[A-Za-z][0-9@$!|]+[A-Za-z]")
+_REVERSED_HINT = re.compile(r"\b(?:eht|dna|htiw|saw|fo|erew|sah)\b", re.IGNORECASE)
+ALWAYS_DISGUISED_CHARS = 1 << 16
+"""Texts up to this size are also read reversed and with leetspeak undone, always; a larger one
+only when it shows signs of them (a reversed common word; a digit or symbol between letters), so
+that scanning large artifacts stays about as fast as one pass."""
+_LEET = str.maketrans({"0": "o", "1": "i", "3": "e", "4": "a", "5": "s", "7": "t", "@": "a",
+                       "$": "s", "!": "i", "|": "l"})
+
+
+def _disguises(text: str) -> list[str]:
+    """``text``, reversed, and with leetspeak undone (see :data:`ALWAYS_DISGUISED_CHARS`)."""
+    small = len(text) <= ALWAYS_DISGUISED_CHARS
+    forms = [text]
+    if small or _REVERSED_HINT.search(text):
+        forms.append(text[::-1])
+    if _LEET_HINT.search(text):
+        forms.append(text.translate(_LEET))
+    return forms
+
+
+def _undoubled(runs: list[list[str]]) -> list[list[str]] | None:
+    """The word runs with each word repeated right after itself dropped; None when fewer than
+    three words, or under a tenth of a large text's words, are doubled."""
+    doubled = sum(a == b for run in runs for a, b in zip(run, run[1:]))
+    n_words = sum(len(run) for run in runs)
+    if doubled < 3 or (n_words > ALWAYS_DISGUISED_CHARS // 8 and doubled < n_words // 10):
+        return None
+    return [[w for i, w in enumerate(run) if i == 0 or run[i - 1] != w] for run in runs]
+
+
+def _base64_texts(text: str) -> Iterator[str]:
+    """The UTF-8 text of every base64 run of ``text`` (standard or URL-safe alphabet)."""
+    for m in _BASE64.finditer(text):
+        blob = m.group()
+        try:
+            raw = base64.b64decode(blob + "=" * (-len(blob) % 4),
+                                   altchars=b"-_" if ("-" in blob or "_" in blob) else None)
+        except (binascii.Error, ValueError):
+            continue
+        yield raw.decode("utf-8", errors="replace")

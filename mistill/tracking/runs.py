@@ -17,7 +17,10 @@
   identical run, and :class:`StageRun` with ``resume=True`` reuses a FINISHED one, resumes a
   RUNNING/FAILED/KILLED one under the same run id, or starts a new one.
 * Per-note artifacts live under ``<subdir>/<note_id>/`` with a ``_DONE`` marker written (and
-  uploaded) last, so a resumed run skips exactly the finished notes and loses none.
+  uploaded) last, so a resumed run skips exactly the finished notes and loses none. ``_DONE``
+  records the sha256 of each file and is signed with the store's key (HMAC-SHA256 over the
+  record, the run, the subdir and the note, :func:`mistill.tracking.auth.sign_done`); a marker
+  whose signature does not verify is refused wherever it is read.
 * Per-note files that are model text of a restricted corpus (token ids or per-position
   distributions of a note or trace, generated text) are *local files*: kept in the run's enclave
   ``<work>/enclave/<subdir>/<note_id>/`` on the machine that ran it (tag ``mistill.enclave_dir``),
@@ -32,7 +35,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import json
+import logging
 import math
 import os
 import re
@@ -48,19 +53,21 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
-from mlflow.entities import Metric, Param, Run, RunTag
+from mlflow.entities import DatasetInput, InputTag, Metric, Param, Run, RunTag
 from mlflow.exceptions import MlflowException
-from mlflow.tracking import MlflowClient
+from mlflow.tracking import MlflowClient, fluent
 
 from mistill.config import Config
 from mistill.errors import MistillInputError
 from mistill.io import is_safe_name, read_json, sha256_file, write_bytes, write_json, write_text
 from mistill.progress import get_logger
+from mistill.tracking.auth import ensure_client_credentials, sign_done, verify_done
 from mistill.tracking.connection import is_unreachable, unavailable_error
-from mistill.tracking.lease import (ENV_ON_BUSY, ENV_WAIT_MAX, TAG_LEASE_OWNER, Heartbeat, LeaseError,
-                                    LeaseSettings, claim, claim_new_run, describe_owner, generation,
-                                    identity_key, lease_held, lease_tags, new_owner)
+from mistill.tracking.lease import (ENV_ON_BUSY, ENV_WAIT_MAX, TAG_LEASE_OWNER, Heartbeat, LeaseError, LeaseSettings,
+                                    claim, claim_new_run, describe_owner, generation, identity_key, lease_held,
+                                    lease_tags, new_owner)
 from mistill.tracking.privacy import PrivacyGuard
+from mistill.tracking.purge import purge_if_protected
 from mistill.tracking.reaper import spawn_reaper
 from mistill.tracking.server import ensure_server
 
@@ -285,6 +292,7 @@ def resolve_tracking_uri(root: Path | str = ".mistill") -> str:
             f"tracking URI {uri!r} is not a tracking server; mistill never uses a file or "
             f"direct database store: start one with `python -m mistill.tracking.server start`",
             field="MLFLOW_TRACKING_URI")
+    ensure_client_credentials(uri, root)  # the project's server needs its owner's credentials
     return uri
 
 
@@ -712,8 +720,6 @@ class StageRun:
         if launched:
             # `mlflow run` stored its -P values as this run's params before the stage started: if
             # they hold protected text, the run is purged from the store, not only refused
-            from mistill.tracking.purge import purge_if_protected
-
             purge_if_protected(launched, self.guard, tracking_uri=self.tracking_uri, root=self.root, launched=True)
         self.guard.check_mapping(tags, "tag")
         self.guard.check_mapping(self.params, "param")
@@ -994,7 +1000,7 @@ class StageRun:
         ``mlflow_table``: also log it as an MLflow table, ``<name>.json``
         (:meth:`log_mlflow_table`).
         """
-        import pandas as pd
+        import pandas as pd  # deferred: pandas is slow to import
 
         if index is None:
             index = not isinstance(df.index, pd.RangeIndex) or df.index.name is not None
@@ -1020,6 +1026,7 @@ class StageRun:
         For a restricted corpus the frame must hold no free text and no protected text
         (:meth:`PrivacyGuard.check_dataframe`), then the file is checked like any artifact.
         """
+        # deferred: mlflow.utils.mlflow_tags is slow to import
         from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
 
         self._require_active()
@@ -1057,7 +1064,7 @@ class StageRun:
         or a string column holds free text (see :meth:`PrivacyGuard.check_dataframe`).
         """
         self._require_active()
-        import mlflow.data
+        import mlflow.data  # deferred: mlflow.data is slow to import
 
         self.guard.check_text(name, "dataset name")
         self.guard.check_dataframe(df, f"dataset {name}")
@@ -1070,7 +1077,7 @@ class StageRun:
             if active is not None and active.info.run_id == self.run_id:
                 mlflow.log_input(dataset, context=context)
             else:
-                from mlflow.entities import DatasetInput, InputTag
+                # deferred: mlflow.utils.mlflow_tags is slow to import
                 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
                 self.client.log_inputs(self.run_id, [DatasetInput(
@@ -1130,6 +1137,7 @@ class StageRun:
         if kept:
             done[LOCAL_FILES_KEY] = {p.name: sha256_file(p) for p in kept}
         done["time"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        done = sign_done(done, run_id=self.run_id, subdir=subdir, note_id=str(note_id))
         write_json(note_dir / DONE_MARKER, done)
         self._upload_note(subdir, str(note_id))
 
@@ -1158,7 +1166,8 @@ class StageRun:
         done_path = self.note_dir(subdir, note_id) / DONE_MARKER
         self._fetch_note_file(subdir, note_id, DONE_MARKER, done_path,
                               f"run {self.run_id}: note has no {DONE_MARKER} marker", filename)
-        return read_json(done_path)
+        return verify_done(read_json(done_path), run_id=self.run_id, subdir=subdir,
+                           note_id=str(note_id))
 
     def _fetch_note_file(self, subdir: str, note_id: str, name: str, path: Path, missing: str,
                          filename: str) -> None:
@@ -1181,7 +1190,8 @@ class StageRun:
         sits beside the others."""
         note_dir = self.note_dir(subdir, note_id)
         artifact_dir = f"{subdir}/{note_id}"
-        local = set(_local_entries(read_json(note_dir / DONE_MARKER)))
+        local = set(_local_entries(verify_done(read_json(note_dir / DONE_MARKER), run_id=self.run_id,
+                                               subdir=subdir, note_id=str(note_id))))
         for path in sorted(note_dir.iterdir()):
             if path.is_file() and not path.name.startswith(".") and path.name != DONE_MARKER \
                     and path.name not in local:
@@ -1200,6 +1210,9 @@ class StageRun:
         if local_root.is_dir():
             for note_dir in local_root.iterdir():
                 if (note_dir / DONE_MARKER).is_file():
+                    # a local marker decides that the note is skipped: it must be this store's
+                    verify_done(read_json(note_dir / DONE_MARKER), run_id=self.run_id,
+                                subdir=subdir, note_id=note_dir.name)
                     done.add(note_dir.name)
                     if not self.reused and self._active and \
                             not (note_dir / _UPLOADED_MARKER).exists():
@@ -1414,8 +1427,6 @@ def _system_metrics_available() -> bool:
     """psutil is what MLflow samples with: without it, warn once and log no system metrics.
     MLflow's own monitor messages (started, stopped, no GPU found) are kept to warnings."""
     global _PSUTIL_WARNED
-    import importlib.util
-    import logging
 
     if importlib.util.find_spec("psutil") is None:
         if not _PSUTIL_WARNED:
@@ -1430,8 +1441,6 @@ def _system_metrics_available() -> bool:
 def _stop_system_metrics(run_id: str, *, flush: bool = True) -> None:
     """Stop the system-metrics monitor of ``run_id`` if one still runs (a run ended through the
     client, or left because the server is gone: ``flush=False`` sends nothing more)."""
-    from mlflow.tracking import fluent
-
     monitor = fluent.run_id_to_system_metrics_monitor.pop(run_id, None)
     if monitor is None:
         return
@@ -1479,8 +1488,6 @@ class _SignalTrap:
 def _pop_fluent_run(run_id: str) -> None:
     """Leave MLflow's fluent active-run stack without ending the run in the store (MLflow has
     no public call for that: ``mlflow.end_run`` always sets a status)."""
-    from mlflow.tracking import fluent
-
     stack = fluent._active_run_stack.get()
     if stack and stack[-1].info.run_id == run_id:
         stack.pop()
@@ -1493,7 +1500,7 @@ def markdown_table(df: Any, *, float_format: str = ".6g", index: bool = False) -
 
     Numbers are right-aligned; floats use ``float_format``; ``|`` and newlines are escaped.
     """
-    import pandas as pd
+    import pandas as pd  # deferred: pandas is slow to import
 
     def cell(v: Any) -> str:
         if v is None or (isinstance(v, float) and math.isnan(v)):

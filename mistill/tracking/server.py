@@ -19,6 +19,14 @@ This module does not import MLflow (it only launches it), so the CLI is quick::
     python -m mistill.tracking.server stop   [--root R]
     python -m mistill.tracking.server status [--root R]              # JSON, or "not running"
     python -m mistill.tracking.server uri    [--root R]
+    eval "$(python -m mistill.tracking.server env [--root R])"   # URI and credentials, for a shell
+
+Only the store's owner can change it: the server runs MLflow's ``basic-auth`` app with the
+owner as its only (admin) user, others have no permission, and its files are owner-only (umask
+077; directories 700, files 600). The credentials are made at the first start and kept in
+``<root>/credentials.json`` (mode 600); :meth:`TrackingServer.start` points this process's
+clients at them (``MLFLOW_TRACKING_USERNAME``/``MLFLOW_TRACKING_PASSWORD``, inherited by the
+processes it launches); see :mod:`mistill.tracking.auth`.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -40,6 +49,11 @@ from pathlib import Path
 from typing import Any
 
 from mistill.io import write_json
+from mistill.tracking.auth import (AUTH_CONFIG_FILE, AUTH_DB_FILE, CREDENTIALS_FILE, ENV_CREDENTIALS,
+                                   ENV_PASSWORD, ENV_USERNAME, load_credentials, make_owner_only,
+                                   use_credentials, write_auth_config)
+from mistill.tracking.connection import free_port
+from mistill.tracking.postgres import database_url, ensure_database, tracking_store_uri
 
 SERVER_ENV: dict[str, str] = {
     "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
@@ -68,13 +82,6 @@ def port_is_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS reports free on ``host`` (bind to port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def health_ok(uri: str, timeout: float = 2.0) -> bool:
@@ -143,7 +150,7 @@ def _listener(port: int) -> tuple[int | None, list[list[str]]]:
     closest ancestors (``mlflow server`` listens through a uvicorn child); ``(None, [])`` if
     unknown (another user's process, or no ``psutil``)."""
     try:
-        import psutil
+        import psutil  # deferred: psutil only when memory is measured
     except ImportError:
         return None, []
     with contextlib.suppress(Exception):
@@ -222,8 +229,6 @@ class TrackingServer:
         return self.root / "server.log"
 
     def _database_url(self) -> str | None:
-        from mistill.tracking.postgres import database_url
-
         return self.database_url or database_url()
 
     @property
@@ -231,8 +236,6 @@ class TrackingServer:
         """The backend store: the PostgreSQL database of ``database_url``, else SQLite."""
         url = self._database_url()
         if url:
-            from mistill.tracking.postgres import tracking_store_uri
-
             return tracking_store_uri(url)
         return f"sqlite:///{self.root / 'mlflow.db'}"
 
@@ -275,6 +278,7 @@ class TrackingServer:
         """Exclusive lock on ``<root>/server.lock``: two stages never start two servers."""
         self.root.mkdir(parents=True, exist_ok=True)
         with open(self.root / "server.lock", "a+") as fh:
+            os.chmod(fh.name, 0o600)
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
             try:
                 yield
@@ -314,8 +318,10 @@ class TrackingServer:
                     write_json(self.record_path, {
                         "pid": proc.pid, "pgid": os.getpgid(proc.pid), "port": port, "uri": uri,
                         "root": str(self.root), "backend_store_uri": self.backend_uri,
-                        "artifacts_destination": str(self.artifacts_dir),
+                        "artifacts_destination": str(self.artifacts_dir), "auth": "basic-auth",
                         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+                    self.secure_files()
+                    use_credentials(self.root)
                     return uri
                 exited = proc.poll() is not None
                 self._kill(proc.pid, proc.pid, proc=proc)
@@ -338,6 +344,7 @@ class TrackingServer:
                 f"{record.get('port')} ({uri}, pid {record.get('pid')}), not on the requested port "
                 f"{self.port}: use {uri}, or stop it first (python -m mistill.tracking.server "
                 f"stop --root {self.root}) and start it again on port {self.port}")
+        use_credentials(self.root)
         return uri
 
     def _choose_port(self, last_port: int | None) -> int:
@@ -363,23 +370,47 @@ class TrackingServer:
     def _launch(self, port: int) -> subprocess.Popen[bytes]:
         url = self._database_url()
         if url:
-            from mistill.tracking.postgres import ensure_database
-
             ensure_database(url)
-        self.artifacts_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "mlflow", "server",
+        self.artifacts_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.secure_files()
+        creds = load_credentials(self.root, create=True)
+        auth_config = write_auth_config(self.root, creds)
+        cmd = [sys.executable, "-m", "mlflow", "server", "--app-name", "basic-auth",
                "--backend-store-uri", self.backend_uri,
                "--artifacts-destination", str(self.artifacts_dir),
                "--host", self.host, "--port", str(port), "--workers", "1"]
-        env = {**os.environ, **SERVER_ENV}
-        env.pop("MLFLOW_TRACKING_URI", None)
-        env.pop("MLFLOW_RUN_ID", None)
+        env = {**os.environ, **SERVER_ENV,
+               "MLFLOW_AUTH_CONFIG_PATH": str(auth_config),
+               "MLFLOW_AUTH_ADMIN_USERNAME": creds["username"],
+               "MLFLOW_AUTH_ADMIN_PASSWORD": creds["password"],
+               "MLFLOW_FLASK_SERVER_SECRET_KEY": creds["flask_secret_key"],
+               "MLFLOW_BASIC_AUTH_FAIL_CLOSED": "true"}
+        for name in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", ENV_USERNAME, ENV_PASSWORD,
+                     ENV_CREDENTIALS):
+            env.pop(name, None)
         with open(self.log_path, "ab") as log:
+            os.chmod(self.log_path, 0o600)
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
             log.flush()
+            # umask 077: the database, the auth database and every artifact the server writes
+            # are readable and writable by the owner only
             return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, cwd=self.root, env=env,
-                                    start_new_session=True)
+                                    start_new_session=True, umask=0o077)
+
+    def secure_files(self) -> None:
+        """Make the store owner-only: the root directory and the artifact store 700 (files 600),
+        the database files (SQLite and its journals), the auth database, the credentials, the
+        auth config, the log, the record and the lock 600."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        make_owner_only(self.artifacts_dir)
+        files = [self.root / name for name in (
+            CREDENTIALS_FILE, AUTH_CONFIG_FILE, "server.log", "server.json", "server.lock")]
+        files += [p for pattern in ("mlflow.db*", f"{AUTH_DB_FILE}*")
+                  for p in self.root.glob(pattern)]
+        make_owner_only(*files)
+        with contextlib.suppress(OSError):
+            os.chmod(self.root, 0o700)
 
     def _wait_healthy(self, uri: str, pid: int, timeout: float,
                       proc: subprocess.Popen[bytes] | None = None) -> bool:
@@ -474,7 +505,7 @@ def ensure_server(root: Path | str = ".mistill", port: int | None = None) -> str
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mistill.tracking.server",
                                      description="Manage the mistill MLflow tracking server.")
-    parser.add_argument("command", choices=("start", "stop", "status", "uri"))
+    parser.add_argument("command", choices=("start", "stop", "status", "uri", "env"))
     parser.add_argument("--root", default=".mistill", help="project root (default .mistill)")
     parser.add_argument("--port", type=int, default=None,
                         help="start on exactly this port, or fail if it is taken; 0: any free "
@@ -498,6 +529,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(record, indent=2, sort_keys=True) if record else "not running")
         return 0 if record else 1
     if record and record["healthy"]:
+        if args.command == "env":  # for a shell: eval "$(python -m mistill.tracking.server env)"
+            creds = load_credentials(server.root)
+            print(f"export MLFLOW_TRACKING_URI={shlex.quote(record['uri'])}")
+            if creds.get("username") and creds.get("password"):
+                print(f"export {ENV_USERNAME}={shlex.quote(creds['username'])}")
+                print(f"export {ENV_PASSWORD}={shlex.quote(creds['password'])}")
+                print(f"export {ENV_CREDENTIALS}="
+                      f"{shlex.quote(str(server.root / CREDENTIALS_FILE))}")
+            return 0
         print(record["uri"])
         return 0
     print("not running", file=sys.stderr)
