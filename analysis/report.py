@@ -27,11 +27,15 @@ import pandas as pd
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from analysis import ablation_tables, characterization, figures, query, run_deviations, tables
-from analysis import selection_tables as seltab
+from analysis import (ablation_tables, characterization, figures, locus_figures, query, run_deviations,
+                      selection_tables as seltab, tables)
+from analysis.audit import stratified_readouts
+from analysis.edit_tables import edit_pairs_table
 from mistill import stats
 from mistill.errors import MistillInputError
 from mistill.instrument.settables import to_markdown
+from mistill.io import read_json
+from mistill.stages.common import RunReader
 
 __all__ = ["MIN_TEST_NOTES", "MIN_TRAIN_STEPS", "STAGES", "EvidenceSize", "Report", "ReportInputs",
            "ReportTable", "build_report", "collect_inputs", "evidence_size"]
@@ -532,12 +536,15 @@ def _own_heads(rep: Report, runs: pd.DataFrame, eval_runs: pd.DataFrame,
     rep.tables.append(ReportTable(
         "table3_own_heads", "Table 3: mechanism on each arm's own heads",
         "Knock-in recovery of the own top-k per phase (median over notes, then mean ± sd over "
-        "seeds; random-k floor in parentheses), then the run readouts (M2 region lift, prefix "
-        "share, M3 near-miss share) and the task micro-F1 of the same seeds.",
+        "seeds; random-k floor in parentheses; in brackets the gated events and notes a seed's cell "
+        "rests on, 'n too small' in place of a value below the minimum of analysis.evidence), then "
+        "the run readouts (M2 region lift, prefix share, M3 near-miss share) and the task micro-F1 "
+        "of the same seeds.",
         t3, tables.own_heads_display(t3)))
     rep.tables.append(ReportTable(
         "table45_own_heads_seeds", "Table 45: own-heads readouts per seed",
-        "Per seed: medians over notes, random-k floors in parentheses; task: that seed's "
+        "Per seed: medians over notes, random-k floors in parentheses, the gated events and notes "
+        "behind each cell in brackets ('n too small' below the minimum); task: that seed's "
         "micro-F1.", seeds, tables.own_heads_seed_display(seeds)))
     _figure(rep, "recovery_vs_k_own", figures.recovery_long_from_own(per_note), "Own-heads knock-in recovery",
             "mean over seeds of medians over notes, against k; dashed: random-k floors")
@@ -567,9 +574,6 @@ def _own_heads(rep: Report, runs: pd.DataFrame, eval_runs: pd.DataFrame,
 def _selection_columns(run_id: str) -> dict[str, str]:
     """``{<lock's metric>: "metric", <lock's tie-break>: "tie_break"}`` from the run's
     ``decision.json`` (the ``select_lambda`` stage names those columns after its lock)."""
-    from mistill.io import read_json
-    from mistill.stages.common import RunReader
-
     try:
         rule = read_json(RunReader(run_id, field=DECISION).file(DECISION))["lock"]["selection"]
         return {str(rule["metric"]): "metric", str(rule["tie_break"]): "tie_break"}
@@ -728,8 +732,6 @@ LOCUS_TABLES: tuple[tuple[str, str, str], ...] = (
 
 def _locus(rep: Report, runs: pd.DataFrame) -> None:
     """Tables 25-33 and Figure 1 from the newest ``locus`` run of each model."""
-    from analysis import locus_figures
-
     if runs.empty:
         return _skip(rep, "Tables 25-33 and Figure 1 (the locus pass)", "no FINISHED locus runs")
     loaded: dict[str, pd.DataFrame] = {}
@@ -795,8 +797,6 @@ def _read_side(rep: Report, runs: dict[str, pd.DataFrame]) -> None:
 
 def _student_edits(rep: Report, runs: pd.DataFrame, reference_arm: str, n_resamples: int, seed: int) -> None:
     """Table 22: every arm's trace edits against the reference arm's, per seed pair and pooled."""
-    from analysis.edit_tables import edit_pairs_table
-
     name, title = "table22_student_edits", "Table 22: the trace edits on the students"
     caption = ("Per note, the mean edit effect over the three replacements on the events both arms' runs "
                f"edited; each arm minus the reference arm ({reference_arm}) per seed pair, and pooled with "
@@ -818,8 +818,6 @@ def _student_edits(rep: Report, runs: pd.DataFrame, reference_arm: str, n_resamp
 def _audit(rep: Report, evaluate: pd.DataFrame, own: pd.DataFrame, labels: pd.DataFrame | None) -> None:
     """Table 24: M1 and own-heads knock-in recovery at k=40 on the audited contrastive events, per
     model, arm, precision and seed (an ``evaluate`` run and the ``own_heads`` run of the same key)."""
-    from analysis.audit import stratified_readouts
-
     name, title = "table24_audited_events", "Table 24: the readouts on the audited contrastive events"
     caption = ("M1 (share of the labeled P2C events where the model's teacher-forced margin favours the "
                "teacher's choice) and own-heads knock-in recovery at k=40 (mean over gated events), on the "

@@ -28,6 +28,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import paired
+from analysis.evidence import TOO_SMALL, Support
 from mistill import stats
 from mistill.errors import MistillInputError
 from mistill.evaluation.metrics import gap_recovered
@@ -333,6 +334,9 @@ def own_heads_seed_table(per_note: pd.DataFrame, own_runs: pd.DataFrame,
             cell = mine[(mine["phase"] == phase) & (mine["k"] == k)]
             rec[f"{phase}.k{k}.own"] = float(cell["recovery_own"].median())
             rec[f"{phase}.k{k}.random"] = float(cell["recovery_random"].median())
+            if "n_gated" in cell.columns:  # what the cell rests on (analysis.evidence)
+                rec[f"{phase}.k{k}.n_gated"] = float(cell["n_gated"].fillna(0).sum())
+                rec[f"{phase}.k{k}.n_notes"] = float(cell["recovery_own"].notna().sum())
         for m, _ in OWN_METRICS:
             rec[m] = float(run[m]) if m in runs.columns and pd.notna(run[m]) else math.nan
         rec["task"] = math.nan
@@ -381,7 +385,9 @@ def _recovery_cells(columns: Sequence[str]) -> list[str]:
 
 def own_heads_display(table: pd.DataFrame) -> pd.DataFrame:
     """Table 3 as printed: per (phase, k) own recovery ``mean ± sd`` with the random floor in
-    parentheses, then the run metrics, single-seed arms marked."""
+    parentheses and, in brackets, the gated events and notes a seed's cell rests on (mean over
+    seeds); a cell below the minimum (:mod:`analysis.evidence`) shows "n too small". Then the
+    run metrics, single-seed arms marked."""
     out = []
     for _, r in table.iterrows():
         n = int(r["n_seeds"])
@@ -390,8 +396,12 @@ def own_heads_display(table: pd.DataFrame) -> pd.DataFrame:
         for cell in _recovery_cells(table.columns):
             own = fmt_mean_sd(r[f"{cell}.own.mean"], r[f"{cell}.own.sd"], n)
             floor = r[f"{cell}.random.mean"]
-            rec[cell.replace(".", " ")] = (f"{own} ({floor:.3f})" if own and pd.notna(floor)
-                                           else own)
+            text = f"{own} ({floor:.3f})" if own and pd.notna(floor) else own
+            if f"{cell}.n_gated.mean" in table.columns:
+                support = _support(r[f"{cell}.n_gated.mean"], r[f"{cell}.n_notes.mean"])
+                if own:
+                    text = f"{text if support.clears() else TOO_SMALL} [{support.label()}]"
+            rec[cell.replace(".", " ")] = text
         for m, label in (*OWN_METRICS, ("task", "task")):
             if f"{m}.mean" in table.columns:
                 rec[label] = fmt_mean_sd(r[f"{m}.mean"], r[f"{m}.sd"], n)
@@ -400,7 +410,9 @@ def own_heads_display(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def own_heads_seed_display(seed_table: pd.DataFrame) -> pd.DataFrame:
-    """Table 45's per-seed rows as printed: own recovery with the random floor in parentheses."""
+    """Table 45's per-seed rows as printed: own recovery with the random floor in parentheses
+    and, in brackets, the gated events and notes it rests on; below the minimum
+    (:mod:`analysis.evidence`) "n too small"."""
     out = []
     cells = [c[:-len(".own")] for c in seed_table.columns if c.endswith(".own")]
     for _, r in seed_table.iterrows():
@@ -408,12 +420,24 @@ def own_heads_seed_display(seed_table: pd.DataFrame) -> pd.DataFrame:
                                "precision": r["precision"], "seed": r["seed"]}
         for cell in cells:
             own, floor = r[f"{cell}.own"], r[f"{cell}.random"]
-            rec[cell.replace(".", " ")] = (f"{own:.3f} ({floor:.3f})" if pd.notna(own)
-                                           and pd.notna(floor) else format_cell(own))
+            text = (f"{own:.3f} ({floor:.3f})" if pd.notna(own)
+                    and pd.notna(floor) else format_cell(own))
+            if f"{cell}.n_gated" in seed_table.columns and pd.notna(own):
+                support = _support(r[f"{cell}.n_gated"], r[f"{cell}.n_notes"])
+                text = f"{text if support.clears() else TOO_SMALL} [{support.label()}]"
+            rec[cell.replace(".", " ")] = text
         for m, label in (*OWN_METRICS, ("task", "task")):
             rec[label] = format_cell(r[m]) if m in seed_table.columns else ""
         out.append(rec)
     return pd.DataFrame.from_records(out)
+
+
+def _support(n_events: Any, n_notes: Any):
+    """:class:`analysis.evidence.Support` from two (possibly NaN) counts."""
+    def count(v: Any) -> int | None:
+        return None if v is None or v is pd.NA or not math.isfinite(float(v)) else int(round(float(v)))
+
+    return Support(count(n_events), count(n_notes))
 
 
 def own_heads_paired_table(per_note: pd.DataFrame, reference_arm: str,

@@ -35,15 +35,17 @@ from mistill.data.inventory import Inventory
 from mistill.distill.buckets import build_axis, row_buckets, token_buckets
 from mistill.instrument.events import RealizedEvent
 from mistill.instrument.hooks import HeadHook
-from mistill.instrument.locus import OUTCOMES as LOCUS_OUTCOMES
-from mistill.instrument.passes import (PHASES, DonorCandidate, DonorWork, EventQuery, KnockinConfig, knockin_sweep,
-                                       plan_donors, stable_seed)
-from mistill.instrument.readside import (bucket_rows, chapter_region, event_chapter, head_attention_rows,
-                                         line_buckets, note_region_lift, note_share, region_lift, slot_share,
-                                         token_counts)
+from mistill.instrument.inputs import (NoteInput, event_queries, note_input, phase_events, subsample_phase_events,
+                                       trace_start_token)
+from mistill.instrument.locus import OUTCOMES as LOCUS_OUTCOMES, SUFFIXES, MentionProbe, forced_choice_ids, locate_many
+from mistill.instrument.locus_pass import note_mentions
+from mistill.instrument.passes import (PHASES, DonorCandidate, DonorWork, EventQuery, KnockinConfig, floor_draw,
+                                       knockin_sweep, plan_donors, stable_seed)
+from mistill.instrument.readside import (bucket_rows, chapter_region, event_chapter, head_attention_rows, line_buckets,
+                                         note_region_lift, note_share, region_lift, slot_share, token_counts)
 from mistill.instrument.runner import Runner
 from mistill.models.loading import LoadedModel
-from mistill.stages.common import NoteInput, note_input, phase_events
+from mistill.tasks import task_for
 
 __all__ = ["NoteCase", "note_case", "subsample_case", "draw_config", "own_knockin", "m4_rows", "random_panel",
            "readside_note", "M2_PHASES", "m5_note", "m5_summary", "M5_OUTCOMES"]
@@ -67,8 +69,6 @@ class NoteCase:
     @property
     def trace_start(self) -> int:
         """The index of the first trace token."""
-        from mistill.stages.characterize import trace_start_token
-
         return trace_start_token(self.inp)
 
     def candidate(self) -> DonorCandidate:
@@ -84,12 +84,9 @@ def note_case(note: Note, inventory: Inventory, lm: LoadedModel, *, trace: str |
               p2c_cap: int = 2, require_think: bool = True, max_positions: int | None = None) -> NoteCase:
     """Extract the phase events of ``trace`` (the teacher's when None) and realize them in the
     arm's tokenizer (no NULL events: the readouts here measure decisions only)."""
-    from mistill.stages.characterize import event_queries
-
     ni = note_input(note, inventory, lm.tokenizer, trace=trace,
                     remove_discharge_diagnosis=remove_discharge_diagnosis,
                     narrow_instruction=narrow_instruction, max_positions=max_positions)
-    from mistill.tasks import task_for
 
     realized = phase_events(ni, list(inventory.codes), lm.tokenizer, p2c_cap=p2c_cap, require_think=require_think,
                             task=task_for(inventory))
@@ -99,8 +96,6 @@ def note_case(note: Note, inventory: Inventory, lm: LoadedModel, *, trace: str |
 
 def subsample_case(case: NoteCase, per_phase: int, seed: int) -> NoteCase:
     """At most ``per_phase`` events of each phase (the instrument's seeded subsample); 0 keeps all."""
-    from mistill.stages.characterize import subsample_phase_events
-
     queries = subsample_phase_events(case.queries, per_phase, case.note_id, seed)
     keep = {q.event_id for q in queries}
     return NoteCase(note_id=case.note_id, inp=case.inp, queries=queries,
@@ -108,19 +103,21 @@ def subsample_case(case: NoteCase, per_phase: int, seed: int) -> NoteCase:
 
 
 def draw_config(k_bins: Sequence[int], draw: int, seed: int, *, range_gate: float = 1.0,
-                batch_size: int = 256, chunk_size: int = 8192) -> KnockinConfig:
+                batch_size: int = 256, chunk_size: int = 8192, floor_draws: int = 1) -> KnockinConfig:
     """The knock-in settings of random draw ``draw``: draw 0 measures the own set ("global") and
-    the first random floor; later draws only redraw the floor (a different seed per draw)."""
+    the first random floor, plus ``floor_draws - 1`` further floors shown only as the floor's
+    spread (sets ``random1``, ...); later draws only redraw the floor (a different seed per draw)."""
     sets = ("global", "random") if draw == 0 else ("random",)
     return KnockinConfig(k_bins=tuple(int(k) for k in k_bins), sets=sets, range_gate=range_gate,
                          batch_size=batch_size, chunk_size=chunk_size,
-                         seed=stable_seed(seed, "own-heads-floor", draw) % (2 ** 31))
+                         seed=stable_seed(seed, "own-heads-floor", draw) % (2 ** 31),
+                         floor_draws=floor_draws if draw == 0 else 1)
 
 
 def own_knockin(runner: Runner, hook: HeadHook, target: NoteCase, donors: NoteCase | Iterable[NoteCase],
                 rank: Mapping[str, Sequence[int]], k_bins: Sequence[int], *, n_random: int = 1,
                 seed: int = 0, range_gate: float = 1.0, batch_size: int = 256, no_match: str = "next",
-                progress: bool = False) -> tuple[list[dict], list[dict]]:
+                floor_draws: int = 1, progress: bool = False) -> tuple[list[dict], list[dict]]:
     """Necessity rows of ``target``'s events and knock-in rows of its events run in the donors'
     contexts, for the own ranking ``rank`` (``{phase: flat heads, best first}``) and ``n_random``
     count-matched random draws.
@@ -129,7 +126,8 @@ def own_knockin(runner: Runner, hook: HeadHook, target: NoteCase, donors: NoteCa
     lazily), each event going to the first that matches it (``no_match="next"``) or only to the
     next note (``"drop"``), :func:`mistill.instrument.passes.plan_donors`.
     Rows are the instrument's (:func:`knockin_sweep`); own-set rows have ``set == "global"``,
-    floor rows ``set == "random"``; every knock-in row carries its ``draw``.
+    floor rows ``set == "random"``; every knock-in row carries its ``draw``. ``floor_draws`` > 1
+    adds, in draw 0's batch, the floor's further draws (sets ``random1``, ...: its spread only).
     """
     rank = {p: list(r) for p, r in rank.items() if p in PHASES and len(r)}
     draws = max(1, int(n_random))
@@ -151,7 +149,7 @@ def own_knockin(runner: Runner, hook: HeadHook, target: NoteCase, donors: NoteCa
     knockin: list[dict] = []
     for d in range(draws):
         cfg = draw_config(k_bins, d, seed, range_gate=range_gate, batch_size=batch_size,
-                          chunk_size=runner.chunk_size)
+                          chunk_size=runner.chunk_size, floor_draws=floor_draws)
         if n_random <= 0:
             cfg = cfg.replace(sets=("global",))
         for cand, matches in plan:
@@ -171,7 +169,9 @@ def _mean(values: Sequence[float]) -> float:
 def m4_rows(note_id: str, necessity: Sequence[dict], knockin: Sequence[dict],
             k_bins: Sequence[int]) -> list[dict]:
     """Per (phase, k) of one note: ``recovery_own`` (mean over gated events), ``recovery_random``
-    (per draw the mean over gated events, then the mean over draws), ``necessity_own`` (mean share
+    (per draw the mean over gated events, then the mean over draws), ``recovery_random_floors``
+    (the mean over gated events of each floor draw of draw 0's batch: ``random``, ``random1``,
+    ...; the floor's spread), ``necessity_own`` (mean share
     of the clean margin destroyed, the instrument's definition) and ``necessity_own_nats`` (mean
     margin drop in nats, the paper's App. K wording), with event counts."""
     out = []
@@ -185,6 +185,11 @@ def m4_rows(note_id: str, necessity: Sequence[dict], knockin: Sequence[dict],
             by_draw: dict[int, list[float]] = {}
             for r in rnd:
                 by_draw.setdefault(int(r.get("draw", 0)), []).append(r["recovery"])
+            floors: dict[int, list[float]] = {}  # draw 0's floor and its spread draws
+            for r in knockin:
+                d = floor_draw(r["set"])
+                if d is not None and r["phase"] == phase and r["k"] == k and int(r.get("draw", 0)) == 0:
+                    floors.setdefault(d, []).append(r["recovery"])
             out.append({
                 "note_id": note_id, "phase": phase, "k": int(k),
                 "recovery_own": _mean([r["recovery"] for r in own]),
@@ -192,7 +197,8 @@ def m4_rows(note_id: str, necessity: Sequence[dict], knockin: Sequence[dict],
                 "necessity_own": _mean([r["necessity"] for r in nec]),
                 "necessity_own_nats": _mean([r["clean_margin"] - r["ablated_margin"] for r in nec]),
                 "n_events": len(nec), "n_matched": len(own), "n_gated": sum(bool(r["gated"]) for r in own),
-                "n_random_draws": len(by_draw)})
+                "n_random_draws": len(by_draw),
+                "recovery_random_floors": [_mean(floors[d]) for d in sorted(floors)]})
     return out
 
 
@@ -287,10 +293,6 @@ def m5_note(runner: Runner, case: NoteCase, inventory: Inventory, cfg) -> list[d
     :class:`~mistill.instrument.locus.LocusConfig`) at every chapter mention of the case, on the
     arm's own model. One prefill; the probes are rows against it. Returns one row per mention:
     ``event_id``, ``outcome``, ``distance``."""
-    from mistill.instrument.locus import SUFFIXES, MentionProbe, forced_choice_ids, locate_many
-    from mistill.instrument.locus_pass import note_mentions
-    from mistill.tasks import task_for
-
     mentions = note_mentions(case.realized, case.inp.offsets, case.inp.trace_offset,
                              task_for(inventory).find_mentions(case.inp.trace, list(inventory)))
     if not mentions:

@@ -20,28 +20,30 @@ from mistill.config import Config
 from mistill.data.corpus import Note
 from mistill.distributed import broadcast, current_world, gather, shard
 from mistill.errors import MistillInputError
-from mistill.io import npz_bytes
-from mistill.instrument.events import (RealizedEvent, coverage_report, entropy_over_choices,
-                                       event_counts, extract_events, margin, margin_audit,
-                                       realize_events)
+from mistill.instrument.calibration import (NoteImportance, calibratable_patients, calibrate, head_sets_json,
+                                            note_importance_c, ranking, recurrence, sparsity, split_half_stability)
+from mistill.instrument.events import (RealizedEvent, coverage_report, entropy_over_choices, event_counts,
+                                       extract_events, margin, margin_audit, realize_events)
 from mistill.instrument.hooks import HeadHook
-from mistill.instrument.passes import (AttributionConfig, CleanEvents, DonorCandidate,
-                                       DonorWork, EventQuery, KnockinConfig, NoteAttribution, donor_order,
-                                       donor_reads, own_reads, per_note_set_rows, phase_means, plan_donors,
-                                       prefill_note, running_global_top)
-from mistill.instrument.patching import Query
+from mistill.instrument.inputs import event_queries, note_input, subsample_phase_events, trace_start_token
+from mistill.instrument.passes import (AttributionConfig, CleanEvents, DonorCandidate, DonorWork, EventQuery,
+                                       KnockinConfig, NoteAttribution, donor_order, donor_reads, floor_draw, own_reads,
+                                       per_note_set_rows, phase_means, plan_donors, prefill_note, running_global_top)
 from mistill.instrument.runner import Runner
+from mistill.instrument.settables import sets_table, to_latex, to_markdown
 from mistill.instrument.waves import attribute_waves
-from mistill.models.loading import EMBEDDED_DEFAULT, load_model
+from mistill.io import npz_bytes, write_text
+from mistill.models.loading import EMBEDDED_DEFAULT
 from mistill.params import (AttributeParams, ChunkParams, DonorParams, EventsParams, KnockinParams, NomineeParams,
                             PatchParams, PoolParams)
 from mistill.progress import track
-from mistill.stages.common import (NoteInput, Prepared, RunReader, load_prepared, model_positions, note_input,
-                                   require_notes)
+from mistill.stages.common import Prepared, RunReader, load_model, load_prepared, model_positions, require_notes
 from mistill.stages.runner import WrittenNotes, note_loop, notes_written, open_stage, progress_label, stage_device
-from mistill.validation import (check_choices, check_device, check_dtype, check_interval,
-                                check_model_spec, check_name, check_no_text_fields, check_non_negative,
-                                check_not_empty, check_positive, check_run_id, check_seed)
+from mistill.tasks import task_for
+from mistill.tracking.runs import metric_name
+from mistill.validation import (check_choices, check_device, check_dtype, check_interval, check_model_spec, check_name,
+                                check_no_text_fields, check_non_negative, check_not_empty, check_positive, check_run_id,
+                                check_seed)
 
 NOTES = "notes"
 
@@ -97,8 +99,6 @@ def _stored_realized(r: RealizedEvent, margin_value: float, entropy: float, allo
 
 
 def run_events(cfg: EventsConfig) -> str:
-    from mistill.tracking.runs import metric_name
-
     prepared = load_prepared(cfg.prepare_run)
     notes = stage_notes(prepared, cfg.split, cfg.max_notes)
     with open_stage("events", cfg, prepared, inputs={"prepare": cfg.prepare_run}) as run:
@@ -108,7 +108,6 @@ def run_events(cfg: EventsConfig) -> str:
         lm = load_model(cfg.model, dtype=cfg.dtype, device=stage_device(cfg.device))
         runner = Runner(lm, chunk_size=cfg.chunk_size)
         codes = list(prepared.inventory.codes)
-        from mistill.tasks import task_for
 
         task = task_for(prepared.inventory)
         for note in note_loop(run, NOTES, notes, desc="events"):
@@ -177,17 +176,6 @@ def run_events(cfg: EventsConfig) -> str:
 def read_realized(reader: RunReader, note_id: str) -> list[RealizedEvent]:
     path = reader.note_file(NOTES, note_id, "realized.jsonl")
     return [RealizedEvent.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line]
-
-
-def event_queries(realized: Sequence[RealizedEvent], input_ids: torch.Tensor) -> list[EventQuery]:
-    """Realized events as queries: the token at q, the margin's target and competitor ids."""
-    out = []
-    for r in realized:
-        ev = r.event
-        out.append(EventQuery(event_id=ev.event_id, kind=ev.kind, target=ev.target, char_index=ev.char_index,
-                              query=Query(position=r.position, token_id=int(input_ids[r.position]),
-                                          target_id=r.target_id, competitor_ids=tuple(r.competitor_ids))))
-    return out
 
 
 @dataclass
@@ -329,10 +317,6 @@ def _finished_means(run, reader: WrittenNotes, notes: Sequence[Note]) -> dict[st
 
 
 def run_attribute(cfg: AttributeConfig) -> str:
-    from mistill.instrument.calibration import (NoteImportance, calibratable_patients, calibrate,
-                                                head_sets_json, recurrence, sparsity, split_half_stability)
-    from mistill.tracking.runs import metric_name
-
     ev = _events_input(cfg.events_run)
     prepared = ev.prepared
     notes = attribute_notes(ev, cfg.split)
@@ -443,13 +427,6 @@ class KnockinStageConfig(Config, KnockinParams, DonorParams, PatchParams):
         check_seed(self.seed)
 
 
-def trace_start_token(ni: NoteInput) -> int:
-    """The index of the note's first trace token: the first token ending after the trace's
-    first character (``ni.offsets`` are character spans of ``ni.full_text``)."""
-    start = ni.trace_offset
-    return next((i for i, (_, end) in enumerate(ni.offsets) if end > start), len(ni.offsets))
-
-
 def donor_steps(n_notes: int, plans: dict[int, list[int]]) -> dict[int, list[tuple[int, int]]]:
     """When each (clean note, donor note) pair is swept, ``{step: [(clean, donor), ...]}``.
 
@@ -465,26 +442,6 @@ def donor_steps(n_notes: int, plans: dict[int, list[int]]) -> dict[int, list[tup
     return out
 
 
-def subsample_phase_events(queries: Sequence[EventQuery], per_phase: int, note_id: str,
-                           seed: int) -> list[EventQuery]:
-    """At most ``per_phase`` events of each phase (seeded by note), NULL events dropped; 0 keeps all.
-
-    A cost control for quick runs (the paper measures every event); order is preserved.
-    """
-    if per_phase <= 0:
-        return list(queries)
-    from mistill.instrument.passes import stable_seed
-
-    rng = np.random.default_rng(stable_seed(seed, note_id, "events_per_phase"))
-    keep: set[str] = set()
-    for phase in ("P1", "P2", "P2C"):
-        ids = [q.event_id for q in queries if q.kind == phase]
-        if len(ids) > per_phase:
-            ids = rng.choice(ids, size=per_phase, replace=False).tolist()
-        keep.update(ids)
-    return [q for q in queries if q.event_id in keep]
-
-
 def _ranks_from_head_sets(sets: dict, names: list[str]) -> dict[str, list[int]]:
     index = {n: i for i, n in enumerate(names)}
     return {phase: [index[h] for h in body["ranking"]] for phase, body in sets.items()
@@ -492,8 +449,6 @@ def _ranks_from_head_sets(sets: dict, names: list[str]) -> dict[str, list[int]]:
 
 
 def _own_ranks(att: NoteAttribution, patient_id: str) -> dict[str, list[int]]:
-    from mistill.instrument.calibration import NoteImportance, note_importance_c, ranking
-
     ni = NoteImportance(note_id=att.note_id, patient_id=patient_id, kinds=np.array(att.kinds),
                         importance=att.importance)
     out = {}
@@ -635,9 +590,6 @@ def _knockin_notes(run, notes: list[Note], done: set[str], inputs: _KnockinInput
 
 
 def run_knockin(cfg: KnockinStageConfig) -> str:
-    from mistill.instrument.settables import sets_table, to_latex, to_markdown
-    from mistill.tracking.runs import metric_name
-
     att_reader = RunReader(cfg.attribute_run, field="attribute_run")
     ev = _events_input(att_reader.config["events_run"])
     prepared = ev.prepared
@@ -650,7 +602,8 @@ def run_knockin(cfg: KnockinStageConfig) -> str:
         names = lm.geometry.head_names()
         global_rank = _ranks_from_head_sets(head_sets, names)
         kcfg = KnockinConfig(k_bins=cfg.k_bins, sets=cfg.sets, range_gate=cfg.range_gate,
-                             batch_size=cfg.batch_size, chunk_size=cfg.chunk_size, seed=cfg.seed)
+                             batch_size=cfg.batch_size, chunk_size=cfg.chunk_size, seed=cfg.seed,
+                             floor_draws=cfg.floor_draws)
         notes = attribute_notes(ev, att_reader.config.get("split", ""))
         world = current_world()
         done = broadcast(run.finished_notes(NOTES) if world.leader else None, world)
@@ -660,10 +613,12 @@ def run_knockin(cfg: KnockinStageConfig) -> str:
             return run.run_id
         # tables over every note
         reader = WrittenNotes(run, NOTES)
-        rows = []
+        rows, floor_rows = [], []
         for note in notes:
+            kin = reader.jsonl(note.note_id, "knockin.jsonl")
             rows += per_note_set_rows(reader.jsonl(note.note_id, "necessity.jsonl"),
-                                      reader.jsonl(note.note_id, "knockin.jsonl"))
+                                      [r for r in kin if r["set"] == "random" or floor_draw(r["set"]) is None])
+            floor_rows += per_note_set_rows([], [r for r in kin if floor_draw(r["set"]) is not None])
         if not rows:
             raise MistillInputError("no necessity or knock-in rows: no phase events were realized",
                                     field="events_run")
@@ -671,7 +626,6 @@ def run_knockin(cfg: KnockinStageConfig) -> str:
         run.log_table("per_note_sets", per_note)
         table = sets_table(per_note.to_dict("records"))
         run.log_table("sets_table", table)
-        from mistill.io import write_text
 
         write_text(run.work_dir / "sets_table.tex", to_latex(table))
         run.log_artifact_file(run.work_dir / "sets_table.tex")
@@ -682,16 +636,44 @@ def run_knockin(cfg: KnockinStageConfig) -> str:
             for col in table.columns:
                 if col.startswith(("necessity.", "recovery.")) and pd.notna(r[col]):
                     metrics[metric_name(r["phase"], f"k{int(r['k'])}", *col.split("."))] = float(r[col])
+        metrics.update(knockin_count_metrics(per_note, floor_rows))
         run.log_metrics(metrics)
         run.log_figure(recovery_figure(per_note), "recovery_vs_k.html")
         print(f"knockin: {len(notes)} notes -> run {run.run_id}")
         return run.run_id
 
 
+def knockin_count_metrics(per_note: pd.DataFrame, floor_rows: list[dict]) -> dict[str, float]:
+    """What each recovery readout rests on, and the random floor's spread over draws.
+
+    Per (phase, k): ``<phase>/k<k>/n_gated`` (the gated events knocked in, summed over notes;
+    the gate is per event, so every set shares it), ``<phase>/k<k>/n_notes`` (notes with a
+    global-set recovery); from ``floor_rows`` (per-note rows of the sets ``random``,
+    ``random1``, ...): ``<phase>/k<k>/recovery/random_floor_mean`` and ``.../random_floor_sd``
+    (mean and standard deviation over draws of the draw's median over notes) and
+    ``.../random_floor_draws``.
+    """
+    out: dict[str, float] = {}
+    if len(per_note) and "global" in set(per_note["set"]):
+        g = per_note[per_note["set"] == "global"]
+        for (phase, k), sub in g.groupby(["phase", "k"]):
+            out[f"{phase}/k{int(k)}/n_gated"] = float(sub["n_gated"].sum())
+            out[f"{phase}/k{int(k)}/n_notes"] = float(sub["recovery"].notna().sum())
+    if floor_rows:
+        fr = pd.DataFrame(floor_rows)
+        for (phase, k), sub in fr.groupby(["phase", "k"]):
+            medians = [float(d["recovery"].median()) for _, d in sub.groupby("set") if d["recovery"].notna().any()]
+            if medians:
+                out[f"{phase}/k{int(k)}/recovery/random_floor_mean"] = float(np.mean(medians))
+                out[f"{phase}/k{int(k)}/recovery/random_floor_sd"] = float(np.std(medians))
+                out[f"{phase}/k{int(k)}/recovery/random_floor_draws"] = float(len(medians))
+    return out
+
+
 def recovery_figure(per_note: pd.DataFrame):
     """Knock-in recovery against k per phase, global set beside its random and bottom floors."""
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
+    import plotly.graph_objects as go  # deferred: plotly is slow to import
+    from plotly.subplots import make_subplots  # deferred: plotly is slow to import
 
     phases = [p for p in ("P1", "P2", "P2C") if p in set(per_note["phase"])]
     fig = make_subplots(rows=1, cols=max(1, len(phases)), subplot_titles=phases, shared_yaxes=True)

@@ -2,7 +2,7 @@
 
 1. Rank the arm's heads with the instrument, teacher-forced on the ``rank_split`` notes: the
    ``events`` and ``attribute`` stages on the arm's model, launched through
-   :func:`mistill.stages.workflow.run_step`, so an identical finished ranking is reused (every
+   :func:`mistill.stages.steps.run_step`, so an identical finished ranking is reused (every
    readout of one arm shares it) and the ranking runs stay visible with their own lineage; a
    ranking run started here is nested under the ``own_heads`` run (``mlflow.parentRunId``).
 2. On the ``test_split`` notes, teacher-forced on the teacher's traces: M4 (knock-in recovery of
@@ -45,18 +45,24 @@ from mistill.distributed import broadcast, current_world, gather, shard
 from mistill.errors import MistillInputError
 from mistill.evaluation.backends import resolve_backend
 from mistill.evaluation.generation import DecodingConfig, Generation, note_seed
-from mistill.evaluation.sampling import SampleRequest, sample_then_load
+from mistill.evaluation.own_heads import (m4_rows, m5_note, m5_summary, note_case, own_knockin, random_panel,
+                                          readside_note, subsample_case)
+from mistill.evaluation.sampling import SampleRequest
+from mistill.instrument.hooks import HeadHook
+from mistill.instrument.locus import LocusConfig
 from mistill.instrument.passes import PHASES, donor_order
-from mistill.models.loading import load_model, load_tokenizer
+from mistill.instrument.runner import Runner
 from mistill.params import (BackendParams, DonorParams, KnockinReadParams, NomineeParams, NullParams, PatchParams,
                             StabilityParams, TokenCapParams)
 from mistill.progress import get_logger, track
-from mistill.stages.common import (Prepared, RunReader, Subject, link_subject, load_prepared, model_positions,
-                                   trained_subject)
+from mistill.stages.characterize import AttributeConfig, EventsConfig, _ranks_from_head_sets, stage_notes
+from mistill.stages.common import (Prepared, RunReader, Subject, link_subject, load_model, load_prepared,
+                                   load_tokenizer, model_positions, sample_then_load, trained_subject)
 from mistill.stages.runner import note_loop, notes_written, open_stage, progress_label, stage_device
-from mistill.stages.workflow import LAUNCHES
-from mistill.validation import (check_choice, check_counts, check_device, check_dtype, check_non_negative,
-                                check_positive, check_seed)
+from mistill.stages.steps import LAUNCHES, run_step
+from mistill.tracking.runs import TAG_BACKEND, TAG_SPLIT
+from mistill.validation import (check_choice, check_counts, check_device, check_dtype, check_model_spec, check_name,
+                                check_no_text_fields, check_non_negative, check_positive, check_run_id, check_seed)
 
 NOTES = "notes"
 OWN_NOTES = "own_notes"
@@ -100,8 +106,6 @@ class OwnHeadsConfig(Config, KnockinReadParams, DonorParams, TokenCapParams, Bac
     launch: str = "mlflow"
 
     def validate(self) -> None:
-        from mistill.validation import check_model_spec, check_name, check_no_text_fields, check_run_id
-
         check_no_text_fields(self)
         check_run_id(self.prepare_run, "prepare_run")
         check_run_id(self.train_run, "train_run")
@@ -129,9 +133,6 @@ def _arm(cfg: OwnHeadsConfig) -> Subject:
 def _rank_steps(cfg: OwnHeadsConfig, spec: str, corpus_name: str, parent: str | None = None) -> dict[str, str]:
     """events + attribute of the arm on ``rank_split`` (reused when identical runs exist); runs
     started here are nested under ``parent`` (the ``own_heads`` run)."""
-    from mistill.stages.characterize import AttributeConfig, EventsConfig
-    from mistill.stages.workflow import run_step
-
     ev = run_step("events", EventsConfig(prepare_run=cfg.prepare_run, model=spec, dtype=cfg.dtype,
                                          device=cfg.device, split=cfg.rank_split, max_notes=cfg.max_notes,
                                          seed=cfg.seed, **cfg.shared_params(EventsConfig)),
@@ -145,8 +146,6 @@ def _rank_steps(cfg: OwnHeadsConfig, spec: str, corpus_name: str, parent: str | 
 def _test_notes(prepared: Prepared, cfg: OwnHeadsConfig) -> list[Note]:
     """The measured notes; refuses an empty ``test_split`` or ``rank_split`` selection (the
     ranking's events run reads the latter) before any run starts."""
-    from mistill.stages.characterize import stage_notes
-
     stage_notes(prepared, cfg.rank_split, cfg.max_notes, field="rank_split")
     return stage_notes(prepared, cfg.test_split, cfg.max_notes, field="test_split")
 
@@ -154,6 +153,27 @@ def _test_notes(prepared: Prepared, cfg: OwnHeadsConfig) -> list[Note]:
 def _median(values: Sequence[float]) -> float:
     vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
     return float(np.median(vals)) if vals else float("nan")
+
+
+def _floor_spread(sub: pd.DataFrame) -> dict[str, float]:
+    """The random floor over its draws (``recovery_random_floors`` per note: draw 0, then the
+    spread draws): per draw the median over notes, then the mean and standard deviation over
+    draws (``recovery_random_floor_mean``, ``_sd``, ``_draws``). Empty without such draws."""
+    if "recovery_random_floors" not in sub:
+        return {}
+    per_draw: dict[int, list[float]] = {}
+    for floors in sub["recovery_random_floors"]:
+        if isinstance(floors, str):
+            floors = json.loads(floors)
+        if not isinstance(floors, (list, tuple)):
+            continue
+        for d, v in enumerate(floors):
+            per_draw.setdefault(d, []).append(v)
+    medians = [m for m in (_median(v) for v in per_draw.values()) if math.isfinite(m)]
+    if not medians:
+        return {}
+    return {"recovery_random_floor_mean": float(np.mean(medians)),
+            "recovery_random_floor_sd": float(np.std(medians)), "recovery_random_floor_draws": float(len(medians))}
 
 
 def summary_metrics(per_note: pd.DataFrame, readside: pd.DataFrame, k_bins: Sequence[int],
@@ -172,6 +192,8 @@ def summary_metrics(per_note: pd.DataFrame, readside: pd.DataFrame, k_bins: Sequ
                 out[f"{prefix}m4/{phase}/k{k}/necessity_own"] = _median(sub["necessity_own"])
                 out[f"{prefix}m4/{phase}/k{k}/necessity_own_nats"] = _median(sub["necessity_own_nats"])
             out[f"{prefix}m4/{phase}/k{k}/n_notes"] = float(sub["recovery_own"].notna().sum())
+            out[f"{prefix}m4/{phase}/k{k}/n_gated"] = float(sub["n_gated"].sum())
+            out.update({f"{prefix}m4/{phase}/k{k}/{key}": v for key, v in _floor_spread(sub).items()})
     if len(readside):
         col = readside.get
         for phase in ("P1", "P2C"):
@@ -187,12 +209,6 @@ def summary_metrics(per_note: pd.DataFrame, readside: pd.DataFrame, k_bins: Sequ
 
 
 def run_own_heads(cfg: OwnHeadsConfig) -> str:
-    from mistill.evaluation.own_heads import random_panel
-    from mistill.instrument.hooks import HeadHook
-    from mistill.instrument.runner import Runner
-    from mistill.stages.characterize import _ranks_from_head_sets
-    from mistill.tracking.runs import TAG_SPLIT
-
     arm = _arm(cfg)
     prepared = load_prepared(cfg.prepare_run)
     notes = _test_notes(prepared, cfg)
@@ -251,8 +267,6 @@ class _Context:
     groups: dict
 
     def case(self, note: Note, trace: str | None = None):
-        from mistill.evaluation.own_heads import note_case, subsample_case
-
         c = note_case(note, self.prepared.inventory, self.lm, trace=trace,
                       remove_discharge_diagnosis=self.prepared.remove_discharge_diagnosis,
                       narrow_instruction=self.prepared.narrow_instruction,
@@ -262,14 +276,11 @@ class _Context:
     def measure(self, target, donors) -> dict:
         """One note's files: its M4 rows (in the donors' contexts; ``donors``: the candidate
         donor notes, next note first, read lazily) and its read side."""
-        from mistill.evaluation.own_heads import m4_rows, m5_note, own_knockin, readside_note
-        from mistill.instrument.locus import LocusConfig
-
         cfg = self.cfg
         k_bins = tuple(sorted(set(cfg.k) | {cfg.necessity_k}))
         nec, kin = own_knockin(self.runner, self.hook, target, donors, self.rank, k_bins, n_random=cfg.n_random,
                                seed=cfg.seed, range_gate=cfg.range_gate, batch_size=cfg.batch_size,
-                               no_match=cfg.donor_no_match)
+                               no_match=cfg.donor_no_match, floor_draws=cfg.floor_draws)
         rows = m4_rows(target.note_id, nec, kin, k_bins)
         events = [{"event_id": r["event_id"], "phase": r["phase"], "k": int(r["k"]), "recovery": r["recovery"],
                    "gated": bool(r["gated"])} for r in kin if r["set"] == "global" and r.get("draw", 0) == 0]
@@ -316,8 +327,6 @@ def _sample_own(run, cfg: OwnHeadsConfig, prepared: Prepared, spec: str, notes: 
     mine, lm = sample_then_load(requests, run.enclave_dir / OWN_TRACES, spec, decoding, load, backend=cfg.backend,
                                 device=device, dtype=cfg.dtype, desc=progress_label("own_heads generations"))
     if world.leader:
-        from mistill.tracking.runs import TAG_BACKEND
-
         run.set_tags({TAG_BACKEND: resolve_backend(cfg.backend, device)})
     return {k: v for part in gather(mine, world) for k, v in part.items()}, lm
 
@@ -352,8 +361,6 @@ def _own_pass(run, ctx: _Context, notes: list[Note], own: dict[str, Generation])
 
 
 def _aggregate(run, cfg: OwnHeadsConfig, notes: list[Note], coverage: dict[str, float]) -> str:
-    from mistill.evaluation.own_heads import m5_summary
-
     per_note, readside, m5, per_event = [], [], {"teacher": [], "own": []}, []
     k_bins = tuple(sorted(set(cfg.k) | {cfg.necessity_k}))
     for traces, subdir in (("teacher", NOTES), ("own", OWN_NOTES)):
@@ -371,8 +378,11 @@ def _aggregate(run, cfg: OwnHeadsConfig, notes: list[Note], coverage: dict[str, 
             readside.append({"note_id": note.note_id, "traces": traces,
                              **{k: (float("nan") if v is None else v) for k, v in rs["values"].items()}})
     cols = ["note_id", "traces", "phase", "k", "recovery_own", "recovery_random", "necessity_own",
-            "necessity_own_nats", "n_events", "n_matched", "n_gated", "n_random_draws"]
+            "necessity_own_nats", "n_events", "n_matched", "n_gated", "n_random_draws", "recovery_random_floors"]
     table = pd.DataFrame(per_note, columns=cols)
+    # per note, the floor's draws as JSON text (an MLflow table cell holds a scalar)
+    table["recovery_random_floors"] = [json.dumps([None if v is None or not math.isfinite(v) else v for v in x])
+                                       if isinstance(x, list) else "[]" for x in table["recovery_random_floors"]]
     reads = pd.DataFrame(readside)
     run.log_table("own_heads_per_note", table, mlflow_table=True)
     run.log_table("own_heads_knockin_events", pd.DataFrame(
