@@ -32,10 +32,12 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import yaml
 
 from analysis import paired
 from analysis.tables import TEACHER_ARM, fmt_ci, fmt_mean_sd
 from mistill import stats
+from mistill.distill.arms import ARMS_DIR, arm_file, resolve_arm
 from mistill.errors import MistillInputError
 
 __all__ = ["MISTILL_ARM", "NON_ABLATION_ARMS", "PRECISION_ARMS", "VANILLA_ARMS", "ablation_arms",
@@ -54,8 +56,6 @@ OWN_K = 40
 
 def ablation_arms() -> list[str]:
     """Every arm file's name that is not a baseline or precision control, sorted."""
-    from mistill.distill.arms import ARMS_DIR
-
     return sorted(p.stem for p in ARMS_DIR.glob("*.yaml") if p.stem not in NON_ABLATION_ARMS)
 
 
@@ -401,8 +401,6 @@ def ablation_display(table: pd.DataFrame) -> pd.DataFrame:
 def arm_change(arm: str) -> tuple[str, str]:
     """``(base, flags)``: the arm file's base and the flags whose resolved value differs from the
     base's (``flag: base -> arm``)."""
-    from mistill.distill.arms import resolve_arm
-
     try:
         base = str(_base_of(arm) or "")
         mine, theirs = resolve_arm(arm), resolve_arm(base) if base else None
@@ -416,10 +414,6 @@ def arm_change(arm: str) -> tuple[str, str]:
 
 
 def _base_of(arm: str) -> str | None:
-    import yaml
-
-    from mistill.distill.arms import arm_file
-
     doc = yaml.safe_load(arm_file(arm).read_text()) or {}
     return doc.get("base")
 
@@ -434,10 +428,6 @@ def ablation_plan_table(arms: Sequence[str], ablations: pd.DataFrame, *, alpha: 
     **[recon]** The paper's Table 50 also prints each pre-registered expectation with a ✓ or ✗;
     the arm files do not record the expectations, so the outcome column gives the direction
     only, at the sign-test level ``alpha`` = 0.05 (App. L.7's reading rule)."""
-    import yaml
-
-    from mistill.distill.arms import arm_file
-
     rows = []
     for arm in arms:
         base, flags = arm_change(arm)

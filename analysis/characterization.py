@@ -25,10 +25,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from analysis.query import read_json_artifact, run_config
 from mistill import stats
 from mistill.errors import MistillInputError
-from mistill.instrument.calibration import (PHASES, Calibration, importance_c_intervals,
+from mistill.instrument.calibration import (PHASES, Calibration, NoteImportance, calibrate, importance_c_intervals,
                                             ranking)
+from mistill.instrument.passes import NoteAttribution
+from mistill.stages.common import RunReader
 from mistill.tracking.runs import metric_name
 
 __all__ = ["AttributeData", "PHASE_NAMES", "importance_table", "layer_table",
@@ -66,11 +69,6 @@ def load_calibration(client: Any, run_id: str, model: str) -> AttributeData:
         MistillInputError: no ``head_sets.json``, no per-note files, or a recomputed ``I_c``
             that differs from the logged one by more than :data:`IC_TOLERANCE`.
     """
-    from analysis.query import read_json_artifact, run_config
-    from mistill.instrument.calibration import NoteImportance, calibrate
-    from mistill.instrument.passes import NoteAttribution
-    from mistill.stages.common import RunReader
-
     sets = read_json_artifact(run_id, HEAD_SETS)
     if not isinstance(sets, dict) or "meta" not in sets:
         raise MistillInputError(f"attribute run {run_id} has no readable {HEAD_SETS}",

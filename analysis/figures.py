@@ -22,6 +22,7 @@ from typing import Any
 import pandas as pd
 
 from mistill.errors import MistillInputError
+from mistill.tracking.runs import lambda_label, short_model
 
 __all__ = [
     "lambda_frontier_figure",
@@ -78,8 +79,6 @@ def series_label(arm: Any = None, lam: Any = None, seeds: Any = None, model: Any
     checkpoint ``run:<id>`` is left out); lam: a number, ``"<λ_P1>,<λ_P2>"`` or a pair; seeds:
     one seed or several. A run id never appears: any 32-hex token is dropped.
     """
-    from mistill.tracking.runs import lambda_label, short_model
-
     parts = []
     if _present(arm):
         parts.append(str(arm))
@@ -166,8 +165,8 @@ def recovery_figure(long: pd.DataFrame, title: str, subtitle: str = ""):
 
     A floor named ``<series> (random)`` takes its series' colour, dashed; other floors are
     grey (``random``) or red (``bottom``), dashed."""
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
+    import plotly.graph_objects as go  # deferred: plotly is slow to import
+    from plotly.subplots import make_subplots  # deferred: plotly is slow to import
 
     long = long.dropna(subset=["series", "recovery"]).assign(series=lambda d: d["series"].astype(str))
     if long.empty:
@@ -203,8 +202,8 @@ def paired_differences_figure(differences: pd.DataFrame, summary: pd.DataFrame, 
     """Per-note differences (``model, comparison, measure, note_id, difference``), one panel
     per measure; ``summary`` (a paired table: ``arm, reference, measure, mean_diff, ci_low,
     ci_high``) adds each comparison's mean with its 95% interval."""
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
+    import plotly.graph_objects as go  # deferred: plotly is slow to import
+    from plotly.subplots import make_subplots  # deferred: plotly is slow to import
 
     if differences.empty:
         raise MistillInputError("no per-note differences to plot", field="differences")
@@ -271,7 +270,7 @@ def lambda_frontier_figure(cells: pd.DataFrame, title: str = "λ selection: vali
     the validation metric against λ_P1 on a log axis ticked at the λ values, one line per
     selection run and λ_P2 (when it differs from λ_P1), markers by state, the picked cells
     circled. Lines are named by :func:`selection_labels`."""
-    import plotly.graph_objects as go
+    import plotly.graph_objects as go  # deferred: plotly is slow to import
 
     need = ["lambda_p1", "lambda_p2", "metric", "tie_break", "state"]
     missing = [c for c in need if c not in cells.columns]

@@ -24,7 +24,7 @@ _CATEGORIES = ("region", "other_lines", "note", "prose", "sink", "rest")
 
 def locus_distance_figure(mentions: pd.DataFrame, lift: float | None = None):
     """(a) Histogram of the window loci's distance (tokens before the letter)."""
-    import plotly.graph_objects as go
+    import plotly.graph_objects as go  # deferred: plotly is slow to import
 
     win = mentions[mentions["outcome"] == "window"].dropna(subset=["distance"])
     if win.empty:
@@ -51,7 +51,7 @@ def _share(frame: pd.DataFrame, key: str, column: str = "destroyed_share") -> fl
 
 def window_suffix_figure(pass_a: pd.DataFrame, pass_b: pd.DataFrame, k: int = 16):
     """(b) Window-only vs suffix-only ablation of the emission and prose-time top-k."""
-    import plotly.graph_objects as go
+    import plotly.graph_objects as go  # deferred: plotly is slow to import
 
     bars = {
         f"emission top-{k}": (_share(pass_a, f"emission_top{k}_window"), _share(pass_a, f"emission_top{k}_suffix")),
@@ -70,7 +70,7 @@ def window_suffix_figure(pass_a: pd.DataFrame, pass_b: pd.DataFrame, k: int = 16
 
 def locus_reads_figure(reads: pd.DataFrame):
     """(c) Stacked attention shares of each head group at the locus."""
-    import plotly.graph_objects as go
+    import plotly.graph_objects as go  # deferred: plotly is slow to import
 
     if reads.empty or "group" not in reads:
         return None

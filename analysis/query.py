@@ -18,21 +18,10 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from mistill.errors import MistillInputError
-from mistill.tracking.runs import (
-    CONFIG_ARTIFACT,
-    TAG_ARM,
-    TAG_CORPUS,
-    TAG_INPUT_PREFIX,
-    TAG_LAMBDA,
-    TAG_MODEL,
-    TAG_PRECISION,
-    TAG_PRIVACY,
-    TAG_SEED,
-    TAG_SPLIT,
-    TAG_STAGE,
-    _experiment_id,
-    _quote,
-)
+from mistill.io import read_json
+from mistill.stages.common import RunReader
+from mistill.tracking.runs import (CONFIG_ARTIFACT, TAG_ARM, TAG_CORPUS, TAG_INPUT_PREFIX, TAG_LAMBDA, TAG_MODEL,
+                                   TAG_PRECISION, TAG_PRIVACY, TAG_SEED, TAG_SPLIT, TAG_STAGE, _experiment_id, _quote)
 
 __all__ = [
     "RUN_KEY",
@@ -165,8 +154,6 @@ def per_note_table(runs: pd.DataFrame, artifact: str, required: Iterable[str],
     A run whose artifact is missing or lacks a ``required`` column is left out and named in
     :attr:`ArtifactLoad.missing`. ``note_id`` is read as a string.
     """
-    from mistill.stages.common import RunReader
-
     required = list(required)
     frames, missing = [], {}
     for _, run in runs.iterrows():
@@ -194,9 +181,6 @@ def per_note_table(runs: pd.DataFrame, artifact: str, required: Iterable[str],
 
 def read_json_artifact(run_id: str, artifact: str) -> Any:
     """A JSON artifact of a run; None when the run lacks it or it does not parse."""
-    from mistill.io import read_json
-    from mistill.stages.common import RunReader
-
     try:
         return read_json(RunReader(run_id, field=artifact).file(artifact))
     except (MistillInputError, OSError, ValueError):

@@ -31,6 +31,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import paired
+from analysis.tables import fmt_ci, fmt_mean_sd
 from mistill import stats
 from mistill.errors import MistillInputError
 
@@ -365,8 +366,6 @@ def confirmation_tables(sel: Selection, evaluate: pd.DataFrame, per_note: pd.Dat
 
 
 def confirmation_display(levels: pd.DataFrame) -> pd.DataFrame:
-    from analysis.tables import fmt_mean_sd
-
     out = []
     for _, r in levels.iterrows():
         rec = {"selection": r["selection"], "row": r["row"], "seeds": int(r["n_seeds"])}
@@ -453,8 +452,6 @@ def _clustered(per_note: pd.DataFrame, arm_runs: pd.DataFrame, ref_runs: pd.Data
 
 
 def reselection_display(table: pd.DataFrame) -> pd.DataFrame:
-    from analysis.tables import fmt_ci
-
     out = []
     for _, r in table.iterrows():
         rec = {"selection": r["selection"], "cell": r["cell"],

@@ -49,7 +49,7 @@ SMOKE_GLOBAL_BATCH = 2
 
 def run(args) -> None:
     world = init_world("cpu" if args.smoke else "cuda")
-    tokenizer = smoke_tokenizer(args.tokenizer) if args.smoke else args.tokenizer
+    tokenizer = smoke_tokenizer(args.tokenizer) if args.smoke or args.tokenizer == "embedded" else args.tokenizer
     setup = student_setup(tokenizer, args.extra_lines, smoke=args.smoke)
     lm, nd, pools, targets, pairing = (setup[k] for k in ("lm", "nd", "pools", "targets", "pairing"))
     batch = SMOKE_GLOBAL_BATCH if args.smoke else GLOBAL_BATCH

@@ -66,7 +66,7 @@ def main() -> None:
                                              max_notes=args.notes, device=args.device, dtype=args.dtype,
                                              max_new_tokens=args.max_new_tokens))
         res["evaluate_s"] = time.perf_counter() - start
-        from mlflow import MlflowClient
+        from mlflow import MlflowClient  # deferred: MLflow is slow to import
 
         run = MlflowClient().get_run(run_id)
         res["backend"] = run.data.tags[TAG_BACKEND]

@@ -32,7 +32,7 @@ def build_smollm3(max_pos: int):
     """SmolLM3-3B's architecture (transformers' ``SmolLM3Config`` defaults: 36 layers of 16 heads, 4
     key-value heads, hidden 2048, a 128,256-entry vocabulary, no rotary embedding on every fourth
     layer), random init in bf16."""
-    from transformers import AutoModelForCausalLM, SmolLM3Config
+    from transformers import AutoModelForCausalLM, SmolLM3Config  # deferred: transformers is slow to import
 
     torch.manual_seed(0)
     with torch.device("cuda"):

@@ -35,6 +35,7 @@ import contextlib
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -93,8 +94,8 @@ def timed_generate(model, batch: int, prompt: int, new: int, cache_len: int, *, 
         if grouped:
             stack.enter_context(use_grouped_decode_attention(model))
         if profile:
-            from torch.profiler import ProfilerActivity
-            from torch.profiler import profile as torch_profile
+            from torch.profiler import ProfilerActivity  # deferred: torch.profiler is slow to import
+            from torch.profiler import profile as torch_profile  # deferred: torch.profiler is slow to import
 
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
             with torch_profile(activities=activities) as prof:
@@ -129,8 +130,6 @@ def main() -> None:
     t0 = time.perf_counter()
     device, name = ("cpu", "smoke") if args.smoke else ("cuda", args.model)
     if args.smoke:
-        import tempfile
-
         args.prompt, args.new, args.long_new, args.batch, args.tokenizer = 24, 4, 6, 2, "embedded"
         args.model_root = tempfile.mkdtemp(prefix="bench-hf-decode-")
     grouped_plan = args.plan == "grouped"

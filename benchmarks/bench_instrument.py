@@ -37,6 +37,8 @@ from mistill.instrument.patching import Query, clean_read, mean_ablate, sequenti
 from mistill.instrument.runner import Runner  # noqa: E402
 from mistill.models.geometry import head_geometry  # noqa: E402
 from mistill.models.loading import LoadedModel  # noqa: E402
+from mistill.instrument.patching import knock_in
+from mistill.instrument.runner import prefix_attention
 
 ARCHS = {
     "qwen3-14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
@@ -53,7 +55,7 @@ SMOKE_ARCH = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
 def build(name: str, max_pos: int, *, layers: int | None = None, dtype=torch.bfloat16,
           device: str = "cuda") -> LoadedModel:
     """A random-init model of ``name`` (``ARCHS``, or ``smoke``: :data:`SMOKE_ARCH`) on ``device``."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM, Qwen3Config  # deferred: transformers is slow to import
 
     arch = dict(SMOKE_ARCH if name == "smoke" else ARCHS[name])
     if layers is not None:
@@ -108,9 +110,6 @@ def fp32_checks(name: str, tokens: int, device: str = "cuda") -> dict:
     against one-variant-per-forward, knock-in of every head against the clean margin; and the
     flash kernel's output and log-sum-exp against the math path on bf16 inputs.
     """
-    from mistill.instrument.patching import knock_in
-    from mistill.instrument.runner import prefix_attention
-
     out: dict = {}
     lm = build(name, max_pos=max(tokens + 1024, 40960), layers=6, dtype=torch.float32, device=device)
     g = lm.geometry

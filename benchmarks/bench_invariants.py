@@ -67,7 +67,7 @@ steps. The CPU smoke mode in float32 sits far inside every bound."""
 def build(name: str, max_pos: int, device: str) -> LoadedModel:
     if name == "smoke":
         return tiny_model("qwen3", layers=3, heads=4, kv_heads=2, d_head=16, d_model=64, seed=3)
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM, Qwen3Config  # deferred: transformers is slow to import
 
     cfg = Qwen3Config(**ARCHS[name], max_position_embeddings=max_pos, rms_norm_eps=1e-6)
     torch.manual_seed(0)

@@ -56,13 +56,15 @@ from mistill.distill.gold import capped_completion, padded_tokenizer, train_gold
 from mistill.distill.objective import micro_step_loss  # noqa: E402
 from mistill.distill.onpolicy import ROLLOUT_GPU_MEMORY, RolloutEngine, save_rollout_model, train_opd  # noqa: E402
 from mistill.distill.trainer import RecipeConfig, autocast, prepare_student  # noqa: E402
+from mistill.distill.note_data import build_note_data
+from mistill.instrument.events import extract_events
 
 GOLD_CAP = 6144  # the paper's GOLD rollout cap, to which the teacher's traces were cut
 
 
 def build_model(name: str, vocab: int, device: str, *, smoke: bool):
     """A random model of the architecture (a 2-layer one in the smoke check), bf16, on ``device``."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM, Qwen3Config  # deferred: transformers is slow to import
 
     arch = dict(ARCHS[name], vocab_size=vocab)
     if smoke:
@@ -78,7 +80,7 @@ def build_model(name: str, vocab: int, device: str, *, smoke: bool):
 def load_saved(directory: Path, device: str):
     """The student saved in ``directory``, bf16 on ``device``; its ``name_or_path`` is the
     directory, from which TRL builds the colocated engine."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # deferred: transformers is slow to import
 
     return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16, device_map=device)
 
@@ -87,7 +89,7 @@ class EngineStartTimer:
     """Times each start of TRL's colocated vLLM engine (``VLLMGeneration._init_vllm``)."""
 
     def __init__(self) -> None:
-        from trl.generation.vllm_generation import VLLMGeneration
+        from trl.generation.vllm_generation import VLLMGeneration  # deferred: TRL is optional and slow to import
 
         self.starts: list[float] = []
         timer, init = self, VLLMGeneration._init_vllm
@@ -104,7 +106,7 @@ class StepTimer:
     """A transformers callback: wall time and peak GPU memory of each optimizer step."""
 
     def __init__(self) -> None:
-        from transformers import TrainerCallback
+        from transformers import TrainerCallback  # deferred: transformers is slow to import
 
         timer = self
         self.steps: list[tuple[float, float]] = []
@@ -174,6 +176,8 @@ def main() -> None:
         ap.error("--smoke runs on the CPU with HF rollouts; TRL's colocated vLLM engine needs a CUDA GPU")
     device = "cpu" if args.smoke else "cuda"
     vocab = ARCHS["qwen3-4b"]["vocab_size"]
+    if args.tokenizer == "embedded":  # the embedded SmolLM2 tokenizer, saved as a directory
+        args.tokenizer = smoke_tokenizer(args.tokenizer)
     if args.smoke:  # a short note, short rollouts, the tiny models' vocabulary
         args.tokenizer, args.extra_lines = smoke_tokenizer(args.tokenizer), 0
         args.rollout_cap, args.gold_cap, vocab = 8, 16, SMOKE_ARCH["vocab_size"]
@@ -181,10 +185,7 @@ def main() -> None:
     sfx = "_vllm" if vllm else ""
 
     if args.no_vanilla:
-        from transformers import PreTrainedTokenizerFast
-
-        from mistill.distill.note_data import build_note_data
-        from mistill.instrument.events import extract_events
+        from transformers import PreTrainedTokenizerFast  # deferred: transformers is slow to import
 
         base = PreTrainedTokenizerFast.from_pretrained(args.tokenizer)
         corpus, note = long_note(base, args.extra_lines, inventory_size=60 if args.smoke else 1100)
@@ -200,7 +201,7 @@ def main() -> None:
     steps = args.steps.split(",")
 
     # the models of the on-policy steps, and a tokenizer covering their vocabulary
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # deferred: transformers is slow to import
 
     tok = PreTrainedTokenizerFast.from_pretrained(args.tokenizer)
     tok.add_tokens([f"<|x{i}|>" for i in range(vocab - len(tok))])

@@ -47,6 +47,7 @@ from mistill.instrument.passes import AttributionConfig, EventQuery, attribute_n
 from mistill.instrument.patching import Query  # noqa: E402
 from mistill.instrument import runner as runner_mod  # noqa: E402
 from mistill.instrument.runner import Runner, causal_over_prefix  # noqa: E402
+from mistill.instrument.passes import exact_sweep, first_order_sweep
 
 
 MODES = ("kernels", "prefill", "chunks", "profile")
@@ -214,8 +215,6 @@ def timed_prefill(runner: Runner, hook: HeadHook, ids: torch.Tensor,
 def timed_pass(runner: Runner, hook: HeadHook, ids: torch.Tensor, tokens: int, chunk: int, n_ev: int = 150) -> dict:
     """The attribution pass (150 events, 16 running global heads) timed in its parts: the
     first-order sweep with the prefill, the exact sweep; peak memory and exact patches."""
-    from mistill.instrument.passes import exact_sweep, first_order_sweep
-
     events = events_for(ids, tokens, n_ev)
     cfg = AttributionConfig(chunk_size=chunk)
     reset_peak()
@@ -295,8 +294,8 @@ def chunk_sizes(args) -> dict:
 def profile(args) -> dict:
     """The ``cudnn`` prefill at ``--chunk`` under torch's profiler: time, and the GPU time by kernel
     (the top 30), to see where a prefill's time goes."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
+    from torch.profiler import ProfilerActivity  # deferred: torch.profiler is slow to import
+    from torch.profiler import profile as torch_profile  # deferred: torch.profiler is slow to import
 
     lm = build(args.model, max_pos=args.tokens + 1024, dtype=args.dtype, device=args.device)
     hook = HeadHook(lm.geometry)

@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,7 +53,7 @@ SMOKE_ARCH = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
 
 def model_config(name: str, max_pos: int):
     """The transformers config of ``name`` (``smoke``: a 2-layer Qwen3) with ``max_pos`` positions."""
-    from transformers import Qwen3Config, SmolLM3Config
+    from transformers import Qwen3Config, SmolLM3Config  # deferred: transformers is slow to import
 
     if name == "smollm3-3b":
         return SmolLM3Config(max_position_embeddings=max_pos)
@@ -75,7 +76,7 @@ def model_dir(name: str, root: Path, max_pos: int, tokenizer_source: str, device
     done = path / ".bench-max-pos"
     if done.is_file() and int(done.read_text()) >= max_pos:
         return path
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # deferred: transformers is slow to import
 
     cfg = model_config(name, max_pos)
     torch.manual_seed(0)
@@ -114,7 +115,7 @@ def open_backend(engine: str, path: Path, decoding: DecodingConfig, max_len: int
         return VLLMBackend(str(path), decoding, dtype="bfloat16",
                            engine_overrides={"max_model_len": max_len, "gpu_memory_utilization": 0.9,
                                              "enable_prefix_caching": False, "skip_tokenizer_init": True})
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # deferred: transformers is slow to import
 
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
@@ -157,7 +158,6 @@ def main() -> None:
     if args.smoke:
         args.engine, args.model, args.prompt, args.runs, args.tokenizer = "hf_batched", "smoke", 24, ["1x4", "3x4"], \
             "embedded"
-        import tempfile
 
         args.model_root = tempfile.mkdtemp(prefix="bench-sampling-")
     runs = [tuple(int(x) for x in r.split("x")) for r in args.runs]
@@ -171,7 +171,7 @@ def main() -> None:
     res: dict = {"card": torch.cuda.get_device_name(0) if device == "cuda" else "cpu-smoke", "torch": torch.__version__,
                  "engine": args.engine, "model": args.model}
     if args.engine == "vllm":
-        import vllm
+        import vllm  # deferred: vLLM is optional
 
         res["vllm"] = vllm.__version__
         res["env"] = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}

@@ -37,6 +37,7 @@ from mistill.instrument.passes import AttributionConfig, EventQuery, running_glo
 from mistill.instrument.patching import Query  # noqa: E402
 from mistill.instrument.runner import Runner  # noqa: E402
 from mistill.instrument.waves import attribute_waves  # noqa: E402
+from mistill.models.loading import tiny_model
 
 ARRAYS = ("first_order", "exact", "margins")
 
@@ -60,11 +61,9 @@ def run(args) -> None:
     device = "cpu" if args.smoke else "cuda"
     world = init_world(device)
     if args.smoke:
-        from mistill.models.loading import tiny_model
-
         lm = tiny_model("qwen3", layers=2, heads=4, kv_heads=2, d_head=16, d_model=64, seed=1)
     else:
-        from bench_instrument import build
+        from bench_instrument import build  # deferred: bench_instrument only when needed
 
         lm = build(args.model, max_pos=args.tokens + 1024)  # on this rank's GPU (init_world set it)
     runner, hook = Runner(lm, chunk_size=args.chunk), HeadHook(lm.geometry)

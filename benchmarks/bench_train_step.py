@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_instrument import build  # noqa: E402
+from torch.profiler import ProfilerActivity, profile
 
 from mistill.data.inventory import Inventory, billable_codes  # noqa: E402
 from mistill.data.synthetic import make_synthetic_corpus, make_synthetic_inventory  # noqa: E402
@@ -44,6 +45,8 @@ from mistill.distill.trainer import RecipeConfig, prepare_student, autocast  # n
 from mistill.instrument.calibration import NoteImportance, calibrate, head_sets_json  # noqa: E402
 from mistill.instrument.events import extract_events  # noqa: E402
 from mistill.models.loading import LoadedModel  # noqa: E402
+from mistill.models.loading import embedded_tokenizer, tiny_model
+import mistill.distill.objective as obj
 
 
 def random_head_sets(lm: LoadedModel, seed: int = 0) -> dict:
@@ -77,7 +80,6 @@ def smoke_tokenizer(tokenizer: str) -> str:
     vocabulary) saved to a new temporary directory: the smoke checks run without the carried files."""
     if Path(tokenizer).is_dir():
         return tokenizer
-    from mistill.models.loading import embedded_tokenizer
 
     path = tempfile.mkdtemp(prefix="bench-tok-")
     embedded_tokenizer().save_pretrained(path)
@@ -87,15 +89,14 @@ def smoke_tokenizer(tokenizer: str) -> str:
 def student_setup(tokenizer: str, extra_lines: int, *, smoke: bool = False) -> dict:
     """The benchmark's student (random Qwen3-4B on this process's GPU, or a tiny model on the CPU),
     its long note, the pools, the teacher targets (from the same model) and the row pairing."""
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # deferred: transformers is slow to import
 
-    tok = PreTrainedTokenizerFast.from_pretrained(tokenizer)
+    # ``embedded``: the embedded SmolLM2 tokenizer, saved to a temporary directory first
+    tok = PreTrainedTokenizerFast.from_pretrained(smoke_tokenizer(tokenizer) if tokenizer == "embedded" else tokenizer)
     # the smoke check: a short note over a small inventory, no extra lines (a tiny model on the CPU)
     corpus, note = long_note(tok, 0 if smoke else extra_lines, inventory_size=60 if smoke else 1100)
     events = extract_events(note.note_id, note.teacher_trace, list(corpus.inventory.codes), tokenizer=tok)
     if smoke:
-        from mistill.models.loading import tiny_model
-
         lm = tiny_model("qwen3", layers=2, heads=4, kv_heads=2, d_head=16, d_model=64, tokenizer=tok)
     else:
         lm = build("qwen3-4b", max_pos=65536)
@@ -128,9 +129,7 @@ def timed(fn):
 
 def profile_steps(step, device) -> dict:
     """Peak-memory attribution of a Vanilla and a Mistill step, and a profile of Mistill's."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from memtrace import PeakTrace
+    from memtrace import PeakTrace  # deferred: memtrace only when needed
 
     out: dict = {}
     for name in ("vanilla-bf16", "mistill"):
@@ -230,8 +229,6 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(res, indent=2))
         return
     if args.diagnose:
-        import mistill.distill.objective as obj
-
         for label, arm_name, overrides, chunk in [
                 ("attention_only", "mistill", "terms=attention", 1024),
                 ("p1_only", "mistill", "lambda_p2=0", 1024),

@@ -32,6 +32,14 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from mistill.data.prompts import build_prompt
+from mistill.data.synthetic import make_synthetic_corpus
+from mistill.evaluation.backends import HFBackend, VLLMBackend
+from mistill.evaluation.generation import DecodingConfig, note_seed
+from mistill.models.loading import EMBEDDED_DEFAULT, load_model
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -57,14 +65,6 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    import torch
-
-    from mistill.data.prompts import build_prompt
-    from mistill.data.synthetic import make_synthetic_corpus
-    from mistill.evaluation.backends import HFBackend, VLLMBackend
-    from mistill.evaluation.generation import DecodingConfig, note_seed
-    from mistill.models.loading import EMBEDDED_DEFAULT, load_model
-
     corpus = make_synthetic_corpus(n_notes=args.notes, seed=0)
     decoding = DecodingConfig(max_new_tokens=args.max_new_tokens)
     model = "tiny:qwen3" if args.smoke else EMBEDDED_DEFAULT
@@ -86,7 +86,7 @@ def main() -> None:
     if args.smoke:
         engine, engine_name, vllm_version, engine_kwargs = HFBackend(lm, decoding), "hf (smoke)", None, {}
     else:
-        import vllm
+        import vllm  # deferred: vLLM is optional
 
         engine = VLLMBackend(model, decoding, dtype="float32")
         engine_name, vllm_version, engine_kwargs = "vllm", vllm.__version__, engine.engine_kwargs

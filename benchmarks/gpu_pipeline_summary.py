@@ -26,7 +26,7 @@ M1 = re.compile(r"^m1/")
 
 
 def _client():
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # deferred: mlflow.tracking is slow to import
 
     return MlflowClient()
 

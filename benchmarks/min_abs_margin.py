@@ -55,6 +55,8 @@ from mistill.distill.trainer import RecipeConfig, prepare_student  # noqa: E402
 from mistill.instrument.calibration import NoteImportance, calibrate, head_sets_json  # noqa: E402
 from mistill.instrument.events import extract_events  # noqa: E402
 from mistill.models.loading import EMBEDDED_DEFAULT, LoadedModel, load_model  # noqa: E402
+from mistill.distill.attention_rows import contribution
+from mistill.models.loading import tiny_model
 
 STUDENT = "embedded:smollm2-135m@every-other"
 SMOKE_TEACHER = "tiny:qwen3:layers=4:heads=8:kv=2"
@@ -168,9 +170,6 @@ def train_steps(examples, pools_s, steps: int, min_abs_margin: float, device: st
 
 def tied_margin_probe() -> dict:
     """``c`` at margins 0, 1e-6, 1e-3: the division's edge (what the guard keeps out)."""
-    from mistill.distill.attention_rows import contribution
-    from mistill.models.loading import tiny_model
-
     lm = tiny_model("qwen3", layers=1, heads=2, kv_heads=1, d_head=8, d_model=16, seed=0)
     g = lm.geometry
     torch.manual_seed(0)

@@ -9,6 +9,7 @@ compare typed values rather than strings. Fields several configs share are defin
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import platform
 import sys
@@ -20,6 +21,7 @@ from typing import Any, TypeVar
 
 from mistill.errors import MistillInputError
 from mistill.io import read_json, write_json
+from mistill.validation import check_device_available
 
 C = TypeVar("C", bound="Config")
 
@@ -166,8 +168,6 @@ class Config:
         """Checks that depend on this machine, made when a stage starts and before its run is
         created (not at construction, so a config naming a GPU can be read anywhere): every
         ``device`` / ``*_device`` field names a device this machine has."""
-        from mistill.validation import check_device_available
-
         for f in dataclasses.fields(self):
             if f.name == "device" or f.name.endswith("_device"):
                 check_device_available(str(getattr(self, f.name)), f.name)
@@ -229,8 +229,6 @@ class Config:
 
 def file_digest(path: str | os.PathLike) -> str | None:
     """sha256 of a file's bytes, or None when ``path`` is empty or not a file."""
-    import hashlib
-
     if not path or not Path(path).is_file():
         return None
     h = hashlib.sha256()
@@ -242,7 +240,7 @@ def file_digest(path: str | os.PathLike) -> str | None:
 
 def library_versions() -> dict[str, str]:
     """Versions of the libraries a result depends on (recorded in every config.json)."""
-    import importlib.metadata as md
+    import importlib.metadata as md  # deferred: slow to import, and `mistill --help` imports this module
 
     out = {"python": sys.version.split()[0], "platform": platform.platform()}
     for name in ("torch", "transformers", "accelerate", "numpy", "scipy", "mlflow", "optuna", "mistill"):

@@ -20,6 +20,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mistill.distill.arms import ArmConfig
+from mistill.stages.registry import stages
+from selection.lock import EdgeRule, SelectionRule, TrainingSpec
+
 PAPER_SILENT = "silent"
 """``Deviation.paper_value`` for a rule the paper does not state (a **[recon]** choice)."""
 
@@ -132,6 +136,16 @@ DEVIATIONS: tuple[Deviation, ...] = (
        "flagged when category codes are at least half of the answers' entries or at least half of the "
        "generations are truncated (capped or never closing their reasoning)",
        "TrainStageConfig.probe_flag_share", "GOLD's answers were all categories; a healthy arm has none", 0.5),
+    _D("generation probe engine", "App. L.2",
+       "the probe decodes with the student being trained; the engine is not stated",
+       "auto: vLLM where it is installed and the device is CUDA, else HF's batched generation with the model "
+       "being trained; each note drawn with its own seed; the vLLM engine is built once per run from the student "
+       "as loaded and given the student's current weights (through files in the run's work dir) before each probe; "
+       "a run of several processes probes with HF; the run records the engine (tag mistill.probe_backend)",
+       "TrainStageConfig.probe_backend",
+       "one engine start per run, not per probe; the probe's metrics read only the generations, so the two "
+       "engines' probes differ only as their samples do",
+       "auto", resolves=("auto",)),
     # --- the on-policy arms (OPD, GOLD) ---
     *(_D(f"sampling engine ({stage})", "App. J.5, Q (G)",
          "every evaluation and the teacher's traces generated in vLLM, sampling seeded per note; a seed does not "
@@ -250,6 +264,11 @@ DEVIATIONS: tuple[Deviation, ...] = (
     _D("M4 random floor", "App. K",
        "the count-matched random set is redrawn for every bin",
        "one draw per note, phase and bin", "OwnHeadsConfig.n_random", "the paper's", 1, 1),
+    _D("spread of the random floor", "App. K",
+       "one count-matched random draw per bin; its spread over draws is not reported",
+       "the recorded floor stays the single seeded draw; four more draws per note, phase and bin ride in the "
+       "same knock-in batch and are logged only as the floor's mean and standard deviation over draws",
+       "KnockinStageConfig.floor_draws", "one draw's floor is noise-sized on a few notes; the spread shows it", 5),
     # --- the locus pass ---
     _D("forcing suffix", "App. F", "suffix B (\"\\nSo the code here is\"); D and A re-run for Table 25",
        "suffix B; Table 25 re-runs the walk-back under A and D", "LocusStageConfig.suffix", "the paper's",
@@ -581,10 +600,6 @@ CONVENTIONS: tuple[Convention, ...] = (
 
 def config_classes() -> dict[str, type]:
     """The dataclasses a deviation's parameter may name, by class name."""
-    from mistill.distill.arms import ArmConfig
-    from mistill.stages.registry import stages
-    from selection.lock import EdgeRule, SelectionRule, TrainingSpec
-
     out: dict[str, type] = {c.__name__: c for c in (ArmConfig, EdgeRule, SelectionRule, TrainingSpec)}
     for stage in stages().values():
         out[stage.config.__name__] = stage.config

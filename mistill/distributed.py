@@ -88,8 +88,8 @@ def init_world(device: str = "cpu") -> World:
     world = current_world()
     if not world.distributed:
         return world
-    import torch
-    import torch.distributed as dist
+    import torch  # deferred: torch is slow to import
+    import torch.distributed as dist  # deferred: torch.distributed is slow to import
 
     if not dist.is_initialized():
         backend = "nccl" if device.startswith("cuda") else "gloo"
@@ -109,7 +109,7 @@ def _leave_group() -> None:
     first meet at a barrier, so that no rank tears its side of the group down while another
     still works on it (rank 0 writing what it alone saves); after an uncaught exception the rank
     leaves at once (the others may never arrive)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # deferred: torch.distributed is slow to import
 
     if dist.is_initialized():
         if getattr(sys, "last_value", None) is None and getattr(sys, "last_exc", None) is None:
@@ -124,7 +124,7 @@ def broadcast(obj: T, world: World) -> T:
     """Rank 0's ``obj`` on every rank (any picklable value); the value itself in a world of one."""
     if not world.distributed:
         return obj
-    import torch.distributed as dist
+    import torch.distributed as dist  # deferred: torch.distributed is slow to import
 
     box: list[Any] = [obj if world.leader else None]
     dist.broadcast_object_list(box, src=0)
@@ -135,7 +135,7 @@ def gather(obj: T, world: World) -> list[T]:
     """Every rank's ``obj``, in rank order, on every rank."""
     if not world.distributed:
         return [obj]
-    import torch.distributed as dist
+    import torch.distributed as dist  # deferred: torch.distributed is slow to import
 
     out: list[Any] = [None] * world.size
     dist.all_gather_object(out, obj)
@@ -145,7 +145,7 @@ def gather(obj: T, world: World) -> list[T]:
 def barrier(world: World) -> None:
     """Wait for every rank (a rank that died makes this raise, after the group's timeout at most)."""
     if world.distributed:
-        import torch.distributed as dist
+        import torch.distributed as dist  # deferred: torch.distributed is slow to import
 
         dist.barrier()
 

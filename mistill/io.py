@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import re
@@ -22,6 +23,11 @@ from mistill.errors import MistillInputError
 SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 """A name that may be one path component of a run's files (a note id, a corpus, a subdir):
 letters, digits, ``_``, ``.``, ``-``, not starting with ``.``."""
+
+
+def mistill_root() -> Path:
+    """Local state root (``$MISTILL_ROOT`` or ``./.mistill``)."""
+    return Path(os.environ.get("MISTILL_ROOT", ".mistill"))
 
 
 def is_safe_name(value: object) -> bool:
@@ -98,8 +104,14 @@ def read_json(path: str | os.PathLike) -> Any:
     except FileNotFoundError:
         raise MistillInputError("file not found", file=str(p)) from None
     except json.JSONDecodeError as exc:
-        raise MistillInputError(f"malformed JSON: {exc.msg} at column {exc.colno}", file=str(p),
-                                line=exc.lineno) from None
+        raise MistillInputError(_json_error(exc), file=str(p), line=exc.lineno) from None
+
+
+def _json_error(exc: json.JSONDecodeError) -> str:
+    """One message for a JSON error: some of Python's end in "at" ("Unterminated string starting
+    at"), which the column completes."""
+    msg = exc.msg[:-3] if exc.msg.endswith(" at") else exc.msg
+    return f"malformed JSON: {msg} at column {exc.colno}"
 
 
 def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -118,8 +130,7 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise MistillInputError(f"malformed JSON: {exc.msg} at column {exc.colno}",
-                                        file=str(p), line=lineno) from None
+                raise MistillInputError(_json_error(exc), file=str(p), line=lineno) from None
             if not isinstance(row, dict):
                 raise MistillInputError(f"expected a JSON object, got {type(row).__name__}",
                                         file=str(p), line=lineno)
@@ -145,9 +156,7 @@ def read_jsonl(path: str | os.PathLike, *, required: Iterable[str] = (),
 
 def npz_bytes(arrays: Mapping[str, Any]) -> bytes:
     """A compressed ``.npz`` of ``arrays`` as bytes (for per-note artifacts written atomically)."""
-    import io
-
-    import numpy as np
+    import numpy as np  # deferred: numpy only when needed
 
     buf = io.BytesIO()
     np.savez_compressed(buf, **arrays)

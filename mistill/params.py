@@ -18,15 +18,15 @@ Which groups a stage takes is named in its config's class statement.
 
 from __future__ import annotations
 
-import typing
 from dataclasses import dataclass
 
 from mistill.config import ParamGroup
+from mistill.distill.cpu_bf16 import MODES
+from mistill.evaluation.backends import BACKENDS
+from mistill.evaluation.generation import DecodingConfig
 from mistill.instrument.passes import DONOR_NO_MATCH, K_BINS
-from mistill.validation import check_choice, check_counts, check_interval, check_non_negative, check_positive, fail
-
-if typing.TYPE_CHECKING:
-    from mistill.evaluation.generation import DecodingConfig
+from mistill.validation import (check_choice, check_counts, check_interval, check_name, check_non_negative,
+                                check_positive, fail)
 
 P2C_CAPS = (0, 1, 2)
 """Accepted ``p2c_cap`` values: P2C events per (code, character) pair (0: uncapped)."""
@@ -188,14 +188,21 @@ class KnockinReadParams(ParamGroup):
 
     range_gate: the donor's margin range gate in nats (>= 0; 0: no gate); events_per_phase: at
     most this many events per phase and note (0: every event).
+    floor_draws: **[recon]** count-matched random draws per note, phase and bin measured beside
+    the recorded floor (>= 1), to show its spread: the recorded random floor stays the paper's
+    single seeded draw (App. K); draws 2.. are logged only as the floor's mean and standard
+    deviation over draws (``.../random_floor_mean``, ``.../random_floor_sd``). They ride in the
+    same knock-in batch as the other sets (no extra prefill).
     """
 
     range_gate: float = 1.0
     events_per_phase: int = 0
+    floor_draws: int = 5
 
     def validate_group(self) -> None:
         check_non_negative(self.range_gate, "range_gate", "0: no gate")
         check_non_negative(self.events_per_phase, "events_per_phase", "0: every event")
+        check_positive(self.floor_draws, "floor_draws")
 
 
 @dataclass(frozen=True)
@@ -255,8 +262,6 @@ class BackendParams(ParamGroup):
     backend: str = "auto"
 
     def validate_group(self) -> None:
-        from mistill.evaluation.backends import BACKENDS
-
         check_choice(self.backend, BACKENDS, "backend")
 
 
@@ -280,8 +285,6 @@ class DecodingParams(TokenCapParams, BackendParams):
     def decoding(self) -> DecodingConfig:
         """The decoding settings, sampling from the config's ``seed`` (each note's seed derives
         from it): a config taking this group has a ``seed`` field."""
-        from mistill.evaluation.generation import DecodingConfig
-
         return DecodingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               max_new_tokens=self.max_new_tokens, seed=self.seed)  # type: ignore[attr-defined]
 
@@ -321,8 +324,6 @@ class RecipeParams(ParamGroup):
     sharding: str = "auto"
 
     def validate_group(self) -> None:
-        from mistill.distill.cpu_bf16 import MODES
-
         check_choice(self.cpu_bf16_matmul, MODES, "cpu_bf16_matmul")
         check_choice(self.sharding, SHARDINGS, "sharding")
         check_positive(self.epochs, "epochs")
@@ -350,6 +351,13 @@ class ProbeParams(ParamGroup):
     probe_max_new_tokens: the probe's token cap (>= 1); its sampling is the evaluation's.
     probe_flag_share: **[recon]** a probe is flagged when the share of its answers' entries that
         are category codes, or the share of its generations that are truncated, reaches this.
+    probe_backend: what samples the probe notes, as every sampling stage's ``backend``: ``auto``
+        (vLLM where it is installed and the device is CUDA, else ``hf``), ``hf`` (transformers'
+        batched generation with the model being trained) or ``vllm`` (**[recon]**: one engine
+        for the whole run, built from the student as loaded, given the student's current weights
+        at every probe; see :class:`mistill.evaluation.backends.SyncedVLLMBackend`). A run of
+        several processes (torchrun) probes with ``hf`` (``auto`` resolves to it there, ``vllm``
+        is refused). The run records the backend that sampled (tag ``mistill.probe_backend``).
     """
 
     probe_every: int = 0
@@ -357,15 +365,15 @@ class ProbeParams(ParamGroup):
     probe_split: str = "val"
     probe_max_new_tokens: int = 16384
     probe_flag_share: float = 0.5
+    probe_backend: str = "auto"
 
     def validate_group(self) -> None:
-        from mistill.validation import check_name
-
         check_non_negative(self.probe_every, "probe_every", "0: no probe")
         check_positive(self.probe_notes, "probe_notes")
         check_name(self.probe_split, "probe_split", "a split")
         check_positive(self.probe_max_new_tokens, "probe_max_new_tokens")
         check_interval(self.probe_flag_share, "probe_flag_share", low_open=True)
+        check_choice(self.probe_backend, BACKENDS, "probe_backend")
 
 
 __all__ = ["P2C_CAPS", "NullParams", "EventsParams", "ChunkParams", "PatchParams", "StabilityParams",

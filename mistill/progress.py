@@ -189,7 +189,7 @@ def track(iterable: Iterable[T] | None = None, desc: str | None = "", total: int
     of ``total``) or ``seconds`` seconds, and a last line when the loop ends (``leave``).
     """
     if _on_terminal():
-        from tqdm.auto import tqdm
+        from tqdm.auto import tqdm  # deferred: tqdm only when a bar is shown
 
         return tqdm(iterable, desc=desc or None, total=total, initial=initial, leave=leave,
                     disable=disable)

@@ -26,16 +26,22 @@ The counts are the paper's (App. A, C, J, Q), as :func:`paper_plan` states them.
 
 from __future__ import annotations
 
+import argparse
 import bisect
 import dataclasses
 import json
 import math
 import re
+import statistics
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mistill.errors import MistillInputError
+from mistill.distill.arms import arm_names, resolve_arm
+from mistill.errors import MistillInputError, TrackingUnavailableError
+from mistill.results_index import load
+from mistill.stages.cli import EXIT_INPUT, EXIT_UNREACHABLE
 
 BENCHMARKS_FILE = Path(__file__).resolve().parents[1] / "benchmarks" / "results.json"
 GIB = 2 ** 30
@@ -517,9 +523,6 @@ def corpus_counts(corpus, lengths: Sequence, base: PaperCounts = PaperCounts(), 
     notes list a shortlist and as full-inventory lengths otherwise, the median trace of the notes
     that carry one, and (``sizes``) its split sizes where it has the split (``train``, ``val``,
     ``test``)."""
-    import dataclasses
-    import statistics
-
     if not lengths:
         raise MistillInputError("the corpus has no notes to count", field="prepare_run")
     median = int(statistics.median(n.total_tokens for n in lengths))
@@ -689,7 +692,6 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
         steps.append(_step("DT-000", f"own_heads_{student}_untrained", "own_heads",
                            Workload("own_heads", "qwen3-4b", c.test_notes, short, trace, sampler=student),
                            inputs={"prepare_run": data}, params={"model": role}))
-    from mistill.distill.arms import resolve_arm
 
     steps.append(_step("DT-001", "select_lambda", "select_lambda",
                        Workload("train_mistill", "qwen3-4b", 3 * c.micro_steps(c.selection_notes), short),
@@ -773,10 +775,6 @@ def _arm_of(step: PlanStep, by_name: Mapping[str, PlanStep]) -> str | None:
 def _arms_named(params: str) -> set[str]:
     """The arms a result index entry's params name: ``arm=<name>``, or a list ``arm=a, b, c`` (the
     listed words that are arm names)."""
-    import re
-
-    from mistill.distill.arms import arm_names
-
     known = set(arm_names())
     lists = re.findall(r"arm=([A-Za-z0-9_-]+(?:\s*,\s*[A-Za-z0-9_-]+)*)", params)
     return {name for found in lists for i, name in enumerate(re.split(r"\s*,\s*", found))
@@ -791,8 +789,6 @@ def select(plan: Sequence[PlanStep], results: Iterable[str], index: Sequence | N
     result index entry names (:mod:`mistill.results_index`); where the entry names arms (``arm=...``), only those arms'
     training, evaluation and own-heads steps. Unknown ids, and ids whose entry points the plan
     does not hold, are refused (``field='results'``)."""
-    from mistill.results_index import load
-
     wanted = [r.strip() for r in results if r.strip()]
     if not wanted:
         return list(plan)
@@ -896,9 +892,8 @@ def prepared_counts(prepare_run: str, base: PaperCounts = PaperCounts(), *, size
     """:func:`corpus_counts` of a ``prepare`` run's corpus (or of a run standing for one),
     tokenized as that run's model reads it, over ``base``; ``sizes=False`` keeps ``base``'s split
     sizes."""
-    from mistill.models.loading import load_tokenizer
-    from mistill.stages.common import RunReader, load_prepared
-    from mistill.stages.prepare import prompt_lengths
+    from mistill.stages.common import RunReader, load_prepared, load_tokenizer  # deferred: torch, MLflow
+    from mistill.stages.prepare import prompt_lengths  # deferred: torch, MLflow
 
     prepared = load_prepared(prepare_run)
     tokenizer = load_tokenizer(RunReader(prepare_run, field="prepare_run").config["model"])
@@ -918,12 +913,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     Exits with code 2 on bad input (an unknown result id, an unreadable figures file), 3 when the
     tracking server cannot be reached, as the stage command line does."""
-    import argparse
-    import sys
-
-    from mistill.errors import TrackingUnavailableError
-    from mistill.stages.cli import EXIT_INPUT, EXIT_UNREACHABLE
-
     ap = argparse.ArgumentParser(prog=PROG, description=main.__doc__)
     ap.add_argument("--results", default="",
                     help=f"App. Q ids, comma-separated ('{ALL_RESULTS}' or empty: every step)")
@@ -954,8 +943,6 @@ def _print_plan(results: str, prepare_run: str, figures_file: str, *, by_entry_p
     if len(wanted) == len(given):
         plan = chosen
     if wanted:
-        from mistill.results_index import load
-
         entries = {e.id: e for e in load()}
         for rid in wanted:
             e = entries[rid]

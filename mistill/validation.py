@@ -46,7 +46,7 @@ def check_device_available(value: str, field: str = "device") -> None:
     index = _CUDA_INDEX.fullmatch(value)
     if value not in ("cuda", "mps") and index is None:
         return
-    import torch
+    import torch  # deferred: torch is slow to import
 
     if value == "mps":
         if not torch.backends.mps.is_available():
@@ -61,12 +61,16 @@ def check_device_available(value: str, field: str = "device") -> None:
         fail(f"device {value!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}", field)
 
 
+DTYPE_NAMES: dict[str, str] = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
+                               "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
+"""The dtype names a config may give, each with the name of its torch dtype
+(:data:`mistill.models.loading.DTYPES` maps them to the dtypes)."""
+
+
 def check_dtype(value: str, field: str = "dtype") -> None:
     """A dtype name :func:`mistill.models.loading.torch_dtype` reads."""
-    from mistill.models.loading import DTYPES
-
-    if value not in DTYPES:
-        _refuse(f"unknown dtype {_shown(value)}; accepted: {sorted(DTYPES)}", field, value)
+    if value not in DTYPE_NAMES:
+        _refuse(f"unknown dtype {_shown(value)}; accepted: {sorted(DTYPE_NAMES)}", field, value)
 
 
 def check_choice(value: str, choices: Iterable[str], field: str) -> None:
@@ -334,11 +338,17 @@ def check_model_spec(value: str, field: str, *, allow_empty: bool = False) -> No
                     field, value)
 
 
+ARM_FILE_SUFFIXES = (".yaml", ".yml")
+
+
+def is_arm_path(arm: str) -> bool:
+    """Whether ``arm`` is given as an explicit path (a ``.yaml`` / ``.yml`` file name)."""
+    return arm.lower().endswith(ARM_FILE_SUFFIXES)
+
+
 def check_arm(value: str, field: str, *, allow_empty: bool = False) -> None:
     """An arm: a name (:func:`check_name`) or an explicit ``.yaml`` / ``.yml`` path
     (:func:`check_path`). Which arms exist is :func:`mistill.distill.arms.resolve_arm`'s check."""
-    from mistill.distill.arms import is_arm_path
-
     if is_arm_path(value):
         check_path(value, field, "an arm file (.yaml)")
     else:
@@ -389,7 +399,7 @@ def check_storage_url(value: str, field: str, *, allow_empty: bool = True) -> No
 
 __all__ = ["DEVICE_FORMS", "fail", "check_device", "check_device_available", "check_dtype", "check_choice",
            "check_choices", "check_not_empty", "check_at_least", "check_non_negative", "check_positive", "check_seed",
-           "check_interval", "check_counts", "PROSE_WORDS", "NAME_MAX_CHARS", "PATH_MAX_CHARS", "RUN_ID",
-           "TextValueError", "check_no_text", "check_no_text_fields", "check_run_id", "check_run_ids",
-           "check_name", "check_names", "check_path", "check_model_spec", "check_arm", "check_arms",
-           "check_overrides", "check_storage_url"]
+           "check_interval", "check_counts", "DTYPE_NAMES", "ARM_FILE_SUFFIXES", "is_arm_path", "PROSE_WORDS",
+           "NAME_MAX_CHARS", "PATH_MAX_CHARS", "RUN_ID", "TextValueError", "check_no_text", "check_no_text_fields",
+           "check_run_id", "check_run_ids", "check_name", "check_names", "check_path", "check_model_spec", "check_arm",
+           "check_arms", "check_overrides", "check_storage_url"]

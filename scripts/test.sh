@@ -21,7 +21,9 @@ fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export MLFLOW_DISABLE_TELEMETRY=true HF_HUB_OFFLINE=1
-python -m pytest -q "$@"
+# two worker processes (pytest-xdist), each test file whole on one of them, so that a file's
+# module-scoped fixtures are built once; MISTILL_TEST_WORKERS=0 runs everything in one process
+python -m pytest -q -n "${MISTILL_TEST_WORKERS:-2}" --dist loadfile "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: failing" >&2

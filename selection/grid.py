@@ -54,17 +54,11 @@ from pathlib import Path
 from typing import Any
 
 from mistill.errors import MistillInputError
+from mistill.tracking.postgres import database_url, ensure_database, is_postgres, libpq_url, selection_storage_url
+from mistill.tracking.runs import quiet_run_links
 from selection.cells import Cell, CellResult, CellRun, Runner
-from selection.heartbeat import (
-    ATTR_HEARTBEAT,
-    Heartbeat,
-    beating,
-    fail_stale,
-    queue_retry,
-    quiet_optuna,
-    rdb_storage,
-    retried_from,
-)
+from selection.heartbeat import (ATTR_HEARTBEAT, Heartbeat, beating, fail_stale, queue_retry, quiet_optuna, rdb_storage,
+                                 retried_from)
 from selection.lock import Lock
 
 STUDY_DB = "selection.db"
@@ -104,8 +98,6 @@ def default_storage_url(root: Path | str) -> str:
     """``sqlite:///<root>/optuna/selection.db`` (absolute path, the directory created), or with
     ``$MISTILL_DATABASE_URL`` set, database ``<name>_selection`` of that PostgreSQL server
     (created on first use; :mod:`mistill.tracking.postgres`)."""
-    from mistill.tracking.postgres import database_url, ensure_database, selection_storage_url
-
     url = database_url()
     if url:
         storage = selection_storage_url(url)
@@ -153,13 +145,11 @@ def claim_lock(storage_url: str, study_name: str, lock_file: Path) -> Iterator[N
     advisory lock of that server (held by every worker on any machine, keyed by the study's
     name), else the file lock :func:`exclusive` of ``lock_file`` (one machine, or a shared
     filesystem). Threads of one process take it in turn either way."""
-    from mistill.tracking.postgres import is_postgres, libpq_url
-
     if not is_postgres(storage_url):
         with exclusive(lock_file):
             yield
         return
-    import psycopg
+    import psycopg  # deferred: psycopg is optional (PostgreSQL only)
 
     key = advisory_key(study_name)
     with _thread_locks_guard:
@@ -186,7 +176,7 @@ class SelectionStudy:
     max_retries: int = DEFAULT_MAX_RETRIES
 
     def load(self, sampler: Any = None) -> Any:
-        import optuna
+        import optuna  # deferred: Optuna is slow to import
 
         return optuna.load_study(study_name=self.name, storage=self.storage, sampler=sampler)
 
@@ -221,7 +211,7 @@ def open_study(lock: Lock, storage_url: str, study_name: str, *, root: Path | st
             both hashes), the heartbeat settings are invalid, or the retry cap is not an integer
             >= 0.
     """
-    import optuna
+    import optuna  # deferred: Optuna is slow to import
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     heartbeat = heartbeat or Heartbeat()
@@ -261,7 +251,7 @@ def open_study(lock: Lock, storage_url: str, study_name: str, *, root: Path | st
 
 
 def _grid_sampler(space: Mapping[str, list[float]]) -> Any:
-    from optuna.samplers import GridSampler
+    from optuna.samplers import GridSampler  # deferred: Optuna is slow to import
 
     class ClaimGridSampler(GridSampler):
         """GridSampler whose grid point is fixed at claim time; the worker loop, not the sampler,
@@ -400,8 +390,8 @@ class Claim:
 
 
 def _start_trial_run(tracking: TrialTracking, study_name: str, claim: Claim) -> str:
-    from mlflow.entities import Param, RunTag
-    from mlflow.tracking import MlflowClient
+    from mlflow.entities import Param, RunTag  # deferred: mlflow.entities is slow to import
+    from mlflow.tracking import MlflowClient  # deferred: mlflow.tracking is slow to import
 
     client = MlflowClient()
     parent = client.get_run(tracking.parent_run)
@@ -423,10 +413,8 @@ def _start_trial_run(tracking: TrialTracking, study_name: str, claim: Claim) -> 
 
 def _end_trial_run(run_id: str, tracking: TrialTracking, result: CellResult | None, error: str | None,
                    status: str | None = None) -> None:
-    from mlflow.entities import Metric, RunTag
-    from mlflow.tracking import MlflowClient
-
-    from mistill.tracking.runs import quiet_run_links
+    from mlflow.entities import Metric, RunTag  # deferred: mlflow.entities is slow to import
+    from mlflow.tracking import MlflowClient  # deferred: mlflow.tracking is slow to import
 
     client = MlflowClient()
     now = int(time.time() * 1000)
@@ -446,10 +434,8 @@ def _end_trial_run(run_id: str, tracking: TrialTracking, result: CellResult | No
 
 def _close_replaced_run(run_id: str, trial_number: int) -> None:
     """End the MLflow run of an attempt whose worker stopped: KILLED, saying which trial retries it."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
-
-    from mistill.tracking.runs import quiet_run_links
+    from mlflow.exceptions import MlflowException  # deferred: mlflow.exceptions is slow to import
+    from mlflow.tracking import MlflowClient  # deferred: mlflow.tracking is slow to import
 
     client = MlflowClient()
     with contextlib.suppress(MlflowException):
@@ -464,7 +450,7 @@ def _claim(handle: SelectionStudy, study: Any, space: Mapping[str, list[float]],
     """Under the file lock: fail stale trials (queuing their retries), then take a queued retry or
     the next unclaimed grid point as a RUNNING trial with its first heartbeat; None when every
     grid point of ``space`` is held and no retry is queued."""
-    from optuna.trial import TrialState
+    from optuna.trial import TrialState  # deferred: Optuna is slow to import
 
     with claim_lock(handle.storage_url, handle.name, handle.lock_file):
         stale = fail_stale(study, handle.storage, handle.study_id, handle.heartbeat.grace, ATTR_ERROR)
@@ -500,7 +486,7 @@ def _tell(handle: SelectionStudy, study: Any, claim: Claim, attrs: Mapping[str, 
           state: Any = None) -> Any | None:
     """Write ``attrs`` to the claimed trial and tell it (a value: COMPLETE; ``state``: FAIL); the
     frozen trial, or None when another worker failed it as stale meanwhile (no longer ours)."""
-    from optuna.exceptions import UpdateFinishedTrialError
+    from optuna.exceptions import UpdateFinishedTrialError  # deferred: Optuna is slow to import
 
     try:
         for key, val in attrs.items():
@@ -521,7 +507,7 @@ def _run_one(handle: SelectionStudy, study: Any, claim: Claim, runner: Runner,
 
 def _run_claimed(handle: SelectionStudy, study: Any, claim: Claim, runner: Runner,
                  tracking: TrialTracking | None, report: CellReport, report_lock: threading.Lock) -> None:
-    from optuna.trial import TrialState
+    from optuna.trial import TrialState  # deferred: Optuna is slow to import
 
     trial, cell = claim.trial, claim.cell
     if claim.replaced_run and tracking:
@@ -593,7 +579,7 @@ def _queue_failed(handle: SelectionStudy, study: Any, space: Mapping[str, list[f
     ``space`` whose latest attempt failed, while it has retries left under the study's cap;
     record the retry's number on the trial and in the study's ``failure_retries``; report the
     cells out of retries in ``gave_up``."""
-    import optuna
+    import optuna  # deferred: Optuna is slow to import
 
     with claim_lock(handle.storage_url, handle.name, handle.lock_file):
         trials = _in_space(study.get_trials(deepcopy=False), space)
@@ -706,8 +692,8 @@ def _process_main(spec: WorkerSpec, conn: Any) -> None:
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = threads
     try:
-        import mlflow
-        import torch
+        import mlflow  # deferred: MLflow is slow to import
+        import torch  # deferred: torch is slow to import
 
         torch.set_num_threads(spec.torch_threads)
         mlflow.set_tracking_uri(spec.tracking_uri)
@@ -780,7 +766,7 @@ def run_cells(handle: SelectionStudy, space: Mapping[str, list[float]], runner: 
     if not processes or workers == 1:
         _work(handle, study, space, runner, scale, tracking, report, workers)
         return report
-    import mlflow
+    import mlflow  # deferred: MLflow is slow to import
 
     spec = WorkerSpec(storage_url=handle.storage_url, study_name=handle.name, lock_file=handle.lock_file,
                       heartbeat=handle.heartbeat, max_retries=handle.max_retries,

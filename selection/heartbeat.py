@@ -33,7 +33,7 @@ ATTR_HEARTBEAT = "heartbeat_interval"
 @contextlib.contextmanager
 def quiet_optuna() -> Iterator[None]:
     """Silence Optuna's experimental-feature warnings (heartbeat, retry callback) for a call."""
-    from optuna.exceptions import ExperimentalWarning
+    from optuna.exceptions import ExperimentalWarning  # deferred: Optuna is slow to import
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ExperimentalWarning)
@@ -75,7 +75,7 @@ class Heartbeat:
 
 def rdb_storage(url: str, heartbeat: Heartbeat, engine_kwargs: dict[str, Any]) -> Any:
     """An :class:`~optuna.storages.RDBStorage` with heartbeat and the stale-trial retry callback."""
-    import optuna
+    import optuna  # deferred: Optuna is slow to import
 
     heartbeat.check()
     with quiet_optuna():
@@ -86,8 +86,8 @@ def rdb_storage(url: str, heartbeat: Heartbeat, engine_kwargs: dict[str, Any]) -
 
 def _fail_unmonitored(study: Any, storage: Any, study_id: int, grace: int) -> None:
     """Fail, and queue for retry, RUNNING trials with no heartbeat that started over ``grace`` s ago."""
-    from optuna.exceptions import UpdateFinishedTrialError
-    from optuna.trial import TrialState
+    from optuna.exceptions import UpdateFinishedTrialError  # deferred: Optuna is slow to import
+    from optuna.trial import TrialState  # deferred: Optuna is slow to import
 
     now = datetime.datetime.now()
     callback = storage.get_heartbeat_stale_trial_callback()
@@ -109,8 +109,8 @@ def fail_stale(study: Any, storage: Any, study_id: int, grace: int, error_attr: 
     """Fail the study's stale RUNNING trials (Optuna's retry callback queues their cells again);
     return the numbers of those failed here: RUNNING before, FAIL now, with no ``error_attr``
     (the user attribute a worker sets before it tells a runner's failure)."""
-    import optuna
-    from optuna.trial import TrialState
+    import optuna  # deferred: Optuna is slow to import
+    from optuna.trial import TrialState  # deferred: Optuna is slow to import
 
     before = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
     if not before:
@@ -133,7 +133,7 @@ def queue_retry(study: Any, storage: Any, frozen: Any) -> None:
 
 def retried_from(frozen: Any) -> int | None:
     """The number of the first trial of the cell's retry chain, or None for a first attempt."""
-    from optuna.storages import RetryHeartbeatStaleTrialCallback
+    from optuna.storages import RetryHeartbeatStaleTrialCallback  # deferred: Optuna is slow to import
 
     with quiet_optuna():
         return RetryHeartbeatStaleTrialCallback.retried_trial_number(frozen)

@@ -418,7 +418,7 @@ def _edge(path: str, data: Any, grid: GridSpec) -> EdgeRule:
 
 def load_lock(path: str | Path) -> Lock:
     """Read and validate a lock file; every error names the file and the field."""
-    import yaml
+    import yaml  # deferred: PyYAML only when a file is read
 
     p = Path(path)
     if not p.is_file():

@@ -10,7 +10,7 @@ once its decision completes (a reused train run's version gets the cell alias he
 ``split``, ``device``) logs the selection metric (``micro_f1``), the tie-break
 (``m1/P2C/p_pos``: P(margin > 0) at P2C events) and the valid-answer rate (``valid_rate``), read
 back from its run (:func:`cell_result`). Both go through
-:func:`mistill.stages.workflow.run_step`, so identical finished runs are reused, and new ones are
+:func:`mistill.stages.steps.run_step`, so identical finished runs are reused, and new ones are
 nested under the cell's MLflow run.
 """
 
@@ -20,7 +20,14 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from mlflow.tracking import MlflowClient
+
+from mistill.distill.arms import resolve_arm
 from mistill.errors import MistillInputError
+from mistill.stages.distill import TrainStageConfig
+from mistill.stages.evaluate import EvaluateConfig
+from mistill.stages.steps import run_step
+from mistill.tracking.models import adopt, cell_alias, selection_cells
 from selection.cells import CellResult, CellRun, grid_cells
 from selection.lock import Lock
 
@@ -46,20 +53,12 @@ class TrainEvaluateRunner:
 
     def check(self) -> None:
         """Fail before any trial if the arm or its λ overrides are not valid."""
-        from mistill.distill.arms import resolve_arm
-
         for cell in grid_cells(self.lock.grid):
             resolve_arm(self.lock.arm, lambda_overrides(*cell.lambdas))
 
     def train_cell(self, run: CellRun) -> str:
         """Train ``run``'s cell as a λ-selection cell (reusing an identical finished train run);
         point the cell alias at its registered version; returns the train run id."""
-        from mlflow.tracking import MlflowClient
-
-        from mistill.stages.distill import TrainStageConfig
-        from mistill.stages.workflow import run_step
-        from mistill.tracking.models import adopt, cell_alias, selection_cells
-
         p1, p2 = run.cell.lambdas
         t = self.lock.training
         train_cfg = TrainStageConfig(targets_run=self.targets_run, student_attribute_run=self.student_attribute_run,
@@ -74,15 +73,6 @@ class TrainEvaluateRunner:
         return train_run
 
     def __call__(self, run: CellRun) -> CellResult:
-        import importlib
-
-        from mlflow.tracking import MlflowClient
-
-        from mistill.stages.workflow import run_step
-
-        # the evaluate stage is loaded on first use (its module is written separately)
-        EvaluateConfig = importlib.import_module("mistill.stages.evaluate").EvaluateConfig
-
         train_run = self.train_cell(run)
         eval_cfg = EvaluateConfig(prepare_run=self.prepare_run, train_run=train_run,
                                   split=self.lock.selection.split, device=self.device,

@@ -17,10 +17,10 @@ from mistill.data.corpus import Corpus, Note
 from mistill.data.synthetic import make_synthetic_corpus
 from mistill.evaluation.las import (IGNORE_INDEX, Simulator, TeacherExample, answer_target, encode_pair,
                                     fitted_answer, format_input, greedy_answer, format_note_only, format_with_rationale,
-                                    las_per_note, load_simulator, set_f1, teacher_example, train_simulator)
+                                    las_per_note, set_f1, teacher_example, train_simulator)
 from mistill.evaluation.parsing import CodeIndex
 from mistill.models.loading import load_model, tiny_model
-from mistill.stages.las import LasSimulatorConfig, run_las_simulator
+from mistill.stages.las import LasSimulatorConfig, load_simulator, run_las_simulator
 from mistill.stages.prepare import PrepareConfig, run_prepare
 from stage_fixtures import TINY, artifact_paths, leaks, n_runs, phrase_needles, tracked_texts, unique
 

@@ -141,6 +141,7 @@ def test_locus_resumes_after_a_crash_without_redoing_notes(characterized, monkey
     """A run that crashed in the middle of the probe half resumes under its run id: the notes
     finished before the crash are not probed again."""
     import mistill.instrument.locus_pass as lp
+    import mistill.stages.locus as locus_stage
     from mistill.stages.locus import run_locus
 
     monkeypatch.setenv("MISTILL_ROOT", str(characterized["root"]))
@@ -155,7 +156,7 @@ def test_locus_resumes_after_a_crash_without_redoing_notes(characterized, monkey
             raise KeyboardInterrupt("simulated crash")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(lp, "probe_note", crashing)
+    monkeypatch.setattr(locus_stage, "probe_note", crashing)
     with pytest.raises(KeyboardInterrupt):
         run_locus(cfg)
     crashed = MlflowClient().search_runs(
@@ -169,7 +170,7 @@ def test_locus_resumes_after_a_crash_without_redoing_notes(characterized, monkey
         counted.append(kwargs["note_id"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(lp, "probe_note", counting)
+    monkeypatch.setattr(locus_stage, "probe_note", counting)
     run_id = run_locus(cfg)
     assert run_id == crashed[0].info.run_id
     assert len(counted) == 2 and not set(counted) & set(first_two)

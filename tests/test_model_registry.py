@@ -77,7 +77,7 @@ def test_selection_cell_role_is_set_inside_and_restored_after(monkeypatch):
 
 # ------------------------------------------------------------------------ a plain train run
 def test_plain_train_run_registers_an_mlflow_model_under_the_arm_alias(distill_inputs, monkeypatch, tmp_path):
-    from mistill.models.loading import load_model
+    from mistill.stages.common import load_model
     from mistill.tracking.privacy import PrivacyGuard
 
     monkeypatch.setenv("MISTILL_ROOT", str(distill_inputs["root"]))

@@ -43,13 +43,13 @@ events of every phase, all by default): their own."""
 
 BAD = {"n_null": -1, "null_min_distance": -1, "p2c_cap": 3, "chunk_size": 0, "batch_size": 0,
        "stability_splits": 0, "selftest_events": -1, "pool_k": 0, "range_gate": -0.5,
-       "events_per_phase": -1, "k_bins": (0, 8), "donor_no_match": "nowhere", "max_new_tokens": 0,
+       "events_per_phase": -1, "floor_draws": 0, "k_bins": (0, 8), "donor_no_match": "nowhere", "max_new_tokens": 0,
        "backend": "tgi", "temperature": 0.0, "top_p": 0.0, "top_k": -1, "epochs": 0, "lr": 0.0,
        "warmup_frac": 1.5, "grad_accum": 0, "clip": 0.0, "max_steps": -1, "top_nominees": -1,
        "global_nominees": -1, "p2_top_nominees": -1, "p2_global_nominees": -1, "p2c_top_nominees": -1,
        "p2c_global_nominees": -1, "cpu_bf16_matmul": "fast", "sharding": "zero3", "max_events": -1, "max_tries": 0,
        "probe_every": -1, "probe_notes": 0, "probe_split": "no such split!", "probe_max_new_tokens": 0,
-       "probe_flag_share": 0.0}
+       "probe_flag_share": 0.0, "probe_backend": "tgi"}
 """One invalid value of every group field that has invalid values (booleans have none)."""
 
 
@@ -257,7 +257,7 @@ def test_a_field_added_to_a_group_reaches_every_config_taking_it():
     assert [f.name for f in param_fields(_Ranker)][:1] == ["run_name"]
     # a workflow passes it on to a step taking the same group, and nothing else
     assert _Ranker(probe_width=3, range_gate=0.25, n_null=2).shared_params(_Reader) == {
-        "range_gate": 0.25, "events_per_phase": 0, "probe_width": 3}
+        "range_gate": 0.25, "events_per_phase": 0, "floor_draws": 5, "probe_width": 3}
 
 
 def test_defaults_must_name_a_field_of_a_group_the_class_takes():

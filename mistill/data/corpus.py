@@ -8,6 +8,8 @@ for anything loaded from disk) never leave the machine as text.
 
 from __future__ import annotations
 
+import csv
+import gzip
 import hashlib
 import json
 import os
@@ -22,7 +24,7 @@ import numpy as np
 
 from mistill.data.inventory import Inventory, icd10_block, undecodable_byte
 from mistill.errors import MistillInputError
-from mistill.io import iter_jsonl, write_jsonl
+from mistill.io import is_safe_name, iter_jsonl, write_jsonl
 
 __all__ = [
     "Note",
@@ -91,8 +93,6 @@ def safe_path_component(value: str) -> bool:
     """Whether ``value`` may name a per-note artifact folder (``notes/<note_id>/``) or a corpus:
     the tracking layer's path-component rule (letters, digits, ``_``, ``.``, ``-``; not starting
     with ``.``), applied to the whole string, so a trailing newline fails too."""
-    from mistill.io import is_safe_name
-
     return is_safe_name(value)
 
 
@@ -415,9 +415,6 @@ def _parse_codes(value: Any, *, file: str, column: str, note: str) -> list[str]:
 def _check_utf8_csv(path: Path) -> None:
     """Refuse a CSV table (``.csv`` or gzipped ``.gz``) holding a byte that is not UTF-8, naming
     the line and, when the line splits into the header's cells, the column."""
-    import csv
-    import gzip
-
     opener = gzip.open if path.suffix.lower() == ".gz" else open
     with opener(path, "rt", encoding="utf-8", errors="surrogateescape", newline="") as fh:
         header: list[str] = []
@@ -436,7 +433,7 @@ def _check_utf8_csv(path: Path) -> None:
 
 
 def _read_table(path: Path):
-    import pandas as pd
+    import pandas as pd  # deferred: pandas is slow to import
 
     if not path.exists():
         raise MistillInputError("file not found", file=str(path))

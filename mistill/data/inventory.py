@@ -28,8 +28,10 @@ import os
 import random
 import re
 import types
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -133,11 +135,9 @@ def chapter_letter(code: str) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _icd():
-    import warnings
-
     with warnings.catch_warnings():  # its data loading uses deprecated importlib.resources calls
         warnings.simplefilter("ignore", DeprecationWarning)
-        import simple_icd_10_cm
+        import simple_icd_10_cm  # deferred: the ICD-10-CM list package, only when the list is read
 
         simple_icd_10_cm.is_valid_item("A00.0")  # data are loaded on first use
     return simple_icd_10_cm
@@ -146,8 +146,6 @@ def _icd():
 @functools.lru_cache(maxsize=1)
 def icd10cm_source() -> str:
     """Where the billable list comes from, e.g. ``"simple-icd-10-cm 1.5.0"`` (recorded in JSON)."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return f"simple-icd-10-cm {version('simple-icd-10-cm')}"
     except PackageNotFoundError:  # pragma: no cover - installed as a dependency

@@ -76,13 +76,16 @@ def instruction_text(narrow_instruction: bool = True, wording: PromptWording = I
     return " ".join(parts)
 
 
-def wording_of(inventory: Inventory) -> PromptWording:
-    """The prompt wording of the inventory's task (:attr:`Inventory.task`)."""
+def wording_of(inventory: Inventory, wording: PromptWording | None = None) -> PromptWording:
+    """The prompt wording of the inventory's task (:attr:`Inventory.task`): ``wording`` when given
+    (:func:`mistill.tasks.prompt_wording` gives every task's), else the ICD-10-CM wording, which
+    is the only one this module knows."""
+    if wording is not None:
+        return wording
     if inventory.task == "icd10":
         return ICD10_WORDING
-    from mistill.tasks import prompt_wording
-
-    return prompt_wording(inventory.task)
+    raise MistillInputError(f"the inventory's task {inventory.task!r} has its own prompt wording: pass it "
+                            "(mistill.tasks.prompt_wording)", field="task")
 
 
 def remove_section(text: str, section: str, *, note_id: str | None = None) -> str:
@@ -187,7 +190,7 @@ def _apply_template(tokenizer: Any, user_text: str) -> tuple[str, bool]:
 
 def build_prompt(note: Note, candidate_codes: Sequence[str] | None, inventory: Inventory,
                  tokenizer: Any = None, *, remove_discharge_diagnosis: bool = True,
-                 narrow_instruction: bool = True) -> Prompt:
+                 narrow_instruction: bool = True, wording: PromptWording | None = None) -> Prompt:
     """Build the coding prompt for ``note`` (App. A/B).
 
     candidate_codes: the lines to list, in this order (a shortlist), or None for the full
@@ -196,6 +199,8 @@ def build_prompt(note: Note, candidate_codes: Sequence[str] | None, inventory: I
         ``text == user_text`` (``thinking=False``). A tokenizer without a chat template raises.
     remove_discharge_diagnosis: drop ``note.discharge_diagnosis`` from the note when known.
     narrow_instruction: keep the narrow-then-decide sentence (False: the instruction control).
+    wording: the task's prompt sentences (:func:`mistill.tasks.prompt_wording`); None: the
+        ICD-10-CM wording, for an ICD-10-CM inventory only.
     """
     codes = as_code_list(candidate_codes, inventory)
     if not codes:
@@ -221,7 +226,7 @@ def build_prompt(note: Note, candidate_codes: Sequence[str] | None, inventory: I
         pos += len(s)
         return start, pos
 
-    wording = wording_of(inventory)
+    wording = wording_of(inventory, wording)
     parts["header"] = put(wording.header)
     put("\n")
     line_spans: dict[str, tuple[int, int]] = {}

@@ -49,7 +49,12 @@ import torch
 
 from mistill.data.corpus import Note
 from mistill.data.inventory import Inventory, category
+from mistill.data.prompts import remove_section
 from mistill.errors import MistillInputError
+from mistill.evaluation.metrics import task_metrics
+from mistill.models.encoder import chunk_words
+from mistill.models.linear_head import train_linear_head
+from mistill.progress import track
 
 __all__ = [
     "DEFAULT_K_GRID",
@@ -84,8 +89,6 @@ DEFAULT_K_GRID = (10, 20, 30, 40, 50, 60, 80, 100, 150, 200, 300, 400, 500, 600,
 def retriever_text(note: Note, remove_discharge_diagnosis: bool) -> str:
     """The note as the retriever reads it: as the prompt shows it (discharge-diagnosis section
     removed when the prompt removes it)."""
-    from mistill.data.prompts import remove_section
-
     if remove_discharge_diagnosis and note.discharge_diagnosis:
         return remove_section(note.text, note.discharge_diagnosis, note_id=note.note_id)
     return note.text
@@ -206,7 +209,7 @@ def recall_sweep(ranked: Sequence[Sequence[str]], gold: Sequence[Sequence[str]],
                  inventory: Inventory, ks: Sequence[int], siblings_of: int):
     """One row per K: ``k, recall, recall_completed, micro_recall, micro_recall_completed,
     mean_len_completed`` over the notes given (``ranked``: each note's fused ranking)."""
-    import pandas as pd
+    import pandas as pd  # deferred: pandas is slow to import
 
     rows = []
     for k in ks:
@@ -268,9 +271,7 @@ def baseline_rows(shortlists: Sequence[Sequence[str]], gold: Sequence[Sequence[s
     shortlist for every ``k`` no longer than the longest shortlist, and the whole shortlist,
     scored with :func:`mistill.evaluation.metrics.task_metrics`. One row each (``k`` is -1 for
     the whole shortlist)."""
-    import pandas as pd
-
-    from mistill.evaluation.metrics import task_metrics
+    import pandas as pd  # deferred: pandas is slow to import
 
     longest = max((len(s) for s in shortlists), default=0)
     preds = [(f"first {k}", int(k), [list(s[:k]) for s in shortlists])
@@ -347,8 +348,6 @@ class Retriever:
 
     def note_chunks(self, note: Note) -> list[str]:
         """The note's chunks of ``chunk_words`` words (the text as the prompt shows it)."""
-        from mistill.models.encoder import chunk_words
-
         pieces = chunk_words(retriever_text(note, self.settings.remove_discharge_diagnosis),
                              self.settings.chunk_words)
         if not pieces:
@@ -364,8 +363,6 @@ class Retriever:
         note's scores depend on that note alone, whichever corpus or split it is read in; only
         the pooled features and the zero-shot row are kept, not the chunk embeddings.
         """
-        from mistill.progress import track
-
         xs, zs = [], []
         for note in track(notes, desc=desc, leave=False):
             emb = self.encoder.encode(self.note_chunks(note), batch_size=self.settings.batch_size)
@@ -379,8 +376,6 @@ class Retriever:
     def fit(self, train_notes: Sequence[Note], excluded_patients: Iterable[str] = ()) -> None:
         """Train the head on ``train_notes``; a note of an excluded patient raises (callers
         filter with :func:`split_training_notes` first)."""
-        from mistill.models.linear_head import train_linear_head
-
         excluded = set(excluded_patients)
         for n in train_notes:
             if n.patient_id in excluded:

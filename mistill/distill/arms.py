@@ -28,7 +28,7 @@ import yaml
 from mistill.config import Config, file_digest
 from mistill.errors import MistillInputError
 from mistill.validation import (check_choice, check_choices, check_interval, check_non_negative, check_positive,
-                                check_seed)
+                                check_seed, is_arm_path)
 
 ARMS_DIR = Path(__file__).resolve().parents[2] / "projects" / "configs" / "arms"
 OBJECTIVES = ("cot", "mistill", "feature_kd", "distillm2", "opd", "gold")
@@ -42,7 +42,6 @@ FKD_HIDDEN_SITES = ("input", "output")
 FKD_ADAPTERS = ("shared", "per_pair")
 ULD_ALIGNMENTS = ("char_offset", "index")
 ARM_NAME = re.compile(r"[A-Za-z0-9_-]+")
-ARM_FILE_SUFFIXES = (".yaml", ".yml")
 
 
 @dataclass(frozen=True)
@@ -157,11 +156,6 @@ class ArmConfig(Config):
 
 def arm_names(arms_dir: Path = ARMS_DIR) -> list[str]:
     return sorted(p.stem for p in arms_dir.glob("*.yaml"))
-
-
-def is_arm_path(arm: str) -> bool:
-    """Whether ``arm`` is given as an explicit path (a ``.yaml`` / ``.yml`` file name)."""
-    return arm.lower().endswith(ARM_FILE_SUFFIXES)
 
 
 def arm_file(arm: str, arms_dir: Path = ARMS_DIR) -> Path:

@@ -83,6 +83,7 @@ def _fp32_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
                attention_mask: torch.Tensor | None, **kwargs):
     """transformers' SDPA attention on fp32 copies of ``query``/``key``/``value``
     (``[batch, heads, pos, d_head]``), the output rounded back to their dtype."""
+    # deferred: transformers.integrations.sdpa_attention is slow to import
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if attention_mask is not None and attention_mask.is_floating_point():
@@ -93,7 +94,7 @@ def _fp32_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
 
 
 def _register_attention() -> None:
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # deferred: transformers is slow to import
 
     AttentionInterface.register(ATTENTION, _fp32_sdpa)
 

@@ -87,9 +87,11 @@ def windowed_trainer_class():
     """TRL's ``GOLDTrainer`` with the platform's two changes: the data order is the dataset's (no
     shuffle: :func:`~mistill.distill.onpolicy.on_policy_order` laid it out), and the ULD loss
     reads logits over the completion window only (``completion_window``)."""
+    # deferred: TRL is optional and slow to import
     from trl.experimental.gold import GOLDTrainer
+    # deferred: TRL is optional and slow to import
     from trl.experimental.gold.gold_trainer import build_teacher_inputs_from_texts
-    from trl.trainer.utils import RepeatSampler
+    from trl.trainer.utils import RepeatSampler  # deferred: TRL is optional and slow to import
 
     class WindowedGOLDTrainer(GOLDTrainer):
         completion_window = True
@@ -148,7 +150,7 @@ def gold_args(recipe: RecipeConfig, output_dir: Path, *, n_examples: int, rollou
     sampling and the ULD temperatures at TRL's defaults. Rollouts from TRL's colocated vLLM
     engine with ``engine``, over a window of ``context`` tokens
     (:func:`~mistill.distill.onpolicy.engine_args`), else from transformers' generation."""
-    from trl.experimental.gold import GOLDConfig
+    from trl.experimental.gold import GOLDConfig  # deferred: TRL is optional and slow to import
 
     return GOLDConfig(**trainer_args(recipe, output_dir, steps=total_steps(n_examples, recipe), device=device),
                       max_completion_length=rollout_cap, lmbda=on_policy_fraction, beta=beta, use_uld_loss=True,
@@ -182,7 +184,7 @@ def train_gold(student, teacher, tokenizer, teacher_tokenizer, examples: Sequenc
     ``engine``: the on-policy rollouts through TRL's colocated vLLM engine, whose model
     directory holds the tokenizer with a pad token (:func:`padded_tokenizer`); None: through
     transformers' generation inside the trainer."""
-    from datasets import Dataset
+    from datasets import Dataset  # deferred: datasets is optional
 
     output_dir = Path(output_dir)
     teacher_dir = output_dir / "teacher_tokenizer"

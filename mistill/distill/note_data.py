@@ -16,7 +16,7 @@ from mistill.data.corpus import Note
 from mistill.data.inventory import Inventory
 from mistill.distill.buckets import BucketAxis, build_axis, region_buckets, row_buckets, token_buckets
 from mistill.instrument.events import Event, RealizedEvent, realize_events
-from mistill.stages.common import NoteInput, note_input
+from mistill.instrument.inputs import NoteInput, note_input
 from mistill.tasks import task_for
 
 PHASES = ("P1", "P2", "P2C")

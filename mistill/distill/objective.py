@@ -22,6 +22,7 @@ mean over all of its events: Phase 2's P2 and P2C rows form one mean per term, w
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -33,8 +34,9 @@ from torch.profiler import record_function
 from mistill.distill.arms import ArmConfig
 from mistill.distill.attention_rows import LayerInputs, contribution, in_plain_forward, layer_keys, region_mass
 from mistill.distill.buckets import bucketize
-from mistill.distill.losses import (attention_term, chunked_cot_loss, event_token_weights,
-                                    interaction_term, mistill_objective, write_term)
+from mistill.distill.losses import (attention_term, chunked_cot_loss, distillm2_loss, event_token_weights,
+                                    feature_kd_loss, interaction_term, make_adapter, mistill_objective,
+                                    sample_positions, uniform_layer_pairs, write_term)
 from mistill.distill.note_data import NoteData
 from mistill.distill.pools import Pool
 from mistill.distill.rows import SupervisedRow, supervised_rows
@@ -424,8 +426,6 @@ def final_hidden(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     objective reads the head itself, chunk by chunk (``chunked_cot_loss``). FSDP warns that the
     outputs are views (an in-place op on one would skip its gradient hook); none is changed in
     place here, so the warning is silenced."""
-    import warnings
-
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         out = model(input_ids=ids.unsqueeze(0), use_cache=False, output_hidden_states=True, logits_to_keep=1)
@@ -582,8 +582,6 @@ def make_feature_kd(teacher: LoadedModel, student: LoadedModel, arm: ArmConfig, 
     """The arm's :class:`FeatureKD` from its flags: the layer pairs by ``fkd_layer_map``, the
     adapter(s) drawn from the run's seed (pair ``k`` of ``per_pair`` from ``stable_seed(seed,
     "feature-kd-adapter", k)``)."""
-    from mistill.distill.losses import make_adapter, uniform_layer_pairs
-
     d_s, d_t = student.geometry.d_model, teacher.geometry.d_model
     pairs = uniform_layer_pairs(student.geometry.n_layers, teacher.geometry.n_layers, arm.fkd_pairs,
                                 rule=arm.fkd_layer_map)
@@ -607,8 +605,6 @@ def feature_kd_positions(student: NoteData, seed: int, k: int) -> torch.Tensor:
     """The attention term's positions: ``k`` of the student's trace positions drawn uniformly
     without replacement with ``(seed, note)`` (the same draw every epoch), sorted, as indices
     relative to the trace start ``[min(k, trace tokens)]``."""
-    from mistill.distill.losses import sample_positions
-
     gen = torch.Generator().manual_seed(stable_seed(seed, student.note.note_id, "feature-kd") % 2 ** 63)
     return sample_positions(int(student.input_ids.numel()) - student.trace_start, k, gen)
 
@@ -636,8 +632,6 @@ def feature_kd_step(model: torch.nn.Module, lm: LoadedModel, student: NoteData, 
     (the token holding the same first character, :func:`align_trace_rows`), or at ``j`` when the
     tokenizers agree.
     """
-    from mistill.distill.losses import feature_kd_loss
-
     g = lm.geometry
     device = next(model.parameters()).device
     ids = student.input_ids.to(device)
@@ -698,8 +692,6 @@ def distillm2_step(model: torch.nn.Module, lm: LoadedModel, teacher: LoadedModel
     Both sequences are the note's prompt followed by the response; logits are read at the rows
     predicting response tokens.
     """
-    from mistill.distill.losses import distillm2_loss
-
     device = next(model.parameters()).device
     ts = student.trace_start
     prompt = student.input_ids[:ts]

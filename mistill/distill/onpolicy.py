@@ -57,6 +57,7 @@ and its process group destroyed (:func:`close_rollout_engine`).
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -158,9 +159,7 @@ def close_rollout_engine(trainer) -> None:
     started: the platform starts none for a world of one), the ``torch.distributed`` group; then
     the memory the engine held is released. A failure here is reported on stderr and does not
     fail the run (training is over)."""
-    import gc
-
-    import torch
+    import torch  # deferred: torch is slow to import
 
     generation = getattr(trainer, "vllm_generation", None)
     llm = getattr(generation, "llm", None)
@@ -173,7 +172,7 @@ def close_rollout_engine(trainer) -> None:
             core.shutdown()
         del llm, core
         try:
-            from vllm.distributed import parallel_state
+            from vllm.distributed import parallel_state  # deferred: vLLM is optional
         except ImportError:
             parallel_state = None
         if parallel_state is not None:
@@ -226,7 +225,7 @@ def distillation_args(recipe: RecipeConfig, output_dir: Path, *, n_examples: int
     """TRL's ``DistillationConfig`` for OPD: :func:`trainer_args`, the rollout cap and ``beta``;
     rollouts from TRL's colocated vLLM engine with ``engine``, over a window of ``context``
     tokens (:func:`engine_args`), else from transformers' generation."""
-    from trl import DistillationConfig
+    from trl import DistillationConfig  # deferred: TRL is optional and slow to import
 
     return DistillationConfig(**trainer_args(recipe, output_dir, steps=total_steps(n_examples, recipe),
                                              device=device),
@@ -237,7 +236,7 @@ def distillation_args(recipe: RecipeConfig, output_dir: Path, *, n_examples: int
 def recipe_optimizer(model, recipe: RecipeConfig, total: int):
     """The recipe's AdamW and schedule (:func:`~mistill.distill.trainer.lr_lambda`), as every
     other arm's :class:`~mistill.distill.trainer.Trainer` builds them, for TRL to step."""
-    import torch
+    import torch  # deferred: torch is slow to import
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=recipe.lr, betas=(recipe.beta1, recipe.beta2),
@@ -251,7 +250,7 @@ def run_metrics_callback(log: Callable[[dict, int], None], after_step: Callable[
     """A transformers ``TrainerCallback`` passing TRL's logs to ``log(metrics, step)`` (names
     without a prefix; ``learning_rate`` as ``lr``) and calling ``after_step(step, last)`` after
     every optimizer step."""
-    from transformers import TrainerCallback
+    from transformers import TrainerCallback  # deferred: transformers is slow to import
 
     class RunMetrics(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
@@ -270,7 +269,7 @@ def run_metrics_callback(log: Callable[[dict, int], None], after_step: Callable[
 def run_trainer(trainer, output_dir: Path, *, resume: bool) -> int:
     """Train a TRL trainer, from the last checkpoint in ``output_dir`` with ``resume`` when there
     is one; returns the optimizer steps done."""
-    from transformers.trainer_utils import get_last_checkpoint
+    from transformers.trainer_utils import get_last_checkpoint  # deferred: transformers.trainer_utils is slow to import
 
     last = get_last_checkpoint(str(output_dir)) if resume and Path(output_dir).is_dir() else None
     trainer.train(resume_from_checkpoint=last)
@@ -286,8 +285,8 @@ def train_opd(student, teacher, tokenizer, prompts: Sequence[str], recipe: Recip
     With ``resume``, continues from the last checkpoint in ``output_dir`` if there is one.
     ``engine``: the rollouts through TRL's colocated vLLM engine (see the module docstring);
     None: through transformers' generation inside the trainer."""
-    from datasets import Dataset
-    from trl import DistillationTrainer
+    from datasets import Dataset  # deferred: datasets is optional
+    from trl import DistillationTrainer  # deferred: TRL is optional and slow to import
 
     order = on_policy_order(len(prompts), recipe)
     dataset = Dataset.from_dict({"prompt": [prompts[i] for i in order]})

@@ -32,6 +32,7 @@ does not depend on how buckets, rows or pools are built.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -321,8 +322,6 @@ def targets_manifest(targets: Mapping[str, Any]) -> dict[str, Any]:
     and the sha256 of its bytes (C order), no values. ``top_ids`` / ``top_logp`` are the
     teacher's distribution at every trace position (its top-1 ids largely spell the trace), so
     for a restricted corpus the arrays stay local and only this manifest is uploaded."""
-    import hashlib
-
     out = {}
     for name in sorted(targets):
         a = np.ascontiguousarray(np.asarray(targets[name]))

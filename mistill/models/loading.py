@@ -11,7 +11,9 @@ Model specs accepted everywhere a ``model`` parameter appears:
   initialised small configs with the embedded tokenizer, for tests and smoke runs;
 - a local directory holding ``config.json`` (optionally ``path/to/dir::file.gguf``);
 - a hub id (``Qwen/Qwen3-4B``) already in the local HF cache;
-- ``run:<train run id>`` — the checkpoint a ``train`` run saved (:mod:`mistill.tracking.models`).
+- ``run:<train run id>`` — the checkpoint a ``train`` run saved, given a ``resolve_run`` that turns
+  the spec into the checkpoint's local path (:func:`mistill.tracking.models.resolve_run_spec`; the
+  stages pass it, through :func:`mistill.stages.common.load_model`).
 
 Any spec may end in ``@every-other`` or ``@layers=0,2,4`` to keep only some decoder layers (the
 embedded default's student is ``embedded:smollm2-135m@every-other``, the teacher with every
@@ -24,7 +26,9 @@ import contextlib
 import functools
 import importlib.util
 import os
-from collections.abc import Iterator
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,12 +38,12 @@ from torch import nn
 from mistill.errors import MistillInputError
 from mistill.models.encoder import EMBEDDED_ENCODER, encoder_dir
 from mistill.models.geometry import HeadGeometry, head_geometry
+from mistill.validation import DTYPE_NAMES
 
 EMBEDDED_DEFAULT = "embedded:smollm2-135m"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {name: getattr(torch, dtype) for name, dtype in DTYPE_NAMES.items()}
 
 
 def _offline() -> None:
@@ -107,7 +111,7 @@ def short_model_name(spec: str) -> str:
 
 @functools.lru_cache(maxsize=4)
 def _embedded_tokenizer_cached():
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # deferred: transformers is slow to import
 
     _offline()
     return AutoTokenizer.from_pretrained(str(embedded_model_dir()), gguf_file=_SMOLLM2_GGUF)
@@ -129,10 +133,7 @@ def embedded_float_copy() -> Path:
     De-quantising the GGUF takes ~20 s on two cores; the copy has identical weights. Written to
     a temporary directory and renamed, so a crash never leaves a half-written copy.
     """
-    import shutil
-    import tempfile
-
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # deferred: transformers is slow to import
 
     target = mistill_cache_dir() / "models" / "smollm2-135m-instruct-f32"
     if (target / "config.json").exists():
@@ -177,6 +178,7 @@ def unmark_quantized(model: nn.Module) -> nn.Module:
 
 def _tiny_config(family: str, vocab: int, *, layers: int, heads: int, kv_heads: int, d_head: int,
                  d_model: int, max_pos: int, tie: bool):
+    # deferred: transformers is slow to import
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, SmolLM3Config
 
     common = dict(vocab_size=vocab, hidden_size=d_model, intermediate_size=2 * d_model,
@@ -202,7 +204,7 @@ def tiny_model(family: str = "qwen3", *, seed: int = 0, layers: int = 2, heads: 
     ``logit_scale`` multiplies the (untied) output layer, so that margins between tokens span
     several nats instead of a fraction of one (tests of passes that need decisive margins, such
     as the locus walk-back)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # deferred: transformers is slow to import
 
     tok = tokenizer if tokenizer is not None else embedded_tokenizer()
     vocab = len(tok)
@@ -281,7 +283,7 @@ def prune_layers(model: nn.Module, keep: list[int]) -> nn.Module:
 @contextlib.contextmanager
 def _no_progress_bars() -> Iterator[None]:
     """transformers' progress bars off inside the block, restored after."""
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # deferred: transformers.utils is slow to import
 
     was = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
@@ -292,21 +294,32 @@ def _no_progress_bars() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+def run_spec_path(spec: str, resolve_run: Callable[[str], str] | None) -> str:
+    """A ``run:<id>`` spec's local checkpoint path, by ``resolve_run``; None refuses the spec (this
+    layer has no tracking server to ask)."""
+    if resolve_run is None:
+        raise MistillInputError(f"model {spec!r}: a run: spec names a train run's checkpoint, which only a stage "
+                                "resolves (mistill.tracking.models.resolve_run_spec)", field="model")
+    return resolve_run(spec)
+
+
 def load_model(spec: str = EMBEDDED_DEFAULT, *, dtype: str | torch.dtype = "float32",
-               device: str | torch.device = "cpu", attn_implementation: str = "sdpa") -> LoadedModel:
-    """Load a causal LM and its tokenizer offline; see the module docstring for ``spec``."""
+               device: str | torch.device = "cpu", attn_implementation: str = "sdpa",
+               resolve_run: Callable[[str], str] | None = None) -> LoadedModel:
+    """Load a causal LM and its tokenizer offline; see the module docstring for ``spec``.
+    ``resolve_run``: turns a ``run:<id>`` spec into its checkpoint's local path."""
     base, keep = split_layer_spec(spec)
     if keep is not None:
-        lm = load_model(base, dtype=dtype, device=device, attn_implementation=attn_implementation)
+        lm = load_model(base, dtype=dtype, device=device, attn_implementation=attn_implementation,
+                        resolve_run=resolve_run)
         prune_layers(lm.model, layers_to_keep(keep, lm.geometry.n_layers))
         return LoadedModel(model=lm.model, tokenizer=lm.tokenizer, geometry=head_geometry(lm.model), spec=spec)
     if spec.startswith("run:"):  # a train run's checkpoint (needs the tracking server)
-        from mistill.tracking.models import resolve_run_spec
-
-        lm = load_model(resolve_run_spec(spec), dtype=dtype, device=device, attn_implementation=attn_implementation)
+        lm = load_model(run_spec_path(spec, resolve_run), dtype=dtype, device=device,
+                        attn_implementation=attn_implementation)
         return LoadedModel(model=lm.model, tokenizer=lm.tokenizer, geometry=lm.geometry, spec=spec)
     _offline()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # deferred: transformers is slow to import
 
     td = torch_dtype(dtype)
     if spec.startswith("tiny:"):
@@ -376,7 +389,7 @@ def check_model_present(spec: str, field: str = "model") -> None:
             raise MistillInputError(f"no model at {local} (expected {wanted} there); models are loaded offline "
                                     "and never downloaded", file=str(local), field=field)
         return
-    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub import try_to_load_from_cache  # deferred: huggingface_hub is slow to import
 
     try:
         cached = try_to_load_from_cache(path, wanted)
@@ -396,16 +409,15 @@ def check_tokenizer_matches(model: nn.Module, tokenizer, spec: str) -> None:
             "tokenizer/model mismatch", field="tokenizer", file=spec)
 
 
-def load_tokenizer(spec: str = EMBEDDED_DEFAULT):
-    """The tokenizer of a model spec, without loading the weights (offline)."""
+def load_tokenizer(spec: str = EMBEDDED_DEFAULT, *, resolve_run: Callable[[str], str] | None = None):
+    """The tokenizer of a model spec, without loading the weights (offline); ``resolve_run`` as
+    :func:`load_model`'s."""
     _offline()
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # deferred: transformers is slow to import
 
     spec = split_layer_spec(spec)[0]
     if spec.startswith("run:"):
-        from mistill.tracking.models import resolve_run_spec
-
-        spec = resolve_run_spec(spec)
+        spec = run_spec_path(spec, resolve_run)
     if spec.startswith("tiny:"):
         return embedded_tokenizer()
     if spec == EMBEDDED_DEFAULT:

@@ -31,8 +31,12 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from mistill.config import param_fields
 from mistill.distributed import current_world
 from mistill.errors import MistillInputError, TrackingUnavailableError
+from mistill.io import mistill_root
+from mistill.stages.registry import stage as find_stage, stage_help
+from mistill.validation import RUN_ID
 
 if typing.TYPE_CHECKING:
     from mistill.stages.registry import Stage
@@ -250,8 +254,6 @@ def option_help(stage: Stage, name: str, annotation: Any, default: Any, meaning:
 def stage_parser(stage: Stage, prog: str | None = None) -> argparse.ArgumentParser:
     """The command line of one stage, generated from its config class (its options in the
     order of :func:`~mistill.config.param_fields`)."""
-    from mistill.config import param_fields
-
     cls = stage.config
     doc = inspect.cleandoc(cls.__doc__ or "").split("\n\n", 1)[0]
     parser = _Parser(prog=prog or f"mistill {stage.name}", allow_abbrev=False, formatter_class=_Formatter,
@@ -397,7 +399,7 @@ def launch_command(stage_name: str, nproc: int, argv: Sequence[str], launcher: s
 
 
 def _free_port() -> int:
-    import socket
+    import socket  # deferred: only a launch needs it, `mistill --help` does not
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -407,7 +409,7 @@ def _free_port() -> int:
 def launch(stage_name: str, nproc: int, argv: Sequence[str], launcher: str = "torchrun") -> int:
     """Run the stage as ``nproc`` processes under ``launcher`` and return its exit status (rank
     0's run id line is printed by rank 0)."""
-    import subprocess
+    import subprocess  # deferred: only a launch needs it, `mistill --help` does not
 
     cmd = launch_command(stage_name, nproc, argv, launcher)
     shown = "torchrun --standalone" if launcher == "torchrun" else "accelerate launch --multi_gpu"
@@ -424,10 +426,9 @@ def check_tracking_server() -> str:
     to, never from a local store. An unreachable server raises the MLflow error that
     :func:`~mistill.tracking.connection.tracking_errors` reports (exit code 3).
     """
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # deferred: MLflow is not needed for `--help`
 
-    from mistill.stages.common import mistill_root
-    from mistill.tracking.runs import resolve_tracking_uri
+    from mistill.tracking.runs import resolve_tracking_uri  # deferred: imports MLflow
 
     uri = resolve_tracking_uri(mistill_root())
     os.environ["MLFLOW_TRACKING_URI"] = uri
@@ -454,12 +455,13 @@ def main(stage_name: str, argv: Sequence[str] | None = None, *, prog: str | None
     of that run (:func:`refusal_guard`): a value holding protected note text is named by its
     field, and the stage's message, which could repeat it, is not shown.
     """
-    from mistill.stages.registry import stage as find_stage
-    from mistill.stages.runner import preflight  # imports MLflow and torch: not needed for `--help`
-    from mistill.tracking.connection import configure_client_timeouts, tracking_errors
-    from mistill.tracking.lease import LeaseError  # imports MLflow: not needed for `mistill --help`
+    from mistill.stages.runner import preflight  # deferred: imports MLflow and torch, not needed for `--help`
+    from mistill.tracking.connection import configure_client_timeouts, tracking_errors  # deferred: numpy
+    from mistill.parent_watch import die_with_launcher  # deferred: imports ctypes, not needed for `--help`
+    from mistill.tracking.lease import LeaseError  # deferred: imports MLflow, not needed for `mistill --help`
 
     stage = find_stage(stage_name)
+    die_with_launcher()  # a step launched by a workflow ends with it (mistill.parent_watch)
     if current_world().rank > 0:  # the run `mlflow run` opened is rank 0's to adopt or discard
         os.environ.pop("MLFLOW_RUN_ID", None)
     given: dict[str, str] = {}
@@ -505,7 +507,7 @@ def refuse(stage: Stage, exc: Exception, given: Mapping[str, str]) -> None:
     text was. Without such a run (a direct launch) nothing reached the tracking store, and the
     refusal asks the tracking server nothing: the message is shown as the stage wrote it.
     """
-    from mistill.tracking.privacy import PrivacyError  # imports numpy: not needed for `mistill --help`
+    from mistill.tracking.privacy import PrivacyError  # deferred: imports numpy, not needed for `mistill --help`
 
     message = str(exc)
     launched = os.environ.get("MLFLOW_RUN_ID") or None
@@ -528,10 +530,10 @@ def protected_value(stage: Stage, given: Mapping[str, str], launched: str, messa
     holds text the privacy guard of its restricted corpus protects (``param split``, ``run name``,
     ``the refusal's message``), or None (no such text, or a corpus that is not restricted or
     cannot be read here)."""
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # deferred: mlflow.tracking is slow to import
 
-    from mistill.tracking.privacy import PrivacyError
-    from mistill.tracking.purge import protected_place
+    from mistill.tracking.privacy import PrivacyError  # deferred: imports numpy
+    from mistill.tracking.purge import protected_place  # deferred: imports MLflow
 
     guard = refusal_guard(stage, given)
     if guard is None:
@@ -557,11 +559,10 @@ def refusal_guard(stage: Stage, given: Mapping[str, str]) -> PrivacyGuard | None
     run that holds the prepared data), or None: no input run, input runs of a corpus that is not
     restricted, or a corpus that cannot be read on this machine (an unknown run id, a data folder
     that is not here)."""
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # deferred: mlflow.tracking is slow to import
 
-    from mistill.stages.common import TAG_DATA_DIR, load_prepared, privacy_guard
-    from mistill.tracking.runs import TAG_INPUT_PREFIX, TAG_PRIVACY
-    from mistill.validation import RUN_ID
+    from mistill.stages.common import TAG_DATA_DIR, load_prepared, privacy_guard  # deferred: imports MLflow, torch
+    from mistill.tracking.runs import TAG_INPUT_PREFIX, TAG_PRIVACY  # deferred: imports MLflow
 
     client = MlflowClient()
     todo = [str(given.get(f, "")) for f in stage.inputs.values()]
@@ -588,8 +589,6 @@ def refusal_guard(stage: Stage, given: Mapping[str, str]) -> PrivacyGuard | None
 
 def overview() -> str:
     """``mistill --help``: usage, every stage with its one-line help, the exit codes."""
-    from mistill.stages.registry import stage_help
-
     table = stage_help()
     width = max(len(name) for name in table) + 2
     rows = "\n".join(textwrap.fill(text, 96, initial_indent=f"  {name:<{width}}",
@@ -604,8 +603,6 @@ def console(argv: Sequence[str] | None = None) -> int:
 
     ``mistill --help`` lists the stages, ``mistill <stage> --help`` a stage's options.
     """
-    from mistill.stages.registry import stage_help
-
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(overview(), file=sys.stdout if args else sys.stderr, end="")
@@ -629,11 +626,11 @@ def discard_launched_run() -> None:
     an entry point with nothing to run (a dry run) leaves no empty run
     (:mod:`mistill.tracking.reaper`). A refusal purges that run instead
     (:func:`purge_launched_run`)."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
+    from mlflow.exceptions import MlflowException  # deferred: mlflow.exceptions is slow to import
+    from mlflow.tracking import MlflowClient  # deferred: mlflow.tracking is slow to import
 
-    from mistill.tracking.reaper import spawn_reaper
-    from mistill.tracking.runs import TAG_STAGE
+    from mistill.tracking.reaper import spawn_reaper  # deferred: imports MLflow
+    from mistill.tracking.runs import TAG_STAGE  # deferred: imports MLflow
 
     launched = os.environ.get("MLFLOW_RUN_ID")
     if not launched:
@@ -658,12 +655,11 @@ def purge_launched_run(launched: str) -> str:
     (:func:`mistill.tracking.purge.purge_launched_run`). When it cannot be purged the text gives
     the ``mlflow gc`` command an operator must run.
     """
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
+    from mlflow.exceptions import MlflowException  # deferred: mlflow.exceptions is slow to import
+    from mlflow.tracking import MlflowClient  # deferred: mlflow.tracking is slow to import
 
-    from mistill.stages.common import mistill_root
-    from mistill.tracking import purge
-    from mistill.tracking.runs import TAG_STAGE
+    from mistill.tracking import purge  # deferred: imports MLflow
+    from mistill.tracking.runs import TAG_STAGE  # deferred: imports MLflow
 
     client = MlflowClient()
     if purge.purge_pending(launched):  # the stage's own refusal said so

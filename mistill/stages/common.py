@@ -13,8 +13,12 @@ read from the enclave on this machine and checked against its ``_DONE`` sha256, 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
 import os
+import secrets
+import tempfile
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +26,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-import torch
+import mlflow
+from mlflow.entities import LoggedModelInput, Param
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
@@ -30,10 +35,18 @@ from mistill.data.corpus import Corpus, Note
 from mistill.data.inventory import Inventory
 from mistill.data.prompts import Prompt, build_prompt
 from mistill.errors import MistillInputError
-from mistill.io import read_json
+from mistill.evaluation import backends, sampling
+from mistill.instrument.inputs import NoteInput, note_input
+from mistill.io import dumps, mistill_root, read_json, sha256_file, write_json
+from mistill.models import loading
 from mistill.models.loading import check_model_present, split_layer_spec
-from mistill.tracking.models import checkpoint_logged_model
-from mistill.tracking.runs import TAG_STAGE, repo_file
+from mistill.tasks import prompt_wording
+from mistill.tracking.auth import verify_done
+from mistill.tracking.models import checkpoint_logged_model, resolve_run_spec
+from mistill.tracking.privacy import PrivacyGuard
+from mistill.tracking.runs import (CONFIG_ARTIFACT, CONTENT_SUFFIX, DONE_MARKER, ENCLAVE_DIR, LOCAL_FILES_KEY,
+                                   TAG_CORPUS_DIGEST, TAG_ENCLAVE_DIR, TAG_STAGE, enclave_missing_error, params_digest,
+                                   quiet_downloads, repo_file, typed_equal, verify_local_note_file, verify_note_file)
 
 if TYPE_CHECKING:
     from mlflow.entities import Run
@@ -49,9 +62,28 @@ _RECORD_KEYS = ("name", "privacy", "digest", "inventory_digest", "inventory_sha2
                 "identity_digest")
 
 
-def mistill_root() -> Path:
-    """Local state root (``$MISTILL_ROOT`` or ``./.mistill``)."""
-    return Path(os.environ.get("MISTILL_ROOT", ".mistill"))
+# ------------------------------------------------------------------------- models a stage loads
+# The science layers take a model spec as it is; a ``run:<train run id>`` spec names a train
+# run's checkpoint, which these resolve through the tracking server.
+
+def load_model(spec: str = loading.EMBEDDED_DEFAULT, **kwargs: Any) -> loading.LoadedModel:
+    """:func:`mistill.models.loading.load_model`, ``run:<id>`` specs resolved to their checkpoints."""
+    return loading.load_model(spec, resolve_run=resolve_run_spec, **kwargs)
+
+
+def load_tokenizer(spec: str = loading.EMBEDDED_DEFAULT) -> Any:
+    """:func:`mistill.models.loading.load_tokenizer`, ``run:<id>`` specs resolved."""
+    return loading.load_tokenizer(spec, resolve_run=resolve_run_spec)
+
+
+def make_backend(name: str, model_spec: str, decoding: Any, **kwargs: Any) -> backends.Backend:
+    """:func:`mistill.evaluation.backends.make_backend`, ``run:<id>`` specs resolved."""
+    return backends.make_backend(name, model_spec, decoding, resolve_run=resolve_run_spec, **kwargs)
+
+
+def sample_then_load(*args: Any, **kwargs: Any) -> tuple[dict[str, Any], loading.LoadedModel]:
+    """:func:`mistill.evaluation.sampling.sample_then_load`, ``run:<id>`` specs resolved."""
+    return sampling.sample_then_load(*args, resolve_run=resolve_run_spec, **kwargs)
 
 
 def prepared_data_dir(corpus_name: str, run_id: str) -> Path:
@@ -85,13 +117,12 @@ class Prepared:
     def prompt(self, note: Note, tokenizer) -> Prompt:
         """The prompt a model is given for ``note``: its shortlist (the whole inventory without
         one), the corpus's prompt flags, ``tokenizer``'s chat template."""
-        return build_prompt(note, note.shortlist, self.inventory, tokenizer, **self.prompt_settings)
+        return build_prompt(note, note.shortlist, self.inventory, tokenizer, **self.prompt_settings,
+                            wording=prompt_wording(self.inventory.task))
 
 
 def identity_digest(record: Mapping[str, Any]) -> str:
     """sha256 of a ``corpus_meta.json`` record (canonical JSON, ``identity_digest`` left out)."""
-    from mistill.tracking.runs import params_digest
-
     return params_digest({k: v for k, v in record.items() if k != "identity_digest"})
 
 
@@ -106,11 +137,7 @@ def save_prepared(data_dir: Path, corpus: Corpus, meta: Mapping[str, Any], *, ru
     MLflow run), ``identity`` (the typed inputs that made the data: for ``prepare`` its params
     and the sha256 of every file it read) and ``identity_digest`` over all of it.
     """
-    from mistill.io import dumps, sha256_file, write_json
-
     if run_id is None:
-        import mlflow
-
         active = mlflow.active_run()
         if active is None:
             raise ValueError("save_prepared needs the run id of the run the data belongs to")
@@ -137,11 +164,6 @@ def load_prepared(run_id: str) -> Prepared:
     The folder must be this run's and unchanged (:func:`verify_prepared`); anything else is a
     :class:`MistillInputError` naming the run, the folder and the field that differs.
     """
-    from mlflow.tracking import MlflowClient
-
-    from mistill.io import read_json
-    from mistill.tracking.runs import TAG_CORPUS_DIGEST, quiet_downloads
-
     client = MlflowClient()
     if not run_id:
         raise MistillInputError("no run id given: the run id of a `prepare` run", field="prepare_run")
@@ -186,8 +208,6 @@ def verify_prepared(run: Run, data_dir: Path, meta: Mapping[str, Any]) -> None:
     field that differs from the run's typed params); ``inventory.json`` hashes to the recorded
     sha256. The corpus digest is checked when the corpus is read (:func:`load_prepared`).
     """
-    from mistill.io import sha256_file
-
     run_id = run.info.run_id
     meta_file = str(data_dir / CORPUS_META_FILE)
     recorded = meta.get("run_id")
@@ -215,23 +235,11 @@ def verify_prepared(run: Run, data_dir: Path, meta: Mapping[str, Any]) -> None:
 
 
 def _run_identity(run: Run) -> dict[str, Any]:
-    """A run's typed params and ``<field>_sha256`` content digests, from its ``config.json``
-    (the local work dir's copy, else the artifact); empty when it has none."""
-    import tempfile
-
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
-
-    from mistill.io import read_json
-    from mistill.tracking.runs import CONFIG_ARTIFACT, CONTENT_SUFFIX, quiet_downloads
-
-    local = mistill_root() / "work" / run.info.run_id / CONFIG_ARTIFACT
+    """A run's typed params and ``<field>_sha256`` content digests, from its ``config.json`` as
+    the store holds it (never a local copy); empty when it has none."""
     try:
-        if local.is_file():
-            data = read_json(local)
-        else:
-            with tempfile.TemporaryDirectory(prefix="mistill-cfg-") as tmp, quiet_downloads():
-                data = read_json(MlflowClient().download_artifacts(run.info.run_id, CONFIG_ARTIFACT, tmp))
+        with tempfile.TemporaryDirectory(prefix="mistill-cfg-") as tmp, quiet_downloads():
+            data = read_json(MlflowClient().download_artifacts(run.info.run_id, CONFIG_ARTIFACT, tmp))
     except (MlflowException, MistillInputError, OSError):
         return {}
     config = data.get("config") if isinstance(data, dict) else None
@@ -244,8 +252,6 @@ def _run_identity(run: Run) -> dict[str, Any]:
 def _differing_field(run: Run, meta: Mapping[str, Any]) -> tuple[str, Any, Any] | None:
     """The first of the run's typed params (sorted) whose value in ``meta`` (its ``identity``
     or a top-level entry such as the prompt flags) differs: ``(field, in meta, in the run)``."""
-    from mistill.tracking.runs import typed_equal
-
     identity = meta.get("identity") if isinstance(meta.get("identity"), dict) else {}
     for key, value in sorted(_run_identity(run).items()):
         for source in (identity, meta):
@@ -272,9 +278,6 @@ def local_salt(root: Path | str | None = None) -> bytes:
     logged. Processes creating it at once agree: each links its own complete file into place,
     the first link wins, and every process reads the winner.
     """
-    import secrets
-    import tempfile
-
     base = mistill_root() if root is None else Path(root)
     path = base / SALT_FILE
     if not path.exists():
@@ -308,7 +311,7 @@ def corpus_index(corpus: Corpus, patient_ids: str = "auto", *, root: Path | str 
     ``auto`` is ``hashed`` for a restricted corpus and ``clear`` otherwise. Only this index
     changes: the corpus (the local data folder) keeps the real ids.
     """
-    import pandas as pd
+    import pandas as pd  # deferred: pandas is slow to import
 
     shown = shown_patient_ids(corpus.privacy, [n.patient_id for n in corpus.notes], patient_ids, root=root)
     return pd.DataFrame([{"note_id": n.note_id, "patient_id": pid, "split": n.split,
@@ -319,9 +322,6 @@ def corpus_index(corpus: Corpus, patient_ids: str = "auto", *, root: Path | str 
 def shown_patient_ids(privacy: str, patient_ids: Sequence[str], mode: str = "auto", *,
                       root: Path | str | None = None) -> list[str]:
     """Patient ids as an artifact may show them (see :func:`corpus_index` for ``mode``)."""
-    import hashlib
-    import hmac
-
     if mode not in PATIENT_ID_MODES:
         raise MistillInputError(f"patient_ids must be one of {PATIENT_ID_MODES}, got {mode!r}",
                                 field="patient_ids")
@@ -365,72 +365,15 @@ def privacy_guard(corpus: Corpus, extra_texts: Sequence[str] = ()):
 
     The inventory's descriptions are public (ICD-10-CM), so n-grams inside them never count.
     """
-    from mistill.tracking.privacy import PrivacyGuard
-
     texts = [n.text for n in corpus.notes] + [n.teacher_trace for n in corpus.notes if n.teacher_trace]
     public = [] if corpus.privacy != "restricted" else [corpus.inventory.description(c)
                                                          for c in corpus.inventory.codes]
     return PrivacyGuard(list(texts) + list(extra_texts), corpus.privacy, public_texts=public)
 
 
-@dataclass
-class NoteInput:
-    """A note as one model sees it: prompt, trace, full text and its token ids and offsets."""
-
-    note: Note
-    prompt: Prompt
-    trace: str
-    full_text: str
-    input_ids: torch.Tensor  # [pos]
-    offsets: list[tuple[int, int]]
-
-    @property
-    def trace_offset(self) -> int:
-        return self.prompt.trace_offset
-
-
-def note_input(note: Note, inventory: Inventory, tokenizer, *, candidates: Sequence[str] | None = None,
-               trace: str | None = None, remove_discharge_diagnosis: bool = True,
-               narrow_instruction: bool = True, max_positions: int | None = None) -> NoteInput:
-    """Build the prompt (chat template of ``tokenizer``) and tokenize prompt + trace once.
-
-    candidates: the lines to list; None lists the note's retrieved shortlist when it has one
-    (``Note.shortlist``, set by the ``shortlist`` stage), else the whole inventory.
-    """
-    trace = note.teacher_trace if trace is None else trace
-    if not trace:
-        raise MistillInputError("note has no teacher trace", note=note.note_id, field="teacher_trace")
-    if candidates is None:
-        candidates = note.shortlist
-    prompt = build_prompt(note, candidates, inventory, tokenizer,
-                          remove_discharge_diagnosis=remove_discharge_diagnosis,
-                          narrow_instruction=narrow_instruction)
-    full = prompt.full_text(trace)
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids = torch.tensor(enc["input_ids"], dtype=torch.long)
-    if max_positions is not None and ids.numel() > max_positions:
-        raise MistillInputError(f"prompt + trace is {ids.numel()} tokens, beyond the model's "
-                                f"{max_positions} positions", note=note.note_id, field="teacher_trace")
-    return NoteInput(note=note, prompt=prompt, trace=trace, full_text=full, input_ids=ids,
-                     offsets=[tuple(o) for o in enc["offset_mapping"]])
-
-
 def prepared_note_input(prepared: Prepared, note: Note, tokenizer, **kwargs) -> NoteInput:
     """:func:`note_input` with the prepared corpus's inventory and prompt settings."""
     return note_input(note, prepared.inventory, tokenizer, **prepared.prompt_settings, **kwargs)
-
-
-def phase_events(ni: NoteInput, codes: Sequence[str], tokenizer, *, p2c_cap: int = 2,
-                 require_think: bool = True, task=None) -> list:
-    """The decision events (P1, P2, P2C; no NULL) of ``ni``'s trace, realized in ``tokenizer``
-    by the instrument's anchor rule; events the tokenizer cannot realize are dropped. ``task``:
-    the label space (:func:`mistill.tasks.task_for`; default ICD-10-CM)."""
-    from mistill.instrument.events import extract_events, realize_events
-
-    events = extract_events(ni.note.note_id, ni.trace, codes, tokenizer=tokenizer, n_null=0, p2c_cap=p2c_cap,
-                            require_think=require_think, task=task)
-    return realize_events(events, full_text=ni.full_text, trace_offset=ni.trace_offset, tokenizer=tokenizer,
-                          input_ids=ni.input_ids.tolist(), offsets=ni.offsets, codes=list(codes), task=task)
 
 
 def model_positions(lm) -> int | None:
@@ -498,8 +441,6 @@ def link_subject(run: Any, subject: Subject) -> None:
     a resumed run holds are kept; they are no part of the run's identity) and, for a train run's
     checkpoint, that checkpoint's logged model as the run's model input, which the run page lists
     under "Logged models" (:func:`~mistill.tracking.models.checkpoint_logged_model`)."""
-    from mlflow.entities import LoggedModelInput, Param
-
     current = run.client.get_run(run.run_id)
     params = {k: v for k, v in subject.params.items() if k not in current.data.params}
     if params:
@@ -530,8 +471,6 @@ class RunReader:
     """
 
     def __init__(self, run_id: str, *, field: str = "run") -> None:
-        from mlflow.tracking import MlflowClient
-
         self.run_id = run_id
         self.client = MlflowClient()
         if not run_id:
@@ -546,6 +485,7 @@ class RunReader:
         self.work_dir = mistill_root() / "work" / run_id
         self._config: dict | None = None
         self._verified: dict[Path, tuple[int, int]] = {}
+        self._fetched: set[Path] = set()
 
     @property
     def tags(self) -> dict[str, str]:
@@ -555,20 +495,20 @@ class RunReader:
     def config(self) -> dict:
         """The run's typed arguments (from its ``config.json``)."""
         if self._config is None:
-            from mistill.io import read_json
-
             self._config = read_json(self.file("config.json"))["config"]
         return self._config
 
-    def file(self, artifact_path: str) -> Path:
-        """Local path of an artifact (downloaded into the run's work dir if needed, without a
-        progress bar: these are single small files)."""
-        import tempfile
+    def file(self, artifact_path: str, *, cached: bool = False) -> Path:
+        """Local path of an artifact, downloaded from the run's store into the run's work dir
+        (without a progress bar: these are single small files).
 
-        from mistill.tracking.runs import quiet_downloads
-
+        The local copy is the store's: a run-level file is downloaded once per reader, whatever
+        the work dir holds. ``cached``: a copy already in the work dir is used as is, for a
+        per-note file or ``_DONE`` marker, which the caller verifies against the note's signed
+        ``_DONE`` (:meth:`note_file`, :meth:`note_done`).
+        """
         local = self.work_dir / artifact_path
-        if local.is_file():
+        if local.is_file() and (cached or local in self._fetched):
             return local
         local.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=local.parent, prefix=".dl-") as tmp, quiet_downloads():
@@ -578,6 +518,7 @@ class RunReader:
                 raise MistillInputError(f"artifact {artifact_path} missing from run {self.run_id}",
                                         field=artifact_path) from None
             os.replace(got, local)
+        self._fetched.add(local)
         return local
 
     def note_file(self, subdir: str, note_id: str, filename: str) -> Path:
@@ -589,12 +530,10 @@ class RunReader:
         enclave on this machine (:meth:`local_note_file`); any other is read from the run's
         work dir or downloaded.
         """
-        from mistill.tracking.runs import LOCAL_FILES_KEY, verify_note_file
-
         done = self.note_done(subdir, note_id, filename)
         if filename in (done.get(LOCAL_FILES_KEY) or {}):
             return self.local_note_file(subdir, note_id, filename)
-        path = self.file(f"{subdir}/{note_id}/{filename}")
+        path = self.file(f"{subdir}/{note_id}/{filename}", cached=True)
         stamp = (path.stat().st_mtime_ns, path.stat().st_size)
         if self._verified.get(path) != stamp:
             verify_note_file(path, done, run_id=self.run_id, subdir=subdir, note_id=str(note_id))
@@ -602,28 +541,24 @@ class RunReader:
         return path
 
     def note_done(self, subdir: str, note_id: str, filename: str | None = None) -> dict:
-        """One note's ``_DONE`` record (``files`` and, if any, ``local_files``: name -> sha256).
+        """One note's ``_DONE`` record (``files`` and, if any, ``local_files``: name -> sha256),
+        its signature verified with the store's key (a cached copy and a downloaded one alike).
 
         Raises:
-            MistillInputError: the note has no ``_DONE`` marker (it never finished).
+            MistillInputError: the note has no ``_DONE`` marker (it never finished), or its
+                signature does not verify for this run and note (naming both).
         """
-        from mistill.io import read_json
-        from mistill.tracking.runs import DONE_MARKER
-
         try:
-            done_path = self.file(f"{subdir}/{note_id}/{DONE_MARKER}")
+            done_path = self.file(f"{subdir}/{note_id}/{DONE_MARKER}", cached=True)
         except MistillInputError:
             raise MistillInputError(f"run {self.run_id}: note has no {DONE_MARKER} marker",
                                     file=filename, note=str(note_id), field=subdir) from None
-        done = read_json(done_path)
-        return done if isinstance(done, dict) else {}
+        return verify_done(read_json(done_path), run_id=self.run_id, subdir=subdir, note_id=str(note_id))
 
     @property
     def enclave_dirs(self) -> list[Path]:
         """Where this run's local files may be on this machine: its ``mistill.enclave_dir`` tag,
         then ``<MISTILL_ROOT>/work/<run id>/enclave``."""
-        from mistill.tracking.runs import ENCLAVE_DIR, TAG_ENCLAVE_DIR
-
         dirs = [Path(self.tags[TAG_ENCLAVE_DIR])] if self.tags.get(TAG_ENCLAVE_DIR) else []
         default = self.work_dir / ENCLAVE_DIR
         return dirs + [default] if default.resolve() not in [d.resolve() for d in dirs] else dirs
@@ -636,8 +571,6 @@ class RunReader:
             MistillInputError: the file is not recorded as local, is absent from this machine
                 (kept only on the machine that ran the run), or changed after the note finished.
         """
-        from mistill.tracking.runs import LOCAL_FILES_KEY, enclave_missing_error, verify_local_note_file
-
         done = self.note_done(subdir, note_id, filename)
         if filename not in (done.get(LOCAL_FILES_KEY) or {}):
             raise MistillInputError(f"run {self.run_id}: {subdir}/{note_id}/{filename} is not a local file "

@@ -33,11 +33,24 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+import torch
 
 from mistill.config import Config
+from mistill.data.inventory import chapter_letter
+from mistill.distill.buckets import offsets_array, overlapping_tokens
 from mistill.errors import MistillInputError
+from mistill.instrument.edits import (aligned_edit, content_words, filler_candidates, refeed_margins, replace_spans,
+                                      replacement_codes, token_ids, word_spans)
+from mistill.instrument.hooks import HeadHook
+from mistill.instrument.inputs import event_queries
+from mistill.instrument.passes import seeded_subset, stable_seed
+from mistill.instrument.runner import Runner
+from mistill.io import dumps
 from mistill.params import ChunkParams, EditParams
+from mistill.stages.characterize import attribute_input, read_realized
+from mistill.stages.common import load_model, prepared_note_input, subject_run_args
 from mistill.stages.runner import WrittenNotes, note_loop, notes_written, open_stage, stage_device
+from mistill.stats import difference_tests, sign_test, wilcoxon_p
 from mistill.validation import (check_device, check_dtype, check_no_text_fields, check_non_negative, check_pattern,
                                 check_run_id, check_seed)
 
@@ -97,10 +110,6 @@ def edit_variants(ni, tokenize, r, codes: list[str], cfg: TraceEditConfig, note_
     """The identity and the replacements of the most recent earlier near-miss mention at event
     ``r``: ``{kind: (AlignedEdit, written replacement)}`` (kinds without an aligned candidate left
     out) and the mention's token span."""
-    from mistill.distill.buckets import offsets_array, overlapping_tokens
-    from mistill.instrument.edits import aligned_edit, filler_candidates, replacement_codes
-    from mistill.instrument.passes import stable_seed
-
     ev = r.event
     s, e = max(ev.N)
     mention = ni.trace[s:e]
@@ -123,17 +132,6 @@ def edit_variants(ni, tokenize, r, codes: list[str], cfg: TraceEditConfig, note_
 
 
 def run_trace_edit(cfg: TraceEditConfig) -> str:
-    import torch
-
-    from mistill.instrument.edits import refeed_margins, token_ids
-    from mistill.instrument.hooks import HeadHook
-    from mistill.instrument.passes import seeded_subset
-    from mistill.instrument.runner import Runner
-    from mistill.io import dumps
-    from mistill.models.loading import load_model
-    from mistill.stages.characterize import attribute_input, event_queries, read_realized
-    from mistill.stages.common import prepared_note_input, subject_run_args
-
     att = attribute_input(cfg.attribute_run)
     ev, prepared, notes = att.events, att.prepared, att.notes
     head_sets = att.head_sets()
@@ -217,8 +215,6 @@ def edit_effects(per_event: pd.DataFrame) -> pd.DataFrame:
 
 def trace_edit_table(per_event: pd.DataFrame, mediation_min_effect: float) -> pd.DataFrame:
     """Table 21 from per-event rows: one row per replacement, then the paired comparisons."""
-    from mistill.stats import sign_test, wilcoxon_p
-
     rows = []
     cols = ["comparison", "n_events", "effect_mean", "effect_median", "n_positive", "n_negative", "sign_p",
             "wilcoxon_p", "mediated_median", "n_mediated"]
@@ -283,9 +279,6 @@ class DescriptionWords:
 
     @classmethod
     def of(cls, inventory) -> DescriptionWords:
-        from mistill.data.inventory import chapter_letter
-        from mistill.instrument.edits import content_words
-
         by_code = {c: content_words(inventory.description(c)) for c in inventory.codes}
         by_chapter: dict[str, set[str]] = {}
         for c, words in by_code.items():
@@ -298,8 +291,6 @@ class DescriptionWords:
         ``sibling_words`` (the reverse), and as many as ``code_words`` of ``other_chapter_words``
         (note words only in other chapters' descriptions) and ``no_description_words`` (note words
         in no description), drawn with ``seed``; a control with too few words is left out."""
-        from mistill.data.inventory import chapter_letter
-
         own, sib = self.by_code.get(code, set()), self.by_code.get(near_miss, set())
         out = {"code_words": sorted((own - sib) & note_words), "sibling_words": sorted((sib - own) & note_words)}
         k = len(out["code_words"])
@@ -318,9 +309,6 @@ def note_word_edit(ni, tokenize, words: list[str], max_tries: int):
     """Every occurrence of ``words`` in the note replaced by fillers of the same token length, one
     filler per word (:func:`~mistill.instrument.edits.filler_candidates`), each accepted only when
     the whole edit still aligns token for token: the edit, or None when a word finds no filler."""
-    from mistill.distill.buckets import offsets_array, overlapping_tokens
-    from mistill.instrument.edits import aligned_edit, filler_candidates, replace_spans, word_spans
-
     full = ni.full_text
     region = ni.prompt.span_in_text("note")
     offs = offsets_array(ni.offsets)
@@ -343,17 +331,6 @@ def note_word_edit(ni, tokenize, words: list[str], max_tries: int):
 
 
 def run_note_edit(cfg: NoteEditConfig) -> str:
-    import torch
-
-    from mistill.instrument.edits import content_words, refeed_margins, token_ids
-    from mistill.instrument.hooks import HeadHook
-    from mistill.instrument.passes import seeded_subset, stable_seed
-    from mistill.instrument.runner import Runner
-    from mistill.io import dumps
-    from mistill.models.loading import load_model
-    from mistill.stages.characterize import attribute_input, event_queries, read_realized
-    from mistill.stages.common import prepared_note_input, subject_run_args
-
     att = attribute_input(cfg.attribute_run)
     ev, prepared, notes = att.events, att.prepared, att.notes
     words = DescriptionWords.of(prepared.inventory)
@@ -423,8 +400,6 @@ def note_edit_table(per_event: pd.DataFrame, *, seed: int = 0) -> pd.DataFrame:
     """Table 23 from per-event rows: per variant the effect (identity minus variant margin) over
     qualifying events; then per note the mean effect of ``code_words`` minus each control (mean with
     its bootstrap interval, notes higher / lower, sign test)."""
-    from mistill.stats import difference_tests, sign_test
-
     cols = ["comparison", "n_events", "n_notes", "effect_mean", "effect_median", "ci_low", "ci_high",
             "n_positive", "n_negative", "sign_p"]
     if not len(per_event) or not per_event["qualifies"].any():

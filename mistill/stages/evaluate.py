@@ -42,28 +42,28 @@ import numpy as np
 import pandas as pd
 
 from mistill.config import Config
-from mistill.errors import MistillInputError
-from mistill.distill.note_data import first_trace_token
 from mistill.data.prompts import template_has_thinking
+from mistill.distill.note_data import first_trace_token
+from mistill.distributed import current_world
+from mistill.errors import MistillInputError
 from mistill.evaluation.backends import resolve_backend
 from mistill.evaluation.generation import generation_record, note_seed
-from mistill.evaluation.las import load_simulator
 from mistill.evaluation.m1 import m1_summary, teacher_forced_readouts
 from mistill.evaluation.metrics import bleu4, per_note_metrics, task_metrics
 from mistill.evaluation.parsing import CodeIndex, parse_answer, split_reasoning
-from mistill.evaluation.sampling import SampleRequest, sample_then_load
+from mistill.evaluation.sampling import SampleRequest
 from mistill.io import write_text
-from mistill.models.loading import load_model, load_tokenizer
+from mistill.params import DecodingParams
 from mistill.progress import track
 from mistill.stages.characterize import stage_notes
-from mistill.distributed import current_world
-from mistill.stages.common import (Subject, link_subject, load_prepared, model_positions, note_input,
-                                   trained_subject)
+from mistill.stages.common import (Subject, link_subject, load_model, load_prepared, load_tokenizer, model_positions,
+                                   note_input, sample_then_load, trained_subject)
+from mistill.stages.las import load_simulator
 from mistill.stages.runner import notes_written, open_stage, pending_notes, progress_label, stage_device
 from mistill.tasks import task_for
 from mistill.tracking.runs import TAG_BACKEND, TAG_SPLIT
-from mistill.params import DecodingParams
-from mistill.validation import check_device, check_dtype, check_non_negative, check_seed
+from mistill.validation import (check_arm, check_device, check_dtype, check_model_spec, check_name,
+                                check_no_text_fields, check_non_negative, check_run_id, check_seed)
 
 NOTES = "notes"
 TAG_ENCLAVE = "mistill.enclave_dir"
@@ -101,9 +101,6 @@ class EvaluateConfig(Config, DecodingParams):
     dtype: str = "float32"
 
     def validate(self) -> None:
-        from mistill.validation import (check_arm, check_model_spec, check_name, check_no_text_fields,
-                                        check_run_id)
-
         check_no_text_fields(self)
         check_run_id(self.prepare_run, "prepare_run")
         check_run_id(self.train_run, "train_run")

@@ -36,21 +36,22 @@ import pandas as pd
 from mistill.config import Config
 from mistill.data.corpus import Corpus, Note
 from mistill.data.prompts import template_has_thinking
-from mistill.errors import MistillInputError
 from mistill.distributed import current_world
-from mistill.evaluation.backends import make_backend, resolve_backend
-from mistill.evaluation.sampling import call_size
+from mistill.errors import MistillInputError
+from mistill.evaluation.backends import resolve_backend
 from mistill.evaluation.generation import generation_record, note_seed
 from mistill.evaluation.parsing import CodeIndex
-from mistill.models.loading import EMBEDDED_DEFAULT, load_tokenizer
+from mistill.evaluation.sampling import call_size
+from mistill.models.loading import EMBEDDED_DEFAULT
 from mistill.params import DecodingParams
 from mistill.progress import track
-from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE, TAG_DATA_DIR,
-                                   TAG_DATA_IDENTITY, Prepared, corpus_index, load_prepared,
+from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE, TAG_DATA_DIR, TAG_DATA_IDENTITY,
+                                   Prepared, corpus_index, load_prepared, load_tokenizer, make_backend,
                                    prepared_data_dir, require_notes, save_prepared)
 from mistill.stages.runner import notes_written, open_stage, pending_notes, progress_label, stage_device
-from mistill.validation import (check_device, check_dtype, check_non_negative, check_not_empty,
-                                check_seed)
+from mistill.tracking.runs import TAG_CORPUS_DIGEST
+from mistill.validation import (check_device, check_dtype, check_model_spec, check_name, check_no_text_fields,
+                                check_non_negative, check_not_empty, check_run_id, check_seed)
 
 NOTES = "notes"
 RECORD_FILE = "generation.json"
@@ -87,8 +88,6 @@ class GenerateConfig(Config, DecodingParams):
     batch_size: int = 0
 
     def validate(self) -> None:
-        from mistill.validation import check_model_spec, check_name, check_no_text_fields, check_run_id
-
         check_no_text_fields(self)
         check_run_id(self.prepare_run, "prepare_run")
         check_model_spec(self.model, "model")
@@ -225,8 +224,6 @@ def run_generate(cfg: GenerateConfig) -> str:
 
 def _save_traced(run, out: Corpus, prepared: Prepared, cfg: GenerateConfig, allows_text: bool) -> None:
     """Save the traced corpus like a prepare run does: data dir, tags, index, data artifacts."""
-    from mistill.tracking.runs import TAG_CORPUS_DIGEST
-
     data_dir = prepared_data_dir(out.name, run.run_id)
     identity = save_prepared(data_dir, out, {"remove_discharge_diagnosis": prepared.remove_discharge_diagnosis,
                                   "narrow_instruction": prepared.narrow_instruction,

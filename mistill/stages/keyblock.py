@@ -35,13 +35,24 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from mistill.tasks import task_for
 from mistill.config import Config
+from mistill.distill.buckets import build_axis, token_buckets
 from mistill.errors import MistillInputError
+from mistill.instrument.hooks import HeadHook
+from mistill.instrument.inputs import event_queries
+from mistill.instrument.keyblock import KEY_SETS, key_block, matched_control, named_keys
+from mistill.instrument.keycats import KEY_CATEGORIES, key_categories
+from mistill.instrument.passes import prefill_note, seeded_subset, stable_seed
+from mistill.instrument.patching import clean_read, mean_ablate
+from mistill.instrument.runner import Runner
+from mistill.io import dumps
 from mistill.params import ChunkParams
 from mistill.progress import get_logger
-from mistill.stages.common import RunReader
+from mistill.stages.characterize import attribute_input, read_realized
+from mistill.stages.common import RunReader, load_model, prepared_note_input, subject_run_args
 from mistill.stages.runner import WrittenNotes, note_loop, notes_written, open_stage, stage_device
+from mistill.stats import difference_tests
+from mistill.tasks import task_for
 from mistill.validation import (check_device, check_dtype, check_no_text_fields, check_non_negative, check_pattern,
                                 check_run_id, check_seed)
 
@@ -75,8 +86,6 @@ class KeyBlockConfig(Config, ChunkParams):
     seed: int = 0
 
     def validate(self) -> None:
-        from mistill.instrument.keyblock import KEY_SETS
-
         check_no_text_fields(self)
         check_run_id(self.read_side_run, "read_side_run")
         for item in filter(None, (s.strip() for s in self.heads.split(","))):
@@ -104,8 +113,6 @@ def parse_heads(spec: str) -> list[tuple[str, str]]:
 
 def chosen_heads(read_side: RunReader, notes: list[str], cfg: KeyBlockConfig) -> list[tuple[str, str]]:
     """The named heads of an empty ``heads``, from the read-side run (see :class:`KeyBlockConfig`)."""
-    from mistill.instrument.keycats import KEY_CATEGORIES
-
     out: list[tuple[str, str]] = []
     if cfg.region_heads:
         try:
@@ -138,13 +145,6 @@ def block_note(runner, hook, ni, picked: list, named: list, codes: list[str], cf
     """One note's rows: every named (head, key set) at each picked event of its phases, after one
     prefill (``named``: ``(flat head, head name, KeySet)``; ``task``: the label space,
     :func:`mistill.tasks.task_for`)."""
-    from mistill.distill.buckets import build_axis, token_buckets
-    from mistill.instrument.keyblock import key_block, matched_control, named_keys
-    from mistill.instrument.keycats import key_categories
-    from mistill.instrument.passes import prefill_note, stable_seed
-    from mistill.instrument.patching import clean_read, mean_ablate
-    from mistill.stages.characterize import event_queries
-
     axis = build_axis(ni.prompt, ni.trace)
     base = token_buckets(axis, ni.prompt, ni.offsets, len(ni.trace))
     prefix, mean = prefill_note(runner, hook, ni.input_ids)
@@ -174,15 +174,6 @@ def block_note(runner, hook, ni, picked: list, named: list, codes: list[str], cf
 
 
 def run_key_block(cfg: KeyBlockConfig) -> str:
-    from mistill.instrument.hooks import HeadHook
-    from mistill.instrument.keyblock import KEY_SETS
-    from mistill.instrument.passes import seeded_subset
-    from mistill.instrument.runner import Runner
-    from mistill.io import dumps
-    from mistill.models.loading import load_model
-    from mistill.stages.characterize import attribute_input, read_realized
-    from mistill.stages.common import prepared_note_input, subject_run_args
-
     rs = RunReader(cfg.read_side_run, field="read_side_run")
     if rs.tags.get("mistill.stage") != "read_side":
         raise MistillInputError(f"run {cfg.read_side_run} is a {rs.tags.get('mistill.stage')!r} run, not read_side",
@@ -235,8 +226,6 @@ def key_block_table(per_event: pd.DataFrame, pairs: list[tuple[str, str]], min_e
                     seed: int = 0) -> pd.DataFrame:
     """Table 20 from per-event rows (columns ``note_id, head, key_set, E, D_named, D_control``),
     one row per (head, key set) in ``pairs``' order."""
-    from mistill.stats import difference_tests
-
     out = []
     for head, key_set in pairs:
         d = per_event[(per_event["head"] == head) & (per_event["key_set"] == key_set)] if len(per_event) else per_event

@@ -15,18 +15,58 @@ and numbers only).
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
 
 from mistill.config import Config
 from mistill.errors import MistillInputError
+from mistill.evaluation.las import (INVENTORY_FILE, META_FILE, Simulator, encode_pair, las_per_note,
+                                    load_simulator as load_simulator_from, save_simulator, set_f1, teacher_example,
+                                    train_simulator)
+from mistill.evaluation.parsing import CodeIndex
 from mistill.models.loading import EMBEDDED_DEFAULT
-from mistill.validation import (check_at_least, check_device, check_dtype, check_non_negative, check_not_empty,
-                                check_positive, check_seed)
+from mistill.progress import track
+from mistill.stages.common import load_model, load_prepared, model_positions, require_notes
+from mistill.stages.runner import open_stage
+from mistill.tracking.models import resolve_run_spec, run_artifact_dir
+from mistill.validation import (check_at_least, check_device, check_dtype, check_model_spec, check_name,
+                                check_no_text_fields, check_non_negative, check_not_empty, check_positive, check_run_id,
+                                check_seed)
 
 SIMULATOR_DIR = "simulator"
 LOGGED_SUFFIXES = (".safetensors", ".json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "chat_template.jinja", "added_tokens.json")
+
+
+def simulator_dir(run_id: str) -> Path:
+    """Local checkpoint of ``las_simulator`` run ``run_id``: its work dir
+    (``$MISTILL_ROOT/work/<run_id>/simulator``), else its ``simulator`` artifacts downloaded
+    there once (:func:`mistill.tracking.models.run_artifact_dir`), with the inventory taken from
+    the run's ``prepare`` input run."""
+    local = run_artifact_dir(run_id, "simulator", stage="las_simulator", marker=META_FILE, field="las_run")
+    if (local / INVENTORY_FILE).exists():
+        return local
+    client = MlflowClient()
+    prepare_run = client.get_run(run_id).data.tags.get("mistill.input.prepare", "")
+    with tempfile.TemporaryDirectory(dir=local, prefix=".dl-inventory-") as tmp:
+        try:
+            inv = client.download_artifacts(prepare_run, "data/inventory.json", tmp)
+        except Exception:  # noqa: BLE001
+            raise MistillInputError(f"the prepare run {prepare_run!r} of las_simulator run {run_id} "
+                                    "logged no data/inventory.json", field="las_run") from None
+        os.replace(inv, local / INVENTORY_FILE)
+    return local
+
+
+def load_simulator(run_id_or_path: str | Path, device: str = "cpu") -> Simulator:
+    """The simulator a ``las_simulator`` run saved: a run id (local work dir, else its logged
+    artifacts, :func:`simulator_dir`) or a checkpoint directory holding ``simulator.json``."""
+    return load_simulator_from(run_id_or_path, device, locate_run=simulator_dir, resolve_run=resolve_run_spec)
 
 
 @dataclass(frozen=True)
@@ -63,8 +103,6 @@ class LasSimulatorConfig(Config):
     max_note_words: int = 0
 
     def validate(self) -> None:
-        from mistill.validation import check_model_spec, check_name, check_no_text_fields, check_run_id
-
         check_no_text_fields(self)
         check_run_id(self.prepare_run, "prepare_run")
         check_not_empty(self.split, "split", "the split of the teacher's training traces")
@@ -83,22 +121,12 @@ class LasSimulatorConfig(Config):
 
 
 def _examples(notes, index):
-    from mistill.evaluation.las import teacher_example
-
     return [teacher_example(n.note_id, n.text, n.teacher_trace, index) for n in notes if n.teacher_trace]
 
 
 def run_las_simulator(cfg: LasSimulatorConfig) -> str:
     """Train (or reuse) the simulator; returns the run id."""
-    import pandas as pd
-    from mistill.progress import track
-
-    from mistill.evaluation.las import (Simulator, encode_pair, las_per_note, save_simulator, set_f1,
-                                        train_simulator)
-    from mistill.evaluation.parsing import CodeIndex
-    from mistill.models.loading import load_model
-    from mistill.stages.common import INVENTORY_FILE, load_prepared, model_positions, require_notes
-    from mistill.stages.runner import open_stage
+    import pandas as pd  # deferred: pandas only when the stage runs
 
     if not cfg.prepare_run:
         raise MistillInputError("las_simulator needs a prepare run", field="prepare_run")

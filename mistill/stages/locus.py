@@ -29,16 +29,30 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from analysis import locus_tables as lt
 from mistill.config import Config
 from mistill.distributed import broadcast, current_world
 from mistill.errors import MistillInputError
+from mistill.instrument.calibration import (NoteImportance, calibratable_patients, calibrate, head_sets_json,
+                                            importance_c_intervals, ranking, split_half_stability)
+from mistill.instrument.hooks import HeadHook
+from mistill.instrument.inputs import note_input, trace_start_token
+from mistill.instrument.locus import SUFFIXES, LocusConfig, LocusResult
+from mistill.instrument.locus_pass import attribution_locus, note_mentions, probe_note, sets_note
+from mistill.instrument.locus_reads import locus_reads
+from mistill.instrument.locus_tokens import DescriptionWords
+from mistill.instrument.passes import prefill_note
+from mistill.instrument.runner import Runner
 from mistill.io import npz_bytes
 from mistill.params import ChunkParams, PoolParams, StabilityParams
-from mistill.stages.common import RunReader, note_input
+from mistill.stages.characterize import _events_input, attribute_notes, read_realized
+from mistill.stages.common import RunReader, load_model
 from mistill.stages.runner import note_loop, notes_written, open_stage, stage_device
+from mistill.tasks import task_for
+from mistill.tracking.runs import metric_name
 from mistill.validation import (check_choice, check_choices, check_counts, check_device, check_dtype, check_interval,
-                                check_name, check_no_text_fields, check_non_negative, check_positive,
-                                check_run_id, check_seed)
+                                check_name, check_no_text_fields, check_non_negative, check_positive, check_run_id,
+                                check_seed)
 
 PROBE_NOTES = "locus"
 SETS_NOTES = "locus_sets"
@@ -90,8 +104,6 @@ class LocusStageConfig(Config, ChunkParams, PoolParams, StabilityParams):
     seed: int = 0
 
     def validate(self) -> None:
-        from mistill.instrument.locus import SUFFIXES
-
         check_no_text_fields(self)
         check_run_id(self.attribute_run, "attribute_run")
         check_name(self.split, "split", "a split", allow_empty=True)
@@ -111,8 +123,6 @@ class LocusStageConfig(Config, ChunkParams, PoolParams, StabilityParams):
         check_seed(self.seed)
 
     def locus_config(self):
-        from mistill.instrument.locus import LocusConfig
-
         return LocusConfig(theta=self.theta, step=self.step, max_back=self.max_back,
                            extra_steps=self.extra_steps, suffix=self.suffix)
 
@@ -143,16 +153,6 @@ def _swap_layers(cfg: LocusStageConfig, n_layers: int) -> list[int]:
 
 def run_locus(cfg: LocusStageConfig) -> str:
     """Run (or resume, or reuse) the locus pass; returns the run id."""
-    from mistill.tasks import task_for
-    from mistill.instrument.hooks import HeadHook
-    from mistill.instrument.locus import LocusResult
-    from mistill.instrument.locus_pass import attribution_locus, note_mentions, probe_note, sets_note
-    from mistill.instrument.locus_reads import locus_reads
-    from mistill.instrument.locus_tokens import DescriptionWords
-    from mistill.instrument.passes import prefill_note
-    from mistill.instrument.runner import Runner
-    from mistill.models.loading import load_model
-    from mistill.stages.characterize import _events_input, attribute_notes, read_realized, trace_start_token
     att = RunReader(cfg.attribute_run, field="attribute_run")
     if att.tags.get("mistill.stage") != "attribute":
         raise MistillInputError(f"run {cfg.attribute_run} is a {att.tags.get('mistill.stage')!r} run, not attribute",
@@ -239,8 +239,6 @@ def run_locus(cfg: LocusStageConfig) -> str:
 
 def _read_probe_notes(run, notes) -> tuple[list[dict], list]:
     """Every note's probe rows and its window/suffix importances (``NoteImportance`` pairs)."""
-    from mistill.instrument.calibration import NoteImportance
-
     rows, importances = [], []
     for note in notes:
         path = run.note_dir(PROBE_NOTES, note.note_id) / PROBE_FILE
@@ -263,10 +261,6 @@ def _calibrated_sets(run, cfg: LocusStageConfig, importances, names: Sequence[st
     """The prose-time (window) and transport (suffix) rankings, calibrated as the other phases:
     ``head_sets.json`` with keys ``prose_time`` and ``transport`` (each in the attribute
     run's per-phase format), logged with the calibration's metrics."""
-    from mistill.instrument.calibration import (calibratable_patients, calibrate, head_sets_json,
-                                                importance_c_intervals, ranking, split_half_stability)
-    from mistill.tracking.runs import metric_name
-
     doc: dict = {"meta": {"n_heads": len(names), "phases": ["prose_time", "transport"]}}
     for key, idx in (("prose_time", 0), ("transport", 1)):
         per_note = [pair[idx] for pair in importances]
@@ -310,8 +304,6 @@ def _read_sets_notes(run, notes) -> dict[str, list[dict]]:
 def _tables(run, cfg: LocusStageConfig, notes, probe_rows: list[dict], sets: dict, emission: Sequence[int],
             names: Sequence[str]) -> None:
     """Aggregate the notes into the paper's tables (:mod:`analysis.locus_tables`) and metrics."""
-    from analysis import locus_tables as lt
-
     probes = pd.DataFrame(probe_rows)
     second = _read_sets_notes(run, notes)
     classes = {}

@@ -20,10 +20,17 @@ from mistill.data.inventory import Inventory
 from mistill.data.prompts import build_prompt
 from mistill.data.synthetic import make_synthetic_corpus
 from mistill.errors import MistillInputError
-from mistill.models.loading import EMBEDDED_DEFAULT
-from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE, PATIENT_ID_MODES,
-                                   TAG_DATA_DIR, TAG_DATA_IDENTITY, corpus_index, mistill_root,
-                                   prepared_data_dir, privacy_guard, save_prepared)
+from mistill.io import iter_jsonl
+from mistill.models.loading import EMBEDDED_DEFAULT, _offline, embedded_float_copy, split_layer_spec, tiny_model
+from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE, PATIENT_ID_MODES, TAG_DATA_DIR,
+                                   TAG_DATA_IDENTITY, corpus_index, load_tokenizer, mistill_root, prepared_data_dir,
+                                   privacy_guard, save_prepared)
+from mistill.tasks import INVENTORY_TASKS, prompt_wording
+from mistill.tasks.synthetic_catalog import make_catalog_corpus
+from mistill.tracking.models import resolve_run_spec
+from mistill.tracking.runs import StageRun
+from mistill.validation import (check_at_least, check_choice, check_model_spec, check_name, check_no_text_fields,
+                                check_non_negative, check_not_empty, check_path, check_seed, fail)
 
 MIMIC_PREFIX = "mimic:"
 
@@ -92,10 +99,6 @@ class PrepareConfig(Config):
         """Refuse values no run can use, naming the field. Files are looked at by the stage
         (:func:`build_corpus`, still before its run), not here: a config stays readable where
         its files are not."""
-        from mistill.validation import (check_at_least, check_choice, check_model_spec, check_name,
-                                        check_no_text_fields, check_non_negative, check_not_empty, check_path,
-                                        check_seed, fail)
-
         check_no_text_fields(self)
         check_not_empty(self.corpus, "corpus", "'synthetic', a JSONL path or mimic:<table path>")
         if self.corpus.startswith(MIMIC_PREFIX):
@@ -109,7 +112,6 @@ class PrepareConfig(Config):
         check_model_spec(self.model, "model")
         check_choice(self.patient_ids, PATIENT_ID_MODES, "patient_ids")
         check_choice(self.privacy, PRIVACY_LEVELS, "privacy")
-        from mistill.tasks import INVENTORY_TASKS
 
         check_choice(self.task, INVENTORY_TASKS, "task")
         if self.task != "icd10" and (self.corpus != "synthetic" or self.codes_file):
@@ -140,8 +142,6 @@ class PrepareConfig(Config):
 def build_corpus(cfg: PrepareConfig) -> Corpus:
     """The corpus the config names (with its inventory)."""
     if cfg.task == "catalog":
-        from mistill.tasks.synthetic_catalog import make_catalog_corpus
-
         corpus = make_catalog_corpus(n_notes=cfg.n_notes, seed=cfg.seed,
                                      items_range=(cfg.codes_per_note[0], cfg.codes_per_note[1]))
     elif cfg.corpus == "synthetic":
@@ -178,17 +178,13 @@ def model_max_positions(spec: str) -> int | None:
     ``tiny:`` models take ``tiny_model``'s default; layer selections (``@every-other``) keep
     the base model's positions; ``run:<id>`` reads the trained checkpoint's config.
     """
-    from mistill.models.loading import _offline, embedded_float_copy, split_layer_spec, tiny_model
-
     base = split_layer_spec(spec)[0]
     if base.startswith("run:"):
-        from mistill.tracking.models import resolve_run_spec
-
         return model_max_positions(resolve_run_spec(base))
     if base.startswith("tiny:"):
         return int(inspect.signature(tiny_model).parameters["max_pos"].default)
     _offline()
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # deferred: transformers is slow to import
 
     if base == EMBEDDED_DEFAULT:
         path, gguf = str(embedded_float_copy()), ""
@@ -233,7 +229,7 @@ def _n_tokens(tokenizer, text: str) -> int:
 def prompt_lengths(corpus: Corpus, tokenizer, *, remove_discharge_diagnosis: bool = True,
                    narrow_instruction: bool = True, max_positions: int | None = None) -> list[PromptLength]:
     """Token counts of every note's prompt and prompt + trace (the note's shortlist, else the
-    whole inventory, as :func:`~mistill.stages.common.note_input` builds them).
+    whole inventory, as :func:`~mistill.instrument.inputs.note_input` builds them).
 
     Prompts listing the same candidates share their text up to the end of the last candidate
     line (the shared inventory prefix, about 105k tokens for the paper's 5,651 codes): that
@@ -248,7 +244,8 @@ def prompt_lengths(corpus: Corpus, tokenizer, *, remove_discharge_diagnosis: boo
     for note in corpus.notes:
         prompt = build_prompt(note, note.shortlist, corpus.inventory, tokenizer,
                               remove_discharge_diagnosis=remove_discharge_diagnosis,
-                              narrow_instruction=narrow_instruction)
+                              narrow_instruction=narrow_instruction,
+                              wording=prompt_wording(corpus.inventory.task))
         trace = note.teacher_trace or ""
         cut = prompt.span_in_text("lines")[1]
         prefix, rest = prompt.text[:cut], prompt.text[cut:]
@@ -277,7 +274,7 @@ def prompt_lengths(corpus: Corpus, tokenizer, *, remove_discharge_diagnosis: boo
 def check_prompt_lengths(lengths: list[PromptLength], max_positions: int | None, *, model: str,
                          file: str | None = None) -> None:
     """Refuse notes whose prompt (+ teacher trace) exceeds ``max_positions``, naming the first
-    and counting the others."""
+    (with its line, for a JSONL ``file``) and counting the others."""
     if max_positions is None:
         return
     over = [x for x in lengths if x.total_tokens > max_positions]
@@ -293,7 +290,19 @@ def check_prompt_lengths(lengths: list[PromptLength], max_positions: int | None,
         shown = ", ".join(x.note_id for x in over[1:6]) + (", ..." if len(over) > 6 else "")
         others = f"; {len(over) - 1} more notes too long: {shown}"
     raise MistillInputError(f"{what} is {n} tokens, beyond the {max_positions} positions of model "
-                            f"{model}{others}", file=file, note=first.note_id, field=fld)
+                            f"{model}{others}", file=file, note=first.note_id, field=fld,
+                            line=_jsonl_line(file, first.note_id))
+
+
+def _jsonl_line(file: str | None, note_id: str) -> int | None:
+    """The line of a JSONL corpus file that holds ``note_id`` (None for another file)."""
+    if not file or not file.endswith(".jsonl") or not Path(file).is_file():
+        return None
+
+    for lineno, row in iter_jsonl(file):
+        if str(row.get("note_id")) == note_id:
+            return lineno
+    return None
 
 
 # ------------------------------------------------------------------------------------ stage
@@ -302,9 +311,6 @@ def run_prepare(cfg: PrepareConfig) -> str:
 
     Parameters, notes and prompt lengths are checked before the MLflow run is created.
     """
-    from mistill.models.loading import load_tokenizer
-    from mistill.tracking.runs import StageRun
-
     cfg.validate()
     corpus = build_corpus(cfg)
     tok = load_tokenizer(cfg.model)

@@ -30,15 +30,24 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from mistill.tasks import task_for
 from mistill.config import Config
+from mistill.distill.buckets import build_axis, token_buckets
 from mistill.distributed import current_world
 from mistill.errors import MistillInputError
-from mistill.instrument.passes import PHASES
+from mistill.evaluation.own_heads import random_panel
+from mistill.instrument.keycats import KEY_CATEGORIES, REGION_CATEGORIES, key_categories, read_measures
+from mistill.instrument.passes import PHASES, NoteAttribution
+from mistill.instrument.readside import note_region_lift, prefix_attention_rows
+from mistill.instrument.runner import Runner
+from mistill.io import npz_bytes
 from mistill.params import ChunkParams
+from mistill.stages.characterize import _ranks_from_head_sets, attribute_input, read_realized
+from mistill.stages.common import load_model, prepared_note_input, subject_run_args
 from mistill.stages.runner import WrittenNotes, note_loop, notes_written, open_stage, stage_device
-from mistill.validation import (check_device, check_dtype, check_interval, check_non_negative,
-                                check_no_text_fields, check_positive, check_run_id, check_seed)
+from mistill.stats import sign_test
+from mistill.tasks import task_for
+from mistill.validation import (check_device, check_dtype, check_interval, check_no_text_fields, check_non_negative,
+                                check_positive, check_run_id, check_seed)
 
 NOTES = "notes"
 FAMILIES = ("region reader", "prose reader", "mixed")
@@ -87,8 +96,6 @@ def panel_groups(rank: dict[str, list[int]], head_sets: dict, names: list[str],
     """The panel's groups, ``{name: flat heads}``: ``top_<phase>`` for each ranked phase,
     ``bottom_P1`` / ``bottom_P2C`` (the calibration's bottom-k where it lists that k, else the
     ranking's last k), ``random``."""
-    from mistill.evaluation.own_heads import random_panel
-
     index = {n: i for i, n in enumerate(names)}
     groups = {f"top_{p}": list(rank[p][:cfg.panel_top]) for p in PHASES if p in rank}
     for p in ("P1", "P2C"):
@@ -111,16 +118,6 @@ def family(lift: float, region: float, prose: float, cfg: ReadSideConfig) -> str
 
 
 def run_read_side(cfg: ReadSideConfig) -> str:
-    from mistill.distill.buckets import build_axis, token_buckets
-    from mistill.instrument.keycats import KEY_CATEGORIES, key_categories, read_measures
-    from mistill.instrument.passes import NoteAttribution
-    from mistill.instrument.readside import prefix_attention_rows
-    from mistill.instrument.runner import Runner
-    from mistill.io import npz_bytes
-    from mistill.models.loading import load_model
-    from mistill.stages.characterize import _ranks_from_head_sets, attribute_input, read_realized
-    from mistill.stages.common import prepared_note_input, subject_run_args
-
     source = attribute_input(cfg.attribute_run)
     att_reader, ev, prepared, notes = source.reader, source.events, source.prepared, source.notes
     head_sets = source.head_sets()
@@ -190,14 +187,10 @@ def run_read_side(cfg: ReadSideConfig) -> str:
 
 
 def _cat(name: str) -> int:
-    from mistill.instrument.keycats import KEY_CATEGORIES
-
     return KEY_CATEGORIES.index(name)
 
 
 def _region(shares: np.ndarray) -> np.ndarray:
-    from mistill.instrument.keycats import REGION_CATEGORIES
-
     return shares[..., [_cat(c) for c in REGION_CATEGORIES]].sum(-1)
 
 
@@ -208,9 +201,6 @@ def _lines(shares: np.ndarray) -> np.ndarray:
 def group_table(per_note: dict[str, dict], panel: list[int], groups: dict[str, list[int]]) -> pd.DataFrame:
     """Table 16: per phase, the region lift of the top-k, random and bottom-k groups (medians over
     notes), the notes on which the top-k beats the random panel, and the top-k's shares."""
-    from mistill.instrument.readside import note_region_lift
-    from mistill.stats import sign_test
-
     col = {h: j for j, h in enumerate(panel)}
     out = []
     for phase in PHASES:

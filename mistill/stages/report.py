@@ -25,11 +25,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mistill.config import Config
+import mlflow
+from mlflow.tracking import MlflowClient
+
+from analysis.audit import read_audit_labels
+from analysis.report import TableChoices, build_report, collect_inputs
+from mistill.config import Config, file_digest
 from mistill.errors import MistillInputError
+from mistill.instrument.settables import to_latex, to_markdown
+from mistill.io import write_text
+from mistill.stages.common import mistill_root
 from mistill.stages.verify import verify_markdown, verify_store
 from mistill.stats import N_BOOTSTRAP, N_BOOTSTRAP_CORPUS
-from mistill.validation import check_counts, check_not_empty, check_positive, check_seed
+from mistill.tracking.privacy import PrivacyGuard
+from mistill.tracking.runs import EXPERIMENT_PREFIX, StageRun, experiment_for_corpus, resolve_tracking_uri
+from mistill.validation import (check_arm, check_arms, check_counts, check_name, check_no_text_fields, check_not_empty,
+                                check_path, check_positive, check_seed)
 
 
 @dataclass(frozen=True)
@@ -75,8 +86,6 @@ class ReportConfig(Config):
     audit_labels: str = ""
 
     def validate(self) -> None:
-        from mistill.validation import check_arm, check_arms, check_name, check_no_text_fields
-
         check_no_text_fields(self)
         check_not_empty(self.corpus, "corpus", "the corpus whose experiment is read")
         check_name(self.corpus, "corpus", "the corpus whose experiment is read")
@@ -94,7 +103,6 @@ class ReportConfig(Config):
         check_counts(self.ce_steps, "ce_steps")
         if not 0 < self.sign_alpha < 1:
             raise MistillInputError(f"sign_alpha must lie in (0, 1), got {self.sign_alpha}", field="sign_alpha")
-        from mistill.validation import check_path
 
         check_path(self.audit_labels, "audit_labels", "an audit labels file (.csv)", allow_empty=True)
         bounds = list(self.layer_blocks)
@@ -104,15 +112,11 @@ class ReportConfig(Config):
 
     def content_digests(self) -> dict[str, str]:
         """The audit labels file's content (an edited file makes a new report)."""
-        from mistill.config import file_digest
-
         digest = file_digest(self.audit_labels)
         return {"audit_labels": digest} if digest else {}
 
     def choices(self):
         """The table choices :func:`analysis.report.build_report` takes."""
-        from analysis.report import TableChoices
-
         return TableChoices(importance_heads=self.importance_heads, profile_k=self.profile_k,
                             layer_blocks=tuple(self.layer_blocks), ce_steps=tuple(self.ce_steps),
                             sign_alpha=self.sign_alpha)
@@ -120,21 +124,6 @@ class ReportConfig(Config):
 
 def run_report(cfg: ReportConfig) -> str:
     """Build and log the report; returns the report run's id (an identical one is reused)."""
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    from analysis.report import build_report, collect_inputs
-    from mistill.instrument.settables import to_latex, to_markdown
-    from mistill.io import write_text
-    from mistill.stages.common import mistill_root
-    from mistill.tracking.privacy import PrivacyGuard
-    from mistill.tracking.runs import (
-        EXPERIMENT_PREFIX,
-        StageRun,
-        experiment_for_corpus,
-        resolve_tracking_uri,
-    )
-
     uri = resolve_tracking_uri(mistill_root())
     mlflow.set_tracking_uri(uri)
     client = MlflowClient(tracking_uri=uri)
@@ -148,8 +137,6 @@ def run_report(cfg: ReportConfig) -> str:
             return run.run_id
         labels = None
         if cfg.audit_labels:
-            from analysis.audit import read_audit_labels
-
             labels = read_audit_labels(cfg.audit_labels)
         rep = build_report(inputs, reference_arm=cfg.reference_arm, n_resamples=cfg.bootstrap,
                            corpus_resamples=cfg.corpus_bootstrap, seed=cfg.seed,

@@ -7,7 +7,7 @@ point runs the steps of every tree a result selection needs, in plan order:
 * one ``reproduce`` run per invocation, and under it one run per tree (HD-001, HD-002, the
   instruction control, DT-000, DT-001, the report), named after the tree; each step's run is
   nested under its tree's run from its start;
-* a step runs through :func:`~mistill.stages.workflow.run_step`, which reuses an identical
+* a step runs through :func:`~mistill.stages.steps.run_step`, which reuses an identical
   finished run (same typed parameters, input runs and code version) and else runs the entry
   point; a composite step (``characterize``) runs its nested steps the same way;
 * each run tags the steps it finished (``mistill.step.<tree>/<step>``): a reproduction stopped
@@ -29,16 +29,33 @@ roles given make a step's config known, the finished run it would reuse.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+from mlflow.tracking import MlflowClient
+
 from mistill.config import Config, file_digest
+from mistill.data.corpus import PRIVACY_LEVELS
 from mistill.errors import MistillInputError
 from mistill.progress import get_logger
-from mistill.runbook import ROLES, PaperCounts, PlanStep, paper_plan, select
-from mistill.validation import check_choice, check_not_empty
+from mistill.results_index import load
+from mistill.runbook import ROLES, Figures, PaperCounts, PlanStep, paper_plan, prepared_counts, render, select
+from mistill.stages.cli import discard_launched_run
+from mistill.stages.common import mistill_root
+from mistill.stages.registry import stage
+from mistill.stages.steps import LAUNCHES, REPO_ROOT, corpus_name_of
+from mistill.stages.workflow import characterize_steps, run_step
+from mistill.tracking import runs
+from mistill.tracking.privacy import PrivacyGuard
+from mistill.tracking.runs import (StageRun, environment_variable, experiment_for_corpus, find_run,
+                                   identity_params, repo_file)
+from mistill.validation import (check_choice, check_device, check_dtype, check_model_spec, check_name, check_names,
+                                check_no_text_fields, check_not_empty, check_path)
+from selection.runner import lambda_overrides
 
 _log = get_logger("reproduce")
 
@@ -94,19 +111,12 @@ class ReproduceConfig(Config):
     launch: str = "mlflow"
 
     def validate(self) -> None:
-        from mistill.stages.workflow import LAUNCHES
-        from mistill.validation import check_name, check_no_text_fields, check_path
-
-        from mistill.validation import check_model_spec
-
         check_no_text_fields(self)
         for name in MODEL_ROLES:
             check_model_spec(getattr(self, name), name, allow_empty=True)
         for name in DATA_ROLES:
             check_path(getattr(self, name).removeprefix("mimic:"), name, "a local path", allow_empty=True)
         check_choice(self.launch, LAUNCHES, "launch")
-        from mistill.data.corpus import PRIVACY_LEVELS
-        from mistill.validation import check_device, check_dtype, check_names
 
         check_choice(self.privacy, PRIVACY_LEVELS, "privacy")
         check_name(self.corpus_name, "corpus_name", "a corpus name", allow_empty=True)
@@ -114,7 +124,6 @@ class ReproduceConfig(Config):
         check_device(self.device)
         check_dtype(self.dtype)
         check_names(self.results, "results", "a result id of App. Q")
-        from mistill.results_index import load
 
         known = {e.id for e in load()}
         unknown = [r for r in self.results if r not in known]
@@ -129,8 +138,6 @@ class ReproduceConfig(Config):
 
     def content_digests(self) -> dict[str, str]:
         """The settings file's content: edited in place, it makes another reproduction."""
-        from mistill.tracking.runs import repo_file
-
         digest = file_digest(repo_file(self.settings)) if self.settings else None
         return {"settings": digest} if digest else {}
 
@@ -145,8 +152,6 @@ class ReproduceConfig(Config):
         return getattr(self, name)
 
     def experiment_corpus(self) -> str:
-        from mistill.stages.workflow import corpus_name_of
-
         return corpus_name_of(self.corpus, self.corpus_name)
 
 
@@ -178,8 +183,6 @@ def role_available(name: str, value: str) -> bool:
 
 def roles_used(plan: Sequence[PlanStep], cfg: ReproduceConfig) -> list[str]:
     """The roles the steps that will run refer to, in :data:`ROLES` order."""
-    import re
-
     used = {m for s in plan if not (cfg.synthetic and s.skip_synthetic)
             for v in s.params.values() for m in re.findall(r"{(\w+)}", v)}
     return [r for r in ROLES if r in used]
@@ -196,9 +199,6 @@ def load_settings(path: str) -> dict[str, dict[str, Any]]:
     """The settings file: ``{entry point or <tree>/<step>: {field: value}}``."""
     if not path:
         return {}
-    import yaml
-
-    from mistill.tracking.runs import repo_file
 
     file = repo_file(path)
     try:
@@ -216,8 +216,6 @@ def step_values(step: PlanStep, cfg: ReproduceConfig, settings: Mapping[str, Map
     """The step's config values other than its input runs: shared fields of this config, the
     plan's params with the roles filled in, then the settings for the entry point and for the
     step."""
-    from mistill.stages.registry import stage
-
     fields = {f.name for f in dataclasses.fields(stage(step.entry_point).config)}
     values: dict[str, Any] = {k: getattr(cfg, k) for k in ("device", "dtype", "launch") if k in fields}
     if step.entry_point == "prepare":
@@ -239,8 +237,6 @@ def step_config(step: PlanStep, cfg: ReproduceConfig, ids: Mapping[str, str],
                 settings: Mapping[str, Mapping[str, Any]]) -> Config | None:
     """The step's config, its input runs read from ``ids`` (step reference -> run id); None when an
     input's run is not known (a dry run's step whose inputs were not found)."""
-    from mistill.stages.registry import stage
-
     values = step_values(step, cfg, settings)
     for field, ref in step.inputs.items():
         if ref not in ids:
@@ -259,9 +255,6 @@ def selected_overrides(selection_run: str) -> str | None:
     """``train``'s ``overrides`` for the λ a ``select_lambda`` run picked (None: no such run)."""
     if not selection_run:
         return None
-    from mlflow.tracking import MlflowClient
-
-    from selection.runner import lambda_overrides
 
     m = MlflowClient().get_run(selection_run).data.metrics
     return lambda_overrides(m["selected/lambda_p1"], m["selected/lambda_p2"])
@@ -281,8 +274,6 @@ def run_plan_step(step: PlanStep, cfg: ReproduceConfig, ids: Mapping[str, str],
                   settings: Mapping[str, Mapping[str, Any]], parent: str) -> dict[str, str]:
     """Run (or reuse) one step under its tree's run ``parent``: ``{reference: run id}``, with a
     composite step's nested runs as ``<step>:<nested>``."""
-    from mistill.stages.workflow import characterize_steps, run_step
-
     config = step_config(step, cfg, ids, settings)
     if config is None:  # the plan's order makes every input known before its step
         raise RuntimeError(f"step {step.name}: an input run is unknown ({dict(step.inputs)})")
@@ -297,15 +288,11 @@ def find_finished(step: PlanStep, cfg: ReproduceConfig, ids: Mapping[str, str],
                   settings: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     """The finished runs a step would reuse (as :func:`run_plan_step` would return them), or {}
     when its config is not known yet or no identical run has finished."""
-    from mistill.stages.registry import stage
-    from mistill.stages.workflow import REPO_ROOT
-    from mistill.tracking.runs import code_version, experiment_for_corpus, find_run, identity_params
-
     config = step_config(step, cfg, ids, settings)
     if config is None:
         return {}
     experiment = experiment_for_corpus(cfg.experiment_corpus())
-    version = code_version(REPO_ROOT)
+    version = runs.code_version(REPO_ROOT)  # looked up at the call: a test session pins it on the module
 
     def finished(name: str, c: Config) -> str | None:
         run = find_run(experiment, name, identity_params(c), version, stage(name).input_runs(c))
@@ -355,8 +342,6 @@ and trace lengths and its split sizes)."""
 def corpus_lengths(ids: Mapping[str, str]) -> tuple[PaperCounts, list[str]]:
     """The paper's counts with the lengths (and sizes) of the traced corpora found in ``ids``
     (:data:`COUNTED_FROM`), and the steps whose runs were read."""
-    from mistill.runbook import prepared_counts
-
     counts, read = PaperCounts(), []
     for step, sizes in COUNTED_FROM:
         if ids.get(step):
@@ -369,8 +354,6 @@ def dry_run(plan: Sequence[PlanStep], cfg: ReproduceConfig, settings: Mapping[st
             missing: Sequence[str]) -> str:
     """The plan as text, with the finished runs it would reuse where the roles given make a
     step's config known (the tracking server is asked only then)."""
-    from mistill.runbook import Figures, render
-
     reused: dict[str, str] = {}
     ids: dict[str, str] = {}
     skipped: dict[str, str] = {}
@@ -405,16 +388,11 @@ def dry_run(plan: Sequence[PlanStep], cfg: ReproduceConfig, settings: Mapping[st
 def run_reproduce(cfg: ReproduceConfig) -> str:
     """Run (or reuse) every step of the selected trees under one ``reproduce`` run; returns its id
     ('' for a dry run, which prints the plan and creates no run)."""
-    from mistill.stages.common import mistill_root
-    from mistill.tracking.privacy import PrivacyGuard
-    from mistill.tracking.runs import StageRun, environment_variable
-
     plan = select(paper_plan(), cfg.results)
     settings = load_settings(cfg.settings)
     missing = missing_roles(plan, cfg)
     if cfg.dry_run or missing:
         print(dry_run(plan, cfg, settings, missing), flush=True)
-        from mistill.stages.cli import discard_launched_run
 
         discard_launched_run()
         return ""

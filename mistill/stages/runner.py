@@ -51,7 +51,10 @@ from mlflow.tracking import MlflowClient
 from mistill.distributed import barrier, broadcast, current_world, init_world, rank_device, shard
 from mistill.errors import MistillInputError
 from mistill.progress import get_logger, track
-from mistill.stages.common import INPUT_RUN_STAGES, check_input_files, check_input_run, check_model_input, run_fields
+from mistill.stages.common import (INPUT_RUN_STAGES, check_input_files, check_input_run, check_model_input,
+                                   log_corpus_input, mistill_root, privacy_guard, run_fields)
+from mistill.stages.registry import stage as registered
+from mistill.tracking.runs import StageRun
 
 if TYPE_CHECKING:
     from mistill.config import Config
@@ -104,10 +107,6 @@ def open_stage(stage: str, cfg: Config, prepared: Prepared, *, inputs: Mapping[s
         guard: the privacy guard (default: :func:`~mistill.stages.common.privacy_guard` of the corpus).
         run_args: passed to :class:`~mistill.tracking.runs.StageRun` (model, arm, tags, ...).
     """
-    from mistill.stages.common import log_corpus_input, mistill_root, privacy_guard
-    from mistill.stages.registry import stage as registered
-    from mistill.tracking.runs import StageRun
-
     if current_world().distributed and not registered(stage).shardable:
         raise MistillInputError(f"{stage} runs in one process; launch it without torchrun, or with one "
                                 f"process", field="nproc")

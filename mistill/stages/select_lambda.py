@@ -62,17 +62,38 @@ or open the live storage itself, e.g. ``optuna-dashboard sqlite:///$MISTILL_ROOT
 
 from __future__ import annotations
 
+import json
+import math
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from mlflow.entities import Param
+from mlflow.tracking import MlflowClient
 
 from mistill.config import Config, file_digest
 from mistill.distill.arms import resolve_arm
 from mistill.errors import MistillInputError
+from mistill.stages.common import mistill_root
 from mistill.stages.distill import EMBEDDED_STUDENT
 from mistill.stages.registry import stage
 from mistill.stages.runner import preflight
+from mistill.stages.steps import LAUNCHES
+from mistill.tracking.models import adopt, arm_alias
+from mistill.tracking.postgres import masked
+from mistill.tracking.privacy import PrivacyGuard
+from mistill.tracking.runs import StageRun, param_string, params_digest, repo_file
+from mistill.validation import (check_choice, check_device, check_model_spec, check_name, check_no_text_fields,
+                                check_path, check_run_id, check_storage_url)
 from selection.cells import Runner, grid_cells
-from selection.runner import lambda_overrides
+from selection.decide import NO_ELIGIBLE, decide
+from selection.grid import (TAG_STUDY, TrialTracking, default_storage_url, failure_summary, open_study, run_cells,
+                            study_cells)
+from selection.heartbeat import Heartbeat, quiet_optuna
+from selection.lock import load_lock
+from selection.report import cells_table, decision_metrics, decision_record, sensitivity_table
+from selection.runner import TrainEvaluateRunner, lambda_overrides
 
 if TYPE_CHECKING:
     from mistill.tracking.runs import StageRun
@@ -126,10 +147,6 @@ class SelectLambdaConfig(Config):
     def validate(self) -> None:
         """Refuse string values of the wrong form, naming the field (numbers are the lock's and the
         study's to check)."""
-        from mistill.stages.workflow import LAUNCHES
-        from mistill.validation import (check_choice, check_device, check_model_spec, check_name,
-                                        check_no_text_fields, check_path, check_run_id, check_storage_url)
-
         check_no_text_fields(self)
         check_path(self.lock, "lock", "a lock file (.yaml)")
         for field in ("prepare_run", "targets_run", "student_attribute_run"):
@@ -143,8 +160,6 @@ class SelectLambdaConfig(Config):
     def content_digests(self) -> dict[str, str]:
         """``{"lock": sha256 of the lock file's bytes}`` (the only file this stage reads by path;
         a relative path found from here or, failing that, under the repository root)."""
-        from mistill.tracking.runs import repo_file
-
         digest = file_digest(repo_file(self.lock))
         return {"lock": digest} if digest else {}
 
@@ -152,8 +167,6 @@ class SelectLambdaConfig(Config):
 def _corpus(cfg: SelectLambdaConfig) -> tuple[str, str]:
     """The corpus name and privacy level: the prepare run's tags, else ``corpus_name``."""
     if cfg.prepare_run:
-        from mlflow.tracking import MlflowClient
-
         tags = MlflowClient().get_run(cfg.prepare_run).data.tags
         return tags["mistill.corpus"], tags.get("mistill.privacy", "restricted")
     if not cfg.corpus_name:
@@ -163,8 +176,6 @@ def _corpus(cfg: SelectLambdaConfig) -> tuple[str, str]:
 
 def study_name(cfg: SelectLambdaConfig, lock_study: str, corpus: str) -> str:
     """``<lock study>-<12 hex>``: one study per lock name and set of inputs."""
-    from mistill.tracking.runs import params_digest
-
     identity = {"corpus": corpus, "prepare_run": cfg.prepare_run, "targets_run": cfg.targets_run,
                 "student_attribute_run": cfg.student_attribute_run, "student": cfg.student}
     return f"{lock_study}-{params_digest(identity)[:12]}"
@@ -184,32 +195,6 @@ def run_select_lambda(cfg: SelectLambdaConfig, runner: Runner | None = None) -> 
             failed (they are logged first with a one-line summary; a second invocation skips
             completed cells and retries failed ones while they have retries left).
     """
-    from mlflow.entities import Param
-
-    from mistill.stages.common import mistill_root
-    from mistill.tracking.postgres import masked
-    from mistill.tracking.privacy import PrivacyGuard
-    from mistill.tracking.runs import StageRun, param_string, repo_file
-    from selection.decide import NO_ELIGIBLE, decide
-    from selection.grid import (
-        TAG_STUDY,
-        TrialTracking,
-        default_storage_url,
-        failure_summary,
-        open_study,
-        run_cells,
-        study_cells,
-    )
-    from selection.heartbeat import Heartbeat
-    from selection.lock import load_lock
-    from selection.report import (
-        cells_table,
-        decision_metrics,
-        decision_record,
-        sensitivity_table,
-    )
-    from selection.runner import TrainEvaluateRunner
-
     lock = load_lock(repo_file(cfg.lock))  # a relative lock missing here: the repository's
     heartbeat = Heartbeat(interval=cfg.heartbeat_interval, grace=cfg.grace_period, max_retry=cfg.max_retry)
     heartbeat.check()
@@ -322,8 +307,6 @@ def check_inputs(cfg: SelectLambdaConfig, lock: Lock, *, default_runner: bool) -
 def locked_pick(lock: Lock, decision: Decision, cells: StudyCells, run_id: str) -> dict[str, Any]:
     """The study's ``locked_pick`` user attribute: the rule, the picked cell and its λs, its
     selection metric (and tie-break, validity), the lock's sha256 and the ``select_lambda`` run."""
-    import math
-
     res = cells.results[decision.pick]
     p1, p2 = decision.pick.lambdas
     out = {"cell": decision.pick.key, "lambda_p1": p1, "lambda_p2": p2, "rule": decision.rule,
@@ -339,8 +322,6 @@ def locked_pick(lock: Lock, decision: Decision, cells: StudyCells, run_id: str) 
 def _record_pick(run: StageRun, handle: SelectionStudy, lock: Lock, decision: Decision, cells: StudyCells) -> None:
     """The pick into the study (``locked_pick``) and the registry: the arm alias on the picked
     cell's model version, when its train run registered one."""
-    from mistill.tracking.models import adopt, arm_alias
-
     summary = locked_pick(lock, decision, cells, run.run_id)
     handle.storage.set_study_user_attr(handle.study_id, ATTR_LOCKED_PICK, summary)
     train_run = summary["train_run"]
@@ -358,13 +339,7 @@ def _log_study(run: StageRun, handle: SelectionStudy) -> None:
     """Log the study as ``optuna/trials.json`` and, unless the corpus is restricted (the guard
     cannot read a database file), ``optuna/study.db``: a SQLite copy holding this study alone,
     whatever the storage."""
-    import json
-    import tempfile
-    from pathlib import Path
-
-    import optuna
-
-    from selection.heartbeat import quiet_optuna
+    import optuna  # deferred: Optuna is slow to import
 
     with tempfile.TemporaryDirectory(prefix="mistill-study-") as tmp:
         folder = Path(tmp) / STUDY_ARTIFACT_DIR

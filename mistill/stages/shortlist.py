@@ -25,39 +25,21 @@ import pandas as pd
 
 from mistill.config import Config
 from mistill.data.corpus import Corpus, Note
-from mistill.data.shortlist import (
-    FUSION_RULES,
-    Retriever,
-    RetrieverSettings,
-    baseline_rows,
-    complete_with_siblings,
-    k_grid_for,
-    macro_code_recall,
-    micro_recall,
-    recall_sweep,
-    select_k,
-    split_training_notes,
-)
+from mistill.data.shortlist import (FUSION_RULES, Retriever, RetrieverSettings, baseline_rows, complete_with_siblings,
+                                    k_grid_for, macro_code_recall, micro_recall, recall_sweep, select_k,
+                                    split_training_notes)
+from mistill.data.synthetic import make_synthetic_corpus
 from mistill.errors import MistillInputError
 from mistill.io import write_text
-from mistill.models.encoder import EMBEDDED_ENCODER
-from mistill.validation import (check_choice, check_counts, check_device, check_interval, check_non_negative,
-                                check_not_empty, check_positive, check_seed)
-from mistill.stages.common import (
-    CORPUS_FILE,
-    CORPUS_META_FILE,
-    INVENTORY_FILE,
-    TAG_DATA_DIR,
-    TAG_DATA_IDENTITY,
-    Prepared,
-    corpus_index,
-    load_prepared,
-    prepared_data_dir,
-    require_notes,
-    save_prepared,
-    shown_patient_ids,
-)
+from mistill.models.encoder import EMBEDDED_ENCODER, load_encoder
+from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE, TAG_DATA_DIR, TAG_DATA_IDENTITY,
+                                   Prepared, corpus_index, load_prepared, prepared_data_dir, require_notes,
+                                   save_prepared, shown_patient_ids)
 from mistill.stages.runner import open_stage
+from mistill.tracking.runs import TAG_CORPUS_DIGEST
+from mistill.validation import (check_choice, check_counts, check_device, check_interval, check_model_spec, check_name,
+                                check_no_text_fields, check_non_negative, check_not_empty, check_positive, check_run_id,
+                                check_run_ids, check_seed)
 
 PROMPT_ORDERS = ("inventory", "rank")
 TAG_SOURCE_PREPARE = "mistill.shortlist.source_prepare_run"
@@ -117,9 +99,6 @@ class ShortlistConfig(Config):
     prompt_order: str = "inventory"
 
     def validate(self) -> None:
-        from mistill.validation import (check_model_spec, check_name, check_no_text_fields, check_run_id,
-                                        check_run_ids)
-
         check_no_text_fields(self)
         check_run_id(self.prepare_run, "prepare_run")
         check_run_id(self.train_prepare_run, "train_prepare_run")
@@ -184,7 +163,6 @@ def training_pool(cfg: ShortlistConfig, prepared: Prepared) -> list[Note]:
     if cfg.train_synthetic_notes < 1:
         raise MistillInputError("must be positive without a train_prepare_run",
                                 field="train_synthetic_notes")
-    from mistill.data.synthetic import make_synthetic_corpus
 
     return make_synthetic_corpus(n_notes=cfg.train_synthetic_notes, seed=cfg.train_seed,
                                  inventory=prepared.inventory, splits={"train": 1.0}).notes
@@ -219,9 +197,6 @@ def _recall_at_k(ranked: list[list[str]], lists: list[list[str]], notes: list[No
 
 def run_shortlist(cfg: ShortlistConfig) -> str:
     """Shortlist every note of ``cfg.prepare_run``; returns the run id (reused when identical)."""
-    from mistill.models.encoder import load_encoder
-    from mistill.tracking.runs import TAG_CORPUS_DIGEST
-
     _check_config(cfg)
     prepared = load_prepared(cfg.prepare_run)
     corpus, inventory = prepared.corpus, prepared.inventory

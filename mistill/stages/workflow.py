@@ -15,32 +15,47 @@ KILLED on SIGTERM or Ctrl-C.
 
 from __future__ import annotations
 
-import os
+import hashlib
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
+import mlflow
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from analysis.evidence import (MIN_GATED_EVENTS, MIN_NOTES, TOO_SMALL, Support, floor_cell, readout_cell, support_of,
+                               value_text)
+from analysis.report import EvidenceSize
 from mistill.config import Config, file_digest
-from mistill.distributed import barrier, broadcast, current_world
+from mistill.distill.arms import arm_digest, resolve_arm
 from mistill.errors import MistillInputError
+from mistill.instrument.locus import SUFFIXES
 from mistill.models.loading import EMBEDDED_DEFAULT
 from mistill.params import AttributeParams, KnockinParams, NomineeParams, NullParams
 from mistill.progress import get_logger
-from mistill.stages.runner import preflight
-from mistill.validation import (check_choice, check_name, check_non_negative, check_not_empty,
-                                check_positive)
+from mistill.stages.characterize import AttributeConfig, EventsConfig, KnockinStageConfig, stage_notes
+from mistill.stages.common import load_prepared, mistill_root, require_notes
+from mistill.stages.distill import TargetsConfig, TrainStageConfig
+from mistill.stages.edits import NoteEditConfig, TraceEditConfig
+from mistill.stages.evaluate import EvaluateConfig
+from mistill.stages.keyblock import KeyBlockConfig
+from mistill.stages.las import LasSimulatorConfig
+from mistill.stages.locus import LocusStageConfig
+from mistill.stages.own_heads import OwnHeadsConfig
+from mistill.stages.prepare import PrepareConfig
+from mistill.stages.readside import ReadSideConfig
+from mistill.stages.report import ReportConfig
+from mistill.stages.select_lambda import SelectLambdaConfig
+from mistill.stages.shortlist import ShortlistConfig
+from mistill.stages.steps import LAUNCHES, corpus_name_of, run_step
+from mistill.tracking.privacy import PrivacyGuard
+from mistill.tracking.runs import TAG_BACKEND, StageRun, repo_file, run_url
+from mistill.validation import (check_arms, check_choice, check_choices, check_model_spec, check_name,
+                                check_no_text_fields, check_non_negative, check_not_empty, check_path, check_positive)
+from selection.runner import lambda_overrides
 
-if TYPE_CHECKING:
-    from mistill.stages.characterize import AttributeConfig, EventsConfig, KnockinStageConfig
-    from mistill.stages.prepare import PrepareConfig
-    from mistill.tracking.runs import StageRun
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-LAUNCHES = ("mlflow", "inline")
-"""How a workflow runs its steps: ``mlflow`` (``mlflow.projects.run``, a fresh process each) or
-``inline`` (the stage function in this process)."""
 STEP_TAG = "mistill.step."
 """The pipeline run's tag ``mistill.step.<name>`` = the run id of its step ``<name>``."""
 
@@ -67,105 +82,6 @@ class Steps(dict):
         super().update(steps)
 
 
-def _param_strings(cfg: Config) -> dict[str, str]:
-    from mistill.stages.mlproject import _default
-
-    return {k: _default(v) for k, v in cfg.to_dict().items()}
-
-
-def corpus_name_of(corpus: str, corpus_name: str = "", task: str = "icd10") -> str:
-    """The corpus name a ``prepare`` config will produce (the experiment is ``mistill/<name>``)."""
-    if corpus_name:
-        return corpus_name
-    if corpus == "synthetic" and task == "catalog":
-        return "catalog"
-    if corpus == "synthetic":
-        return "synthetic"
-    if corpus.startswith("mimic:"):
-        return "mimic-iv-icd10"
-    return Path(corpus).stem
-
-
-def run_step(stage_name: str, cfg: Config, corpus_name: str, *, launch: str = "mlflow",
-             parent: str | None = None) -> str:
-    """Reuse an identical finished run of ``stage_name`` or run it; returns the run id.
-
-    launch: ``"mlflow"`` runs the entry point through ``mlflow.projects.run`` (a fresh process,
-    as ``mlflow run`` would); ``"inline"`` calls the stage function in this process.
-    parent: the run a new step is nested under from its start (a reused run keeps its own).
-
-    Raises:
-        MistillInputError: a required input run of the stage is empty
-            (:meth:`~mistill.stages.registry.Stage.check_inputs`), before any run is looked up
-            or created.
-    """
-    from mistill.stages.registry import stages
-    from mistill.tracking.runs import (child_runs_of, code_version, environment_variable, experiment_for_corpus,
-                                       find_run, identity_params)
-
-    stage = stages()[stage_name]
-    stage.check_inputs(cfg)  # as the command line does: a required input left empty, before any run
-    experiment = experiment_for_corpus(corpus_name)
-    world = current_world()
-    # under a launch of several processes every rank takes the step, in this process (a
-    # launched entry point would start a process group of its own from each rank); rank 0
-    # decides whether a finished run is reused
-    found = None
-    if world.leader:
-        found = find_run(experiment, stage_name, identity_params(cfg), code_version(REPO_ROOT), stage.input_runs(cfg))
-    found_id = broadcast(None if found is None else found.info.run_id, world)
-    if found_id is not None:
-        if found is not None:
-            _log.info("[%s] reusing finished run %s (%s)", stage_name, found.info.run_name, found_id)
-        return found_id
-    _log.info("[%s] running", stage_name)
-    if world.distributed and not stage.shardable:
-        raise MistillInputError(f"the step {stage_name} runs in one process; run it before the launch",
-                                field=stage_name)
-    with child_runs_of(parent):
-        if launch == "inline" or world.distributed:
-            cfg.check_environment()
-            preflight(stage, cfg)
-            # inside a launched entry point (`mlflow run` sets MLFLOW_RUN_ID), a step run in
-            # this process opens its own run rather than adopting the launcher's
-            with environment_variable("MLFLOW_RUN_ID", None):
-                run_id = stage.run(cfg)
-            barrier(world)  # rank 0 aggregates and ends the step's run before any rank reads it
-            return run_id
-        return _launch(stage_name, cfg, experiment, parent)
-
-
-def _launch(stage_name: str, cfg: Config, experiment: str, parent: str | None) -> str:
-    """Run the entry point through ``mlflow.projects.run`` and wait; the run that holds the work
-    (the launched one, or the run it delegated to) must end FINISHED."""
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    from mistill.tracking.runs import TAG_DELEGATED_TO, TAG_PARENT_RUN, quiet_run_links
-
-    # the entry point's `python` must be this interpreter (the project's environment)
-    bindir = str(Path(os.sys.executable).parent)
-    if not os.environ.get("PATH", "").startswith(bindir + os.pathsep):
-        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-    with quiet_run_links():  # the step's own process logs its run's line
-        submitted = mlflow.projects.run(uri=str(REPO_ROOT), entry_point=stage_name,
-                                        parameters=_param_strings(cfg), env_manager="local",
-                                        experiment_name=experiment, synchronous=True)
-    run_id = submitted.run_id
-    client = MlflowClient()
-    run = client.get_run(run_id)
-    delegated = run.data.tags.get(TAG_DELEGATED_TO)
-    if delegated:
-        run_id = delegated
-        run = client.get_run(run_id)
-    if run.info.status != "FINISHED":
-        raise MistillInputError(f"entry point {stage_name} ended {run.info.status} (run {run_id})",
-                                field=stage_name)
-    if parent and run.data.tags.get(TAG_PARENT_RUN) != parent:
-        client.set_tag(run_id, TAG_PARENT_RUN, parent)
-    return run_id
-
-
 @dataclass(frozen=True)
 class CharacterizeConfig(Config, NullParams, AttributeParams, NomineeParams, KnockinParams):
     """events -> attribute -> knockin on one prepared corpus (the instrument, App. C–D).
@@ -188,8 +104,6 @@ class CharacterizeConfig(Config, NullParams, AttributeParams, NomineeParams, Kno
     launch: str = "mlflow"
 
     def validate(self) -> None:
-        from mistill.validation import check_no_text_fields
-
         check_no_text_fields(self)
         check_name(self.rank_split, "rank_split", "a split", allow_empty=True)
         self.events_config()  # each step's config validates the fields it takes
@@ -198,21 +112,15 @@ class CharacterizeConfig(Config, NullParams, AttributeParams, NomineeParams, Kno
         check_choice(self.launch, LAUNCHES, "launch")
 
     def events_config(self) -> EventsConfig:
-        from mistill.stages.characterize import EventsConfig
-
         return EventsConfig(prepare_run=self.prepare_run, model=self.model, dtype=self.dtype, device=self.device,
                             split=self.split, max_notes=self.max_notes, seed=self.seed,
                             **self.shared_params(EventsConfig))
 
     def attribute_config(self, events_run: str = "") -> AttributeConfig:
-        from mistill.stages.characterize import AttributeConfig
-
         return AttributeConfig(events_run=events_run, split=self.rank_split, dtype=self.dtype, device=self.device,
                                seed=self.seed, **self.shared_params(AttributeConfig))
 
     def knockin_config(self, attribute_run: str = "") -> KnockinStageConfig:
-        from mistill.stages.characterize import KnockinStageConfig
-
         return KnockinStageConfig(attribute_run=attribute_run, dtype=self.dtype, device=self.device, seed=self.seed,
                                   **self.shared_params(KnockinStageConfig))
 
@@ -230,17 +138,12 @@ def characterize_steps(cfg: CharacterizeConfig, corpus_name: str, parent: str | 
 
 
 def _corpus_of_run(run_id: str) -> str:
-    from mlflow.tracking import MlflowClient
-
     return MlflowClient().get_run(run_id).data.tags["mistill.corpus"]
 
 
 def run_characterize(cfg: CharacterizeConfig) -> str:
     """The three instrument stages in order; returns the knock-in run id. A split without
     notes is refused before any step runs."""
-    from mistill.stages.characterize import stage_notes
-    from mistill.stages.common import load_prepared, require_notes
-
     prepared = load_prepared(cfg.prepare_run)
     notes = stage_notes(prepared, cfg.split, cfg.max_notes)
     if cfg.rank_split:
@@ -352,17 +255,11 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     launch: str = "mlflow"
 
     def validate(self) -> None:
-        from mistill.distill.arms import resolve_arm
-        from mistill.validation import (check_arms, check_model_spec, check_name, check_no_text_fields,
-                                        check_path)
-
         check_no_text_fields(self)
         for field in ("teacher_split", "student_split", "train_split", "eval_split"):
             check_name(getattr(self, field), field, "a split", allow_empty=True)
         self.prepare_config()  # the prepare and characterize steps validate what they take
         self.characterize_config()
-        from mistill.instrument.locus import SUFFIXES
-        from mistill.validation import check_choices
 
         # under the pipeline's own names, before the locus step's config checks them as its own
         check_choices(self.locus_compare_suffixes, tuple(SUFFIXES), "locus_compare_suffixes", non_empty=False)
@@ -390,12 +287,6 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     def content_digests(self) -> dict[str, str]:
         """The content of the files the prepare step reads (a corpus file, ``codes_file``), of
         ``select_lock`` and of the arms given by path."""
-        import hashlib
-        import json
-
-        from mistill.distill.arms import arm_digest
-        from mistill.tracking.runs import repo_file
-
         out = dict(self.prepare_config().content_digests())
         lock = file_digest(repo_file(self.select_lock))  # found from here, else in the repository
         if lock is not None:
@@ -406,8 +297,6 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
         return out
 
     def prepare_config(self) -> PrepareConfig:
-        from mistill.stages.prepare import PrepareConfig
-
         return PrepareConfig(corpus=self.corpus, corpus_name=self.corpus_name, task=self.task, privacy=self.privacy,
                              n_notes=self.n_notes, seed=self.seed, inventory_size=self.inventory_size,
                              codes_per_note=self.codes_per_note,
@@ -415,8 +304,6 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
 
     def locus_config(self, attribute_run: str = ""):
         """The ``locus`` step on the teacher's ``attribute`` run (its rank split's notes)."""
-        from mistill.stages.locus import LocusStageConfig
-
         return LocusStageConfig(attribute_run=attribute_run, max_mentions=self.locus_max_mentions,
                                 compare_suffixes=self.locus_compare_suffixes, stability_splits=self.stability_splits,
                                 dtype=self.dtype, device=self.device, seed=self.seed)
@@ -424,9 +311,6 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     def read_side_configs(self, attribute_run: str = "") -> dict[str, Config]:
         """App. E's steps on the teacher's ``attribute`` run: ``read_side``'s config, and the
         others' given the read side's run id (``key_block`` takes it, the edits the attribute run)."""
-        from mistill.stages.edits import NoteEditConfig, TraceEditConfig
-        from mistill.stages.readside import ReadSideConfig
-
         common = dict(dtype=self.dtype, device=self.device, seed=self.seed)
         cap = {"max_events": self.read_side_max_events} if self.read_side_max_events else {}
         return {"read_side": ReadSideConfig(attribute_run=attribute_run, **common),
@@ -434,8 +318,6 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
                 "note_edit": NoteEditConfig(attribute_run=attribute_run, **cap, **common)}
 
     def key_block_config(self, read_side_run: str):
-        from mistill.stages.keyblock import KeyBlockConfig
-
         cap = {"max_events": self.read_side_max_events} if self.read_side_max_events else {}
         return KeyBlockConfig(read_side_run=read_side_run, dtype=self.dtype, device=self.device, seed=self.seed,
                               **cap)
@@ -450,9 +332,6 @@ def require_split_notes(cfg: PipelineConfig, prepare_run: str) -> None:
     """Refuse, before any model step, a ``teacher_split`` (and, when arms train, a
     ``student_split``, ``train_split`` or ``eval_split``) without notes carrying a teacher trace
     in the prepared corpus."""
-    from mistill.stages.characterize import stage_notes
-    from mistill.stages.common import load_prepared
-
     prepared = load_prepared(prepare_run)
     splits = [("teacher_split", cfg.teacher_split)]
     if cfg.train_arms:
@@ -471,8 +350,6 @@ def pipeline_steps(cfg: PipelineConfig, parent: str | None = None, *,
                    on_step: OnStep | None = None) -> dict[str, str]:
     """Every step of the pipeline in order, name -> run id; ``on_step(name, run_id)`` is called as
     each step finishes (or is reused), before the next one starts."""
-    from mistill.stages.shortlist import ShortlistConfig
-
     corpus_name = corpus_name_of(cfg.corpus, cfg.corpus_name, cfg.task)
     ids = Steps(on_step)
     ids["prepare"] = run_step("prepare", cfg.prepare_config(), corpus_name, launch=cfg.launch, parent=parent)
@@ -496,8 +373,6 @@ def pipeline_steps(cfg: PipelineConfig, parent: str | None = None, *,
         ids.record(distill_steps(cfg, ids, corpus_name, parent, on_step=on_step))
         ids.record(evaluation_steps(cfg, ids, corpus_name, parent, on_step=on_step))
     if cfg.report:
-        from mistill.stages.report import ReportConfig
-
         ids["report"] = run_step("report", ReportConfig(corpus=corpus_name), corpus_name, launch=cfg.launch,
                                  parent=parent)
     return dict(ids)
@@ -507,10 +382,6 @@ def evaluation_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str,
                      on_step: OnStep | None = None) -> dict[str, str]:
     """The LAS simulator, then ``evaluate`` of the teacher, the untrained student and every
     trained arm on the test notes, and ``own_heads`` on the untrained student and each arm."""
-    from mistill.stages.evaluate import EvaluateConfig
-    from mistill.stages.las import LasSimulatorConfig
-    from mistill.stages.own_heads import OwnHeadsConfig
-
     data = corpus_run(ids)
     out = Steps(on_step)
     out["las_simulator"] = run_step("las_simulator", LasSimulatorConfig(
@@ -530,7 +401,8 @@ def evaluation_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str,
             out[f"own_heads_{name}"] = run_step("own_heads", OwnHeadsConfig(
                 prepare_run=data, **{k: v for k, v in subject.items() if k != "arm"},
                 max_new_tokens=cfg.eval_max_new_tokens, n_null=cfg.n_null, stability_splits=cfg.stability_splits,
-                events_per_phase=cfg.events_per_phase, range_gate=cfg.range_gate, k=(8, 40), device=cfg.device,
+                events_per_phase=cfg.events_per_phase, range_gate=cfg.range_gate, floor_draws=cfg.floor_draws,
+                k=(8, 40), device=cfg.device,
                 **nominees(cfg),
                 dtype=cfg.dtype, seed=cfg.seed, launch=cfg.launch), corpus_name, launch=cfg.launch, parent=parent)
     return dict(out)
@@ -545,11 +417,6 @@ def nominees(cfg: NomineeParams) -> dict[str, int]:
 def distill_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str, parent: str | None, *,
                   on_step: OnStep | None = None) -> dict[str, str]:
     """The untrained student ranked on its own (validation notes), the teacher targets, the arms."""
-    from mistill.distill.arms import resolve_arm
-    from mistill.stages.characterize import AttributeConfig, EventsConfig
-    from mistill.stages.distill import TargetsConfig, TrainStageConfig
-    from mistill.stages.select_lambda import SelectLambdaConfig
-
     data = corpus_run(ids)
     out = Steps(on_step)
     out["student_events"] = run_step("events", EventsConfig(
@@ -565,9 +432,6 @@ def distill_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str, pa
         corpus_name, launch=cfg.launch, parent=parent)
     overrides = ""
     if cfg.select_lock:  # the pre-registered λ selection; the Mistill arms train with its pick
-        from mlflow.tracking import MlflowClient
-
-        from selection.runner import lambda_overrides
 
         out["select_lambda"] = run_step("select_lambda", SelectLambdaConfig(
             lock=cfg.select_lock, prepare_run=data, targets_run=out["targets"],
@@ -596,10 +460,6 @@ def run_pipeline(cfg: PipelineConfig) -> str:
     finished steps tagged; rerun, it resumes and reuses them. A second identical invocation
     reuses the finished pipeline run and every step.
     """
-    from mistill.stages.common import mistill_root
-    from mistill.tracking.privacy import PrivacyGuard
-    from mistill.tracking.runs import StageRun
-
     corpus_name = corpus_name_of(cfg.corpus, cfg.corpus_name, cfg.task)
     level = "synthetic" if cfg.corpus == "synthetic" else cfg.privacy
     with StageRun("pipeline", cfg, corpus=corpus_name, guard=PrivacyGuard([], level), resume=True,
@@ -623,11 +483,6 @@ def step_tagger(run: StageRun) -> OnStep:
 
 def summary(ids: dict[str, str]) -> str:
     """A short account of the runs: ids, headline metrics, the UI address."""
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    from mistill.tracking.runs import run_url
-
     client = MlflowClient()
     lines = [f"MLflow UI: {mlflow.get_tracking_uri()}"]
     keys = {"prepare": ("n_notes", "n_codes_inventory", "median_total_tokens"),
@@ -635,8 +490,8 @@ def summary(ids: dict[str, str]) -> str:
                        "margin/P1/median"),
             "attribute": ("calib/P1/discoveries_pos", "calib/split_half/discoveries_pos",
                           "selftest/intact/pearson", "selftest/detached/pearson"),
-            "knockin": ("P1/k8/recovery/global", "P1/k8/recovery/random", "P2C/k8/recovery/global",
-                        "P1/k8/necessity/global")}
+            "knockin": ("P1/k8/recovery/global", "P1/k8/recovery/random", "P1/k8/n_gated", "P1/k8/n_notes",
+                        "P2C/k8/recovery/global", "P2C/k8/n_gated", "P2C/k8/n_notes", "P1/k8/necessity/global")}
     keys["locus"] = ("locus/n_mentions", "locus/share_window", "locus/share_inherited",
                      "locus/median_window_distance")
     keys["student_attribute"] = ("calib/P2C/discoveries_pos",)
@@ -647,16 +502,28 @@ def summary(ids: dict[str, str]) -> str:
     keys["report"] = ("n_tables", "n_figures")
     by_prefix = {"train_": ("train/loss", "train/ce", "train/steps"),
                  "evaluate_": ("micro_f1", "valid_rate", "fidelity/ppl_median", "m1/P2C/p_pos"),
-                 "own_heads_": ("m4/P1/k8/recovery_own", "m4/P1/k8/recovery_random", "m2/region_lift",
-                                "m5/share_window")}
+                 "own_heads_": ("m4/P1/k8/recovery_own", "m4/P1/k8/recovery_random", "m4/P1/k8/n_gated",
+                                "m4/P1/k8/n_notes", "m2/region_lift", "m5/share_window")}
     for step, run_id in ids.items():
         run = client.get_run(run_id)
         exp = client.get_experiment(run.info.experiment_id)
         m = run.data.metrics
         wanted = keys.get(step, next((v for p, v in by_prefix.items() if step.startswith(p)), ()))
-        shown = ", ".join(f"{k}={m[k]:.3g}" for k in wanted if k in m)
+        shown = ", ".join(f"{k}={summary_value(k, m)}" for k in wanted if k in m)
         lines.append(f"  {step:<10} {run_id}  {run_url(mlflow.get_tracking_uri(), exp.experiment_id, run_id)}  {shown}")
     return "\n".join(lines)
+
+
+def summary_value(key: str, m: Mapping[str, float]) -> str:
+    """A summary metric as printed: a knock-in recovery (``<phase>/k<k>/recovery/...`` or
+    ``m4/<phase>/k<k>/recovery_...``) whose gated events and notes fall below the minimum of
+    :mod:`analysis.evidence` shows as "n too small"; any other value to 3 significant digits."""
+    parts = key.split("/")
+    if "recovery" in key and not key.endswith(("_sd", "_draws")):
+        base = "/".join(parts[:3]) if parts[0] == "m4" else "/".join(parts[:2])
+        if not support_of(dict(m), f"{base}/n_gated", f"{base}/n_notes").clears():
+            return TOO_SMALL
+    return f"{m[key]:.3g}"
 
 
 HEADLINE_COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -665,20 +532,37 @@ HEADLINE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("M1 P2C", "evaluate", "m1/P2C/p_pos"),
     ("rec own", "own_heads", "m4/P1/k8/recovery_own"),
     ("rec random", "own_heads", "m4/P1/k8/recovery_random"),
+    ("random floor", "own_heads", "m4/P1/k8/recovery_random_floor_mean"),
     ("micro-F1", "evaluate", "micro_f1"),
     ("valid", "evaluate", "valid_rate"),
 )
 """The headline table's columns: header, the run it is read from (the row's ``evaluate`` or
 ``own_heads`` step) and the metric. The teacher has no ``own_heads`` step: its recovery columns
-are read from the ``knockin`` step (:data:`TEACHER_RECOVERY`)."""
+are read from the ``knockin`` step (:data:`TEACHER_RECOVERY`). ``rec own`` carries the gated
+events and notes it rests on (:data:`RECOVERY_SUPPORT`) and shows "n too small" below the minimum
+(:mod:`analysis.evidence`); ``rec random`` is the recorded floor (one seeded draw, App. K);
+``random floor`` is the mean ± sd over the floor's draws (``floor_draws``)."""
+
+RECOVERY_SUPPORT: dict[str, tuple[str, str]] = {
+    "own_heads": ("m4/P1/k8/n_gated", "m4/P1/k8/n_notes"),
+    "knockin": ("P1/k8/n_gated", "P1/k8/n_notes")}
+"""Per run kind, the metrics counting the gated events and the notes behind the P1, k=8 recovery."""
+
+FLOOR_SPREAD: dict[str, tuple[str, str, str]] = {
+    "own_heads": ("m4/P1/k8/recovery_random_floor_mean", "m4/P1/k8/recovery_random_floor_sd",
+                  "m4/P1/k8/recovery_random_floor_draws"),
+    "knockin": ("P1/k8/recovery/random_floor_mean", "P1/k8/recovery/random_floor_sd",
+                "P1/k8/recovery/random_floor_draws")}
+"""Per run kind, the random floor's mean, sd and number of draws at P1, k=8."""
 
 TEACHER_RECOVERY: dict[str, str] = {"m4/P1/k8/recovery_own": "P1/k8/recovery/global",
-                                    "m4/P1/k8/recovery_random": "P1/k8/recovery/random"}
+                                    "m4/P1/k8/recovery_random": "P1/k8/recovery/random",
+                                    "m4/P1/k8/recovery_random_floor_mean": "P1/k8/recovery/random_floor_mean"}
 """The teacher's recovery columns: the knock-in of its global P1 set at k=8 and of count-matched
 random heads."""
 
 
-def headline_table(ids: dict[str, str]) -> str:
+def headline_table(ids: dict[str, str], *, min_events: int | None = None, min_notes: int | None = None) -> str:
     """Headline numbers per model: the teacher, the untrained student and each trained arm.
 
     Per row (``evaluate_<name>`` and ``own_heads_<name>`` of ``ids``; the teacher's recovery from
@@ -686,14 +570,15 @@ def headline_table(ids: dict[str, str]) -> str:
     model's own heads against random heads; task micro-F1 and valid rate. The heading line says
     which columns are meaningful at the size of these runs (:class:`analysis.report.EvidenceSize`,
     from the ``n_notes`` of the evaluate runs and the ``train/steps`` and ``n_notes`` of the train
-    runs): the per-event columns always; the task columns only when the runs are not small. A run
-    or metric that is absent (or a run the store does not have) shows as ``-``.
+    runs): the per-event columns always; the task columns only when the runs are not small. The
+    recovery columns are called meaningful only for the rows whose cells rest on at least
+    ``min_events`` gated events from ``min_notes`` notes (defaults:
+    :data:`analysis.evidence.MIN_GATED_EVENTS`, :data:`~analysis.evidence.MIN_NOTES`); a row
+    below shows "n too small" in place of the value, the counts in brackets. A run or metric
+    that is absent (or a run the store does not have) shows as ``-``.
     """
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
-
-    from analysis.report import EvidenceSize
-    from mistill.tracking.runs import TAG_BACKEND
+    min_events = MIN_GATED_EVENTS if min_events is None else min_events
+    min_notes = MIN_NOTES if min_notes is None else min_notes
 
     client = MlflowClient()
     metrics: dict[str, dict[str, float]] = {}
@@ -709,12 +594,27 @@ def headline_table(ids: dict[str, str]) -> str:
     arms = [n for n in names if n not in ("teacher", "untrained")]
     rows = [("teacher", "teacher"), ("untrained", "untrained student")] + [(a, a) for a in arms]
 
-    def cell(name: str, stage: str, key: str) -> str:
+    def run_metrics(name: str, stage: str) -> tuple[str, dict[str, float]]:
+        """The run kind and metrics a row's ``stage`` column is read from."""
         if name == "teacher" and stage == "own_heads":
-            value = metrics.get("knockin", {}).get(TEACHER_RECOVERY[key])
-        else:
-            value = metrics.get(f"{stage}_{name}", {}).get(key)
-        return "-" if value is None or value != value else f"{value:.3f}"
+            return "knockin", metrics.get("knockin", {})
+        return stage, metrics.get(f"{stage}_{name}", {})
+
+    def support(name: str) -> Support:
+        kind, m = run_metrics(name, "own_heads")
+        return support_of(m, *RECOVERY_SUPPORT[kind])
+
+    def cell(name: str, stage: str, key: str) -> str:
+        kind, m = run_metrics(name, stage)
+        if key == "m4/P1/k8/recovery_random_floor_mean":
+            mean, sd, draws = FLOOR_SPREAD[kind]
+            return floor_cell(m.get(mean), m.get(sd), m.get(draws))
+        value = m.get(TEACHER_RECOVERY[key] if kind == "knockin" else key)
+        if key == "m4/P1/k8/recovery_own":
+            return readout_cell(value, support(name), min_events=min_events, min_notes=min_notes)
+        if key == "m4/P1/k8/recovery_random":
+            return readout_cell(value, support(name), min_events=min_events, min_notes=min_notes, counts=False)
+        return value_text(value)
 
     def ints(steps: list[str], key: str) -> tuple[int, ...]:
         return tuple(sorted({int(metrics[s][key]) for s in steps if key in metrics[s]}))
@@ -723,13 +623,25 @@ def headline_table(ids: dict[str, str]) -> str:
     tested = ints([s for s in ids if s.startswith("evaluate_")], "n_notes")
     size = EvidenceSize(tested[-1] if tested else None, ints(trains, "train/steps"),
                         ints(trains, "n_notes"))
-    per_event = "M1 P1/P2/P2C, rec own vs rec random"
+    per_event = "M1 P1/P2/P2C"
     task = "micro-F1, valid"
+    shown = [(name, label) for name, label in rows if cell(name, "own_heads", "m4/P1/k8/recovery_own") != "-"]
+    clear = [label for name, label in shown if support(name).clears(min_events, min_notes)]
+    short = [label for name, label in shown if not support(name).clears(min_events, min_notes)]
+    minimum = f"at least {min_events} gated events from {min_notes} notes"
+    if not short:
+        per_event += ", rec own vs rec random"
+        recovery = ""
+    elif clear:
+        recovery = (f" rec own vs rec random: meaningful only for {', '.join(clear)}; "
+                    f"n too small for {', '.join(short)} (a cell needs {minimum}).")
+    else:
+        recovery = f" rec own vs rec random: meaningful for no row, n too small (a cell needs {minimum})."
     if size.small:
-        heading = (f"Headline numbers. MEANINGFUL at this size (measured per event): {per_event}. "
+        heading = (f"Headline numbers. MEANINGFUL at this size (measured per event): {per_event}.{recovery} "
                    f"NOT MEANINGFUL at this size: {task} ({size.task_basis()}).")
     else:
-        heading = (f"Headline numbers. Measured per event: {per_event}. Task: {task} "
+        heading = (f"Headline numbers. Measured per event: {per_event}.{recovery} Task: {task} "
                    f"({size.task_basis()}).")
     header = ["model", *(c[0] for c in HEADLINE_COLUMNS), "sampled by"]
     body = [[label, *(cell(name, stage, key) for _, stage, key in HEADLINE_COLUMNS),
@@ -741,7 +653,10 @@ def headline_table(ids: dict[str, str]) -> str:
                                 for i, v in enumerate(r))
 
     legend = ("  M1: share of events with margin > 0, teacher-forced (evaluate run). rec own / rec random: "
-              "knock-in recovery at P1, k=8, of the model's own top heads / of random heads (own_heads run; "
-              "teacher: its global set, knockin run). sampled by: the backend that generated the evaluate run's "
-              "answers (hf or vllm). -: no such run or metric.")
+              "knock-in recovery at P1, k=8, of the model's own top heads / of random heads, one seeded draw "
+              "(own_heads run; teacher: its global set, knockin run); in brackets the gated events / notes "
+              f"behind it; 'n too small': fewer than {min_events} gated events or {min_notes} notes. "
+              "random floor: mean ± sd over the floor's seeded draws (each a median over notes). "
+              "sampled by: the backend that generated the evaluate run's answers (hf or vllm). "
+              "-: no such run or metric.")
     return "\n".join([heading, line(header), *(line(r) for r in body), legend])

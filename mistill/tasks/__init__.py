@@ -18,39 +18,35 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from mistill.data.prompts import ICD10_WORDING, PromptWording
 from mistill.errors import MistillInputError
 from mistill.tasks.base import Task
+from mistill.tasks.bigcodebench import BigCodeBenchTask
+from mistill.tasks.eurlex import EurlexTask
+from mistill.tasks.icd10 import ICD10Task
+from mistill.tasks.musique import MuSiQueTask
+from mistill.tasks.synthetic_catalog import CATALOG_WORDING, CatalogTask
 
 __all__ = ["Task", "task", "task_for", "prompt_wording", "TASK_NAMES", "INVENTORY_TASKS"]
 
 
 def _icd10(**kw: Any) -> Task:
-    from mistill.tasks.icd10 import ICD10Task
-
     return ICD10Task(**kw)
 
 
 def _musique(**kw: Any) -> Task:
-    from mistill.tasks.musique import MuSiQueTask
-
     return MuSiQueTask(**kw)
 
 
 def _eurlex(**kw: Any) -> Task:
-    from mistill.tasks.eurlex import EurlexTask
-
     return EurlexTask(**kw)
 
 
 def _bigcodebench(**kw: Any) -> Task:
-    from mistill.tasks.bigcodebench import BigCodeBenchTask
-
     return BigCodeBenchTask(**kw)
 
 
 def _catalog(**kw: Any) -> Task:
-    from mistill.tasks.synthetic_catalog import CatalogTask
-
     return CatalogTask(**kw)
 
 
@@ -83,14 +79,10 @@ def task_for(inventory: Any) -> Task:
     return task(name, inventory=inventory)
 
 
-def prompt_wording(name: str):
+def prompt_wording(name: str) -> PromptWording:
     """The prompt sentences of an inventory task (:class:`mistill.data.prompts.PromptWording`)."""
     if name not in INVENTORY_TASKS:
         raise MistillInputError(f"task {name!r} has no prompt wording", field="task")
     if name == "icd10":
-        from mistill.data.prompts import ICD10_WORDING
-
         return ICD10_WORDING
-    from mistill.tasks.synthetic_catalog import CATALOG_WORDING
-
     return CATALOG_WORDING

@@ -32,6 +32,9 @@ from pathlib import Path
 from types import MappingProxyType
 
 from mistill.errors import MistillInputError
+from mistill.evaluation.metrics import prf_from_counts, set_counts
+from mistill.evaluation.parsing import reasoning_closed, split_reasoning
+from mistill.io import iter_jsonl
 
 __all__ = ["Task", "Span", "Mention", "Record", "record_id", "whole_word_mentions", "set_scores", "answer_part",
            "THINK_CLOSE"]
@@ -162,8 +165,6 @@ def whole_word_mentions(text: str, items: Collection[str], start: int = 0, end: 
 def set_scores(gold: Iterable[str], pred: Iterable[str]) -> dict[str, float]:
     """Set counts and precision / recall / F1 of ``pred`` against ``gold`` (the metrics module's
     0/0 convention: empty against empty scores 1.0). The counts let callers pool micro-F1."""
-    from mistill.evaluation.metrics import prf_from_counts, set_counts
-
     tp, fp, fn = set_counts(pred, gold)
     p, r, f = prf_from_counts(tp, fp, fn)
     return {"tp": float(tp), "fp": float(fp), "fn": float(fn), "precision": p, "recall": r, "f1": f}
@@ -172,8 +173,6 @@ def set_scores(gold: Iterable[str], pred: Iterable[str]) -> dict[str, float]:
 def answer_part(generation: str) -> str | None:
     """The text after the last ``</think>``; the whole generation when it has no think tag; None
     when a reasoning block is opened and not closed (an invalid generation)."""
-    from mistill.evaluation.parsing import reasoning_closed, split_reasoning
-
     if not reasoning_closed(generation):
         return None
     return split_reasoning(generation)[1]
@@ -249,8 +248,6 @@ class Record:
 def jsonl_records(path: str | Path, id_key: str) -> Iterator[tuple[Record, str]]:
     """Each row of a JSONL release file as a :class:`Record` with its id (the field ``id_key``); a
     missing, empty or repeated id raises, naming the file, the line and the field."""
-    from mistill.io import iter_jsonl
-
     p = Path(path)
     seen: set[str] = set()
     for lineno, row in iter_jsonl(p):

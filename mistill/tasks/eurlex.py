@@ -42,6 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mistill.errors import MistillInputError
+from mistill.evaluation.metrics import prf_from_counts
+from mistill.evaluation.parsing import last_json_list
+from mistill.io import read_json
 from mistill.tasks.base import Mention, Record, Task, answer_part, set_scores, whole_word_mentions
 
 __all__ = ["EurlexTask", "EurlexAct", "load_eurlex_documents", "load_eurovoc", "load_broader", "micro_f1"]
@@ -68,8 +71,6 @@ class EurlexAct:
 
 
 def _read_json(path: Path):
-    from mistill.io import read_json
-
     return read_json(path)
 
 
@@ -135,8 +136,6 @@ def load_broader(path: str | Path, concepts: Mapping[str, str]) -> dict[str, tup
 
 def micro_f1(scores: Iterable[Mapping[str, float]]) -> float:
     """Micro-F1 pooled from per-act :meth:`EurlexTask.metric` rows (their ``tp``/``fp``/``fn``)."""
-    from mistill.evaluation.metrics import prf_from_counts
-
     tp = fp = fn = 0
     for s in scores:
         tp, fp, fn = tp + int(s["tp"]), fp + int(s["fp"]), fn + int(s["fn"])
@@ -195,8 +194,6 @@ class EurlexTask(Task):
         return ib in up_a or ia in up_b or bool(up_a & up_b)
 
     def parse_answer(self, generation: str) -> tuple[str, ...]:
-        from mistill.evaluation.parsing import last_json_list
-
         part = answer_part(generation)
         entries = last_json_list(part) if part is not None else None
         out: list[str] = []

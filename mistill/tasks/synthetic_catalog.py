@@ -41,7 +41,10 @@ from collections.abc import Collection, Mapping, Sequence
 from mistill.data.corpus import Corpus, Note
 from mistill.data.inventory import Inventory
 from mistill.data.prompts import PromptWording
+from mistill.data.synthetic import _split_counts
 from mistill.errors import MistillInputError
+from mistill.evaluation.metrics import precision_at_k
+from mistill.evaluation.parsing import CodeIndex, parse_answer
 from mistill.tasks.base import Mention, Span, Task, _merge, set_scores
 
 __all__ = ["CatalogTask", "FAMILIES", "make_catalog_inventory", "make_catalog_corpus",
@@ -134,18 +137,12 @@ class CatalogTask(Task):
 
     @functools.cached_property
     def _index(self):
-        from mistill.evaluation.parsing import CodeIndex
-
         return CodeIndex(list(self.inventory.codes))
 
     def parse_answer(self, generation: str) -> tuple[str, ...]:
-        from mistill.evaluation.parsing import parse_answer
-
         return parse_answer(generation, self._index).codes
 
     def metric(self, gold: Sequence[str], pred: Sequence[str]) -> dict[str, float]:
-        from mistill.evaluation.metrics import precision_at_k
-
         out = set_scores(gold, pred)
         out["p_at_8"] = precision_at_k(list(pred), gold, 8)
         return out
@@ -274,7 +271,6 @@ def make_catalog_corpus(n_notes: int = 8, seed: int = 0, items_range: tuple[int,
     if n_notes < 1:
         raise ValueError("n_notes must be positive")
     inv = inventory if inventory is not None else make_catalog_inventory(seed, n_families)
-    from mistill.data.synthetic import _split_counts
 
     split_of = _split_counts(n_notes, {"train": 0.5, "val": 0.25, "test": 0.25})
     fams = list(inv.categories())

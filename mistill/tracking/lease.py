@@ -45,6 +45,8 @@ from mlflow.entities import Run
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from mistill.tracking.connection import is_unreachable
+
 TAG_LEASE_OWNER = "mistill.lease.owner"
 TAG_LEASE_HEARTBEAT = "mistill.lease.heartbeat"
 TAG_LEASE_GENERATION = "mistill.lease.generation"
@@ -195,8 +197,6 @@ def claim(client: MlflowClient, name: str) -> bool:
     try:
         client.delete_experiment(exp_id)  # hidden from the UI; the name stays taken
     except MlflowException as exc:
-        from mistill.tracking.connection import is_unreachable
-
         if is_unreachable(exc):
             raise
     return True

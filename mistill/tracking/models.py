@@ -42,16 +42,22 @@ arm alias the selection's pick then carries).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
 import tempfile
 import threading
 from collections.abc import Iterator, Mapping
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from mistill.distill.arms import is_arm_path
 from mistill.errors import MistillInputError
+from mistill.evaluation.generation import DecodingConfig
+from mistill.io import mistill_root
+from mistill.tracking.connection import is_unreachable
 
 RUN_PREFIX = "run:"
 MODEL_ARTIFACT = "model"
@@ -89,9 +95,7 @@ def run_artifact_dir(run_id: str, artifact_path: str, *, stage: str, marker: str
     left). Errors name ``field``: a missing run, a run of another stage, artifacts absent or
     without ``marker``.
     """
-    from mlflow.tracking import MlflowClient
-
-    from mistill.stages.common import mistill_root
+    from mlflow.tracking import MlflowClient  # deferred: mlflow.tracking is slow to import
 
     markers = (marker,) if isinstance(marker, str) else tuple(marker)
     local = mistill_root() / "work" / run_id / artifact_path
@@ -145,8 +149,6 @@ def resolve_run_spec(spec: str) -> str:
 def pip_requirements() -> list[str]:
     """What serving the logged model needs, pinned to the versions installed here (a local
     version label such as ``+cpu`` dropped, so the pins install from PyPI)."""
-    from importlib.metadata import PackageNotFoundError, version
-
     out = []
     for package in ("mlflow", "torch", "transformers", "tokenizers", "safetensors", "accelerate"):
         try:
@@ -169,10 +171,9 @@ def signature() -> Any:
     paper's 16,384: a reasoning trace of that length takes hours on a CPU, where a served model
     or a quick ``predict`` often runs. Pass ``params={"max_new_tokens": 16384}`` for the
     paper's cap."""
-    from mlflow.models.signature import ModelSignature
+    from mlflow.models.signature import ModelSignature  # deferred: mlflow.models.signature is slow to import
+    # deferred: mlflow.types is slow to import
     from mlflow.types import ColSpec, DataType, ParamSchema, ParamSpec, Schema
-
-    from mistill.evaluation.generation import DecodingConfig
 
     d = DecodingConfig()
     params = ParamSchema([ParamSpec("max_new_tokens", DataType.long, SERVING_MAX_NEW_TOKENS),
@@ -190,9 +191,9 @@ def save_mlflow_model(model: Any, tokenizer: Any, path: Path, *, card: str, sour
     source model name; the tokenizer files are copied beside the weights too, so ``path/model``
     is a whole Hugging Face checkpoint. Returns the :class:`mlflow.models.Model`. Nothing leaves
     this machine."""
-    import mlflow.transformers
-    from huggingface_hub import ModelCard
-    from mlflow.models import Model
+    import mlflow.transformers  # deferred: mlflow.transformers is slow to import
+    from huggingface_hub import ModelCard  # deferred: huggingface_hub is slow to import
+    from mlflow.models import Model  # deferred: mlflow.models is slow to import
 
     path = Path(path)
     if path.exists():
@@ -212,15 +213,13 @@ def save_mlflow_model(model: Any, tokenizer: Any, path: Path, *, card: str, sour
 
 def _card_data() -> Any:
     """The model card's metadata block."""
-    from huggingface_hub import ModelCardData
+    from huggingface_hub import ModelCardData  # deferred: huggingface_hub is slow to import
 
     return ModelCardData(library_name="transformers", pipeline_tag=TASK, tags=["mistill", "distillation"])
 
 
 def logged_model_tag(mlflow_model: Any, run_id: str, artifact_path: str = MODEL_ARTIFACT) -> str:
     """The value of :data:`TAG_LOGGED_MODELS` for one model logged at ``artifact_path``."""
-    import json
-
     mlflow_model.run_id = run_id
     mlflow_model.artifact_path = artifact_path
     return json.dumps([mlflow_model.get_tags_dict()])
@@ -234,8 +233,6 @@ def alias_part(text: str) -> str:
 
 def arm_label(arm: str) -> str:
     """The arm's name in an alias: a bare arm name as it is, an arm file by its stem."""
-    from mistill.distill.arms import is_arm_path
-
     return alias_part(Path(arm).stem if is_arm_path(arm) else arm)
 
 
@@ -303,7 +300,7 @@ def register_version(client: Any, name: str, run_id: str, *, tags: Mapping[str, 
                      artifact_path: str = MODEL_ARTIFACT) -> Any:
     """A new version of registered model ``name`` (created when missing) from
     ``runs:/<run_id>/<artifact_path>``, with ``tags`` and ``description``."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # deferred: mlflow.exceptions is slow to import
 
     try:
         client.get_registered_model(name)
@@ -318,9 +315,7 @@ def register_version(client: Any, name: str, run_id: str, *, tags: Mapping[str, 
 def adopt(client: Any, train_run_id: str, alias: str) -> tuple[str, str] | None:
     """Point ``alias`` at the registered version of ``train_run_id``'s checkpoint; returns
     ``(name, version)``, or None when that run registered none (or is not on the server)."""
-    from mlflow.exceptions import MlflowException
-
-    from mistill.tracking.connection import is_unreachable
+    from mlflow.exceptions import MlflowException  # deferred: mlflow.exceptions is slow to import
 
     try:
         tags = client.get_run(train_run_id).data.tags
@@ -352,7 +347,7 @@ def checkpoint_logged_model(client: Any, train_run_id: str, *, params: Mapping[s
     run's arm, seed, precision and registry tags, :data:`TAG_MODEL_URI`, and ``params`` (the
     arm's flags), and is READY. The weights stay where the train run logged them.
     """
-    from mlflow.entities import LoggedModelOutput, LoggedModelStatus
+    from mlflow.entities import LoggedModelOutput, LoggedModelStatus  # deferred: mlflow.entities is slow to import
 
     run = client.get_run(train_run_id)
     experiment = run.info.experiment_id

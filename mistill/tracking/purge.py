@@ -169,7 +169,7 @@ def purge_run(run_id: str, *, tracking_uri: str | None = None, root: Path | str 
         RunNotPurgedError: the run is deleted, but the backend store is unknown or ``mlflow gc``
             failed; the message gives the command that purges it.
     """
-    import mlflow
+    import mlflow  # deferred: MLflow is slow to import
 
     uri = tracking_uri or mlflow.get_tracking_uri()
     root = Path(root if root is not None else os.environ.get("MISTILL_ROOT", ".mistill"))
@@ -218,7 +218,7 @@ def mlflow_launcher() -> int | None:
     (this process's parent, or the parent of the ``sh -c`` shell it was started through), or
     None: another parent, or one that cannot be inspected (no ``psutil``)."""
     try:
-        import psutil
+        import psutil  # deferred: psutil only when memory is measured
     except ImportError:
         return None
     try:
@@ -247,7 +247,7 @@ def purge_launched_run(run_id: str, *, tracking_uri: str | None = None, root: Pa
         RunNotPurgedError: the run is deleted, but the backend store is unknown or ``mlflow gc``
             failed; the message gives the command that purges it.
     """
-    import mlflow
+    import mlflow  # deferred: MLflow is slow to import
 
     uri = tracking_uri or mlflow.get_tracking_uri()
     root = Path(root if root is not None else os.environ.get("MISTILL_ROOT", ".mistill"))
@@ -306,7 +306,7 @@ def purge_after(run_id: str, watch_pid: int, *, tracking_uri: str | None = None,
 def _running(pid: int) -> bool:
     """True iff ``pid`` exists and has not exited (a zombie, not yet reaped by its parent, has)."""
     try:
-        import psutil
+        import psutil  # deferred: psutil only when memory is measured
     except ImportError:
         return _pid_alive(pid)
     try:

@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 
+from mistill.tracking.server import _pid_alive
+
 POLL_S = 0.2
 
 
@@ -46,10 +48,8 @@ def reap(run_id: str, watch_pid: int, timeout_s: float | None = None) -> str:
     was killed before it could end the run), the run is ended FAILED and deleted. ``timeout_s``
     bounds the wait (tests).
     """
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
-
-    from mistill.tracking.server import _pid_alive
+    from mlflow.exceptions import MlflowException  # deferred: mlflow.exceptions is slow to import
+    from mlflow.tracking import MlflowClient  # deferred: mlflow.tracking is slow to import
 
     client = MlflowClient()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
