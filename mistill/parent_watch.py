@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 ENV_LAUNCHER = "MISTILL_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1
@@ -52,18 +53,24 @@ def _set_pdeathsig(sig: int) -> bool:
         return False
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """True iff process ``pid`` exists and is not a zombie (``/proc``'s state, where there is one)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
+    stat = Path(f"/proc/{pid}/stat")
+    with contextlib.suppress(OSError):
+        # state is the field after the parenthesised command name
+        if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            return False
     return True
 
 
 def _watch(pid: int) -> None:
-    while _alive(pid):
+    while pid_alive(pid):
         time.sleep(_POLL_S)
     os.kill(os.getpid(), signal.SIGTERM)
 
@@ -81,7 +88,7 @@ def die_with_launcher() -> None:
         if os.getppid() != pid:  # the launcher died before prctl took effect
             os.kill(os.getpid(), signal.SIGTERM)
         return
-    if not _alive(pid):
+    if not pid_alive(pid):
         os.kill(os.getpid(), signal.SIGTERM)
         return
     threading.Thread(target=_watch, args=(pid,), name="mistill-launcher-watch", daemon=True).start()

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from mistill.errors import MistillInputError
+from mistill.io import atomic_open
 
 CREDENTIALS_FILE = "credentials.json"
 AUTH_CONFIG_FILE = "auth.ini"
@@ -88,21 +89,11 @@ def _chmod(path: Path, mode: int) -> None:
 
 
 def write_secret(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically, created with mode 600 (never readable by others,
-    not even for a moment)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    """Write ``text`` to ``path`` atomically (:func:`mistill.io.atomic_open`, whose temporary file
+    is created with mode 600), so it is never readable by others, not even for a moment."""
+    with atomic_open(path, "w") as fh:
+        fh.write(text)
+    os.chmod(path, 0o600)
 
 
 # ----------------------------------------------------------------------------- credentials

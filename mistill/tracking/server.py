@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from mistill.io import write_json
+from mistill.parent_watch import pid_alive
 from mistill.tracking.auth import (AUTH_CONFIG_FILE, AUTH_DB_FILE, CREDENTIALS_FILE, ENV_CREDENTIALS,
                                    ENV_PASSWORD, ENV_USERNAME, load_credentials, make_owner_only,
                                    use_credentials, write_auth_config)
@@ -91,22 +92,6 @@ def health_ok(uri: str, timeout: float = 2.0) -> bool:
             return resp.status == 200 and resp.read(16).strip() == b"OK"
     except (urllib.error.URLError, OSError, ValueError):
         return False
-
-
-def _pid_alive(pid: int) -> bool:
-    """True iff ``pid`` exists and is not a zombie."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    stat = Path(f"/proc/{pid}/stat")
-    with contextlib.suppress(OSError):
-        # state is the field after the parenthesised command name
-        if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
-            return False
-    return True
 
 
 def _is_mlflow_server(pid: int) -> bool:
@@ -261,7 +246,7 @@ class TrackingServer:
 
     def _record_live(self, record: dict[str, Any]) -> bool:
         pid = int(record["pid"])
-        return _pid_alive(pid) and _is_mlflow_server(pid)
+        return pid_alive(pid) and _is_mlflow_server(pid)
 
     def status(self) -> dict[str, Any] | None:
         """The record ``{pid, pgid, port, uri, root, ...}`` plus ``healthy``, or None.
@@ -418,7 +403,7 @@ class TrackingServer:
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
                 return False
-            if proc is None and not _pid_alive(pid):
+            if proc is None and not pid_alive(pid):
                 return False
             if health_ok(uri, timeout=1.0):
                 return True
@@ -477,7 +462,7 @@ class TrackingServer:
         deadline = time.monotonic() + grace
         while True:
             reap()
-            if not _pid_alive(pid) and not _group_alive(pgid):
+            if not pid_alive(pid) and not _group_alive(pgid):
                 return
             if time.monotonic() >= deadline:
                 break
@@ -485,7 +470,7 @@ class TrackingServer:
         signal_all(signal.SIGKILL)
         for _ in range(50):
             reap()
-            if not _pid_alive(pid) and not _group_alive(pgid):
+            if not pid_alive(pid) and not _group_alive(pgid):
                 return
             time.sleep(0.1)
 
