@@ -16,7 +16,8 @@ from pathlib import Path
 
 from stage_fixtures import port_outside_the_ephemeral_range
 
-from mistill.tracking.server import (TrackingServer, _group_alive, _pid_alive, free_port,
+from mistill.parent_watch import pid_alive
+from mistill.tracking.server import (TrackingServer, _group_alive, free_port,
                                      health_ok, port_is_free)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,7 +78,7 @@ def test_start_any_port_reuse_status_cli_and_stop(tmp_path: Path) -> None:
 
     assert stopped
     assert not health_ok(uri)
-    assert not _pid_alive(record["pid"])
+    assert not pid_alive(record["pid"])
     assert not (root / "server.json").exists()
     assert TrackingServer(root=root).status() is None
     assert TrackingServer(root=root).stop() is False
@@ -182,5 +183,5 @@ def test_a_live_non_mlflow_pid_is_never_taken_for_the_server(tmp_path: Path) -> 
     server = TrackingServer(root=tmp_path)
     assert server.status() is None
     assert server.stop() is False
-    assert _pid_alive(os.getpid())
+    assert pid_alive(os.getpid())
     assert not (tmp_path / "server.json").exists()

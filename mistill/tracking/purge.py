@@ -56,9 +56,10 @@ from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 from mlflow.tracking import MlflowClient
 
 from mistill.errors import MistillInputError
+from mistill.parent_watch import pid_alive
 from mistill.tracking.privacy import PrivacyError, PrivacyGuard
 from mistill.tracking.reaper import spawn_reaper
-from mistill.tracking.server import TrackingServer, _pid_alive
+from mistill.tracking.server import TrackingServer
 
 ENV_BACKEND_STORE_URI = "MISTILL_BACKEND_STORE_URI"
 """The backend store URI of a tracking server mistill did not start (``mlflow server
@@ -308,13 +309,13 @@ def _running(pid: int) -> bool:
     try:
         import psutil  # deferred: psutil only when memory is measured
     except ImportError:
-        return _pid_alive(pid)
+        return pid_alive(pid)
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
     except psutil.Error:
-        return _pid_alive(pid)
+        return pid_alive(pid)
 
 
 def drop_freed_pages(backend: str) -> None:

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from mistill.tracking.server import _pid_alive
+from mistill.parent_watch import pid_alive
 
 POLL_S = 0.2
 
@@ -62,7 +62,7 @@ def reap(run_id: str, watch_pid: int, timeout_s: float | None = None) -> str:
             if run.info.status != "RUNNING":
                 client.delete_run(run_id)
                 return "deleted"
-            if not _pid_alive(watch_pid):
+            if not pid_alive(watch_pid):
                 orphaned_since = orphaned_since or time.monotonic()
                 if time.monotonic() - orphaned_since > 2.0:
                     client.set_terminated(run_id, "FAILED")
