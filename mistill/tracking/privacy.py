@@ -956,6 +956,8 @@ MAX_BASE64_DEPTH = 2
 """base64 inside base64 is decoded this many times."""
 _BASE64 = re.compile(r"(?:[A-Za-z0-9+/]{4}){8,}(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?"
                      r"|(?:[A-Za-z0-9_-]{4}){8,}(?:[A-Za-z0-9_-]{2}(?:==)?|[A-Za-z0-9_-]{3}=?)?")
+_HEX = re.compile(r"[0-9a-fA-F_-]+")
+_LONG_HEX = re.compile(r"\b[0-9a-fA-F-]{16,}\b")
 _LEET_HINT = re.compile(r"[A-Za-z][0-9@$!|]+[A-Za-z]")
 _REVERSED_HINT = re.compile(r"\b(?:eht|dna|htiw|saw|fo|erew|sah)\b", re.IGNORECASE)
 ALWAYS_DISGUISED_CHARS = 1 << 16
@@ -972,7 +974,7 @@ def _disguises(text: str) -> list[str]:
     forms = [text]
     if small or _REVERSED_HINT.search(text):
         forms.append(text[::-1])
-    if _LEET_HINT.search(text):
+    if _LEET_HINT.search(_LONG_HEX.sub(" ", text)):  # digests and ids are not leetspeak
         forms.append(text.translate(_LEET))
     return forms
 
@@ -991,9 +993,14 @@ def _base64_texts(text: str) -> Iterator[str]:
     """The UTF-8 text of every base64 run of ``text`` (standard or URL-safe alphabet)."""
     for m in _BASE64.finditer(text):
         blob = m.group()
+        if _HEX.fullmatch(blob):  # a digest or an id: hex, not text in base64
+            continue
         try:
             raw = base64.b64decode(blob + "=" * (-len(blob) % 4),
                                    altchars=b"-_" if ("-" in blob or "_" in blob) else None)
         except (binascii.Error, ValueError):
             continue
-        yield raw.decode("utf-8", errors="replace")
+        decoded = raw.decode("utf-8", errors="replace")
+        if decoded.count("\ufffd") * 4 > len(decoded):  # mostly not UTF-8: bytes, not text
+            continue
+        yield decoded
