@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import mlflow
+import optuna
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -527,6 +528,23 @@ def test_selection_evaluation_own_heads_and_report_steps(pipeline, monkeypatch, 
     picked = (sel.data.metrics["selected/lambda_p1"], sel.data.metrics["selected/lambda_p2"])
     arm = resolve_arm_of(client.get_run(ids["train_mistill"]))
     assert (arm["lambda_p1"], arm["lambda_p2"]) == pytest.approx(picked)
+    # one selected model everywhere: without a probe the arm's training is the picked cell's, so
+    # the arm is that cell's run, and the alias, the selection's tags, the study's pick and
+    # decision.json all name it
+    tags = sel.data.tags
+    assert ids["train_mistill"] == tags["mistill.selection.pick_train_run"]
+    assert tags["mistill.selection.arm_model"] == tags["mistill.selection.pick_model"]
+    assert "mistill.selection.arm_retrained" not in tags
+    name, version = tags["mistill.selection.pick_model"].removeprefix("models:/").rsplit("/", 1)
+    assert client.get_model_version_by_alias(name, tags["mistill.selection.pick_alias"]).version == version
+    decision = json.loads(Path(client.download_artifacts(sel.info.run_id, "decision.json", str(tmp_path))).read_text())
+    row = next(r for r in decision["cells"] if r["picked"])
+    assert (row["lambda_p1"], row["lambda_p2"]) == pytest.approx(picked)
+    study = optuna.load_study(study_name=decision["study"], storage=tags["mistill.selection.storage"])
+    pick = study.user_attrs["locked_pick"]
+    assert pick["train_run"] == ids["train_mistill"] and pick["cell"] == row["cell"]
+    assert study.user_attrs["use_this_trial"].startswith(f"trial {pick['trial']} (cell {row['cell']})")
+    assert study.trials[pick["trial"]].params and study.trials[pick["trial"]].state.name == "COMPLETE"
     # the pipeline's gradient-checkpointing setting (off by default) reaches the arms and the cells
     # (the module's other tests train arms of their own in this experiment: only the pipeline's
     # arms and the selection's cells are checked)

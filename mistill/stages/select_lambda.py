@@ -41,13 +41,18 @@ The lock's content is part of the run's identity (the param ``lock_sha256``), no
 The pick in the model registry: each cell's ``train`` run registers its checkpoint with the cell
 alias ``<arm>-l<λ>-s<seed>`` (``mistill-l0p03-s0``; see :mod:`mistill.tracking.models`), never the
 arm alias; when the decision completes, the arm alias ``<arm>-s<seed>`` (``mistill-s0``) is
-pointed at the picked cell's version (tag ``mistill.selection.pick_model``), so
-``models:/<name>@mistill-s0`` is the model the rule picked.
+pointed at the picked cell's version (tag ``mistill.selection.pick_model``; its train run:
+``mistill.selection.pick_train_run``), so ``models:/<name>@mistill-s0`` is the model the rule
+picked. A pipeline whose arm trains exactly as the cells did reuses the picked cell's run for the
+arm; one that trains the arm again (a probe, more notes) re-points the alias at the new version
+and tags the ``select_lambda`` run with it (``mistill.selection.arm_model``) and with the params
+that differ (``mistill.selection.arm_retrained``).
 
 The Optuna study: ``study.best_trial`` is the cell with the highest selection metric, **not the
 pick** (the rule applies a tie band, a tie-break, the validity floor and the edge extension);
-the pick is the study's user attribute ``locked_pick`` (the decision's rule, cell, λs, metric,
-lock sha256 and ``select_lambda`` run). The run logs the study as artifacts: ``optuna/study.db``
+the pick is the study's user attribute ``locked_pick`` (the decision's rule, cell, trial, λs,
+metric, lock sha256, ``select_lambda`` run and train run), and the study's user attribute
+``use_this_trial`` says so in a sentence, where Optuna Dashboard shows it beside ``best_trial``. The run logs the study as artifacts: ``optuna/study.db``
 (a SQLite copy of this study alone; not for a restricted corpus, whose guard reads no database
 files) and ``optuna/trials.json`` (every trial: number, state, params, value, user attributes).
 To browse it with Optuna Dashboard (not a dependency of this
@@ -105,7 +110,9 @@ TAG_LOCK_SHA = "mistill.selection.lock_sha256"
 TAG_RULE = "mistill.selection.rule"
 TAG_PICK = "mistill.selection.pick"
 TAG_PICK_MODEL = "mistill.selection.pick_model"
+TAG_PICK_TRAIN_RUN = "mistill.selection.pick_train_run"
 ATTR_LOCKED_PICK = "locked_pick"
+ATTR_USE_TRIAL = "use_this_trial"
 STUDY_ARTIFACT_DIR = "optuna"
 
 
@@ -323,7 +330,16 @@ def _record_pick(run: StageRun, handle: SelectionStudy, lock: Lock, decision: De
     """The pick into the study (``locked_pick``) and the registry: the arm alias on the picked
     cell's model version, when its train run registered one."""
     summary = locked_pick(lock, decision, cells, run.run_id)
+    complete = [t["number"] for t in cells.trials.get(decision.pick, []) if t["state"] == "COMPLETE"]
+    if complete:
+        summary["trial"] = complete[-1]
     handle.storage.set_study_user_attr(handle.study_id, ATTR_LOCKED_PICK, summary)
+    # Optuna's own best_trial is the first trial with the highest value: ties within the lock's band
+    # are the locked rule's to break, so the study says which trial to read
+    handle.storage.set_study_user_attr(handle.study_id, ATTR_USE_TRIAL, (
+        f"trial {summary.get('trial', '?')} (cell {summary['cell']}): the pick of the locked rule "
+        f"{summary['rule']!r}; Optuna's best_trial is only the first trial with the highest "
+        f"{summary['metric']}, ties unbroken; read user_attrs['{ATTR_LOCKED_PICK}']"))
     train_run = summary["train_run"]
     if not train_run:
         return
@@ -331,7 +347,8 @@ def _record_pick(run: StageRun, handle: SelectionStudy, lock: Lock, decision: De
     adopted = adopt(run.client, train_run, alias)
     if adopted is not None:
         name, version = adopted
-        run.set_tags({TAG_PICK_MODEL: f"models:/{name}/{version}", "mistill.selection.pick_alias": alias})
+        run.set_tags({TAG_PICK_MODEL: f"models:/{name}/{version}", "mistill.selection.pick_alias": alias,
+                      TAG_PICK_TRAIN_RUN: train_run})
         print(f"select_lambda: alias {alias} -> models:/{name}/{version} (train run {train_run})")
 
 

@@ -47,9 +47,10 @@ from mistill.stages.own_heads import OwnHeadsConfig
 from mistill.stages.prepare import PrepareConfig
 from mistill.stages.readside import ReadSideConfig
 from mistill.stages.report import ReportConfig
-from mistill.stages.select_lambda import SelectLambdaConfig
+from mistill.stages.select_lambda import TAG_PICK_MODEL, TAG_PICK_TRAIN_RUN, SelectLambdaConfig
 from mistill.stages.shortlist import ShortlistConfig
 from mistill.stages.steps import LAUNCHES, corpus_name_of, run_step
+from mistill.tracking.models import TAG_MODEL_VERSION, TAG_REGISTERED_MODEL
 from mistill.tracking.privacy import PrivacyGuard
 from mistill.tracking.runs import TAG_BACKEND, StageRun, repo_file, run_url
 from mistill.validation import (check_arms, check_choice, check_choices, check_model_spec, check_name,
@@ -440,15 +441,56 @@ def distill_steps(cfg: PipelineConfig, ids: dict[str, str], corpus_name: str, pa
             corpus_name, launch=cfg.launch, parent=parent)
         m = MlflowClient().get_run(out["select_lambda"]).data.metrics
         overrides = lambda_overrides(m["selected/lambda_p1"], m["selected/lambda_p2"])
+    # the probe's cap joins a run's identity only when there is a probe: without one, an arm whose
+    # training is the picked cell's is that cell's run (reused, not trained again)
+    probe = {"probe_every": cfg.train_probe_every}
+    if cfg.train_probe_every:
+        probe["probe_max_new_tokens"] = cfg.eval_max_new_tokens
     for arm in cfg.train_arms:
         mistill_arm = resolve_arm(arm).objective == "mistill"
         out[f"train_{arm}"] = run_step("train", TrainStageConfig(
             targets_run=out["targets"], student_attribute_run=out["student_attribute"], student=cfg.student,
             arm=arm, overrides=overrides if mistill_arm else "", seed=cfg.seed, max_steps=cfg.train_max_steps,
             grad_accum=cfg.train_grad_accum, gradient_checkpointing=cfg.train_gradient_checkpointing,
-            probe_every=cfg.train_probe_every, probe_max_new_tokens=cfg.eval_max_new_tokens,
-            device=cfg.device), corpus_name, launch=cfg.launch, parent=parent)
+            device=cfg.device, **probe), corpus_name, launch=cfg.launch, parent=parent)
+        if mistill_arm and "select_lambda" in out:
+            record_arm_model(MlflowClient(), out["select_lambda"], out[f"train_{arm}"])
     return dict(out)
+
+
+TAG_ARM_MODEL = "mistill.selection.arm_model"
+"""On a ``select_lambda`` run: the model the arm alias names after the pipeline trained the arm."""
+TAG_ARM_RETRAINED = "mistill.selection.arm_retrained"
+"""On a ``select_lambda`` run: why the arm's model is not the picked cell's (the params that differ)."""
+
+
+def record_arm_model(client: MlflowClient, select_run: str, arm_train_run: str) -> None:
+    """Make the selection's records name the model the arm alias names.
+
+    When the arm's train run is the picked cell's (the same identity, so reused), the selection's
+    pick tag already names it: ``arm_model`` repeats it. Otherwise the arm was trained again (e.g.
+    with a generation probe, or on more notes than the selection's cells), its version carries
+    the arm alias, and the ``select_lambda`` run gets ``arm_model`` (that version) and
+    ``arm_retrained`` (the params in which the arm's run differs from the cell's), so the two
+    records disagree visibly and say why.
+    """
+    sel = client.get_run(select_run)
+    pick_model = sel.data.tags.get(TAG_PICK_MODEL, "")
+    arm = client.get_run(arm_train_run)
+    name, version = arm.data.tags.get(TAG_REGISTERED_MODEL), arm.data.tags.get(TAG_MODEL_VERSION)
+    if not name or not version:
+        return
+    arm_model = f"models:/{name}/{version}"
+    tags = {TAG_ARM_MODEL: arm_model}
+    pick_train = sel.data.tags.get(TAG_PICK_TRAIN_RUN, "")
+    if arm_model != pick_model and pick_train:
+        cell = client.get_run(pick_train).data.params
+        differ = sorted(k for k in set(cell) | set(arm.data.params) if cell.get(k) != arm.data.params.get(k))
+        tags[TAG_ARM_RETRAINED] = ", ".join(f"{k}: {cell.get(k)} -> {arm.data.params.get(k)}" for k in differ)[:4900]
+        _log.info("[pipeline] the arm was trained again: its model %s differs from the picked cell's %s (%s)",
+                  arm_model, pick_model, tags[TAG_ARM_RETRAINED])
+    for key, value in tags.items():
+        client.set_tag(select_run, key, value)
 
 
 def run_pipeline(cfg: PipelineConfig) -> str:
