@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -39,10 +40,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def tracking_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def tracking_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The root folder of the session's server (its store, record and credentials)."""
+    return tmp_path_factory.mktemp("mlflow-server")
+
+
+@pytest.fixture(scope="session")
+def tracking_uri(tracking_root: Path) -> Iterator[str]:
     """Start ``mlflow server`` through :class:`TrackingServer` on a free port; set
     ``MLFLOW_TRACKING_URI`` for the session; stop the server at the end."""
-    server = TrackingServer(root=tmp_path_factory.mktemp("mlflow-server"), port=0)
+    server = TrackingServer(root=tracking_root, port=0)
     saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_DISABLE_TELEMETRY")}
     uri = server.start()
     os.environ["MLFLOW_TRACKING_URI"] = uri

@@ -30,7 +30,7 @@ from mistill.config import Config
 from mistill.errors import MistillInputError
 from mistill.io import sha256_file
 from mistill.stages.common import RunReader
-from mistill.tracking.auth import CREDENTIALS_FILE, ENV_CREDENTIALS, sign_done
+from mistill.tracking.auth import CREDENTIALS_FILE, sign_done
 from mistill.tracking.privacy import PrivacyGuard
 from mistill.tracking.runs import StageRun
 
@@ -195,9 +195,9 @@ def _mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
-def test_store_files_are_owner_only(tracking_uri, finished):
+def test_store_files_are_owner_only(tracking_uri, tracking_root, finished):
     run, _ = finished
-    root = Path(os.environ[ENV_CREDENTIALS]).parent
+    root = tracking_root  # the session server's (another test's server may have set the credentials' env)
     record = json.loads((root / "server.json").read_text())
     assert record["uri"] == tracking_uri and record["auth"] == "basic-auth"
     assert _mode(root) == 0o700
