@@ -208,22 +208,22 @@ def test_a_picked_cell_is_the_arm_unless_the_arm_was_retrained():
     """The pipeline's Mistill train step reuses the selection's picked cell: that run is the arm
     (its readouts fill the arm tables); unpicked cells never are; a picked cell gives way to a
     train run of the same arm, seed and precision that is no cell."""
-    from analysis.report import _cell_train_runs
+    from analysis.report import cell_train_runs
 
     cells = pd.DataFrame({"train_run": ["c003", "c01", "c001"], "picked": [False, False, True]})
     train = pd.DataFrame({"run_id": ["c003", "c01", "c001", "v0"],
                           "arm": ["mistill", "mistill", "mistill", "vanilla-bf16"],
                           "seed": [0, 0, 0, 0], "precision": ["bf16"] * 4})
-    assert _cell_train_runs(cells, train) == {"c003", "c01"}
+    assert cell_train_runs(cells, train) == {"c003", "c01"}
     retrained = pd.concat([train, pd.DataFrame({"run_id": ["full"], "arm": ["mistill"], "seed": [0],
                                                 "precision": ["bf16"]})], ignore_index=True)
-    assert _cell_train_runs(cells, retrained) == {"c003", "c01", "c001"}
+    assert cell_train_runs(cells, retrained) == {"c003", "c01", "c001"}
     # another seed of the arm does not displace the pick
     other_seed = retrained.assign(seed=[0, 0, 0, 0, 1])
-    assert _cell_train_runs(cells, other_seed) == {"c003", "c01"}
+    assert cell_train_runs(cells, other_seed) == {"c003", "c01"}
     # a cell picked by one selection and not by another stays the pick's
     both = pd.concat([cells, pd.DataFrame({"train_run": ["c001"], "picked": [False]})], ignore_index=True)
-    assert _cell_train_runs(both, train) == {"c003", "c01"}
+    assert cell_train_runs(both, train) == {"c003", "c01"}
 
 
 def test_report_run_says_how_to_read_numbers_of_this_size(report):

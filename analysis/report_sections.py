@@ -1,0 +1,705 @@
+"""The report's table builders, one function per section of tables: each reads the runs it needs,
+adds its tables, figures and notes to a :class:`analysis.report_model.Report`, and says what it
+skipped and why. :func:`analysis.report.build_report` calls them in the report's order."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from analysis import (ablation_tables, characterization, figures, locus_figures, query, run_deviations,
+                      selection_tables as seltab, tables)
+from analysis.audit import stratified_readouts
+from analysis.edit_tables import edit_pairs_table
+from analysis.report_model import (DECISION, LAMBDA_CELLS, OWN_HEADS_PER_NOTE, PER_NOTE_METRICS, PER_NOTE_SETS,
+                                   Report, ReportInputs, ReportTable, TableChoices, cell_train_runs)
+from mistill.errors import MistillInputError
+from mistill.io import read_json
+from mistill.stages.common import RunReader
+
+
+# ---------------------------------------------------------------------------------- sections
+def _load(rep: Report, runs: pd.DataFrame, artifact: str, required: Sequence[str],
+          run_columns: Sequence[str] = ("run_id", *query.RUN_KEY)) -> pd.DataFrame:
+    loaded = query.per_note_table(runs, artifact, required, run_columns)
+    for run_id, why in loaded.missing.items():
+        rep.notes.append(f"run {run_id}: {why}")
+    return loaded.frame
+
+
+def _skip(rep: Report, what: str, why: str) -> None:
+    rep.notes.append(f"{what} skipped: {why}.")
+
+
+def global_sets_section(rep: Report, runs: pd.DataFrame) -> None:
+    what = "Tables 1/10 (global head sets) and the recovery-against-k figure"
+    if runs.empty:
+        return _skip(rep, what, "no FINISHED knockin runs")
+    rows = _load(rep, runs, PER_NOTE_SETS,
+                 ["note_id", "phase", "k", "set", "necessity", "recovery"], ("run_id", "model"))
+    if rows.empty:
+        return _skip(rep, what, f"no knockin run has {PER_NOTE_SETS}")
+    table = tables.global_sets_table(rows)
+    ks = sorted(int(k) for k in table["k"].unique())
+    rep.tables.append(ReportTable(
+        "table10_global_sets", "Table 10: global per-phase sets at every k",
+        "Necessity (share of the clean margin destroyed by mean-ablation; >1: flipped) and "
+        "knock-in recovery in another note's context, medians over notes, against "
+        "count-matched random and bottom-k sets; notes: where the global set beats random / "
+        "notes compared.", table, tables.global_sets_display(table)))
+    table1_ks = [k for k in ks if k != 16] or ks
+    rep.tables.append(ReportTable(
+        "table1_global_sets", "Table 1: global per-phase sets",
+        f"Table 10 at k in {table1_ks} (k=16 only in Table 10).",
+        table[table["k"].isin(table1_ks)].reset_index(drop=True),
+        tables.global_sets_display(table, table1_ks)))
+    _figure(rep, "recovery_vs_k_global", figures.recovery_long_from_sets(rows),
+            "Knock-in recovery of the global sets",
+            "median over notes against k; dashed: count-matched random and bottom-k floors")
+
+
+def _figure(rep: Report, name: str, long: pd.DataFrame, title: str, subtitle: str) -> None:
+    """A recovery figure, or a note saying why there is none (no finite recovery to plot)."""
+    if long.dropna(subset=["recovery"]).empty:
+        _skip(rep, f"figure {name}", "no finite recovery values (no event passed the range gate)")
+        return
+    rep.figures[name] = figures.recovery_figure(long, title, subtitle)
+
+
+def task_section(rep: Report, runs: pd.DataFrame, n_resamples: int, corpus_resamples: int,
+          seed: int) -> pd.DataFrame | None:
+    """Tables 2 and 43; returns the per-note task table (for Table 45's task lines)."""
+    if runs.empty:
+        _skip(rep, "Table 2 (task and fidelity) and Table 43 (paired differences)",
+              "no FINISHED evaluate runs")
+        return None
+    t2 = tables.task_table(runs, rep.reference_arm)
+    rep.tables.append(ReportTable(
+        "table2_task_fidelity", "Table 2: task and fidelity per arm",
+        "Corpus-level metrics of each evaluate run, mean ± sd over seeds (single-seed rows "
+        "marked [1 seed]); gap recovered: (arm - untrained) / (teacher - untrained) on "
+        "micro-F1.", t2, tables.task_display(t2)))
+    per_note = _load(rep, runs, PER_NOTE_METRICS, ["note_id", "micro_f1"])
+    what = "Table 43 (paired differences against the reference)"
+    if per_note.empty:
+        _skip(rep, what, f"no evaluate run has {PER_NOTE_METRICS}")
+        return None
+    if not (per_note["arm"] == rep.reference_arm).any():
+        _skip(rep, what, f"no evaluate run of the reference arm {rep.reference_arm!r}")
+        return per_note
+    try:
+        t43, diffs = tables.task_paired_table(per_note, rep.reference_arm,
+                                              n_resamples=n_resamples,
+                                              corpus_resamples=corpus_resamples, seed=seed)
+    except MistillInputError as exc:
+        _skip(rep, what, str(exc))
+        return per_note
+    if t43.empty:
+        _skip(rep, what, "no arm shares a model with the reference arm")
+        return per_note
+    rep.tables.append(ReportTable(
+        "table43_paired", "Table 43: paired differences behind Table 2",
+        f"Arm minus {rep.reference_arm} on the same notes, seed-averaged per note: mean "
+        f"difference with a percentile bootstrap 95% interval ({n_resamples} resamples), "
+        "two-sided Wilcoxon signed-rank p (zeros dropped), exact sign-test p, notes "
+        "higher/lower/tied; for micro-F1 also the corpus-level difference with notes "
+        f"resampled ({corpus_resamples}) and its bootstrap p.", t43, tables.paired_display(t43)))
+    rep.figures["paired_differences_task"] = figures.paired_differences_figure(
+        diffs, t43, f"Per-note differences against {rep.reference_arm}",
+        "seed-averaged per note; red: mean with its bootstrap 95% interval")
+    return per_note
+
+
+def own_heads_section(rep: Report, runs: pd.DataFrame, eval_runs: pd.DataFrame,
+               task_notes: pd.DataFrame | None, n_resamples: int, seed: int) -> None:
+    what = "Tables 3/45 (own-heads readouts) and the own-heads recovery figure"
+    if runs.empty:
+        return _skip(rep, what, "no FINISHED own_heads runs")
+    per_note = ablation_tables._traces(_load(  # with λ, for the figure's legend (arm and λ)
+        rep, runs, OWN_HEADS_PER_NOTE, ["note_id", "phase", "k", "recovery_own",
+                                        "recovery_random"], ("run_id", *query.RUN_KEY, "lambda")), "teacher")
+    if per_note.empty:
+        return _skip(rep, what, f"no own_heads run has {OWN_HEADS_PER_NOTE}")
+    seeds = tables.own_heads_seed_table(per_note, runs, eval_runs, rep.reference_arm)
+    t3 = tables.own_heads_table(seeds, rep.reference_arm)
+    rep.tables.append(ReportTable(
+        "table3_own_heads", "Table 3: mechanism on each arm's own heads",
+        "Knock-in recovery of the own top-k per phase (median over notes, then mean ± sd over "
+        "seeds; random-k floor in parentheses; in brackets the gated events and notes a seed's cell "
+        "rests on, 'n too small' in place of a value below the minimum of analysis.evidence), then "
+        "the run readouts (M2 region lift, prefix share, M3 near-miss share) and the task micro-F1 "
+        "of the same seeds.",
+        t3, tables.own_heads_display(t3)))
+    rep.tables.append(ReportTable(
+        "table45_own_heads_seeds", "Table 45: own-heads readouts per seed",
+        "Per seed: medians over notes, random-k floors in parentheses, the gated events and notes "
+        "behind each cell in brackets ('n too small' below the minimum); task: that seed's "
+        "micro-F1.", seeds, tables.own_heads_seed_display(seeds)))
+    _figure(rep, "recovery_vs_k_own", figures.recovery_long_from_own(per_note), "Own-heads knock-in recovery",
+            "mean over seeds of medians over notes, against k; dashed: random-k floors")
+    cmp_what = "Table 45 seed-matched comparisons"
+    if not (per_note["arm"] == rep.reference_arm).any():
+        return _skip(rep, cmp_what, f"no own_heads run of the reference arm "
+                                    f"{rep.reference_arm!r}")
+    try:
+        t45, diffs = tables.own_heads_paired_table(per_note, rep.reference_arm, task_notes,
+                                                   n_resamples=n_resamples, seed=seed)
+    except MistillInputError as exc:
+        return _skip(rep, cmp_what, str(exc))
+    if t45.empty:
+        return _skip(rep, cmp_what, "no arm shares a model with the reference arm")
+    rep.tables.append(ReportTable(
+        "table45_seed_matched", "Table 45: seed-matched comparisons",
+        f"Arm minus {rep.reference_arm}, seed i against seed i (a one-seed side pairs with "
+        "every seed), note-clustered: per note the mean of its seed pairs' differences, then "
+        "the tests over notes (bootstrap 95% interval of the mean, Wilcoxon, sign test); "
+        "pooled note-pair counts are in the CSV, descriptive only.",
+        t45, tables.paired_display(t45)))
+    rep.figures["paired_differences_own_heads"] = figures.paired_differences_figure(
+        diffs, t45, f"Seed-matched differences against {rep.reference_arm}",
+        "per note, the mean over its seed pairs; red: mean with its bootstrap 95% interval")
+
+
+def _selection_columns(run_id: str) -> dict[str, str]:
+    """``{<lock's metric>: "metric", <lock's tie-break>: "tie_break"}`` from the run's
+    ``decision.json`` (the ``select_lambda`` stage names those columns after its lock)."""
+    try:
+        rule = read_json(RunReader(run_id, field=DECISION).file(DECISION))["lock"]["selection"]
+        return {str(rule["metric"]): "metric", str(rule["tie_break"]): "tie_break"}
+    except (MistillInputError, OSError, KeyError, TypeError, ValueError):
+        return {}
+
+
+def _lambda_cells(rep: Report, runs: pd.DataFrame) -> pd.DataFrame:
+    """Every run's cells with ``metric`` and ``tie_break`` columns (named so in ``cells.csv``,
+    or after the lock's metric and tie-break as ``decision.json`` says) and ``picked``."""
+    frames = []
+    for i in range(len(runs)):
+        cells = _load(rep, runs.iloc[[i]], LAMBDA_CELLS, ["lambda_p1", "lambda_p2", "state"])
+        if cells.empty:
+            continue
+        if not {"metric", "tie_break"} <= set(cells.columns):
+            cells = cells.rename(columns=_selection_columns(runs["run_id"].iloc[i]))
+        if not {"metric", "tie_break"} <= set(cells.columns):
+            rep.notes.append(f"run {runs['run_id'].iloc[i]}: {LAMBDA_CELLS} has no metric and "
+                             f"tie-break columns, and {DECISION} does not name them")
+            continue
+        if "picked" not in cells.columns:
+            cells["picked"] = False
+        frames.append(cells)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def lambda_section(rep: Report, runs: pd.DataFrame) -> pd.DataFrame:
+    """The λ cells table and frontier figure; returns every run's cells (empty without)."""
+    what = "The λ validation frontier"
+    if runs.empty:
+        _skip(rep, what, "no FINISHED select_lambda runs")
+        return pd.DataFrame()
+    cells = _lambda_cells(rep, runs)
+    if cells.empty:
+        _skip(rep, what, f"no select_lambda run has a readable {LAMBDA_CELLS}")
+        return cells
+    names = dict(zip(runs["run_id"], runs["run_name"]))
+    cells.insert(0, "selection", cells["run_id"].map(names).fillna(cells["run_id"]))
+    cells["picked"] = cells["picked"].astype(str).str.lower().isin(["true", "1"])
+    cols = ["selection", "model", "arm", "lambda_p1", "lambda_p2", "metric", "tie_break",
+            "state", "picked"]
+    shown = cells[cols].sort_values(["selection", "lambda_p1", "lambda_p2"]).reset_index(
+        drop=True)
+    rep.tables.append(ReportTable(
+        "lambda_cells", "λ selection cells",
+        "Validation metric and tie-break per grid cell, the pick marked.", shown, shown))
+    rep.figures["lambda_frontier"] = figures.lambda_frontier_figure(cells)
+    return cells
+
+
+# ------------------------------------------------------------------ always-listed tables
+def _listed(rep: Report, name: str, title: str, caption: str, numeric: pd.DataFrame,
+            display: pd.DataFrame, reason: str = "", columns: Sequence[str] = ()) -> None:
+    """Add a table that is listed whether or not it has rows: without rows its display is one
+    row of empty cells whose ``note`` says why (``reason``)."""
+    if numeric.empty and not reason:
+        reason = "no rows"
+    if numeric.empty:
+        cols = list(display.columns) or list(columns)
+        display = pd.DataFrame([{**{c: "" for c in cols if c != "note"}, "note": reason}])
+        numeric = pd.DataFrame(columns=list(numeric.columns) or [*cols, "note"])
+    rep.tables.append(ReportTable(name, title, caption, numeric, display,
+                                  reason if numeric.empty else ""))
+
+
+_PER_NOTE_RUN_COLUMNS = ("run_id", "split", *query.RUN_KEY)
+
+
+@dataclass
+class ExtraRuns:
+    """The runs beyond the newest of each cell, with their per-note tables."""
+
+    attribute: pd.DataFrame
+    train: pd.DataFrame
+    evaluate: pd.DataFrame
+    own: pd.DataFrame
+    eval_notes: pd.DataFrame
+    own_notes: pd.DataFrame
+    split: str
+
+    @classmethod
+    def load(cls, inputs: ReportInputs, split: str) -> ExtraRuns:
+        empty = pd.DataFrame(columns=["run_id", "run_name", "start_time", *query.TAG_COLUMNS])
+        get = inputs.extra.get
+        evaluate, own = get("evaluate_all", empty), get("own_heads_all", empty)
+        eval_notes = query.per_note_table(evaluate, PER_NOTE_METRICS, ["note_id", "micro_f1"],
+                                          _PER_NOTE_RUN_COLUMNS).frame
+        own_notes = query.per_note_table(own, OWN_HEADS_PER_NOTE,
+                                         ["note_id", "phase", "k", "recovery_own",
+                                          "recovery_random"], _PER_NOTE_RUN_COLUMNS).frame
+        return cls(get("attribute", empty), get("train", empty), evaluate, own,
+                   _norm(eval_notes), _norm(own_notes), split)
+
+    def test_runs(self, frame: pd.DataFrame, cell_train: set[str]) -> pd.DataFrame:
+        """The newest run of each cell on the report's split (runs without a split tag kept),
+        leaving out the readouts of λ-selection cells (``cell_train``: their train runs)."""
+        if frame.empty:
+            return frame
+        on = frame[(frame["split"].isna() | (frame["split"] == self.split))
+                   & ~frame["train_run"].isin(cell_train)]
+        return query.latest_runs(on)
+
+
+def _norm(frame: pd.DataFrame) -> pd.DataFrame:
+    if frame.empty:
+        return frame
+    out = frame.copy()
+    for col in ("model", "arm", "precision", "split"):
+        if col in out.columns:
+            out[col] = out[col].fillna("").astype(str)
+    return out
+
+
+# ---------------------------------------------------------------------- Tables 25-33, Figure 1
+LOCUS_TABLES: tuple[tuple[str, str, str], ...] = (
+    ("table25_suffixes", "Table 25: the locus under the forcing suffixes",
+     "Outcome shares, the median distance of the window loci and the per-mention agreement with the "
+     "run's suffix, on the same chapter mentions."),
+    ("table26_outcomes", "Table 26: where the chapter can be elicited",
+     "The forcing probe's outcome for every chapter mention, as a share of each column's mentions; "
+     "the previous code is the code mentioned just before, in the same or in another chapter."),
+    ("locus_distances", "Locus distances and robustness",
+     "The window loci's distance before the letter, the jump across the crossing step, the share "
+     "whose curve returns above theta, and the per-note window and inherited shares."),
+    ("table27_locus_tokens", "Table 27: the locus token",
+     "Each token class's share among all attribution-window tokens (base rate), among the window "
+     "loci, and the lift."),
+    ("table28_importance_position", "Table 28: where the importance sits",
+     "Mean share of each attributed mention's positive importance (window plus suffix) at the locus, "
+     "1-3, 4-15 and 16-63 tokens before it, and at the suffix."),
+    ("table29_prose_time", "Table 29: the prose-time ranking",
+     "Decision-specific importance summed over the attribution-window positions (I_c, nats, mean "
+     "over notes) with its 95% bootstrap interval, and the head's rank in the emission-time chapter "
+     "ranking; shared_top<k>: heads shared with the emission set's top-k."),
+    ("table30_pass_a", "Table 30: pass A",
+     "Share of the forced chapter margin destroyed by mean-ablating each set at the locus (medians "
+     "over notes of per-note means, 10th-90th percentile over notes); window/suffix: restricted by "
+     "position."),
+    ("table31_follow_through", "Table 31: follow-through of the window ablation to the code",
+     "Per set mean-ablated over the attribution window (sustained: to the code), the natural margin "
+     "removed at the chapter letter after the original continuation, the ratio natural/forced on "
+     "mentions whose forced drop exceeds one nat, and the share of natural decisions flipped."),
+    ("table32_pass_b", "Table 32: pass B, the fixed prose-time set",
+     "Share of the forced chapter margin destroyed by the global prose-time top-k at the window, the "
+     "suffix and both, against random-k and the prose-time bottom-k at the window; notes on which "
+     "the prose-time set beats random."),
+    ("table33_locus_reads", "Table 33: what the prose-time heads read at the locus",
+     "Attention at the locus token in the natural context, mean over loci, for four 16-head groups: "
+     "share on the emitted chapter's lines (region), other lines, the note, the reasoning prose and "
+     "the sink; region lift; n_eff over inventory tokens."),
+    ("residual_swap", "Residual swap (Figure 5's data)",
+     "Per place (locus, tail, code token) and layer: medians over mentions of the forced and natural "
+     "margins after writing a donor mention's residual in."))
+
+
+def locus_section(rep: Report, runs: pd.DataFrame) -> None:
+    """Tables 25-33 and Figure 1 from the newest ``locus`` run of each model."""
+    if runs.empty:
+        return _skip(rep, "Tables 25-33 and Figure 1 (the locus pass)", "no FINISHED locus runs")
+    loaded: dict[str, pd.DataFrame] = {}
+    for name, title, caption in LOCUS_TABLES:
+        frame = _load(rep, runs, f"{name}.csv", [], ("run_id", "model"))
+        loaded[name] = frame
+        _listed(rep, name, title, caption, frame, frame.drop(columns=["run_id"], errors="ignore"),
+                "" if not frame.empty else "the locus runs logged no rows for it")
+    mentions = _load(rep, runs, "locus_mentions.csv", ["outcome", "distance"], ("run_id", "model"))
+    for key, fig in locus_figures.figure1(mentions, loaded["table30_pass_a"], loaded["table32_pass_b"],
+                                          loaded["table33_locus_reads"], loaded["table27_locus_tokens"]).items():
+        rep.figures[key] = fig
+
+
+# ---------------------------------------------------------------------- Tables 16-23
+READ_SIDE_STAGES = ("read_side", "key_block", "trace_edit", "note_edit")
+READ_SIDE_TABLES: tuple[tuple[str, str, str, str], ...] = (
+    ("read_side", "readside_groups", "Table 16: what the decision heads read, by group",
+     "Per phase, the region lift of the global top-k, the random panel and the bottom-k (per note: "
+     "median over events per head, mean over heads; median over notes), the notes on which the top-k "
+     "beats the random panel (sign test), and the top-k's shares on the sink, the inventory lines, the "
+     "note, the trace prose and the code prefix."),
+    ("read_side", "readside_heads_P1", "Table 17: the chapter (P1) top-k head by head",
+     "I_c, median shares on the region, the prose and the sink, region lift, n_eff over inventory "
+     "tokens, r across events between the region share and the head's importance, and the family by "
+     "the stated rule (region reader / prose reader / mixed)."),
+    ("read_side", "readside_heads_P2", "Table 18: the code (P2) top-k head by head", "As Table 17, at P2 events."),
+    ("read_side", "readside_heads_P2C", "Table 19: the contrastive (P2C) top-k head by head",
+     "As Table 17, at P2C events; r is taken between the share on the near-miss's earlier mentions "
+     "and the head's importance."),
+    ("key_block", "key_block", "Table 20: blocking what the named heads read",
+     "E: the head's mean-ablation effect on the margin (share of events with E above the threshold); "
+     "D: the margin lost when the head cannot attend to the keys it is named for, against the "
+     "empty-set reference, and to as many matched control keys; share: median D/E over events with E "
+     "above the threshold; right: the per-note mean of named minus control with its bootstrap "
+     "interval, notes higher / lower and the sign test."),
+    ("trace_edit", "trace_edit", "Table 21: editing the earlier mention of the near-miss",
+     "Effect = margin under the identity edit minus margin under the replacement (positive: the edit "
+     "lowered the margin), per replacement, with the sign and Wilcoxon tests; mediated: the median "
+     "share of the change removed when the mediation set is mean-ablated during both reads, over "
+     "events whose effect exceeds half a nat; paired rows: neutral minus each code replacement. "
+     "Per run, so one row block per model (Table 22 compares the students' blocks)."),
+    ("note_edit", "note_edit", "Table 23: editing the note",
+     "The contrastive margin's change when the emitted code's distinguishing description words, the "
+     "sibling's, matched other-chapter words or matched words in no description are replaced in the "
+     "note (identity minus variant), over events with a distinguishing word in the note; per note, "
+     "the code's words minus each control with its bootstrap interval and sign test."),
+)
+
+
+def read_side_section(rep: Report, runs: dict[str, pd.DataFrame]) -> None:
+    """Tables 16-23 from the newest run of each App. E stage per model (one row block per model)."""
+    for stage, name, title, caption in READ_SIDE_TABLES:
+        found = runs.get(stage, pd.DataFrame())
+        if found.empty:
+            frame, why = pd.DataFrame(), f"no FINISHED {stage} runs"
+        else:
+            frame = _load(rep, found, f"{name}.csv", [], ("run_id", "model"))
+            why = "" if not frame.empty else f"the {stage} runs logged no rows for it"
+        _listed(rep, f"appE_{name}", title, caption, frame, frame.drop(columns=["run_id"], errors="ignore"), why,
+                columns=("model",))
+
+
+def student_edits_section(rep: Report, runs: pd.DataFrame, reference_arm: str, n_resamples: int, seed: int) -> None:
+    """Table 22: every arm's trace edits against the reference arm's, per seed pair and pooled."""
+    name, title = "table22_student_edits", "Table 22: the trace edits on the students"
+    caption = ("Per note, the mean edit effect over the three replacements on the events both arms' runs "
+               f"edited; each arm minus the reference arm ({reference_arm}) per seed pair, and pooled with "
+               "the note as the cluster (bootstrap-over-notes 95% interval; notes higher / lower; sign test). "
+               "The ordering is a property of the trained pair.")
+    cols = ["arm", "pair", "n_notes", "arm_mean", "reference_mean", "difference", "ci_low", "ci_high",
+            "notes_higher", "notes_lower", "sign_p"]
+    students = runs[runs["arm"].notna()] if not runs.empty and "arm" in runs.columns else pd.DataFrame()
+    if students.empty:
+        return _listed(rep, name, title, caption, pd.DataFrame(), pd.DataFrame(),
+                       "no FINISHED trace_edit runs of a trained arm", columns=cols)
+    events = _load(rep, students, "trace_edit_events.csv", ["event_id"], ("run_id", "arm", "seed"))
+    table = edit_pairs_table(events, reference_arm, n_resamples=n_resamples, seed=seed)
+    _listed(rep, name, title, caption, table, table,
+            "" if len(table) else f"no arm's trace_edit runs pair with the reference arm's ({reference_arm})",
+            columns=cols)
+
+
+def audit_section(rep: Report, evaluate: pd.DataFrame, own: pd.DataFrame, labels: pd.DataFrame | None) -> None:
+    """Table 24: M1 and own-heads knock-in recovery at k=40 on the audited contrastive events, per
+    model, arm, precision and seed (an ``evaluate`` run and the ``own_heads`` run of the same key)."""
+    name, title = "table24_audited_events", "Table 24: the readouts on the audited contrastive events"
+    caption = ("M1 (share of the labeled P2C events where the model's teacher-forced margin favours the "
+               "teacher's choice) and own-heads knock-in recovery at k=40 (mean over gated events), on the "
+               "verified rejections and on the other labeled events (enumerations and the remaining classes).")
+    cols = ["model", "arm", "precision", "seed", "stratum", "m1_n", "m1_p_pos", "knockin_n", "recovery_k40"]
+    if labels is None:
+        return _listed(rep, name, title, caption, pd.DataFrame(), pd.DataFrame(),
+                       "no audit labels given (ReportConfig.audit_labels)", columns=cols)
+    if evaluate.empty:
+        return _listed(rep, name, title, caption, pd.DataFrame(), pd.DataFrame(), "no FINISHED evaluate runs",
+                       columns=cols)
+    m1 = _load(rep, evaluate, "m1_events.csv", ["event_id", "kind", "margin"])
+    kin = _load(rep, own, "own_heads_knockin_events.csv", ["event_id", "phase", "k", "recovery", "gated"]) \
+        if not own.empty else pd.DataFrame()
+    if len(kin):
+        kin = kin[kin["traces"] == "teacher"]
+    rows = []
+    for key, m1_run in (m1.groupby(list(query.RUN_KEY), dropna=False, sort=True) if len(m1) else []):
+        kin_run = kin
+        if len(kin):
+            match = pd.Series(True, index=kin.index)
+            for col, value in zip(query.RUN_KEY, key):
+                match &= kin[col].astype(str) == str(value)
+            kin_run = kin[match]
+        table = stratified_readouts(labels, m1_run, kin_run, k=40)
+        for col, value in reversed(list(zip(query.RUN_KEY, key))):
+            table.insert(0, col, value)
+        rows.append(table)
+    frame = pd.concat(rows, ignore_index=True) if rows else pd.DataFrame(columns=cols)
+    _listed(rep, name, title, caption, frame, frame, "" if len(frame) else "no evaluate run logged m1_events",
+            columns=cols)
+
+
+# ---------------------------------------------------------------------- Tables 11 and 15
+def characterization_section(rep: Report, client: MlflowClient, extra: ExtraRuns, choices: TableChoices,
+                      n_resamples: int, seed: int) -> None:
+    runs = extra.attribute
+    why = "" if not runs.empty else \
+        "no knockin run read names an attribute run (the characterization's ranking)"
+    t11, t11d, layers = [], [], []
+    for _, run in runs.iterrows():
+        try:
+            data = characterization.load_calibration(client, run["run_id"], str(run["model"]))
+            table = characterization.importance_table(
+                data, top_k=choices.importance_heads, profile_k=choices.profile_k,
+                n_resamples=n_resamples, seed=seed)
+            t11.append(table)
+            t11d.append(characterization.importance_display(table))
+            layers.append(characterization.layer_table(data, bounds=choices.layer_blocks))
+        except MistillInputError as exc:
+            why = str(exc)
+    cat = (lambda frames: pd.concat(frames, ignore_index=True) if frames else pd.DataFrame())
+    _listed(rep, "table11_importance", "Table 11: decision-specific importance of representative "
+            "heads",
+            f"I_c (nats; mean over notes of per-note I_c) with its percentile bootstrap 95% "
+            f"interval over notes ({n_resamples} resamples) and its rank among all heads, per "
+            f"phase, for the heads in the top {choices.importance_heads} of any phase; profile: "
+            f"the phases in whose top {choices.profile_k} the head ranks (all: shared, one: "
+            "specific); P2C raw I: the raw importance, exact where measured, not "
+            "NULL-calibrated.", cat(t11), cat(t11d), why,
+            ["model", "head", "P1 I_c [95% CI]", "P1 rank", "P2 I_c [95% CI]", "P2 rank",
+             "P2C I_c [95% CI]", "P2C rank", "profile", "P2C raw I"])
+    layer_frame = cat(layers)
+    _listed(rep, "table11_layers", "Table 11 (last row): layers of the chapter top-40",
+            "Heads of the P1 top-40 in each block of layers and their share of its summed I_c.",
+            layer_frame, layer_frame.drop(columns=["run_id"], errors="ignore"), why,
+            ["model", "phase", "top_k", "layers", "n_heads", "share_I_c"])
+    t15 = characterization.stability_table(runs) if not runs.empty else pd.DataFrame()
+    why15 = why if runs.empty else ("the attribute run logged no split-half stability (it needs "
+                                    "notes of at least four patients)")
+    _listed(rep, "table15_stability", "Table 15: split-half stability of the head discovery",
+            "The I_c ranking on one random half of the patients against the other: medians over "
+            "splits of the Spearman correlation over all heads and of the top-k overlaps, and of "
+            "each half's top-40 overlap with the full ranking.", t15,
+            characterization.stability_display(t15) if not t15.empty else pd.DataFrame(), why15,
+            ["model", "phase", *(label for _, label in characterization.STABILITY_COLUMNS)])
+
+
+# --------------------------------------------------------------------------- Tables 39-42
+def _selections(rep: Report, runs: pd.DataFrame, cells: pd.DataFrame
+                ) -> list[seltab.Selection]:
+    out = []
+    for _, run in runs.iterrows():
+        mine = cells[cells["run_id"] == run["run_id"]] if not cells.empty else pd.DataFrame()
+        doc = query.read_json_artifact(run["run_id"], DECISION)
+        sel = seltab.load_selection(run.to_dict(), mine, doc if isinstance(doc, dict) else None)
+        out.append(sel)
+    return out
+
+
+def _train_arms(train_runs: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Train run id -> its resolved arm (runs without one left out)."""
+    out = {}
+    for rid in train_runs:
+        arm = run_deviations.resolved_arm(rid, query.run_config(rid))
+        if arm is not None:
+            out[rid] = arm
+    return out
+
+
+def selection_section(rep: Report, runs: pd.DataFrame, cells: pd.DataFrame, extra: ExtraRuns,
+               n_resamples: int, seed: int) -> None:
+    sels = _selections(rep, runs, cells)
+    none = "no FINISHED select_lambda runs" if runs.empty else ""
+    ref = rep.reference_arm
+    t39 = seltab.grid_table(sels, extra.evaluate, ref) if sels else pd.DataFrame()
+    decisions = " ".join(seltab.decision_summary(s) + "." for s in sels)
+    _listed(rep, "table39_selection", "Table 39: the λ selection on the validation notes",
+            "Every cell of each selection (*: picked, +: within the tie band of the best) with "
+            "the lock's metric and tie-break and its evaluation's valid and cap rates and M1 per "
+            f"phase; anchor rows: untrained, teacher and {ref} evaluated on the selection's "
+            f"notes. {decisions}".strip(), t39,
+            seltab.grid_display(t39) if not t39.empty else pd.DataFrame(),
+            none or "the select_lambda runs have no cells",
+            ["selection", "cell", "λ_P1", "λ_P2", "state", "metric", "tie-break", "gap"])
+    t40 = seltab.dose_response_table(sels, extra.eval_notes, ref, n_resamples=n_resamples,
+                                     seed=seed) if sels else pd.DataFrame()
+    _listed(rep, "table40_dose_response", "Table 40: dose response of M1 on the validation notes",
+            f"Per cell, M1 (share of events with a positive margin, per note) minus {ref}'s on "
+            "the selection's notes with events in every phase: mean per-note difference, notes "
+            "higher/lower, exact sign-test p.", t40,
+            seltab.dose_response_display(t40) if not t40.empty else pd.DataFrame(),
+            none or "the select_lambda runs have no cells",
+            ["selection", "cell", "phase", "notes", "Δ M1 (mean per note)", "higher/lower",
+             "sign p"])
+    picked_train = [t for s in sels for t in (extra.evaluate[
+        (extra.evaluate["split"] == s.split) & (extra.evaluate["arm"] == s.arm)]["train_run"]
+        .dropna().unique() if not extra.evaluate.empty else [])]
+    arms = _train_arms(sorted(set(picked_train)))
+    levels, pairs, whys = [], [], []
+    for sel in sels:
+        lv, pr, why = seltab.confirmation_tables(
+            sel, extra.evaluate, extra.eval_notes, seltab.selected_train_runs(sel, arms), ref,
+            n_resamples=n_resamples, seed=seed)
+        levels.append(lv)
+        pairs.append(pr)
+        if why:
+            whys.append(f"{sel.name}: {why}")
+    lv = pd.concat(levels, ignore_index=True) if levels else pd.DataFrame()
+    pr = pd.concat(pairs, ignore_index=True) if pairs else pd.DataFrame()
+    _listed(rep, "table41_confirmation", "Table 41: the selected λ against the reference, "
+            "every seed", f"The lock's arm at the picked λ and {ref}, each over its seeds on the "
+            "selection's notes (mean ± sd), with the untrained student and the teacher as "
+            "anchors.", lv,
+            seltab.confirmation_display(lv) if not lv.empty else pd.DataFrame(),
+            none or "; ".join(whys) or "no evaluations on the selection's notes",
+            ["selection", "row", "seeds", "task micro-F1", "M1 P1", "M1 P2", "M1 P2C"])
+    _listed(rep, "table41_paired", "Table 41 (paired): seed-matched comparisons",
+            f"The selected arm minus {ref}, seed i against seed i (a one-seed side pairs with "
+            "every seed), note-clustered: per note the mean of its seed pairs' differences, then "
+            "the tests over notes.", pr,
+            tables.paired_display(pr) if not pr.empty else pd.DataFrame(),
+            none or "; ".join(whys) or "no paired lines",
+            ["model", "arm", "reference", "measure", "seed pairs", "notes", "Δ mean [95% CI]"])
+    t42 = pd.concat([seltab.reselection_table(
+        s, extra.evaluate, extra.eval_notes, extra.own, _own_teacher(extra.own_notes), ref,
+        extra.split, n_resamples=n_resamples, seed=seed) for s in sels], ignore_index=True) \
+        if sels else pd.DataFrame()
+    _listed(rep, "table42_reselection", "Table 42: the selection's cells on the test notes and "
+            "their own heads",
+            f"Per cell: the validation metric and tie-break; micro-F1 on the {extra.split} notes "
+            "and the own top-40 P2C recovery of the cell's train run; Δ: note-clustered against "
+            f"every seed of {ref} at the cell's precision (mean [95% CI]).", t42,
+            seltab.reselection_display(t42) if not t42.empty else pd.DataFrame(),
+            none or "the select_lambda runs have no cells",
+            ["selection", "cell", "val metric", "test micro-F1", "own P2C k40"])
+
+
+def _own_teacher(own_notes: pd.DataFrame) -> pd.DataFrame:
+    return ablation_tables._traces(own_notes, "teacher")
+
+
+# --------------------------------------------------------------------------- Tables 47-51
+def ablations_section(rep: Report, client: MlflowClient, extra: ExtraRuns, cells: pd.DataFrame,
+               choices: TableChoices, n_resamples: int, seed: int) -> None:
+    cell_train = cell_train_runs(cells, extra.train)
+    evaluate = extra.test_runs(extra.evaluate, cell_train)
+    own = extra.test_runs(extra.own, cell_train)
+    train = extra.train[~extra.train["run_id"].isin(cell_train)] if not extra.train.empty \
+        else extra.train
+    train = query.latest_runs(train) if not train.empty else train
+    ev_notes = extra.eval_notes[extra.eval_notes["run_id"].isin(evaluate["run_id"])] \
+        if not extra.eval_notes.empty else extra.eval_notes
+    own_notes = extra.own_notes[extra.own_notes["run_id"].isin(own["run_id"])] \
+        if not extra.own_notes.empty else extra.own_notes
+    t47 = ablation_tables.precision_table(evaluate, ev_notes, train, n_resamples=n_resamples,
+                                          seed=seed)
+    _listed(rep, "table47_precision", "Table 47: precision control, task side",
+            "Test micro-F1, valid and cap rate, mean ± sd over seeds; Δ: paired per-note "
+            "micro-F1 difference from each Vanilla CoT-KD arm's seed-averaged notes with its "
+            "bootstrap 95% interval.", t47, ablation_tables.precision_display(t47))
+    precision_train = train[train["arm"].isin(ablation_tables.PRECISION_ARMS)] \
+        if not train.empty else train
+    history = {rid: query.metric_history(client, rid, "train/ce")
+               for rid in precision_train.get("run_id", [])}
+    t48 = ablation_tables.training_ce_table(train, history, choices.ce_steps)
+    shown48 = t48.drop(columns=["last_step"]).astype(object).map(
+        lambda v: "" if v is None or (isinstance(v, float) and v != v) else
+        f"{v:.3f}" if isinstance(v, float) else str(v))
+    _listed(rep, "table48_training_ce", "Table 48: training cross-entropy per seed",
+            f"Cross-entropy on the trace tokens (train/ce) at optimiser steps "
+            f"{', '.join(map(str, choices.ce_steps))} and at the run's last step "
+            "(empty: the run logged no value at that step).", t48, shown48)
+    arms = ablation_tables.ablation_arms()
+    t49, p49 = ablation_tables.own_traces_table(
+        own, own_notes, train, [*ablation_tables.PRECISION_ARMS, *arms],
+        n_resamples=n_resamples, seed=seed)
+    _listed(rep, "table49_own_traces", "Table 49: own-heads knock-in on each student's own traces",
+            "P2C knock-in recovery of the own top-k on the arm's own generated traces (mean over "
+            "notes, random floor in parentheses; coverage: notes with a measurable own-trace "
+            "recovery) beside the teacher-forced cell on the same notes.", t49,
+            ablation_tables.own_traces_display(t49))
+    _listed(rep, "table49_paired", "Table 49 (bottom): Mistill minus Vanilla CoT-KD on own traces",
+            "On the notes both arms have own-trace events for: per seed pair, and note-clustered "
+            "over the notes with at least one pair.", p49,
+            _own_pairs_display(p49) if not p49.empty else pd.DataFrame(),
+            "no own-trace readouts of both mistill and a Vanilla CoT-KD arm",
+            ["comparison", "k", "seeds", "notes", "Δ mean [95% CI]"])
+    t51 = ablation_tables.ablation_table(own, own_notes, evaluate, ev_notes, train, arms,
+                                         n_resamples=n_resamples, seed=seed)
+    t50 = ablation_tables.ablation_plan_table(arms, t51, alpha=choices.sign_alpha)
+    _listed(rep, "table50_ablation_plan", "Table 50: the ablations and the direction of their "
+            "effects", "Each ablation arm, its base and the flags it changes, and its measured "
+            "P2C recovery and micro-F1 against Mistill (higher / lower: every Mistill seed's "
+            "sign test, or the micro-F1 interval, excludes no difference; level: none does; "
+            "mixed otherwise).", t50, t50)
+    _listed(rep, "table51_ablations", "Table 51: ablations on each arm's own heads",
+            "P2C and P2: own top-40 knock-in recovery, median over notes (mean over seeds), "
+            "random floor in parentheses; Δ P2C: per-note paired median difference against "
+            "each Mistill seed (sign-test p); vs base: notes higher/lower than the untrained "
+            "student; M2: P2C region lift (random); prefix: share on the emitted prefix; "
+            "micro-F1 with the paired difference from Mistill's seed-averaged notes [95% "
+            "interval].", t51, ablation_tables.ablation_display(t51))
+    _pool_carriers(rep, client, own)
+
+
+POOLS_FILE = "student_pools.json"
+OWN_SETS_FILE = "own_heads_sets.json"
+RANK_TAGS = {"notes": ("mistill.rank_attribute", "calib/{phase}/n_notes"),
+             "events": ("mistill.rank_events", "events/{phase}/realized")}
+"""What the carriers table reads of the runs behind an own ranking: the own-heads run's tag naming
+the ranking's attribute (events) run, and that run's per-phase note (event) count metric."""
+
+
+def _rank_counts(client: MlflowClient, run_id: str) -> dict[str, float]:
+    """``{"<phase>/notes": n, "<phase>/events": n}`` of the runs behind an own-heads run's
+    ranking (empty where a run or a metric is missing)."""
+    out: dict[str, float] = {}
+    try:
+        tags = client.get_run(run_id).data.tags
+        for what, (tag, metric) in RANK_TAGS.items():
+            if not tags.get(tag):
+                continue
+            metrics = client.get_run(tags[tag]).data.metrics
+            for phase in ablation_tables.CARRIER_PHASES:
+                value = metrics.get(metric.format(phase=phase))
+                if value is not None:
+                    out[f"{phase}/{what}"] = float(value)
+    except MlflowException:
+        return out
+    return out
+
+
+def _pool_carriers(rep: Report, client: MlflowClient, own: pd.DataFrame) -> None:
+    """App. M.3's carriers: the supervised pools and the untrained student's own top-40 among
+    each trained arm's own top-40 (:func:`analysis.ablation_tables.pool_carriers_table`)."""
+    k = ablation_tables.OWN_K
+    sets = {rid: query.read_json_artifact(rid, OWN_SETS_FILE) for rid in own.get("run_id", [])}
+    trains = {str(t) for t in own.get("train_run", pd.Series(dtype=object)).dropna() if t}
+    pools = {t: query.read_json_artifact(t, POOLS_FILE) for t in sorted(trains)}
+    counts = {rid: _rank_counts(client, rid) for rid in own.get("run_id", [])}
+    table = ablation_tables.pool_carriers_table(own, pools, sets, counts, k=k)
+    _listed(rep, "pool_carriers", "App. M.3: the supervised heads among each arm's carriers",
+            f"Per trained arm, seed and phase: of the heads its train run supervised (pool), how many "
+            f"are among the trained student's own top-{k} after training (its own-heads ranking), "
+            f"and how many of the untrained student's own top-{k} are (the paper's carriers, 27-38 "
+            f"of 40); share: over the pool, and over the own top-{k}. Ranking notes / events: "
+            "what the trained student's own ranking rests on at that phase.",
+            table, ablation_tables.pool_carriers_display(table) if not table.empty else pd.DataFrame(),
+            "no own_heads runs of a trained arm", list(ablation_tables.CARRIER_COLUMNS))
+
+
+def _own_pairs_display(table: pd.DataFrame) -> pd.DataFrame:
+    out = []
+    for _, r in table.iterrows():
+        out.append({"comparison": r["comparison"], "k": int(r["k"]), "seeds": r["seeds"],
+                    "notes": int(r["n"]),
+                    "Δ mean [95% CI]": tables.fmt_ci(r["mean_diff"], r["ci_low"], r["ci_high"]),
+                    "higher/lower": f"{int(r['n_higher'])}/{int(r['n_lower'])}",
+                    "sign p": tables.format_cell(r["sign_p"], p_value=True)})
+    return pd.DataFrame.from_records(out)
