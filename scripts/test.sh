@@ -22,8 +22,10 @@ fi
 . .venv/bin/activate
 export MLFLOW_DISABLE_TELEMETRY=true HF_HUB_OFFLINE=1
 # two worker processes (pytest-xdist), each test file whole on one of them, so that a file's
-# module-scoped fixtures are built once; MISTILL_TEST_WORKERS=0 runs everything in one process
-python -m pytest -q -n "${MISTILL_TEST_WORKERS:-2}" --dist loadfile "$@"
+# module-scoped fixtures are built once, in the collection order (tests/conftest.py puts the
+# longest files first; xdist's own reordering by test count would start them last);
+# MISTILL_TEST_WORKERS=0 runs everything in one process
+python -m pytest -q -n "${MISTILL_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: failing" >&2
