@@ -173,3 +173,21 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 
 def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@contextlib.contextmanager
+def environment_variable(key: str, value: str | None) -> Iterator[None]:
+    """``$key`` set to ``value`` (None: unset) inside the block and in processes launched there,
+    restored (or removed) on exit."""
+    saved = os.environ.get(key)
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = saved

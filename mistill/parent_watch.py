@@ -24,6 +24,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from mistill.io import environment_variable
+
 ENV_LAUNCHER = "MISTILL_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 1.0
@@ -32,15 +34,8 @@ _POLL_S = 1.0
 @contextlib.contextmanager
 def launching() -> Iterator[None]:
     """Name this process as the launcher of the steps started inside (restored on exit)."""
-    previous = os.environ.get(ENV_LAUNCHER)
-    os.environ[ENV_LAUNCHER] = str(os.getpid())
-    try:
+    with environment_variable(ENV_LAUNCHER, str(os.getpid())):
         yield
-    finally:
-        if previous is None:
-            os.environ.pop(ENV_LAUNCHER, None)
-        else:
-            os.environ[ENV_LAUNCHER] = previous
 
 
 def _set_pdeathsig(sig: int) -> bool:

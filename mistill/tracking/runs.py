@@ -59,7 +59,8 @@ from mlflow.tracking import MlflowClient, fluent
 
 from mistill.config import Config
 from mistill.errors import MistillInputError
-from mistill.io import is_safe_name, read_json, sha256_file, write_bytes, write_json, write_text
+from mistill.io import (environment_variable, is_safe_name, read_json, sha256_file, write_bytes, write_json,
+                        write_text)
 from mistill.progress import get_logger
 from mistill.tracking.auth import ensure_client_credentials, sign_done, verify_done
 from mistill.tracking.connection import is_unreachable, unavailable_error
@@ -340,22 +341,6 @@ def _experiment_id(client: MlflowClient, experiment: str, *, create: bool = Fals
 
 
 # --------------------------------------------------------------------------------- find_run
-@contextlib.contextmanager
-def environment_variable(key: str, value: str | None) -> Iterator[None]:
-    """``$key`` set to ``value`` (None: unset) inside the block and in processes launched there,
-    restored (or removed) on exit."""
-    saved = os.environ.get(key)
-    if value is None:
-        os.environ.pop(key, None)
-    else:
-        os.environ[key] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = saved
 
 
 def quiet_downloads() -> contextlib.AbstractContextManager[None]:
