@@ -31,7 +31,7 @@ def unit_of(key: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("raw")
-    ap.add_argument("--prefix", required=True)
+    ap.add_argument("--prefix", required=True, help="prepended to every key (empty: the keys as written)")
     ap.add_argument("--date", required=True)
     ap.add_argument("--command", required=True)
     args = ap.parse_args()
@@ -42,7 +42,7 @@ def main() -> None:
     for key, value in raw.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        results[f"{args.prefix}.{key}"] = {"value": value, "unit": unit_of(key), "card": card,
+        results[f"{args.prefix}.{key}" if args.prefix else key] = {"value": value, "unit": unit_of(key), "card": card,
                                            "date": args.date, "command": args.command}
     path.write_text(json.dumps(dict(sorted(results.items())), indent=2) + "\n")
     print(f"{len(results)} results in {path}")

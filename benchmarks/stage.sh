@@ -4,6 +4,8 @@
 #
 #   carry/smollm2-tokenizer   the embedded SmolLM2 tokenizer, saved as a plain directory (the
 #                             benchmarks pad it to each model's vocabulary)
+#   carry/minilm-tokenizer    the embedded MiniLM encoder's BERT uncased tokenizer (gte-large's
+#                             vocabulary), for the retriever benchmark
 #   .whl/                     the locked wheels the benchmarks import beyond torch and
 #                             transformers (TRL and its datasets stack, simple-icd-10-cm, MLflow),
 #                             downloaded without their dependencies
@@ -23,8 +25,13 @@ export HF_HUB_OFFLINE=1
 python - <<'PY'
 from mistill.models.loading import load_tokenizer
 
+from transformers import AutoTokenizer
+
+from mistill.models.encoder import EMBEDDED_ENCODER, encoder_dir
+
 load_tokenizer("embedded:smollm2-135m").save_pretrained("carry/smollm2-tokenizer")
-print("wrote carry/smollm2-tokenizer")
+AutoTokenizer.from_pretrained(str(encoder_dir(EMBEDDED_ENCODER))).save_pretrained("carry/minilm-tokenizer")
+print("wrote carry/smollm2-tokenizer and carry/minilm-tokenizer")
 PY
 mkdir -p .whl
 pins=()

@@ -324,6 +324,14 @@ DEVIATIONS: tuple[Deviation, ...] = (
     _D("LAS answer length", "App. K", "not stated",
        "the answer target fitted to 96 tokens", "LasSimulatorConfig.max_answer_tokens",
        "the simulator needs a bounded target", 96),
+    _D("LAS simulator training steps", "App. K", "fine-tuned once on the teacher's training traces; no step count, "
+       "learning rate or schedule stated",
+       "plain AdamW, one note (both inputs) per step, max_steps steps (reproduce passes 493: one pass over the "
+       "training traces; the pipeline's demo keeps the default)", "LasSimulatorConfig.max_steps",
+       "a CPU run trains a few steps; a reproduction sets one pass", 8),
+    _D("LAS simulator learning rate", "App. K", "not stated",
+       "constant 1e-4, no warm-up", "LasSimulatorConfig.lr",
+       "a short fine-tune of a small model", 1e-4),
     # --- lambda selection ---
     _D("training notes of the lambda selection", "App. I.3, J.4",
        "nine runs at 100 training notes, the Vanilla CoT-KD reference on the same 100; how the 100 "

@@ -81,6 +81,11 @@ class Workload:
     on_policy_fraction: the share of on-policy training steps that roll out;
     sampler: the model whose own generations an ``own_heads`` step samples before its passes
         (``new_tokens`` each after a ``tokens - new_tokens``-token prompt; empty: none).
+    head_notes, epochs, codes: the retriever's linear head (``shortlist``): the notes it trains
+        on, its epochs and the inventory it scores (``units`` are then the notes encoded and
+        ``tokens`` their words).
+    predictions: notes the LAS simulator predicts for, each twice (with the rationale and from the
+        note alone): ``evaluate``'s test notes, ``las_simulator``'s validation notes.
     """
 
     kind: str
@@ -90,6 +95,10 @@ class Workload:
     new_tokens: int = 0
     on_policy_fraction: float = 1.0
     sampler: str = ""
+    head_notes: int = 0
+    epochs: int = 0
+    codes: int = 0
+    predictions: int = 0
 
 
 @dataclass(frozen=True)
@@ -142,7 +151,15 @@ as an upper bound that the estimate's formula names."""
 READOUT = ("instrument.{model}.prefill_s", "instrument.{model}.tokens")
 """The figures of one teacher-forced forward, which ``evaluate`` runs per note over the teacher's
 prompt and trace for its readouts after sampling (the prefill the instrument benchmark times)."""
-NO_FIGURE = ("shortlist", "las_simulator")
+SHORTLIST = ("shortlist.note_s", "shortlist.note_words", "shortlist.description_s", "shortlist.head_note_epoch_s",
+             "shortlist.codes")
+"""``benchmarks/bench_shortlist_las.py``'s retriever figures: seconds to encode and pool one note
+of ``note_words`` words on the card, to encode one code description, and per note and epoch of
+the linear head on the host, at ``codes`` codes."""
+LAS = ("las.step_s", "las.tokens", "las.predict_rationale_s", "las.predict_note_s")
+"""``benchmarks/bench_shortlist_las.py``'s LAS simulator figures (Qwen3-1.7B): one training step
+(a note's two sequences, the longer of ``tokens``), one greedy prediction with the rationale and
+one from the note alone."""
 COMPOSITE: dict[str, tuple[str, ...]] = {"characterize": ("events", "attribute", "knockin")}
 """Entry points that run others as nested steps."""
 
@@ -389,15 +406,58 @@ def readout_estimate(work: Workload, figures: Figures) -> Estimate:
                     (time_key, tokens_key))
 
 
+def _missing(keys: Sequence[str], figures: Figures) -> str:
+    """The first of ``keys`` without a recorded figure, or empty."""
+    return next((k for k in keys if figures.get(k) is None), "")
+
+
+def shortlist_estimate(work: Workload, figures: Figures) -> Estimate:
+    """GPU-hours of a ``shortlist`` step (:data:`SHORTLIST`'s figures): ``units`` notes encoded
+    (scaled by words), the inventory's descriptions, and the head's ``epochs`` over ``head_notes``
+    notes (scaled by codes; it trains on the host while the stage holds the card)."""
+    missing = _missing(SHORTLIST, figures)
+    if missing:
+        return Estimate(None, f"{missing} is not recorded (benchmarks/bench_shortlist_las.py)")
+    note_s, words, desc_s, head_s, codes = (figures.get(k) for k in SHORTLIST)
+    seconds = (work.units * note_s * work.tokens / words + work.codes * desc_s
+               + work.epochs * work.head_notes * head_s * work.codes / codes)
+    return Estimate(seconds / 3600,
+                    f"{work.units} notes x {note_s:.3g} s x ({work.tokens} / {words:.0f} words) + {work.codes} "
+                    f"descriptions x {desc_s:.3g} s + {work.epochs} epochs x {work.head_notes} notes x {head_s:.3g} s "
+                    f"x ({work.codes} / {codes:.0f} codes) (the head, on the host)", SHORTLIST)
+
+
+def las_estimate(work: Workload, figures: Figures) -> Estimate:
+    """GPU-hours of the LAS simulator's part of a step (:data:`LAS`'s figures): ``las_simulator``'s
+    ``units`` training steps of ``tokens``-token sequences (scaled by tokens), and two greedy
+    predictions for each of ``predictions`` notes."""
+    missing = _missing(LAS, figures)
+    if missing:
+        return Estimate(None, f"{missing} is not recorded (benchmarks/bench_shortlist_las.py)")
+    step_s, bench_tokens, with_rationale, note_only = (figures.get(k) for k in LAS)
+    train = work.units * step_s * work.tokens / bench_tokens if work.kind == "las_simulator" else 0.0
+    predict = work.predictions * (with_rationale + note_only)
+    parts = [f"{work.units} steps x {step_s:.3g} s x ({work.tokens} / {bench_tokens:.0f} tokens)"] \
+        if work.kind == "las_simulator" else []
+    parts.append(f"{work.predictions} x ({with_rationale:.3g} + {note_only:.3g}) s (the LAS simulator's predictions)")
+    return Estimate((train + predict) / 3600, " + ".join(parts), LAS)
+
+
 def estimate(work: Workload, figures: Figures) -> Estimate:
     """GPU-hours of ``work``: units x per-unit seconds (x tokens / benchmark tokens) / 3600; for
     generation, :func:`generation_estimate` (``evaluate`` adds :func:`readout_estimate`); for
     on-policy training, :func:`rollout_estimate`; an ``own_heads`` step with a ``sampler`` adds
-    the generation of its own traces."""
+    the generation of its own traces; ``shortlist`` and ``las_simulator`` steps, and the LAS
+    predictions of an ``evaluate`` step, from :data:`SHORTLIST` and :data:`LAS`."""
     if work.kind == "none":
         return Estimate(0.0, "no GPU work")
     if work.kind == "evaluate":
-        return _sum([generation_estimate(work, figures), readout_estimate(work, figures)])
+        parts = [generation_estimate(work, figures), readout_estimate(work, figures)]
+        return _sum(parts + [las_estimate(work, figures)] if work.predictions else parts)
+    if work.kind == "shortlist":
+        return shortlist_estimate(work, figures)
+    if work.kind == "las_simulator":
+        return las_estimate(work, figures)
     if work.kind in GENERATION:
         return generation_estimate(work, figures)
     if work.kind in ROLLOUTS:
@@ -497,6 +557,13 @@ class PaperCounts:
     trace_tokens: the tokens a trace takes, the teacher's and the students' generations alike
     (**[recon]**: the paper states the 16,384-token cap and that 200 of the 500 training traces
     run past 6,144 tokens, App. J.3, not a median; 6,000 sits just under that).
+    retriever_train_notes: the linear head's training notes (App. A: the MIMIC-IV ICD-10 train
+    split of 89,099 summaries, less the patients of both corpora: an upper bound);
+    inventory_codes: the diagnosis codes (5,651); head_epochs: the head's epochs
+    (:class:`mistill.data.shortlist.RetrieverSettings`); note_words: the words of a summary
+    (**[recon]**: the paper states none; 1,500); note_tokens: the same note in the LAS simulator's
+    tokens (**[recon]**: 2,000); simulator_steps: the LAS simulator's training steps, one pass over
+    the teacher's training traces (**[recon]**: App. K states no schedule).
     """
 
     characterization_traces: int = 100
@@ -512,6 +579,12 @@ class PaperCounts:
     edit_events_per_note: int = 20
     edit_reads_per_event: int = 4
     trace_tokens: int = 6_000
+    retriever_train_notes: int = 89_099
+    inventory_codes: int = 5_651
+    head_epochs: int = 200
+    note_words: int = 1_500
+    note_tokens: int = 2_000
+    simulator_steps: int = 493
 
     def micro_steps(self, notes: int, epochs: int | None = None) -> int:
         return notes * (self.epochs if epochs is None else epochs)
@@ -611,6 +684,10 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
     def generation(model: str, notes: int, tokens: int) -> Workload:
         return Workload("generate", model, notes, tokens - trace, trace)
 
+    def retrieval(notes: int) -> Workload:  # the corpus's notes and the head's training notes encoded
+        return Workload("shortlist", "gte-large", notes + c.retriever_train_notes, c.note_words,
+                        head_notes=c.retriever_train_notes, epochs=c.head_epochs, codes=c.inventory_codes)
+
     steps += _traced_corpus("HD-001", "prepare", {**release, "select_n": "94", "remove_discharge_diagnosis": "true"},
                             generation("qwen3-14b", chars, full))
     attr = {"attribute_run": "HD-001/characterize:attribute"}
@@ -633,7 +710,7 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
     retriever = {**release, "model": "{teacher}"}
     steps += [
         _step("HD-002", "retriever_notes", "prepare", Workload("none"), params=retriever, skip_synthetic=True),
-        _step("HD-002", "shortlist", "shortlist", Workload("shortlist"),
+        _step("HD-002", "shortlist", "shortlist", retrieval(chars),
               inputs={"prepare_run": "HD-001/prepare", "train_prepare_run": "HD-002/retriever_notes"},
               params={"encoder": "{encoder}"}),
     ]
@@ -656,7 +733,7 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
         _step("DT-000", "prepare", "prepare", Workload("none"),
               params={"corpus": "{distill_corpus}", "model": "{teacher}"}),
         _step("DT-000", "retriever_notes", "prepare", Workload("none"), params=retriever, skip_synthetic=True),
-        _step("DT-000", "shortlist", "shortlist", Workload("shortlist"),
+        _step("DT-000", "shortlist", "shortlist", retrieval(c.train_notes + c.val_notes + c.test_notes),
               inputs={"prepare_run": "DT-000/prepare", "train_prepare_run": "DT-000/retriever_notes"},
               params={"encoder": "{encoder}"}),
     ]
@@ -678,11 +755,14 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
         steps.append(_step("DT-000", f"student_attribute_{student}", "characterize",
                            Workload("characterize", "qwen3-4b", c.val_notes, short),
                            inputs={"prepare_run": data}, params={"model": role, "split": "val"}))
-    steps.append(_step("DT-000", "las_simulator", "las_simulator", Workload("las_simulator"),
-                       inputs={"prepare_run": data}, params={"model": "{las_model}"}))
+    steps.append(_step("DT-000", "las_simulator", "las_simulator",
+                       Workload("las_simulator", "qwen3-1.7b", c.simulator_steps, c.note_tokens + trace,
+                                predictions=c.val_notes),
+                       inputs={"prepare_run": data},
+                       params={"model": "{las_model}", "max_steps": str(c.simulator_steps)}))
     evaluation = {"prepare_run": data, "las_run": "DT-000/las_simulator"}
     def answers(model: str) -> Workload:  # the test notes' generations (the teacher-forced reads add a prefill)
-        return Workload("evaluate", model, c.test_notes, short - trace, trace)
+        return Workload("evaluate", model, c.test_notes, short - trace, trace, predictions=c.test_notes)
 
     steps.append(_step("DT-000", "evaluate_teacher", "evaluate", answers("qwen3-14b"), inputs=evaluation,
                        params={"model": "{teacher}", "arm": "teacher", "split": "test"}))
@@ -716,7 +796,8 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
                            params={"arm": "vanilla-bf16", "seed": str(seed), "student": "{student}",
                                    "train_notes": str(c.selection_notes), "train_notes_seed": "0"}, disk_gib=8.0))
         steps.append(_step("DT-001", f"evaluate_{run}", "evaluate",
-                           Workload("evaluate", "qwen3-4b", c.val_notes, short - trace, trace),
+                           Workload("evaluate", "qwen3-4b", c.val_notes, short - trace, trace,
+                                    predictions=c.val_notes),
                            inputs={**evaluation, "train_run": f"DT-001/train_{run}"},
                            params={"arm": "vanilla-bf16", "split": "val"}))
     for student, arm, kind, seeds in ARM_SEEDS + ABLATION_SEEDS:

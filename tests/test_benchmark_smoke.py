@@ -162,11 +162,19 @@ def _profile_forward(res: dict, out: Path) -> None:
     _positive(res, "single_wall_s", "variants16_wall_s")
 
 
+def _shortlist_las(res: dict, out: Path) -> None:
+    _positive(res, "shortlist.description_s", "shortlist.note_s", "shortlist.head_note_epoch_s", "las.step_s",
+              "las.predict_rationale_s", "las.predict_note_s")
+    # 300 words in chunks of 128 words; a chunk of 128 vocabulary words plus [CLS] and [SEP]
+    assert res["shortlist.chunks_per_note"] == 3 and res["shortlist.chunk_tokens"] == 130
+    assert res["shortlist.codes"] == 40 and res["las.tokens"] == 48 and res["las.answer_tokens"] == 6
+
+
 CHECKS = {
     "bench_ddp_step.py": _ddp_step, "bench_evaluate.py": _evaluate, "bench_generate.py": _generate,
     "bench_hf_decode.py": _hf_decode, "bench_instrument.py": _instrument, "bench_invariants.py": _invariants, "bench_locus.py": _locus,
     "bench_onpolicy_step.py": _onpolicy_step, "bench_prefill.py": _prefill, "bench_readside.py": _readside,
-    "bench_sampling.py": _sampling, "bench_scaling.py": _scaling, "bench_train_step.py": _train_step,
+    "bench_sampling.py": _sampling, "bench_scaling.py": _scaling, "bench_shortlist_las.py": _shortlist_las, "bench_train_step.py": _train_step,
     "bench_vllm_vs_hf.py": _vllm_vs_hf, "min_abs_margin.py": _min_abs_margin,
     "profile_forward.py": _profile_forward,
 }

@@ -109,6 +109,40 @@ def test_an_estimate_is_the_recorded_figure_times_the_workload(tmp_path):
     assert estimate(Workload("none"), figures).gpu_hours == 0.0
 
 
+RETRIEVER_LAS = {"shortlist.note_s": 0.05, "shortlist.note_words": 1_000, "shortlist.description_s": 0.001,
+                 "shortlist.head_note_epoch_s": 1e-4, "shortlist.codes": 5_000, "las.step_s": 1.5, "las.tokens": 8_000,
+                 "las.predict_rationale_s": 0.8, "las.predict_note_s": 0.3}
+
+
+def test_the_retriever_and_the_las_simulator_are_costed_from_their_figures(tmp_path):
+    figures = figures_file(tmp_path / "f.json", {**VLLM_4B, **RETRIEVER_LAS, "instrument.qwen3-4b.prefill_s": 2.0,
+                                                 "instrument.qwen3-4b.tokens": 30_000})
+    work = Workload("shortlist", "gte-large", 1_100, 1_500, head_notes=1_000, epochs=200, codes=5_651)
+    est = estimate(work, figures)
+    seconds = 1_100 * 0.05 * 1.5 + 5_651 * 0.001 + 200 * 1_000 * 1e-4 * 5_651 / 5_000
+    assert est.gpu_hours == pytest.approx(seconds / 3600, rel=1e-12)
+    assert "the head, on the host" in est.formula and "shortlist.head_note_epoch_s" in est.keys
+    sim = estimate(Workload("las_simulator", "qwen3-1.7b", 493, 8_000, predictions=100), figures)
+    assert sim.gpu_hours == pytest.approx((493 * 1.5 + 100 * (0.8 + 0.3)) / 3600, rel=1e-12)
+    # evaluate adds the simulator's two predictions per note to sampling and readouts
+    plain = estimate(Workload("evaluate", "qwen3-4b", 150, 30_000, 6_000), figures)
+    las = estimate(Workload("evaluate", "qwen3-4b", 150, 30_000, 6_000, predictions=150), figures)
+    assert las.gpu_hours == pytest.approx(plain.gpu_hours + 150 * 1.1 / 3600, rel=1e-12)
+    assert "the LAS simulator's predictions" in las.formula
+    # a missing figure leaves the step uncosted and names the benchmark that records it
+    bare = figures_file(tmp_path / "bare.json", {**VLLM_4B, "instrument.qwen3-4b.prefill_s": 2.0,
+                                                  "instrument.qwen3-4b.tokens": 30_000})
+    for w in (work, Workload("evaluate", "qwen3-4b", 150, 30_000, 6_000, predictions=150)):
+        missing = estimate(w, bare)
+        assert missing.gpu_hours is None and "bench_shortlist_las.py" in missing.formula
+    # every evaluate step of the plan that reads a simulator predicts with it
+    for step in paper_plan():
+        if step.entry_point == "evaluate" and "las_run" in step.inputs:
+            assert step.work.predictions == step.work.units
+    sim_step = next(s for s in paper_plan() if s.entry_point == "las_simulator")
+    assert sim_step.params["max_steps"] == str(PaperCounts().simulator_steps)
+
+
 def test_the_rendered_plan_totals_its_estimates():
     figures = Figures.load()
     plan = paper_plan(PaperCounts(train_notes=10))
