@@ -32,7 +32,7 @@ from mistill.instrument.calibration import (PHASES, Calibration, NoteImportance,
                                             ranking)
 from mistill.instrument.passes import NoteAttribution
 from mistill.stages.common import RunReader
-from mistill.tracking.runs import metric_name
+from mistill.tracking.naming import metric_name
 
 __all__ = ["AttributeData", "PHASE_NAMES", "importance_table", "layer_table",
            "load_calibration", "profile", "stability_table"]

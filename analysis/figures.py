@@ -22,7 +22,7 @@ from typing import Any
 import pandas as pd
 
 from mistill.errors import MistillInputError
-from mistill.tracking.runs import lambda_label, short_model
+from mistill.tracking.naming import lambda_label, short_model
 
 __all__ = [
     "lambda_frontier_figure",

@@ -20,8 +20,10 @@ from mlflow.tracking import MlflowClient
 from mistill.errors import MistillInputError
 from mistill.io import read_json
 from mistill.stages.common import RunReader
-from mistill.tracking.runs import (CONFIG_ARTIFACT, TAG_ARM, TAG_CORPUS, TAG_INPUT_PREFIX, TAG_LAMBDA, TAG_MODEL,
-                                   TAG_PRECISION, TAG_PRIVACY, TAG_SEED, TAG_SPLIT, TAG_STAGE, _experiment_id, _quote)
+from mistill.tracking.experiments import _experiment_id
+from mistill.tracking.identity import _quote
+from mistill.tracking.naming import (CONFIG_ARTIFACT, TAG_ARM, TAG_CORPUS, TAG_INPUT_PREFIX, TAG_LAMBDA, TAG_MODEL,
+                                     TAG_PRECISION, TAG_PRIVACY, TAG_SEED, TAG_SPLIT, TAG_STAGE)
 
 __all__ = [
     "RUN_KEY",

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mistill.stages.evaluate import EvaluateConfig, run_evaluate  # noqa: E402
 from mistill.stages.prepare import PrepareConfig, run_prepare  # noqa: E402
-from mistill.tracking.runs import TAG_BACKEND  # noqa: E402
+from mistill.tracking.naming import TAG_BACKEND  # noqa: E402
 
 
 def server(root: Path, command: str) -> str:

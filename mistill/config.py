@@ -210,7 +210,7 @@ class Config:
 
         A run reads what a file holds, not its path: a lock, code list or corpus edited in place
         must make a different run. The digests join the run's identity as the params
-        ``<field>_sha256`` (see :func:`mistill.tracking.runs.identity_params`). Configs that name
+        ``<field>_sha256`` (see :func:`mistill.tracking.identity.identity_params`). Configs that name
         files override this; a missing file is left out here and refused by the stage itself.
         """
         return {}

@@ -20,7 +20,7 @@ import os
 
 from mlflow.tracking import MlflowClient
 
-from mistill.tracking.runs import experiment_url
+from mistill.tracking.experiments import experiment_url
 
 uri = os.environ["MLFLOW_TRACKING_URI"]
 exp = MlflowClient(uri).get_experiment_by_name("mistill/synthetic")

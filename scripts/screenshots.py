@@ -26,7 +26,7 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 
 from mistill.tracking.browser import Chromium
-from mistill.tracking.runs import experiment_url
+from mistill.tracking.experiments import experiment_url
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -55,7 +55,7 @@ from typing import Any
 
 from mistill.errors import MistillInputError
 from mistill.tracking.postgres import database_url, ensure_database, is_postgres, libpq_url, selection_storage_url
-from mistill.tracking.runs import quiet_run_links
+from mistill.tracking.experiments import quiet_run_links
 from selection.cells import Cell, CellResult, CellRun, Runner
 from selection.heartbeat import (ATTR_HEARTBEAT, Heartbeat, beating, fail_stale, queue_retry, quiet_optuna, rdb_storage,
                                  retried_from)

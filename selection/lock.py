@@ -107,7 +107,7 @@ LARGER_LAMBDA = "larger_lambda"
 LAMBDA_ORDERS = (SMALLER_LAMBDA, LARGER_LAMBDA)
 DEFAULT_TIE_FALLBACK = (FALLBACK_METRIC, SMALLER_LAMBDA)
 METRIC_SEPARATOR = "/"
-"""Between the parts of a metric name (as :data:`mistill.tracking.runs.METRIC_SEPARATOR`)."""
+"""Between the parts of a metric name (as :data:`mistill.tracking.naming.METRIC_SEPARATOR`)."""
 TRAIN_NOTES_KEYS = ("n", "seed")
 """The keys of ``training.train_notes``: the count (0 = every training note) and the draw's seed."""
 

@@ -77,10 +77,9 @@ def pinned_code_version() -> Iterator[str]:
     """
     from pathlib import Path
 
-    import mistill.tracking.runs as runs
+    import mistill.tracking.identity as identity
 
-    version = runs.code_version(Path(__file__).resolve().parents[1])
+    version = identity.code_version(Path(__file__).resolve().parents[1])
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(runs, "code_version", lambda repo_root=None: version)
-        mp.setattr(runs, "_code_version", lambda repo_root=None: version)
+        mp.setattr(identity, "code_version", lambda repo_root=None: version)
         yield version

@@ -43,7 +43,7 @@ _WORD = re.compile(r"\w+")
 
 
 def freeze_source(dst: Path) -> Path:
-    """A copy of the source tree (what :func:`mistill.tracking.runs.code_version` hashes, and the
+    """A copy of the source tree (what :func:`mistill.tracking.identity.code_version` hashes, and the
     entry-point scripts): subprocesses started from it keep one code version even while files of
     the shared checkout change (an ``projects/*.py`` script imports ``mistill`` from its tree)."""
     import shutil

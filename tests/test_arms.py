@@ -72,7 +72,7 @@ def test_a_relative_climb_to_a_yaml_outside_is_refused(tmp_path):
 
 def test_an_explicit_arm_file_is_read_and_its_content_joins_the_run_identity(tmp_path):
     from mistill.stages.distill import TrainStageConfig
-    from mistill.tracking.runs import identity_params
+    from mistill.tracking.identity import identity_params
 
     path = tmp_path / "my-arm.yaml"
     path.write_text("description: Mistill at lambda 0.05\nbase: mistill\nlambda_p1: 0.05\n")

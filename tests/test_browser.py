@@ -21,7 +21,7 @@ from stage_fixtures import unique
 
 from mistill.stages.report import ReportConfig, run_report
 from mistill.tracking.browser import Chromium, until
-from mistill.tracking.runs import experiment_url, run_url
+from mistill.tracking.experiments import experiment_url, run_url
 
 pytestmark = pytest.mark.browser
 

@@ -13,9 +13,10 @@ import os
 import pytest
 from mlflow.tracking import MlflowClient
 
+from mistill.io import environment_variable
 from mistill.stages.prepare import PrepareConfig
 from mistill.stages.workflow import run_step
-from mistill.tracking.runs import environment_variable, experiment_for_corpus
+from mistill.tracking.experiments import experiment_for_corpus
 from stage_fixtures import TINY, unique
 
 pytestmark = pytest.mark.usefixtures("pinned_code_version")

@@ -22,7 +22,7 @@ from mistill.models.loading import check_model_present
 from mistill.stages import cli
 from mistill.stages.common import INPUT_RUN_STAGES, MODEL_RUN_STAGES, run_fields
 from mistill.stages.registry import stages
-from mistill.tracking.runs import TAG_STAGE
+from mistill.tracking.naming import TAG_STAGE
 
 STAGES = stages()
 RUN_FIELD_CASES = [(name, f) for name, s in STAGES.items() for f in run_fields(s.config)]

@@ -116,7 +116,7 @@ def test_lock_validation_names_the_file_and_field(tmp_path, changes, field):
 
 def test_dotted_metric_names_are_the_same_metric(tmp_path):
     """``m1.P2C.p_pos`` is read as ``m1/P2C/p_pos`` (MLflow's name), in every metric field."""
-    from mistill.tracking.runs import METRIC_SEPARATOR
+    from mistill.tracking.naming import METRIC_SEPARATOR
     from selection.lock import METRIC_SEPARATOR as LOCK_SEPARATOR
     from selection.runner import cell_result
 

@@ -55,9 +55,9 @@ WORKER = textwrap.dedent("""
 
     tmp, name, version, mode, corpus = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
     workers, hold_s = int(sys.argv[6]), float(sys.argv[7])
-    import mistill.tracking.runs as runs
+    import mistill.tracking.identity as identity
 
-    runs.code_version = runs._code_version = lambda repo_root=None: version  # as pinned_code_version
+    identity.code_version = lambda repo_root=None: version  # as pinned_code_version
     from mistill.stages.select_lambda import SelectLambdaConfig, run_select_lambda
     from selection.cells import CellResult
 

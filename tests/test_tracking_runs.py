@@ -20,25 +20,12 @@ from mlflow.tracking import MlflowClient
 from mistill.config import Config
 from mistill.errors import MistillInputError
 from mistill.tracking.privacy import PrivacyError, PrivacyGuard
-from mistill.tracking.runs import (
-    RESUMABLE_STATUSES,
-    TAG_CODE_VERSION,
-    TAG_ENTRY_POINT,
-    TAG_PARAMS_DIGEST,
-    StageRun,
-    canonical_params,
-    code_version,
-    experiment_for_corpus,
-    find_run,
-    git_commit,
-    markdown_table,
-    metric_name,
-    param_string,
-    params_digest,
-    parse_param,
-    resolve_tracking_uri,
-    typed_equal,
-)
+from mistill.tracking.artifacts import markdown_table
+from mistill.tracking.experiments import experiment_for_corpus, resolve_tracking_uri
+from mistill.tracking.identity import (RESUMABLE_STATUSES, canonical_params, code_version, find_run, git_commit,
+                                       param_string, params_digest, parse_param, typed_equal)
+from mistill.tracking.naming import TAG_CODE_VERSION, TAG_ENTRY_POINT, TAG_PARAMS_DIGEST, metric_name
+from mistill.tracking.runs import StageRun
 
 CANARY = "the zebra canary walked slowly past the violet lighthouse at dawn"
 NOTE = f"Discharge summary. Patient admitted with dyspnea. History notable for {CANARY}."

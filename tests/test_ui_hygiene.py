@@ -21,8 +21,9 @@ from mlflow.tracking import MlflowClient
 
 from mistill.config import Config
 from mistill.tracking.privacy import PrivacyGuard
-from mistill.tracking.runs import (EXPERIMENT_KIND, TAG_EXPERIMENT_KIND, TAG_LAMBDA, TAG_PARENT_RUN, StageRun,
-                                   experiment_for_corpus, system_metrics_wanted)
+from mistill.tracking.experiments import experiment_for_corpus
+from mistill.tracking.naming import EXPERIMENT_KIND, TAG_EXPERIMENT_KIND, TAG_LAMBDA, TAG_PARENT_RUN
+from mistill.tracking.runs import StageRun, system_metrics_wanted
 from stage_fixtures import REPO, TINY, subprocess_env, unique
 
 RUN_ID = re.compile(r"[0-9a-f]{32}")

@@ -40,7 +40,7 @@ from mistill.progress import track
 from mistill.stages.common import Prepared, RunReader, load_model, load_prepared, model_positions, require_notes
 from mistill.stages.runner import WrittenNotes, note_loop, notes_written, open_stage, progress_label, stage_device
 from mistill.tasks import task_for
-from mistill.tracking.runs import metric_name
+from mistill.tracking.naming import metric_name
 from mistill.validation import (check_choices, check_device, check_dtype, check_interval, check_model_spec, check_name,
                                 check_no_text_fields, check_non_negative, check_not_empty, check_positive, check_run_id,
                                 check_seed)

@@ -428,7 +428,7 @@ def check_tracking_server() -> str:
     """
     from mlflow.tracking import MlflowClient  # deferred: MLflow is not needed for `--help`
 
-    from mistill.tracking.runs import resolve_tracking_uri  # deferred: imports MLflow
+    from mistill.tracking.experiments import resolve_tracking_uri  # deferred: imports MLflow
 
     uri = resolve_tracking_uri(mistill_root())
     os.environ["MLFLOW_TRACKING_URI"] = uri
@@ -562,7 +562,7 @@ def refusal_guard(stage: Stage, given: Mapping[str, str]) -> PrivacyGuard | None
     from mlflow.tracking import MlflowClient  # deferred: mlflow.tracking is slow to import
 
     from mistill.stages.common import TAG_DATA_DIR, load_prepared, privacy_guard  # deferred: imports MLflow, torch
-    from mistill.tracking.runs import TAG_INPUT_PREFIX, TAG_PRIVACY  # deferred: imports MLflow
+    from mistill.tracking.naming import TAG_INPUT_PREFIX, TAG_PRIVACY  # deferred: the tracking package loads numpy
 
     client = MlflowClient()
     todo = [str(given.get(f, "")) for f in stage.inputs.values()]
@@ -630,7 +630,7 @@ def discard_launched_run() -> None:
     from mlflow.tracking import MlflowClient  # deferred: mlflow.tracking is slow to import
 
     from mistill.tracking.reaper import spawn_reaper  # deferred: imports MLflow
-    from mistill.tracking.runs import TAG_STAGE  # deferred: imports MLflow
+    from mistill.tracking.naming import TAG_STAGE  # deferred: the tracking package loads numpy
 
     launched = os.environ.get("MLFLOW_RUN_ID")
     if not launched:
@@ -659,7 +659,7 @@ def purge_launched_run(launched: str) -> str:
     from mlflow.tracking import MlflowClient  # deferred: mlflow.tracking is slow to import
 
     from mistill.tracking import purge  # deferred: imports MLflow
-    from mistill.tracking.runs import TAG_STAGE  # deferred: imports MLflow
+    from mistill.tracking.naming import TAG_STAGE  # deferred: the tracking package loads numpy
 
     client = MlflowClient()
     if purge.purge_pending(launched):  # the stage's own refusal said so

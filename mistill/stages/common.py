@@ -44,9 +44,12 @@ from mistill.tasks import prompt_wording
 from mistill.tracking.auth import verify_done
 from mistill.tracking.models import checkpoint_logged_model, resolve_run_spec
 from mistill.tracking.privacy import PrivacyGuard
-from mistill.tracking.runs import (CONFIG_ARTIFACT, CONTENT_SUFFIX, DONE_MARKER, ENCLAVE_DIR, LOCAL_FILES_KEY,
-                                   TAG_CORPUS_DIGEST, TAG_ENCLAVE_DIR, TAG_STAGE, enclave_missing_error, params_digest,
-                                   quiet_downloads, repo_file, typed_equal, verify_local_note_file, verify_note_file)
+from mistill.tracking.enclave import (ENCLAVE_DIR, LOCAL_FILES_KEY, TAG_ENCLAVE_DIR, enclave_missing_error,
+                                      verify_local_note_file)
+from mistill.tracking.experiments import quiet_downloads
+from mistill.tracking.identity import CONTENT_SUFFIX, params_digest, repo_file, typed_equal
+from mistill.tracking.naming import CONFIG_ARTIFACT, DONE_MARKER, TAG_CORPUS_DIGEST, TAG_STAGE
+from mistill.tracking.notes import verify_note_file
 
 if TYPE_CHECKING:
     from mlflow.entities import Run
@@ -678,7 +681,7 @@ def check_model_input(client: MlflowClient, spec: str, field: str) -> None:
 def check_input_files(config: Any, fields: Sequence[str]) -> None:
     """Refuse a non-empty file field of ``config`` (``fields``) that names no file here (a
     relative path is looked for from the current folder, then under the repository root, as
-    the stages read it: :func:`~mistill.tracking.runs.repo_file`)."""
+    the stages read it: :func:`~mistill.tracking.identity.repo_file`)."""
     for name in fields:
         value = getattr(config, name)
         if value and not Path(repo_file(value)).expanduser().is_file():

@@ -57,7 +57,8 @@ from mistill.stages.common import (RunReader, load_model, load_tokenizer, make_b
                                    require_notes)
 from mistill.stages.runner import note_loop, notes_written, open_stage, stage_device
 from mistill.tracking import models as reg
-from mistill.tracking.runs import TAG_ENCLAVE_DIR, param_string
+from mistill.tracking.enclave import TAG_ENCLAVE_DIR
+from mistill.tracking.identity import param_string
 from mistill.validation import (check_arm, check_choice, check_device, check_dtype, check_interval, check_model_spec,
                                 check_name, check_no_text_fields, check_non_negative, check_not_empty, check_overrides,
                                 check_positive, check_run_id, check_seed)

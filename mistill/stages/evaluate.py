@@ -61,7 +61,7 @@ from mistill.stages.common import (Subject, link_subject, load_model, load_prepa
 from mistill.stages.las import load_simulator
 from mistill.stages.runner import notes_written, open_stage, pending_notes, progress_label, stage_device
 from mistill.tasks import task_for
-from mistill.tracking.runs import TAG_BACKEND, TAG_SPLIT
+from mistill.tracking.naming import TAG_BACKEND, TAG_SPLIT
 from mistill.validation import (check_arm, check_device, check_dtype, check_model_spec, check_name,
                                 check_no_text_fields, check_non_negative, check_run_id, check_seed)
 

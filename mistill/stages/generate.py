@@ -49,7 +49,7 @@ from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE
                                    Prepared, corpus_index, load_prepared, load_tokenizer, make_backend,
                                    prepared_data_dir, require_notes, save_prepared)
 from mistill.stages.runner import notes_written, open_stage, pending_notes, progress_label, stage_device
-from mistill.tracking.runs import TAG_CORPUS_DIGEST
+from mistill.tracking.naming import TAG_CORPUS_DIGEST
 from mistill.validation import (check_device, check_dtype, check_model_spec, check_name, check_no_text_fields,
                                 check_non_negative, check_not_empty, check_run_id, check_seed)
 

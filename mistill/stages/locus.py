@@ -49,7 +49,7 @@ from mistill.stages.characterize import _events_input, attribute_notes, read_rea
 from mistill.stages.common import RunReader, load_model
 from mistill.stages.runner import note_loop, notes_written, open_stage, stage_device
 from mistill.tasks import task_for
-from mistill.tracking.runs import metric_name
+from mistill.tracking.naming import metric_name
 from mistill.validation import (check_choice, check_choices, check_counts, check_device, check_dtype, check_interval,
                                 check_name, check_no_text_fields, check_non_negative, check_positive, check_run_id,
                                 check_seed)

@@ -60,7 +60,7 @@ from mistill.stages.common import (Prepared, RunReader, Subject, link_subject, l
                                    load_tokenizer, model_positions, sample_then_load, trained_subject)
 from mistill.stages.runner import note_loop, notes_written, open_stage, progress_label, stage_device
 from mistill.stages.steps import LAUNCHES, run_step
-from mistill.tracking.runs import TAG_BACKEND, TAG_SPLIT
+from mistill.tracking.naming import TAG_BACKEND, TAG_SPLIT
 from mistill.validation import (check_choice, check_counts, check_device, check_dtype, check_model_spec, check_name,
                                 check_no_text_fields, check_non_negative, check_positive, check_run_id, check_seed)
 

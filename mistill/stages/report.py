@@ -38,7 +38,8 @@ from mistill.stages.common import mistill_root
 from mistill.stages.verify import verify_markdown, verify_store
 from mistill.stats import N_BOOTSTRAP, N_BOOTSTRAP_CORPUS
 from mistill.tracking.privacy import PrivacyGuard
-from mistill.tracking.runs import EXPERIMENT_PREFIX, StageRun, experiment_for_corpus, resolve_tracking_uri
+from mistill.tracking.experiments import EXPERIMENT_PREFIX, experiment_for_corpus, resolve_tracking_uri
+from mistill.tracking.runs import StageRun
 from mistill.validation import (check_arm, check_arms, check_counts, check_name, check_no_text_fields, check_not_empty,
                                 check_path, check_positive, check_seed)
 

@@ -41,6 +41,7 @@ from mlflow.tracking import MlflowClient
 from mistill.config import Config, file_digest
 from mistill.data.corpus import PRIVACY_LEVELS
 from mistill.errors import MistillInputError
+from mistill.io import environment_variable
 from mistill.progress import get_logger
 from mistill.results_index import load
 from mistill.runbook import ROLES, Figures, PaperCounts, PlanStep, paper_plan, prepared_counts, render, select
@@ -49,10 +50,11 @@ from mistill.stages.common import mistill_root
 from mistill.stages.registry import stage
 from mistill.stages.steps import LAUNCHES, REPO_ROOT, corpus_name_of
 from mistill.stages.workflow import characterize_steps, run_step
-from mistill.tracking import runs
+from mistill.tracking import identity
+from mistill.tracking.experiments import experiment_for_corpus
+from mistill.tracking.identity import find_run, identity_params, repo_file
 from mistill.tracking.privacy import PrivacyGuard
-from mistill.tracking.runs import (StageRun, environment_variable, experiment_for_corpus, find_run,
-                                   identity_params, repo_file)
+from mistill.tracking.runs import StageRun
 from mistill.validation import (check_choice, check_device, check_dtype, check_model_spec, check_name, check_names,
                                 check_no_text_fields, check_not_empty, check_path)
 from selection.runner import lambda_overrides
@@ -292,7 +294,7 @@ def find_finished(step: PlanStep, cfg: ReproduceConfig, ids: Mapping[str, str],
     if config is None:
         return {}
     experiment = experiment_for_corpus(cfg.experiment_corpus())
-    version = runs.code_version(REPO_ROOT)  # looked up at the call: a test session pins it on the module
+    version = identity.code_version(REPO_ROOT)  # looked up at the call: a test session pins it on the module
 
     def finished(name: str, c: Config) -> str | None:
         run = find_run(experiment, name, identity_params(c), version, stage(name).input_runs(c))

@@ -88,7 +88,8 @@ from mistill.stages.steps import LAUNCHES
 from mistill.tracking.models import adopt, arm_alias
 from mistill.tracking.postgres import masked
 from mistill.tracking.privacy import PrivacyGuard
-from mistill.tracking.runs import StageRun, param_string, params_digest, repo_file
+from mistill.tracking.identity import param_string, params_digest, repo_file
+from mistill.tracking.runs import StageRun
 from mistill.validation import (check_choice, check_device, check_model_spec, check_name, check_no_text_fields,
                                 check_path, check_run_id, check_storage_url)
 from selection.cells import Runner, grid_cells

@@ -36,7 +36,7 @@ from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE
                                    Prepared, corpus_index, load_prepared, prepared_data_dir, require_notes,
                                    save_prepared, shown_patient_ids)
 from mistill.stages.runner import open_stage
-from mistill.tracking.runs import TAG_CORPUS_DIGEST
+from mistill.tracking.naming import TAG_CORPUS_DIGEST
 from mistill.validation import (check_choice, check_counts, check_device, check_interval, check_model_spec, check_name,
                                 check_no_text_fields, check_non_negative, check_not_empty, check_positive, check_run_id,
                                 check_run_ids, check_seed)

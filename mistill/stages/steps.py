@@ -1,7 +1,7 @@
 """A workflow's step: reuse an identical finished run of an entry point, or run it.
 
 :func:`run_step` looks for a FINISHED run of the same entry point with the same typed parameters,
-the same input runs and the same code version (:func:`mistill.tracking.runs.find_run`); it
+the same input runs and the same code version (:func:`mistill.tracking.identity.find_run`); it
 reuses it when found, else runs the entry point, through ``mlflow.projects.run(...,
 env_manager="local")`` (a fresh process) or in this process. The workflows that chain steps are
 in :mod:`mistill.stages.workflow`.
@@ -18,14 +18,16 @@ from mlflow.tracking import MlflowClient
 from mistill.config import Config
 from mistill.distributed import barrier, broadcast, current_world
 from mistill.errors import MistillInputError
+from mistill.io import environment_variable
 from mistill.parent_watch import launching
 from mistill.progress import get_logger
 from mistill.stages.mlproject import _default
 from mistill.stages.registry import stages
 from mistill.stages.runner import preflight
-from mistill.tracking import runs
-from mistill.tracking.runs import (TAG_DELEGATED_TO, TAG_PARENT_RUN, child_runs_of, environment_variable,
-                                   experiment_for_corpus, find_run, identity_params, quiet_run_links)
+from mistill.tracking import identity
+from mistill.tracking.experiments import child_runs_of, experiment_for_corpus, quiet_run_links
+from mistill.tracking.identity import find_run, identity_params
+from mistill.tracking.naming import TAG_DELEGATED_TO, TAG_PARENT_RUN
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LAUNCHES = ("mlflow", "inline")
@@ -74,8 +76,8 @@ def run_step(stage_name: str, cfg: Config, corpus_name: str, *, launch: str = "m
     # decides whether a finished run is reused
     found = None
     if world.leader:
-        # runs.code_version, looked up at the call: a test session pins it on the module
-        found = find_run(experiment, stage_name, identity_params(cfg), runs.code_version(REPO_ROOT),
+        # identity.code_version, looked up at the call: a test session pins it on the module
+        found = find_run(experiment, stage_name, identity_params(cfg), identity.code_version(REPO_ROOT),
                          stage.input_runs(cfg))
     found_id = broadcast(None if found is None else found.info.run_id, world)
     if found_id is not None:

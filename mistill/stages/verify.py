@@ -51,7 +51,8 @@ from mistill.io import write_text
 from mistill.results_index import MEAN, ExpectedValue, MetricSource, ResultEntry, load, source_text
 from mistill.stages.common import mistill_root
 from mistill.tracking.privacy import PrivacyGuard
-from mistill.tracking.runs import StageRun, experiment_for_corpus, resolve_tracking_uri
+from mistill.tracking.experiments import experiment_for_corpus, resolve_tracking_uri
+from mistill.tracking.runs import StageRun
 from mistill.validation import check_model_spec, check_name, check_no_text_fields, check_not_empty
 
 AGREES, DIFFERS, NOT_RUN, NO_READOUT = "agrees", "differs", "not run", "no readout"

@@ -2,7 +2,7 @@
 
 The MLflow multistep pattern: before launching an entry point, look for a FINISHED run of the
 same entry point with the same typed parameters, the same input runs and the same code
-version (:func:`mistill.tracking.runs.find_run` pages through every candidate and compares
+version (:func:`mistill.tracking.identity.find_run` pages through every candidate and compares
 typed values); reuse it when found, else launch the entry point with
 ``mlflow.projects.run(..., env_manager="local")`` and wait for it.
 
@@ -52,7 +52,10 @@ from mistill.stages.shortlist import ShortlistConfig
 from mistill.stages.steps import LAUNCHES, corpus_name_of, run_step
 from mistill.tracking.models import TAG_MODEL_VERSION, TAG_REGISTERED_MODEL
 from mistill.tracking.privacy import PrivacyGuard
-from mistill.tracking.runs import TAG_BACKEND, StageRun, repo_file, run_url
+from mistill.tracking.experiments import run_url
+from mistill.tracking.identity import repo_file
+from mistill.tracking.naming import TAG_BACKEND
+from mistill.tracking.runs import StageRun
 from mistill.validation import (check_arms, check_choice, check_choices, check_model_spec, check_name,
                                 check_no_text_fields, check_non_negative, check_not_empty, check_path, check_positive)
 from selection.runner import lambda_overrides

@@ -1,7 +1,8 @@
 """MLflow tracking layer: the server's life, run conventions, and the privacy guard.
 
-``server``, ``connection`` and ``privacy`` do not import MLflow; the names of ``runs`` (which
-does) are loaded on first use, so ``python -m mistill.tracking.server`` stays quick.
+``server``, ``connection`` and ``privacy`` do not import MLflow; the names of the run modules
+(``runs``, ``identity``, ``experiments``, ...: most import MLflow) are loaded on first use, so
+``python -m mistill.tracking.server`` stays quick.
 
 Importing this package bounds every MLflow request to the tracking server by
 ``MISTILL_SERVER_TIMEOUT_S`` (default 60 s; see :mod:`mistill.tracking.connection`).
@@ -26,21 +27,26 @@ except MistillInputError as _exc:  # the stage command line reports it (exit cod
 # already imported by its package
 _SERVER_NAMES = {"TrackingServer", "ensure_server"}
 
-_RUNS_NAMES = {
-    "StageRun", "find_run", "experiment_for_corpus", "code_version", "git_commit",
-    "params_digest", "canonical_params", "run_name", "markdown_table", "resolve_tracking_uri",
-    "TAG_STAGE", "TAG_MODEL", "TAG_CORPUS", "TAG_CORPUS_DIGEST", "TAG_PRIVACY", "TAG_ARM",
-    "TAG_SEED", "TAG_PRECISION", "TAG_GIT_COMMIT", "TAG_CODE_VERSION", "TAG_ENTRY_POINT",
-    "TAG_PARAMS_DIGEST", "TAG_INPUT_PREFIX", "RESUMABLE_STATUSES",
+_RUN_NAMES = {
+    "StageRun": "runs",
+    "find_run": "identity", "code_version": "identity", "git_commit": "identity",
+    "params_digest": "identity", "canonical_params": "identity", "RESUMABLE_STATUSES": "identity",
+    "experiment_for_corpus": "experiments", "resolve_tracking_uri": "experiments",
+    "markdown_table": "artifacts",
+    **dict.fromkeys((
+        "run_name", "TAG_STAGE", "TAG_MODEL", "TAG_CORPUS", "TAG_CORPUS_DIGEST", "TAG_PRIVACY", "TAG_ARM",
+        "TAG_SEED", "TAG_PRECISION", "TAG_GIT_COMMIT", "TAG_CODE_VERSION", "TAG_ENTRY_POINT",
+        "TAG_PARAMS_DIGEST", "TAG_INPUT_PREFIX"), "naming"),
 }
+"""Each lazily loaded name and the module of ``mistill.tracking`` that defines it."""
 
 __all__ = ["PRIVACY_LEVELS", "PrivacyError", "PrivacyGuard", "TrackingServer", "ensure_server",
-           *sorted(_RUNS_NAMES)]
+           *sorted(_RUN_NAMES)]
 
 
 def __getattr__(name: str) -> Any:
     if name in _SERVER_NAMES:
         return getattr(importlib.import_module("mistill.tracking.server"), name)
-    if name in _RUNS_NAMES:
-        return getattr(importlib.import_module("mistill.tracking.runs"), name)
+    if name in _RUN_NAMES:
+        return getattr(importlib.import_module(f"mistill.tracking.{_RUN_NAMES[name]}"), name)
     raise AttributeError(f"module 'mistill.tracking' has no attribute {name!r}")
