@@ -28,6 +28,7 @@ from mistill.stages.mlproject import render
 from mistill.stages.prepare import PrepareConfig, run_prepare
 from mistill.stages.registry import stages
 from mistill.stages.workflow import PipelineConfig, pipeline_steps, run_step
+from mistill.tracking.figure_html import figure_json, plotly_js_of
 from stage_fixtures import (CANARY_ID, CANARY_SENTENCE, REPO, SLOW_TINY, SMALL, TINY, TINY_HEADS, artifact_paths,
                             freeze_source, leaks, n_runs, phrase_needles, planted_corpus, runs_of,
                             subprocess_env, tracked_texts, unique)
@@ -113,10 +114,11 @@ def test_pipeline_runs_tags_lineage_artifacts_metrics(pipeline, monkeypatch, tmp
         assert len(sets[p]["ranking"]) == len(set(sets[p]["ranking"])) == TINY_HEADS
         assert sets[p]["importance_c"] == sorted(sets[p]["importance_c"], reverse=True)
 
-    # the recovery figure opens offline: plotly.js is embedded, not fetched from a CDN
+    # the recovery figure opens offline: plotly.js travels inside it (gzip, base64), not from a CDN
     fig = Path(mlflow.artifacts.download_artifacts(run_id=ids["knockin"], artifact_path="recovery_vs_k.html",
                                                    dst_path=str(tmp_path / "fig"))).read_text()
-    assert "plotly.js v" in fig and len(fig) > 1_000_000
+    assert plotly_js_of(fig).startswith(b"/**") and b"plotly.js v" in plotly_js_of(fig)[:200]
+    assert figure_json(fig)["data"] and len(fig) < 2_500_000
     assert not re.search(r"<script[^>]+src=[\"']https?://", fig)
 
     m = {step: client.get_run(ids[step]).data.metrics for step in STEPS}

@@ -4,7 +4,8 @@
   :class:`~mistill.tracking.privacy.PrivacyGuard`.
 * Params are written typed (:func:`~mistill.tracking.identity.param_string`); metric names are
   checked (:func:`~mistill.tracking.naming.check_metric_name`); tables go out as CSV and Markdown
-  (:func:`markdown_table`), and as MLflow tables on request; figures as self-contained HTML.
+  (:func:`markdown_table`), and as MLflow tables on request; figures as self-contained HTML
+  (:func:`~mistill.tracking.figure_html.figure_html`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import mlflow
 from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 
 from mistill.io import write_json, write_text
+from mistill.tracking.figure_html import figure_html
 from mistill.tracking.identity import param_string
 from mistill.tracking.naming import _check_component, check_metric_name
 
@@ -147,7 +149,8 @@ class ArtifactLogging:
         return path
 
     def log_figure(self, fig: Any, name: str) -> Path:
-        """Log a plotly figure as self-contained HTML (plotly.js embedded: opens offline).
+        """Log a plotly figure as self-contained HTML (plotly.js embedded, gzip-compressed: it
+        draws offline, in MLflow's artifact viewer and from disk; :mod:`mistill.tracking.figure_html`).
 
         The figure's JSON (all its data and text) is what the privacy guard checks.
         """
@@ -158,7 +161,7 @@ class ArtifactLogging:
             self.guard.check_text(fig.to_json(), f"figure {name}")
         path, artifact_dir = self._local_artifact(name)
         path.parent.mkdir(parents=True, exist_ok=True)
-        html = fig.to_html(include_plotlyjs=True, full_html=True)
+        html = figure_html(fig, title=Path(name).stem)
         write_text(path, html)
         self.client.log_artifact(self.run_id, str(path), artifact_dir)
         return path
