@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from types import MappingProxyType
 
@@ -300,6 +300,21 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
             out["train_arms"] = hashlib.sha256(json.dumps(arms, sort_keys=True).encode()).hexdigest()
         return out
 
+    def step_names(self) -> list[str]:
+        """The names :func:`pipeline_steps` gives its steps with this config, in order (the
+        selection's cells, nested in ``select_lambda``, are not steps of their own)."""
+        names = ["prepare"] + (["shortlist"] if self.shortlist else []) + ["events", "attribute", "knockin"]
+        names += ["locus"] if self.locus else []
+        names += ["read_side", "key_block", "trace_edit", "note_edit"] if self.read_side else []
+        if self.train_arms:
+            names += ["student_events", "student_attribute", "targets"]
+            names += ["select_lambda"] if self.select_lock else []
+            names += [f"train_{arm}" for arm in self.train_arms]
+            subjects = ["teacher", "untrained", *self.train_arms]
+            names += ["las_simulator", *(f"evaluate_{s}" for s in subjects)]
+            names += [f"own_heads_{s}" for s in subjects[1:]] if self.own_heads else []
+        return names + (["report"] if self.report else [])
+
     def prepare_config(self) -> PrepareConfig:
         return PrepareConfig(corpus=self.corpus, corpus_name=self.corpus_name, task=self.task, privacy=self.privacy,
                              n_notes=self.n_notes, seed=self.seed, inventory_size=self.inventory_size,
@@ -513,16 +528,22 @@ def run_pipeline(cfg: PipelineConfig) -> str:
             ids = {k[len(STEP_TAG):]: v for k, v in run.run.data.tags.items() if k.startswith(STEP_TAG)}
             _log.info("[pipeline] reusing finished run %s (%s)", run.run_name, run.run_id)
         else:
-            ids = pipeline_steps(cfg, parent=run.run_id, on_step=step_tagger(run))
+            ids = pipeline_steps(cfg, parent=run.run_id, on_step=step_tagger(run, cfg.step_names()))
         _log.info("%s", summary(ids))
         _log.info("%s", headline_table(ids))
         return run.run_id
 
 
-def step_tagger(run: StageRun) -> OnStep:
-    """``on_step`` for a pipeline run: tag ``mistill.step.<name>`` on it as each step finishes."""
+def step_tagger(run: StageRun, planned: Sequence[str] = ()) -> OnStep:
+    """``on_step`` for a pipeline run: tag ``mistill.step.<name>`` on it as each step finishes,
+    and log ``step i/N done`` against the ``planned`` steps (:meth:`PipelineConfig.step_names`)."""
+    done: list[str] = []
+
     def tag(name: str, run_id: str) -> None:
         run.set_tags({STEP_TAG + name: run_id})
+        done.append(name)
+        if planned:
+            _log.info("[pipeline] step %d/%d done: %s (%s)", len(done), len(planned), name, run_id)
     return tag
 
 
