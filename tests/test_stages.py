@@ -61,6 +61,12 @@ def test_pipeline_runs_tags_lineage_artifacts_metrics(pipeline, monkeypatch, tmp
     ids, exp, corpus = pipeline["ids"], pipeline["experiment"], pipeline["corpus"]
     assert list(ids) == list(STEPS) == pipeline["cfg"].step_names()  # the pipeline's step counter counts these
     assert len(set(ids.values())) == 4
+    # what each run computed and what the experiment holds, on their pages in the UI
+    note = client.get_run(ids["attribute"]).data.tags["mlflow.note.content"]
+    assert note.startswith("**attribute**: attribution pass") and f"events run `{ids['events']}`" in note
+    assert f"corpus `{corpus}`" in note and "config.json" in note
+    about = client.get_experiment_by_name(exp).tags["mlflow.note.content"]
+    assert f"corpus `{corpus}`" in about and "report" in about
 
     for step in STEPS:
         found = runs_of(exp, stage=step, corpus=corpus)

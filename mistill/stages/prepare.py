@@ -25,6 +25,7 @@ from mistill.models.loading import EMBEDDED_DEFAULT, _offline, embedded_float_co
 from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE, PATIENT_ID_MODES, TAG_DATA_DIR,
                                    TAG_DATA_IDENTITY, corpus_index, load_tokenizer, mistill_root, prepared_data_dir,
                                    privacy_guard, save_prepared)
+from mistill.stages.registry import stage_help
 from mistill.tasks import INVENTORY_TASKS, prompt_wording
 from mistill.tasks.synthetic_catalog import make_catalog_corpus
 from mistill.tracking.models import resolve_run_spec
@@ -319,7 +320,7 @@ def run_prepare(cfg: PrepareConfig) -> str:
                              narrow_instruction=cfg.narrow_instruction, max_positions=max_positions)
     check_prompt_lengths(lengths, max_positions, model=cfg.model, file=cfg.corpus_path or None)
     guard = privacy_guard(corpus)
-    with StageRun("prepare", cfg, corpus=corpus.name, guard=guard, corpus_digest=corpus.digest,
+    with StageRun("prepare", cfg, description=stage_help("prepare"), corpus=corpus.name, guard=guard, corpus_digest=corpus.digest,
                   resume=True, root=mistill_root()) as run:
         if run.reused:
             print(f"prepare: reusing finished run {run.run_id}")

@@ -197,6 +197,12 @@ def stage(name: str) -> Stage:
     return _stage(entries[name])
 
 
+def stage_help(name: str) -> str:
+    """What the entry point ``name`` computes, one line (its ``--help`` summary and its runs'
+    description in the UI), without importing its module."""
+    return next(e.help for e in _TABLE if e.name == name)
+
+
 def stages() -> dict[str, Stage]:
     """Every stage, in pipeline order."""
     return {e.name: _stage(e) for e in _TABLE}

@@ -35,6 +35,7 @@ from mistill.errors import MistillInputError
 from mistill.instrument.settables import to_latex, to_markdown
 from mistill.io import write_text
 from mistill.stages.common import mistill_root
+from mistill.stages.registry import stage_help
 from mistill.stages.verify import verify_markdown, verify_store
 from mistill.stats import N_BOOTSTRAP, N_BOOTSTRAP_CORPUS
 from mistill.tracking.privacy import PrivacyGuard
@@ -131,7 +132,7 @@ def run_report(cfg: ReportConfig) -> str:
     experiment = experiment_for_corpus(cfg.corpus, tracking_uri=uri)
     inputs = collect_inputs(client, experiment, arms=cfg.arms, reference_arm=cfg.reference_arm, split=cfg.split)
     guard = PrivacyGuard([], inputs.privacy())
-    with StageRun("report", cfg, corpus=cfg.corpus, guard=guard, inputs=inputs.lineage(),
+    with StageRun("report", cfg, description=stage_help("report"), corpus=cfg.corpus, guard=guard, inputs=inputs.lineage(),
                   resume=True, root=mistill_root(), tracking_uri=uri) as run:
         if run.reused:
             print(f"report: reusing finished run {run.run_id}")

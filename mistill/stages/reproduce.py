@@ -47,7 +47,7 @@ from mistill.results_index import load
 from mistill.runbook import ROLES, Figures, PaperCounts, PlanStep, paper_plan, prepared_counts, render, select
 from mistill.stages.cli import discard_launched_run
 from mistill.stages.common import mistill_root
-from mistill.stages.registry import stage
+from mistill.stages.registry import stage, stage_help
 from mistill.stages.steps import LAUNCHES, REPO_ROOT, corpus_name_of
 from mistill.stages.workflow import characterize_steps, run_step
 from mistill.tracking import identity
@@ -401,7 +401,7 @@ def run_reproduce(cfg: ReproduceConfig) -> str:
     corpus = cfg.experiment_corpus()
     level = "synthetic" if cfg.synthetic else cfg.privacy
     root = mistill_root()
-    with StageRun("reproduce", cfg, corpus=corpus, guard=PrivacyGuard([], level), resume=True, root=root,
+    with StageRun("reproduce", cfg, description=stage_help("reproduce"), corpus=corpus, guard=PrivacyGuard([], level), resume=True, root=root,
                   name=f"reproduce-{'-'.join(cfg.results) or 'all'}") as run:
         ids = ids_from_tags(run.run.data.tags)
         if run.reused:
@@ -411,7 +411,8 @@ def run_reproduce(cfg: ReproduceConfig) -> str:
             with environment_variable("MLFLOW_RUN_ID", None), StageRun(
                     "reproduce", TreeConfig(tree=tree, reproduce_run=run.run_id), corpus=corpus,
                     guard=PrivacyGuard([], level), resume=True, root=root, name=tree, parent=run.run_id,
-                    tags={TAG_TREE: tree}) as tree_run:
+                    tags={TAG_TREE: tree}, description=f"the {tree} tree of the reproduction, its steps nested"
+                    ) as tree_run:
                 ids.update(ids_from_tags(tree_run.run.data.tags))
                 for step in steps:
                     stands = _skipped(step, cfg, ids)

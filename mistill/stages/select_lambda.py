@@ -82,7 +82,7 @@ from mistill.distill.arms import resolve_arm
 from mistill.errors import MistillInputError
 from mistill.stages.common import mistill_root
 from mistill.stages.distill import EMBEDDED_STUDENT
-from mistill.stages.registry import stage
+from mistill.stages.registry import stage, stage_help
 from mistill.stages.runner import preflight
 from mistill.stages.steps import LAUNCHES
 from mistill.tracking.models import adopt, arm_alias
@@ -221,7 +221,7 @@ def run_select_lambda(cfg: SelectLambdaConfig, runner: Runner | None = None) -> 
     handle = open_study(lock, storage, name, root=mistill_root(), heartbeat=heartbeat)
     inputs = {"prepare": cfg.prepare_run, "targets": cfg.targets_run,
               "student_attribute": cfg.student_attribute_run}
-    with StageRun("select_lambda", cfg, corpus=corpus, guard=PrivacyGuard([], level), model=cfg.student,
+    with StageRun("select_lambda", cfg, description=stage_help("select_lambda"), corpus=corpus, guard=PrivacyGuard([], level), model=cfg.student,
                   arm=lock.arm, seed=lock.training.seed, inputs=inputs, resume=True, root=mistill_root(),
                   tags={TAG_LOCK_SHA: lock.sha256, TAG_STUDY: name}) as run:
         if run.reused:

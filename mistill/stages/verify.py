@@ -50,6 +50,7 @@ from mistill.errors import MistillInputError
 from mistill.io import write_text
 from mistill.results_index import MEAN, ExpectedValue, MetricSource, ResultEntry, load, source_text
 from mistill.stages.common import mistill_root
+from mistill.stages.registry import stage_help
 from mistill.tracking.privacy import PrivacyGuard
 from mistill.tracking.experiments import experiment_for_corpus, resolve_tracking_uri
 from mistill.tracking.runs import StageRun
@@ -276,7 +277,7 @@ def run_verify(cfg: VerifyConfig) -> str:
     experiment = experiment_for_corpus(cfg.corpus, tracking_uri=uri)
     table, reader = verify_store(client, experiment, cfg.roles())
     lineage = {f"{stage}.{rid}": rid for rid, stage in reader.read.items()}
-    with StageRun("verify", cfg, corpus=cfg.corpus, guard=PrivacyGuard([], reader.privacy()), inputs=lineage,
+    with StageRun("verify", cfg, description=stage_help("verify"), corpus=cfg.corpus, guard=PrivacyGuard([], reader.privacy()), inputs=lineage,
                   resume=True, root=mistill_root(), tracking_uri=uri) as run:
         if run.reused:
             print(f"verify: reusing finished run {run.run_id}")

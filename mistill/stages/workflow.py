@@ -46,6 +46,7 @@ from mistill.stages.locus import LocusStageConfig
 from mistill.stages.own_heads import OwnHeadsConfig
 from mistill.stages.prepare import PrepareConfig
 from mistill.stages.readside import ReadSideConfig
+from mistill.stages.registry import stage_help
 from mistill.stages.report import ReportConfig
 from mistill.stages.select_lambda import TAG_PICK_MODEL, TAG_PICK_TRAIN_RUN, SelectLambdaConfig
 from mistill.stages.shortlist import ShortlistConfig
@@ -522,7 +523,7 @@ def run_pipeline(cfg: PipelineConfig) -> str:
     """
     corpus_name = corpus_name_of(cfg.corpus, cfg.corpus_name, cfg.task)
     level = "synthetic" if cfg.corpus == "synthetic" else cfg.privacy
-    with StageRun("pipeline", cfg, corpus=corpus_name, guard=PrivacyGuard([], level), resume=True,
+    with StageRun("pipeline", cfg, description=stage_help("pipeline"), corpus=corpus_name, guard=PrivacyGuard([], level), resume=True,
                   root=mistill_root()) as run:
         if run.reused:
             ids = {k[len(STEP_TAG):]: v for k, v in run.run.data.tags.items() if k.startswith(STEP_TAG)}

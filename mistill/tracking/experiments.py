@@ -28,7 +28,7 @@ from mistill.errors import MistillInputError
 from mistill.io import environment_variable, is_safe_name
 from mistill.tracking.auth import ensure_client_credentials
 from mistill.tracking.connection import is_unreachable
-from mistill.tracking.naming import EXPERIMENT_KIND, TAG_EXPERIMENT_KIND
+from mistill.tracking.naming import EXPERIMENT_KIND, TAG_DESCRIPTION, TAG_EXPERIMENT_KIND, experiment_description
 from mistill.tracking.server import ensure_server
 
 EXPERIMENT_PREFIX = "mistill/"
@@ -85,16 +85,22 @@ def _experiment_id(client: MlflowClient, experiment: str, *, create: bool = Fals
         return exp.experiment_id if exp is not None else None
     if exp is None:
         try:
-            return client.create_experiment(experiment, tags={TAG_EXPERIMENT_KIND: EXPERIMENT_KIND})
+            return client.create_experiment(experiment, tags={
+                TAG_EXPERIMENT_KIND: EXPERIMENT_KIND,
+                TAG_DESCRIPTION: experiment_description(experiment.removeprefix(EXPERIMENT_PREFIX))})
         except MlflowException as exc:  # created concurrently by another stage
             exp = client.get_experiment_by_name(experiment)
             if exp is None:
                 raise exc
     if exp.lifecycle_stage == "deleted":
         client.restore_experiment(exp.experiment_id)
-    if create and TAG_EXPERIMENT_KIND not in (exp.tags or {}):  # made by `mlflow run` or older code
-        with _tolerate_mlflow_errors():
-            client.set_experiment_tag(exp.experiment_id, TAG_EXPERIMENT_KIND, EXPERIMENT_KIND)
+    if create:  # made by `mlflow run` or older code: the kind and the description it lacks
+        missing = {TAG_EXPERIMENT_KIND: EXPERIMENT_KIND,
+                   TAG_DESCRIPTION: experiment_description(experiment.removeprefix(EXPERIMENT_PREFIX))}
+        for key, value in missing.items():
+            if key not in (exp.tags or {}):
+                with _tolerate_mlflow_errors():
+                    client.set_experiment_tag(exp.experiment_id, key, value)
     return exp.experiment_id
 
 

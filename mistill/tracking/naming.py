@@ -15,6 +15,7 @@ Nothing here imports MLflow.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,8 @@ TAG_LAMBDA = "mistill.lambda"
 """The λ a run trained (or read a model trained) with: ``<λ>`` or ``<λ_P1>,<λ_P2>``."""
 TAG_PARENT_RUN = "mlflow.parentRunId"
 TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
+TAG_DESCRIPTION = "mlflow.note.content"
+"""The description the MLflow UI shows on a run's and an experiment's page (Markdown)."""
 EXPERIMENT_KIND = "custom_model_development"
 """MLflow 3's kind for a classic model-development experiment: its UI opens on the runs table
 (an experiment without the tag may open on the GenAI traces page)."""
@@ -88,6 +91,27 @@ def lambda_label(lam: Any) -> str | None:
         values = list(dict.fromkeys(format(float(v), "g") for v in lam))
         return ",".join(values) or None
     return format(float(lam), "g")
+
+
+def experiment_description(corpus: str) -> str:
+    """What an experiment ``mistill/<corpus>`` holds (Markdown, for its page in the UI)."""
+    return (f"The mistill runs on the corpus `{corpus}`: one run per stage and configuration (tag `mistill.stage`), "
+            "reused when an identical run has finished. A `pipeline` or `reproduce` run nests the steps it ran; "
+            "a `report` run holds the tables (`report.md`, `tables/`) and figures (`figures/`) of the runs it read. "
+            "Each run's page says what it computed; `config.json` holds every parameter.")
+
+
+def run_description(stage: str, what: str, fields: Mapping[str, Any], inputs: Mapping[str, str]) -> str:
+    """What a run of ``stage`` computed (Markdown, for its page in the UI): ``what``, the
+    identifying ``fields`` that are set (corpus, model, arm, ...) and the input runs."""
+    lines = [f"**{stage}**: {what}." if what else f"**{stage}**"]
+    shown = [f"{k} `{v}`" for k, v in fields.items() if v not in (None, "")]
+    if shown:
+        lines.append("; ".join(shown) + ".")
+    if inputs:
+        lines.append("Reads " + ", ".join(f"{k} run `{v}`" for k, v in inputs.items()) + ".")
+    lines.append("Every parameter: `config.json`.")
+    return "\n\n".join(lines)
 
 
 def run_name(stage: str, model: str | None = None, arm: str | None = None,
@@ -147,7 +171,7 @@ __all__ = [
     "TAG_STAGE", "TAG_MODEL", "TAG_CORPUS", "TAG_CORPUS_DIGEST", "TAG_PRIVACY", "TAG_ARM",
     "TAG_SEED", "TAG_PRECISION", "TAG_SPLIT", "TAG_BACKEND", "TAG_GIT_COMMIT", "TAG_CODE_VERSION",
     "TAG_ENTRY_POINT", "TAG_PARAMS_DIGEST", "TAG_INPUT_PREFIX", "TAG_DELEGATED_TO", "TAG_LAMBDA",
-    "TAG_PARENT_RUN", "TAG_EXPERIMENT_KIND", "EXPERIMENT_KIND", "CONFIG_ARTIFACT", "DONE_MARKER",
+    "TAG_PARENT_RUN", "TAG_EXPERIMENT_KIND", "TAG_DESCRIPTION", "EXPERIMENT_KIND", "CONFIG_ARTIFACT", "DONE_MARKER",
     "METRIC_SEPARATOR", "CHECKPOINT_PREFIX", "short_model", "lambda_label", "run_name", "metric_name",
     "check_metric_name",
 ]

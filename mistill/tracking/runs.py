@@ -60,10 +60,11 @@ from mistill.tracking.lease import (ENV_ON_BUSY, ENV_WAIT_MAX, TAG_LEASE_OWNER, 
                                     claim, claim_new_run, describe_owner, generation, identity_key, lease_held,
                                     lease_tags, new_owner)
 from mistill.tracking.naming import (CHECKPOINT_PREFIX, CONFIG_ARTIFACT, TAG_ARM, TAG_CODE_VERSION, TAG_CORPUS,
-                                     TAG_CORPUS_DIGEST, TAG_DELEGATED_TO, TAG_ENTRY_POINT, TAG_GIT_COMMIT,
+                                     TAG_CORPUS_DIGEST, TAG_DELEGATED_TO, TAG_DESCRIPTION, TAG_ENTRY_POINT,
+                                     TAG_GIT_COMMIT,
                                      TAG_INPUT_PREFIX, TAG_LAMBDA, TAG_MODEL, TAG_PARAMS_DIGEST, TAG_PARENT_RUN,
                                      TAG_PRECISION, TAG_PRIVACY, TAG_SEED, TAG_SPLIT, TAG_STAGE, _check_component,
-                                     lambda_label, run_name)
+                                     lambda_label, run_description, run_name)
 from mistill.tracking.notes import NoteFiles
 from mistill.tracking.privacy import PrivacyGuard
 from mistill.tracking.purge import purge_if_protected
@@ -130,6 +131,8 @@ class StageRun(ArtifactLogging, NoteFiles, EnclaveFiles):
             logs no params or ``config.json``, and never ends it.
         record: further entries of ``config.json`` (a train run's resolved arm and the
             deviations it runs under), beside ``config``.
+        description: what the stage computes, one line; with the run's corpus, model, arm, λ,
+            seed and inputs it becomes the run's description in the UI (``mlflow.note.content``).
 
     Inside ``mlflow run`` (``MLFLOW_RUN_ID`` set) the launched run is adopted as the new run
     when it is in the corpus's experiment (``--experiment-name mistill/<corpus>``). If the work
@@ -147,7 +150,8 @@ class StageRun(ArtifactLogging, NoteFiles, EnclaveFiles):
                  code_version: str | None = None, tracking_uri: str | None = None,
                  lam: Any = None, split: str | None = None, name: str | None = None,
                  parent: str | None = None, system_metrics: bool | None = None,
-                 attach: str | None = None, record: Mapping[str, Any] | None = None) -> None:
+                 attach: str | None = None, record: Mapping[str, Any] | None = None,
+                 description: str = "") -> None:
         if not isinstance(config, Config):
             raise TypeError(f"config must be a mistill.config.Config, got {type(config).__name__}")
         self.stage = stage
@@ -165,6 +169,7 @@ class StageRun(ArtifactLogging, NoteFiles, EnclaveFiles):
         self.inputs = {_check_component(k, "input name"): str(v)
                        for k, v in (inputs or {}).items()}
         self.extra_tags = dict(tags or {})
+        self.description = description
         self.lam = lambda_label(lam)
         config_split = self.params.get("split")
         self.split = split if split is not None else (
@@ -254,6 +259,9 @@ class StageRun(ArtifactLogging, NoteFiles, EnclaveFiles):
             TAG_LAMBDA: self.lam or self._checkpoint_lambda(),
         }
         tags.update({TAG_INPUT_PREFIX + k: v for k, v in self.inputs.items()})
+        fields = {"corpus": self.corpus, "model": self.model, "arm": self.arm, "λ": tags[TAG_LAMBDA],
+                  "seed": self.seed, "precision": self.precision, "split": self.split}
+        tags[TAG_DESCRIPTION] = run_description(self.stage, self.description, fields, self.inputs)
         tags.update(self.extra_tags)
         return {k: str(v) for k, v in tags.items() if v is not None}
 
