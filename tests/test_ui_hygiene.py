@@ -35,6 +35,7 @@ class TrainDemo(Config):
     student: str = "embedded:smollm2-135m@every-other"
     arm: str = "mistill"
     seed: int = 0
+    train_notes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +83,11 @@ def test_run_names_say_stage_model_arm_lambda_split_seed(tracking_uri: str, tmp_
     # a readout of the checkpoint `run:<id>` is named by what that run trained, not by its id
     assert read.info.run_name == "mistill λ0.03 s0 · evaluate · smollm2-135m@every-other · test"
     assert not RUN_ID.search(read.info.run_name) and read.data.tags[TAG_LAMBDA] == "0.03"
+    # a selection cell trains on part of the notes: its name says so, unlike the arm's on all of them
+    with stage_run("train", TrainDemo(train_notes=100), corpus, tmp_path, model=TrainDemo.student,
+                   lam=(0.03, 0.03)) as cell:
+        cell_id = cell.run_id
+    assert client.get_run(cell_id).info.run_name == "mistill λ0.03 s0 n100 · train · smollm2-135m@every-other"
 
 
 def test_one_view_run_line_per_run_in_the_log(tracking_uri: str, tmp_path: Path, capsys) -> None:

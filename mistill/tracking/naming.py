@@ -115,11 +115,14 @@ def run_description(stage: str, what: str, fields: Mapping[str, Any], inputs: Ma
 
 
 def run_name(stage: str, model: str | None = None, arm: str | None = None,
-             seed: int | str | None = None, *, lam: Any = None, split: str | None = None) -> str:
+             seed: int | str | None = None, *, lam: Any = None, split: str | None = None,
+             notes: int | None = None) -> str:
     """What the run is, the parts a reader compares first leading (the UI cuts long names):
     ``<arm> λ<λ> s<seed> · <stage> · <model> · <split>`` for a run of an arm (``mistill λ0.03 s0 ·
     evaluate · smollm2-135m · test``), else ``<stage> · <model> · <split> · s<seed>``; parts that
-    are None or empty are left out; ``model`` as :func:`short_model` shows it. Never a run id: a
+    are None or empty are left out; ``model`` as :func:`short_model` shows it. ``notes``: a
+    training run on part of the training notes (the λ selection's cells: ``mistill λ0.01 s0 n100 ·
+    train``), so that it is not named like the arm trained on all of them. Never a run id: a
     part that holds one is left out (the run's tags and lineage keep it)."""
     def kept(*parts: Any) -> list[str]:
         return [str(p) for p in parts if p not in (None, "") and not _RUN_ID.search(str(p))]
@@ -129,7 +132,8 @@ def run_name(stage: str, model: str | None = None, arm: str | None = None,
     rest = kept(stage, short_model(model), split or None)
     head = kept(arm)
     if head:
-        return " · ".join([" ".join(head + kept(f"λ{label}" if label else None, seed_part)), *rest])
+        return " · ".join([" ".join(head + kept(f"λ{label}" if label else None, seed_part,
+                                                f"n{notes}" if notes else None)), *rest])
     return " · ".join(rest + kept(seed_part))
 
 

@@ -214,8 +214,8 @@ class StageRun(ArtifactLogging, NoteFiles, EnclaveFiles):
     @property
     def run_name(self) -> str:
         """The run's name: ``name`` if given, else :func:`~mistill.tracking.naming.run_name` of
-        stage, model, arm, λ, split and seed (a checkpoint ``run:<id>`` shown as the model, arm
-        and λ it trained)."""
+        stage, model, arm, λ, split, seed and a training run's ``train_notes`` (a checkpoint
+        ``run:<id>`` shown as the model, arm and λ it trained)."""
         if self._name:
             return self._name
         model, arm, lam = self.model, self.arm, self.lam
@@ -223,8 +223,9 @@ class StageRun(ArtifactLogging, NoteFiles, EnclaveFiles):
             trained = self._checkpoint_tags(model[len(CHECKPOINT_PREFIX):])
             model = trained.get(TAG_MODEL)
             arm = arm or trained.get(TAG_ARM)
+        notes = self.params.get("train_notes")
         return run_name(self.stage, model, arm, self.seed, lam=lam or self._checkpoint_lambda(),
-                        split=self.split)
+                        split=self.split, notes=notes if isinstance(notes, int) else None)
 
     def _checkpoint_lambda(self) -> str | None:
         """The λ of the train run whose checkpoint (``run:<id>``) this run reads, if tagged."""
