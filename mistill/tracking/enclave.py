@@ -47,11 +47,18 @@ def verify_local_note_file(path: Path, done: Mapping[str, Any], *, run_id: str, 
     if want is None:
         raise MistillInputError(f"run {run_id}: {where} is not a local file of the note's "
                                 f"{DONE_MARKER} marker", file=path.name, note=note_id, field=subdir)
+    check_finished_digest(path, want, run_id=run_id, where=where, note_id=note_id, subdir=subdir, kind="local file")
+
+
+def check_finished_digest(path: Path, want: str, *, run_id: str, where: str, note_id: str, subdir: str,
+                          kind: str) -> None:
+    """Refuse ``path`` (a note's ``kind`` file, ``where`` in run ``run_id``) unless its sha256 is
+    ``want``, the digest its ``_DONE`` marker recorded when the note finished."""
     got = sha256_file(path)
     if got != want:
         raise MistillInputError(
-            f"run {run_id}: the local file {where} does not match the sha256 recorded when the note "
-            f"finished (recorded {want[:16]}, found {got[:16]}): it was changed afterwards",
+            f"run {run_id}: the {kind} {where} does not match the sha256 recorded when the note finished "
+            f"(recorded {want[:16]}, found {got[:16]}): it was changed afterwards",
             file=path.name, note=note_id, field=subdir)
 
 

@@ -27,8 +27,8 @@ from mistill.errors import MistillInputError
 from mistill.io import read_json, sha256_file, write_bytes, write_json, write_text
 from mistill.tracking.auth import sign_done, verify_done
 from mistill.tracking.connection import is_unreachable
-from mistill.tracking.enclave import (ENCLAVE_DIR, LOCAL_FILES_KEY, _local_entries, enclave_missing_error,
-                                      verify_local_note_file)
+from mistill.tracking.enclave import (ENCLAVE_DIR, LOCAL_FILES_KEY, _local_entries, check_finished_digest,
+                                      enclave_missing_error, verify_local_note_file)
 from mistill.tracking.experiments import quiet_downloads
 from mistill.tracking.naming import DONE_MARKER, _check_component
 
@@ -200,12 +200,7 @@ def verify_note_file(path: Path, done: Mapping[str, Any], *, run_id: str, subdir
     if want is None:
         raise MistillInputError(f"run {run_id}: {where} is not listed in the note's {DONE_MARKER} marker",
                                 file=path.name, note=note_id, field=subdir)
-    got = sha256_file(path)
-    if got != want:
-        raise MistillInputError(
-            f"run {run_id}: {where} does not match the sha256 recorded when the note finished "
-            f"(recorded {want[:16]}, found {got[:16]}): the artifact was changed afterwards",
-            file=path.name, note=note_id, field=subdir)
+    check_finished_digest(path, want, run_id=run_id, where=where, note_id=note_id, subdir=subdir, kind="artifact")
 
 
 def _write_note_content(path: Path, content: bytes | str | Any) -> None:
