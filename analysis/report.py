@@ -28,11 +28,14 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from analysis import query, run_deviations, tables
+from analysis.characterization_compare import compared_runs
 from analysis.report_model import LAMBDA_CELLS, Report, ReportInputs, ReportTable, TableChoices, cell_train_runs
 from analysis.report_sections import (READ_SIDE_STAGES, ExtraRuns, ablations_section, audit_section,
                                       characterization_section, global_sets_section, lambda_section, locus_section,
                                       own_heads_section, read_side_section, selection_section,
                                       student_edits_section, task_section)
+from analysis.report_sections import characterization_compare_section
+from analysis.report_sections import replicate_section, training_section
 from mistill import stats
 
 __all__ = ["MIN_TEST_NOTES", "MIN_TRAIN_STEPS", "STAGES", "EvidenceSize", "Report", "ReportInputs",
@@ -64,19 +67,26 @@ _ARMED = ("evaluate", "own_heads")  # stages whose runs the ``arms`` filter appl
 
 
 def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str] = (),
-                   reference_arm: str = "", split: str = "test") -> ReportInputs:
+                   reference_arm: str = "", split: str = "test",
+                   compare_attribute_runs: Sequence[str] = (),
+                   compare_labels: Sequence[str] = ()) -> ReportInputs:
     """The newest FINISHED run of each (model, arm, precision, seed) of every stage in
     :data:`STAGES` (``knockin``: the newest per model). ``arms`` (non-empty) restricts the
     ``evaluate`` and ``own_heads`` runs to those arms plus the reference, the teacher and the
     untrained student; of those, only runs on ``split`` are read (the λ selection's
-    validation evaluations are not test results; runs without a split tag are kept)."""
+    validation evaluations are not test results; runs without a split tag are kept), and not
+    those of a selection cell's or a partial training run (:func:`partial_train_runs`).
+    ``compare_attribute_runs`` (pairs of attribute run ids) and ``compare_labels``: the two
+    characterizations put side by side, and their knock-in runs (``attribute_compared``,
+    ``knockin_compared`` of :attr:`ReportInputs.extra`; :func:`compared_runs`)."""
     keep = tuple(dict.fromkeys([*arms, reference_arm, tables.TEACHER_ARM,
                                 tables.UNTRAINED_ARM])) if arms else ()
     runs = {"select_lambda": query.latest_runs(query.stage_runs(client, experiment,
                                                                 "select_lambda"),
                                                _KEYS["select_lambda"])}
     train_all = query.stage_runs(client, experiment, "train")
-    cell_train = cell_train_runs(_selection_cells(runs["select_lambda"]), train_all)
+    cell_train = set(cell_train_runs(_selection_cells(runs["select_lambda"]), train_all))
+    cell_train |= partial_train_runs(client, train_all)
     for stage in STAGES:
         if stage in runs:
             continue
@@ -98,7 +108,22 @@ def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str]
         extra[stage] = query.latest_runs(found, ("model",)) if not found.empty else found
         if stage == "trace_edit":  # Table 22 pairs the students' runs by arm and seed
             extra["trace_edit_all"] = query.latest_runs(found, query.RUN_KEY) if not found.empty else found
+    extra["attribute_compared"], extra["knockin_compared"] = compared_runs(
+        client, experiment, compare_attribute_runs, compare_labels)
     return ReportInputs(experiment, runs, extra)
+
+
+def partial_train_runs(client: MlflowClient, train: pd.DataFrame) -> set[str]:
+    """The train runs on part of the training notes (``train_notes`` above 0: the learning curve's
+    smaller sizes, a selection's reference): their evaluations are left out of the tables of the
+    arms (Tables 2, 3, 43, 45), which read the arms trained on every note; Table 53 reads them."""
+    partial: set[str] = set()
+    for rid in train.get("run_id", []):
+        asked = pd.to_numeric(pd.Series([client.get_run(str(rid)).data.params.get("train_notes")]),
+                              errors="coerce").iloc[0]
+        if pd.notna(asked) and asked > 0:
+            partial.add(str(rid))
+    return partial
 
 
 def _selection_cells(selections: pd.DataFrame) -> pd.DataFrame:
@@ -112,7 +137,8 @@ def build_report(inputs: ReportInputs, *, reference_arm: str,
                  n_resamples: int = stats.N_BOOTSTRAP,
                  corpus_resamples: int = stats.N_BOOTSTRAP_CORPUS, seed: int = 0,
                  choices: TableChoices = TableChoices(), split: str = "test",
-                 client: MlflowClient | None = None, audit_labels: pd.DataFrame | None = None) -> Report:
+                 client: MlflowClient | None = None, audit_labels: pd.DataFrame | None = None,
+                 replicate_pairs: Sequence[tuple[str, str]] = ()) -> Report:
     """Every table and figure the inputs allow; the rest named in :attr:`Report.notes`."""
     client = client or MlflowClient()
     rep = Report(inputs.experiment, reference_arm,
@@ -132,6 +158,13 @@ def build_report(inputs: ReportInputs, *, reference_arm: str,
     student_edits_section(rep, inputs.extra.get("trace_edit_all", pd.DataFrame()), reference_arm, n_resamples, seed)
     selection_section(rep, inputs.runs["select_lambda"], cells, extra, n_resamples, seed)
     ablations_section(rep, client, extra, cells, choices, n_resamples, seed)
+    characterization_compare_section(
+        rep, inputs.extra.get("attribute_compared", pd.DataFrame()),
+        inputs.extra.get("knockin_compared", pd.DataFrame()),
+        pd.concat([inputs.runs["knockin"], inputs.extra.get("knockin_compared", pd.DataFrame())],
+                  ignore_index=True))
+    training_section(rep, client, extra, cells, n_resamples, seed)
+    replicate_section(rep, extra, replicate_pairs, n_resamples, seed)
     rep.size_section = evidence_size(inputs.runs["evaluate"], task_notes,
                                      inputs.extra.get("train", pd.DataFrame())).section()
     rep.deviations, rep.deviation_problems = run_deviations.run_deviations(inputs.all_runs())

@@ -14,6 +14,8 @@ from mlflow.tracking import MlflowClient
 
 from analysis import (ablation_tables, characterization, figures, locus_figures, query, run_deviations,
                       selection_tables as seltab, tables)
+from analysis import characterization_compare as compare
+from analysis import training_tables
 from analysis.audit import stratified_readouts
 from analysis.edit_tables import edit_pairs_table
 from analysis.report_model import (DECISION, LAMBDA_CELLS, OWN_HEADS_PER_NOTE, PER_NOTE_METRICS, PER_NOTE_SETS,
@@ -703,3 +705,291 @@ def _own_pairs_display(table: pd.DataFrame) -> pd.DataFrame:
                     "higher/lower": f"{int(r['n_higher'])}/{int(r['n_lower'])}",
                     "sign p": tables.format_cell(r["sign_p"], p_value=True)})
     return pd.DataFrame.from_records(out)
+
+
+# ------------------------------------------------------------- two characterizations, patients
+def characterization_compare_section(rep: Report, attribute: pd.DataFrame, knockin: pd.DataFrame,
+                                     collapsed: pd.DataFrame) -> None:
+    """Tables 9/35 (two attribute runs' rankings), 35/36 (their knock-in side by side) and App. C's
+    patient collapse of the knock-in cells.
+
+    attribute, knockin: the compared attribute runs and their knock-in runs
+    (:func:`analysis.characterization_compare.compared_runs`: ``pair``, ``side``, ``label``);
+    collapsed: the knock-in runs whose cells are also collapsed to patients. Each table is added
+    only when it has rows; otherwise a note says why."""
+    what = "Tables 9/35/36 (two characterizations side by side)"
+    if attribute.empty:
+        _skip(rep, what, "no pair of attribute runs named (report -P compare_attribute_runs=<a>,<b>) "
+                         "and none of one model on one events run differing in detach")
+    pairs, shown, kin_rows, kin_shown, basis = [], [], [], [], []
+    for pair, grp in (attribute.groupby("pair", sort=True) if not attribute.empty else ()):
+        a, b = (grp[grp["side"] == s].iloc[0] for s in ("a", "b"))
+        sets = {s: query.read_json_artifact(r["run_id"], characterization.HEAD_SETS) for s, r in (("a", a), ("b", b))}
+        if not all(isinstance(v, dict) for v in sets.values()):
+            _skip(rep, f"{what}, pair {a['label']} / {b['label']}", f"an attribute run lacks {characterization.HEAD_SETS}")
+            continue
+        labels = {"pair": int(pair), "label_a": a["label"], "label_b": b["label"], "run_a": a["run_id"],
+                  "run_b": b["run_id"], "model_a": a["model"], "model_b": b["model"]}
+        table = compare.compare_rankings(sets["a"], sets["b"])
+        if a["model"] == b["model"] and not table.empty and table["n_heads"].gt(0).any():
+            for col, value in reversed(labels.items()):
+                table.insert(0, col, value)
+            pairs.append(table)
+            shown.append(compare.compare_display(table))
+        per_note = {s: _load(rep, knockin[(knockin["pair"] == pair) & (knockin["side"] == s)], PER_NOTE_SETS,
+                             ["note_id", "phase", "k", "set", "necessity", "recovery"], ("run_id", "model"))
+                    if not knockin.empty else pd.DataFrame() for s in ("a", "b")}
+        notes = {s: int(f["note_id"].nunique()) if not f.empty else 0 for s, f in per_note.items()}
+        side = compare.knockin_side_by_side(per_note["a"], per_note["b"])
+        if not side.empty:
+            for col, value in reversed(labels.items()):
+                side.insert(0, col, value)
+            kin_rows.append(side)
+            kin_shown.append(compare.knockin_display(side))
+        basis.append(f"{a['label']} (run {a['run_id'][:8]}, {a['model']}; knock-in on {notes['a']} notes) "
+                     f"against {b['label']} (run {b['run_id'][:8]}, {b['model']}; knock-in on {notes['b']} notes)")
+    pairs_text = "; ".join(basis)
+    if pairs:
+        table = pd.concat(pairs, ignore_index=True)
+        rep.tables.append(ReportTable(
+            "compare_rankings", "Tables 9 and 35: two characterizations' rankings compared",
+            f"Per pair of attribute runs of one model (A against B) and phase: Spearman's rho of the I_c "
+            f"over every head (heads), and the heads shared by their top-8, top-16 and top-40; notes A/B: "
+            f"the notes each run ranked the phase on. Pairs: {pairs_text}.",
+            table, pd.concat(shown, ignore_index=True)))
+    elif basis:
+        _skip(rep, "Tables 9/35 (rankings compared)", "the runs of each pair are of two models (their "
+                                                       "knock-in is compared, Table 36)")
+    if kin_rows:
+        table = pd.concat(kin_rows, ignore_index=True)
+        rep.tables.append(ReportTable(
+            "compare_knockin", "Tables 35 and 36: two characterizations' global sets side by side",
+            f"Per pair (A against B), phase and k: each run's own global set, knock-in recovery in another "
+            f"note's context and necessity, medians over notes of per-note means with the count-matched "
+            f"random set in parentheses; notes: where the global set beats random / notes compared. "
+            f"Pairs: {pairs_text}.", table, pd.concat(kin_shown, ignore_index=True)))
+    elif basis:
+        _skip(rep, "Tables 35/36 (knock-in side by side)", "no compared attribute run has a FINISHED knockin run")
+    _patient_collapse(rep, collapsed)
+
+
+def _patient_collapse(rep: Report, runs: pd.DataFrame) -> None:
+    what = "App. C's patient collapse of the knock-in cells"
+    if runs.empty:
+        return _skip(rep, what, "no FINISHED knockin runs")
+    frames, shown, units = [], [], []
+    for _, run in runs.drop_duplicates("run_id").iterrows():
+        try:
+            patients = compare.note_patients(run["run_id"])
+        except MistillInputError as exc:
+            _skip(rep, f"{what}, run {run['run_id']}", str(exc))
+            continue
+        rows = _load(rep, pd.DataFrame([run]), PER_NOTE_SETS,
+                     ["note_id", "phase", "k", "set", "necessity", "recovery"], ("run_id", "model"))
+        if rows.empty:
+            continue
+        try:
+            table = compare.patient_collapse_table(rows, patients)
+        except MistillInputError as exc:
+            _skip(rep, f"{what}, run {run['run_id']}", str(exc))
+            continue
+        table.insert(0, "model", run["model"])
+        table.insert(0, "run_id", run["run_id"])
+        frames.append(table)
+        shown.append(compare.patient_collapse_display(table))
+        move = table.loc[table["set"] == "global", "recovery.move"].abs().max()
+        units.append(f"{run['model']} (run {run['run_id'][:8]}): {int(table['n_notes'].iloc[0])} notes of "
+                     f"{int(table['n_patients'].iloc[0])} patients, largest move of a global knock-in "
+                     f"median {move:.3f}")
+    if not frames:
+        return
+    rep.tables.append(ReportTable(
+        "patient_collapse", "App. C: the knock-in cells with the patient as the unit",
+        "Tables 1/10 twice: medians over notes of per-note means (note), and over patients after "
+        "averaging each patient's per-note means (patient), with the move (patient - note); for the "
+        "global set the notes / patients where it beats random. " + "; ".join(units) + ".",
+        pd.concat(frames, ignore_index=True), pd.concat(shown, ignore_index=True)))
+
+
+# --------------------------------------------------- Table 53, Figure 8 and the training cost
+def _train_run_info(client: MlflowClient, train: pd.DataFrame) -> pd.DataFrame:
+    """The train runs with what their rows lack: the ``train_notes`` param resolved to a size
+    (:func:`analysis.training_tables.train_sizes`) and the run's wall seconds (``run_seconds``)."""
+    asked: dict[str, Any] = {}
+    seconds: dict[str, float] = {}
+    for rid in train.get("run_id", []):
+        try:
+            run = client.get_run(str(rid))
+        except MlflowException:
+            continue
+        asked[str(rid)] = run.data.params.get("train_notes")
+        if run.info.end_time and run.info.start_time:
+            seconds[str(rid)] = (run.info.end_time - run.info.start_time) / 1000
+    out = train.copy()
+    sizes = training_tables.train_sizes(train, asked)
+    out["train_notes"] = out["run_id"].astype(str).map(sizes).astype("Int64")
+    out["run_seconds"] = out["run_id"].astype(str).map(seconds)
+    return out
+
+
+def _cost_history(client: MlflowClient, train: pd.DataFrame) -> pd.DataFrame:
+    """The cost metrics' values of every train run, long (``run_id, metric, step, value``)."""
+    gpu = [c for c in train.columns if training_tables.SYSTEM_GPU_MEMORY.match(str(c))]
+    rows = []
+    for _, run in train.iterrows():
+        logged = [m for m in training_tables.COST_METRICS if m in train.columns and not pd.isna(run[m])]
+        logged += [m for m in gpu if not pd.isna(run[m])]
+        for metric in logged:
+            rows += [{"run_id": run["run_id"], "metric": metric, "step": step, "value": value}
+                     for step, value in query.metric_history(client, run["run_id"], metric).items()]
+    return pd.DataFrame.from_records(rows, columns=["run_id", "metric", "step", "value"])
+
+
+def training_section(rep: Report, client: MlflowClient, extra: ExtraRuns, cells: pd.DataFrame,
+                     n_resamples: int, seed: int) -> None:
+    """Table 53 and Figure 8 (the learning curve) and App. I.5's training cost per arm."""
+    if extra.train.empty:
+        _skip(rep, "Table 53 (learning curve), Figure 8 and the training cost", "no FINISHED train runs")
+        return
+    train = _train_run_info(client, extra.train)
+    cell_train = cell_train_runs(cells, extra.train)
+    evaluate = extra.evaluate
+    if not evaluate.empty:
+        evaluate = evaluate[(evaluate["split"].isna() | (evaluate["split"] == extra.split))
+                            & ~evaluate["train_run"].isin(cell_train)]
+    sizes = {str(r): int(n) for r, n in zip(train["run_id"], train["train_notes"]) if not pd.isna(n)}
+    runs = training_tables.learning_curve_runs(evaluate, sizes)
+    per_note = extra.eval_notes[extra.eval_notes["run_id"].isin(runs["run_id"])] \
+        if not extra.eval_notes.empty and not runs.empty else pd.DataFrame(columns=["run_id", "seed", "note_id"])
+    references = [a for a in dict.fromkeys([rep.reference_arm, *ablation_tables.VANILLA_ARMS])
+                  if a != ablation_tables.MISTILL_ARM]
+    t53 = training_tables.learning_curve_table(runs, per_note, references=references,
+                                               n_resamples=n_resamples, seed=seed)
+    what = "Table 53 (learning curve) and Figure 8"
+    if t53.empty:
+        _skip(rep, what, f"no {extra.split} evaluate run of a {ablation_tables.MISTILL_ARM} or Vanilla CoT-KD "
+                         "checkpoint whose train run's size (train_notes, n_notes) is known")
+    else:
+        sizes_read = sorted({int(s) for s in t53["train_notes"]})
+        rep.tables.append(ReportTable(
+            "table53_learning_curve", "Table 53: learning curve",
+            f"{ablation_tables.MISTILL_ARM} and Vanilla CoT-KD trained on {', '.join(map(str, sizes_read))} "
+            f"training notes, evaluated on the same {int(per_note['note_id'].nunique())} {extra.split} notes "
+            f"({len(runs)} evaluate runs): micro-F1 (corpus-level) and M1 at P2C, mean ± sd over seeds; "
+            f"against each Vanilla CoT-KD arm at the same size, seed i against seed i (a one-seed side pairs "
+            f"with every seed), the per-note difference note-clustered (mean [95% bootstrap interval, "
+            f"{n_resamples} resamples]) and the notes, or note-pairs pooled over seed pairs and counted as if "
+            "independent (descriptive), on which the arm is higher / lower, with their exact sign test.",
+            t53, training_tables.learning_curve_display(t53)))
+        rep.figures["learning_curve"] = training_tables.learning_curve_figure(t53, "Learning curve (Figure 8)")
+    cost_runs = training_tables.training_cost_runs(train, _cost_history(client, train))
+    cost = training_tables.training_cost_table(cost_runs, rep.reference_arm)
+    timed = cost_runs[cost_runs["steps_timed"] > 0] if not cost_runs.empty else cost_runs
+    if timed.empty:
+        _skip(rep, "The training cost per arm", "no train run logged its steps' cost (train/step_seconds)")
+        return
+    rep.tables.append(ReportTable(
+        "training_cost_runs", "App. I.5: training cost per run",
+        f"Each of the {len(cost_runs)} train runs: the optimizer steps timed, their summed and median wall "
+        "seconds, seconds per note trained (summed step seconds over the notes of those steps), the run's "
+        "wall minutes (loading and saving included) and its peak memory (the steps' torch peak on the device, "
+        "else MLflow's sampled GPU memory).", cost_runs, training_tables.training_cost_runs_display(cost_runs)))
+    rep.tables.append(ReportTable(
+        "training_cost", "App. I.5: training cost per arm",
+        f"Per arm, precision and number of training notes, over its runs ({len(cost_runs)} train runs, "
+        f"{len(timed)} with timed steps): seconds per note and per optimizer step, training and run minutes "
+        f"(min–max over runs), the largest peak memory; with and without the Mistill terms: the arm's mean "
+        f"seconds per note over {rep.reference_arm}'s on as many notes, and the difference of their peaks. "
+        "Hardware-dependent, indicative only.", cost, training_tables.training_cost_display(cost, rep.reference_arm)))
+
+
+# ------------------------------------------------------------------- App. L.5, L.6: replicates
+def _pair_frames(extra: ExtraRuns, rid: str) -> tuple[str, pd.DataFrame, pd.Series] | None:
+    """A paired run's stage, per-note rows and run row (None: no FINISHED evaluate or
+    own_heads run of the experiment)."""
+    for stage, runs, notes in (("evaluate", extra.evaluate, extra.eval_notes),
+                               ("own_heads", extra.own, extra.own_notes)):
+        if not runs.empty and (runs["run_id"] == rid).any():
+            mine = notes[notes["run_id"] == rid] if not notes.empty else notes
+            return stage, mine, runs[runs["run_id"] == rid].iloc[0]
+    return None
+
+
+def _same_checkpoint(a: pd.Series, b: pd.Series) -> bool:
+    for col in ("train_run", "checkpoint"):
+        if col in a.index and isinstance(a[col], str) and a[col]:
+            return a[col] == b.get(col)
+    return False
+
+
+def _pair_measure(frame: pd.DataFrame, keys: Sequence[str]) -> pd.Series:
+    """The figure's panel of a row: the measure, with the traces, phase and k of an own-heads pair."""
+    if not keys:
+        return frame["measure"]
+    return frame["measure"] + " (" + frame["traces"].astype(str) + ", " + frame["phase"].astype(str) \
+        + ", k=" + frame["k"].astype(int).astype(str) + ")"
+
+
+def replicate_section(rep: Report, extra: ExtraRuns, pairs: Sequence[tuple[str, str]], n_resamples: int,
+                      seed: int) -> None:
+    """App. L.5 and L.6: the replicate pairs (``ReportConfig.replicate_runs``) paired note by note."""
+    what = "The replicate pairing (App. L.5, L.6)"
+    if not pairs:  # nothing asked for
+        return None
+    tables_, diffs, summaries = [], [], []
+    for i, (a, b) in enumerate(pairs, start=1):
+        found = {rid: _pair_frames(extra, rid) for rid in (a, b)}
+        if any(v is None for v in found.values()):
+            missing = [rid for rid, v in found.items() if v is None]
+            rep.notes.append(f"replicate pair {i}: {', '.join(missing)} is no FINISHED evaluate or own_heads run "
+                             "of this experiment")
+            continue
+        (stage_a, notes_a, run_a), (stage_b, notes_b, run_b) = found[a], found[b]
+        if stage_a != stage_b:
+            rep.notes.append(f"replicate pair {i}: a {stage_a} run paired with a {stage_b} run")
+            continue
+        if stage_a == "evaluate":
+            keys: tuple[str, ...] = ()
+            long = training_tables.replicate_differences(notes_a, notes_b, training_tables.EVALUATE_MEASURES)
+        else:
+            keys = ("traces", "phase", "k")
+            notes_a, notes_b = (n.assign(traces=n["traces"].fillna("teacher")) if "traces" in n.columns
+                                else n.assign(traces="teacher") for n in (notes_a, notes_b))
+            long = training_tables.replicate_differences(
+                notes_a, notes_b, [(training_tables.OWN_HEADS_MEASURE, "M4 own top-k recovery")], keys)
+        table = training_tables.replicate_table(long, keys, n_resamples=n_resamples, seed=seed)
+        if table.empty:
+            rep.notes.append(f"replicate pair {i}: the two runs share no note with a value")
+            continue
+        if stage_a == "own_heads":
+            sets = [query.read_json_artifact(r, OWN_SETS_FILE) for r in (a, b)]
+            agree = [training_tables.top_k_agreement(*sets, r["phase"], int(r["k"])) for _, r in table.iterrows()]
+            table = table.assign(top_k_overlap=[g.get("top_k_overlap") for g in agree],
+                                 same_order=[g.get("same_order") for g in agree])
+        names = [str(r.get("run_name") or r["run_id"]) for r in (run_a, run_b)]
+        front = {"pair": i, "stage": stage_a, "run_a": a, "run_b": b, "run_a_name": names[0],
+                 "run_b_name": names[1], "same_checkpoint": _same_checkpoint(run_a, run_b)}
+        for col, value in reversed(list(front.items())):
+            table.insert(0, col, value)
+        tables_.append(table)
+        model = str(run_a.get("model"))
+        diffs.append(long.assign(model=model, comparison=f"pair {i}: a - b",
+                                 measure=_pair_measure(long, keys)))
+        summaries.append(table.assign(model=model, arm=f"pair {i}: a", reference="b",
+                                      measure=_pair_measure(table, keys)))
+    if not tables_:
+        return _skip(rep, what, "no replicate pair could be read")
+    table = pd.concat(tables_, ignore_index=True)
+    n_notes = int(table["n"].max())
+    rep.tables.append(ReportTable(
+        "replicate_pairs", "App. L.5, L.6: replicate pairing",
+        f"{len(tables_)} pair(s) of runs of one configuration (a same-seed replicate, or one checkpoint read "
+        f"twice), up to {n_notes} notes per measure: per note run a minus run b, each run's mean (median) over "
+        f"the paired notes, the mean difference with its bootstrap 95% interval ({n_resamples} resamples), the "
+        "median difference, notes higher/lower/tied, exact sign-test and Wilcoxon p; for own-heads pairs per "
+        "traces, phase and k, and how many of the own top-k the two rankings share (in the same order or not). "
+        "Two readings agree when the differences centre on zero at a spread below the effects read elsewhere.",
+        table, training_tables.replicate_display(table)))
+    rep.figures["replicate_differences"] = figures.paired_differences_figure(
+        pd.concat(diffs, ignore_index=True), pd.concat(summaries, ignore_index=True),
+        "Replicate pairs: per-note differences", "run a minus run b; red: mean with its bootstrap 95% interval")

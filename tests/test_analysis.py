@@ -332,7 +332,13 @@ def test_report_numbers_match_hand_values(tracking_uri, run_set, reader_root, tm
     assert "## Table 43" in text
     # the run set has every kind of run but the locus pass: that is the one skipped section
     skipped = [line for line in text.splitlines() if "skipped" in line]
-    assert skipped == ["- Tables 25-33 and Figure 1 (the locus pass) skipped: no FINISHED locus runs."]
+    assert skipped[0] == "- Tables 25-33 and Figure 1 (the locus pass) skipped: no FINISHED locus runs."
+    assert skipped[1].startswith("- Tables 9/35/36 (two characterizations side by side) skipped: no pair")
+    # the fixture's knock-in runs carry no lineage back to a corpus: no patients to collapse to
+    assert all("App. C's patient collapse" in line and "names no attribute run" in line for line in skipped[2:-1])
+    assert len(skipped) > 3
+    assert skipped[-1] == ("- Table 53 (learning curve), Figure 8 and the training cost skipped: no FINISHED train "
+                           "runs.")
 
     # the same request over the same runs reuses the finished report
     assert run_report(cfg) == run_id

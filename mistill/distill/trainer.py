@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -384,6 +385,7 @@ class Trainer:
         while self.step < self.total and self.epoch < self.recipe.epochs:
             order = epoch_order(self.n, self.recipe.seed, self.epoch)
             batch = order[self.cursor:self.cursor + self.recipe.grad_accum]
+            started = time.perf_counter()
             sums: dict[str, float] = {}
             micro = [(idx, 1.0) for idx in shard(batch, self.world)]  # every example of the batch, in one process
             if self.fsdp:  # as many micro-steps on every rank (FSDP's collectives); the padding weighs 0
@@ -411,7 +413,8 @@ class Trainer:
             self.cursor += len(batch)
             if self.cursor >= self.n:
                 self.epoch, self.cursor = self.epoch + 1, 0
-            self.log({**sums, "lr": lr, "grad_norm": float(grad_norm), "epoch": self.epoch}, self.step)
+            self.log({**sums, "lr": lr, "grad_norm": float(grad_norm), "epoch": self.epoch,
+                      **step_cost(time.perf_counter() - started, len(batch), self.device)}, self.step)
             if self.recipe.checkpoint_every and self.step % self.recipe.checkpoint_every == 0:
                 self.save_state()
             if self.after_step is not None:
@@ -422,6 +425,17 @@ class Trainer:
                 break
         bar.close()
         return self.step
+
+
+def step_cost(seconds: float, notes: int, device: torch.device) -> dict[str, float]:
+    """What an optimizer step cost (App. I.5), logged beside its terms: ``step_seconds`` (wall
+    time of its micro-steps, gradient sum, clipping and update; not the probe or a checkpoint
+    save), ``step_notes`` (the notes of its batch) and, on a CUDA device, ``peak_memory_gib``
+    (the most memory torch has held on it since the process started, in GiB)."""
+    cost = {"step_seconds": float(seconds), "step_notes": float(notes)}
+    if device.type == "cuda":
+        cost["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+    return cost
 
 
 ALLREDUCE_BUCKET = 1 << 24

@@ -598,6 +598,7 @@ INPUT_RUN_STAGES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "prepare_run": PREPARED_DATA_STAGES,
     "train_prepare_run": PREPARED_DATA_STAGES,
     "exclude_prepare_runs": PREPARED_DATA_STAGES,
+    "compare_attribute_runs": ("attribute",),
     "events_run": ("events",),
     "attribute_run": ("attribute",),
     "teacher_attribute_run": ("attribute",),

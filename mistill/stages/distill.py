@@ -238,7 +238,8 @@ class TrainStageConfig(Config, RecipeParams, ProbeParams):
 
     The run logs every resolved arm flag as a param ``arm.<flag>`` (:func:`arm_params`) and, per
     optimizer step, ``train/loss`` (the arm's whole objective) beside its terms (``train/ce``,
-    ``train/kl``, ...); with ``probe_every``, the generation probe's ``probe/*`` metrics at its
+    ``train/kl``, ...) and the step's cost (``train/step_seconds``, ``train/step_notes`` and, on
+    CUDA, ``train/peak_memory_gib``: :func:`mistill.distill.trainer.step_cost`); with ``probe_every``, the generation probe's ``probe/*`` metrics at its
     steps, the tag ``mistill.probe_flagged`` once a probe is flagged
     (:mod:`mistill.evaluation.probe`) and the tag ``mistill.probe_backend`` (what sampled the
     probe: ``probe_backend`` resolved, see :func:`resolve_probe_backend`). A vLLM probe engine

@@ -5,8 +5,10 @@ experiment ``mistill/<corpus>`` (the newest of each model, arm, precision and se
 ``attribute`` runs the knockin runs name, every ``train`` run and the newest ``locus``,
 ``read_side``, ``key_block``, ``trace_edit`` and ``note_edit`` run of each model, builds Tables
 1/10, 2, 43, 3/45, the λ cells, Tables 11, 15, 16-23, 25-33 and 39-42 and 47-51 and App.
-M.3's carriers (``pool_carriers``: the supervised pools among each arm's own top-40) with
-:mod:`analysis`, and logs to one ``report`` run:
+M.3's carriers (``pool_carriers``: the supervised pools among each arm's own top-40), Table 53 and
+Figure 8 (the learning curve over the train runs' ``train_notes``), App. I.5's training cost per arm
+and, for the runs ``replicate_runs`` names, App. L.5/L.6's replicate pairing
+(:mod:`analysis.training_tables`) with :mod:`analysis`, and logs to one ``report`` run:
 
 * ``report.md``: every table, which tables were skipped or have no rows and why, and the
   deviations from the paper found in the runs read;
@@ -30,6 +32,7 @@ from mlflow.tracking import MlflowClient
 
 from analysis.audit import read_audit_labels
 from analysis.report import TableChoices, build_report, collect_inputs
+from analysis.training_tables import parse_replicate_pairs
 from mistill.config import Config, file_digest
 from mistill.errors import MistillInputError
 from mistill.instrument.settables import to_latex, to_markdown
@@ -41,8 +44,8 @@ from mistill.stats import N_BOOTSTRAP, N_BOOTSTRAP_CORPUS
 from mistill.tracking.privacy import PrivacyGuard
 from mistill.tracking.experiments import EXPERIMENT_PREFIX, experiment_for_corpus, resolve_tracking_uri
 from mistill.tracking.runs import StageRun
-from mistill.validation import (check_arm, check_arms, check_counts, check_name, check_no_text_fields, check_not_empty,
-                                check_path, check_positive, check_seed)
+from mistill.validation import (check_arm, check_arms, check_counts, check_name, check_names, check_no_text_fields,
+                                check_not_empty, check_path, check_positive, check_run_ids, check_seed)
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,16 @@ class ReportConfig(Config):
         label ``verified_rejection`` or another class) for Table 24; empty: Table 24 says why it
         has no rows. The file joins the report's identity by content; only the strata's
         aggregates are logged.
+    compare_attribute_runs: attribute runs taken in pairs (run A, run B, ...), each pair's
+        rankings and knock-in put side by side (Table 9: ``detach=false`` against ``detach=true``
+        on the same notes; Table 35: the shortlist against the full inventory; Table 36: a second
+        reasoner); empty: the pairs of one model on one events run differing in ``detach``.
+    compare_labels: one name per run of ``compare_attribute_runs`` (empty: each run's model, or
+        the setting its pair differs in).
+    replicate_runs: runs taken in pairs (run a, run b, ...), each pair read side by side note by
+        note (App. L.5, L.6): two ``evaluate`` runs, or two ``own_heads`` runs, of one
+        configuration (a same-seed replicate, one checkpoint read on other hardware); any FINISHED
+        run of the experiment, of any split. Empty: no replicate table.
     """
 
     corpus: str = "synthetic"
@@ -86,6 +99,9 @@ class ReportConfig(Config):
     ce_steps: tuple[int, ...] = (5, 20, 60, 120)
     sign_alpha: float = 0.05
     audit_labels: str = ""
+    compare_attribute_runs: tuple[str, ...] = ()
+    compare_labels: tuple[str, ...] = ()
+    replicate_runs: tuple[str, ...] = ()
 
     def validate(self) -> None:
         check_no_text_fields(self)
@@ -107,6 +123,17 @@ class ReportConfig(Config):
             raise MistillInputError(f"sign_alpha must lie in (0, 1), got {self.sign_alpha}", field="sign_alpha")
 
         check_path(self.audit_labels, "audit_labels", "an audit labels file (.csv)", allow_empty=True)
+        check_run_ids(self.compare_attribute_runs, "compare_attribute_runs")
+        if len(self.compare_attribute_runs) % 2:
+            raise MistillInputError(f"compare_attribute_runs takes runs in pairs, got "
+                                    f"{len(self.compare_attribute_runs)}", field="compare_attribute_runs")
+        check_names(self.compare_labels, "compare_labels", "a compared run")
+        if self.compare_labels and len(self.compare_labels) != len(self.compare_attribute_runs):
+            raise MistillInputError(f"compare_labels names {len(self.compare_labels)} runs, "
+                                    f"compare_attribute_runs {len(self.compare_attribute_runs)}",
+                                    field="compare_labels")
+        check_run_ids(self.replicate_runs, "replicate_runs")
+        parse_replicate_pairs(self.replicate_runs)
         bounds = list(self.layer_blocks)
         if any(not 0 < b < 1 for b in bounds) or bounds != sorted(set(bounds)):
             raise MistillInputError(f"layer_blocks must be increasing fractions in (0, 1), got "
@@ -130,7 +157,8 @@ def run_report(cfg: ReportConfig) -> str:
     mlflow.set_tracking_uri(uri)
     client = MlflowClient(tracking_uri=uri)
     experiment = experiment_for_corpus(cfg.corpus, tracking_uri=uri)
-    inputs = collect_inputs(client, experiment, arms=cfg.arms, reference_arm=cfg.reference_arm, split=cfg.split)
+    inputs = collect_inputs(client, experiment, arms=cfg.arms, reference_arm=cfg.reference_arm, split=cfg.split,
+                            compare_attribute_runs=cfg.compare_attribute_runs, compare_labels=cfg.compare_labels)
     guard = PrivacyGuard([], inputs.privacy())
     with StageRun("report", cfg, description=stage_help("report"), corpus=cfg.corpus, guard=guard, inputs=inputs.lineage(),
                   resume=True, root=mistill_root(), tracking_uri=uri) as run:
@@ -142,7 +170,8 @@ def run_report(cfg: ReportConfig) -> str:
             labels = read_audit_labels(cfg.audit_labels)
         rep = build_report(inputs, reference_arm=cfg.reference_arm, n_resamples=cfg.bootstrap,
                            corpus_resamples=cfg.corpus_bootstrap, seed=cfg.seed,
-                           choices=cfg.choices(), split=cfg.split, client=client, audit_labels=labels)
+                           choices=cfg.choices(), split=cfg.split, client=client, audit_labels=labels,
+                           replicate_pairs=parse_replicate_pairs(cfg.replicate_runs))
         tables_dir = run.work_dir / "artifacts" / "tables"
         for t in rep.tables:
             run.log_table(f"tables/{t.name}", t.numeric)

@@ -1,0 +1,406 @@
+"""Two characterizations side by side (Tables 9, 35 and 36) and the patient-level collapse of the
+knock-in cells (App. C, "Patients").
+
+* Rankings (:func:`compare_rankings`): per phase, the Spearman correlation of two attribute runs'
+  ``I_c`` over every head they share and the overlaps of their top-k (Table 9: the intact
+  attribution graph against the detached hook on the same notes; Table 35: the shortlist prompts
+  against the full inventory). Two models with different heads (Table 36: a second reasoner) share
+  no head names, so only their knock-in rows are compared.
+* Knock-in (:func:`knockin_side_by_side`): each run's global-set knock-in recovery and necessity
+  per phase and k, random-k beside it and the notes where the global set beats random, one run's
+  columns beside the other's (Tables 35 and 36).
+* Patients (:func:`patient_collapse_table`): the per-note knock-in cells averaged within each
+  patient first (a patient with two notes, the paper's two prompt variants, counts once), then the
+  same medians and sign tests as Tables 1/10, beside the per-note values and the move between them.
+
+The computations are pure functions of ``head_sets.json`` documents and ``per_note_sets`` frames;
+:func:`compared_runs` and :func:`note_patients` are the two readers of the tracking store the report
+calls for their inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from mlflow.tracking import MlflowClient
+
+from analysis import query
+from mistill.errors import MistillInputError
+from mistill.instrument.calibration import PHASES
+from mistill.instrument.settables import MEASURES, SETS, sets_table
+from mistill.stages.common import RunReader
+from mistill.tracking.naming import TAG_INPUT_PREFIX, TAG_STAGE
+
+__all__ = ["COMPARE_KS", "compare_display", "compare_rankings", "compared_runs", "knockin_display",
+           "knockin_side_by_side", "note_patients", "patient_collapse_display", "patient_collapse_table",
+           "patient_rows", "ranking_agreement", "spearman"]
+
+COMPARE_KS: tuple[int, ...] = (8, 16, 40)
+"""The top-k overlaps reported: Table 9 and App. G report the top-8 and top-40, Table 15 (the
+split-half counterpart) also the top-16."""
+
+CORPUS_INDEX = "corpus_index.csv"
+"""The prepared corpus's note index (``note_id, patient_id``; patient ids hashed for a restricted
+corpus, which still groups notes by patient)."""
+
+PAIR_COLUMNS: tuple[str, ...] = ("pair", "side", "label")
+"""Columns :func:`compared_runs` adds to each compared run's row: the pair's number (0, 1, ...),
+``a`` or ``b``, and the run's label."""
+
+_AUTO_FIELDS: tuple[str, ...] = ("detach",)
+"""**[recon]** The attribute settings whose two values on the same events run and model make an
+unnamed pair (the intact graph, ``detach=false``, against the detached hook, Table 9)."""
+
+
+# ------------------------------------------------------------------------------ rankings
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman's rho of two ``[head]`` vectors (average ranks for ties); NaN when either is
+    constant or fewer than two heads are finite in both."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    both = np.isfinite(a) & np.isfinite(b)
+    if both.sum() < 2:
+        return math.nan
+    ra = pd.Series(a[both]).rank().to_numpy()
+    rb = pd.Series(b[both]).rank().to_numpy()
+    if ra.std() == 0 or rb.std() == 0:
+        return math.nan
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def ranking_agreement(ranking_a: Sequence[str], importance_a: Sequence[float], ranking_b: Sequence[str],
+                      importance_b: Sequence[float], ks: Sequence[int] = COMPARE_KS) -> dict[str, Any]:
+    """How far two rankings of heads agree.
+
+    ranking_a, importance_a: one run's heads best first (``[head]`` names) and their ``I_c`` in
+        that order (``[head]``); the same for ``b``. The top-k of a run is the first k of its
+        ranking, so ties are broken as the run broke them.
+
+    Returns ``n_heads`` (heads ranked), ``spearman`` (over every head), ``top_overlap.<k>``
+    (heads in both top-k, for every k in ``ks``) and ``top_k.<k>`` (the k used, clipped to the
+    ranking's length). Two rankings of different heads (two geometries: a second reasoner) are
+    not comparable head by head: ``n_heads`` is 0 and the rest NaN.
+    """
+    if len(ranking_a) != len(importance_a) or len(ranking_b) != len(importance_b):
+        raise MistillInputError("a ranking and its importances differ in length", field="importance_c")
+    ia = dict(zip(ranking_a, map(float, importance_a)))
+    ib = dict(zip(ranking_b, map(float, importance_b)))
+    shared = list(ranking_a) if set(ia) == set(ib) else []
+    out: dict[str, Any] = {"n_heads": len(shared),
+                           "spearman": spearman(np.array([ia[h] for h in shared]),
+                                                np.array([ib[h] for h in shared])) if shared else math.nan}
+    for k in ks:
+        kk = min(int(k), len(ranking_a), len(ranking_b))
+        out[f"top_k.{k}"] = kk
+        out[f"top_overlap.{k}"] = len(set(ranking_a[:kk]) & set(ranking_b[:kk])) if shared else math.nan
+    return out
+
+
+def compare_rankings(sets_a: Mapping[str, Any], sets_b: Mapping[str, Any],
+                     ks: Sequence[int] = COMPARE_KS) -> pd.DataFrame:
+    """Per phase ranked in both runs (P1, P2, P2C), :func:`ranking_agreement` of two
+    ``head_sets.json`` documents, with the notes each run ranked the phase on (``n_notes_a``,
+    ``n_notes_b``).
+
+    **[recon]** NULL has no ``I_c`` ranking (it is the calibration's reference, App. C): it is
+    left out, as from the paper's Tables 9 and 35. A phase only one run ranks is left out.
+    Columns: ``phase, n_notes_a, n_notes_b, n_heads, spearman, top_overlap.<k>, top_k.<k>``.
+    """
+    rows = []
+    for phase in PHASES:
+        a, b = sets_a.get(phase), sets_b.get(phase)
+        if not (isinstance(a, Mapping) and isinstance(b, Mapping) and a.get("ranking") and b.get("ranking")):
+            continue
+        rec: dict[str, Any] = {"phase": phase, "n_notes_a": int(a.get("n_notes", 0)),
+                               "n_notes_b": int(b.get("n_notes", 0))}
+        rec.update(ranking_agreement(a["ranking"], a["importance_c"], b["ranking"], b["importance_c"], ks))
+        rows.append(rec)
+    columns = ["phase", "n_notes_a", "n_notes_b", "n_heads", "spearman",
+               *(f"top_overlap.{k}" for k in ks), *(f"top_k.{k}" for k in ks)]
+    return pd.DataFrame.from_records(rows, columns=columns)
+
+
+# ------------------------------------------------------------------------------ knock-in
+_KNOCKIN_COLUMNS: tuple[str, ...] = ("recovery.global", "recovery.random", "recovery.wins_vs_random",
+                                     "recovery.n_vs_random", "necessity.global", "necessity.random",
+                                     "necessity.wins_vs_random", "necessity.n_vs_random")
+
+
+def knockin_side_by_side(per_note_a: pd.DataFrame, per_note_b: pd.DataFrame) -> pd.DataFrame:
+    """Tables 1/10 of two knock-in runs, one beside the other.
+
+    per_note_a, per_note_b: ``per_note_sets`` rows of each run (one per note x phase x k x set:
+        ``note_id, phase, k, set, necessity, recovery``), or an empty frame for a run without a
+        knock-in run.
+
+    One row per (phase, k) either run has; per side ``<column>.a`` / ``<column>.b`` for the
+    global and random medians over notes of recovery and necessity, and the notes where the global
+    set beats random out of the notes compared (:func:`~mistill.instrument.settables.sets_table`).
+    """
+    sides = []
+    for side, rows in (("a", per_note_a), ("b", per_note_b)):
+        if rows is None or rows.empty:
+            continue
+        t = sets_table(rows.to_dict("records"))
+        keep = [c for c in _KNOCKIN_COLUMNS if c in t.columns]
+        sides.append(t[["phase", "k", *keep]].rename(columns={c: f"{c}.{side}" for c in keep}))
+    if not sides:
+        return pd.DataFrame(columns=["phase", "k"])
+    out = sides[0] if len(sides) == 1 else sides[0].merge(sides[1], on=["phase", "k"], how="outer")
+    order = {p: i for i, p in enumerate(PHASES)}
+    out = out.sort_values(["phase", "k"], key=lambda s: s.map(order) if s.name == "phase" else s)
+    return out.reset_index(drop=True)
+
+
+# ------------------------------------------------------------------------------ patients
+def patient_rows(per_note: pd.DataFrame, patients: Mapping[str, str]) -> pd.DataFrame:
+    """The per-note cells collapsed to one per patient.
+
+    per_note: ``per_note_sets`` rows (``note_id, phase, k, set, necessity, recovery`` and
+        optionally ``n_events, n_gated``); patients: ``note_id -> patient_id``.
+
+    Per (patient, phase, k, set): the mean over the patient's notes of each note's value of
+    necessity and of recovery (NaN notes left out; the paper's "two variants' per-note means
+    averaged first"), ``n_events`` and ``n_gated`` summed, ``n_notes`` the notes averaged. The
+    patient id is in ``note_id``, so the rows feed
+    :func:`~mistill.instrument.settables.sets_table` as they are.
+
+    Raises:
+        MistillInputError: a note without a patient.
+    """
+    missing = sorted(set(per_note["note_id"].astype(str)) - set(patients))
+    if missing:
+        raise MistillInputError(f"{len(missing)} notes have no patient id (first: {missing[0]})",
+                                note=missing[0], field="patient_id")
+    df = per_note.copy()
+    df["note_id"] = df["note_id"].astype(str).map(patients)
+    agg: dict[str, Any] = {m: "mean" for m in MEASURES}
+    for col in ("n_events", "n_gated"):
+        if col in df.columns:
+            agg[col] = "sum"
+    grouped = df.groupby(["note_id", "phase", "k", "set"], sort=True)
+    out = grouped.agg(agg)
+    out["n_notes"] = grouped.size()
+    return out.reset_index()
+
+
+def patient_collapse_table(per_note: pd.DataFrame, patients: Mapping[str, str]) -> pd.DataFrame:
+    """Tables 1/10 with the note and with the patient as the unit, side by side (App. C).
+
+    per_note: one knock-in run's ``per_note_sets`` rows; patients: ``note_id -> patient_id``.
+
+    One row per (phase, k, set) of the run: for necessity and recovery the median over notes
+    (``<measure>.note``), over patients (``<measure>.patient``, after :func:`patient_rows`) and
+    ``<measure>.move`` (patient minus note); for the global set also the notes and patients where
+    it beats random (``<measure>.wins.note`` / ``.n.note``, ``.wins.patient`` / ``.n.patient``)
+    and the exact sign-test p of each. ``n_notes``, ``n_patients``: the units of the run.
+    """
+    notes_t = sets_table(per_note.to_dict("records"))
+    patient_t = sets_table(patient_rows(per_note, patients).to_dict("records"))
+    units = {"n_notes": int(per_note["note_id"].astype(str).nunique()),
+             "n_patients": int(len({patients[str(n)] for n in per_note["note_id"]}))}
+    rows = []
+    patient_cells = {(t["phase"], int(t["k"])): t for t in patient_t.to_dict("records")}
+    for tn in notes_t.to_dict("records"):
+        tp = patient_cells.get((tn["phase"], int(tn["k"])), {})
+        for s in SETS:
+            if f"recovery.{s}" not in notes_t.columns:
+                continue
+            rec: dict[str, Any] = {"phase": tn["phase"], "k": int(tn["k"]), "set": s, **units}
+            for m in MEASURES:
+                a, b = _float(tn.get(f"{m}.{s}")), _float(tp.get(f"{m}.{s}"))
+                rec.update({f"{m}.note": a, f"{m}.patient": b, f"{m}.move": b - a})
+                for unit, t in (("note", tn), ("patient", tp)):
+                    wins = t.get(f"{m}.wins_vs_random") if s == "global" else None
+                    n = t.get(f"{m}.n_vs_random") if s == "global" else None
+                    rec[f"{m}.wins.{unit}"] = wins if wins is not None and not pd.isna(wins) else pd.NA
+                    rec[f"{m}.n.{unit}"] = n if n is not None and not pd.isna(n) else pd.NA
+                    p = t.get(f"{m}.sign_p_vs_random") if s == "global" else None
+                    rec[f"{m}.sign_p.{unit}"] = _float(p)
+            rows.append(rec)
+    table = pd.DataFrame.from_records(rows)
+    for col in table.columns:
+        if ".wins." in col or ".n." in col:
+            table[col] = table[col].astype("Int64")
+    return table
+
+
+def _float(v: Any) -> float:
+    return math.nan if v is None or pd.isna(v) else float(v)
+
+
+# ------------------------------------------------------------------------------ display
+def _num(v: Any, digits: int = 3) -> str:
+    return "" if v is None or pd.isna(v) else f"{float(v):.{digits}f}"
+
+
+def _count(v: Any, of: Any) -> str:
+    return "" if v is None or pd.isna(v) or of is None or pd.isna(of) else f"{int(v)}/{int(of)}"
+
+
+def compare_display(table: pd.DataFrame, ks: Sequence[int] = COMPARE_KS) -> pd.DataFrame:
+    """The ranking comparison as printed: per pair and phase the Spearman rho and ``shared/k``
+    of every top-k."""
+    out = []
+    for _, r in table.iterrows():
+        rec: dict[str, Any] = {"A": r["label_a"], "B": r["label_b"], "phase": r["phase"],
+                               "notes A/B": f"{int(r['n_notes_a'])}/{int(r['n_notes_b'])}",
+                               "heads": int(r["n_heads"]), "Spearman": _num(r["spearman"], 2)}
+        for k in ks:
+            rec[f"top-{k}"] = _count(r[f"top_overlap.{k}"], r[f"top_k.{k}"])
+        out.append(rec)
+    return pd.DataFrame.from_records(out)
+
+
+def knockin_display(table: pd.DataFrame) -> pd.DataFrame:
+    """The knock-in comparison as printed: per side ``global (random)`` medians of recovery and
+    necessity and the notes where the global set beats random."""
+    out = []
+    for _, r in table.iterrows():
+        rec: dict[str, Any] = {"A": r["label_a"], "B": r["label_b"], "phase": r["phase"], "k": int(r["k"])}
+        for side in ("a", "b"):
+            name = side.upper()
+            for m, short in (("recovery", "rec."), ("necessity", "nec.")):
+                g, rnd = r.get(f"{m}.global.{side}"), r.get(f"{m}.random.{side}")
+                rec[f"{short} {name}"] = "" if g is None or pd.isna(g) else \
+                    f"{_num(g)} ({_num(rnd)})" if rnd is not None and not pd.isna(rnd) else _num(g)
+                rec[f"{short} notes {name}"] = _count(r.get(f"{m}.wins_vs_random.{side}"),
+                                                     r.get(f"{m}.n_vs_random.{side}"))
+        out.append(rec)
+    return pd.DataFrame.from_records(out)
+
+
+def patient_collapse_display(table: pd.DataFrame) -> pd.DataFrame:
+    """The patient collapse as printed: per measure the per-note and per-patient medians and the
+    move, and for the global set the wins over random with each unit."""
+    out = []
+    for _, r in table.iterrows():
+        rec: dict[str, Any] = {"model": r["model"], "phase": r["phase"], "k": int(r["k"]), "set": r["set"],
+                               "notes/patients": f"{int(r['n_notes'])}/{int(r['n_patients'])}"}
+        for m, short in (("necessity", "nec."), ("recovery", "rec.")):
+            rec[f"{short} note"] = _num(r[f"{m}.note"])
+            rec[f"{short} patient"] = _num(r[f"{m}.patient"])
+            rec[f"{short} move"] = "" if pd.isna(r[f"{m}.move"]) else f"{r[f'{m}.move']:+.3f}"
+            rec[f"{short} wins note/patient"] = (
+                f"{_count(r[f'{m}.wins.note'], r[f'{m}.n.note'])} / "
+                f"{_count(r[f'{m}.wins.patient'], r[f'{m}.n.patient'])}" if r["set"] == "global" else "")
+        out.append(rec)
+    return pd.DataFrame.from_records(out)
+
+
+# ------------------------------------------------------------------------------ the store
+def _run_row(client: MlflowClient, run_id: str) -> dict[str, Any]:
+    """One run as :func:`analysis.query.stage_runs` shows it (tags, metrics), found by id in
+    any experiment."""
+    run = client.get_run(run_id)
+    tags = run.data.tags
+    rec = {"run_id": run.info.run_id, "run_name": run.info.run_name, "start_time": run.info.start_time}
+    rec.update({col: tags.get(tag) for col, tag in query.TAG_COLUMNS.items()})
+    rec["checkpoint"] = rec["model"]
+    rec.update(run.data.metrics)
+    rec["experiment_id"] = run.info.experiment_id
+    rec["detach"] = run.data.params.get("detach")
+    rec["events_run"] = run.data.params.get("events_run")
+    return rec
+
+
+def _auto_pairs(client: MlflowClient, experiment: str) -> list[tuple[str, str]]:
+    """**[recon]** Unnamed pairs: the newest FINISHED attribute runs of one model on one events
+    run that differ in :data:`_AUTO_FIELDS` (``detach``): the intact graph first."""
+    runs = query.stage_runs(client, experiment, "attribute")
+    if runs.empty:
+        return []
+    rows = pd.DataFrame([_run_row(client, r) for r in runs["run_id"]])
+    pairs = []
+    for _, grp in rows.groupby([rows["model"].fillna(""), rows["events_run"].fillna("")], sort=True):
+        for field in _AUTO_FIELDS:
+            newest = grp.sort_values("start_time", ascending=False).drop_duplicates(field)
+            values = newest[field].dropna().astype(str).str.lower().tolist()
+            if {"false", "true"} <= set(values):
+                by = dict(zip(newest[field].astype(str).str.lower(), newest["run_id"]))
+                pairs.append((by["false"], by["true"]))
+    return pairs
+
+
+def _label(row: Mapping[str, Any], other: Mapping[str, Any]) -> str:
+    """A run's default label: the model, or where both runs share it, what else differs
+    (``detach=true``), or its run id's first 8 characters."""
+    if row.get("model") != other.get("model"):
+        return str(row.get("model") or "")
+    for field in _AUTO_FIELDS:
+        if row.get(field) != other.get(field):
+            return f"{field}={str(row.get(field)).lower()}"
+    return str(row["run_id"])[:8]
+
+
+def compared_runs(client: MlflowClient, experiment: str, run_ids: Sequence[str] = (),
+                  labels: Sequence[str] = ()) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The attribute runs compared and their knock-in runs.
+
+    run_ids: attribute run ids taken two at a time (run a, run b of each pair), in any
+        experiment; empty: the unnamed pairs of ``experiment`` (:func:`_auto_pairs`).
+    labels: one label per run id (empty: each run's model, or the setting its pair differs in).
+
+    Returns the attribute runs and the newest FINISHED knock-in run of each (an attribute run
+    without one has no row there), each a frame of :func:`analysis.query.stage_runs`' columns
+    plus :data:`PAIR_COLUMNS`; both empty when nothing is compared.
+
+    Raises:
+        MistillInputError: an odd number of run ids, labels not one per run, or a run that is not
+            an attribute run.
+    """
+    if len(run_ids) % 2:
+        raise MistillInputError(f"compare_attribute_runs takes runs in pairs, got {len(run_ids)}",
+                                field="compare_attribute_runs")
+    if labels and len(labels) != len(run_ids):
+        raise MistillInputError(f"compare_labels names {len(labels)} runs, compare_attribute_runs "
+                                f"{len(run_ids)}", field="compare_labels")
+    pairs = [(run_ids[i], run_ids[i + 1]) for i in range(0, len(run_ids), 2)] if run_ids \
+        else _auto_pairs(client, experiment)
+    attribute, knockin = [], []
+    for n, (a, b) in enumerate(pairs):
+        ra, rb = _run_row(client, a), _run_row(client, b)
+        for rid, row in ((a, ra), (b, rb)):
+            if row.get("stage") != "attribute":
+                raise MistillInputError(f"run {rid} is not an attribute run", field="compare_attribute_runs")
+        for i, (side, row, other) in enumerate((("a", ra, rb), ("b", rb, ra))):
+            label = labels[2 * n + i] if labels else _label(row, other)
+            attribute.append({**row, "pair": n, "side": side, "label": label})
+            kin = client.search_runs(
+                [row["experiment_id"]], max_results=1, order_by=["attributes.start_time DESC"],
+                filter_string=f"tags.`{TAG_STAGE}` = 'knockin' and attributes.status = 'FINISHED' and "
+                              f"tags.`{TAG_INPUT_PREFIX}attribute` = '{row['run_id']}'")
+            if kin:
+                knockin.append({**_run_row(client, kin[0].info.run_id), "pair": n, "side": side, "label": label})
+    return pd.DataFrame.from_records(attribute), pd.DataFrame.from_records(knockin)
+
+
+def note_patients(knockin_run: str) -> dict[str, str]:
+    """``note_id -> patient_id`` of the notes a knock-in run read: from the ``corpus_index`` of
+    the prepared corpus its attribute run's events run read (followed through the runs' lineage
+    tags) (hashed patient ids for a restricted
+    corpus group the notes the same way).
+
+    Raises:
+        MistillInputError: a run of the chain or the index is missing.
+    """
+    run_id = knockin_run
+    for name in ("attribute", "events", "prepare"):  # the lineage tags of knockin, attribute, events
+        upstream = RunReader(run_id, field=f"{name}_run").tags.get(TAG_INPUT_PREFIX + name)
+        if not upstream:
+            raise MistillInputError(f"run {run_id} names no {name} run", field=f"{name}_run")
+        run_id = upstream
+    prepare = run_id
+    try:
+        index = pd.read_csv(RunReader(prepare, field="prepare_run").file(CORPUS_INDEX),
+                            dtype={"note_id": str, "patient_id": str})
+    except (OSError, pd.errors.ParserError) as exc:
+        raise MistillInputError(f"prepared corpus {prepare} has no readable {CORPUS_INDEX} ({exc})",
+                                field="prepare_run") from None
+    if not {"note_id", "patient_id"} <= set(index.columns):
+        raise MistillInputError(f"{CORPUS_INDEX} of run {prepare} lacks note_id or patient_id",
+                                field="prepare_run")
+    return dict(zip(index["note_id"], index["patient_id"].fillna(index["note_id"])))
