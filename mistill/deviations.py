@@ -465,6 +465,24 @@ CONVENTIONS: tuple[Convention, ...] = (
                "shortlist), whose prose-time set pools the targets' P1 window rows",
                "mistill.runbook.paper_plan",
                "the paper takes the set from the teacher's run on the shortlist, which these notes are"),
+    Convention("two characterizations compared", "App. C, G, H; Tables 9, 35, 36",
+               "rankings compared per phase at P1, P2 and P2C (NULL has no ranking): Spearman over all heads and "
+               "the top-8, 16 and 40 overlaps; two models' rankings are not compared, only their global sets' "
+               "knock-in side by side; unnamed pairs are found only among attribute runs differing in detach",
+               "analysis.characterization_compare",
+               "the tables name the correlations and overlaps, not which phases or k are listed"),
+    Convention("patient-level collapse", "App. C, D",
+               "a note without a value is dropped; a patient's value is the mean of its notes; medians and sign "
+               "tests over patients, no bootstrap interval", "analysis.characterization_compare",
+               "the paper states the collapse and its outcome, not the arithmetic"),
+    Convention("learning-curve readouts", "App. M.5, Table 53",
+               "micro-F1 and M1 at P2C at every size, mean and sd over seeds; Mistill against each Vanilla "
+               "CoT-KD arm at the same size, seed i with seed i, note-clustered differences",
+               "analysis.training_tables", "the table's columns, read from App. M.5's text"),
+    Convention("training cost", "Sec. 6; App. I.5",
+               "seconds per note count the optimizer steps only (no loading or saving); peak memory is torch's "
+               "on the device, else MLflow's sampled GPU memory", "analysis.training_tables",
+               "the paper reports the figures, not how they were taken"),
     Convention("the retriever's training notes", "App. A",
                "reproduce prepares the release (with its split file) once more and trains the shortlist's head on "
                "its training split, the corpus's patients dropped by the shortlist stage",
