@@ -12,8 +12,9 @@ the canary when the corpus is public.
 
 from __future__ import annotations
 
+import hashlib
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,10 @@ from mistill.tracking.server import TrackingServer
 from stage_fixtures import CANARY_ID, CANARY_SENTENCE, REPO, SMALL, TINY, planted_corpus, unique
 
 SPLITS = ("train", "train", "val", "val", "test", "test")
+# the logged models (each train run's student, the LAS simulator) are read byte by byte: a narrow
+# residual stream keeps their embedding matrices, most of the bytes the scan reads, small
+SMALL_STUDENT = "tiny:qwen3:seed=2:d_model=8"
+SMALL_LAS = "tiny:qwen3:d_model=8"
 
 
 @pytest.fixture(scope="module")
@@ -85,19 +90,36 @@ def _canary_guard() -> PrivacyGuard:
     return PrivacyGuard([CANARY_SENTENCE, trace_words], "restricted")
 
 
+def _memoized(check: Callable[[str], bool]) -> Callable[[str], bool]:
+    """``check`` answered once per distinct text (by its sha256): the store holds many identical
+    files (every logged model's tokenizer), and the control scans again everything the first scan
+    read. ``check`` is a pure function of the text, so every text still gets its own answer."""
+    seen: dict[bytes, bool] = {}
+
+    def cached(text: str) -> bool:
+        key = hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).digest()
+        if key not in seen:
+            seen[key] = check(text)
+        return seen[key]
+
+    return cached
+
+
 def test_every_entry_point_keeps_restricted_text_out_of_the_store(own_server, tmp_path, monkeypatch):
     monkeypatch.setenv("MISTILL_ROOT", str(tmp_path / "root"))
     corpus_file, codes_file = planted_corpus(tmp_path, SPLITS)
     lock = tmp_path / "lock.yaml"
     lock.write_text((REPO / "projects/configs/locks/embedded-3cell.yaml").read_text()
                     .replace("study: embedded-3cell", f"study: {unique('study')}")
-                    .replace("max_steps: 2", "max_steps: 1").replace("max_new_tokens: 32", "max_new_tokens: 8"))
+                    .replace("max_steps: 2", "max_steps: 1").replace("max_new_tokens: 32", "max_new_tokens: 8")
+                    # two grid cells: the pick is always on an edge, so the outward cell runs too
+                    .replace("lambda: [0.03, 0.1, 0.3]", "lambda: [0.03, 0.1]"))
     name = unique("planted")
     small = {k: v for k, v in SMALL.items() if k not in ("train_arms", "shortlist", "report")}
     cfg = PipelineConfig(corpus=str(corpus_file), corpus_name=name, privacy="restricted",
                          codes_file=str(codes_file), train_arms=("vanilla-bf16", "mistill"),
-                         student="tiny:qwen3:seed=2", train_max_steps=1, train_grad_accum=1,
-                         select_lock=str(lock), las_model=TINY, las_max_steps=2, eval_max_new_tokens=8,
+                         student=SMALL_STUDENT, train_max_steps=1, train_grad_accum=1,
+                         select_lock=str(lock), las_model=SMALL_LAS, las_max_steps=2, eval_max_new_tokens=8,
                          shortlist=False, own_heads=True, report=True, **small)
     ids = pipeline_steps(cfg)
     gen = run_generate(GenerateConfig(prepare_run=ids["prepare"], model=TINY, max_new_tokens=12))
@@ -115,16 +137,17 @@ def test_every_entry_point_keeps_restricted_text_out_of_the_store(own_server, tm
     assert all(r.info.status == "FINISHED" for r in runs if r.info.run_id in set(ids.values()) | {gen, short})
 
     guard = _canary_guard()
+    protected = _memoized(guard.contains_protected)
     tokenizer = load_tokenizer(TINY)
     blobs = list(_stored_blobs(own_server, tokenizer))
     assert any(w.startswith("artifact ") for w, _ in blobs) and len(blobs) > 50
     assert any("as token ids" in w for w, _ in blobs)  # the token-id reading ran on real arrays
-    leaked = [w for w, text in blobs if guard.contains_protected(text) or CANARY_ID.lower() in text.lower()]
+    leaked = [w for w, text in blobs if protected(text) or CANARY_ID.lower() in text.lower()]
     assert leaked == []
 
     # control: the same corpus marked public, and the same scan finds the canary in the store
     public = run_prepare(PrepareConfig(corpus=str(corpus_file), corpus_name=unique("public"), privacy="public",
                                        codes_file=str(codes_file), model=TINY))
     assert client.get_run(public).info.status == "FINISHED"
-    found = [w for w, text in _stored_blobs(own_server, tokenizer) if guard.contains_protected(text)]
+    found = [w for w, text in _stored_blobs(own_server, tokenizer) if protected(text)]
     assert any(w.startswith("artifact ") and "corpus.jsonl" in w for w in found), found

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from mistill.distill.trainer import COST_METRICS
 from mistill.distributed import World, current_world, rank_device, shard
 from mistill.errors import MistillInputError
 from mistill.stages.cli import split_launch_args
@@ -124,6 +125,114 @@ def test_attribution_waves_resume_from_finished_notes():
 
 
 # ------------------------------------------------------------------- two processes, real runs
+_ONE_PROCESS_CHAIN = """
+import json
+import sys
+
+sys.path.insert(0, ".")
+from mistill.stages.cli import main  # noqa: E402
+
+ids = {}
+for name, stage, argv in json.loads(sys.argv[1]):
+    ids[name] = main(stage, [a.format(**ids) for a in argv])
+print("chain " + json.dumps(ids))
+"""
+"""Entry points run one after another in one process, as ``projects/<stage>.py`` runs each
+(``mistill.stages.cli.main`` on its arguments): ``[[name, stage, argv], ...]``, where an argument
+may name an earlier step's run id as ``{name}``; prints ``chain {name: run id}``."""
+
+OWN_HEADS_ARGS = dict(model=TINY, k=(2, 4), necessity_k=4, m2_k=4, n_random=1, range_gate=1e-6, events_per_phase=2,
+                      max_new_tokens=4, n_null=4, stability_splits=5, test_split="", launch="inline")
+OWN_HEADS_CLI = [f"--{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in OWN_HEADS_ARGS.items()]
+ATTRIBUTE_CLI = ["--selftest_events", "1", "--stability_splits", "5"]
+KNOCKIN_CLI = ["--k_bins", "3,8", "--events_per_phase", "3"]
+
+
+class Launched:
+    """The module's passes over one and two processes, each started once, when a test first asks.
+
+    Five-note synthetic corpora (identical notes, one corpus per pass, so each is its own run):
+    the one-process reference runs ``events -> attribute -> knockin`` and ``own_heads`` (a
+    six-note corpus) in one process (:data:`_ONE_PROCESS_CHAIN`); the two-process passes are
+    ``mlflow run -e events`` under torchrun and under accelerate, ``mlflow run -e attribute``
+    under torchrun on the torchrun events, a torchrun ``knockin`` on that attribute run, and a
+    torchrun ``own_heads``. Every process computes with one thread (as torchrun sets it): the
+    same float summation order."""
+
+    def __init__(self, tracking_uri: str, tmp: Path) -> None:
+        self.tmp, self.root = tmp, tmp / "root"
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("MISTILL_ROOT", str(self.root))
+            self.names = {k: unique(k) for k in ("one", "torchrun", "accelerate", "own-one", "own-two")}
+            self.preps = {k: run_prepare(PrepareConfig(corpus="synthetic", corpus_name=n, model=TINY,
+                                                       n_notes=6 if k.startswith("own") else 5))
+                          for k, n in self.names.items()}
+        self.frozen = freeze_source(tmp / "src")
+        self.env = {**subprocess_env(tracking_uri, self.root), "OMP_NUM_THREADS": "1"}
+        self.mlflow_cli = str(Path(sys.executable).parent / "mlflow")
+        self._done: dict[str, object] = {}
+
+    def _once(self, key: str, make):
+        if key not in self._done:
+            self._done[key] = make()
+        return self._done[key]
+
+    def _run(self, cmd: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, cwd=self.frozen, env=self.env, capture_output=True, text=True, timeout=900)
+
+    def one(self) -> dict[str, str]:
+        """The one-process runs: ``events``, ``attribute``, ``knockin``, ``own_heads``."""
+        def make() -> dict[str, str]:
+            plan = [["events", "events", ["--prepare_run", self.preps["one"], "--model", TINY, "--n_null", "4"]],
+                    ["attribute", "attribute", ["--events_run", "{events}", *ATTRIBUTE_CLI]],
+                    ["knockin", "knockin", ["--attribute_run", "{attribute}", *KNOCKIN_CLI]],
+                    ["own_heads", "own_heads", ["--prepare_run", self.preps["own-one"], *OWN_HEADS_CLI]]]
+            proc = self._run([sys.executable, "-c", _ONE_PROCESS_CHAIN, json.dumps(plan)])
+            out = proc.stdout + proc.stderr
+            assert proc.returncode == 0, out[-4000:]
+            ids = json.loads(re.search(r"^chain (\{.*\})$", proc.stdout, re.M).group(1))
+            for stage_name, run_id in ids.items():  # each printed by its entry point
+                assert f"mistill {stage_name}: run {run_id}" in proc.stdout, stage_name
+            return ids
+        return self._once("one", make)
+
+    def events(self, launcher: str) -> subprocess.CompletedProcess:
+        """``mlflow run -e events -P launcher=<launcher> -P nproc=2``."""
+        return self._once(f"events-{launcher}", lambda: self._run(
+            [self.mlflow_cli, "run", ".", "-e", "events", "--env-manager", "local",
+             "--experiment-name", f"mistill/{self.names[launcher]}", "-P", f"prepare_run={self.preps[launcher]}",
+             "-P", f"model={TINY}", "-P", "n_null=4", "-P", f"launcher={launcher}", "-P", "nproc=2"]))
+
+    def events_run(self, launcher: str) -> str:
+        out = self.events(launcher).stdout + self.events(launcher).stderr
+        assert self.events(launcher).returncode == 0, out[-4000:]
+        return re.search(r"mistill events: run ([0-9a-f]{32})", out).group(1)
+
+    def attribute(self) -> str:
+        """``mlflow run -e attribute -P launcher=torchrun -P nproc=2`` on the torchrun events."""
+        return self._once("attribute", lambda: _run_id("attribute", self._run(
+            [self.mlflow_cli, "run", ".", "-e", "attribute", "--env-manager", "local", "--experiment-name",
+             f"mistill/{self.names['torchrun']}", "-P", f"events_run={self.events_run('torchrun')}", "-P",
+             "selftest_events=1", "-P", "stability_splits=5", "-P", "launcher=torchrun", "-P", "nproc=2"])))
+
+    def knockin(self) -> str:
+        """``projects/knockin.py --launcher torchrun --nproc 2`` on the two-process attribute run."""
+        return self._once("knockin", lambda: _run_id("knockin", self._run(
+            [sys.executable, "projects/knockin.py", "--attribute_run", self.attribute(), *KNOCKIN_CLI,
+             "--launcher", "torchrun", "--nproc", "2"])))
+
+    def own_heads(self) -> str:
+        """``projects/own_heads.py --launcher torchrun --nproc 2`` on the second six-note corpus."""
+        return self._once("own_heads", lambda: _run_id("own_heads", self._run(
+            [sys.executable, "projects/own_heads.py", "--prepare_run", self.preps["own-two"], *OWN_HEADS_CLI,
+             "--launcher", "torchrun", "--nproc", "2"])))
+
+
+@pytest.fixture(scope="module")
+def launched(tracking_uri, tmp_path_factory) -> Launched:
+    return Launched(tracking_uri, tmp_path_factory.mktemp("launched"))
+
+
 def _note_files(run_dir: Path) -> dict[str, dict[str, bytes]]:
     return {d.name: {f: (d / f).read_bytes() for f in PER_NOTE}
             for d in sorted((run_dir / "notes").iterdir()) if (d / "_DONE").is_file()}
@@ -134,34 +243,20 @@ def _events_run_dir(root: Path, run_id: str) -> Path:
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
-def test_events_on_two_processes_equal_one_process(tracking_uri, tmp_path, monkeypatch, launcher):
+def test_events_on_two_processes_equal_one_process(launched, tmp_path, launcher):
     """``mlflow run -e events -P launcher=torchrun -P nproc=2`` (or ``accelerate launch``): one
     run (the launched one), every note written once by one of the ranks, the same bytes as one
     process's run."""
-    root = tmp_path / "root"
-    monkeypatch.setenv("MISTILL_ROOT", str(root))
-    names = unique("one"), unique("two")
-    preps = [run_prepare(PrepareConfig(corpus="synthetic", corpus_name=n, n_notes=5, model=TINY)) for n in names]
-    frozen = freeze_source(tmp_path / "src")
-    env = {**subprocess_env(tracking_uri, root), "OMP_NUM_THREADS": "1"}  # torchrun's default per process
-
-    one = subprocess.run([sys.executable, "projects/events.py", "--prepare_run", preps[0], "--model", TINY,
-                          "--n_null", "4"], cwd=frozen, env=env, capture_output=True, text=True, timeout=300)
-    assert one.returncode == 0, one.stderr[-3000:]
-    one_id = re.search(r"mistill events: run ([0-9a-f]{32})", one.stdout).group(1)
-
-    mlflow_cli = str(Path(sys.executable).parent / "mlflow")
-    two = subprocess.run([mlflow_cli, "run", ".", "-e", "events", "--env-manager", "local",
-                          "--experiment-name", f"mistill/{names[1]}", "-P", f"prepare_run={preps[1]}",
-                          "-P", f"model={TINY}", "-P", "n_null=4", "-P", f"launcher={launcher}", "-P", "nproc=2"],
-                         cwd=frozen, env=env, capture_output=True, text=True, timeout=300)
+    root = launched.root
+    one_id = launched.one()["events"]
+    two = launched.events(launcher)
     out = two.stdout + two.stderr
     assert two.returncode == 0, out[-4000:]
     assert "events [rank 1/2]" in out and "events [rank 0/2]" in out, out[-3000:]
     two_id = re.search(r"mistill events: run ([0-9a-f]{32})", out).group(1)
-    launched = re.search(r"Run \(ID '([0-9a-f]{32})'\) succeeded", out).group(1)
-    assert launched == two_id  # rank 0 adopted the run `mlflow run` opened
-    assert list(runs_of(f"mistill/{names[1]}", stage="events")["run_id"]) == [two_id]
+    launched_id = re.search(r"Run \(ID '([0-9a-f]{32})'\) succeeded", out).group(1)
+    assert launched_id == two_id  # rank 0 adopted the run `mlflow run` opened
+    assert list(runs_of(f"mistill/{launched.names[launcher]}", stage="events")["run_id"]) == [two_id]
 
     client = MlflowClient()
     run = client.get_run(two_id)
@@ -194,42 +289,15 @@ def _run_id(stage_name: str, proc: subprocess.CompletedProcess) -> str:
     return found[0]
 
 
-def test_attribute_and_knockin_on_two_processes_equal_one_process(tracking_uri, tmp_path, monkeypatch):
+def test_attribute_and_knockin_on_two_processes_equal_one_process(launched, tmp_path):
     """``-e attribute -P launcher=torchrun -P nproc=2`` (notes in waves: each note's running
     global ranking from every note before it) and a 2-process ``knockin`` (steps in waves, clean
     reads exchanged) write the bytes one process writes, and the same global sets and tables.
-    Five notes on two ranks: the last wave has one note, the knock-in a wrapped donor step."""
-    from mistill.stages.characterize import EventsConfig, run_events
-
-    root = tmp_path / "root"
-    monkeypatch.setenv("MISTILL_ROOT", str(root))
-    names = unique("att-one"), unique("att-two")
-    events = [run_events(EventsConfig(prepare_run=run_prepare(PrepareConfig(corpus="synthetic", corpus_name=n,
-                                                                            n_notes=5, model=TINY)),
-                                      model=TINY, n_null=4)) for n in names]
-    # every process computes with one thread (as torchrun sets it): the same float summation order
-    frozen = freeze_source(tmp_path / "src")
-    env = {**subprocess_env(tracking_uri, root), "OMP_NUM_THREADS": "1"}
-    mlflow_cli = str(Path(sys.executable).parent / "mlflow")
-
-    def attribute(events_run: str, *launch: str) -> str:
-        return _run_id("attribute", subprocess.run(
-            [sys.executable, "projects/attribute.py", "--events_run", events_run, "--selftest_events", "1",
-             "--stability_splits", "5", *launch], cwd=frozen, env=env, capture_output=True, text=True, timeout=600))
-
-    def knockin(attribute_run: str, *launch: str) -> str:
-        return _run_id("knockin", subprocess.run(
-            [sys.executable, "projects/knockin.py", "--attribute_run", attribute_run, "--k_bins", "3,8",
-             "--events_per_phase", "3", *launch], cwd=frozen, env=env, capture_output=True, text=True, timeout=600))
-
-    one_att = attribute(events[0])
-    one_kin = knockin(one_att)
-    two_att = _run_id("attribute", subprocess.run(
-        [mlflow_cli, "run", ".", "-e", "attribute", "--env-manager", "local", "--experiment-name",
-         f"mistill/{names[1]}", "-P", f"events_run={events[1]}", "-P", "selftest_events=1", "-P",
-         "stability_splits=5", "-P", "launcher=torchrun", "-P", "nproc=2"],
-        cwd=frozen, env=env, capture_output=True, text=True, timeout=600))
-    two_kin = knockin(two_att, "--launcher", "torchrun", "--nproc", "2")
+    Five notes on two ranks: the last wave has one note, the knock-in a wrapped donor step.
+    Each reads events of the same notes (one process's and the torchrun pass's, the same bytes)."""
+    root = launched.root
+    one_att, one_kin = launched.one()["attribute"], launched.one()["knockin"]
+    two_att, two_kin = launched.attribute(), launched.knockin()
 
     client = MlflowClient()
     for run_id in (two_att, two_kin):
@@ -246,26 +314,12 @@ def test_attribute_and_knockin_on_two_processes_equal_one_process(tracking_uri, 
     assert tables[0] == tables[1] and len(tables[0].splitlines()) > 2
 
 
-def test_own_heads_on_two_processes_equals_one_process(tracking_uri, tmp_path, monkeypatch):
+def test_own_heads_on_two_processes_equals_one_process(launched):
     """``own_heads`` of a model on two processes: its ranking steps (events, attribute) run on
     both ranks inside the launch, the notes' readouts are the one-process bytes, and the own
     generations are shared between the ranks."""
-    root = tmp_path / "root"
-    monkeypatch.setenv("MISTILL_ROOT", str(root))
-    names = unique("own-one"), unique("own-two")
-    preps = [run_prepare(PrepareConfig(corpus="synthetic", corpus_name=n, n_notes=6, model=TINY)) for n in names]
-    args = dict(model=TINY, k=(2, 4), necessity_k=4, m2_k=4, n_random=1, range_gate=1e-6, events_per_phase=2,
-                max_new_tokens=4, n_null=4, stability_splits=5, test_split="", launch="inline")
-    frozen = freeze_source(tmp_path / "src")
-    env = {**subprocess_env(tracking_uri, root), "OMP_NUM_THREADS": "1"}
-    cli = [f"--{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in args.items()]
-
-    def own_heads(prep: str, *launch: str) -> str:
-        return _run_id("own_heads", subprocess.run(
-            [sys.executable, "projects/own_heads.py", "--prepare_run", prep, *cli, *launch], cwd=frozen, env=env,
-            capture_output=True, text=True, timeout=900))
-
-    one, two = own_heads(preps[0]), own_heads(preps[1], "--launcher", "torchrun", "--nproc", "2")
+    root = launched.root
+    one, two = launched.one()["own_heads"], launched.own_heads()
     client = MlflowClient()
     run = client.get_run(two)
     assert run.info.status == "FINISHED"
@@ -468,7 +522,9 @@ def test_fp32_mistill_on_two_processes_shards_and_equals_one_process(mistill_inp
     assert [client.get_run(runs[k]).data.tags["mistill.sharding"] for k in ("one", "two")] == ["replicate", "fsdp"]
     logged = sorted(k for k in client.get_run(runs["one"]).data.metrics if k.startswith("train/"))
     assert {"train/loss", "train/grad_norm"} <= set(logged) and any("attention" in k for k in logged), logged
-    for key in logged:  # the loss, each mechanism term, the gradient norm, the learning rate
+    assert "train/step_seconds" in logged  # the step's wall time: the machine's, not compared
+    for key in [k for k in logged if k.split("/")[-1] not in COST_METRICS]:
+        # the loss, each mechanism term, the gradient norm, the learning rate, the notes per step
         one, two = (client.get_run(runs[k]).data.metrics.get(key) for k in ("one", "two"))
         assert two == pytest.approx(one, rel=1e-4, abs=1e-7), key
     states = {k: torch.load(root / "work" / r / "trainer" / "trainer_state.pt", weights_only=False)
@@ -503,7 +559,6 @@ from mistill.distill.trainer import RecipeConfig, Trainer, prepare_student
 from mistill.distributed import current_world, init_world
 from mistill.models.loading import tiny_model
 
-phase, state_dir, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 g = torch.Generator().manual_seed(0)
 data = [torch.randint(0, 3000, (24,), generator=g) for _ in range(5)]
 
@@ -514,18 +569,24 @@ def step(model, idx):
     return loss, {"ce": float(loss.detach())}
 
 
+def run(phase, state_dir, out):
+    lm = tiny_model("qwen3", layers=2, heads=4, kv_heads=2, d_head=8, d_model=32, seed=1)
+    recipe = RecipeConfig(seed=3, precision="fp32", epochs=2, lr=1e-3, grad_accum=2, checkpoint_every=1)
+    logs = []
+    trainer = Trainer(prepare_student(lm.model, recipe), 5, recipe, step, state_dir=state_dir,
+                      log=lambda m, s: logs.append((s, m["ce"])), world=current_world())
+    if phase == "resume":
+        assert trainer.load_state() and trainer.step == 3, trainer.step
+    trainer.train(stop_after=3 if phase == "crash" else None, progress=False)
+    model_state = trainer.full_state()[0]  # under FSDP every rank gathers, rank 0 gets it
+    if world.leader:
+        torch.save({"model": model_state, "logs": logs, "step": trainer.step, "fsdp": trainer.fsdp}, out)
+
+
 world = init_world("cpu")
-lm = tiny_model("qwen3", layers=2, heads=4, kv_heads=2, d_head=8, d_model=32, seed=1)
-recipe = RecipeConfig(seed=3, precision="fp32", epochs=2, lr=1e-3, grad_accum=2, checkpoint_every=1)
-logs = []
-trainer = Trainer(prepare_student(lm.model, recipe), 5, recipe, step, state_dir=state_dir,
-                  log=lambda m, s: logs.append((s, m["ce"])), world=current_world())
-if phase == "resume":
-    assert trainer.load_state() and trainer.step == 3, trainer.step
-trainer.train(stop_after=3 if phase == "crash" else None, progress=False)
-model_state = trainer.full_state()[0]  # under FSDP every rank gathers, rank 0 gets it
-if world.leader:
-    torch.save({"model": model_state, "logs": logs, "step": trainer.step, "fsdp": trainer.fsdp}, out)
+args = sys.argv[1:]
+for i in range(0, len(args), 3):  # phase, state dir, output file; one trainer after another
+    run(args[i], Path(args[i + 1]), Path(args[i + 2]))
 """
 
 
@@ -544,14 +605,15 @@ def test_training_resumes_on_another_world_size(tmp_path):
         proc = subprocess.run(list(cmd), env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
 
-    run(sys.executable, str(script), "full", str(tmp_path / "full"), str(tmp_path / "full.pt"))
-    run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), "crash",
-        str(tmp_path / "two"), str(tmp_path / "crash.pt"))
+    # each launch runs its trainers one after another, each from a fresh model: the full run and
+    # three steps in one process; three steps on two processes and, on two processes, the rest of
+    # the one-process crash; then one process resumes the two-process crash
+    run(sys.executable, str(script), "full", str(tmp_path / "full"), str(tmp_path / "full.pt"),
+        "crash", str(tmp_path / "one"), str(tmp_path / "crash1.pt"))
+    run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+        "crash", str(tmp_path / "two"), str(tmp_path / "crash.pt"),
+        "resume", str(tmp_path / "one"), str(tmp_path / "resumed2.pt"))
     run(sys.executable, str(script), "resume", str(tmp_path / "two"), str(tmp_path / "resumed.pt"))
-    # and the other way: three steps in one process, the rest sharded over two
-    run(sys.executable, str(script), "crash", str(tmp_path / "one"), str(tmp_path / "crash1.pt"))
-    run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), "resume",
-        str(tmp_path / "one"), str(tmp_path / "resumed2.pt"))
     full, crash, resumed, crash1, resumed2 = (torch.load(tmp_path / f"{n}.pt")
                                               for n in ("full", "crash", "resumed", "crash1", "resumed2"))
     assert full["step"] == 6 and crash["step"] == crash1["step"] == 3 and resumed["step"] == resumed2["step"] == 6

@@ -7,7 +7,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from mistill.stages.workflow import PipelineConfig, pipeline_steps
-from stage_fixtures import TINY, unique
+from stage_fixtures import REPO, TINY, unique
 
 pytestmark = pytest.mark.usefixtures("pinned_code_version")
 
@@ -23,9 +23,17 @@ def test_every_pipeline_step_runs_on_the_parts_catalogue(tracking_uri, tmp_path,
 
     monkeypatch.setenv("MISTILL_ROOT", str(tmp_path))
     name = unique("catalog")
+    # the λ selection as small as a run of every step needs: two grid cells (the pick is on an
+    # edge, so the outward cell runs too), one training step, short generations
+    lock = tmp_path / "lock.yaml"
+    lock.write_text((REPO / "projects/configs/locks/embedded-3cell.yaml").read_text()
+                    .replace("study: embedded-3cell", f"study: {unique('study')}")
+                    .replace("max_steps: 2", "max_steps: 1").replace("max_new_tokens: 32", "max_new_tokens: 8")
+                    .replace("lambda: [0.03, 0.1, 0.3]", "lambda: [0.03, 0.1]"))
     cfg = PipelineConfig(corpus="synthetic", task="catalog", corpus_name=name, n_notes=4, codes_per_note=(3, 4),
-                         model=TINY, student="tiny:qwen3:seed=2", las_model=TINY, launch="inline", n_null=4,
-                         selftest_events=0, k_bins=(3, 8), events_per_phase=3, stability_splits=5)
+                         model=TINY, student="tiny:qwen3:seed=2:d_model=8", las_model=TINY, launch="inline",
+                         n_null=4, selftest_events=0, k_bins=(3, 8), events_per_phase=3, stability_splits=5,
+                         select_lock=str(lock), train_max_steps=1, eval_max_new_tokens=8, las_max_steps=1)
     ids = pipeline_steps(cfg)
     assert tuple(ids) == DEMO_STEPS
     client = MlflowClient()

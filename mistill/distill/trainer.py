@@ -427,6 +427,11 @@ class Trainer:
         return self.step
 
 
+COST_METRICS: tuple[str, ...] = ("step_seconds", "peak_memory_gib")
+"""The logged step metrics that measure the machine, not the training: two runs that train alike
+differ in them (on other hardware, or with the batch split over processes)."""
+
+
 def step_cost(seconds: float, notes: int, device: torch.device) -> dict[str, float]:
     """What an optimizer step cost (App. I.5), logged beside its terms: ``step_seconds`` (wall
     time of its micro-steps, gradient sum, clipping and update; not the probe or a checkpoint
