@@ -171,7 +171,7 @@ def test_name_equals_value_round_trip_through_a_run(tracking_uri, tmp_path, monk
     ("train", [], "targets_run is required: the run id of a `targets` run"),
     ("targets", [], "teacher_attribute_run is required: the run id of an `attribute` run"),
     ("evaluate", ["--model", TINY], "prepare_run is required: the run id of a `prepare` run "
-                                    "(or of a `shortlist` or `generate` run)"),
+                                    "(or of a `shortlist` or `generate` or `flip_cohort` run)"),
 ])
 def test_missing_required_input_is_refused_before_any_run(name, argv, message, tracking_uri, tmp_path,
                                                           monkeypatch, capsys):

@@ -29,8 +29,10 @@ RUN_FIELD_CASES = [(name, f) for name, s in STAGES.items() for f in run_fields(s
 MODEL_CASES = [(name, f) for name, s in STAGES.items() for f in s.models]
 FILE_CASES = [(name, f) for name, s in STAGES.items() for f in s.files]
 EXPERIMENT = "preflight-inputs"
-FILE_CONTEXT = {("prepare", "split_file"): {"corpus": "mimic:/absent/notes.csv"}}
-"""Values another field needs for a file field to apply (a split file is read for a MIMIC table only)."""
+FILE_CONTEXT = {("prepare", "split_file"): {"corpus": "mimic:/absent/notes.csv"},
+                ("flip_cohort", "ledger"): {"proposals": __file__}}
+"""Values another field needs for a file field to apply (a split file is read for a MIMIC table only;
+a ledger decides the proposals of a proposals file, here any file that exists)."""
 
 
 def _ids(cases: list[tuple[str, str]]) -> list[str]:
@@ -89,8 +91,14 @@ def _inputs(stage: str, make_run: Callable[..., str], *, only_required: bool = F
     """A fitting FINISHED run for each run field of ``stage`` (only the required ones if asked)."""
     s = STAGES[stage]
     required = set(s.required_inputs().values())
-    return {f: make_run(INPUT_RUN_STAGES[f][0]) for f in run_fields(s.config)
+    return {f: _value(f, make_run(INPUT_RUN_STAGES[f][0]), make_run) for f in run_fields(s.config)
             if not only_required or f in required}
+
+
+def _value(field: str, run_id: str, make_run: Callable[..., str]) -> str:
+    """``run_id`` as the value of ``field``; a list of runs (``*_runs``) gets a second, fitting run
+    after it, since some take their runs in pairs (a report's compared and replicate runs)."""
+    return f"{run_id},{make_run(INPUT_RUN_STAGES[field][0])}" if field.endswith("_runs") else run_id
 
 
 def _argv(values: dict[str, str]) -> list[str]:
@@ -124,12 +132,13 @@ def test_wrong_stage_run_is_refused(stage: str, field: str, server: MlflowClient
     accepted = INPUT_RUN_STAGES[field]
     wrong = "prepare" if "prepare" not in accepted else "report"
     values = _inputs(stage, make_run)
-    values[field] = make_run(wrong)
+    wrong_run = make_run(wrong)
+    values[field] = _value(field, wrong_run, make_run)
     err = _refused(server, stage, _argv(values), capsys)
     names = [f"`{s}`" for s in accepted]
     listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
     article = "an" if accepted[0][0] in "aeiou" else "a"
-    assert f"run {values[field]} is a `{wrong}` run; --{field} needs {article} {listed} run" in err
+    assert f"run {wrong_run} is a `{wrong}` run; --{field} needs {article} {listed} run" in err
 
 
 @pytest.mark.parametrize("case", ["unknown", "running", "failed", "untagged", "deleted"])

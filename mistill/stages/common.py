@@ -61,6 +61,8 @@ DATA_DIR_NAME = "data"
 CORPUS_FILE = "corpus.jsonl"
 INVENTORY_FILE = "inventory.json"
 CORPUS_META_FILE = "corpus_meta.json"
+_CONDITION_RUN_TAG = "mistill.flip_cohort.run."
+"""A ``flip_cohort`` run's tags naming its condition runs (the prepared corpora it wrote)."""
 _RECORD_KEYS = ("name", "privacy", "digest", "inventory_digest", "inventory_sha256", "run_id", "identity",
                 "identity_digest")
 
@@ -177,6 +179,11 @@ def load_prepared(run_id: str) -> Prepared:
                                 f"({exc.__class__.__name__})", field="prepare_run") from None
     tagged = run.data.tags.get(TAG_DATA_DIR)
     data_dir = Path(tagged) if tagged else None
+    conditions = {k.rsplit(".", 1)[-1]: v for k, v in run.data.tags.items() if k.startswith(_CONDITION_RUN_TAG)}
+    if data_dir is None and conditions:
+        shown = ", ".join(f"{k} {v}" for k, v in sorted(conditions.items()))
+        raise MistillInputError(f"run {run_id} is an evidence-flip cohort; its corpora are the runs of its "
+                                f"conditions: {shown}", field="prepare_run")
     if data_dir is None or not (data_dir / CORPUS_FILE).exists():
         if run.data.tags.get("mistill.privacy") not in ("synthetic", "public"):
             raise MistillInputError(
@@ -591,14 +598,16 @@ class RunReader:
 
 
 # ----------------------------------------------------------------------- input runs, checked first
-PREPARED_DATA_STAGES = ("prepare", "shortlist", "generate")
-"""The stages whose runs hold a prepared corpus (:func:`load_prepared`)."""
+PREPARED_DATA_STAGES = ("prepare", "shortlist", "generate", "flip_cohort")
+"""The stages whose runs hold a prepared corpus (:func:`load_prepared`); a ``flip_cohort`` run's
+corpora are its nested condition runs (tags ``mistill.flip_cohort.run.<condition>``)."""
 
 INPUT_RUN_STAGES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "prepare_run": PREPARED_DATA_STAGES,
     "train_prepare_run": PREPARED_DATA_STAGES,
     "exclude_prepare_runs": PREPARED_DATA_STAGES,
     "compare_attribute_runs": ("attribute",),
+    "replicate_runs": ("evaluate", "own_heads"),
     "events_run": ("events",),
     "attribute_run": ("attribute",),
     "teacher_attribute_run": ("attribute",),

@@ -320,7 +320,8 @@ def run_prepare(cfg: PrepareConfig) -> str:
                              narrow_instruction=cfg.narrow_instruction, max_positions=max_positions)
     check_prompt_lengths(lengths, max_positions, model=cfg.model, file=cfg.corpus_path or None)
     guard = privacy_guard(corpus)
-    with StageRun("prepare", cfg, description=stage_help("prepare"), corpus=corpus.name, guard=guard, corpus_digest=corpus.digest,
+    with StageRun("prepare", cfg, corpus=corpus.name, guard=guard, corpus_digest=corpus.digest,
+                  description=stage_help()["prepare"],
                   resume=True, root=mistill_root()) as run:
         if run.reused:
             print(f"prepare: reusing finished run {run.run_id}")

@@ -108,6 +108,11 @@ _TABLE = (
     _Entry("generate", "mistill.stages.generate", "GenerateConfig", "run_generate", {"prepare": "prepare_run"},
            "a model's traces under the paper's decoding: flags, rates, a traced corpus (use as prepare_run)",
            stands_for="prepare", shardable=True, models=("model",)),
+    _Entry("flip_cohort", "mistill.stages.flip_cohort", "FlipCohortConfig", "run_flip_cohort",
+           {"prepare": "prepare_run"},
+           "the evidence-flip cohort (App. N.2): a locked seeded draw, the author's edit proposals checked, the "
+           "reviewer's ledger, the freeze by hash; four condition corpora (use each as prepare_run)",
+           stands_for="prepare", models=("model",), files=("lock", "proposals", "ledger")),
     _Entry("events", "mistill.stages.characterize", "EventsConfig", "run_events", {"prepare": "prepare_run"},
            "decision events per note, realized in the model's tokenizer, and the margin audit", shardable=True,
            models=("model",)),
@@ -195,12 +200,6 @@ def stage(name: str) -> Stage:
     if name not in entries:
         raise KeyError(name)
     return _stage(entries[name])
-
-
-def stage_help(name: str) -> str:
-    """What the entry point ``name`` computes, one line (its ``--help`` summary and its runs'
-    description in the UI), without importing its module."""
-    return next(e.help for e in _TABLE if e.name == name)
 
 
 def stages() -> dict[str, Stage]:

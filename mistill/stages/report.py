@@ -160,7 +160,8 @@ def run_report(cfg: ReportConfig) -> str:
     inputs = collect_inputs(client, experiment, arms=cfg.arms, reference_arm=cfg.reference_arm, split=cfg.split,
                             compare_attribute_runs=cfg.compare_attribute_runs, compare_labels=cfg.compare_labels)
     guard = PrivacyGuard([], inputs.privacy())
-    with StageRun("report", cfg, description=stage_help("report"), corpus=cfg.corpus, guard=guard, inputs=inputs.lineage(),
+    with StageRun("report", cfg, corpus=cfg.corpus, guard=guard, inputs=inputs.lineage(),
+                  description=stage_help()["report"],
                   resume=True, root=mistill_root(), tracking_uri=uri) as run:
         if run.reused:
             print(f"report: reusing finished run {run.run_id}")

@@ -401,7 +401,8 @@ def run_reproduce(cfg: ReproduceConfig) -> str:
     corpus = cfg.experiment_corpus()
     level = "synthetic" if cfg.synthetic else cfg.privacy
     root = mistill_root()
-    with StageRun("reproduce", cfg, description=stage_help("reproduce"), corpus=corpus, guard=PrivacyGuard([], level), resume=True, root=root,
+    with StageRun("reproduce", cfg, corpus=corpus, guard=PrivacyGuard([], level), resume=True, root=root,
+                  description=stage_help()["reproduce"],
                   name=f"reproduce-{'-'.join(cfg.results) or 'all'}") as run:
         ids = ids_from_tags(run.run.data.tags)
         if run.reused:

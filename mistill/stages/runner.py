@@ -113,7 +113,7 @@ def open_stage(stage: str, cfg: Config, prepared: Prepared, *, inputs: Mapping[s
     world = init_world(str(getattr(cfg, "device", "cpu")))
     guard = guard if guard is not None else privacy_guard(prepared.corpus)
     args = dict(corpus=prepared.corpus.name, guard=guard, corpus_digest=prepared.corpus.digest, inputs=dict(inputs),
-                resume=True, root=mistill_root(), description=stage_help(stage), **run_args)
+                resume=True, root=mistill_root(), description=stage_help()[stage], **run_args)
     if world.leader:
         with StageRun(stage, cfg, **args) as run:
             broadcast((run.run_id, run.reused), world)

@@ -221,7 +221,8 @@ def run_select_lambda(cfg: SelectLambdaConfig, runner: Runner | None = None) -> 
     handle = open_study(lock, storage, name, root=mistill_root(), heartbeat=heartbeat)
     inputs = {"prepare": cfg.prepare_run, "targets": cfg.targets_run,
               "student_attribute": cfg.student_attribute_run}
-    with StageRun("select_lambda", cfg, description=stage_help("select_lambda"), corpus=corpus, guard=PrivacyGuard([], level), model=cfg.student,
+    with StageRun("select_lambda", cfg, corpus=corpus, guard=PrivacyGuard([], level), model=cfg.student,
+                  description=stage_help()["select_lambda"],
                   arm=lock.arm, seed=lock.training.seed, inputs=inputs, resume=True, root=mistill_root(),
                   tags={TAG_LOCK_SHA: lock.sha256, TAG_STUDY: name}) as run:
         if run.reused:

@@ -277,7 +277,8 @@ def run_verify(cfg: VerifyConfig) -> str:
     experiment = experiment_for_corpus(cfg.corpus, tracking_uri=uri)
     table, reader = verify_store(client, experiment, cfg.roles())
     lineage = {f"{stage}.{rid}": rid for rid, stage in reader.read.items()}
-    with StageRun("verify", cfg, description=stage_help("verify"), corpus=cfg.corpus, guard=PrivacyGuard([], reader.privacy()), inputs=lineage,
+    with StageRun("verify", cfg, corpus=cfg.corpus, guard=PrivacyGuard([], reader.privacy()), inputs=lineage,
+                  description=stage_help()["verify"],
                   resume=True, root=mistill_root(), tracking_uri=uri) as run:
         if run.reused:
             print(f"verify: reusing finished run {run.run_id}")

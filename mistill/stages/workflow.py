@@ -523,7 +523,8 @@ def run_pipeline(cfg: PipelineConfig) -> str:
     """
     corpus_name = corpus_name_of(cfg.corpus, cfg.corpus_name, cfg.task)
     level = "synthetic" if cfg.corpus == "synthetic" else cfg.privacy
-    with StageRun("pipeline", cfg, description=stage_help("pipeline"), corpus=corpus_name, guard=PrivacyGuard([], level), resume=True,
+    with StageRun("pipeline", cfg, corpus=corpus_name, guard=PrivacyGuard([], level), resume=True,
+                  description=stage_help()["pipeline"],
                   root=mistill_root()) as run:
         if run.reused:
             ids = {k[len(STEP_TAG):]: v for k, v in run.run.data.tags.items() if k.startswith(STEP_TAG)}
