@@ -10,7 +10,7 @@ arm, precision and seed); :func:`build_report` turns them into a :class:`Report`
 
 A kind of run that is absent (no ``evaluate``, ``own_heads``, ``knockin`` or ``select_lambda``
 runs, no reference arm, a missing artifact) skips Tables 1/10, 2, 43 and 3/45 with a note in the
-report; it never stops the report. Tables 11, 15, 39-42 and 47-51 and App. M.3's carriers are
+report; it never stops the report. Tables 11, 15, 39-42, 47-51 and 52 and App. M.3's carriers are
 always listed: where the runs read hold no data for them, their rows are empty and say why
 (:attr:`ReportTable.reason` and the ``note`` column).
 
@@ -32,7 +32,8 @@ from analysis.characterization_compare import compared_runs
 from analysis.report_model import LAMBDA_CELLS, Report, ReportInputs, ReportTable, TableChoices, cell_train_runs
 from analysis.report_sections import (READ_SIDE_STAGES, ExtraRuns, ablations_section, audit_section,
                                       characterization_section, global_sets_section, lambda_section, locus_section,
-                                      own_heads_section, read_side_section, selection_section,
+                                      matched_selection_section, own_heads_section, read_side_section,
+                                      selection_section,
                                       student_edits_section, task_section)
 from analysis.report_sections import characterization_compare_section
 from analysis.report_sections import replicate_section, training_section
@@ -98,7 +99,8 @@ def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str]
     runs = {stage: runs[stage] for stage in STAGES}
     extra = {"evaluate_all": query.stage_runs(client, experiment, "evaluate"),
              "own_heads_all": query.stage_runs(client, experiment, "own_heads"),
-             "train": train_all}
+             "train": train_all,
+             "select_lambda_all": query.stage_runs(client, experiment, "select_lambda")}
     named = set(runs["knockin"]["attribute_run"].dropna()) if not runs["knockin"].empty else set()
     attribute = query.stage_runs(client, experiment, "attribute")
     extra["attribute"] = attribute[attribute["run_id"].isin(named)].reset_index(drop=True) \
@@ -157,6 +159,8 @@ def build_report(inputs: ReportInputs, *, reference_arm: str,
     audit_section(rep, inputs.runs["evaluate"], inputs.runs["own_heads"], audit_labels)
     student_edits_section(rep, inputs.extra.get("trace_edit_all", pd.DataFrame()), reference_arm, n_resamples, seed)
     selection_section(rep, inputs.runs["select_lambda"], cells, extra, n_resamples, seed)
+    matched_selection_section(rep, inputs.extra.get("select_lambda_all", pd.DataFrame()), extra, n_resamples,
+                              corpus_resamples, seed)
     ablations_section(rep, client, extra, cells, choices, n_resamples, seed)
     characterization_compare_section(
         rep, inputs.extra.get("attribute_compared", pd.DataFrame()),

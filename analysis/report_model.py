@@ -28,8 +28,9 @@ class ReportInputs:
     experiment: str
     runs: dict[str, pd.DataFrame]
     extra: dict[str, pd.DataFrame] = field(default_factory=dict)
-    """``attribute``, ``train``, ``evaluate_all`` and ``own_heads_all``: runs read beyond the
-    newest of each cell (the last two: every split, every run)."""
+    """``attribute``, ``train``, ``evaluate_all``, ``own_heads_all`` and ``select_lambda_all``: runs
+    read beyond the newest of each cell (the last three: every split, every run; Table 52 pairs
+    selections by their recorded lock, not by the cell key)."""
 
     def frames(self) -> list[pd.DataFrame]:
         return [df for df in (*self.runs.values(), *self.extra.values()) if not df.empty]

@@ -15,6 +15,7 @@ from mlflow.tracking import MlflowClient
 from analysis import (ablation_tables, characterization, figures, locus_figures, query, run_deviations,
                       selection_tables as seltab, tables)
 from analysis import characterization_compare as compare
+from analysis import matched_tables as matched
 from analysis import training_tables
 from analysis.audit import stratified_readouts
 from analysis.edit_tables import edit_pairs_table
@@ -584,6 +585,62 @@ def selection_section(rep: Report, runs: pd.DataFrame, cells: pd.DataFrame, extr
 
 def _own_teacher(own_notes: pd.DataFrame) -> pd.DataFrame:
     return ablation_tables._traces(own_notes, "teacher")
+
+
+# ------------------------------------------------------------------------------- Table 52
+def matched_selection_section(rep: Report, runs: pd.DataFrame, extra: ExtraRuns, n_resamples: int,
+                              corpus_resamples: int, seed: int) -> None:
+    """Table 52 (App. M.2) from every FINISHED ``select_lambda`` run (``runs``): the matched pairs
+    (:func:`analysis.matched_tables.matched_pairs`), their validation cells with the picks at the
+    locked and the sensitivity band, the test cells at the picks and the paired comparisons."""
+    cols = {"table52_validation": ["arm", "λ", "cell", "state", "val micro-F1", "M1 P2C", "gap to best"],
+            "table52_test": ["arm", "λ", "seed", "test micro-F1", "own P2C k40 (random)"],
+            "table52_paired": ["comparison", "measure", "seed pairs", "notes", "Δ mean [95% CI]"]}
+    cells = _lambda_cells(rep, runs) if not runs.empty else pd.DataFrame()
+    sels = _selections(rep, runs, cells) if not runs.empty else []
+    pairs = matched.matched_pairs(sels)
+    why = ("no FINISHED select_lambda runs" if runs.empty else
+           "no two select_lambda runs under one protocol, one of them mistill's (locks identical but for the arm)"
+           if not pairs else "")
+    band = matched.SENSITIVITY_BAND
+    t_val = matched.matched_validation_table(pairs, band=band) if pairs else pd.DataFrame()
+    _listed(rep, "table52_validation", "Table 52: matched selection, the validation cells",
+            f"Every cell of both selections under one protocol: validation micro-F1, M1 at P2C (the "
+            f"tie-break), the full-precision gap to the best; {matched.LOCKED_MARK}: the pick at the "
+            f"locked band, {matched.SENSITIVITY_MARK}: the pick of the same rule re-applied with the "
+            f"{band:g} band to the cells already run.", t_val,
+            matched.matched_validation_display(t_val) if not t_val.empty else pd.DataFrame(), why,
+            cols["table52_validation"])
+    tests, paired_rows = [], []
+    candidates = {str(c) for p in pairs for s in (p.ranked, p.control) for c in s.cells.get("train_run", [])
+                  if isinstance(c, str)}
+    for frame in (extra.evaluate, extra.own):
+        if not frame.empty:
+            arms_named = {a for p in pairs for a in (p.ranked.arm, p.control.arm)}
+            candidates |= set(frame[frame["arm"].isin(arms_named)]["train_run"].dropna().astype(str))
+    arms_of = _train_arms(sorted(candidates)) if pairs else {}
+    own_notes = _own_teacher(extra.own_notes)
+    for pair in pairs:
+        ranked, control = (matched.pick_runs(s, arms_of, extra.evaluate, extra.own, extra.split)
+                           for s in (pair.ranked, pair.control))
+        tests.append(matched.matched_test_table([ranked, control], own_notes))
+        paired_rows.append(matched.matched_paired_table(ranked, control, extra.eval_notes, own_notes,
+                                                        n_resamples=n_resamples,
+                                                        corpus_resamples=corpus_resamples, seed=seed))
+    t_test = pd.concat(tests, ignore_index=True) if tests else pd.DataFrame()
+    _listed(rep, "table52_test", "Table 52: matched selection, the test cells at the picks",
+            f"Every seed of each family's arm at its pick on the {extra.split} notes: micro-F1 and the "
+            "own top-40 P2C knock-in recovery (median over notes, random floor in parentheses, as in "
+            "Table 45).", t_test, matched.matched_test_display(t_test) if not t_test.empty else pd.DataFrame(),
+            why, cols["table52_test"])
+    t_pair = pd.concat(paired_rows, ignore_index=True) if paired_rows else pd.DataFrame()
+    _listed(rep, "table52_paired", "Table 52: matched selection, the paired comparisons",
+            "Mistill's pick minus the control's, seed i against seed i: per note the mean of its seed "
+            "pairs' differences, then the tests over notes (bootstrap 95% interval, notes higher/lower; "
+            "per pair: each seed pair's mean difference); corpus micro-F1: the difference of the "
+            "seed-averaged corpus-level micro-F1, notes resampled.", t_pair,
+            matched.matched_paired_display(t_pair) if not t_pair.empty else pd.DataFrame(), why,
+            cols["table52_paired"])
 
 
 # --------------------------------------------------------------------------- Tables 47-51

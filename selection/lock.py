@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -448,3 +449,31 @@ def load_lock(path: str | Path) -> Lock:
     return Lock(path=str(p), sha256=sha256_file(p), study=data["study"], arm=data["arm"], grid=grid,
                 training=_training(str(p), data["training"]), selection=_selection(str(p), data["selection"]),
                 edge=_edge(str(p), data["edge"], grid), text=text)
+
+
+def lock_from_record(record: Mapping[str, Any], *, source: str = "decision.json") -> Lock:
+    """The :class:`Lock` a selection recorded (``decision.json``'s ``lock``, :meth:`Lock.to_dict`),
+    validated by the same section readers as :func:`load_lock`, so that the rule can be re-applied
+    to the recorded cells (:func:`selection.decide.decide`, :func:`selection.decide.sensitivity`)
+    without the lock file. ``text`` is empty; ``path`` and ``sha256`` are the recorded ones.
+
+    Raises:
+        MistillInputError: the record lacks a section or a field, or a value is not valid (names
+            ``source`` and the field).
+    """
+    if not isinstance(record, Mapping):
+        raise MistillInputError("a recorded lock is a mapping", file=source, field="lock")
+    for key in ("study", "arm", *_SECTIONS):
+        if key not in record:
+            raise MistillInputError("missing from the recorded lock", file=source, field=f"lock.{key}")
+    training = record["training"]
+    if not isinstance(training, Mapping):
+        raise MistillInputError("expected a mapping", file=source, field="lock.training")
+    training = {k: v for k, v in training.items() if k not in ("train_notes", "train_notes_seed")}
+    training["train_notes"] = {"n": record["training"].get("train_notes", 0),
+                               "seed": record["training"].get("train_notes_seed", 0)}
+    selection = {k: v for k, v in dict(record["selection"]).items() if v is not None}
+    grid = _grid(source, dict(record["grid"]))
+    return Lock(path=str(record.get("path", "")), sha256=str(record.get("sha256", "")), study=str(record["study"]),
+                arm=str(record["arm"]), grid=grid, training=_training(source, training),
+                selection=_selection(source, selection), edge=_edge(source, dict(record["edge"]), grid), text="")
