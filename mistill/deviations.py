@@ -483,6 +483,22 @@ CONVENTIONS: tuple[Convention, ...] = (
                "seconds per note count the optimizer steps only (no loading or saving); peak memory is torch's "
                "on the device, else MLflow's sampled GPU memory", "analysis.training_tables",
                "the paper reports the figures, not how they were taken"),
+    Convention("evidence-flip draw", "App. N.2",
+               "eligible patients shuffled by numpy default_rng(lock seed), the first n drawn, one note each by "
+               "the same generator; eligible: the teacher's screen answer is valid and holds the target code, "
+               "which is gold", "mistill.data.flips",
+               "the paper states a seeded, teacher-success-conditioned draw of 300, not its arithmetic"),
+    Convention("evidence-flip checks", "App. N.1-N.2",
+               "the original has no edits; the flip's evidence spans lie in the text it replaced or wrote; the "
+               "irrelevant edit leaves the evidence alone and matches the flip's length in words; the order edit "
+               "permutes words; masks are counted in the model's tokens on the note alone (a token is masked when "
+               "any of its characters is); a length or mask mismatch passes only when the proposal declares it, "
+               "and is recorded", "mistill.data.flips",
+               "the paper names the conditions and their one exception, not the checks"),
+    Convention("the freeze", "App. N.2",
+               "FROZEN holds a sha256 per version (text and masks), per reviewed proposal, of the ledger, the lock "
+               "and the source corpus; written once, re-verified on every later read", "mistill.data.flips",
+               "the paper freezes the flips by hash; what is hashed is not listed"),
     Convention("the retriever's training notes", "App. A",
                "reproduce prepares the release (with its split file) once more and trains the shortlist's head on "
                "its training split, the corpus's patients dropped by the shortlist stage",

@@ -60,6 +60,9 @@ APP_Q_RUNS: dict[str, list[str]] = {
     "R-D6": MAIN + UNTRAINED_HEADS,
     "R-D7": (trained(Q4B, "randpos", 1) + trained(Q4B, "randheads", 1) + trained(Q4B, "randboth", 1)
              + trained(SMOL, "randpos", 1) + trained(SMOL, "randheads", 1)),
+    # the cost per arm: train runs with and without the Mistill terms (their step timing)
+    "R-D9": (trained(Q4B, "mistill", 1, evaluated=False, own_heads=False)
+             + trained(Q4B, "vanilla-bf16", 1, tree="DT-000", evaluated=False, own_heads=False)),
     "R-D10": [BF16_SELECTION, *trained(Q4B, "write-term", 1),
               *trained(Q4B, "vanilla-bf16_n100", 3, own_heads=False)],
     "R-D12": MAIN + trained(SMOL, "randheads", 2) + trained(SMOL, "bottom40", 2) + trained(Q4B, "randheads", 3),
