@@ -765,6 +765,13 @@ def _own_pairs_display(table: pd.DataFrame) -> pd.DataFrame:
 
 
 # ------------------------------------------------------------- two characterizations, patients
+def _stacked_table(rep: Report, name: str, title: str, caption: str, rows: Sequence[pd.DataFrame],
+                   shown: Sequence[pd.DataFrame]) -> None:
+    """Add the table ``name``: the frames of ``rows`` stacked, shown as the frames of ``shown``."""
+    rep.tables.append(ReportTable(name, title, caption, pd.concat(rows, ignore_index=True),
+                                  pd.concat(shown, ignore_index=True)))
+
+
 def characterization_compare_section(rep: Report, attribute: pd.DataFrame, knockin: pd.DataFrame,
                                      collapsed: pd.DataFrame) -> None:
     """Tables 9/35 (two attribute runs' rankings), 35/36 (their knock-in side by side) and App. C's
@@ -807,24 +814,19 @@ def characterization_compare_section(rep: Report, attribute: pd.DataFrame, knock
                      f"against {b['label']} (run {b['run_id'][:8]}, {b['model']}; knock-in on {notes['b']} notes)")
     pairs_text = "; ".join(basis)
     if pairs:
-        table = pd.concat(pairs, ignore_index=True)
-        rep.tables.append(ReportTable(
-            "compare_rankings", "Tables 9 and 35: two characterizations' rankings compared",
-            f"Per pair of attribute runs of one model (A against B) and phase: Spearman's rho of the I_c "
-            f"over every head (heads), and the heads shared by their top-8, top-16 and top-40; notes A/B: "
-            f"the notes each run ranked the phase on. Pairs: {pairs_text}.",
-            table, pd.concat(shown, ignore_index=True)))
+        _stacked_table(rep, "compare_rankings", "Tables 9 and 35: two characterizations' rankings compared",
+                       f"Per pair of attribute runs of one model (A against B) and phase: Spearman's rho of the "
+                       f"I_c over every head (heads), and the heads shared by their top-8, top-16 and top-40; "
+                       f"notes A/B: the notes each run ranked the phase on. Pairs: {pairs_text}.", pairs, shown)
     elif basis:
         _skip(rep, "Tables 9/35 (rankings compared)", "the runs of each pair are of two models (their "
                                                        "knock-in is compared, Table 36)")
     if kin_rows:
-        table = pd.concat(kin_rows, ignore_index=True)
-        rep.tables.append(ReportTable(
-            "compare_knockin", "Tables 35 and 36: two characterizations' global sets side by side",
-            f"Per pair (A against B), phase and k: each run's own global set, knock-in recovery in another "
-            f"note's context and necessity, medians over notes of per-note means with the count-matched "
-            f"random set in parentheses; notes: where the global set beats random / notes compared. "
-            f"Pairs: {pairs_text}.", table, pd.concat(kin_shown, ignore_index=True)))
+        _stacked_table(rep, "compare_knockin", "Tables 35 and 36: two characterizations' global sets side by side",
+                       f"Per pair (A against B), phase and k: each run's own global set, knock-in recovery in "
+                       f"another note's context and necessity, medians over notes of per-note means with the "
+                       f"count-matched random set in parentheses; notes: where the global set beats random / "
+                       f"notes compared. Pairs: {pairs_text}.", kin_rows, kin_shown)
     elif basis:
         _skip(rep, "Tables 35/36 (knock-in side by side)", "no compared attribute run has a FINISHED knockin run")
     _patient_collapse(rep, collapsed)

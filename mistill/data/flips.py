@@ -55,7 +55,7 @@ from mistill.data.inventory import Inventory
 from mistill.data.synthetic import paraphrase
 from mistill.errors import MistillInputError
 from mistill.evaluation.parsing import parse_answer
-from mistill.io import dumps, is_safe_name, sha256_file, sha256_text, write_text
+from mistill.io import dumps, is_safe_name, iter_jsonl, sha256_file, sha256_text, write_text
 
 CONDITIONS = ("original", "flipped", "irrelevant", "order")
 """The four conditions, in the order the paper names them."""
@@ -317,47 +317,38 @@ def read_proposals(path: str | Path) -> list[Proposal]:
         raise MistillInputError("proposals file not found", file=str(p), field="proposals")
     out: list[Proposal] = []
     seen: set[str] = set()
-    with p.open(encoding="utf-8") as fh:
-        for lineno, raw_line in enumerate(fh, start=1):
-            if not raw_line.strip():
-                continue
-            try:
-                row = json.loads(raw_line)
-            except json.JSONDecodeError as exc:
-                raise MistillInputError(f"malformed JSON: {exc.msg}", file=str(p), line=lineno) from None
-            case = str(row.get("case_id")) if isinstance(row, dict) and "case_id" in row else None
+    for lineno, row in iter_jsonl(p):  # refuses a malformed line, or one that is no JSON object
+        case = str(row["case_id"]) if "case_id" in row else None
 
-            def fail(fld: str, message: str, _case=case, _line=lineno) -> MistillInputError:
-                return MistillInputError(message, file=str(p), line=_line, note=_case, field=fld)
+        def fail(fld: str, message: str, _case=case, _line=lineno) -> MistillInputError:
+            return MistillInputError(message, file=str(p), line=_line, note=_case, field=fld)
 
-            if not isinstance(row, dict):
-                raise fail("case_id", "expected a JSON object per line")
-            known = {"case_id", "note_id", "target_code", "partner_code", "versions", "exceptions"}
-            unknown = sorted(set(row) - known)
-            if unknown:
-                raise fail(unknown[0], f"not a field of a proposal (fields: {sorted(known)})")
-            for key in ("case_id", "note_id", "target_code", "partner_code", "versions"):
-                if key not in row:
-                    raise fail(key, "missing")
-            for key in ("case_id", "note_id", "target_code", "partner_code"):
-                if not isinstance(row[key], str) or not row[key]:
-                    raise fail(key, "expected a non-empty string")
-            if not is_safe_name(row["case_id"]):
-                raise fail("case_id", "a case id is a name (letters, digits, '_', '.', '-')")
-            if row["case_id"] in seen:
-                raise fail("case_id", "duplicate case id")
-            seen.add(row["case_id"])
-            versions = row["versions"]
-            if not isinstance(versions, dict) or set(versions) != set(CONDITIONS):
-                got = sorted(versions) if isinstance(versions, dict) else versions
-                raise fail("versions", f"expected exactly the four conditions {list(CONDITIONS)}, got {got!r}")
-            exceptions = row.get("exceptions", [])
-            if not isinstance(exceptions, list) or not set(exceptions) <= set(EXCEPTIONS):
-                raise fail("exceptions", f"expected a list of {list(EXCEPTIONS)}, got {exceptions!r}")
-            out.append(Proposal(case_id=row["case_id"], note_id=row["note_id"], target_code=row["target_code"],
-                                partner_code=row["partner_code"],
-                                versions={c: _version(c, versions[c], fail) for c in CONDITIONS},
-                                exceptions=tuple(sorted(set(exceptions))), line=lineno, record=row))
+        known = {"case_id", "note_id", "target_code", "partner_code", "versions", "exceptions"}
+        unknown = sorted(set(row) - known)
+        if unknown:
+            raise fail(unknown[0], f"not a field of a proposal (fields: {sorted(known)})")
+        for key in ("case_id", "note_id", "target_code", "partner_code", "versions"):
+            if key not in row:
+                raise fail(key, "missing")
+        for key in ("case_id", "note_id", "target_code", "partner_code"):
+            if not isinstance(row[key], str) or not row[key]:
+                raise fail(key, "expected a non-empty string")
+        if not is_safe_name(row["case_id"]):
+            raise fail("case_id", "a case id is a name (letters, digits, '_', '.', '-')")
+        if row["case_id"] in seen:
+            raise fail("case_id", "duplicate case id")
+        seen.add(row["case_id"])
+        versions = row["versions"]
+        if not isinstance(versions, dict) or set(versions) != set(CONDITIONS):
+            got = sorted(versions) if isinstance(versions, dict) else versions
+            raise fail("versions", f"expected exactly the four conditions {list(CONDITIONS)}, got {got!r}")
+        exceptions = row.get("exceptions", [])
+        if not isinstance(exceptions, list) or not set(exceptions) <= set(EXCEPTIONS):
+            raise fail("exceptions", f"expected a list of {list(EXCEPTIONS)}, got {exceptions!r}")
+        out.append(Proposal(case_id=row["case_id"], note_id=row["note_id"], target_code=row["target_code"],
+                            partner_code=row["partner_code"],
+                            versions={c: _version(c, versions[c], fail) for c in CONDITIONS},
+                            exceptions=tuple(sorted(set(exceptions))), line=lineno, record=row))
     return out
 
 
