@@ -114,6 +114,35 @@ def _json_error(exc: json.JSONDecodeError) -> str:
     return f"malformed JSON: {msg} at column {exc.colno}"
 
 
+def read_yaml_mapping(path: str | os.PathLike, *, what: str, known: Iterable[str],
+                      field: str = "lock") -> tuple[dict[str, Any], str]:
+    """The YAML mapping of ``path`` (a ``what``, e.g. "lock") and the file's text.
+
+    A missing file, malformed YAML (with its line), a document that is not a mapping, or a key
+    not in ``known`` raises :class:`MistillInputError` naming the file and ``field`` (the
+    unknown key's name for an unknown key).
+    """
+    import yaml  # deferred: PyYAML only when a file is read
+
+    p = Path(path)
+    if not p.is_file():
+        raise MistillInputError(f"{what} file not found", file=str(p), field=field)
+    text = p.read_text(encoding="utf-8")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        line = getattr(getattr(exc, "problem_mark", None), "line", None)
+        raise MistillInputError(f"malformed YAML: {getattr(exc, 'problem', exc)}", file=str(p),
+                                line=None if line is None else line + 1) from None
+    if not isinstance(data, dict):
+        raise MistillInputError(f"a {what} is a YAML mapping", file=str(p), field=field)
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise MistillInputError(f"unknown key(s) {unknown}; known: {sorted(known)}", file=str(p),
+                                field=unknown[0])
+    return data, text
+
+
 def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
     """``(line number, object)`` for every non-blank line of a JSONL file, strictly.
 

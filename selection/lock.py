@@ -76,7 +76,7 @@ from pathlib import Path
 from typing import Any
 
 from mistill.errors import MistillInputError
-from mistill.io import sha256_file
+from mistill.io import read_yaml_mapping, sha256_file
 
 TIED_AXIS = "lambda"
 UNTIED_AXES = ("lambda_p1", "lambda_p2")
@@ -419,24 +419,8 @@ def _edge(path: str, data: Any, grid: GridSpec) -> EdgeRule:
 
 def load_lock(path: str | Path) -> Lock:
     """Read and validate a lock file; every error names the file and the field."""
-    import yaml  # deferred: PyYAML only when a file is read
-
     p = Path(path)
-    if not p.is_file():
-        raise MistillInputError("lock file not found", file=str(p), field="lock")
-    text = p.read_text(encoding="utf-8")
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        line = getattr(getattr(exc, "problem_mark", None), "line", None)
-        raise MistillInputError(f"malformed YAML: {getattr(exc, 'problem', exc)}", file=str(p),
-                                line=None if line is None else line + 1) from None
-    if not isinstance(data, dict):
-        raise MistillInputError("a lock is a YAML mapping", file=str(p), field="lock")
-    unknown = sorted(set(data) - _TOP)
-    if unknown:
-        raise MistillInputError(f"unknown key(s) {unknown}; known: {sorted(_TOP)}", file=str(p),
-                                field=unknown[0])
+    data, text = read_yaml_mapping(p, what="lock", known=_TOP)
     for key in ("study", "arm", *_SECTIONS):
         if key not in data:
             raise MistillInputError("missing (a lock states every rule before any trial)", file=str(p),

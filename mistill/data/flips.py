@@ -55,7 +55,7 @@ from mistill.data.inventory import Inventory
 from mistill.data.synthetic import paraphrase
 from mistill.errors import MistillInputError
 from mistill.evaluation.parsing import parse_answer
-from mistill.io import dumps, is_safe_name, iter_jsonl, sha256_file, sha256_text, write_text
+from mistill.io import dumps, is_safe_name, iter_jsonl, read_yaml_mapping, sha256_file, sha256_text, write_text
 
 CONDITIONS = ("original", "flipped", "irrelevant", "order")
 """The four conditions, in the order the paper names them."""
@@ -119,21 +119,8 @@ def load_cohort_lock(path: str | Path) -> CohortLock:
         review: {budget: 80, reason_codes: [no_coherent_flip, pair, evidence]}
         conditions: [original, flipped, irrelevant, order]
     """
-    import yaml  # deferred: PyYAML only when a file is read
-
     p = Path(path)
-    if not p.is_file():
-        raise MistillInputError("lock file not found", file=str(p), field="lock")
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise MistillInputError(f"malformed YAML: {getattr(exc, 'problem', exc)}", file=str(p)) from None
-    if not isinstance(data, dict):
-        raise MistillInputError("a cohort lock is a YAML mapping", file=str(p), field="lock")
-    unknown = sorted(set(data) - _LOCK_KEYS)
-    if unknown:
-        raise MistillInputError(f"unknown key(s) {unknown}; known: {sorted(_LOCK_KEYS)}", file=str(p),
-                                field=unknown[0])
+    data, _ = read_yaml_mapping(p, what="cohort lock", known=_LOCK_KEYS)
     for key in ("study", "draw", "eligibility", "disjoint", "review", "conditions"):
         if key not in data:
             raise MistillInputError("missing (a lock states every rule before the draw)", file=str(p), field=key)
