@@ -51,17 +51,23 @@ def main() -> int:
         print(f"screenshots: no experiment {args.experiment!r} on {uri}: run ./scripts/demo.sh first", file=sys.stderr)
         return 2
     runs = client.search_runs([exp.experiment_id], "attributes.status = 'FINISHED'", max_results=1000)
-    evaluates = [r for r in runs if r.data.tags.get("mistill.stage") == "evaluate" and r.data.params.get("arm")]
+    def arm_of(r) -> str:  # a model's run names its arm in `arm`; a train run's reader in `arm.name`
+        return r.data.params.get("arm.name") or r.data.params.get("arm") or ""
+
+    evaluates = [r for r in runs if r.data.tags.get("mistill.stage") == "evaluate" and arm_of(r)]
     if not evaluates:
         print(f"screenshots: experiment {args.experiment!r} has no finished evaluate run of an arm", file=sys.stderr)
         return 2
-    evaluates.sort(key=lambda r: (r.data.params.get("arm", ""), r.data.params.get("seed", ""), r.info.run_name))
-    mistill = next((r for r in evaluates if r.data.params.get("arm") == "mistill"), evaluates[0])
+    evaluates.sort(key=lambda r: (arm_of(r), r.data.params.get("seed", ""), r.info.run_name))
+    mistill = next((r for r in evaluates if arm_of(r) == "mistill"), evaluates[0])
     ids = json.dumps([r.info.run_id for r in evaluates])
     compare = (f"{uri}/#/compare-runs?runs={urllib.parse.quote(ids)}"
                f"&experiments={urllib.parse.quote(json.dumps([exp.experiment_id]))}")
+    # the runs table lists top-level runs, each pipeline's steps nested (collapsed) under it
+    top = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    listed = next((r for r in top if r.data.tags.get("mistill.stage") == "pipeline"), top[0] if top else evaluates[0])
     shots = [
-        ("runs_table.png", experiment_url(uri, exp.experiment_id), (evaluates[0].info.run_name,)),
+        ("runs_table.png", experiment_url(uri, exp.experiment_id), (listed.info.run_name,)),
         ("compare_arms.png", compare, ("arm", mistill.info.run_name)),
         ("evaluate_run.png", f"{uri}/#/experiments/{exp.experiment_id}/runs/{mistill.info.run_id}",
          (mistill.info.run_name, "Parameters")),
