@@ -64,7 +64,7 @@ def experiment_id(client: MlflowClient, experiment: str) -> str | None:
 
 
 def stage_runs(client: MlflowClient, experiment: str, stage: str, *,
-               arms: Sequence[str] = (), status: str = "FINISHED") -> pd.DataFrame:
+               arms: Sequence[str] = (), status: str = "FINISHED", params: Sequence[str] = ()) -> pd.DataFrame:
     """Every run of one stage in an experiment, as one row per run (newest first).
 
     Args:
@@ -73,14 +73,16 @@ def stage_runs(client: MlflowClient, experiment: str, stage: str, *,
         stage: the ``mistill.stage`` tag (``evaluate``, ``own_heads``, ``knockin``, ...).
         arms: keep only these ``mistill.arm`` values (empty: every arm, and runs without one).
         status: run status to keep (``FINISHED``: runs still being written are left out).
+        params: params to read as columns ``params.<name>`` (strings as logged; None if absent).
 
-    Columns: ``run_id, run_name, start_time``, :data:`TAG_COLUMNS` (``seed`` as a nullable
+    Columns: ``run_id, run_name, start_time, end_time``, :data:`TAG_COLUMNS` (``seed`` as a nullable
     integer, missing tags as None), ``checkpoint`` (the model spec as tagged) and one float
     column per metric name logged by any run. ``model`` is the tagged model, except for a run
     on a trained checkpoint (``run:<train run id>``): there, the model that train run trained.
     An absent experiment gives an empty frame with those columns.
     """
-    columns = ["run_id", "run_name", "start_time", *TAG_COLUMNS, "checkpoint"]
+    columns = ["run_id", "run_name", "start_time", "end_time", *TAG_COLUMNS, "checkpoint",
+               *(f"params.{p}" for p in params)]
     exp_id = experiment_id(client, experiment)
     if exp_id is None:
         return pd.DataFrame(columns=columns)
@@ -93,8 +95,9 @@ def stage_runs(client: MlflowClient, experiment: str, stage: str, *,
         for run in page:
             tags = run.data.tags
             rec = {"run_id": run.info.run_id, "run_name": run.info.run_name,
-                   "start_time": run.info.start_time}
+                   "start_time": run.info.start_time, "end_time": run.info.end_time}
             rec.update({col: tags.get(tag) for col, tag in TAG_COLUMNS.items()})
+            rec.update({f"params.{p}": run.data.params.get(p) for p in params})
             rec.update(run.data.metrics)
             records.append(rec)
         token = page.token

@@ -85,9 +85,9 @@ def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str]
     runs = {"select_lambda": query.latest_runs(query.stage_runs(client, experiment,
                                                                 "select_lambda"),
                                                _KEYS["select_lambda"])}
-    train_all = query.stage_runs(client, experiment, "train")
+    train_all = query.stage_runs(client, experiment, "train", params=("train_notes",))
     cell_train = set(cell_train_runs(_selection_cells(runs["select_lambda"]), train_all))
-    cell_train |= partial_train_runs(client, train_all)
+    cell_train |= partial_train_runs(train_all)
     for stage in STAGES:
         if stage in runs:
             continue
@@ -115,17 +115,15 @@ def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str]
     return ReportInputs(experiment, runs, extra)
 
 
-def partial_train_runs(client: MlflowClient, train: pd.DataFrame) -> set[str]:
-    """The train runs on part of the training notes (``train_notes`` above 0: the learning curve's
-    smaller sizes, a selection's reference): their evaluations are left out of the tables of the
-    arms (Tables 2, 3, 43, 45), which read the arms trained on every note; Table 53 reads them."""
-    partial: set[str] = set()
-    for rid in train.get("run_id", []):
-        asked = pd.to_numeric(pd.Series([client.get_run(str(rid)).data.params.get("train_notes")]),
-                              errors="coerce").iloc[0]
-        if pd.notna(asked) and asked > 0:
-            partial.add(str(rid))
-    return partial
+def partial_train_runs(train: pd.DataFrame) -> set[str]:
+    """The train runs on part of the training notes (their ``params.train_notes`` column above 0:
+    the learning curve's smaller sizes, a selection's reference): their evaluations are left out of
+    the tables of the arms (Tables 2, 3, 43, 45), which read the arms trained on every note; Table
+    53 reads them."""
+    if train.empty:
+        return set()
+    asked = pd.to_numeric(train["params.train_notes"], errors="coerce")
+    return set(train.loc[asked > 0, "run_id"].astype(str))
 
 
 def _selection_cells(selections: pd.DataFrame) -> pd.DataFrame:

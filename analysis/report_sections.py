@@ -871,23 +871,17 @@ def _patient_collapse(rep: Report, runs: pd.DataFrame) -> None:
 
 
 # --------------------------------------------------- Table 53, Figure 8 and the training cost
-def _train_run_info(client: MlflowClient, train: pd.DataFrame) -> pd.DataFrame:
-    """The train runs with what their rows lack: the ``train_notes`` param resolved to a size
-    (:func:`analysis.training_tables.train_sizes`) and the run's wall seconds (``run_seconds``)."""
-    asked: dict[str, Any] = {}
-    seconds: dict[str, float] = {}
-    for rid in train.get("run_id", []):
-        try:
-            run = client.get_run(str(rid))
-        except MlflowException:
-            continue
-        asked[str(rid)] = run.data.params.get("train_notes")
-        if run.info.end_time and run.info.start_time:
-            seconds[str(rid)] = (run.info.end_time - run.info.start_time) / 1000
+def _train_run_info(train: pd.DataFrame) -> pd.DataFrame:
+    """The train runs (read with their ``params.train_notes`` column) with the param resolved to a
+    size (``train_notes``: :func:`analysis.training_tables.train_sizes`) and the run's wall
+    seconds (``run_seconds``)."""
+    asked = dict(zip(train["run_id"].astype(str), train["params.train_notes"]))
     out = train.copy()
     sizes = training_tables.train_sizes(train, asked)
     out["train_notes"] = out["run_id"].astype(str).map(sizes).astype("Int64")
-    out["run_seconds"] = out["run_id"].astype(str).map(seconds)
+    ended = pd.to_numeric(out["end_time"], errors="coerce")
+    started = pd.to_numeric(out["start_time"], errors="coerce")
+    out["run_seconds"] = ((ended - started) / 1000).where((ended > 0) & (started > 0))
     return out
 
 
@@ -910,7 +904,7 @@ def training_section(rep: Report, client: MlflowClient, extra: ExtraRuns, cells:
     if extra.train.empty:
         _skip(rep, "Table 53 (learning curve), Figure 8 and the training cost", "no FINISHED train runs")
         return
-    train = _train_run_info(client, extra.train)
+    train = _train_run_info(extra.train)
     cell_train = cell_train_runs(cells, extra.train)
     evaluate = extra.evaluate
     if not evaluate.empty:
