@@ -54,15 +54,18 @@ def figure_html(fig: Any, title: str = "") -> str:
             f"<script>{_LOADER}</script>\n</body></html>\n")
 
 
+def _script_text(page: str, script_id: str, script_type: str) -> str:
+    """The text of the page's script element ``script_id`` (written by :func:`figure_html`)."""
+    opening = f'<script id="{script_id}" type="{script_type}">'
+    start = page.index(opening) + len(opening)
+    return page[start:page.index("</script>", start)]
+
+
 def plotly_js_of(page: str) -> bytes:
     """The plotly.js a page of :func:`figure_html` carries, inflated."""
-    start = page.index('<script id="plotly-js-gzip" type="application/octet-stream">') + len(
-        '<script id="plotly-js-gzip" type="application/octet-stream">')
-    return gzip.decompress(base64.b64decode(page[start:page.index("</script>", start)]))
+    return gzip.decompress(base64.b64decode(_script_text(page, "plotly-js-gzip", "application/octet-stream")))
 
 
 def figure_json(page: str) -> dict:
     """The figure a page of :func:`figure_html` draws (its JSON, parsed)."""
-    start = page.index('<script id="figure-json" type="application/json">') + len(
-        '<script id="figure-json" type="application/json">')
-    return json.loads(page[start:page.index("</script>", start)])
+    return json.loads(_script_text(page, "figure-json", "application/json"))
