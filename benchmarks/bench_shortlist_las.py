@@ -16,9 +16,11 @@ Both run the stages' own code on random-init real architectures built from their
 - **LAS simulator** (App. K): Qwen3-1.7B (28 layers, hidden 2048, 16 heads, 8 key-value heads) in
   bf16, :func:`mistill.evaluation.las.train_simulator` steps on pairs of sequences of
   ``--las-tokens`` (note + rationale + answer) and ``--las-note-tokens`` (note + answer) ids, then
-  :func:`mistill.evaluation.las.greedy_answer` on a prompt of each length, forced to
+  :func:`mistill.evaluation.las.greedy_answer` on a prompt of each length and
+  :func:`~mistill.evaluation.las.greedy_answers` on ``--las-batch`` of them, forced to
   ``--answer-tokens`` tokens (a random model writes no JSON list to stop at). Records
-  ``las.step_s`` and ``las.predict_rationale_s`` / ``las.predict_note_s``.
+  ``las.step_s``, ``las.predict_rationale_s`` / ``las.predict_note_s`` (one prompt) and
+  ``las.predict_rationale_batch_s`` / ``las.predict_note_batch_s`` (one batch).
 
 Usage (on the GPU machine; ``benchmarks/stage.sh`` writes ``carry/``):
     python3 benchmarks/bench_shortlist_las.py --tokenizer carry/minilm-tokenizer \\
@@ -46,7 +48,7 @@ from bench_sampling import padded_tokenizer, prompts  # noqa: E402
 from mistill.data.corpus import Note  # noqa: E402
 from mistill.data.inventory import Inventory  # noqa: E402
 from mistill.data.shortlist import Retriever, RetrieverSettings  # noqa: E402
-from mistill.evaluation.las import IGNORE_INDEX, Encoded, greedy_answer, train_simulator  # noqa: E402
+from mistill.evaluation.las import IGNORE_INDEX, Encoded, greedy_answer, greedy_answers, train_simulator  # noqa: E402
 from mistill.models.encoder import EMBEDDED_ENCODER, encoder_dir as embedded_encoder_dir, load_encoder  # noqa: E402
 from mistill.models.linear_head import train_linear_head  # noqa: E402
 
@@ -166,13 +168,22 @@ def bench_las(args, device: str, res: dict) -> None:
     assert len(losses) == args.las_steps
     vocab_from = tokenizer.convert_tokens_to_ids("<|x0|>")  # placeholder tokens: one id each
     for seed, (tag, length) in enumerate((("rationale", args.las_tokens), ("note", args.las_note_tokens))):
-        prompt = prompts(tokenizer, 1, length - args.answer_tokens, vocab_from, cfg.vocab_size, seed)[0]
+        batch = prompts(tokenizer, args.las_batch, length - args.answer_tokens, vocab_from, cfg.vocab_size, seed)
         sync(device)
         t = time.perf_counter()
-        greedy_answer(model, tokenizer, prompt, max_new_tokens=args.answer_tokens)
+        greedy_answer(model, tokenizer, batch[0], max_new_tokens=args.answer_tokens)
         sync(device)
         res[f"las.predict_{tag}_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        answers = greedy_answers(model, tokenizer, batch, max_new_tokens=args.answer_tokens,
+                                 batch_size=args.las_batch)
+        sync(device)
+        res[f"las.predict_{tag}_batch_s"] = time.perf_counter() - t
+        assert len(answers) == args.las_batch
+    res["las.predict_batch"] = args.las_batch
     res["las.answer_tokens"] = args.answer_tokens
+    res["las.predict_peak_gib"] = (torch.cuda.max_memory_allocated() / 2 ** 30 if device.startswith("cuda")
+                                   else float("nan"))
 
 
 def main() -> None:
@@ -189,6 +200,7 @@ def main() -> None:
     ap.add_argument("--las-note-tokens", type=int, default=2048, help="note + answer")
     ap.add_argument("--answer-tokens", type=int, default=96)
     ap.add_argument("--las-steps", type=int, default=8)
+    ap.add_argument("--las-batch", type=int, default=16, help="prompts per batched prediction (LAS_BATCH)")
     ap.add_argument("--out", default="bench_shortlist_las.json")
     ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU: seconds")
     args = ap.parse_args()
@@ -198,7 +210,7 @@ def main() -> None:
         tmp = tempfile.mkdtemp(prefix="bench-shortlist-las-")
         args.model_root, args.tokenizer, args.las_tokenizer = tmp, "embedded", "embedded"
         args.codes, args.notes, args.note_words, args.head_notes, args.head_epochs = 40, 3, 300, 8, 2
-        args.las_tokens, args.las_note_tokens, args.answer_tokens, args.las_steps = 48, 24, 6, 2
+        args.las_tokens, args.las_note_tokens, args.answer_tokens, args.las_steps, args.las_batch = 48, 24, 6, 2, 3
     res: dict = {"card": torch.cuda.get_device_name(0) if device == "cuda" else "cpu-smoke",
                  "torch": torch.__version__}
     try:

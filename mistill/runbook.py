@@ -156,10 +156,11 @@ SHORTLIST = ("shortlist.note_s", "shortlist.note_words", "shortlist.description_
 """``benchmarks/bench_shortlist_las.py``'s retriever figures: seconds to encode and pool one note
 of ``note_words`` words on the card, to encode one code description, and per note and epoch of
 the linear head on the host, at ``codes`` codes."""
-LAS = ("las.step_s", "las.tokens", "las.predict_rationale_s", "las.predict_note_s")
+LAS = ("las.step_s", "las.tokens", "las.predict_rationale_batch_s", "las.predict_note_batch_s", "las.predict_batch")
 """``benchmarks/bench_shortlist_las.py``'s LAS simulator figures (Qwen3-1.7B): one training step
-(a note's two sequences, the longer of ``tokens``), one greedy prediction with the rationale and
-one from the note alone."""
+(a note's two sequences, the longer of ``tokens``), and one batch of ``predict_batch`` greedy
+predictions with the rationale and one from the notes alone
+(:func:`mistill.evaluation.las.greedy_answers`, as ``evaluate`` and ``las_simulator`` decode them)."""
 COMPOSITE: dict[str, tuple[str, ...]] = {"characterize": ("events", "attribute", "knockin")}
 """Entry points that run others as nested steps."""
 
@@ -430,16 +431,18 @@ def shortlist_estimate(work: Workload, figures: Figures) -> Estimate:
 def las_estimate(work: Workload, figures: Figures) -> Estimate:
     """GPU-hours of the LAS simulator's part of a step (:data:`LAS`'s figures): ``las_simulator``'s
     ``units`` training steps of ``tokens``-token sequences (scaled by tokens), and two greedy
-    predictions for each of ``predictions`` notes."""
+    predictions for each of ``predictions`` notes, decoded in batches of the benchmark's size."""
     missing = _missing(LAS, figures)
     if missing:
         return Estimate(None, f"{missing} is not recorded (benchmarks/bench_shortlist_las.py)")
-    step_s, bench_tokens, with_rationale, note_only = (figures.get(k) for k in LAS)
+    step_s, bench_tokens, with_rationale, note_only, batch = (figures.get(k) for k in LAS)
     train = work.units * step_s * work.tokens / bench_tokens if work.kind == "las_simulator" else 0.0
-    predict = work.predictions * (with_rationale + note_only)
+    batches = -(-work.predictions // int(batch))
+    predict = batches * (with_rationale + note_only)
     parts = [f"{work.units} steps x {step_s:.3g} s x ({work.tokens} / {bench_tokens:.0f} tokens)"] \
         if work.kind == "las_simulator" else []
-    parts.append(f"{work.predictions} x ({with_rationale:.3g} + {note_only:.3g}) s (the LAS simulator's predictions)")
+    parts.append(f"{batches} batches of {batch:.0f} x ({with_rationale:.3g} + {note_only:.3g}) s "
+                 "(the LAS simulator's predictions)")
     return Estimate((train + predict) / 3600, " + ".join(parts), LAS)
 
 

@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 
 from mistill.data.corpus import Corpus, Note
 from mistill.data.synthetic import make_synthetic_corpus
-from mistill.evaluation.las import (IGNORE_INDEX, Simulator, TeacherExample, answer_target, encode_pair,
+from mistill.evaluation.las import (IGNORE_INDEX, Simulator, _ClosedList, _stopped_text, greedy_answers, TeacherExample, answer_target, encode_pair,
                                     fitted_answer, format_input, greedy_answer, format_note_only, format_with_rationale,
                                     las_per_note, set_f1, teacher_example, train_simulator)
 from mistill.evaluation.parsing import CodeIndex
@@ -141,6 +141,48 @@ def test_greedy_decoding_with_the_cache_matches_full_recomputation(synthetic):
             nxt = int(lm.model(input_ids=torch.tensor([ids + out]), use_cache=False).logits[0, -1].argmax())
             out.append(nxt)
     assert got == lm.tokenizer.decode(out, skip_special_tokens=True) and len(out) == 12
+
+
+def test_batched_greedy_answers_match_one_prompt_at_a_time(synthetic):
+    lm = load_model(TINY)
+    prompts = [format_note_only(n.text, max_note_words=w) for n, w in zip(synthetic.notes[:3], (30, 8, 19))]
+    prompts.append(format_with_rationale(synthetic.notes[3].text, "a short rationale", max_note_words=12))
+    one = [greedy_answer(lm.model, lm.tokenizer, p, max_new_tokens=10) for p in prompts]
+    assert len({len(lm.tokenizer(p)["input_ids"]) for p in prompts}) == 4  # every row padded differently
+    for batch in (1, 3, 4):
+        assert greedy_answers(lm.model, lm.tokenizer, prompts, max_new_tokens=10, batch_size=batch) == one
+    with pytest.raises(ValueError, match="batch_size"):
+        greedy_answers(lm.model, lm.tokenizer, prompts, max_new_tokens=10, batch_size=0)
+
+
+def test_the_batched_stop_rule_is_the_single_prompts(synthetic):
+    lm = load_model(TINY)
+    tok = lm.tokenizer
+    listed = tok('["A01.1", "B02"] and then more text', add_special_tokens=False)["input_ids"]
+    assert _stopped_text(tok, listed) == '["A01.1", "B02"]'
+    assert _stopped_text(tok, listed[:3] + [tok.eos_token_id] + listed[3:]) == tok.decode(listed[:3])
+    open_only = tok('["A01.1", "B02" and on', add_special_tokens=False)["input_ids"]
+    assert _stopped_text(tok, open_only) == tok.decode(open_only)
+    # the stopping criterion marks a row done once its new tokens close a list, not before
+    width = 2
+    cut = next(k for k in range(1, len(listed) + 1) if tok.decode(listed[:k]).endswith("]"))
+    rows = torch.tensor([[7, 8] + listed[:cut], [7, 8] + open_only[:cut]])
+    assert _ClosedList(tok, width)(rows, None).tolist() == [True, False]
+    assert _ClosedList(tok, width)(rows[:, :cut + 1], None).tolist() == [False, False]
+
+
+def test_simulator_las_many_matches_las_note_by_note(synthetic):
+    lm = load_model(TINY)
+    codes = list(synthetic.inventory.codes)
+    items = [(n.text, f"reasoning {k}", [codes[k]]) for k, n in enumerate(synthetic.notes[:3])]
+    one = Simulator(lm.model, lm.tokenizer, codes, max_answer_tokens=6, max_note_words=20, checkpoint_key="k1")
+    many = Simulator(lm.model, lm.tokenizer, codes, max_answer_tokens=6, max_note_words=20, checkpoint_key="k2",
+                     batch_size=2)
+    expected = [one.las(*item) for item in items]
+    assert many.las_many(items) == expected
+    assert many.n_predictions == one.n_predictions == 6 and many.n_unparsable == one.n_unparsable
+    texts = many.generate_many([(t, r) for t, r, _ in items] + [(t, None) for t, _, _ in items])
+    assert texts == [one.generate(t, r) for t, r, _ in items] + [one.generate(t, None) for t, _, _ in items]
 
 
 # ------------------------------------------------------------------------------- the stage

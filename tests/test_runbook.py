@@ -104,14 +104,14 @@ def test_an_estimate_is_the_recorded_figure_times_the_workload(tmp_path):
     assert est.gpu_hours == pytest.approx(100 * (0.25 * gold_on + 0.75 * off) / 3600)
     # no recorded figure: said, not guessed
     assert estimate(Workload("evaluate", "gemma-7b", 1, 1, 1), figures).gpu_hours is None
-    assert estimate(Workload("shortlist"), figures).gpu_hours is None
+    assert estimate(Workload("shortlist", "gte-large", 10, 1_500), Figures({})).gpu_hours is None
     assert estimate(Workload("characterize", "qwen3-14b", 1, 1), Figures({})).gpu_hours is None
     assert estimate(Workload("none"), figures).gpu_hours == 0.0
 
 
 RETRIEVER_LAS = {"shortlist.note_s": 0.05, "shortlist.note_words": 1_000, "shortlist.description_s": 0.001,
                  "shortlist.head_note_epoch_s": 1e-4, "shortlist.codes": 5_000, "las.step_s": 1.5, "las.tokens": 8_000,
-                 "las.predict_rationale_s": 0.8, "las.predict_note_s": 0.3}
+                 "las.predict_rationale_batch_s": 0.8, "las.predict_note_batch_s": 0.3, "las.predict_batch": 16}
 
 
 def test_the_retriever_and_the_las_simulator_are_costed_from_their_figures(tmp_path):
@@ -123,11 +123,11 @@ def test_the_retriever_and_the_las_simulator_are_costed_from_their_figures(tmp_p
     assert est.gpu_hours == pytest.approx(seconds / 3600, rel=1e-12)
     assert "the head, on the host" in est.formula and "shortlist.head_note_epoch_s" in est.keys
     sim = estimate(Workload("las_simulator", "qwen3-1.7b", 493, 8_000, predictions=100), figures)
-    assert sim.gpu_hours == pytest.approx((493 * 1.5 + 100 * (0.8 + 0.3)) / 3600, rel=1e-12)
-    # evaluate adds the simulator's two predictions per note to sampling and readouts
+    assert sim.gpu_hours == pytest.approx((493 * 1.5 + 7 * (0.8 + 0.3)) / 3600, rel=1e-12)  # 7 batches of 16
+    # evaluate adds the simulator's two predictions per note, in batches, to sampling and readouts
     plain = estimate(Workload("evaluate", "qwen3-4b", 150, 30_000, 6_000), figures)
     las = estimate(Workload("evaluate", "qwen3-4b", 150, 30_000, 6_000, predictions=150), figures)
-    assert las.gpu_hours == pytest.approx(plain.gpu_hours + 150 * 1.1 / 3600, rel=1e-12)
+    assert las.gpu_hours == pytest.approx(plain.gpu_hours + 10 * 1.1 / 3600, rel=1e-12)
     assert "the LAS simulator's predictions" in las.formula
     # a missing figure leaves the step uncosted and names the benchmark that records it
     bare = figures_file(tmp_path / "bare.json", {**VLLM_4B, "instrument.qwen3-4b.prefill_s": 2.0,

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from mistill.data.inventory import Inventory
 from mistill.errors import MistillInputError
@@ -59,6 +60,9 @@ INVENTORY_FILE = "inventory.json"
 """The inventory the predictions are restricted to (local only: never logged by the stage)."""
 FORMAT_VERSION = 1
 IGNORE_INDEX = -100
+LAS_BATCH = 16
+"""Prompts the simulator answers per ``generate`` call (:func:`greedy_answers`); an engineering
+setting: a prompt's answer does not depend on it."""
 
 NOTE_HEADER = "Discharge summary:\n"
 RATIONALE_HEADER = "\n\nReasoning:\n"
@@ -288,6 +292,83 @@ def greedy_answer(model: torch.nn.Module, tokenizer, prompt: str, *, max_new_tok
     return tokenizer.decode(out, skip_special_tokens=True)
 
 
+def _stopped_text(tokenizer, new_ids: Sequence[int]) -> str:
+    """The text :func:`greedy_answer` keeps of the greedy tokens ``new_ids``: up to (without) the
+    end-of-sequence token, or up to (with) the token that closes the first JSON list."""
+    eos = tokenizer.eos_token_id
+    out: list[int] = []
+    for token in new_ids:
+        if eos is not None and token == eos:
+            break
+        out.append(int(token))
+        if "]" in tokenizer.decode([token]) and last_json_list(tokenizer.decode(out)) is not None:
+            break
+    return tokenizer.decode(out, skip_special_tokens=True)
+
+
+class _ClosedList(StoppingCriteria):
+    """Marks a row of a batched greedy decode done once its new tokens hold a closed JSON list
+    (checked, as :func:`greedy_answer` does, only after a token whose text holds ``]``)."""
+
+    def __init__(self, tokenizer, prompt_width: int) -> None:
+        self.tokenizer = tokenizer
+        self.prompt_width = prompt_width
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        if input_ids.shape[1] <= self.prompt_width:
+            return done
+        for r, row in enumerate(input_ids[:, self.prompt_width:].tolist()):
+            if "]" in self.tokenizer.decode(row[-1:]) and last_json_list(self.tokenizer.decode(row)) is not None:
+                done[r] = True
+        return done
+
+
+@torch.no_grad()
+def greedy_answers(model: torch.nn.Module, tokenizer, prompts: Sequence[str], *, max_new_tokens: int,
+                   max_positions: int | None = None, batch_size: int = LAS_BATCH,
+                   desc: str | None = None) -> list[str]:
+    """:func:`greedy_answer` of every prompt, decoded ``batch_size`` prompts at a time.
+
+    The prompts are sorted longest first and left-padded to ``[B, L]`` with an attention mask,
+    one HF ``generate`` call per batch (greedy, the tokenizer's end-of-sequence token as the only
+    stop, a row done once it closes a JSON list), and each row's tokens are cut by the same rule
+    as :func:`greedy_answer`, so a prompt's answer does not depend on its batch-mates (up to float
+    summation order). Returns the answers in the order of ``prompts``. ``desc``: a progress
+    bar over the prompts under that label (None: none).
+    """
+    if int(batch_size) < 1:
+        raise ValueError(f"batch_size must be at least 1, not {batch_size}")
+    device = next(model.parameters()).device
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    if max_positions is not None:
+        ids = [x[-(max_positions - max_new_tokens):] for x in ids]
+    if any(len(x) == 0 for x in ids):
+        raise ValueError("a prompt to answer needs at least one token")
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
+    settings = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=int(max_new_tokens),
+                                eos_token_id=eos, pad_token_id=pad)
+    order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))  # longest first; ties keep their order
+    out: list[str] = [""] * len(ids)
+    bar = track(desc=desc, total=len(ids), disable=desc is None)
+    for start in range(0, len(order), int(batch_size)):
+        rows = order[start:start + int(batch_size)]
+        width = len(ids[rows[0]])
+        batch = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, i in enumerate(rows):
+            batch[r, width - len(ids[i]):] = torch.tensor(ids[i], dtype=torch.long)
+            mask[r, width - len(ids[i]):] = 1
+        seqs = model.generate(batch.to(device), attention_mask=mask.to(device), generation_config=settings,
+                              stopping_criteria=StoppingCriteriaList([_ClosedList(tokenizer, width)]))
+        for r, i in enumerate(rows):
+            out[i] = _stopped_text(tokenizer, seqs[r, width:].tolist())
+        bar.update(len(rows))
+    bar.close()
+    return out
+
+
 _NOTE_ONLY: dict[tuple[str, str], str] = {}
 """Greedy note-only generations of frozen simulators in this process: ``(checkpoint key, input
 text) -> generated text``. ``sim(note)`` does not depend on the model being evaluated, so every
@@ -306,7 +387,8 @@ class Simulator:
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer, inventory_codes: Collection[str], *,
-                 max_answer_tokens: int, max_note_words: int = 0, checkpoint_key: str | None = None) -> None:
+                 max_answer_tokens: int, max_note_words: int = 0, checkpoint_key: str | None = None,
+                 batch_size: int = LAS_BATCH) -> None:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.index = inventory_codes if isinstance(inventory_codes, CodeIndex) else CodeIndex(inventory_codes)
@@ -316,6 +398,7 @@ class Simulator:
         self.n_predictions = 0
         self.n_unparsable = 0
         self.checkpoint_key = checkpoint_key
+        self.batch_size = int(batch_size)
 
     def generate(self, note_text: str, rationale: str | None) -> str:
         """The raw greedy text after the input built by :func:`format_input` (a note-only
@@ -329,6 +412,25 @@ class Simulator:
         if key is not None:
             _NOTE_ONLY[key] = text
         return text
+
+    def generate_many(self, items: Sequence[tuple[str, str | None]], desc: str | None = "LAS simulator"
+                      ) -> list[str]:
+        """:meth:`generate` of many ``(note_text, rationale)`` pairs, decoded together
+        (:func:`greedy_answers`, :attr:`batch_size` at a time, a progress bar labelled ``desc``);
+        in the order given."""
+        prompts = [format_input(text, rationale, max_note_words=self.max_note_words) for text, rationale in items]
+        keys = [(self.checkpoint_key, p) if r is None and self.checkpoint_key else None
+                for p, (_, r) in zip(prompts, items)]
+        todo = sorted({p for p, k in zip(prompts, keys) if k is None or k not in _NOTE_ONLY})
+        texts = dict(zip(todo, greedy_answers(self.model, self.tokenizer, todo, max_new_tokens=self.max_answer_tokens,
+                                              max_positions=self.max_positions, batch_size=self.batch_size,
+                                              desc=desc if todo else None)))
+        for p, k in zip(prompts, keys):
+            if k is not None and k in _NOTE_ONLY:
+                texts[p] = _NOTE_ONLY[k]
+            elif k is not None:
+                _NOTE_ONLY[k] = texts[p]
+        return [texts[p] for p in prompts]
 
     def parse(self, text: str) -> list[str]:
         """Inventory codes of a simulator generation; no JSON list -> ``[]``, counted."""
@@ -347,6 +449,14 @@ class Simulator:
         with_r = set(self.predict(note_text, rationale))
         without = set(self.predict(note_text, None))
         return las_per_note(with_r, without, set(teacher_codes))
+
+    def las_many(self, items: Sequence[tuple[str, str, Collection[str]]]) -> list[float]:
+        """:meth:`las` of many ``(note_text, rationale, teacher_codes)`` triples, the predictions
+        with and without the rationales decoded together (:meth:`generate_many`)."""
+        texts = self.generate_many([(note, r) for note, r, _ in items] + [(note, None) for note, _, _ in items])
+        n = len(items)
+        return [las_per_note(set(self.parse(texts[k])), set(self.parse(texts[n + k])), set(teacher))
+                for k, (_, _, teacher) in enumerate(items)]
 
 
 # ------------------------------------------------------------------------------ checkpoint

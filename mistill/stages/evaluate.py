@@ -182,6 +182,11 @@ def _readouts(cfg: EvaluateConfig, run, notes, prepared, lm, samples: dict, guar
     codes = list(prepared.inventory.codes)
     index = CodeIndex(codes)
     task = task_for(prepared.inventory)
+    las: dict[str, float] = {}
+    if simulator is not None and cfg.fidelity:  # every note's two predictions decoded together
+        scored = [(n.note_id, n.text, split_reasoning(samples[n.note_id].text)[0],
+                   list(parse_answer(n.teacher_trace, index).codes)) for n in notes]
+        las = dict(zip([k for k, *_ in scored], simulator.las_many([tuple(x[1:]) for x in scored])))
     for note in track(notes, desc=progress_label(f"evaluate {arm}: read"), total=len(notes)):
         gen = samples[note.note_id]
         files: dict = {"prediction.json": generation_record(note, gen, index)}
@@ -194,8 +199,7 @@ def _readouts(cfg: EvaluateConfig, run, notes, prepared, lm, samples: dict, guar
                                                    task=task)
             fid = {"ppl": ppl, "bleu4": bleu4(own_reasoning, teacher_reasoning)}
             if simulator is not None:
-                teacher_codes = parse_answer(note.teacher_trace, index).codes
-                fid["las"] = float(simulator.las(note.text, own_reasoning, list(teacher_codes)))
+                fid["las"] = float(las[note.note_id])
             files["fidelity.json"] = fid
             files["m1.json"] = {"events": margins}
         text = {GENERATION_FILE: gen.text}

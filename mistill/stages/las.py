@@ -29,7 +29,6 @@ from mistill.evaluation.las import (INVENTORY_FILE, META_FILE, Simulator, encode
                                     train_simulator)
 from mistill.evaluation.parsing import CodeIndex
 from mistill.models.loading import EMBEDDED_DEFAULT
-from mistill.progress import track
 from mistill.stages.common import load_model, load_prepared, model_positions, require_notes
 from mistill.stages.runner import open_stage
 from mistill.tracking.models import resolve_run_spec, run_artifact_dir
@@ -171,9 +170,10 @@ def run_las_simulator(cfg: LasSimulatorConfig) -> str:
         if cfg.max_val_notes > 0:
             val = val[:cfg.max_val_notes]
         rows = []
-        for ex in track(val, desc="las sanity (val)"):
-            with_r = set(sim.predict(ex.note_text, ex.rationale))
-            without = set(sim.predict(ex.note_text, None))
+        texts = sim.generate_many([(ex.note_text, ex.rationale) for ex in val] + [(ex.note_text, None) for ex in val])
+        for k, ex in enumerate(val):
+            with_r = set(sim.parse(texts[k]))
+            without = set(sim.parse(texts[len(val) + k]))
             teacher = set(ex.answer)
             rows.append({"note_id": ex.note_id, "n_teacher": len(teacher), "n_with": len(with_r),
                          "n_without": len(without), "f1_with_rationale": set_f1(with_r, teacher),
