@@ -441,3 +441,15 @@ def test_the_command_reads_a_figures_file(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--figures", str(tmp_path / "missing.json")])
     assert exit_.value.code == 2 and "cannot read the benchmark figures" in capsys.readouterr().err
+
+
+def test_the_recorded_figures_cost_every_step_of_the_paper_plan_within_the_budget():
+    """The reproduction's dry run: each of the plan's steps costed from a figure recorded in
+    benchmarks/results.json, and the whole at most 200 H200 GPU-hours."""
+    figures = Figures.load()
+    estimates = {s.name: estimate(s.work, figures) for s in paper_plan()}
+    uncosted = sorted(name for name, e in estimates.items() if e.gpu_hours is None)
+    assert not uncosted, uncosted[:5]
+    for name, e in estimates.items():
+        assert e.gpu_hours == 0.0 or all(k in figures.values for k in e.keys), name
+    assert sum(e.gpu_hours for e in estimates.values()) <= 200.0
