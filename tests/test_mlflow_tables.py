@@ -122,6 +122,11 @@ def test_evaluate_logs_tables_the_model_input_and_arm_params(arms, monkeypatch, 
         assert {"per_note_metrics.csv", "predictions.jsonl"} <= artifact_paths(client, run_id)  # kept
         models[arm_name] = _check_model_input(client, run_id, train)
         _check_arm_params(client, run_id, train, arm_name)
+        # the config's arm is empty; the run shows the checkpoint's, and config.json keeps the config
+        assert client.get_run(run_id).data.params["arm"] == arm_name
+        given = json.loads(Path(client.download_artifacts(run_id, "config.json", str(tmp_path / "cfg" / run_id)))
+                           .read_text())
+        assert given["config"]["arm"] == ""
         # the new params leave the run's identity alone: an identical call reuses it
         assert run_evaluate(cfg) == run_id
         # a second readout of the same checkpoint links the same logged model

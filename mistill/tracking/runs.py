@@ -199,6 +199,16 @@ class StageRun(ArtifactLogging, NoteFiles, EnclaveFiles):
         self.attach = attach
         self.record = dict(record or {})
 
+    def shown_params(self) -> dict[str, Any]:
+        """The params the run shows in MLflow: its identity params, with an ``arm`` the config
+        leaves empty shown as the arm the run reads (a ``train`` run's checkpoint brings its arm),
+        so the compare view lines every readout of an arm up by ``params.arm``. The run's
+        ``config.json`` keeps the config as given, and identity is read from it."""
+        shown = dict(self.params)
+        if shown.get("arm") == "" and self.arm:
+            shown["arm"] = self.arm
+        return shown
+
     # ------------------------------------------------------------------------ properties
     @property
     def run_id(self) -> str:
@@ -335,7 +345,7 @@ class StageRun(ArtifactLogging, NoteFiles, EnclaveFiles):
             # a resumed run, or one launched by `mlflow run` (which logged the entry point's
             # parameters itself, as strings): keep what is there; config.json has the typed values
             existing = active.data.params if (self.resumed or launched) else {}
-            self._log_batch(params={k: v for k, v in self.params.items() if k not in existing})
+            self._log_batch(params={k: v for k, v in self.shown_params().items() if k not in existing})
             self.run = self.client.get_run(active.info.run_id)
             self.work_dir.mkdir(parents=True, exist_ok=True)
             cfg_path = self.config.save(
