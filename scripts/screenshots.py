@@ -51,10 +51,14 @@ def main() -> int:
         print(f"screenshots: no experiment {args.experiment!r} on {uri}: run ./scripts/demo.sh first", file=sys.stderr)
         return 2
     runs = client.search_runs([exp.experiment_id], "attributes.status = 'FINISHED'", max_results=1000)
-    def arm_of(r) -> str:  # a model's run names its arm in `arm`; a train run's reader in `arm.name`
-        return r.data.params.get("arm.name") or r.data.params.get("arm") or ""
+    def arm_of(r) -> str:  # every readout shows its arm in `arm` (a train run's reader also in `arm.name`)
+        return r.data.params.get("arm") or r.data.params.get("arm.name") or ""
 
-    evaluates = [r for r in runs if r.data.tags.get("mistill.stage") == "evaluate" and arm_of(r)]
+    # the latest pipeline's runs only: a store that has seen several demos compares one of them
+    pipelines = [r for r in runs if r.data.tags.get("mistill.stage") == "pipeline"]
+    since = max((r.info.start_time for r in pipelines), default=0)
+    evaluates = [r for r in runs if r.data.tags.get("mistill.stage") == "evaluate" and arm_of(r)
+                 and r.info.start_time >= since]
     if not evaluates:
         print(f"screenshots: experiment {args.experiment!r} has no finished evaluate run of an arm", file=sys.stderr)
         return 2
