@@ -49,6 +49,16 @@ def test_attribution_pass_shapes_exact_and_selftest(lm):
         measured = set(np.flatnonzero(~np.isnan(att.exact[r])).tolist())
         assert {0, 1} <= measured and 5 <= len(measured) <= 7
     assert len(att.selftest) == 1 and att.selftest[0]["intact.pearson"] > 0.8
+    # the noise readouts: a CPU's repeated forwards agree, so every head with an effect is above
+    # the floor and the correlation above it is the correlation over those heads; the all-heads
+    # knock-in reproduces the clean margin
+    row = att.selftest[0]
+    assert row["noise.sd"] < 1e-5 and row["noise.range"] < 1e-5
+    assert row["n_above_noise"] >= 0.9 * g.n_total_heads
+    if row["n_above_noise"] == g.n_total_heads:
+        assert row["intact_above_noise.pearson"] == pytest.approx(row["intact.pearson"], abs=1e-12)
+    assert row["intact_above_noise.pearson"] > 0.8 and np.isfinite(row["detached_above_noise.pearson"])
+    assert abs(row["knockin_all.minus_clean"]) < 1e-4
     imp = att.importance
     assert np.isfinite(imp).all()
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from mistill.config import Config
-from mistill.instrument.attribution import (exact_importance, fidelity, first_order, first_order_batch,
+from mistill.instrument.attribution import (FirstOrder, exact_importance, fidelity, first_order, first_order_batch,
                                             nominees)
 from mistill.instrument.hooks import HeadHook
 from mistill.instrument.patching import (EventVariants, Query, clean_read, knock_in, mean_ablate,
@@ -244,16 +244,54 @@ def exact_sweep(runner: Runner, hook: HeadHook, sweep: FirstOrderSweep, cfg: Att
         prefix.crop(ev.query.position)
         every = exact_importance(runner, hook, prefix, ev.query, mean, range(n_heads), float(sweep.margins[i]),
                                  hidden_in=sweep.hidden_in[i], batch_size=cfg.batch_size).numpy()
-        other = first_order(runner, hook, prefix, ev.query, mean, detach=not cfg.detach).importance.numpy()
-        intact, detached = (sweep.first_order[i], other) if not cfg.detach else (other, sweep.first_order[i])
-        selftest.append({
-            "event_id": ev.event_id,
-            **{f"intact.{k}": v for k, v in fidelity(intact, every).items()},
-            **{f"detached.{k}": v for k, v in fidelity(detached, every).items()}})
+        other = first_order(runner, hook, prefix, ev.query, mean, detach=not cfg.detach)
+        intact, detached = (sweep.first_order[i], other.importance.numpy()) if not cfg.detach \
+            else (other.importance.numpy(), sweep.first_order[i])
+        selftest.append({"event_id": ev.event_id,
+                         **{f"intact.{k}": v for k, v in fidelity(intact, every).items()},
+                         **{f"detached.{k}": v for k, v in fidelity(detached, every).items()},
+                         **noise_readouts(runner, hook, prefix, ev.query, mean, other, float(sweep.margins[i]),
+                                          every, intact, detached)})
     return NoteAttribution(note_id=sweep.note_id, event_ids=[e.event_id for e in events],
                            kinds=[e.kind for e in events],
                            positions=np.array([e.query.position for e in events], dtype=np.int64),
                            margins=sweep.margins, first_order=sweep.first_order, exact=exact_all, selftest=selftest)
+
+
+NOISE_FORWARDS = 6
+"""Identical single-token forwards whose margins give an event's noise floor (App. C: six)."""
+NOISE_SDS = 3.0
+"""A single-head effect is told apart from zero above this many standard deviations of the
+repeated forwards' margin (App. C: about three)."""
+
+
+def noise_readouts(runner: Runner, hook: HeadHook, prefix: KVPrefix, query: Query, mean: torch.Tensor,
+                   clean: FirstOrder, clean_margin: float, exact: np.ndarray, intact: np.ndarray,
+                   detached: np.ndarray) -> dict[str, float]:
+    """The self-test's noise readouts at one event (App. C, "Noise floor"; Sec. 2.3).
+
+    ``noise.sd`` / ``noise.range``: the margin's standard deviation (ddof 1) and range over
+    :data:`NOISE_FORWARDS` identical single-token forwards, each a forward of its own from
+    layer 0 (zero where the kernels are deterministic, as on a CPU); ``n_above_noise``: heads
+    whose exact effect ``exact`` ``[head]`` exceeds :data:`NOISE_SDS` standard deviations, and
+    the :func:`~mistill.instrument.attribution.fidelity` of the intact and detached
+    attributions ``[head]`` over those heads (``intact_above_noise.*``, ``detached_above_noise.*``);
+    ``knockin_all.minus_clean``: the margin with every head knocked in from the clean forward
+    ``clean`` (its head outputs ``z`` ``[layer, head, d_head]``), minus the clean margin: zero
+    up to the forward's noise (the all-heads knock-in reproduces the clean margin).
+    """
+    margins = np.array([float(mean_ablate(runner, hook, prefix, query, [[]], mean, batch_size=1)[0])
+                        for _ in range(NOISE_FORWARDS)], dtype=np.float64)
+    sd = float(margins.std(ddof=1))
+    above = np.abs(np.asarray(exact, dtype=np.float64)) > NOISE_SDS * sd
+    every_head = list(range(runner.geometry.n_total_heads))
+    all_in = float(knock_in(runner, hook, prefix, query, [every_head], clean.z.to(mean.dtype), batch_size=1)[0])
+    out = {"noise.sd": sd, "noise.range": float(margins.max() - margins.min()),
+           "n_above_noise": float(above.sum()), "knockin_all.minus_clean": all_in - clean_margin}
+    for name, values in (("intact_above_noise", intact), ("detached_above_noise", detached)):
+        out.update({f"{name}.{k}": v for k, v in fidelity(np.asarray(values)[above], np.asarray(exact)[above]).items()}
+                   if above.sum() > 2 else {f"{name}.pearson": float("nan"), f"{name}.spearman": float("nan")})
+    return out
 
 
 def attribute_note(runner: Runner, hook: HeadHook, note_id: str, input_ids: torch.Tensor,
