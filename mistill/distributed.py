@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 import sys
 from collections.abc import Sequence
@@ -102,21 +103,38 @@ def init_world(device: str = "cpu") -> World:
     return world
 
 
-def _leave_group() -> None:
-    """Destroy the process group when the process exits, so that its communication threads stop
-    before the interpreter does (a group left to the interpreter's teardown can abort the
-    process with ``terminate called without an active exception``). On a normal exit the ranks
-    first meet at a barrier, so that no rank tears its side of the group down while another
-    still works on it (rank 0 writing what it alone saves); after an uncaught exception the rank
-    leaves at once (the others may never arrive)."""
-    import torch.distributed as dist  # deferred: torch.distributed is slow to import
+def leave_world() -> None:
+    """Leave the process group once the work is done: the ranks meet at a barrier (no rank tears
+    its side of the group down while another still works on it, rank 0 writing what it alone
+    saves), the objects the work left unreachable (a sharded model's wrappers hold the group) are
+    collected, and the group is destroyed, so that its communication threads stop while the
+    interpreter is fully alive (a group left to the interpreter's teardown can abort the process
+    with ``terminate called without an active exception``). Nothing in a world of one."""
+    if "torch.distributed" not in sys.modules:
+        return
+    import torch.distributed as dist  # already imported: the check above
 
     if dist.is_initialized():
-        if getattr(sys, "last_value", None) is None and getattr(sys, "last_exc", None) is None:
-            try:
-                dist.barrier()
-            except Exception:  # noqa: BLE001 - a rank already gone: leave all the same
-                pass
+        try:
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - a rank already gone: leave all the same
+            pass
+        gc.collect()
+        dist.destroy_process_group()
+        gc.collect()
+
+
+def _leave_group() -> None:
+    """At exit, a group still joined (the entry point did not reach :func:`leave_world`): left as
+    :func:`leave_world` leaves it on a normal exit; after an uncaught exception the rank leaves at
+    once, without the barrier (the others may never arrive)."""
+    import torch.distributed as dist  # deferred: torch.distributed is slow to import
+
+    if not dist.is_initialized():
+        return
+    if getattr(sys, "last_value", None) is None and getattr(sys, "last_exc", None) is None:
+        leave_world()
+    else:
         dist.destroy_process_group()
 
 

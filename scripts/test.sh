@@ -25,7 +25,14 @@ export MLFLOW_DISABLE_TELEMETRY=true HF_HUB_OFFLINE=1
 # module-scoped fixtures are built once, in the collection order (tests/conftest.py puts the
 # longest files first; xdist's own reordering by test count would start them last);
 # MISTILL_TEST_WORKERS=0 runs everything in one process
-python -m pytest -q -n "${MISTILL_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
+# each worker's torch (and the processes it starts) on its share of the cores: two workers of
+# two threads each on two cores spend about half their CPU time waiting on one another
+workers="${MISTILL_TEST_WORKERS:-2}"
+if [ "$workers" -gt 0 ] && [ -z "${OMP_NUM_THREADS:-}" ]; then
+  share=$(( $(nproc) / workers ))
+  export OMP_NUM_THREADS=$(( share > 0 ? share : 1 ))
+fi
+python -m pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: failing" >&2

@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mistill.config import param_fields
-from mistill.distributed import current_world
+from mistill.distributed import current_world, leave_world
 from mistill.errors import MistillInputError, TrackingUnavailableError
 from mistill.io import mistill_root
 from mistill.stages.registry import stage as find_stage, stage_help
@@ -481,6 +481,7 @@ def main(stage_name: str, argv: Sequence[str] | None = None, *, prog: str | None
                     raise SystemExit(status)
                 return ""
             run_id = stage.run(cfg)
+            leave_world()  # every rank's work is done: the group goes while the interpreter is whole
     except MistillInputError as exc:
         refuse(stage, exc, given)
         raise SystemExit(EXIT_INPUT) from None
