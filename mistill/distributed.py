@@ -112,7 +112,7 @@ def leave_world() -> None:
     with ``terminate called without an active exception``). Nothing in a world of one."""
     if "torch.distributed" not in sys.modules:
         return
-    import torch.distributed as dist  # already imported: the check above
+    import torch.distributed as dist  # deferred: only once the work has imported it (the check above)
 
     if dist.is_initialized():
         try:
