@@ -285,11 +285,17 @@ def greedy_answer(model: torch.nn.Module, tokenizer, prompt: str, *, max_new_tok
         if eos is not None and nxt == eos:
             break
         out.append(nxt)
-        piece = tokenizer.decode([nxt])
-        if "]" in piece and last_json_list(tokenizer.decode(out)) is not None:
+        if closes_list(tokenizer, out):
             break
         step_ids = torch.tensor([[nxt]], dtype=torch.long, device=device)
     return tokenizer.decode(out, skip_special_tokens=True)
+
+
+def closes_list(tokenizer, new_ids: Sequence[int]) -> bool:
+    """Whether the greedy answer ``new_ids`` is complete: its last token's text holds ``]`` and
+    the text so far holds a closed JSON list (the stop rule of every simulator decode)."""
+    return bool(new_ids) and "]" in tokenizer.decode(list(new_ids[-1:])) \
+        and last_json_list(tokenizer.decode(list(new_ids))) is not None
 
 
 def _stopped_text(tokenizer, new_ids: Sequence[int]) -> str:
@@ -301,7 +307,7 @@ def _stopped_text(tokenizer, new_ids: Sequence[int]) -> str:
         if eos is not None and token == eos:
             break
         out.append(int(token))
-        if "]" in tokenizer.decode([token]) and last_json_list(tokenizer.decode(out)) is not None:
+        if closes_list(tokenizer, out):
             break
     return tokenizer.decode(out, skip_special_tokens=True)
 
@@ -319,8 +325,7 @@ class _ClosedList(StoppingCriteria):
         if input_ids.shape[1] <= self.prompt_width:
             return done
         for r, row in enumerate(input_ids[:, self.prompt_width:].tolist()):
-            if "]" in self.tokenizer.decode(row[-1:]) and last_json_list(self.tokenizer.decode(row)) is not None:
-                done[r] = True
+            done[r] = closes_list(self.tokenizer, row)
         return done
 
 
@@ -402,16 +407,8 @@ class Simulator:
 
     def generate(self, note_text: str, rationale: str | None) -> str:
         """The raw greedy text after the input built by :func:`format_input` (a note-only
-        input of a saved simulator decoded once per process)."""
-        prompt = format_input(note_text, rationale, max_note_words=self.max_note_words)
-        key = (self.checkpoint_key, prompt) if rationale is None and self.checkpoint_key else None
-        if key is not None and key in _NOTE_ONLY:
-            return _NOTE_ONLY[key]
-        text = greedy_answer(self.model, self.tokenizer, prompt, max_new_tokens=self.max_answer_tokens,
-                             max_positions=self.max_positions)
-        if key is not None:
-            _NOTE_ONLY[key] = text
-        return text
+        input of a saved simulator decoded once per process): one pair of :meth:`generate_many`."""
+        return self.generate_many([(note_text, rationale)], desc=None)[0]
 
     def generate_many(self, items: Sequence[tuple[str, str | None]], desc: str | None = "LAS simulator"
                       ) -> list[str]:

@@ -184,9 +184,9 @@ def _readouts(cfg: EvaluateConfig, run, notes, prepared, lm, samples: dict, guar
     task = task_for(prepared.inventory)
     las: dict[str, float] = {}
     if simulator is not None and cfg.fidelity:  # every note's two predictions decoded together
-        scored = [(n.note_id, n.text, split_reasoning(samples[n.note_id].text)[0],
-                   list(parse_answer(n.teacher_trace, index).codes)) for n in notes]
-        las = dict(zip([k for k, *_ in scored], simulator.las_many([tuple(x[1:]) for x in scored])))
+        items = [(n.text, split_reasoning(samples[n.note_id].text)[0], list(parse_answer(n.teacher_trace, index).codes))
+                 for n in notes]
+        las = dict(zip((n.note_id for n in notes), simulator.las_many(items)))
     for note in track(notes, desc=progress_label(f"evaluate {arm}: read"), total=len(notes)):
         gen = samples[note.note_id]
         files: dict = {"prediction.json": generation_record(note, gen, index)}
