@@ -11,7 +11,8 @@ knock-in cells (App. C, "Patients").
   columns beside the other's (Tables 35 and 36).
 * Patients (:func:`patient_collapse_table`): the per-note knock-in cells averaged within each
   patient first (a patient with two notes, the paper's two prompt variants, counts once), then the
-  same medians and sign tests as Tables 1/10, beside the per-note values and the move between them.
+  same medians and sign tests as Tables 1/10, beside the per-note values and the move between them;
+  :func:`readside_patient_collapse` does the same for the read-side lifts of Table 16.
 
 The computations are pure functions of ``head_sets.json`` documents and ``per_note_sets`` frames;
 :func:`compared_runs` and :func:`note_patients` are the two readers of the tracking store the report
@@ -37,7 +38,7 @@ from mistill.tracking.naming import TAG_INPUT_PREFIX, TAG_STAGE
 
 __all__ = ["COMPARE_KS", "compare_display", "compare_rankings", "compared_runs", "knockin_display",
            "knockin_side_by_side", "note_patients", "patient_collapse_display", "patient_collapse_table",
-           "patient_rows", "ranking_agreement", "spearman"]
+           "patient_rows", "ranking_agreement", "readside_patient_collapse", "spearman"]
 
 COMPARE_KS: tuple[int, ...] = (8, 16, 40)
 """The top-k overlaps reported: Table 9 and App. G report the top-8 and top-40, Table 15 (the
@@ -228,6 +229,37 @@ def patient_collapse_table(per_note: pd.DataFrame, patients: Mapping[str, str]) 
     return table
 
 
+def readside_patient_collapse(note_lifts: pd.DataFrame, patients: Mapping[str, str]) -> pd.DataFrame:
+    """Table 16's region lifts with the note and with the patient as the unit (App. C, "Patients").
+
+    note_lifts: one read_side run's ``readside_note_lifts`` rows (``note_id, phase, group, lift``);
+    patients: ``note_id -> patient_id``.
+
+    One row per (phase, group): ``lift.note`` the median over notes, ``lift.patient`` the median
+    over patients of the mean of each patient's notes (NaN notes left out), ``lift.move`` (patient
+    minus note), ``n_notes`` and ``n_patients`` (the units with a finite lift).
+
+    Raises:
+        MistillInputError: a note without a patient.
+    """
+    missing = sorted(set(note_lifts["note_id"].astype(str)) - set(patients))
+    if missing:
+        raise MistillInputError(f"{len(missing)} notes have no patient id (first: {missing[0]})",
+                                note=missing[0], field="patient_id")
+    df = note_lifts.assign(note_id=note_lifts["note_id"].astype(str), lift=note_lifts["lift"].astype(float))
+    df = df[np.isfinite(df["lift"])]
+    df = df.assign(patient_id=df["note_id"].map(patients))
+    rows = []
+    for (phase, group), grp in df.groupby(["phase", "group"], sort=True):
+        by_patient = grp.groupby("patient_id")["lift"].mean()
+        note, patient = float(grp["lift"].median()), float(by_patient.median())
+        rows.append({"phase": phase, "group": group, "lift.note": note, "lift.patient": patient,
+                     "lift.move": patient - note, "n_notes": int(grp["note_id"].nunique()),
+                     "n_patients": int(by_patient.size)})
+    return pd.DataFrame(rows, columns=["phase", "group", "lift.note", "lift.patient", "lift.move", "n_notes",
+                                       "n_patients"])
+
+
 def _float(v: Any) -> float:
     return math.nan if v is None or pd.isna(v) else float(v)
 
@@ -379,9 +411,9 @@ def compared_runs(client: MlflowClient, experiment: str, run_ids: Sequence[str] 
 
 
 def note_patients(knockin_run: str) -> dict[str, str]:
-    """``note_id -> patient_id`` of the notes a knock-in run read: from the ``corpus_index`` of
-    the prepared corpus its attribute run's events run read (followed through the runs' lineage
-    tags) (hashed patient ids for a restricted
+    """``note_id -> patient_id`` of the notes a knock-in (or ``read_side``) run read: from the
+    ``corpus_index`` of the prepared corpus its attribute run's events run read (followed through
+    the runs' lineage tags) (hashed patient ids for a restricted
     corpus group the notes the same way).
 
     Raises:

@@ -32,9 +32,8 @@ from analysis.characterization_compare import compared_runs
 from analysis.report_model import LAMBDA_CELLS, Report, ReportInputs, ReportTable, TableChoices, cell_train_runs
 from analysis.report_sections import (READ_SIDE_STAGES, ExtraRuns, ablations_section, audit_section,
                                       characterization_section, global_sets_section, lambda_section, locus_section,
-                                      matched_selection_section, own_heads_section, read_side_section,
-                                      selection_section,
-                                      student_edits_section, task_section)
+                                      matched_selection_section, own_heads_probe_section, own_heads_section,
+                                      read_side_section, selection_section, student_edits_section, task_section)
 from analysis.report_sections import characterization_compare_section
 from analysis.report_sections import replicate_section, training_section
 from mistill import stats
@@ -91,14 +90,19 @@ def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str]
     for stage in STAGES:
         if stage in runs:
             continue
-        df = query.stage_runs(client, experiment, stage, arms=keep if stage in _ARMED else ())
+        df = query.stage_runs(client, experiment, stage, arms=keep if stage in _ARMED else (),
+                              params=PROBE_PARAMS if stage == "own_heads" else ())
+        if stage == "own_heads":
+            df = without_probes(df)
         if stage in _ARMED and not df.empty:
             df = df[(df["split"].isna() | (df["split"] == split))
                     & ~df["train_run"].isin(cell_train)]
         runs[stage] = query.latest_runs(df, _KEYS[stage])
     runs = {stage: runs[stage] for stage in STAGES}
     extra = {"evaluate_all": query.stage_runs(client, experiment, "evaluate"),
-             "own_heads_all": query.stage_runs(client, experiment, "own_heads"),
+             "own_heads_all": without_probes(query.stage_runs(client, experiment, "own_heads",
+                                                              params=PROBE_PARAMS)),
+             "own_heads_probe": probes_only(query.stage_runs(client, experiment, "own_heads", params=PROBE_PARAMS)),
              "train": train_all,
              "select_lambda_all": query.stage_runs(client, experiment, "select_lambda")}
     named = set(runs["knockin"]["attribute_run"].dropna()) if not runs["knockin"].empty else set()
@@ -113,6 +117,26 @@ def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str]
     extra["attribute_compared"], extra["knockin_compared"] = compared_runs(
         client, experiment, compare_attribute_runs, compare_labels)
     return ReportInputs(experiment, runs, extra)
+
+
+PROBE_PARAMS: tuple[str, ...] = ("probe_head", "probe_phase", "probe_rank")
+"""The ``own_heads`` params of the k = 8 probe (``OwnHeadsConfig.probe_head``): a run with a
+probe head reads a modified ranking, so it stays out of the arm tables (Tables 3, 45, ...) and is
+shown beside its arm's own-ranking run instead."""
+
+
+def _is_probe(runs: pd.DataFrame) -> pd.Series:
+    return runs["params.probe_head"].fillna("").astype(str) != ""
+
+
+def without_probes(runs: pd.DataFrame) -> pd.DataFrame:
+    """``own_heads`` runs (read with :data:`PROBE_PARAMS`) on the arm's own ranking."""
+    return runs if runs.empty else runs[~_is_probe(runs)].reset_index(drop=True)
+
+
+def probes_only(runs: pd.DataFrame) -> pd.DataFrame:
+    """The probe runs among ``own_heads`` runs (read with :data:`PROBE_PARAMS`)."""
+    return runs if runs.empty else runs[_is_probe(runs)].reset_index(drop=True)
 
 
 def partial_train_runs(train: pd.DataFrame) -> set[str]:
@@ -147,6 +171,8 @@ def build_report(inputs: ReportInputs, *, reference_arm: str,
     task_notes = task_section(rep, inputs.runs["evaluate"], n_resamples, corpus_resamples, seed)
     own_heads_section(rep, inputs.runs["own_heads"], inputs.runs["evaluate"], task_notes,
                n_resamples, seed)
+    own_heads_probe_section(rep, inputs.extra.get("own_heads_probe", pd.DataFrame()),
+                            inputs.extra.get("own_heads_all", pd.DataFrame()), n_resamples, seed)
     cells = lambda_section(rep, inputs.runs["select_lambda"])
     extra = ExtraRuns.load(inputs, split)
     rep.counts.update({s: len(inputs.extra[s]) for s in ("attribute", "train")

@@ -21,9 +21,11 @@ from analysis.audit import stratified_readouts
 from analysis.edit_tables import edit_pairs_table
 from analysis.report_model import (DECISION, LAMBDA_CELLS, OWN_HEADS_PER_NOTE, PER_NOTE_METRICS, PER_NOTE_SETS,
                                    Report, ReportInputs, ReportTable, TableChoices, cell_train_runs)
+from mistill import stats
 from mistill.errors import MistillInputError
 from mistill.io import read_json
 from mistill.stages.common import RunReader
+from mistill.stages.readside import NOTE_LIFTS
 
 
 # ---------------------------------------------------------------------------------- sections
@@ -343,6 +345,88 @@ def locus_section(rep: Report, runs: pd.DataFrame) -> None:
         rep.figures[key] = fig
 
 
+# ------------------------------------------------------------------ App. I: the k = 8 probe
+def _cell_by_note(per_note: pd.DataFrame, phase: str, k: int) -> dict[str, float]:
+    cell = per_note[(per_note["phase"] == phase) & (per_note["k"] == k)]
+    return {str(n): float(v) for n, v in zip(cell["note_id"], cell["recovery_own"])}
+
+
+def own_heads_probe_section(rep: Report, probes: pd.DataFrame, own_all: pd.DataFrame, n_resamples: int,
+                            seed: int) -> None:
+    """App. I's k = 8 probe (R-D22): each probe run's cell (a named head moved into the arm's own
+    ranking) beside the same arm's own-ranking cell, and against the reference arm's own-ranking
+    cell of the same model, seed-matched and note-clustered."""
+    name, title = "own_heads_probe", "App. I: the k = 8 probe, a named head placed in the own ranking"
+    cols = ["run_id", "model", "arm", "precision", "seed", "probe_head", "phase", "k", "n_notes", "probe",
+            "own_ranking", "own_ranking_run", "vs_own_ranking", "vs_own_ranking_low", "vs_own_ranking_high",
+            "reference", "vs_reference", "vs_reference_low", "vs_reference_high", "notes_higher", "notes_lower"]
+    caption = ("Knock-in recovery of the own top-k with the named head moved to rank k of the arm's own "
+               "ranking and nothing else changed (probe), median over notes; beside it the same arm's "
+               "own-ranking cell (the result; the probe is post hoc, a diagnosis), the note-paired difference "
+               f"probe minus own ranking, and probe minus the reference arm ({rep.reference_arm}) on its own "
+               "ranking, seed-matched and note-clustered (95% bootstrap intervals; notes higher / lower).")
+    if probes.empty:
+        return _listed(rep, name, title, caption, pd.DataFrame(), pd.DataFrame(),
+                       "no FINISHED own_heads runs with a probe_head", columns=cols)
+    probes = query.latest_runs(probes, (*query.RUN_KEY, "params.probe_head", "params.probe_phase",
+                                        "params.probe_rank"))
+    own = query.latest_runs(own_all, query.RUN_KEY) if not own_all.empty else own_all
+    needed = ["note_id", "phase", "k", "recovery_own"]
+    rows = []
+    for _, run in probes.iterrows():
+        phase, k = str(run["params.probe_phase"]), int(float(run["params.probe_rank"]))
+        probe_notes = _cell_by_note(ablation_tables._traces(_load(rep, pd.DataFrame([run]), OWN_HEADS_PER_NOTE,
+                                                                  needed, ("run_id",)), "teacher"), phase, k)
+        rec: dict[str, Any] = {c: run.get(c) for c in ("run_id", *query.RUN_KEY)}
+        rec.update({"probe_head": run["params.probe_head"], "phase": phase, "k": k, "n_notes": len(probe_notes),
+                    "probe": _median_of(probe_notes)})
+        same = own[(own["model"] == run["model"]) & (own["arm"] == run["arm"])
+                   & (own["precision"].fillna("") == (run["precision"] or ""))
+                   & (own["seed"] == run["seed"])] if not own.empty else own
+        if len(same):
+            base = _cell_by_note(ablation_tables._traces(_load(rep, same.iloc[:1], OWN_HEADS_PER_NOTE, needed,
+                                                               ("run_id",)), "teacher"), phase, k)
+            rec.update({"own_ranking": _median_of(base), "own_ranking_run": same.iloc[0]["run_id"]})
+            if base:
+                d = stats.note_clustered({0: stats.per_note_differences(probe_notes, base)},
+                                         n_resamples=n_resamples, seed=seed).overall
+                rec.update({"vs_own_ranking": d.mean_diff, "vs_own_ranking_low": d.ci_low,
+                            "vs_own_ranking_high": d.ci_high})
+        refs = own[(own["model"] == run["model"]) & (own["arm"] == rep.reference_arm)] if not own.empty else own
+        ref_notes = {int(r["seed"]): _cell_by_note(ablation_tables._traces(_load(
+            rep, pd.DataFrame([r]), OWN_HEADS_PER_NOTE, needed, ("run_id",)), "teacher"), phase, k)
+            for _, r in refs.iterrows() if not pd.isna(r["seed"])}
+        ref_notes = {s: v for s, v in ref_notes.items() if v}
+        if ref_notes and probe_notes:
+            pairs = stats.seed_matched_pairs({int(run["seed"]): probe_notes}, ref_notes)
+            c = stats.note_clustered({p: stats.per_note_differences(a, b) for p, (a, b) in pairs.items()},
+                                     n_resamples=n_resamples, seed=seed)
+            rec.update({"reference": rep.reference_arm, "vs_reference": c.overall.mean_diff,
+                        "vs_reference_low": c.overall.ci_low, "vs_reference_high": c.overall.ci_high,
+                        "notes_higher": c.overall.n_higher, "notes_lower": c.overall.n_lower})
+        rows.append(rec)
+    table = pd.DataFrame.from_records(rows).reindex(columns=cols)
+    shown = pd.DataFrame.from_records([{
+        "model": r["model"], "arm": r["arm"], "seed": r["seed"], "probe": f"{r['probe_head']} at rank {r['k']} "
+        f"({r['phase']})", "notes": r["n_notes"], "probe k": _fmt(r["probe"]), "own ranking": _fmt(r["own_ranking"]),
+        "probe - own": tables.fmt_ci(r["vs_own_ranking"], r["vs_own_ranking_low"], r["vs_own_ranking_high"])
+        if not pd.isna(r["vs_own_ranking"]) else "",
+        f"probe - {rep.reference_arm}": tables.fmt_ci(r["vs_reference"], r["vs_reference_low"],
+                                                       r["vs_reference_high"]) if not pd.isna(r["vs_reference"]) else "",
+        "higher/lower": f"{int(r['notes_higher'])}/{int(r['notes_lower'])}" if not pd.isna(r["notes_higher"]) else ""}
+        for _, r in table.iterrows()])
+    _listed(rep, name, title, caption, table, shown, columns=cols)
+
+
+def _median_of(values: dict[str, float]) -> float:
+    finite = [v for v in values.values() if pd.notna(v)]
+    return float(pd.Series(finite).median()) if finite else float("nan")
+
+
+def _fmt(v: Any) -> str:
+    return "" if v is None or pd.isna(v) else f"{float(v):.3f}"
+
+
 # ---------------------------------------------------------------------- Tables 16-23
 READ_SIDE_STAGES = ("read_side", "key_block", "trace_edit", "note_edit")
 READ_SIDE_TABLES: tuple[tuple[str, str, str, str], ...] = (
@@ -390,6 +474,37 @@ def read_side_section(rep: Report, runs: dict[str, pd.DataFrame]) -> None:
             why = "" if not frame.empty else f"the {stage} runs logged no rows for it"
         _listed(rep, f"appE_{name}", title, caption, frame, frame.drop(columns=["run_id"], errors="ignore"), why,
                 columns=("model",))
+    _readside_patient_collapse(rep, runs.get("read_side", pd.DataFrame()))
+
+
+def _readside_patient_collapse(rep: Report, runs: pd.DataFrame) -> None:
+    """App. C's patient collapse of Table 16's region lifts, per read_side run."""
+    name, title = "readside_patient_collapse", "App. C: the read-side lifts with the patient as the unit"
+    cols = ["run_id", "model", "phase", "group", "lift.note", "lift.patient", "lift.move", "n_notes", "n_patients"]
+    frames: list[pd.DataFrame] = []
+    reasons: list[str] = []
+    for _, run in (runs.drop_duplicates("run_id").iterrows() if not runs.empty else ()):
+        lifts = _load(rep, pd.DataFrame([run]), f"{NOTE_LIFTS}.csv", ["note_id", "phase", "group", "lift"],
+                      ("run_id", "model"))
+        if lifts.empty:
+            reasons.append(f"read_side run {run['run_id'][:8]} has no {NOTE_LIFTS}")
+            continue
+        try:
+            table = compare.readside_patient_collapse(lifts, compare.note_patients(run["run_id"]))
+        except MistillInputError as exc:
+            reasons.append(f"read_side run {run['run_id'][:8]}: {exc}")
+            continue
+        table.insert(0, "model", run["model"])
+        table.insert(0, "run_id", run["run_id"])
+        frames.append(table)
+    table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=cols)
+    shown = table.drop(columns=["run_id"]).round(3) if frames else table
+    moves = ", ".join(f"{m}: {t['lift.move'].abs().max():.3f}" for m, t in table.groupby("model")) if frames else ""
+    _listed(rep, name, title,
+            "Per phase and group (global top-k, random panel, bottom-k), the region lift's median over notes "
+            "(note) and over patients after averaging each patient's notes (patient), with the move (patient - "
+            f"note). Largest move per model: {moves or 'none'}.", table, shown,
+            "; ".join(reasons) or ("no FINISHED read_side runs" if runs.empty else ""), columns=cols)
 
 
 def student_edits_section(rep: Report, runs: pd.DataFrame, reference_arm: str, n_resamples: int, seed: int) -> None:

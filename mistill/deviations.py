@@ -296,9 +296,9 @@ DEVIATIONS: tuple[Deviation, ...] = (
        "LasSimulatorConfig.max_note_words", "the paper's", 0, 0),
     _D("LAS note cap in the pipeline", "App. K",
        "the simulator reads the note",
-       "the pipeline caps the simulator's note at 256 words",
+       "the pipeline caps the simulator's note at 128 words",
        "PipelineConfig.las_max_note_words",
-       "a CPU cost control for the embedded default; pass 0 for whole notes", 256, 0),
+       "a CPU cost control for the embedded default; pass 0 for whole notes", 128, 0),
     _D("App. E events in the pipeline", "App. E, Tables 20-23",
        "the key blocking at every chapter and contrastive event; the edits at up to 20 events per note",
        "the pipeline's key_block, trace_edit and note_edit read at most 2 events per note and phase",
@@ -327,7 +327,7 @@ DEVIATIONS: tuple[Deviation, ...] = (
     _D("LAS simulator training steps", "App. K", "fine-tuned once on the teacher's training traces; no step count, "
        "learning rate or schedule stated",
        "plain AdamW, one note (both inputs) per step, max_steps steps (reproduce passes 493: one pass over the "
-       "training traces; the pipeline's demo keeps the default)", "LasSimulatorConfig.max_steps",
+       "training traces; the pipeline's demo trains one step, PipelineConfig.las_max_steps)", "LasSimulatorConfig.max_steps",
        "a CPU run trains a few steps; a reproduction sets one pass", 8),
     _D("LAS simulator learning rate", "App. K", "not stated",
        "constant 1e-4, no warm-up", "LasSimulatorConfig.lr",
@@ -521,10 +521,11 @@ CONVENTIONS: tuple[Convention, ...] = (
                "mistill.evaluation.las.greedy_answer",
                "the paper does not state the simulator's decoding; greedy makes a note's prediction reproducible"),
     Convention("attribution self-test scope", "Sec. 2.3, App. B, C, Table 8",
-               "the first selftest_events P1 events of every note are checked against exact patching of every "
-               "head (the paper: ten events of one note); no integrated-gradients row",
-               "mistill.stages.characterize (attribute, selftest_events)",
-               "every note's first events are a deterministic, corpus-wide sample"),
+               "the first selftest_events P1 events of the first selftest_notes notes of the pass (default: "
+               "every note) are checked against exact patching of every head; reproduce's HD-001 step runs the "
+               "paper's ten events of one note (selftest_events=10, selftest_notes=1); no integrated-gradients row",
+               "mistill.stages.characterize (attribute, selftest_events, selftest_notes)",
+               "every note's first events are a deterministic, corpus-wide sample when more notes are wanted"),
     Convention("read-side events", "Sec. 3.3, App. E",
                "the read side reads every P2 and P2C event of the notes, not only those of the faithfulness pass",
                "mistill.stages.readside.run_read_side",

@@ -133,14 +133,19 @@ class AttributeParams(StabilityParams):
 
     exact_p2: patch P2 and P2C events exactly too (App. C, the intact-hook re-run, and App. D,
     the exact contrastive refinement); False keeps them first-order, as the paper's first pass
-    did. selftest_events: P1 events checked against exact patching of every head (>= 0; 0: none).
+    did. selftest_events: P1 events per note checked against exact patching of every head (>= 0;
+    0: none), the first ones in visiting order. selftest_notes: the notes self-tested, the first
+    this many of the pass in corpus order (>= 0; 0: every note). The paper checked ten P1 events
+    of one note (``selftest_events=10``, ``selftest_notes=1``).
     """
 
     exact_p2: bool = True
     selftest_events: int = 0
+    selftest_notes: int = 0
 
     def validate_group(self) -> None:
         check_non_negative(self.selftest_events, "selftest_events", "0: no self-test")
+        check_non_negative(self.selftest_notes, "selftest_notes", "0: every note")
 
 
 @dataclass(frozen=True)

@@ -614,6 +614,10 @@ def corpus_counts(corpus, lengths: Sequence, base: PaperCounts = PaperCounts(), 
     return dataclasses.replace(base, **changes)
 
 
+SELFTEST: dict[str, str] = {"selftest_events": "10", "selftest_notes": "1"}
+"""The attribution self-test as the paper ran it (Sec. 2.3, Table 8): ten P1 events of one note,
+every head patched exactly, on HD-001's characterization."""
+
 STUDENTS: dict[str, str] = {"qwen3-4b": "{student}", "smollm3-3b": "{student_smollm3}"}
 """The students' plan names and the role that holds each one's model."""
 
@@ -645,6 +649,10 @@ lower-λ ablation at its own λ (R-D14, :data:`OWN_LAMBDA_ARMS`); on SmolLM3-3B,
 bottom-40 pool at two seeds (R-D12, R-D13), the top-8 pool (R-D13), RandPos (R-D7) and
 attention-only (R-D11) at one; the
 others at the bf16 selection's λ."""
+
+PROBE: tuple[str, str, str] = ("qwen3-4b", "mistill-fp32", "L35H26")
+"""(student, arm, head) of App. I's k = 8 probe: the head the fp32 arm's first-order ranking puts at
+rank 12 (rank 3 in every bf16 arm), moved to rank 8 of its own P2C ranking (R-D22)."""
 
 OWN_LAMBDA_ARMS: frozenset[str] = frozenset({"low-lambda"})
 """Mechanism arms that train at the λ of their arm file, never a selection's pick."""
@@ -696,7 +704,8 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
     attr = {"attribute_run": "HD-001/characterize:attribute"}
     steps += [
         _step("HD-001", "characterize", "characterize", Workload("characterize", "qwen3-14b", chars, full),
-              inputs={"prepare_run": "HD-001/generate"}, params={"model": "{teacher}"}, disk_gib=chars * 0.05),
+              inputs={"prepare_run": "HD-001/generate"},
+              params={"model": "{teacher}", **SELFTEST}, disk_gib=chars * 0.05),
         _step("HD-001", "locus", "locus", Workload("locus", "qwen3-14b", chars, full), inputs=attr,
               disk_gib=chars * 0.01),
         _step("HD-001", "read_side", "read_side", Workload("read_side", "qwen3-14b", chars, full), inputs=attr,
@@ -829,6 +838,16 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
             steps.append(_step(tree, f"own_heads_{run}", "own_heads",
                                Workload("own_heads", "qwen3-4b", c.test_notes, short, trace, sampler=student),
                                inputs={"prepare_run": data, "train_run": f"{tree}/train_{run}"}))
+    # App. I's k = 8 probe (R-D22): the fp32 arm at the re-selected λ, seed 0, with the named head
+    # moved to rank 8 of its own P2C ranking; on the teacher's traces only (its ranking runs are
+    # the own-heads step's, reused); the head names a Qwen3-4B head, so a synthetic run skips it
+    student, arm, head = PROBE
+    run = f"{student}_{arm}_s0"
+    steps.append(_step("DT-001", f"own_heads_probe_{run}", "own_heads",
+                       Workload("own_heads", "qwen3-4b", c.test_notes, short, trace),
+                       inputs={"prepare_run": data, "train_run": f"DT-001/train_{run}"},
+                       params={"probe_head": head, "probe_phase": "P2C", "probe_rank": "8", "own_traces": "false"},
+                       after=(f"DT-001/own_heads_{run}",), skip_synthetic=True))
     steps.append(_step("report", "report", "report", Workload("none"),
                        after=tuple(s.name for s in steps if s.entry_point in ("evaluate", "own_heads"))))
     return steps

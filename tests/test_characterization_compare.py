@@ -16,7 +16,8 @@ from scipy.stats import spearmanr
 from stage_fixtures import unique
 
 from analysis.characterization_compare import (compare_rankings, compared_runs, knockin_side_by_side,
-                                               patient_collapse_table, patient_rows, ranking_agreement)
+                                               patient_collapse_table, patient_rows, ranking_agreement,
+                                               readside_patient_collapse)
 from mistill import stats
 from mistill.config import Config
 from mistill.errors import MistillInputError
@@ -163,6 +164,43 @@ def test_patient_collapse_table_against_a_hand_computation():
     assert np.allclose(same["recovery.move"].dropna(), 0) and np.allclose(same["necessity.move"], 0)
 
 
+def _note_lifts(seed: int) -> pd.DataFrame:
+    """Per-note region lifts with known values: the top-k well above random, one NaN lift (a group
+    without heads) and a phase one note lacks."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for note in NOTES:
+        for phase in PHASES:
+            if phase == "P2" and note == "n05":
+                continue
+            for group, centre in (("top", 3.0), ("random", 1.0), ("bottom", 0.8)):
+                lift = np.nan if (group == "bottom" and phase == "P2") else float(centre + rng.normal(0, 0.5))
+                rows.append({"note_id": note, "phase": phase, "group": group, "lift": lift})
+    return pd.DataFrame(rows)
+
+
+def _lift_collapsed_by_hand(rows: pd.DataFrame, phase: str, group: str) -> tuple[float, float, int, int]:
+    cell = rows[(rows["phase"] == phase) & (rows["group"] == group)].dropna(subset=["lift"])
+    per_patient = cell.assign(p=cell["note_id"].map(PATIENTS)).groupby("p")["lift"].mean()
+    return float(cell["lift"].median()), float(per_patient.median()), len(cell), len(per_patient)
+
+
+def test_readside_patient_collapse_against_a_hand_computation():
+    rows = _note_lifts(5)
+    table = readside_patient_collapse(rows, PATIENTS).set_index(["phase", "group"])
+    for phase, group in (("P1", "top"), ("P2", "random"), ("P2C", "bottom")):
+        note, patient, n_notes, n_patients = _lift_collapsed_by_hand(rows, phase, group)
+        r = table.loc[(phase, group)]
+        assert r["lift.note"] == pytest.approx(note) and r["lift.patient"] == pytest.approx(patient)
+        assert r["lift.move"] == pytest.approx(patient - note)
+        assert (r["n_notes"], r["n_patients"]) == (n_notes, n_patients)
+    assert table.loc[("P2", "top"), "n_notes"] == 5 and ("P2", "bottom") not in table.index
+    same = readside_patient_collapse(rows, {n: n for n in NOTES})
+    assert np.allclose(same["lift.move"], 0)
+    with pytest.raises(MistillInputError):
+        readside_patient_collapse(rows, {"n00": "p0"})
+
+
 # ------------------------------------------------------------------------ runs on the server
 @dataclasses.dataclass(frozen=True)
 class _PrepareLike(Config):
@@ -189,6 +227,10 @@ def runs(tracking_uri, tmp_path_factory):
         ids[f"knockin_{name}"] = make_run(tracking_uri, corpus, "knockin", root, model=model,
                                           cfg=_PrepareLike(tag=f"knockin-{name}"), inputs={"attribute": ids[name]},
                                           tables={"per_note_sets": ids[f"per_note_{name}"]})
+    ids["note_lifts"] = _note_lifts(30)
+    ids["read_side"] = make_run(tracking_uri, corpus, "read_side", root, model=TEACHER,
+                                cfg=_PrepareLike(tag="read_side-a"), inputs={"attribute": ids["a"]},
+                                tables={"readside_note_lifts": ids["note_lifts"]})
     mp = pytest.MonkeyPatch()
     mp.setenv("MISTILL_ROOT", str(tmp_path_factory.mktemp("reader")))
     try:
@@ -244,6 +286,16 @@ def test_report_patient_collapse(runs):
     assert r["recovery.note"] == pytest.approx(note) and r["recovery.patient"] == pytest.approx(patient)
     assert (r["recovery.wins.patient"], r["recovery.n.patient"]) == (wins, n)
     assert (r["n_notes"], r["n_patients"]) == (6, 4)
+
+
+def test_report_readside_patient_collapse(runs):
+    ids, _ = runs
+    table = _csv(runs, "readside_patient_collapse")
+    assert set(table["run_id"]) == {ids["read_side"]} and set(table["model"]) == {TEACHER}
+    r = table[(table["phase"] == "P1") & (table["group"] == "top")].iloc[0]
+    note, patient, n_notes, n_patients = _lift_collapsed_by_hand(ids["note_lifts"], "P1", "top")
+    assert r["lift.note"] == pytest.approx(note) and r["lift.patient"] == pytest.approx(patient)
+    assert (r["n_notes"], r["n_patients"]) == (n_notes, n_patients) == (6, 4)
 
 
 def test_unnamed_pair_found_and_explicit_pairs_checked(runs):

@@ -5,6 +5,7 @@ and the ``own_heads`` stage runs end to end against a real MLflow server with it
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ from mistill.instrument.readside import (bucket_rows, chapter_region, head_atten
 from mistill.instrument.runner import Runner
 from mistill.models.loading import load_model
 import oracle_fixtures as O
-from stage_fixtures import TINY, unique
+from stage_fixtures import TINY, TINY_HEADS, unique
 
 
 @pytest.fixture(scope="module")
@@ -326,6 +327,22 @@ def test_own_heads_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_
     assert metrics["own/coverage/n_closed"] <= 2
     # a second identical call reuses the finished run
     assert run_own_heads(cfg) == run_id
+    # the k = 8 probe (App. I): a head from outside the own top-4 moved to rank 3 of one phase's
+    # ranking, nothing else changed; the ranking runs are reused
+    sets = json.loads(Path(client.download_artifacts(run_id, "own_heads_sets.json", str(tmp_path / "s0"))).read_text())
+    phase = next(p for p in ("P2C", "P1", "P2") if p in sets)
+    outside = next(n for n in (f"L{i // 4}H{i % 4}" for i in range(TINY_HEADS)) if n not in sets[phase])
+    probe_cfg = cfg.replace(probe_head=outside, probe_phase=phase, probe_rank=3, own_traces=False)
+    probe_run = run_own_heads(probe_cfg)
+    assert probe_run != run_id
+    probe_tags = client.get_run(probe_run).data.tags
+    assert probe_tags["mistill.rank_attribute"] == tags["mistill.rank_attribute"]
+    probed = json.loads(Path(client.download_artifacts(probe_run, "own_heads_sets.json",
+                                                       str(tmp_path / "s1"))).read_text())
+    assert probed["probe"] == {"head": outside, "phase": phase, "rank": 3, "own_rank": probed["probe"]["own_rank"]}
+    assert probed["probe"]["own_rank"] > 4
+    assert probed[phase] == sets[phase][:2] + [outside] + sets[phase][2:3]
+    assert all(probed[p] == sets[p] for p in sets if p in ("P1", "P2", "P2C") and p != phase)
     # per-event knock-in rows (Table 24's input): the own set's recovery at each event, draw 0;
     # their mean per note, phase and k is the note's recovery_own
     events = pd.read_csv(client.download_artifacts(run_id, "own_heads_knockin_events.csv", str(tmp_path / "dl2")),

@@ -42,7 +42,7 @@ targets' kept entries, the logistic head's and the LAS simulator's training, key
 events of every phase, all by default): their own."""
 
 BAD = {"n_null": -1, "null_min_distance": -1, "p2c_cap": 3, "chunk_size": 0, "batch_size": 0,
-       "stability_splits": 0, "selftest_events": -1, "pool_k": 0, "range_gate": -0.5,
+       "stability_splits": 0, "selftest_events": -1, "selftest_notes": -1, "pool_k": 0, "range_gate": -0.5,
        "events_per_phase": -1, "floor_draws": 0, "k_bins": (0, 8), "donor_no_match": "nowhere", "max_new_tokens": 0,
        "backend": "tgi", "temperature": 0.0, "top_p": 0.0, "top_k": -1, "epochs": 0, "lr": 0.0,
        "warmup_frac": 1.5, "grad_accum": 0, "clip": 0.0, "max_steps": -1, "top_nominees": -1,
@@ -189,11 +189,12 @@ def test_nested_configs_are_built_from_the_groups():
 
 
 def test_workflows_pass_every_shared_group_field_on():
-    cfg = CharacterizeConfig(n_null=3, selftest_events=2, exact_p2=False, k_bins=(4, 9), range_gate=0.5,
-                             events_per_phase=6, stability_splits=7, seed=1, rank_split="val")
+    cfg = CharacterizeConfig(n_null=3, selftest_events=2, selftest_notes=1, exact_p2=False, k_bins=(4, 9),
+                             range_gate=0.5, events_per_phase=6, stability_splits=7, seed=1, rank_split="val")
     ev, att, kin = cfg.events_config(), cfg.attribute_config(), cfg.knockin_config()
     assert (ev.n_null, ev.seed) == (3, 1)
-    assert (att.selftest_events, att.exact_p2, att.stability_splits, att.split) == (2, False, 7, "val")
+    assert (att.selftest_events, att.selftest_notes, att.exact_p2, att.stability_splits, att.split) == \
+        (2, 1, False, 7, "val")
     assert (kin.k_bins, kin.range_gate, kin.events_per_phase) == ((4, 9), 0.5, 6)
     # what the step does not expose stays at the step's default
     assert (ev.null_min_distance, ev.chunk_size, att.pool_k, kin.donor_wrap) == (8, 8192, 40, True)

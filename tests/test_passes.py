@@ -6,11 +6,13 @@ import numpy as np
 import pytest
 import torch
 
+from mistill.distributed import World
 from mistill.instrument.hooks import HeadHook
 from mistill.instrument.passes import (AttributionConfig, EventQuery, KnockinConfig, attribute_note,
                                        knockin_sweep, match_donor_event, per_note_set_rows, set_variants)
 from mistill.instrument.patching import Query
 from mistill.instrument.runner import Runner
+from mistill.instrument.waves import attribute_waves, selftest_scope
 from mistill.models.loading import tiny_model
 
 
@@ -61,6 +63,32 @@ def test_attribution_pass_shapes_exact_and_selftest(lm):
     assert abs(row["knockin_all.minus_clean"]) < 1e-4
     imp = att.importance
     assert np.isfinite(imp).all()
+
+
+def test_selftest_restricted_to_the_first_notes_of_the_pass(lm):
+    """``selftest_notes=1``: only the pass's first note in corpus order is self-tested (the paper's
+    ten P1 events of one note), also when that note finished before a resume; 0: every note."""
+    gen = torch.Generator().manual_seed(4)
+    inputs = {}
+    for n in range(3):
+        ids = torch.randint(0, 2000, (90,), generator=gen)
+        inputs[f"n{n}"] = (ids, _events(ids, [80, 70, 60], ["P1", "P1", "NULL"], f"n{n}"))
+    order = list(inputs)
+    cfg = AttributionConfig(top_nominees=2, global_nominees=0, exact_kinds=("P1",), chunk_size=64,
+                            selftest_events=2, selftest_notes=1)
+    assert selftest_scope(cfg, order, "n0") is cfg
+    assert selftest_scope(cfg, order, "n2").selftest_events == 0
+    assert selftest_scope(cfg.replace(selftest_notes=0), order, "n2").selftest_events == 2
+    runner, hook = Runner(lm, chunk_size=64), HeadHook(lm.geometry)
+
+    def waves(c, done=None):
+        return {a.note_id: len(a.selftest) for a in attribute_waves(runner, hook, order, done or {}, inputs.__getitem__,
+                                                                    c, lambda means: [], World(), progress=False)}
+
+    assert waves(cfg) == {"n0": 2, "n1": 0, "n2": 0}
+    assert waves(cfg.replace(selftest_notes=2, selftest_events=1)) == {"n0": 1, "n1": 1, "n2": 0}
+    done = {"n0": {"P1": np.zeros(lm.geometry.n_total_heads)}}
+    assert waves(cfg, done) == {"n1": 0, "n2": 0}
 
 
 def test_knockin_sweep_all_heads_and_gate(lm):

@@ -42,6 +42,7 @@ MAIN = (trained(Q4B, "vanilla-fp32", 3, tree="DT-000") + trained(SMOL, "vanilla-
 APP_Q_RUNS: dict[str, list[str]] = {
     # characterization: the teacher's 100 HD-001 notes (one trace each)
     "R-C1": HD001,
+    "R-C2": HD001,
     "R-C3": HD001,
     "R-C4": HD001,
     "R-C5": [*HD001, "HD-001/read_side"],
@@ -49,6 +50,7 @@ APP_Q_RUNS: dict[str, list[str]] = {
     "R-C10": [*HD001, "HD-001/read_side", "HD-001/key_block"],
     "R-C11": [*HD001, "HD-001/trace_edit", "HD-001/note_edit"],
     "R-C12": [*HD001, "HD-001/locus"],
+    "R-C13": [*HD001, "HD-001/read_side", "HD-001/locus"],
     # distillation
     "R-D0": ["DT-000/shortlist", "DT-000/generate", "DT-000/evaluate_teacher"],
     "R-D1": UNTRAINED,
@@ -76,6 +78,8 @@ APP_Q_RUNS: dict[str, list[str]] = {
               + trained(Q4B, "mistill-fp32-bf16-lambda", 3)),
     "R-D18": MAIN,
     "R-D21": ["DT-000/shortlist"],
+    "R-D22": [FP32_SELECTION, *trained(Q4B, "mistill-fp32", 1), "DT-001/own_heads_probe_qwen3-4b_mistill-fp32_s0",
+              *trained(Q4B, "vanilla-fp32", 3, tree="DT-000")],
     "R-D23": trained(Q4B, "event-weighted-vanilla", 1),
     "R-D24": trained(Q4B, "uniform", 1),
     "R-D25": trained(Q4B, "no-window", 1),
@@ -113,6 +117,18 @@ def test_a_produced_result_is_in_the_plan_with_every_run_the_paper_names(rid):
     chosen = {s.name for s in select(list(plan.values()), [rid])}
     missing = [name for name in needed if name not in chosen]
     assert not missing, f"{rid} is marked produced but reproduce would not run {missing}"
+
+
+def test_the_self_test_and_the_probe_run_as_the_paper_ran_them():
+    """R-C2: ten P1 events of one note (Sec. 2.3); R-D22: L35H26 moved to rank 8 of the fp32 arm's
+    own P2C ranking, on the teacher's traces (App. I)."""
+    plan = {s.name: s for s in paper_plan()}
+    params = plan["HD-001/characterize"].params
+    assert (params["selftest_events"], params["selftest_notes"]) == ("10", "1")
+    probe = plan["DT-001/own_heads_probe_qwen3-4b_mistill-fp32_s0"]
+    assert probe.entry_point == "own_heads" and probe.inputs["train_run"] == "DT-001/train_qwen3-4b_mistill-fp32_s0"
+    assert {k: probe.params[k] for k in ("probe_head", "probe_phase", "probe_rank", "own_traces")} == \
+        {"probe_head": "L35H26", "probe_phase": "P2C", "probe_rank": "8", "own_traces": "false"}
 
 
 def test_each_mechanism_arm_trains_at_the_lambda_the_paper_names():

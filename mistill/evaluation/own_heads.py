@@ -48,7 +48,7 @@ from mistill.models.loading import LoadedModel
 from mistill.tasks import task_for
 
 __all__ = ["NoteCase", "note_case", "subsample_case", "draw_config", "own_knockin", "m4_rows", "random_panel",
-           "readside_note", "M2_PHASES", "m5_note", "m5_summary", "M5_OUTCOMES"]
+           "place_head", "readside_note", "M2_PHASES", "m5_note", "m5_summary", "M5_OUTCOMES"]
 
 M2_PHASES = ("P1", "P2C")
 
@@ -200,6 +200,18 @@ def m4_rows(note_id: str, necessity: Sequence[dict], knockin: Sequence[dict],
                 "n_random_draws": len(by_draw),
                 "recovery_random_floors": [_mean(floors[d]) for d in sorted(floors)]})
     return out
+
+
+def place_head(ranking: Sequence[int], head: int, rank: int) -> list[int]:
+    """``ranking`` (flat heads, best first) with ``head`` moved to the 1-based ``rank`` and nothing
+    else changed: the heads between its old and new places shift by one (App. I, the k = 8 probe:
+    a causally active head moved from rank 12 into rank 8 of an arm's own ranking). A head absent
+    from ``ranking`` is inserted there."""
+    if rank < 1:
+        raise ValueError(f"rank must be >= 1, got {rank}")
+    rest = [h for h in ranking if h != head]
+    at = min(rank - 1, len(rest))
+    return rest[:at] + [head] + rest[at:]
 
 
 def random_panel(n_heads: int, size: int, seed: int) -> list[int]:

@@ -66,6 +66,8 @@ class AttributionConfig(Config):
     intact-hook re-run (App. C "The character ranking under the intact hook"). P2C: top-40 and
     global top-16, the nominees of the exact contrastive refinement (App. D). ``exact_kinds``:
     the kinds patched exactly (NULL: a seeded ``null_exact_fraction`` of them).
+    ``selftest_events``, ``selftest_notes``: the self-test's P1 events per note and its notes
+    (:class:`~mistill.params.AttributeParams`; :func:`~mistill.instrument.waves.selftest_scope`).
     """
 
     top_nominees: int = 40
@@ -81,6 +83,7 @@ class AttributionConfig(Config):
     grad_batch: int = 16
     chunk_size: int = 8192
     selftest_events: int = 0
+    selftest_notes: int = 0
     seed: int = 0
 
     def nominee_counts(self, kind: str) -> tuple[int, int]:

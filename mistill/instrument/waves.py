@@ -52,6 +52,14 @@ def notes_before(order: Sequence[str], means: Mapping[str, PhaseMeans], note_id:
     return out
 
 
+def selftest_scope(cfg: AttributionConfig, order: Sequence[str], note_id: str) -> AttributionConfig:
+    """``cfg`` for ``note_id``: its self-test is kept only when the note is among the first
+    ``cfg.selftest_notes`` of ``order`` (every note when 0)."""
+    if cfg.selftest_events and cfg.selftest_notes and order.index(note_id) >= cfg.selftest_notes:
+        return cfg.replace(selftest_events=0)
+    return cfg
+
+
 def attribute_waves(runner: Runner, hook: HeadHook, order: Sequence[str], done: Mapping[str, PhaseMeans],
                     load: Callable[[str], tuple[torch.Tensor, Sequence[EventQuery]]], cfg: AttributionConfig,
                     running: Callable[[dict[str, list[np.ndarray]]], RunningGlobal], world: World, *,
@@ -87,8 +95,9 @@ def attribute_waves(runner: Runner, hook: HeadHook, order: Sequence[str], done: 
             if item is not None:
                 means[item[0]] = item[1]
         if sweep is not None:
-            yield exact_sweep(runner, hook, sweep, cfg, running(notes_before(order, means, mine)), progress=progress)
+            yield exact_sweep(runner, hook, sweep, selftest_scope(cfg, order, mine),
+                              running(notes_before(order, means, mine)), progress=progress)
             del sweep
 
 
-__all__ = ["PhaseMeans", "notes_before", "attribute_waves"]
+__all__ = ["PhaseMeans", "notes_before", "selftest_scope", "attribute_waves"]

@@ -246,7 +246,8 @@ def _attribution_config(cfg: AttributeConfig) -> AttributionConfig:
                              p2c_top_nominees=cfg.p2c_top_nominees, p2c_global_nominees=cfg.p2c_global_nominees,
                              exact_kinds=kinds, null_exact_fraction=cfg.null_exact_fraction,
                              detach=cfg.detach, batch_size=cfg.batch_size, grad_batch=cfg.grad_batch,
-                             chunk_size=cfg.chunk_size, selftest_events=cfg.selftest_events, seed=cfg.seed)
+                             chunk_size=cfg.chunk_size, selftest_events=cfg.selftest_events,
+                             selftest_notes=cfg.selftest_notes, seed=cfg.seed)
 
 
 def running_globals(means: dict[str, list[np.ndarray]], cfg: AttributeConfig) -> dict[str, list[int]]:

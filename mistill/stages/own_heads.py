@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -45,13 +46,14 @@ from mistill.distributed import broadcast, current_world, gather, shard
 from mistill.errors import MistillInputError
 from mistill.evaluation.backends import resolve_backend
 from mistill.evaluation.generation import DecodingConfig, Generation, note_seed
-from mistill.evaluation.own_heads import (m4_rows, m5_note, m5_summary, note_case, own_knockin, random_panel,
-                                          readside_note, subsample_case)
+from mistill.evaluation.own_heads import (m4_rows, m5_note, m5_summary, note_case, own_knockin, place_head,
+                                          random_panel, readside_note, subsample_case)
 from mistill.evaluation.sampling import SampleRequest
 from mistill.instrument.hooks import HeadHook
 from mistill.instrument.locus import LocusConfig
 from mistill.instrument.passes import PHASES, donor_order
 from mistill.instrument.runner import Runner
+from mistill.models.geometry import HeadGeometry
 from mistill.params import (BackendParams, DonorParams, KnockinReadParams, NomineeParams, NullParams, PatchParams,
                             StabilityParams, TokenCapParams)
 from mistill.progress import get_logger, track
@@ -87,6 +89,12 @@ class OwnHeadsConfig(Config, KnockinReadParams, DonorParams, TokenCapParams, Bac
         paper's decoding through ``backend`` (``auto``: vLLM on a CUDA device where it is
         installed, else HF's batched generation; the run's tag ``mistill.backend`` says which).
     launch: how the ranking steps run, ``mlflow`` or ``inline``.
+    probe_head, probe_phase, probe_rank: the k = 8 probe of App. I (R-D22): the named head
+        (``L35H26``) moved to rank ``probe_rank`` of the arm's own ``probe_phase`` ranking with
+        nothing else changed (:func:`~mistill.evaluation.own_heads.place_head`), every readout
+        then taken on that ranking. Empty (the default): the own ranking as found. The paper
+        reports the probe as a diagnosis beside the own-ranking cell; the report keeps a probe
+        run out of the arm tables and shows it beside its arm's own-ranking run.
     """
 
     prepare_run: str = ""
@@ -104,6 +112,9 @@ class OwnHeadsConfig(Config, KnockinReadParams, DonorParams, TokenCapParams, Bac
     seed: int = 0
     max_notes: int = 0
     launch: str = "mlflow"
+    probe_head: str = ""
+    probe_phase: str = "P2C"
+    probe_rank: int = 8
 
     def validate(self) -> None:
         check_no_text_fields(self)
@@ -121,6 +132,11 @@ class OwnHeadsConfig(Config, KnockinReadParams, DonorParams, TokenCapParams, Bac
         check_seed(self.seed)
         check_non_negative(self.max_notes, "max_notes", "0: every note")
         check_choice(self.launch, LAUNCHES, "launch")
+        if self.probe_head and not re.fullmatch(r"L\d+H\d+", self.probe_head):
+            raise MistillInputError(f"probe_head must name a head as L<layer>H<head>, got {self.probe_head!r}",
+                                    field="probe_head")
+        check_choice(self.probe_phase, PHASES, "probe_phase")
+        check_positive(self.probe_rank, "probe_rank")
 
 
 def _arm(cfg: OwnHeadsConfig) -> Subject:
@@ -238,11 +254,12 @@ def run_own_heads(cfg: OwnHeadsConfig) -> str:
         if not rank:
             raise MistillInputError(f"the ranking run {ranked['attribute']} has no phase ranking "
                                     f"(no events on the {cfg.rank_split!r} notes)", field="rank_split")
+        probe = _probe(cfg, rank, lm.geometry)
         panel = random_panel(lm.geometry.n_total_heads, cfg.m2_k, cfg.seed)
         groups = {"own": {p: r[:cfg.m2_k] for p, r in rank.items()}, "random": {p: panel for p in rank}}
         if world.leader:
             run.log_json("own_heads_sets.json", {
-                "rank_attribute": ranked["attribute"], "random_panel": [names[h] for h in panel],
+                "rank_attribute": ranked["attribute"], "random_panel": [names[h] for h in panel], **probe,
                 **{p: [names[h] for h in r[:max(max(cfg.k), cfg.m2_k)]] for p, r in rank.items()}})
         ctx = _Context(cfg, prepared, lm, runner, hook, rank, groups)
         _teacher_pass(run, ctx, notes)
@@ -254,6 +271,24 @@ def run_own_heads(cfg: OwnHeadsConfig) -> str:
         if not written:
             return run.run_id
         return _aggregate(run, cfg, notes, coverage)
+
+
+def _probe(cfg: OwnHeadsConfig, rank: dict[str, list[int]], geometry: HeadGeometry) -> dict:
+    """Apply the k = 8 probe to ``rank`` in place (``cfg.probe_head`` moved to ``cfg.probe_rank``
+    of the ``cfg.probe_phase`` ranking); returns the record logged with the sets (empty without
+    a probe)."""
+    if not cfg.probe_head:
+        return {}
+    if cfg.probe_phase not in rank:
+        raise MistillInputError(f"the arm's ranking has no {cfg.probe_phase} phase to place {cfg.probe_head} in",
+                                field="probe_phase")
+    head = geometry.head_index(cfg.probe_head)
+    before = rank[cfg.probe_phase].index(head) + 1 if head in rank[cfg.probe_phase] else None
+    rank[cfg.probe_phase] = place_head(rank[cfg.probe_phase], head, cfg.probe_rank)
+    _log.info("probe: %s moved from rank %s to rank %d of the own %s ranking", cfg.probe_head, before,
+              cfg.probe_rank, cfg.probe_phase)
+    return {"probe": {"head": cfg.probe_head, "phase": cfg.probe_phase, "rank": cfg.probe_rank,
+                      "own_rank": before}}
 
 
 @dataclass

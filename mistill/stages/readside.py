@@ -14,6 +14,8 @@ Reported (medians over notes of per-note values):
   the bottom-k (per note: the median over events per head, then the mean over heads), the notes
   on which the top-k's lift beats the random panel's with the sign test, and the top-k's shares on
   the sink, the inventory lines, the note, the trace prose and the code prefix;
+- ``readside_note_lifts``: each note's region lift per phase and group, the values Table 16's
+  medians are taken over (the report collapses them to patients, App. C "Patients");
 - ``readside_heads_<phase>`` (Tables 17-19): per head of the phase's top-k, its ``I_c``, shares
   on the region, the prose and the sink, region lift, ``n_eff``, ``r`` (Pearson across the head's
   events over all notes between its share on the region, on ``N`` at P2C, and its importance), and
@@ -51,6 +53,9 @@ from mistill.validation import (check_device, check_dtype, check_interval, check
 
 NOTES = "notes"
 FAMILIES = ("region reader", "prose reader", "mixed")
+NOTE_LIFTS = "readside_note_lifts"
+"""The run's table of each note's region lift per phase and group (:func:`note_lift_rows`): the
+per-note values behind Table 16, which the report collapses to patients (App. C)."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +176,7 @@ def run_read_side(cfg: ReadSideConfig) -> str:
         ic = {p: dict(zip(head_sets[p]["ranking"], head_sets[p].get("importance_c", []))) for p in rank}
         groups_table = group_table(per_note, panel, groups)
         run.log_table("readside_groups", groups_table)
+        run.log_table(NOTE_LIFTS, note_lift_rows(per_note, panel, groups))
         metrics = {}
         for _, row in groups_table.iterrows():
             for col in ("lift_top", "lift_random", "lift_bottom", "top_beats_random_p"):
@@ -198,39 +204,63 @@ def _lines(shares: np.ndarray) -> np.ndarray:
     return _region(shares) + shares[..., _cat("other_chapter_lines")]
 
 
+GROUPS: tuple[str, ...] = ("top", "random", "bottom")
+"""The panel's groups whose region lift is compared (Table 16): the phase's global top-k, the
+seeded random heads and the phase's bottom-k."""
+
+
+def note_lift_rows(per_note: dict[str, dict], panel: list[int], groups: dict[str, list[int]]) -> pd.DataFrame:
+    """Each note's region lift per phase and group (``note_id, phase, group, lift``): the median
+    over the phase's events per head, then the mean over the group's heads
+    (:func:`~mistill.instrument.readside.note_region_lift`); a note without events of a phase has
+    no rows for it, a group without heads (the bottom-k of P2) a NaN lift."""
+    col = {h: j for j, h in enumerate(panel)}
+    rows = []
+    for phase in PHASES:
+        if f"top_{phase}" not in groups:
+            continue
+        heads_of = {"top": groups[f"top_{phase}"], "random": groups.get("random", []),
+                    "bottom": groups.get(f"bottom_{phase}", [])}  # the panel has no bottom-k of P2
+        for note_id, d in per_note.items():
+            ev = d["kinds"] == phase
+            if not ev.any():
+                continue
+            for name in GROUPS:
+                rows.append({"note_id": note_id, "phase": phase, "group": name,
+                             "lift": note_region_lift(d["region_lift"][ev][:, [col[h] for h in heads_of[name]]])})
+    return pd.DataFrame(rows, columns=["note_id", "phase", "group", "lift"])
+
+
 def group_table(per_note: dict[str, dict], panel: list[int], groups: dict[str, list[int]]) -> pd.DataFrame:
     """Table 16: per phase, the region lift of the top-k, random and bottom-k groups (medians over
-    notes), the notes on which the top-k beats the random panel, and the top-k's shares."""
+    notes of :func:`note_lift_rows`), the notes on which the top-k beats the random panel, and the
+    top-k's shares."""
     col = {h: j for j, h in enumerate(panel)}
+    lifts_of = note_lift_rows(per_note, panel, groups)
     out = []
     for phase in PHASES:
         top = groups.get(f"top_{phase}")
-        if top is None:
+        here = lifts_of[lifts_of["phase"] == phase]
+        if top is None or here.empty:
             continue
-        bottom = groups.get(f"bottom_{phase}", [])  # the panel has no bottom-k of P2
-        rnd = groups.get("random", [])
-        lifts: dict[str, list[float]] = {"top": [], "random": [], "bottom": []}
+        wide = here.pivot(index="note_id", columns="group", values="lift")
+        lifts = {name: wide[name].to_numpy(dtype=float) for name in GROUPS}
         shares: dict[str, list[float]] = {k: [] for k in ("sink", "lines", "note", "prose", "prefix")}
-        wins = losses = 0
         for d in per_note.values():
             ev = d["kinds"] == phase
             if not ev.any():
                 continue
-            for name, heads in (("top", top), ("random", rnd), ("bottom", bottom)):
-                lifts[name].append(note_region_lift(d["region_lift"][ev][:, [col[h] for h in heads]]))
             s = d["shares"][ev][:, [col[h] for h in top]]
             for key, vals in (("sink", s[..., _cat("sink")]), ("lines", _lines(s)), ("note", s[..., _cat("note")]),
                               ("prose", s[..., _cat("prose")]), ("prefix", s[..., _cat("prefix")])):
                 shares[key].append(float(np.nanmean(vals)))
-            a, b = lifts["top"][-1], lifts["random"][-1]
-            if math.isfinite(a) and math.isfinite(b) and a != b:
-                wins, losses = wins + (a > b), losses + (a < b)
-        if not lifts["top"]:
-            continue
-        out.append({"phase": phase, "n_notes": len(lifts["top"]),
+        a, b = lifts["top"], lifts["random"]
+        ok = np.isfinite(a) & np.isfinite(b) & (a != b)
+        wins, losses = int((a[ok] > b[ok]).sum()), int((a[ok] < b[ok]).sum())
+        out.append({"phase": phase, "n_notes": len(wide),
                     **{f"lift_{k}": float(np.nanmedian(v)) if np.isfinite(v).any() else np.nan
                        for k, v in lifts.items()},
-                    "top_beats_random": int(wins), "top_below_random": int(losses),
+                    "top_beats_random": wins, "top_below_random": losses,
                     "top_beats_random_p": sign_test(wins, losses) if wins + losses else np.nan,
                     **{f"top_share_{k}": float(np.nanmedian(v)) for k, v in shares.items()}})
     return pd.DataFrame(out)
@@ -274,4 +304,5 @@ def head_table(per_note: dict[str, dict], panel: list[int], top: list[int], phas
     return pd.DataFrame(rows)
 
 
-__all__ = ["ReadSideConfig", "run_read_side", "panel_groups", "family", "group_table", "head_table", "FAMILIES"]
+__all__ = ["ReadSideConfig", "run_read_side", "panel_groups", "family", "note_lift_rows", "group_table", "head_table",
+           "FAMILIES", "GROUPS", "NOTE_LIFTS"]

@@ -15,7 +15,9 @@ runs of experiment ``mistill/<corpus>`` and gives each expected value one status
 
 A source's runs: those of its entry point whose tags (``arm``, ``model``, ``seed``, ``split``,
 ``lambda``, ...) and params match; a model tag ``{teacher}``, ``{student}`` or
-``{student_smollm3}`` is the model given for that role (unset: any model). ``reduce: newest``
+``{student_smollm3}`` is the model given for that role (unset: any model); a param asked as
+``""`` also matches a run without it, and an ``own_heads`` run with a ``probe_head`` (App. I's
+k = 8 probe) is read only by a source naming that probe. ``reduce: newest``
 reads the newest such run; ``reduce: mean`` the mean over the newest run of each seed.
 
 One ``verify`` run logs:
@@ -160,9 +162,11 @@ class StoreReader:
             if wanted is None:
                 continue
             df = df[df[name].astype("string") == wanted]
-        if source.params:
-            keep = [all(self._run_params(rid).get(k) == v for k, v in source.params)
-                    for rid in df["run_id"]]
+        asked = dict(source.params)
+        if source.entry_point == "own_heads":  # a probe run is read only by a source naming its probe
+            asked.setdefault("probe_head", "")
+        if asked:
+            keep = [all(self._run_params(rid).get(k, "") == v for k, v in asked.items()) for rid in df["run_id"]]
             df = df[keep]
         return df
 
