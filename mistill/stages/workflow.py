@@ -193,9 +193,9 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     by about a third, but (measured at seed 0) the students' P1 knock-in events then all fall
     below the 1-nat gate, leaving their P1 recovery empty.
     eval_max_new_tokens, las_max_steps: the evaluations' generation cap (the paper: 16,384) and
-    the LAS simulator's fine-tuning steps, demo settings.
+    the LAS simulator's fine-tuning steps (one here), demo settings.
     las_max_note_words: the LAS simulator's note cap (``LasSimulatorConfig.max_note_words``);
-    256 keeps the CPU demo quick, a demo setting (the paper's simulator reads the whole note:
+    128 keeps the CPU demo quick, a demo setting (the paper's simulator reads the whole note:
     0).
     read_side, read_side_max_events: run App. E's steps on the teacher after characterization
     (``read_side`` on its ranking, ``key_block`` on the heads the read side names, ``trace_edit``
@@ -211,7 +211,10 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     (D here, a demo setting: each compared suffix repeats every walk-back; the paper compares A
     and D, ``-P locus_compare_suffixes=A,D``).
     train_arms: arms to train (names or ``.yaml`` paths, see ``TrainStageConfig.arm``); empty
-    stops after characterization. train_max_steps: 0 lets the epochs decide.
+    stops after characterization. train_max_steps: 0 lets the epochs decide; one optimizer step
+    here, as the λ selection's cells train under the default lock
+    (``projects/configs/locks/embedded-3cell.yaml``), so the picked cell's run is the Mistill arm
+    (an arm trained differently from its cells is trained again).
     train_probe_every: the generation probe during every arm's training
     (``TrainStageConfig.probe_every``; 0: none), capped at ``eval_max_new_tokens`` tokens.
     train_gradient_checkpointing: the arms and the λ-selection cells recompute the student's
@@ -239,7 +242,7 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     student_split: str = "val"
     train_split: str = "train"
     train_arms: tuple[str, ...] = ("vanilla-bf16", "mistill")
-    train_max_steps: int = 2
+    train_max_steps: int = 1
     train_grad_accum: int = 1
     train_gradient_checkpointing: bool = False
     train_probe_every: int = 0
@@ -248,8 +251,8 @@ class PipelineConfig(Config, NullParams, AttributeParams, NomineeParams, Knockin
     eval_split: str = "test"
     eval_max_new_tokens: int = 32
     las_model: str = EMBEDDED_DEFAULT
-    las_max_steps: int = 2
-    las_max_note_words: int = 256
+    las_max_steps: int = 1
+    las_max_note_words: int = 128
     read_side: bool = True
     read_side_max_events: int = 2
     locus: bool = True
