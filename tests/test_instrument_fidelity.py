@@ -203,7 +203,7 @@ def test_m4_floor_is_one_draw_per_bin_and_las_reads_whole_notes():
     assert OwnHeadsConfig().n_random == 1
     assert OwnHeadsConfig().donor_wrap and OwnHeadsConfig().donor_no_match == "next"
     assert LasSimulatorConfig().max_note_words == 0
-    assert PipelineConfig().las_max_note_words == 256  # the CPU demo's cap, passed by the pipeline
+    assert PipelineConfig().las_max_note_words == 128  # the CPU demo's cap, passed by the pipeline
 
 
 def test_own_knockin_skips_to_the_next_note_that_matches():
