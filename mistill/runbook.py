@@ -853,7 +853,8 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
     return steps
 
 
-RESULT_TREES: dict[str, tuple[str, ...]] = {"R-C7": ("HD-001", "HD-002"), "R-C14": ("instruction",)}
+RESULT_TREES: dict[str, tuple[str, ...]] = {"R-C7": ("HD-001", "HD-002"), "R-C14": ("instruction",),
+                                            "R-D20": ("HD-001",)}
 """The trees a result reads where it is not its half's default (:func:`result_trees`)."""
 
 
@@ -861,7 +862,8 @@ def result_trees(result_id: str) -> tuple[str, ...]:
     """The trees whose steps produce a result: the characterization results (``R-C``) read HD-001,
     the full-inventory characterization, the distillation results (``R-D``) DT-000 and DT-001,
     except where :data:`RESULT_TREES` says otherwise (R-C7 compares HD-001 with the shortlist's
-    HD-002; R-C14 is the instruction control); the report serves every result."""
+    HD-002; R-C14 is the instruction control; R-D20, the faithfulness of the objective's ``c``,
+    is read on the teacher's characterization); the report serves every result."""
     default = ("HD-001",) if result_id.startswith("R-C") else ("DT-000", "DT-001")
     return (*RESULT_TREES.get(result_id, default), "report")
 

@@ -77,6 +77,7 @@ APP_Q_RUNS: dict[str, list[str]] = {
               + trained(Q4B, "vanilla-fp32", 3, tree="DT-000") + trained(SMOL, "vanilla-fp32", 2, tree="DT-000")
               + trained(Q4B, "mistill-fp32-bf16-lambda", 3)),
     "R-D18": MAIN,
+    "R-D20": HD001,
     "R-D21": ["DT-000/shortlist"],
     "R-D22": [FP32_SELECTION, *trained(Q4B, "mistill-fp32", 1), "DT-001/own_heads_probe_qwen3-4b_mistill-fp32_s0",
               *trained(Q4B, "vanilla-fp32", 3, tree="DT-000")],

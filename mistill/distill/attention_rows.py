@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from mistill.errors import MistillInputError
-from mistill.models.geometry import HeadGeometry, LayerParts
+from mistill.models.geometry import HeadGeometry, LayerParts, final_norm_scale
 
 __all__ = ["LayerInputs", "in_plain_forward", "LayerKeys", "layer_keys", "attention_rows", "head_outputs",
-           "contribution", "region_mass", "final_norm_scale"]
+           "contribution", "region_mass"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -350,21 +350,6 @@ def head_outputs(parts: LayerParts, geometry: HeadGeometry, hidden_in: torch.Ten
 # --------------------------------------------------------------------------------------------
 # Contribution c and region mass m
 # --------------------------------------------------------------------------------------------
-
-def final_norm_scale(geometry: HeadGeometry, final_residual: torch.Tensor) -> torch.Tensor:
-    """The final RMSNorm's per-position scale ``1 / rms(x) = rsqrt(mean(x^2) + eps)``.
-
-    Args:
-        final_residual: ``[row, d_model]``. Returns ``[row]`` float32.
-    """
-    norm = geometry.final_norm
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-    if eps is None or getattr(norm, "weight", None) is None or getattr(norm, "bias", None) is not None:
-        raise MistillInputError(f"the final norm {type(norm).__name__} is not an RMSNorm with a weight",
-                                field="model")
-    x = final_residual.float()
-    return torch.rsqrt(x.pow(2).mean(-1) + float(eps))
-
 
 def _competitors(competitor_ids: Sequence[Sequence[int]], competitor_logits, n_rows: int,
                  device: torch.device, detach: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,7 @@ from scipy import stats as sps
 from mistill.instrument.hooks import HeadHook
 from mistill.instrument.patching import Query, margins_from_logits, mean_ablate
 from mistill.instrument.runner import KVPrefix, Runner
+from mistill.models.geometry import HeadGeometry, final_norm_scale
 
 
 @dataclass
@@ -31,7 +32,8 @@ class FirstOrder:
 
     ``margin``: clean margin; ``importance``: ``[layer * head]`` first-order estimate of ``I_h``
     (= ``-A_h``); ``z``: ``[layer, head, d_head]`` clean head outputs; ``hidden_in``:
-    ``[layer, d_model]`` residual stream entering each layer (clean).
+    ``[layer, d_model]`` residual stream entering each layer (clean); ``logits``: ``[vocab]``;
+    ``final_hidden``: ``[d_model]`` the residual stream entering the final norm (clean).
     """
 
     margin: float
@@ -39,6 +41,7 @@ class FirstOrder:
     z: torch.Tensor
     hidden_in: torch.Tensor
     logits: torch.Tensor
+    final_hidden: torch.Tensor | None = None
 
 
 def first_order(runner: Runner, hook: HeadHook, prefix: KVPrefix, query: Query, mean: torch.Tensor,
@@ -58,7 +61,7 @@ def first_order(runner: Runner, hook: HeadHook, prefix: KVPrefix, query: Query, 
     a = ((mean.float().to(z.device) - z.float()) * grads).sum(-1)  # A_h [layer, head]
     return FirstOrder(margin=float(m.detach()), importance=(-a).flatten().detach().cpu(),
                       z=z.detach(), hidden_in=out.hidden_in[:, 0, 0].detach(),
-                      logits=out.logits[0, 0].detach())
+                      logits=out.logits[0, 0].detach(), final_hidden=out.final_hidden[0, 0].detach())
 
 
 def exact_importance(runner: Runner, hook: HeadHook, prefix: KVPrefix, query: Query,
@@ -126,5 +129,38 @@ def first_order_batch(runner: Runner, hook: HeadHook, prefix: KVPrefix, queries:
     a = ((mean.float().to(z.device).unsqueeze(0) - z.float()) * grads).sum(-1)  # [row, layer, head]
     imp = (-a).flatten(1).detach().cpu()
     return [FirstOrder(margin=float(margins[i].detach()), importance=imp[i], z=z[i].detach(),
-                       hidden_in=out.hidden_in[:, 0, i].detach(), logits=out.logits[0, i].detach())
+                       hidden_in=out.hidden_in[:, 0, i].detach(), logits=out.logits[0, i].detach(),
+                       final_hidden=out.final_hidden[0, i].detach())
             for i in range(n)]
+
+
+def direct_effects(geometry: HeadGeometry, z: torch.Tensor, final_hidden: torch.Tensor, logits: torch.Tensor,
+                   query: Query) -> torch.Tensor:
+    """Each head's direct-path effect on the margin in nats, ``[layer * head]`` float32.
+
+    The head's write ``W_O[:, h] z_h`` taken through the final RMSNorm with its scale frozen at
+    the clean residual ``x`` and projected on the margin direction in the unembedding,
+    ``u = W_U[t] - sum_c softmax(logits_C)_c W_U[c]`` (the gradient of ``logit_t -
+    logsumexp(logits_C)`` with respect to the norm's output)::
+
+        direct_h = (g * W_O[:, h] z_h * rsqrt(mean(x^2) + eps)) . u
+
+    the direct-logit attribution of the margin (Sec. 2.3). Divided by the clean margin it is the
+    contribution ``c`` of a one-head pool in the distillation objective's interaction term
+    (Sec. 4.1); ``o_proj``'s bias belongs to no head and is left out.
+
+    Args:
+        z: ``[layer, head, d_head]`` clean head outputs; final_hidden: ``[d_model]``; logits:
+            ``[vocab]`` clean logits at the query.
+    """
+    g = geometry
+    x = final_hidden.float().reshape(1, -1)
+    comp = torch.as_tensor(list(query.competitor_ids), dtype=torch.long, device=x.device)
+    w_c = torch.softmax(logits.float().to(x.device).index_select(-1, comp), dim=-1)
+    w_u = g.lm_head.weight
+    u = w_u[query.target_id].float() - (w_c.unsqueeze(-1) * w_u.index_select(0, comp).float()).sum(0)
+    j = g.final_norm.weight.float() * final_norm_scale(g, x)[0] * u  # [d_model]
+    out = [torch.einsum("hd,mhd,m->h", z[l].float().to(x.device),
+                        parts.o_proj.weight.float().reshape(g.d_model, g.n_heads, g.d_head), j)
+           for l, parts in zip(range(z.shape[0]), g.layers)]
+    return torch.cat(out).detach().cpu()

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from mistill.config import Config
-from mistill.instrument.attribution import (FirstOrder, exact_importance, fidelity, first_order, first_order_batch,
-                                            nominees)
+from mistill.instrument.attribution import (FirstOrder, direct_effects, exact_importance, fidelity, first_order,
+                                            first_order_batch, nominees)
 from mistill.instrument.hooks import HeadHook
 from mistill.instrument.patching import (EventVariants, Query, clean_read, knock_in, mean_ablate,
                                         run_event_variants)
@@ -101,7 +101,8 @@ class NoteAttribution:
 
     Arrays are indexed ``[event]`` and ``[event, head]`` (flat heads ``layer * n_heads + head``):
     ``first_order`` is ``-A_h``; ``exact`` holds exact mean-ablation importances where measured
-    and NaN elsewhere.
+    and NaN elsewhere; ``direct`` each head's direct-path effect on the margin in nats
+    (:func:`~mistill.instrument.attribution.direct_effects`; None in files written before it).
     """
 
     note_id: str
@@ -112,6 +113,7 @@ class NoteAttribution:
     first_order: np.ndarray
     exact: np.ndarray
     selftest: list[dict] = field(default_factory=list)
+    direct: np.ndarray | None = None
 
     @property
     def importance(self) -> np.ndarray:
@@ -120,16 +122,17 @@ class NoteAttribution:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The stored arrays of ``attribution.npz``."""
-        return {"event_ids": np.array(self.event_ids, dtype=str), "kinds": np.array(self.kinds, dtype=str),
-                "positions": self.positions, "margins": self.margins, "first_order": self.first_order,
-                "exact": self.exact}
+        out = {"event_ids": np.array(self.event_ids, dtype=str), "kinds": np.array(self.kinds, dtype=str),
+               "positions": self.positions, "margins": self.margins, "first_order": self.first_order,
+               "exact": self.exact}
+        return out if self.direct is None else {**out, "direct": self.direct}
 
     @classmethod
     def from_npz(cls, path, note_id: str) -> NoteAttribution:
         with np.load(path) as d:
             return cls(note_id=note_id, event_ids=d["event_ids"].tolist(), kinds=d["kinds"].tolist(),
                        positions=d["positions"], margins=d["margins"], first_order=d["first_order"],
-                       exact=d["exact"])
+                       exact=d["exact"], direct=d["direct"] if "direct" in d.files else None)
 
 
 def prefill_note(runner: Runner, hook: HeadHook, input_ids: torch.Tensor) -> tuple[KVPrefix, torch.Tensor]:
@@ -143,7 +146,8 @@ def prefill_note(runner: Runner, hook: HeadHook, input_ids: torch.Tensor) -> tup
 class FirstOrderSweep:
     """A note after its prefill and its first-order sweep, ready for the exact sweep.
 
-    ``first_order`` ``[event, head]`` (``-A_h``) and ``margins`` ``[event]`` in the order of
+    ``first_order`` ``[event, head]`` (``-A_h``), ``direct`` ``[event, head]`` (each head's
+    direct-path effect on the margin, nats) and ``margins`` ``[event]`` in the order of
     ``events``; ``hidden_in[i]`` ``[layer, d_model]``: the clean residual stream entering each
     layer at event ``i`` (on the runner's device; the exact patches start from it); ``order``:
     the events' visiting order (decreasing position). Holds the note's prefix until released.
@@ -157,6 +161,7 @@ class FirstOrderSweep:
     margins: np.ndarray
     hidden_in: list[torch.Tensor]
     order: list[int]
+    direct: np.ndarray | None = None
 
     def phase_means(self) -> dict[str, np.ndarray]:
         """:func:`phase_means` of this note."""
@@ -185,6 +190,7 @@ def first_order_sweep(runner: Runner, hook: HeadHook, note_id: str, input_ids: t
     prefix, mean = prefill_note(runner, hook, input_ids)
     n_ev = len(events)
     fo_all = np.zeros((n_ev, runner.geometry.n_total_heads), dtype=np.float32)
+    direct = np.zeros_like(fo_all)
     margins = np.zeros(n_ev, dtype=np.float32)
     hidden: list[torch.Tensor] = [torch.empty(0)] * n_ev
     order = sorted(range(n_ev), key=lambda i: -events[i].query.position)
@@ -197,10 +203,11 @@ def first_order_sweep(runner: Runner, hook: HeadHook, note_id: str, input_ids: t
                                 detach=cfg.detach)
         for i, fo in zip(group, fos):
             fo_all[i], margins[i], hidden[i] = fo.importance.numpy(), fo.margin, fo.hidden_in
+            direct[i] = direct_effects(runner.geometry, fo.z, fo.final_hidden, fo.logits, events[i].query).numpy()
         bar.update(len(group))
     bar.close()
     return FirstOrderSweep(note_id=note_id, events=list(events), prefix=prefix, mean=mean, first_order=fo_all,
-                           margins=margins, hidden_in=hidden, order=order)
+                           margins=margins, hidden_in=hidden, order=order, direct=direct)
 
 
 def exact_sweep(runner: Runner, hook: HeadHook, sweep: FirstOrderSweep, cfg: AttributionConfig,
@@ -258,7 +265,8 @@ def exact_sweep(runner: Runner, hook: HeadHook, sweep: FirstOrderSweep, cfg: Att
     return NoteAttribution(note_id=sweep.note_id, event_ids=[e.event_id for e in events],
                            kinds=[e.kind for e in events],
                            positions=np.array([e.query.position for e in events], dtype=np.int64),
-                           margins=sweep.margins, first_order=sweep.first_order, exact=exact_all, selftest=selftest)
+                           margins=sweep.margins, first_order=sweep.first_order, exact=exact_all, selftest=selftest,
+                           direct=sweep.direct)
 
 
 NOISE_FORWARDS = 6

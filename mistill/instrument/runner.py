@@ -77,10 +77,13 @@ class KVPrefix:
 @dataclass
 class RunnerOutput:
     """``logits``: ``[batch, row_out, vocab]`` (float32); ``hidden_in``: per layer the residual
-    stream entering it, ``[layer, batch, row, d_model]`` when captured."""
+    stream entering it, ``[layer, batch, row, d_model]`` when captured; ``final_hidden``: the
+    residual stream entering the final norm at the logits rows, ``[batch, row_out, d_model]``,
+    captured with ``hidden_in``."""
 
     logits: torch.Tensor
     hidden_in: torch.Tensor | None = None
+    final_hidden: torch.Tensor | None = None
 
 
 _HAS_FLASH_OP = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention")
@@ -539,7 +542,7 @@ class Runner:
         hidden = None
         if captured is not None:
             hidden = torch.stack(captured, dim=0)
-        return RunnerOutput(logits=logits, hidden_in=hidden)
+        return RunnerOutput(logits=logits, hidden_in=hidden, final_hidden=hs if captured is not None else None)
 
     def _fused(self, like: torch.Tensor) -> FusedElementwise | None:
         """The compiled element-wise parts when ``fuse_elementwise`` is on, ``like`` is on CUDA

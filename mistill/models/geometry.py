@@ -188,3 +188,18 @@ def head_geometry(model: nn.Module) -> HeadGeometry:
 def split_heads(z: torch.Tensor, n_heads: int) -> torch.Tensor:
     """View an o_proj input ``[..., head * d_head]`` as ``[..., head, d_head]``."""
     return z.view(*z.shape[:-1], n_heads, z.shape[-1] // n_heads)
+
+
+def final_norm_scale(geometry: HeadGeometry, final_residual: torch.Tensor) -> torch.Tensor:
+    """The final RMSNorm's per-position scale ``1 / rms(x) = rsqrt(mean(x^2) + eps)``.
+
+    Args:
+        final_residual: ``[row, d_model]``. Returns ``[row]`` float32.
+    """
+    norm = geometry.final_norm
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if eps is None or getattr(norm, "weight", None) is None or getattr(norm, "bias", None) is not None:
+        raise MistillInputError(f"the final norm {type(norm).__name__} is not an RMSNorm with a weight",
+                                field="model")
+    x = final_residual.float()
+    return torch.rsqrt(x.pow(2).mean(-1) + float(eps))

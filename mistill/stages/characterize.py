@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 import torch
+from scipy import stats as sps
 
 from mistill.config import Config
 from mistill.data.corpus import Note
@@ -24,6 +25,7 @@ from mistill.instrument.calibration import (NoteImportance, calibratable_patient
                                             note_importance_c, ranking, recurrence, sparsity, split_half_stability)
 from mistill.instrument.events import (RealizedEvent, coverage_report, entropy_over_choices, event_counts,
                                        extract_events, margin, margin_audit, realize_events)
+from mistill.instrument import faithfulness
 from mistill.instrument.hooks import HeadHook
 from mistill.instrument.inputs import event_queries, note_input, subsample_phase_events, trace_start_token
 from mistill.instrument.passes import (AttributionConfig, CleanEvents, DonorCandidate, DonorWork, EventQuery,
@@ -348,9 +350,10 @@ def run_attribute(cfg: AttributeConfig) -> str:
             return run.run_id
         selftests = [row for note in notes for row in reader.json(note.note_id, "selftest.json")["rows"]]
         # calibration over every note
-        importances = []
+        importances, attributions = [], []
         for note in notes:
             att = NoteAttribution.from_npz(reader.path(note.note_id, "attribution.npz"), note.note_id)
+            attributions.append(att)
             importances.append(NoteImportance(note_id=note.note_id, patient_id=note.patient_id,
                                               kinds=np.array(att.kinds), importance=att.importance,
                                               exact_mask=~np.isnan(att.exact)))
@@ -380,6 +383,8 @@ def run_attribute(cfg: AttributeConfig) -> str:
                 run.log_metrics({metric_name("stability", phase, k): float(v) for k, v in _flatten(stab).items()
                                  if isinstance(v, (int, float)) and np.isfinite(v)})
         run.log_table("importance_c_top40", pd.DataFrame(top_rows))
+        _log_faithfulness(run, attributions)
+        _log_refinement(run, attributions, importances, cal, names, cfg)
         if selftests:
             st = pd.DataFrame(selftests)
             run.log_table("selftest", st)
@@ -387,6 +392,56 @@ def run_attribute(cfg: AttributeConfig) -> str:
                              for c in st.columns if c != "event_id"})
         print(f"attribute: {len(notes)} notes calibrated -> run {run.run_id}")
         return run.run_id
+
+
+REFINEMENT_TOP = (8, 40)
+"""The top-k overlaps of the first-order and exact-refined rankings (App. C: 38 of 40)."""
+
+
+def _log_refinement(run, attributions: list[NoteAttribution], importances: list[NoteImportance],
+                    cal, names: list[str], cfg: AttributeConfig) -> None:
+    """Within the run, the first-order ranking against the exact-refined one (App. C, "The
+    character ranking under the intact hook", Table 9): the calibration repeated on the
+    first-order importances alone, then per phase the Spearman correlation of the two ``I_c``
+    and their top-8 / top-40 overlaps (metrics ``refinement/<phase>/...``); and table
+    ``top8_exact``: each phase's top-8 with the mean exact importance over the phase's events
+    that patched it."""
+    first = [NoteImportance(note_id=imp.note_id, patient_id=imp.patient_id, kinds=imp.kinds,
+                            importance=att.first_order, exact_mask=np.zeros_like(att.first_order, dtype=bool))
+             for imp, att in zip(importances, attributions)]
+    cal_fo = calibrate(first, q=cfg.fdr_q, seed=cfg.seed)
+    metrics, rows = {}, []
+    for phase in ("P1", "P2", "P2C"):
+        refined, plain = cal.importance_c.get(phase), cal_fo.importance_c.get(phase)
+        if refined is None or plain is None or not (np.isfinite(refined).all() and np.isfinite(plain).all()):
+            continue
+        metrics[metric_name("refinement", phase, "spearman")] = float(sps.spearmanr(refined, plain).statistic)
+        top_r, top_p = np.argsort(-refined, kind="stable"), np.argsort(-plain, kind="stable")
+        for k in REFINEMENT_TOP:
+            metrics[metric_name("refinement", phase, "top_overlap", k)] = float(len(set(top_r[:k]) & set(top_p[:k])))
+        exact = [att.exact[[i for i, kind in enumerate(att.kinds) if kind == phase]] for att in attributions]
+        exact = np.concatenate([e for e in exact if e.size]) if any(e.size for e in exact) else np.empty((0, 0))
+        for rank, h in enumerate(top_r[:8]):
+            col = exact[:, h] if exact.size else np.empty(0)
+            patched = col[np.isfinite(col)]
+            rows.append({"phase": phase, "rank": rank + 1, "head": names[h], "I_c": float(refined[h]),
+                         "mean_exact": float(patched.mean()) if patched.size else float("nan"),
+                         "n_events_patched": int(patched.size), "rank_first_order": int(np.flatnonzero(top_p == h)[0]) + 1})
+    if metrics:
+        run.log_metrics({k: v for k, v in metrics.items() if np.isfinite(v)})
+        run.log_table("top8_exact", pd.DataFrame(rows))
+
+
+def _log_faithfulness(run, attributions: list[NoteAttribution]) -> None:
+    """The contribution ``c`` against exact importance at the contrastive events with exact
+    patches (Sec. 2.3, :mod:`mistill.instrument.faithfulness`): table ``c_faithfulness`` (one row
+    per event) and metrics ``faithfulness/...``; nothing when no event qualifies."""
+    rows = faithfulness.event_rows(attributions, "P2C")
+    if not rows:
+        return
+    run.log_table("c_faithfulness", pd.DataFrame(rows))
+    values = faithfulness.summary(rows, faithfulness.pooled(attributions, "P2C"))
+    run.log_metrics({metric_name("faithfulness", *k.split("/")): v for k, v in values.items()})
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

@@ -132,9 +132,9 @@ class OwnHeadsConfig(Config, KnockinReadParams, DonorParams, TokenCapParams, Bac
         check_seed(self.seed)
         check_non_negative(self.max_notes, "max_notes", "0: every note")
         check_choice(self.launch, LAUNCHES, "launch")
+        check_name(self.probe_head, "probe_head", "a head (L<layer>H<head>)", allow_empty=True)
         if self.probe_head and not re.fullmatch(r"L\d+H\d+", self.probe_head):
-            raise MistillInputError(f"probe_head must name a head as L<layer>H<head>, got {self.probe_head!r}",
-                                    field="probe_head")
+            raise MistillInputError("probe_head must name a head as L<layer>H<head>", field="probe_head")
         check_choice(self.probe_phase, PHASES, "probe_phase")
         check_positive(self.probe_rank, "probe_rank")
 
