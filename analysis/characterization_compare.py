@@ -36,7 +36,8 @@ from mistill.instrument.settables import MEASURES, SETS, sets_table
 from mistill.stages.common import RunReader
 from mistill.tracking.naming import TAG_INPUT_PREFIX, TAG_STAGE
 
-__all__ = ["COMPARE_KS", "compare_display", "compare_rankings", "compared_runs", "knockin_display",
+__all__ = ["COMPARE_KS", "LOCUS_RANKINGS", "SIDE_METRICS", "compare_display", "compare_rankings", "compared_runs",
+           "knockin_display", "metrics_side_by_side", "prose_time_overlap", "reading_runs",
            "knockin_side_by_side", "note_patients", "patient_collapse_display", "patient_collapse_table",
            "patient_rows", "ranking_agreement", "readside_patient_collapse", "spearman"]
 
@@ -101,17 +102,17 @@ def ranking_agreement(ranking_a: Sequence[str], importance_a: Sequence[float], r
 
 
 def compare_rankings(sets_a: Mapping[str, Any], sets_b: Mapping[str, Any],
-                     ks: Sequence[int] = COMPARE_KS) -> pd.DataFrame:
-    """Per phase ranked in both runs (P1, P2, P2C), :func:`ranking_agreement` of two
-    ``head_sets.json`` documents, with the notes each run ranked the phase on (``n_notes_a``,
-    ``n_notes_b``).
+                     ks: Sequence[int] = COMPARE_KS, phases: Sequence[str] = PHASES) -> pd.DataFrame:
+    """Per phase ranked in both runs (``phases``: P1, P2, P2C; a locus run's ``prose_time`` and
+    ``transport``), :func:`ranking_agreement` of two ``head_sets.json`` documents, with the notes
+    each run ranked the phase on (``n_notes_a``, ``n_notes_b``).
 
     **[recon]** NULL has no ``I_c`` ranking (it is the calibration's reference, App. C): it is
     left out, as from the paper's Tables 9 and 35. A phase only one run ranks is left out.
     Columns: ``phase, n_notes_a, n_notes_b, n_heads, spearman, top_overlap.<k>, top_k.<k>``.
     """
     rows = []
-    for phase in PHASES:
+    for phase in phases:
         a, b = sets_a.get(phase), sets_b.get(phase)
         if not (isinstance(a, Mapping) and isinstance(b, Mapping) and a.get("ranking") and b.get("ranking")):
             continue
@@ -401,13 +402,79 @@ def compared_runs(client: MlflowClient, experiment: str, run_ids: Sequence[str] 
         for i, (side, row, other) in enumerate((("a", ra, rb), ("b", rb, ra))):
             label = labels[2 * n + i] if labels else _label(row, other)
             attribute.append({**row, "pair": n, "side": side, "label": label})
-            kin = client.search_runs(
-                [row["experiment_id"]], max_results=1, order_by=["attributes.start_time DESC"],
-                filter_string=f"tags.`{TAG_STAGE}` = 'knockin' and attributes.status = 'FINISHED' and "
-                              f"tags.`{TAG_INPUT_PREFIX}attribute` = '{row['run_id']}'")
+            kin = _newest_reader(client, row, "knockin")
             if kin:
-                knockin.append({**_run_row(client, kin[0].info.run_id), "pair": n, "side": side, "label": label})
+                knockin.append({**_run_row(client, kin), "pair": n, "side": side, "label": label})
     return pd.DataFrame.from_records(attribute), pd.DataFrame.from_records(knockin)
+
+
+def _newest_reader(client: MlflowClient, attribute_row: Mapping[str, Any], stage: str) -> str | None:
+    """The newest FINISHED ``stage`` run that read this attribute run (its lineage tag), or None."""
+    found = client.search_runs(
+        [attribute_row["experiment_id"]], max_results=1, order_by=["attributes.start_time DESC"],
+        filter_string=f"tags.`{TAG_STAGE}` = '{stage}' and attributes.status = 'FINISHED' and "
+                      f"tags.`{TAG_INPUT_PREFIX}attribute` = '{attribute_row['run_id']}'")
+    return found[0].info.run_id if found else None
+
+
+def reading_runs(client: MlflowClient, attribute: pd.DataFrame, stage: str) -> pd.DataFrame:
+    """The newest FINISHED ``stage`` run (``locus``, ``read_side``) that read each compared
+    attribute run of :func:`compared_runs`, with its pair, side and label; an attribute run
+    without one has no row."""
+    rows = []
+    for _, row in (attribute.iterrows() if not attribute.empty else ()):
+        found = _newest_reader(client, row, stage)
+        if found:
+            rows.append({**_run_row(client, found), "pair": row["pair"], "side": row["side"], "label": row["label"]})
+    return pd.DataFrame.from_records(rows)
+
+
+SIDE_METRICS: dict[str, tuple[str, ...]] = {
+    "locus": ("locus/",), "read_side": ("readside/",)}
+"""The metrics shown side by side for a pair's ``locus`` and ``read_side`` runs (Tables 35 and 37):
+the locus outcome shares, the median window distance, pass B and the follow-through; the
+read-side lifts of each group and phase and the top-k's wins over the random panel."""
+
+
+def metrics_side_by_side(runs: pd.DataFrame, stage: str) -> pd.DataFrame:
+    """Per pair of ``runs`` (:func:`reading_runs`), every metric of :data:`SIDE_METRICS` that
+    either run logs: ``pair, label_a, label_b, run_a, run_b, metric, a, b, b_minus_a``."""
+    rows = []
+    if runs.empty:
+        return pd.DataFrame(columns=["pair", "label_a", "label_b", "run_a", "run_b", "metric", "a", "b", "b_minus_a"])
+    for pair, grp in runs.groupby("pair", sort=True):
+        sides = {r["side"]: r for _, r in grp.iterrows()}
+        if set(sides) != {"a", "b"}:
+            continue
+        a, b = sides["a"], sides["b"]
+        names = sorted({c for c in runs.columns if c.startswith(SIDE_METRICS[stage])
+                        and (pd.notna(a.get(c)) or pd.notna(b.get(c)))})
+        for name in names:
+            va, vb = _float(a.get(name)), _float(b.get(name))
+            rows.append({"pair": int(pair), "label_a": a["label"], "label_b": b["label"], "run_a": a["run_id"],
+                         "run_b": b["run_id"], "metric": name, "a": va, "b": vb, "b_minus_a": vb - va})
+    return pd.DataFrame(rows, columns=["pair", "label_a", "label_b", "run_a", "run_b", "metric", "a", "b",
+                                       "b_minus_a"])
+
+
+LOCUS_RANKINGS: tuple[str, ...] = ("prose_time", "transport")
+"""A locus run's rankings in its ``head_sets.json`` (App. F)."""
+
+
+def prose_time_overlap(locus_sets: Mapping[str, Any], attribute_sets: Mapping[str, Any],
+                       ks: Sequence[int] = (8, 40)) -> dict[str, float]:
+    """How much a locus run's prose-time set shares with its characterization's chapter
+    (emission) set (Table 37: 1 of 8 and 3 of 40 for QwQ-32B), and the median layer of the
+    prose-time top-40 (``L<layer>H<head>`` names): ``{"overlap.<k>": ..., "median_layer": ...}``."""
+    prose = list((locus_sets.get("prose_time") or {}).get("ranking") or [])
+    emission = list((attribute_sets.get("P1") or {}).get("ranking") or [])
+    out: dict[str, float] = {}
+    if prose and emission:
+        out.update({f"overlap.{k}": float(len(set(prose[:k]) & set(emission[:k]))) for k in ks})
+    layers = [int(h[1:].split("H")[0]) for h in prose[:max(ks)] if h.startswith("L") and "H" in h]
+    if layers:
+        out["median_layer"] = float(np.median(layers))
+    return out
 
 
 def note_patients(knockin_run: str) -> dict[str, str]:

@@ -28,12 +28,13 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from analysis import query, run_deviations, tables
-from analysis.characterization_compare import compared_runs
+from analysis.characterization_compare import compared_runs, reading_runs
 from analysis.report_model import LAMBDA_CELLS, Report, ReportInputs, ReportTable, TableChoices, cell_train_runs
 from analysis.report_sections import (READ_SIDE_STAGES, ExtraRuns, ablations_section, audit_section,
                                       characterization_section, global_sets_section, lambda_section, locus_section,
-                                      matched_selection_section, own_heads_probe_section, own_heads_section,
-                                      read_side_section, selection_section, student_edits_section, task_section)
+                                      matched_selection_section, own_heads_aligned_section, own_heads_probe_section,
+                                      own_heads_section, read_side_section, selection_section, student_edits_section,
+                                      task_section)
 from analysis.report_sections import characterization_compare_section
 from analysis.report_sections import replicate_section, training_section
 from mistill import stats
@@ -116,6 +117,8 @@ def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str]
             extra["trace_edit_all"] = query.latest_runs(found, query.RUN_KEY) if not found.empty else found
     extra["attribute_compared"], extra["knockin_compared"] = compared_runs(
         client, experiment, compare_attribute_runs, compare_labels)
+    extra["locus_compared"] = reading_runs(client, extra["attribute_compared"], "locus")
+    extra["read_side_compared"] = reading_runs(client, extra["attribute_compared"], "read_side")
     return ReportInputs(experiment, runs, extra)
 
 
@@ -173,6 +176,7 @@ def build_report(inputs: ReportInputs, *, reference_arm: str,
                n_resamples, seed)
     own_heads_probe_section(rep, inputs.extra.get("own_heads_probe", pd.DataFrame()),
                             inputs.extra.get("own_heads_all", pd.DataFrame()), n_resamples, seed)
+    own_heads_aligned_section(rep, inputs.runs["own_heads"], n_resamples, seed)
     cells = lambda_section(rep, inputs.runs["select_lambda"])
     extra = ExtraRuns.load(inputs, split)
     rep.counts.update({s: len(inputs.extra[s]) for s in ("attribute", "train")
@@ -190,7 +194,8 @@ def build_report(inputs: ReportInputs, *, reference_arm: str,
         rep, inputs.extra.get("attribute_compared", pd.DataFrame()),
         inputs.extra.get("knockin_compared", pd.DataFrame()),
         pd.concat([inputs.runs["knockin"], inputs.extra.get("knockin_compared", pd.DataFrame())],
-                  ignore_index=True))
+                  ignore_index=True),
+        inputs.extra.get("locus_compared", pd.DataFrame()), inputs.extra.get("read_side_compared", pd.DataFrame()))
     training_section(rep, client, extra, cells, n_resamples, seed)
     replicate_section(rep, extra, replicate_pairs, n_resamples, seed)
     rep.size_section = evidence_size(inputs.runs["evaluate"], task_notes,

@@ -14,6 +14,7 @@ from mlflow.tracking import MlflowClient
 
 from analysis import (ablation_tables, characterization, figures, locus_figures, query, run_deviations,
                       selection_tables as seltab, tables)
+from analysis import aligned_events as aligned
 from analysis import characterization_compare as compare
 from analysis import matched_tables as matched
 from analysis import training_tables
@@ -416,6 +417,39 @@ def own_heads_probe_section(rep: Report, probes: pd.DataFrame, own_all: pd.DataF
         "higher/lower": f"{int(r['notes_higher'])}/{int(r['notes_lower'])}" if not pd.isna(r["notes_higher"]) else ""}
         for _, r in table.iterrows()])
     _listed(rep, name, title, caption, table, shown, columns=cols)
+
+
+def own_heads_aligned_section(rep: Report, runs: pd.DataFrame, n_resamples: int, seed: int) -> None:
+    """Table 38's check (R-D19): each student family's own-heads P2C recovery gain over the
+    reference arm on every event it realizes and on the events every student's tokenizer realizes."""
+    name, title = "own_heads_aligned", "Table 38: own-heads gains on the events every tokenizer realizes"
+    caption = (f"Per student model and arm: own-heads P2C knock-in recovery at k={ablation_tables.OWN_K} minus "
+               f"{rep.reference_arm}'s, seed-matched and note-clustered (mean over notes of the per-note "
+               "difference, 95% bootstrap interval; notes higher / lower), on every contrastive event the model "
+               "realizes (all) and on those every student's tokenizer realizes (aligned; the teacher's event ids "
+               "intersected over the students' own_heads runs).")
+    cols = ["model", "arm", "reference", "n_events", "n_aligned", "all.gain", "aligned.gain"]
+    if runs.empty:
+        return _listed(rep, name, title, caption, pd.DataFrame(), pd.DataFrame(), "no FINISHED own_heads runs",
+                       columns=cols)
+    events = _load(rep, runs, "own_heads_knockin_events.csv", ["note_id", "event_id", "phase", "k", "recovery",
+                                                               "gated"], ("run_id", *query.RUN_KEY))
+    if len(events) and "traces" in events.columns:
+        events = events[events["traces"] == "teacher"]
+    models = set(events.loc[~events["arm"].isin(aligned.EXCLUDED_ARMS), "model"]) if len(events) else set()
+    if len(models) < 2:
+        return _listed(rep, name, title, caption, pd.DataFrame(), pd.DataFrame(),
+                       "the own_heads runs read fewer than two student models (one tokenizer)", columns=cols)
+    table = aligned.aligned_gain_table(events, rep.reference_arm, k=ablation_tables.OWN_K,
+                                       n_resamples=n_resamples, seed=seed)
+    shown = pd.DataFrame.from_records([{
+        "model": r["model"], "arm": r["arm"], "events (aligned)": f"{int(r['n_events'])} ({int(r['n_aligned'])})",
+        **{f"{label} - {r['reference']}": tables.fmt_ci(r[f"{part}.gain"], r[f"{part}.low"], r[f"{part}.high"])
+           if not pd.isna(r[f"{part}.gain"]) else "" for part, label in (("all", "all"), ("aligned", "aligned"))},
+        "higher/lower (aligned)": f"{int(r['aligned.higher'])}/{int(r['aligned.lower'])}"
+        if not pd.isna(r["aligned.higher"]) else ""} for _, r in table.iterrows()])
+    _listed(rep, name, title, caption, table, shown, "" if len(table) else "no arm beside the reference arm",
+            columns=cols)
 
 
 def _median_of(values: dict[str, float]) -> float:
@@ -888,7 +922,8 @@ def _stacked_table(rep: Report, name: str, title: str, caption: str, rows: Seque
 
 
 def characterization_compare_section(rep: Report, attribute: pd.DataFrame, knockin: pd.DataFrame,
-                                     collapsed: pd.DataFrame) -> None:
+                                     collapsed: pd.DataFrame, locus: pd.DataFrame | None = None,
+                                     read_side: pd.DataFrame | None = None) -> None:
     """Tables 9/35 (two attribute runs' rankings), 35/36 (their knock-in side by side) and App. C's
     patient collapse of the knock-in cells.
 
@@ -944,7 +979,70 @@ def characterization_compare_section(rep: Report, attribute: pd.DataFrame, knock
                        f"notes compared. Pairs: {pairs_text}.", kin_rows, kin_shown)
     elif basis:
         _skip(rep, "Tables 35/36 (knock-in side by side)", "no compared attribute run has a FINISHED knockin run")
+    _compare_locus(rep, attribute, locus if locus is not None else pd.DataFrame())
+    _compare_read_side(rep, read_side if read_side is not None else pd.DataFrame())
     _patient_collapse(rep, collapsed)
+
+
+def _compare_locus(rep: Report, attribute: pd.DataFrame, locus: pd.DataFrame) -> None:
+    """Tables 35 and 37's locus rows: per pair of compared characterizations, their locus runs'
+    metrics side by side, the prose-time and transport rankings compared (same model), and each
+    prose-time set's overlap with its own chapter set and its median layer."""
+    if attribute.empty:
+        return
+    if locus.empty:
+        return _skip(rep, "Tables 35/37 (locus side by side)", "no compared attribute run has a FINISHED locus run")
+    frames = [compare.metrics_side_by_side(locus, "locus")]
+    for pair, grp in locus.groupby("pair", sort=True):
+        sides = {r["side"]: r for _, r in grp.iterrows()}
+        if set(sides) != {"a", "b"}:
+            continue
+        sets = {s: query.read_json_artifact(r["run_id"], characterization.HEAD_SETS) for s, r in sides.items()}
+        att = {s: query.read_json_artifact(r["run_id"], characterization.HEAD_SETS)
+               for s, r in attribute[attribute["pair"] == pair].set_index("side").iterrows()}
+        extra = {}
+        if all(isinstance(v, dict) for v in sets.values()):
+            if sides["a"]["model"] == sides["b"]["model"]:
+                for _, r in compare.compare_rankings(sets["a"], sets["b"], phases=compare.LOCUS_RANKINGS).iterrows():
+                    extra[f"{r['phase']}/spearman"] = (r["spearman"], r["spearman"])
+                    for k in compare.COMPARE_KS:
+                        extra[f"{r['phase']}/top_overlap/{k}"] = (r[f"top_overlap.{k}"], r[f"top_overlap.{k}"])
+            both = {s: compare.prose_time_overlap(sets[s], att.get(s) if isinstance(att.get(s), dict) else {})
+                    for s in ("a", "b")}
+            for key in sorted(set(both["a"]) | set(both["b"])):
+                extra[f"prose_time/{key.replace('.', '/').replace('overlap', 'chapter_overlap')}"] = \
+                    (both["a"].get(key, float("nan")), both["b"].get(key, float("nan")))
+        a, b = sides["a"], sides["b"]
+        frames.append(pd.DataFrame([{"pair": int(pair), "label_a": a["label"], "label_b": b["label"],
+                                     "run_a": a["run_id"], "run_b": b["run_id"], "metric": name, "a": float(va),
+                                     "b": float(vb), "b_minus_a": float(vb) - float(va)}
+                                    for name, (va, vb) in extra.items()]))
+    table = pd.concat([f for f in frames if not f.empty], ignore_index=True) if any(not f.empty for f in frames) \
+        else pd.DataFrame()
+    if table.empty:
+        return _skip(rep, "Tables 35/37 (locus side by side)", "the compared locus runs logged no locus metrics")
+    rep.tables.append(ReportTable(
+        "compare_locus", "Tables 35 and 37: two characterizations' locus side by side",
+        "Per pair (A against B): each locus run's outcome shares, median window distance, pass B and "
+        "follow-through (locus/...), the prose-time and transport rankings compared where both runs are "
+        "of one model (Spearman's rho, heads shared by the top-k; the same value in both columns), and "
+        "each prose-time set's heads shared with its own characterization's chapter set and its median "
+        "layer (prose_time/chapter_overlap/<k>, prose_time/median_layer).",
+        table, table.drop(columns=["run_a", "run_b"]).round(3)))
+
+
+def _compare_read_side(rep: Report, read_side: pd.DataFrame) -> None:
+    """Table 35's read-side rows: the read_side runs of two compared characterizations side by side."""
+    if read_side.empty:
+        return
+    table = compare.metrics_side_by_side(read_side, "read_side")
+    if table.empty:
+        return _skip(rep, "Table 35 (read side side by side)", "the compared read_side runs logged no readside metrics")
+    rep.tables.append(ReportTable(
+        "compare_read_side", "Table 35: two characterizations' read side side by side",
+        "Per pair (A against B): each read_side run's region lifts of the top-k, random and bottom-k groups "
+        "per phase, and the sign-test p of the top-k against the random panel (readside/...).",
+        table, table.drop(columns=["run_a", "run_b"]).round(3)))
 
 
 def _patient_collapse(rep: Report, runs: pd.DataFrame) -> None:

@@ -717,6 +717,13 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
         _step("HD-001", "note_edit", "note_edit",
               Workload("edits", "qwen3-14b", chars * c.edit_events_per_note * c.edit_reads_per_event), inputs=attr),
     ]
+    # Table 9 (R-C8): the first 50 notes attributed again with the intact graph and with the detached
+    # hook, the P2 nominees patched exactly in both; the report pairs the two runs of one events run
+    steps.append(_step("HD-001", "events_50", "events", Workload("targets", "qwen3-14b", 50, full),
+                       inputs={"prepare_run": "HD-001/generate"}, params={"model": "{teacher}", "max_notes": "50"}))
+    steps += [_step("HD-001", f"attribute_50_{name}", "attribute", Workload("characterize", "qwen3-14b", 50, full),
+                    inputs={"events_run": "HD-001/events_50"}, params={"detach": flag}, disk_gib=50 * 0.05)
+              for name, flag in (("intact", "false"), ("detached", "true"))]
     # HD-002: the same notes with the retrieved shortlist (the retriever trains on the release's
     # training split, its patients kept apart from the corpus's by the shortlist stage)
     retriever = {**release, "model": "{teacher}"}
@@ -730,6 +737,10 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
     steps.append(_step("HD-002", "characterize", "characterize", Workload("characterize", "qwen3-14b", chars, short),
                        inputs={"prepare_run": "HD-002/generate"}, params={"model": "{teacher}"},
                        disk_gib=chars * 0.02))
+    # Table 35's locus and read-side rows: the shortlist characterization's own (R-C7)
+    attr2 = {"attribute_run": "HD-002/characterize:attribute"}
+    steps += [_step("HD-002", stage, stage, Workload(stage, "qwen3-14b", chars, short), inputs=attr2,
+                    disk_gib=chars * 0.01) for stage in ("locus", "read_side")]
     # the instruction control
     steps += _traced_corpus("instruction", "prepare",
                             {**release, "select_n": str(c.instruction_notes), "narrow_instruction": "false"},

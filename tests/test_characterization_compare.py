@@ -201,6 +201,24 @@ def test_readside_patient_collapse_against_a_hand_computation():
         readside_patient_collapse(rows, {"n00": "p0"})
 
 
+LOCUS_METRICS = {"a": {"locus/share_window": 0.36, "locus/median_window_distance": 7.0, "locus/n_mentions": 40.0},
+                 "b": {"locus/share_window": 0.30, "locus/median_window_distance": 9.0}}
+READSIDE_METRICS = {"a": {"readside/P1/lift_top": 3.0, "readside/P1/lift_random": 1.0},
+                    "b": {"readside/P1/lift_top": 2.5, "readside/P1/lift_random": 1.1}}
+
+
+def _locus_sets(seed: int, attribute_sets: dict) -> dict:
+    """A locus run's rankings: prose time shares its first two heads with the chapter top-8."""
+    rng = np.random.default_rng(seed)
+    chapter = attribute_sets["P1"]["ranking"]
+    rest = [h for h in HEADS if h not in chapter[:8]]
+    order = chapter[:2] + list(rng.permutation(rest)) + chapter[2:8]
+    prose = {h: float(len(order) - i) for i, h in enumerate(order)}
+    transport = dict(zip(HEADS, rng.normal(0, 1, len(HEADS)).tolist()))
+    return {name: {"ranking": sorted(v, key=lambda h: -v[h]), "importance_c": sorted(v.values(), reverse=True),
+                   "n_notes": 6} for name, v in (("prose_time", prose), ("transport", transport))}
+
+
 # ------------------------------------------------------------------------ runs on the server
 @dataclasses.dataclass(frozen=True)
 class _PrepareLike(Config):
@@ -227,10 +245,20 @@ def runs(tracking_uri, tmp_path_factory):
         ids[f"knockin_{name}"] = make_run(tracking_uri, corpus, "knockin", root, model=model,
                                           cfg=_PrepareLike(tag=f"knockin-{name}"), inputs={"attribute": ids[name]},
                                           tables={"per_note_sets": ids[f"per_note_{name}"]})
+    # the two characterizations' locus and read-side runs (Tables 35, 37); the read_side run of "a"
+    # is its model's newest, so the patient collapse reads it
+    for side, sets, seed in (("a", SETS_A, 40), ("b", SETS_B, 41)):
+        ids[f"locus_sets_{side}"] = _locus_sets(seed, sets)
+        ids[f"locus_{side}"] = make_run(tracking_uri, corpus, "locus", root, model=TEACHER,
+                                        cfg=_PrepareLike(tag=f"locus-{side}"), inputs={"attribute": ids[side]},
+                                        metrics=LOCUS_METRICS[side], jsons={"head_sets": ids[f"locus_sets_{side}"]})
+    ids["read_side_b"] = make_run(tracking_uri, corpus, "read_side", root, model=TEACHER,
+                                  cfg=_PrepareLike(tag="read_side-b"), inputs={"attribute": ids["b"]},
+                                  metrics=READSIDE_METRICS["b"])
     ids["note_lifts"] = _note_lifts(30)
     ids["read_side"] = make_run(tracking_uri, corpus, "read_side", root, model=TEACHER,
                                 cfg=_PrepareLike(tag="read_side-a"), inputs={"attribute": ids["a"]},
-                                tables={"readside_note_lifts": ids["note_lifts"]})
+                                metrics=READSIDE_METRICS["a"], tables={"readside_note_lifts": ids["note_lifts"]})
     mp = pytest.MonkeyPatch()
     mp.setenv("MISTILL_ROOT", str(tmp_path_factory.mktemp("reader")))
     try:
@@ -296,6 +324,29 @@ def test_report_readside_patient_collapse(runs):
     note, patient, n_notes, n_patients = _lift_collapsed_by_hand(ids["note_lifts"], "P1", "top")
     assert r["lift.note"] == pytest.approx(note) and r["lift.patient"] == pytest.approx(patient)
     assert (r["n_notes"], r["n_patients"]) == (n_notes, n_patients) == (6, 4)
+
+
+def test_report_locus_and_read_side_side_by_side(runs):
+    ids, _ = runs
+    locus = _csv(runs, "compare_locus")
+    pair = locus[(locus["label_a"] == "intact") & (locus["label_b"] == "detached")].set_index("metric")
+    assert pair.at["locus/share_window", "a"] == pytest.approx(0.36) and pair.at["locus/share_window", "b"] == \
+        pytest.approx(0.30)
+    assert pair.at["locus/median_window_distance", "b_minus_a"] == pytest.approx(2.0)
+    assert np.isnan(pair.at["locus/n_mentions", "b"])  # logged by one run only
+    for name in ("prose_time", "transport"):
+        a, b = ids["locus_sets_a"][name], ids["locus_sets_b"][name]
+        ia, ib = dict(zip(a["ranking"], a["importance_c"])), dict(zip(b["ranking"], b["importance_c"]))
+        rho = spearmanr([ia[h] for h in HEADS], [ib[h] for h in HEADS]).statistic
+        assert pair.at[f"{name}/spearman", "a"] == pytest.approx(rho)
+        assert pair.at[f"{name}/top_overlap/8", "a"] == len(set(a["ranking"][:8]) & set(b["ranking"][:8]))
+    # each prose-time set shares exactly its first two heads with its chapter top-8
+    assert pair.at["prose_time/chapter_overlap/8", "a"] == 2 and pair.at["prose_time/chapter_overlap/8", "b"] == 2
+    layers = [int(h[1:].split("H")[0]) for h in ids["locus_sets_a"]["prose_time"]["ranking"][:40]]
+    assert pair.at["prose_time/median_layer", "a"] == pytest.approx(float(np.median(layers)))
+    read = _csv(runs, "compare_read_side").set_index("metric")
+    assert read.at["readside/P1/lift_top", "a"] == 3.0 and read.at["readside/P1/lift_top", "b_minus_a"] == \
+        pytest.approx(-0.5)
 
 
 def test_unnamed_pair_found_and_explicit_pairs_checked(runs):

@@ -47,6 +47,9 @@ APP_Q_RUNS: dict[str, list[str]] = {
     "R-C4": HD001,
     "R-C5": [*HD001, "HD-001/read_side"],
     "R-C6": [*HD001, "HD-001/locus"],
+    "R-C7": [*HD001, "HD-001/locus", "HD-001/read_side", "HD-002/shortlist", "HD-002/generate", "HD-002/characterize",
+             "HD-002/locus", "HD-002/read_side"],
+    "R-C8": ["HD-001/generate", "HD-001/events_50", "HD-001/attribute_50_intact", "HD-001/attribute_50_detached"],
     "R-C10": [*HD001, "HD-001/read_side", "HD-001/key_block"],
     "R-C11": [*HD001, "HD-001/trace_edit", "HD-001/note_edit"],
     "R-C12": [*HD001, "HD-001/locus"],
@@ -77,6 +80,8 @@ APP_Q_RUNS: dict[str, list[str]] = {
               + trained(Q4B, "vanilla-fp32", 3, tree="DT-000") + trained(SMOL, "vanilla-fp32", 2, tree="DT-000")
               + trained(Q4B, "mistill-fp32-bf16-lambda", 3)),
     "R-D18": MAIN,
+    "R-D19": (trained(Q4B, "mistill", 3) + trained(SMOL, "mistill", 3) + trained(Q4B, "vanilla-bf16", 3, tree="DT-000")
+              + trained(SMOL, "vanilla-bf16", 1, tree="DT-000")),
     "R-D20": HD001,
     "R-D21": ["DT-000/shortlist"],
     "R-D22": [FP32_SELECTION, *trained(Q4B, "mistill-fp32", 1), "DT-001/own_heads_probe_qwen3-4b_mistill-fp32_s0",
@@ -118,6 +123,14 @@ def test_a_produced_result_is_in_the_plan_with_every_run_the_paper_names(rid):
     chosen = {s.name for s in select(list(plan.values()), [rid])}
     missing = [name for name in needed if name not in chosen]
     assert not missing, f"{rid} is marked produced but reproduce would not run {missing}"
+
+
+def test_the_table9_pair_reads_one_events_run_of_the_first_50_notes():
+    plan = {s.name: s for s in paper_plan()}
+    assert plan["HD-001/events_50"].params["max_notes"] == "50"
+    pair = [plan[f"HD-001/attribute_50_{name}"] for name in ("intact", "detached")]
+    assert [(s.inputs["events_run"], s.params["detach"]) for s in pair] == \
+        [("HD-001/events_50", "false"), ("HD-001/events_50", "true")]
 
 
 def test_the_self_test_and_the_probe_run_as_the_paper_ran_them():

@@ -34,6 +34,10 @@ QUANTITIES: tuple[str, ...] = ("c", "mc", "first_order")
 effect in nats) and first-order attribution."""
 
 
+POOLED_NAMES: dict[str, str] = {"spearman": "spearman_pooled", "pearson": "pearson_pooled"}
+"""Each correlation's metric name pooled over events (beside its median over events)."""
+
+
 def _corr(x: np.ndarray, y: np.ndarray) -> dict[str, float]:
     if x.size < 3 or x.std() == 0 or y.std() == 0:
         return {"spearman": float("nan"), "pearson": float("nan")}
@@ -98,11 +102,11 @@ def summary(rows: Sequence[dict], pooled_values: dict[str, float]) -> dict[str, 
     across heads; ``mc_over_exact``; ``n_events``; ``n_heads_pooled``), finite ones only."""
     out: dict[str, float] = {"n_events": float(len(rows)), "n_heads_pooled": pooled_values.get("n_heads", 0.0)}
     for q in QUANTITIES:
-        for k in ("spearman", "pearson"):
+        for k, pooled_name in POOLED_NAMES.items():
             vals = np.array([r[f"{q}.{k}"] for r in rows], dtype=np.float64)
             vals = vals[np.isfinite(vals)]
             out[f"{q}/{k}"] = float(np.median(vals)) if vals.size else float("nan")
-            out[f"{q}/{k}_pooled"] = pooled_values.get(f"{q}.{k}", float("nan"))
+            out[f"{q}/{pooled_name}"] = pooled_values.get(f"{q}.{k}", float("nan"))
     ratios = np.array([r["mc_over_exact"] for r in rows], dtype=np.float64)
     ratios = ratios[np.isfinite(ratios)]
     out["mc_over_exact"] = float(np.median(ratios)) if ratios.size else float("nan")
