@@ -37,7 +37,8 @@ from mistill.stages.common import RunReader
 from mistill.tracking.naming import TAG_INPUT_PREFIX, TAG_STAGE
 
 __all__ = ["COMPARE_KS", "LOCUS_RANKINGS", "SIDE_METRICS", "compare_display", "compare_rankings", "compared_runs",
-           "knockin_display", "metrics_side_by_side", "prose_time_overlap", "reading_runs",
+           "instruction_control_table", "knockin_display", "metrics_side_by_side", "newest_reader",
+           "prose_time_overlap", "reading_runs",
            "knockin_side_by_side", "note_patients", "patient_collapse_display", "patient_collapse_table",
            "patient_rows", "ranking_agreement", "readside_patient_collapse", "spearman"]
 
@@ -158,6 +159,14 @@ def knockin_side_by_side(per_note_a: pd.DataFrame, per_note_b: pd.DataFrame) -> 
 
 
 # ------------------------------------------------------------------------------ patients
+def _require_patients(note_ids: pd.Series, patients: Mapping[str, str]) -> None:
+    """Refuse notes without a patient id, naming the first."""
+    missing = sorted(set(note_ids.astype(str)) - set(patients))
+    if missing:
+        raise MistillInputError(f"{len(missing)} notes have no patient id (first: {missing[0]})",
+                                note=missing[0], field="patient_id")
+
+
 def patient_rows(per_note: pd.DataFrame, patients: Mapping[str, str]) -> pd.DataFrame:
     """The per-note cells collapsed to one per patient.
 
@@ -173,10 +182,7 @@ def patient_rows(per_note: pd.DataFrame, patients: Mapping[str, str]) -> pd.Data
     Raises:
         MistillInputError: a note without a patient.
     """
-    missing = sorted(set(per_note["note_id"].astype(str)) - set(patients))
-    if missing:
-        raise MistillInputError(f"{len(missing)} notes have no patient id (first: {missing[0]})",
-                                note=missing[0], field="patient_id")
+    _require_patients(per_note["note_id"], patients)
     df = per_note.copy()
     df["note_id"] = df["note_id"].astype(str).map(patients)
     agg: dict[str, Any] = {m: "mean" for m in MEASURES}
@@ -243,10 +249,7 @@ def readside_patient_collapse(note_lifts: pd.DataFrame, patients: Mapping[str, s
     Raises:
         MistillInputError: a note without a patient.
     """
-    missing = sorted(set(note_lifts["note_id"].astype(str)) - set(patients))
-    if missing:
-        raise MistillInputError(f"{len(missing)} notes have no patient id (first: {missing[0]})",
-                                note=missing[0], field="patient_id")
+    _require_patients(note_lifts["note_id"], patients)
     df = note_lifts.assign(note_id=note_lifts["note_id"].astype(str), lift=note_lifts["lift"].astype(float))
     df = df[np.isfinite(df["lift"])]
     df = df.assign(patient_id=df["note_id"].map(patients))
@@ -409,12 +412,20 @@ def compared_runs(client: MlflowClient, experiment: str, run_ids: Sequence[str] 
 
 
 def _newest_reader(client: MlflowClient, attribute_row: Mapping[str, Any], stage: str) -> str | None:
-    """The newest FINISHED ``stage`` run that read this attribute run (its lineage tag), or None."""
+    """The newest FINISHED ``stage`` run that read this attribute run (its lineage tag), or None;
+    a knock-in of another run's sets (``sets_run``) is not its attribute run's own knock-in."""
     found = client.search_runs(
-        [attribute_row["experiment_id"]], max_results=1, order_by=["attributes.start_time DESC"],
+        [attribute_row["experiment_id"]], max_results=50, order_by=["attributes.start_time DESC"],
         filter_string=f"tags.`{TAG_STAGE}` = '{stage}' and attributes.status = 'FINISHED' and "
                       f"tags.`{TAG_INPUT_PREFIX}attribute` = '{attribute_row['run_id']}'")
-    return found[0].info.run_id if found else None
+    own = [r for r in found if not r.data.params.get("sets_run")]
+    return own[0].info.run_id if own else None
+
+
+def newest_reader(client: MlflowClient, attribute_run: str, stage: str) -> str | None:
+    """The newest FINISHED ``stage`` run that read ``attribute_run`` (any experiment), or None."""
+    exp = client.get_run(attribute_run).info.experiment_id
+    return _newest_reader(client, {"experiment_id": exp, "run_id": attribute_run}, stage)
 
 
 def reading_runs(client: MlflowClient, attribute: pd.DataFrame, stage: str) -> pd.DataFrame:
@@ -455,6 +466,72 @@ def metrics_side_by_side(runs: pd.DataFrame, stage: str) -> pd.DataFrame:
                          "run_b": b["run_id"], "metric": name, "a": va, "b": vb, "b_minus_a": vb - va})
     return pd.DataFrame(rows, columns=["pair", "label_a", "label_b", "run_a", "run_b", "metric", "a", "b",
                                        "b_minus_a"])
+
+
+INSTRUCTION_PHASES: tuple[str, ...] = ("P1", "P2C")
+"""The decisions Table 4's first two readings test (chapter and contrastive)."""
+
+
+def instruction_control_table(knockin_rows: pd.DataFrame, reference_rows: pd.DataFrame,
+                              reference_sets: Mapping[str, Any], new_sets: Mapping[str, Any],
+                              new_locus: Mapping[str, Any] | None, reference_locus: Mapping[str, Any] | None,
+                              locus_window: tuple[float, float]) -> pd.DataFrame:
+    """Table 4 (App. B, the instruction control): the four readings fixed before the run.
+
+    knockin_rows: ``per_note_sets`` of the knock-in of the reference's global sets into the
+    regenerated traces; reference_rows: the reference characterization's own ``per_note_sets``;
+    reference_sets / new_sets: the two attribute runs' ``head_sets.json``; new_locus /
+    reference_locus: the two locus runs' ``head_sets.json`` (None: no locus run);
+    locus_window: the two locus runs' ``locus/share_window`` (new, reference; NaN when absent).
+
+    Rows ``reading, phase, statistic, value, reference``: (1) the notes where the reference's
+    global top-8 beats random in the new traces, and its top-40 recovery there against the
+    reference's own on the notes both runs read; (2) the heads the re-ranked top-40 and top-8
+    share with the reference's; (3) the share of chapter mentions with a window locus; (4) the
+    heads the new prose-time top-8 shares with its own chapter top-8 and with the reference's
+    prose-time top-8.
+    """
+    rows: list[dict[str, Any]] = []
+
+    def add(reading: int, phase: str, statistic: str, value: float, reference: float = math.nan) -> None:
+        rows.append({"reading": reading, "phase": phase, "statistic": statistic, "value": float(value),
+                     "reference": float(reference)})
+
+    new_t = sets_table(knockin_rows.to_dict("records")) if len(knockin_rows) else pd.DataFrame()
+    notes = set(knockin_rows["note_id"].astype(str)) if len(knockin_rows) else set()
+    ref_same = reference_rows[reference_rows["note_id"].astype(str).isin(notes)] if len(reference_rows) else \
+        reference_rows
+    ref_t = sets_table(ref_same.to_dict("records")) if len(ref_same) else pd.DataFrame()
+    add(1, "", "notes both runs read (the reference's own recovery is read on them)",
+        len(notes & set(ref_same["note_id"].astype(str))) if len(ref_same) else 0)
+    for phase in INSTRUCTION_PHASES:
+        for k, col in ((8, "recovery.wins_vs_random"), (8, "recovery.n_vs_random")):
+            cell = new_t[(new_t["phase"] == phase) & (new_t["k"] == k)] if len(new_t) else new_t
+            if len(cell) and col in cell:
+                add(1, phase, f"k{k} {col.split('.')[1]}", _float(cell[col].iloc[0]))
+        cell = new_t[(new_t["phase"] == phase) & (new_t["k"] == 40)] if len(new_t) else new_t
+        ref = ref_t[(ref_t["phase"] == phase) & (ref_t["k"] == 40)] if len(ref_t) else ref_t
+        if len(cell):
+            add(1, phase, "k40 recovery of the reference's global set (reference: its own, same notes)",
+                _float(cell["recovery.global"].iloc[0]),
+                _float(ref["recovery.global"].iloc[0]) if len(ref) else math.nan)
+    agreement = compare_rankings(reference_sets, new_sets, ks=(8, 40))
+    for _, r in agreement.iterrows():
+        if r["phase"] in INSTRUCTION_PHASES:
+            for k in (40, 8):
+                add(2, r["phase"], f"heads shared by the re-ranked and the reference's top-{k}", r[f"top_overlap.{k}"])
+    add(3, "P1", "share of chapter mentions with a window locus (reference: the reference's)", locus_window[0],
+        locus_window[1])
+    if new_locus is not None:
+        add(4, "P1", "heads the prose-time top-8 shares with the chapter top-8",
+            prose_time_overlap(new_locus, new_sets, ks=(8,)).get("overlap.8", math.nan))
+        if reference_locus is not None:
+            a = ((new_locus.get("prose_time") or {}).get("ranking") or [])[:8]
+            b = ((reference_locus.get("prose_time") or {}).get("ranking") or [])[:8]
+            if a and b:
+                add(4, "P1", "heads the prose-time top-8 shares with the reference's prose-time top-8",
+                    len(set(a) & set(b)))
+    return pd.DataFrame(rows, columns=["reading", "phase", "statistic", "value", "reference"])
 
 
 LOCUS_RANKINGS: tuple[str, ...] = ("prose_time", "transport")

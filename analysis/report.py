@@ -35,7 +35,7 @@ from analysis.report_sections import (READ_SIDE_STAGES, ExtraRuns, ablations_sec
                                       matched_selection_section, own_heads_aligned_section, own_heads_probe_section,
                                       own_heads_section, read_side_section, selection_section, student_edits_section,
                                       task_section)
-from analysis.report_sections import characterization_compare_section
+from analysis.report_sections import characterization_compare_section, instruction_control_section
 from analysis.report_sections import replicate_section, training_section
 from mistill import stats
 
@@ -92,18 +92,18 @@ def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str]
         if stage in runs:
             continue
         df = query.stage_runs(client, experiment, stage, arms=keep if stage in _ARMED else (),
-                              params=PROBE_PARAMS if stage == "own_heads" else ())
-        if stage == "own_heads":
-            df = without_probes(df)
+                              params=_READ_PARAMS.get(stage, ()))
+        if stage in _KEPT:
+            df = _KEPT[stage](df)
         if stage in _ARMED and not df.empty:
             df = df[(df["split"].isna() | (df["split"] == split))
                     & ~df["train_run"].isin(cell_train)]
         runs[stage] = query.latest_runs(df, _KEYS[stage])
     runs = {stage: runs[stage] for stage in STAGES}
+    own_all = query.stage_runs(client, experiment, "own_heads", params=PROBE_PARAMS)
     extra = {"evaluate_all": query.stage_runs(client, experiment, "evaluate"),
-             "own_heads_all": without_probes(query.stage_runs(client, experiment, "own_heads",
-                                                              params=PROBE_PARAMS)),
-             "own_heads_probe": probes_only(query.stage_runs(client, experiment, "own_heads", params=PROBE_PARAMS)),
+             "own_heads_all": without_probes(own_all),
+             "own_heads_probe": probes_only(own_all),
              "train": train_all,
              "select_lambda_all": query.stage_runs(client, experiment, "select_lambda")}
     named = set(runs["knockin"]["attribute_run"].dropna()) if not runs["knockin"].empty else set()
@@ -117,6 +117,7 @@ def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str]
             extra["trace_edit_all"] = query.latest_runs(found, query.RUN_KEY) if not found.empty else found
     extra["attribute_compared"], extra["knockin_compared"] = compared_runs(
         client, experiment, compare_attribute_runs, compare_labels)
+    extra["knockin_sets"] = other_sets_only(query.stage_runs(client, experiment, "knockin", params=SETS_PARAMS))
     extra["locus_compared"] = reading_runs(client, extra["attribute_compared"], "locus")
     extra["read_side_compared"] = reading_runs(client, extra["attribute_compared"], "read_side")
     return ReportInputs(experiment, runs, extra)
@@ -128,18 +129,39 @@ probe head reads a modified ranking, so it stays out of the arm tables (Tables 3
 shown beside its arm's own-ranking run instead."""
 
 
-def _is_probe(runs: pd.DataFrame) -> pd.Series:
-    return runs["params.probe_head"].fillna("").astype(str) != ""
+SETS_PARAMS: tuple[str, ...] = ("sets_run",)
+"""The ``knockin`` param naming another characterization's sets (``KnockinStageConfig.sets_run``):
+such a run is the instruction control's reading (Table 4), not its model's Tables 1/10."""
+
+
+def _set(runs: pd.DataFrame, param: str) -> pd.Series:
+    return runs[f"params.{param}"].fillna("").astype(str) != ""
 
 
 def without_probes(runs: pd.DataFrame) -> pd.DataFrame:
     """``own_heads`` runs (read with :data:`PROBE_PARAMS`) on the arm's own ranking."""
-    return runs if runs.empty else runs[~_is_probe(runs)].reset_index(drop=True)
+    return runs if runs.empty else runs[~_set(runs, "probe_head")].reset_index(drop=True)
 
 
 def probes_only(runs: pd.DataFrame) -> pd.DataFrame:
     """The probe runs among ``own_heads`` runs (read with :data:`PROBE_PARAMS`)."""
-    return runs if runs.empty else runs[_is_probe(runs)].reset_index(drop=True)
+    return runs if runs.empty else runs[_set(runs, "probe_head")].reset_index(drop=True)
+
+
+def own_sets_only(runs: pd.DataFrame) -> pd.DataFrame:
+    """``knockin`` runs (read with :data:`SETS_PARAMS`) of their attribute run's own sets."""
+    return runs if runs.empty else runs[~_set(runs, "sets_run")].reset_index(drop=True)
+
+
+def other_sets_only(runs: pd.DataFrame) -> pd.DataFrame:
+    """``knockin`` runs (read with :data:`SETS_PARAMS`) of another attribute run's sets."""
+    return runs if runs.empty else runs[_set(runs, "sets_run")].reset_index(drop=True)
+
+
+_READ_PARAMS: dict[str, tuple[str, ...]] = {"own_heads": PROBE_PARAMS, "knockin": SETS_PARAMS}
+_KEPT = {"own_heads": without_probes, "knockin": own_sets_only}
+"""Per stage, the params read with its runs and the runs kept for the arm and characterization
+tables."""
 
 
 def partial_train_runs(train: pd.DataFrame) -> set[str]:
@@ -196,6 +218,7 @@ def build_report(inputs: ReportInputs, *, reference_arm: str,
         pd.concat([inputs.runs["knockin"], inputs.extra.get("knockin_compared", pd.DataFrame())],
                   ignore_index=True),
         inputs.extra.get("locus_compared", pd.DataFrame()), inputs.extra.get("read_side_compared", pd.DataFrame()))
+    instruction_control_section(rep, client, inputs.extra.get("knockin_sets", pd.DataFrame()))
     training_section(rep, client, extra, cells, n_resamples, seed)
     replicate_section(rep, extra, replicate_pairs, n_resamples, seed)
     rep.size_section = evidence_size(inputs.runs["evaluate"], task_notes,

@@ -984,6 +984,45 @@ def characterization_compare_section(rep: Report, attribute: pd.DataFrame, knock
     _patient_collapse(rep, collapsed)
 
 
+def instruction_control_section(rep: Report, client: MlflowClient, knockin_sets: pd.DataFrame) -> None:
+    """Table 4 (App. B): per knock-in run of another characterization's global sets
+    (``knockin -P sets_run=...``), the instruction control's four readings."""
+    name, title = "table4_instruction_control", "Table 4: the instruction control's four readings"
+    caption = ("Per knock-in of a reference characterization's global sets (sets_run, the paper: HD-001) into "
+               "regenerated traces: (1) notes where the reference's top-8 beats random there, and its top-40 "
+               "recovery against the reference's own on the notes both read; (2) heads the re-ranked top-40 / "
+               "top-8 share with the reference's; (3) the share of chapter mentions with a window locus; (4) "
+               "heads the new prose-time top-8 shares with its chapter top-8 and with the reference's prose-time "
+               "top-8.")
+    cols = ["run_id", "model", "reading", "phase", "statistic", "value", "reference"]
+    if knockin_sets.empty:
+        return _listed(rep, name, title, caption, pd.DataFrame(), pd.DataFrame(),
+                       "no FINISHED knockin run of another run's sets (knockin -P sets_run=...)", columns=cols)
+    frames = []
+    for _, run in query.latest_runs(knockin_sets, ("model",)).iterrows():
+        new_att, ref_att = run["attribute_run"], run["params.sets_run"]
+        rows = _load(rep, pd.DataFrame([run]), PER_NOTE_SETS, ["note_id", "phase", "k", "set", "necessity", "recovery"],
+                     ("run_id",))
+        ref_kin = compare.newest_reader(client, ref_att, "knockin")
+        ref_rows = _load(rep, pd.DataFrame([{"run_id": ref_kin}]), PER_NOTE_SETS, ["note_id", "phase", "k", "set",
+                                                                                  "necessity", "recovery"],
+                         ("run_id",)) if ref_kin else pd.DataFrame()
+        loci = {side: compare.newest_reader(client, att, "locus") for side, att in (("new", new_att), ("ref", ref_att))}
+        window = tuple(float(client.get_run(loci[side]).data.metrics.get("locus/share_window", float("nan")))
+                       if loci[side] else float("nan") for side in ("new", "ref"))
+        sets = {side: query.read_json_artifact(att, characterization.HEAD_SETS) or {}
+                for side, att in (("new", new_att), ("ref", ref_att))}
+        locus_sets = {side: query.read_json_artifact(loci[side], characterization.HEAD_SETS) if loci[side] else None
+                      for side in ("new", "ref")}
+        table = compare.instruction_control_table(rows, ref_rows, sets["ref"], sets["new"], locus_sets["new"],
+                                                  locus_sets["ref"], window)
+        table.insert(0, "model", run["model"])
+        table.insert(0, "run_id", run["run_id"])
+        frames.append(table)
+    table = pd.concat(frames, ignore_index=True)
+    _listed(rep, name, title, caption, table, table.drop(columns=["run_id"]).round(3), columns=cols)
+
+
 def _compare_locus(rep: Report, attribute: pd.DataFrame, locus: pd.DataFrame) -> None:
     """Tables 35 and 37's locus rows: per pair of compared characterizations, their locus runs'
     metrics side by side, the prose-time and transport rankings compared (same model), and each

@@ -748,6 +748,17 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
     steps.append(_step("instruction", "characterize", "characterize",
                        Workload("characterize", "qwen3-14b", c.instruction_notes, full),
                        inputs={"prepare_run": "instruction/generate"}, params={"model": "{teacher}"}))
+    # Table 4's readings: HD-001's global sets knocked into the regenerated traces (their own
+    # events and notes; costed as a characterization of those notes, an upper bound), and the
+    # regenerated traces' locus
+    attr_i = {"attribute_run": "instruction/characterize:attribute"}
+    steps += [
+        _step("instruction", "knockin_hd001_sets", "knockin",
+              Workload("characterize", "qwen3-14b", c.instruction_notes, full),
+              inputs={**attr_i, "sets_run": "HD-001/characterize:attribute"}),
+        _step("instruction", "locus", "locus", Workload("locus", "qwen3-14b", c.instruction_notes, full),
+              inputs=attr_i, disk_gib=c.instruction_notes * 0.01),
+    ]
     # DT-000: the distillation corpus on its shortlist; the teacher is ranked on the validation
     # notes (the characterization notes, App. A) and read on every note, so that its targets read
     # the training notes'

@@ -373,3 +373,15 @@ def _selection_runs(uri: str, corpus: str, root: Path) -> dict[str, Any]:
                                     precision="bf16", tables={"cells": pd.DataFrame(rows)},
                                     jsons={"decision": DECISION_RECORD})
     return out
+
+
+def report_in(corpus: str, tmp_path_factory, **settings: Any) -> str:
+    """A ``report`` run of ``corpus`` (``ReportConfig`` fields in ``settings``), its local files
+    under a fresh ``MISTILL_ROOT``: the run id."""
+    import pytest
+
+    from mistill.stages.report import ReportConfig, run_report
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MISTILL_ROOT", str(tmp_path_factory.mktemp("reader")))
+        return run_report(ReportConfig(corpus=corpus, **settings))

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from analysis_fixtures import make_run, own_notes
+from analysis_fixtures import make_run, own_notes, report_in
 from mlflow.tracking import MlflowClient
 from stage_fixtures import unique
 
 from analysis.aligned_events import aligned_event_ids, aligned_gain_table, note_recovery
-from mistill.stages.report import ReportConfig, run_report
 
 pytestmark = pytest.mark.usefixtures("pinned_code_version")
 
@@ -79,13 +78,8 @@ def test_report_table_from_runs(tracking_uri, tmp_path_factory):
                 make_run(tracking_uri, corpus, "own_heads", root, arm=arm, seed=seed, precision="bf16", model=model,
                          tables={"own_heads_per_note": own_notes(arm, seed),
                                  "own_heads_knockin_events": _events(model, arm, seed)})
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MISTILL_ROOT", str(tmp_path_factory.mktemp("reader")))
-    try:
-        run_id = run_report(ReportConfig(corpus=corpus, bootstrap=50, corpus_bootstrap=50, seed=0,
-                                         reference_arm="vanilla-bf16"))
-    finally:
-        mp.undo()
+    run_id = report_in(corpus, tmp_path_factory, bootstrap=50, corpus_bootstrap=50, seed=0,
+                       reference_arm="vanilla-bf16")
     dst = tmp_path_factory.mktemp("read")
     table = pd.read_csv(Path(MlflowClient().download_artifacts(run_id, "tables/own_heads_aligned.csv", str(dst))))
     table = table.set_index("model")

@@ -225,6 +225,12 @@ class _PrepareLike(Config):
     tag: str = ""
 
 
+@dataclasses.dataclass(frozen=True)
+class _KnockinLike(Config):
+    tag: str = ""
+    sets_run: str = ""
+
+
 @pytest.fixture(scope="module")
 def runs(tracking_uri, tmp_path_factory):
     corpus = unique("compare")
@@ -245,6 +251,12 @@ def runs(tracking_uri, tmp_path_factory):
         ids[f"knockin_{name}"] = make_run(tracking_uri, corpus, "knockin", root, model=model,
                                           cfg=_PrepareLike(tag=f"knockin-{name}"), inputs={"attribute": ids[name]},
                                           tables={"per_note_sets": ids[f"per_note_{name}"]})
+    # the instruction control (Table 4): "a"'s sets knocked into "b"'s traces, a run newer than
+    # "b"'s own knock-in that neither Tables 1/10 nor the pairs read
+    ids["per_note_sets_on_b"] = _per_note_sets(50)
+    ids["knockin_sets"] = make_run(tracking_uri, corpus, "knockin", root, model=TEACHER,
+                                   cfg=_KnockinLike(tag="sets-of-a", sets_run=ids["a"]), inputs={"attribute": ids["b"]},
+                                   tables={"per_note_sets": ids["per_note_sets_on_b"]})
     # the two characterizations' locus and read-side runs (Tables 35, 37); the read_side run of "a"
     # is its model's newest, so the patient collapse reads it
     for side, sets, seed in (("a", SETS_A, 40), ("b", SETS_B, 41)):
@@ -347,6 +359,31 @@ def test_report_locus_and_read_side_side_by_side(runs):
     read = _csv(runs, "compare_read_side").set_index("metric")
     assert read.at["readside/P1/lift_top", "a"] == 3.0 and read.at["readside/P1/lift_top", "b_minus_a"] == \
         pytest.approx(-0.5)
+
+
+def test_report_instruction_control(runs):
+    ids, _ = runs
+    table = _csv(runs, "table4_instruction_control")
+    assert set(table["run_id"]) == {ids["knockin_sets"]}
+    rows = {(int(r["reading"]), r["phase"], r["statistic"]): r for _, r in table.iterrows()}
+    new = ids["per_note_sets_on_b"]
+    for phase in ("P1", "P2C"):
+        cell = new[(new["phase"] == phase) & (new["k"] == 8)].pivot(index="note_id", columns="set", values="recovery")
+        both = cell[["global", "random"]].dropna()
+        assert rows[(1, phase, "k8 wins_vs_random")]["value"] == int((both["global"] > both["random"]).sum())
+        ref = ids["per_note_a"]
+        own = rows[(1, phase, "k40 recovery of the reference's global set (reference: its own, same notes)")]
+        assert own["reference"] == pytest.approx(ref[(ref["phase"] == phase) & (ref["k"] == 40)
+                                                     & (ref["set"] == "global")]["recovery"].median())
+        assert rows[(2, phase, "heads shared by the re-ranked and the reference's top-40")]["value"] == \
+            _expected_agreement(SETS_A, SETS_B, phase, 40)[1]
+    window = rows[(3, "P1", "share of chapter mentions with a window locus (reference: the reference's)")]
+    assert (window["value"], window["reference"]) == (pytest.approx(0.30), pytest.approx(0.36))
+    prose = rows[(4, "P1", "heads the prose-time top-8 shares with the chapter top-8")]
+    assert prose["value"] == 2
+    # the knock-in of "a"'s sets is not "b"'s own: Tables 1/10 and the pairs read the own one
+    collapse = _csv(runs, "patient_collapse")
+    assert ids["knockin_sets"] not in set(collapse["run_id"])
 
 
 def test_unnamed_pair_found_and_explicit_pairs_checked(runs):

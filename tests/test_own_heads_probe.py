@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from analysis_fixtures import NOTES, make_run, own_metrics, own_notes
+from analysis_fixtures import NOTES, make_run, own_metrics, own_notes, report_in
 from mlflow.tracking import MlflowClient
 from stage_fixtures import unique
 
@@ -21,7 +21,6 @@ from mistill.config import Config
 from mistill.errors import MistillInputError
 from mistill.evaluation.own_heads import place_head
 from mistill.stages.own_heads import OwnHeadsConfig
-from mistill.stages.report import ReportConfig, run_report
 
 pytestmark = pytest.mark.usefixtures("pinned_code_version")
 
@@ -86,13 +85,8 @@ def probe_report(tracking_uri, tmp_path_factory):
                             cfg=_OwnHeadsLike(tag="probe", probe_head="L1H2"),
                             metrics={**own_metrics("mistill", 0), "m4/P2C/k8/recovery_own": 0.99},
                             tables={"own_heads_per_note": _probe_notes()})
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MISTILL_ROOT", str(tmp_path_factory.mktemp("reader")))
-    try:
-        run_id = run_report(ReportConfig(corpus=corpus, bootstrap=50, corpus_bootstrap=50, seed=1,
-                                         reference_arm="vanilla-bf16"))
-    finally:
-        mp.undo()
+    run_id = report_in(corpus, tmp_path_factory, bootstrap=50, corpus_bootstrap=50, seed=1,
+                       reference_arm="vanilla-bf16")
     return run_id, ids, tmp_path_factory.mktemp("read")
 
 

@@ -54,6 +54,8 @@ APP_Q_RUNS: dict[str, list[str]] = {
     "R-C11": [*HD001, "HD-001/trace_edit", "HD-001/note_edit"],
     "R-C12": [*HD001, "HD-001/locus"],
     "R-C13": [*HD001, "HD-001/read_side", "HD-001/locus"],
+    "R-C14": ["instruction/prepare", "instruction/generate", "instruction/characterize",
+              "instruction/knockin_hd001_sets", "instruction/locus"],
     # distillation
     "R-D0": ["DT-000/shortlist", "DT-000/generate", "DT-000/evaluate_teacher"],
     "R-D1": UNTRAINED,

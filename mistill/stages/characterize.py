@@ -42,7 +42,7 @@ from mistill.progress import track
 from mistill.stages.common import Prepared, RunReader, load_model, load_prepared, model_positions, require_notes
 from mistill.stages.runner import WrittenNotes, note_loop, notes_written, open_stage, progress_label, stage_device
 from mistill.tasks import task_for
-from mistill.tracking.naming import metric_name
+from mistill.tracking.naming import TAG_STAGE, metric_name
 from mistill.validation import (check_choices, check_device, check_dtype, check_interval, check_model_spec, check_name,
                                 check_no_text_fields, check_non_negative, check_not_empty, check_positive, check_run_id,
                                 check_seed)
@@ -466,6 +466,10 @@ class KnockinStageConfig(Config, KnockinParams, DonorParams, PatchParams):
     next note in corpus order at a matched event with a different emitted choice (Sec. 2.3;
     :func:`~mistill.instrument.passes.plan_donors`).
     sets: any of ``global``, ``random``, ``bottom``, ``own``.
+    sets_run: another ``attribute`` run of the same model whose global rankings give the
+    ``global`` and ``bottom`` sets (empty: ``attribute_run``'s own). The instruction control
+    (App. B, Table 4) knocks HD-001's sets into the traces regenerated without the narrowing
+    sentence; the notes, events and own sets stay ``attribute_run``'s.
     """
 
     attribute_run: str = ""
@@ -473,10 +477,12 @@ class KnockinStageConfig(Config, KnockinParams, DonorParams, PatchParams):
     device: str = "cpu"
     sets: tuple[str, ...] = SET_NAMES
     seed: int = 0
+    sets_run: str = ""
 
     def validate(self) -> None:
         check_no_text_fields(self)
         check_run_id(self.attribute_run, "attribute_run")
+        check_run_id(self.sets_run, "sets_run")
         check_dtype(self.dtype)
         check_device(self.device)
         check_choices(self.sets, SET_NAMES, "sets")
@@ -645,17 +651,34 @@ def _knockin_notes(run, notes: list[Note], done: set[str], inputs: _KnockinInput
     bar.close()
 
 
+def _global_sets(cfg: KnockinStageConfig) -> dict:
+    """The ``head_sets.json`` whose global rankings the knock-in reads: ``sets_run``'s when given
+    (it must be an ``attribute`` run), else ``attribute_run``'s."""
+    if not cfg.sets_run:
+        return json.loads(RunReader(cfg.attribute_run, field="attribute_run").file("head_sets.json").read_text())
+    reader = RunReader(cfg.sets_run, field="sets_run")
+    if reader.tags.get(TAG_STAGE) != "attribute":
+        raise MistillInputError(f"sets_run {cfg.sets_run} is not an attribute run", field="sets_run")
+    return json.loads(reader.file("head_sets.json").read_text())
+
+
 def run_knockin(cfg: KnockinStageConfig) -> str:
     att_reader = RunReader(cfg.attribute_run, field="attribute_run")
     ev = _events_input(att_reader.config["events_run"])
     prepared = ev.prepared
-    head_sets = json.loads(att_reader.file("head_sets.json").read_text())
-    with open_stage("knockin", cfg, prepared, inputs={"attribute": cfg.attribute_run}, model=ev.model) as run:
+    head_sets = _global_sets(cfg)
+    inputs = {"attribute": cfg.attribute_run, **({"sets": cfg.sets_run} if cfg.sets_run else {})}
+    with open_stage("knockin", cfg, prepared, inputs=inputs, model=ev.model) as run:
         if run.reused:
             return run.run_id
         lm = load_model(ev.model, dtype=att_reader.config.get("dtype", cfg.dtype), device=stage_device(cfg.device))
         runner, hook = Runner(lm, chunk_size=cfg.chunk_size), HeadHook(lm.geometry)
         names = lm.geometry.head_names()
+        unknown = sorted({h for phase, body in head_sets.items() if phase != "meta"
+                          for h in body.get("ranking", [])} - set(names))
+        if unknown:
+            raise MistillInputError(f"the sets run ranks {len(unknown)} heads this model does not have "
+                                    f"(first: {unknown[0]})", field="sets_run" if cfg.sets_run else "attribute_run")
         global_rank = _ranks_from_head_sets(head_sets, names)
         kcfg = KnockinConfig(k_bins=cfg.k_bins, sets=cfg.sets, range_gate=cfg.range_gate,
                              batch_size=cfg.batch_size, chunk_size=cfg.chunk_size, seed=cfg.seed,

@@ -610,6 +610,7 @@ INPUT_RUN_STAGES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "replicate_runs": ("evaluate", "own_heads"),
     "events_run": ("events",),
     "attribute_run": ("attribute",),
+    "sets_run": ("attribute",),
     "teacher_attribute_run": ("attribute",),
     "student_attribute_run": ("attribute",),
     "locus_run": ("locus",),

@@ -120,8 +120,9 @@ _TABLE = (
            {"events": "events_run"}, "attribution pass, exact patches, calibration and global head sets",
            shardable=True),
     _Entry("knockin", "mistill.stages.characterize", "KnockinStageConfig", "run_knockin",
-           {"attribute": "attribute_run"}, "necessity and knock-in of the global sets against controls",
-           shardable=True),
+           {"attribute": "attribute_run", "sets": "sets_run"},
+           "necessity and knock-in of the global sets against controls (another attribute run's sets with "
+           "sets_run)", optional=frozenset({"sets"}), sources={"sets": "attribute"}, shardable=True),
     _Entry("read_side", "mistill.stages.readside", "ReadSideConfig", "run_read_side", {"attribute": "attribute_run"},
            "what the decision heads read: a panel's attention split over 15 key categories, region lift, "
            "n_eff, r, head families (Tables 16-19)", shardable=True),
