@@ -41,8 +41,14 @@ def test_direct_effects_are_the_objectives_one_head_contribution_times_the_margi
     # the captured final residual is what the logits were computed from
     logits = g.lm_head(g.final_norm(fo.final_hidden.unsqueeze(0)))[0].float()
     assert torch.allclose(logits, fo.logits, atol=1e-4, rtol=1e-4)
-    direct = direct_effects(g, fo.z, fo.final_hidden, fo.logits, q)
+    direct = direct_effects(g, fo.z.unsqueeze(0), fo.final_hidden.unsqueeze(0), fo.logits.unsqueeze(0), [q])[0]
     assert direct.shape == (g.n_total_heads,) and torch.isfinite(direct).all()
+    # several events in one call (the pass's groups) give each event its own row
+    q2 = Query(position=q.position, token_id=q.token_id, target_id=302, competitor_ids=(301, 303))
+    pair = direct_effects(g, fo.z.expand(2, *fo.z.shape), fo.final_hidden.expand(2, -1), fo.logits.expand(2, -1),
+                          [q, q2])
+    alone = direct_effects(g, fo.z.unsqueeze(0), fo.final_hidden.unsqueeze(0), fo.logits.unsqueeze(0), [q2])[0]
+    assert torch.allclose(pair[0], direct, rtol=1e-5, atol=1e-6) and torch.allclose(pair[1], alone, rtol=1e-5, atol=1e-6)
     comp = list(q.competitor_ids)
     for h in (0, 5, g.n_total_heads - 1):
         layer, head = divmod(h, g.n_heads)

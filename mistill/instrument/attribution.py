@@ -135,8 +135,9 @@ def first_order_batch(runner: Runner, hook: HeadHook, prefix: KVPrefix, queries:
 
 
 def direct_effects(geometry: HeadGeometry, z: torch.Tensor, final_hidden: torch.Tensor, logits: torch.Tensor,
-                   query: Query) -> torch.Tensor:
-    """Each head's direct-path effect on the margin in nats, ``[layer * head]`` float32.
+                   queries: Sequence[Query]) -> torch.Tensor:
+    """Each head's direct-path effect on the margin in nats at each event, ``[event, layer * head]``
+    float32.
 
     The head's write ``W_O[:, h] z_h`` taken through the final RMSNorm with its scale frozen at
     the clean residual ``x`` and projected on the margin direction in the unembedding,
@@ -147,20 +148,23 @@ def direct_effects(geometry: HeadGeometry, z: torch.Tensor, final_hidden: torch.
 
     the direct-logit attribution of the margin (Sec. 2.3). Divided by the clean margin it is the
     contribution ``c`` of a one-head pool in the distillation objective's interaction term
-    (Sec. 4.1); ``o_proj``'s bias belongs to no head and is left out.
+    (Sec. 4.1); ``o_proj``'s bias belongs to no head and is left out. The events of one call
+    share each layer's float32 copy of ``W_O`` (one copy per call, not per event).
 
     Args:
-        z: ``[layer, head, d_head]`` clean head outputs; final_hidden: ``[d_model]``; logits:
-            ``[vocab]`` clean logits at the query.
+        z: ``[event, layer, head, d_head]`` clean head outputs; final_hidden: ``[event, d_model]``;
+            logits: ``[event, vocab]`` clean logits at the queries; queries: one per event.
     """
     g = geometry
-    x = final_hidden.float().reshape(1, -1)
-    comp = torch.as_tensor(list(query.competitor_ids), dtype=torch.long, device=x.device)
-    w_c = torch.softmax(logits.float().to(x.device).index_select(-1, comp), dim=-1)
+    x = final_hidden.float()
     w_u = g.lm_head.weight
-    u = w_u[query.target_id].float() - (w_c.unsqueeze(-1) * w_u.index_select(0, comp).float()).sum(0)
-    j = g.final_norm.weight.float() * final_norm_scale(g, x)[0] * u  # [d_model]
-    out = [torch.einsum("hd,mhd,m->h", z[l].float().to(x.device),
+    rows = []
+    for i, q in enumerate(queries):
+        comp = torch.as_tensor(list(q.competitor_ids), dtype=torch.long, device=x.device)
+        w_c = torch.softmax(logits[i].float().to(x.device).index_select(-1, comp), dim=-1)
+        rows.append(w_u[q.target_id].float() - (w_c.unsqueeze(-1) * w_u.index_select(0, comp).float()).sum(0))
+    j = g.final_norm.weight.float() * final_norm_scale(g, x).unsqueeze(-1) * torch.stack(rows)  # [event, d_model]
+    out = [torch.einsum("ehd,mhd,em->eh", z[:, l].float().to(x.device),
                         parts.o_proj.weight.float().reshape(g.d_model, g.n_heads, g.d_head), j)
-           for l, parts in zip(range(z.shape[0]), g.layers)]
-    return torch.cat(out).detach().cpu()
+           for l, parts in zip(range(z.shape[1]), g.layers)]
+    return torch.cat(out, dim=1).detach().cpu()

@@ -203,7 +203,9 @@ def first_order_sweep(runner: Runner, hook: HeadHook, note_id: str, input_ids: t
                                 detach=cfg.detach)
         for i, fo in zip(group, fos):
             fo_all[i], margins[i], hidden[i] = fo.importance.numpy(), fo.margin, fo.hidden_in
-            direct[i] = direct_effects(runner.geometry, fo.z, fo.final_hidden, fo.logits, events[i].query).numpy()
+        direct[group] = direct_effects(runner.geometry, torch.stack([fo.z for fo in fos]),
+                                       torch.stack([fo.final_hidden for fo in fos]),
+                                       torch.stack([fo.logits for fo in fos]), [events[i].query for i in group]).numpy()
         bar.update(len(group))
     bar.close()
     return FirstOrderSweep(note_id=note_id, events=list(events), prefix=prefix, mean=mean, first_order=fo_all,
