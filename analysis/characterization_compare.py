@@ -505,10 +505,10 @@ def instruction_control_table(knockin_rows: pd.DataFrame, reference_rows: pd.Dat
     add(1, "", "notes both runs read (the reference's own recovery is read on them)",
         len(notes & set(ref_same["note_id"].astype(str))) if len(ref_same) else 0)
     for phase in INSTRUCTION_PHASES:
-        for k, col in ((8, "recovery.wins_vs_random"), (8, "recovery.n_vs_random")):
-            cell = new_t[(new_t["phase"] == phase) & (new_t["k"] == k)] if len(new_t) else new_t
+        cell = new_t[(new_t["phase"] == phase) & (new_t["k"] == 8)] if len(new_t) else new_t
+        for col in ("recovery.wins_vs_random", "recovery.n_vs_random"):
             if len(cell) and col in cell:
-                add(1, phase, f"k{k} {col.split('.')[1]}", _float(cell[col].iloc[0]))
+                add(1, phase, f"k8 {col.split('.')[1]}", _float(cell[col].iloc[0]))
         cell = new_t[(new_t["phase"] == phase) & (new_t["k"] == 40)] if len(new_t) else new_t
         ref = ref_t[(ref_t["phase"] == phase) & (ref_t["k"] == 40)] if len(ref_t) else ref_t
         if len(cell):
