@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,13 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mistill.stages.evaluate import EvaluateConfig, run_evaluate  # noqa: E402
 from mistill.stages.prepare import PrepareConfig, run_prepare  # noqa: E402
 from mistill.tracking.naming import TAG_BACKEND  # noqa: E402
-
-
-def server(root: Path, command: str) -> str:
-    """``python -m mistill.tracking.server <command>`` for the store under ``root``: its output."""
-    out = subprocess.run([sys.executable, "-m", "mistill.tracking.server", command, "--root", str(root)],
-                         check=True, capture_output=True, text=True)
-    return out.stdout.strip()
+from mistill.tracking.server import TrackingServer  # noqa: E402
 
 
 def main() -> None:
@@ -53,7 +46,8 @@ def main() -> None:
         args.model, args.notes, args.max_new_tokens, args.device, args.dtype = "tiny:qwen3", 3, 8, "cpu", "float32"
     root = Path(args.root or tempfile.mkdtemp(prefix="bench-evaluate-"))
     os.environ["MISTILL_ROOT"] = str(root / "mistill")
-    os.environ["MLFLOW_TRACKING_URI"] = server(root, "start")
+    tracking = TrackingServer(root)
+    os.environ["MLFLOW_TRACKING_URI"] = tracking.start()  # and this process's credentials
     res: dict = {"model": args.model, "notes": args.notes, "max_new_tokens": args.max_new_tokens,
                  "device": args.device, "dtype": args.dtype}
     try:
@@ -76,7 +70,7 @@ def main() -> None:
                 res[key] = run.data.metrics[key]
         assert run.info.status == "FINISHED" and res["n_notes"] == args.notes
     finally:
-        server(root, "stop")
+        tracking.stop()
     print(json.dumps(res, indent=2))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))

@@ -170,11 +170,19 @@ def _shortlist_las(res: dict, out: Path) -> None:
     assert res["shortlist.codes"] == 40 and res["las.tokens"] == 48 and res["las.answer_tokens"] == 6
 
 
+def _train_probe(res: dict, out: Path) -> None:
+    _positive(res, "targets_chain_s")
+    hf = res["hf"]
+    assert res["steps"] == 1 and hf["backend"] == "hf" and hf["status"] == "FINISHED"
+    assert len(hf["probe_s"]) == len(hf["step_s"]) == 1 and hf["probe_s"][0] > 0 and hf["train_s"] > hf["probe_s"][0]
+    assert hf["mean_tokens"] == [4.0]  # a random student runs to the smoke's 4-token cap
+
+
 CHECKS = {
     "bench_ddp_step.py": _ddp_step, "bench_evaluate.py": _evaluate, "bench_generate.py": _generate,
     "bench_hf_decode.py": _hf_decode, "bench_instrument.py": _instrument, "bench_invariants.py": _invariants, "bench_locus.py": _locus,
     "bench_onpolicy_step.py": _onpolicy_step, "bench_prefill.py": _prefill, "bench_readside.py": _readside,
-    "bench_sampling.py": _sampling, "bench_scaling.py": _scaling, "bench_shortlist_las.py": _shortlist_las, "bench_train_step.py": _train_step,
+    "bench_sampling.py": _sampling, "bench_scaling.py": _scaling, "bench_shortlist_las.py": _shortlist_las, "bench_train_probe.py": _train_probe, "bench_train_step.py": _train_step,
     "bench_vllm_vs_hf.py": _vllm_vs_hf, "min_abs_margin.py": _min_abs_margin,
     "profile_forward.py": _profile_forward,
 }

@@ -89,6 +89,8 @@ def test_a_train_run_logs_its_generation_probe(targets_ids, monkeypatch):
         assert sorted(m.step for m in history) == [1, 2], name
     assert {m.value for m in client.get_metric_history(run_id, "probe/truncated_rate")} == {1.0}
     assert {m.value for m in client.get_metric_history(run_id, "probe/mean_tokens")} == {4.0}
+    seconds = client.get_metric_history(run_id, "probe/seconds")
+    assert sorted(m.step for m in seconds) == [1, 2] and all(m.value > 0 for m in seconds)
     assert client.get_run(run_id).data.tags["mistill.probe_flagged"] == "true"
     assert client.get_run(run_id).data.tags["mistill.probe_backend"] == "hf"  # auto without CUDA
     with pytest.raises(MistillInputError, match="no .nosuch. notes"):

@@ -17,6 +17,8 @@ afterwards. Per probe it logs, over its notes (``probe/*`` metrics of the train 
   ``mean_tokens``: generated tokens per note;
 - ``flagged``: 1 when ``category_rate`` or ``truncated_rate`` reaches the flag share, else 0.
 
+The train stage logs ``probe/seconds`` beside them: what the probe cost in wall time.
+
 The generation is the evaluation's sampling with the probe's own token cap: the paper's
 decoding, each note drawn with its own seed (:func:`~mistill.evaluation.generation.note_seed`),
 so its tokens do not depend on the other probe notes or the batch. Either backend samples it

@@ -22,6 +22,7 @@ import hashlib
 import json
 import shutil
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -680,7 +681,9 @@ def _probe_step(cfg: TrainStageConfig, prepared, lm, run, world, backend: str = 
 class _TrainingProbe:
     """The generation probe as the trainer's ``after_step(step, last)``: at every ``every``-th
     step and after the last, the probe notes are dealt over the ranks, rank 0 scores them all
-    and logs ``probe/*``. :meth:`close` shuts the probe's engine down (idempotent)."""
+    and logs ``probe/*`` with ``probe/seconds``, the probe's wall time on rank 0 (sampling,
+    gathering, scoring; with vLLM the engine's wake-up and weight load included).
+    :meth:`close` shuts the probe's engine down (idempotent)."""
 
     def __init__(self, every: int, probe: GenerationProbe, run, world) -> None:
         self.every, self.probe, self.run, self.world = every, probe, run, world
@@ -689,12 +692,14 @@ class _TrainingProbe:
         if step % self.every and not last:
             return
         notes, world, run = self.probe.notes, self.world, self.run
+        start = time.perf_counter()
         mine = shard(list(range(len(notes))), world)
         parts = gather(list(zip(mine, self.probe.generate([notes[i] for i in mine]))), world)
         if not world.leader:
             return
         generations = [g for _, g in sorted((pair for part in parts for pair in part), key=lambda pair: pair[0])]
         metrics = self.probe.score(generations, notes)
+        metrics["seconds"] = time.perf_counter() - start
         run.log_metrics({f"probe/{k}": v for k, v in metrics.items()}, step=step)
         if metrics["flagged"]:
             run.set_tags({"mistill.probe_flagged": "true"})
