@@ -499,6 +499,13 @@ CONVENTIONS: tuple[Convention, ...] = (
                "FROZEN holds a sha256 per version (text and masks), per reviewed proposal, of the ledger, the lock "
                "and the source corpus; written once, re-verified on every later read", "mistill.data.flips",
                "the paper freezes the flips by hash; what is hashed is not listed"),
+    Convention("evidence-flip decomposition", "App. N.3, Table 54",
+               "D = d_lose_a + d_adopt_b, with d_lose_a = (mean v under the original - Pr(v = +1 under the flip)) / 2 "
+               "and d_adopt_b = Pr(v = -1 under the flip) / 2; the category-level D compares the first three "
+               "characters of the codes, on cases whose categories differ; a sample's seed is keyed by the case "
+               "and the sample index", "mistill.evaluation.flip_test",
+               "the paper names the decomposition, the category-level secondary and the shared seed key, not "
+               "their arithmetic"),
     Convention("the retriever's training notes", "App. A",
                "reproduce prepares the release (with its split file) once more and trains the shortlist's head on "
                "its training split, the corpus's patients dropped by the shortlist stage",

@@ -429,6 +429,17 @@ def trained_subject(train_run: str) -> Subject:
                    train_run=train_run, params=arm_subject_params(reader))
 
 
+def readout_subject(train_run: str, model: str, arm: str) -> Subject:
+    """The model a readout stage samples or reads: ``train_run``'s checkpoint
+    (:func:`trained_subject`), else the model spec ``model`` standing for the arm ``arm`` (a row
+    of Table 2: ``teacher``, ``untrained``, ...; ``model`` when empty)."""
+    if train_run:
+        return trained_subject(train_run)
+    if not model:
+        raise MistillInputError("give train_run or model", field="model")
+    return Subject(spec=model, arm=arm or "model", params={"arm.name": arm} if arm else {})
+
+
 def arm_subject_params(reader: RunReader) -> dict[str, str]:
     """The :data:`ARM_PARAM_NAMES` of a ``train`` run's arm, from its resolved arm (its params
     ``arm.<flag>``, else its ``arm.json``): the arm's name and seed, its precision and, only for
@@ -618,6 +629,7 @@ INPUT_RUN_STAGES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "targets_run": ("targets",),
     "train_run": ("train",),
     "las_run": ("las_simulator",),
+    "cohort_run": ("flip_cohort",),
 })
 """Every config field that names input runs (a field ending in ``_run`` or ``_runs``), and the
 stages whose runs it accepts, by their ``mistill.stage`` tag. A stage reads each such run as the

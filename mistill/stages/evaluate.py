@@ -56,8 +56,8 @@ from mistill.io import write_text
 from mistill.params import DecodingParams
 from mistill.progress import track
 from mistill.stages.characterize import stage_notes
-from mistill.stages.common import (Subject, link_subject, load_model, load_prepared, load_tokenizer, model_positions,
-                                   note_input, sample_then_load, trained_subject)
+from mistill.stages.common import (link_subject, load_model, load_prepared, load_tokenizer, model_positions,
+                                   note_input, readout_subject, sample_then_load)
 from mistill.stages.las import load_simulator
 from mistill.stages.runner import notes_written, open_stage, pending_notes, progress_label, stage_device
 from mistill.tasks import task_for
@@ -114,19 +114,10 @@ class EvaluateConfig(Config, DecodingParams):
         check_dtype(self.dtype)
 
 
-def _subject(cfg: EvaluateConfig) -> Subject:
-    """The model evaluated: the train run's checkpoint and tags, else ``model`` as the arm named."""
-    if cfg.train_run:
-        return trained_subject(cfg.train_run)
-    if not cfg.model:
-        raise MistillInputError("give train_run or model", field="model")
-    return Subject(spec=cfg.model, arm=cfg.arm or "model", params={"arm.name": cfg.arm} if cfg.arm else {})
-
-
 def run_evaluate(cfg: EvaluateConfig) -> str:
     prepared = load_prepared(cfg.prepare_run)
     notes = stage_notes(prepared, cfg.split, cfg.max_notes)  # refuses a split without notes
-    subject = _subject(cfg)
+    subject = readout_subject(cfg.train_run, cfg.model, cfg.arm)
     inputs = {"prepare": cfg.prepare_run}
     if cfg.train_run:
         inputs["train"] = cfg.train_run

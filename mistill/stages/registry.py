@@ -113,6 +113,11 @@ _TABLE = (
            "the evidence-flip cohort (App. N.2): a locked seeded draw, the author's edit proposals checked, the "
            "reviewer's ledger, the freeze by hash; four condition corpora (use each as prepare_run)",
            stands_for="prepare", models=("model",), files=("lock", "proposals", "ledger")),
+    _Entry("flip_test", "mistill.stages.flip_test", "FlipTestConfig", "run_flip_test",
+           {"flip_cohort": "cohort_run", "train": "train_run"},
+           "the evidence-flip test's behavioural half (App. N.3): a checkpoint answers every frozen case N times "
+           "under each condition, seeds shared across conditions; D, follow rates, controls (Table 54)",
+           optional=frozenset({"train"}), models=("model",)),
     _Entry("events", "mistill.stages.characterize", "EventsConfig", "run_events", {"prepare": "prepare_run"},
            "decision events per note, realized in the model's tokenizer, and the margin audit", shardable=True,
            models=("model",)),

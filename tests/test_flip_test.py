@@ -1,0 +1,129 @@
+"""The evidence-flip test's behavioural half (App. N.3, R-D33): the answer scores, the per-case
+readings on hand-made answers, and the ``flip_test`` stage end to end on a synthetic frozen cohort."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from mlflow.tracking import MlflowClient
+
+from mistill.data.flips import CONDITIONS
+from mistill.errors import MistillInputError
+from mistill.evaluation import flip_test as ft
+from mistill.evaluation.generation import DecodingConfig
+from mistill.stages.flip_cohort import FlipCohortConfig, run_flip_cohort
+from mistill.stages.flip_test import FlipTestConfig, run_flip_test
+from mistill.stages.prepare import PrepareConfig, run_prepare
+from stage_fixtures import TINY, artifact_paths, unique
+
+LOCK = """study: ef-test
+draw: {n: 4, seed: 0}
+eligibility: {teacher_success: true}
+disjoint: true
+review: {budget: 3, reason_codes: [no_coherent_flip, pair, evidence]}
+conditions: [original, flipped, irrelevant, order]
+"""
+
+
+def test_an_answer_scores_plus_one_for_a_alone_minus_one_for_b_alone():
+    assert ft.flip_value({"N18.9", "I10"}, "N18.9", "N18.5") == 1
+    assert ft.flip_value({"N18.5"}, "N18.9", "N18.5") == -1
+    assert ft.flip_value({"N18.9", "N18.5"}, "N18.9", "N18.5") == 0 == ft.flip_value(set(), "N18.9", "N18.5")
+    # categories: N18.x against E11.x differ; N18.9 against N18.5 share theirs (always 0)
+    assert ft.category_value({"N18.4"}, "N18.9", "E11.9") == 1 and ft.category_value({"E11.65"}, "N18.9", "E11.9") == -1
+    assert ft.category_value({"N18.9"}, "N18.9", "N18.5") == 0
+    row = ft.sample_row("c", "original", 0, 7, {"N18.9"}, valid=False, capped=True, n_tokens=9, a="N18.9", b="N18.5")
+    assert (row["v"], row["emits_a"], row["valid"]) == (0, False, False)  # an invalid answer is not read
+
+
+def test_the_seed_key_is_the_case_and_the_sample_index():
+    dec = DecodingConfig(seed=0)
+    seeds = {ft.sample_seed(dec, case, k) for case in ("a", "b") for k in range(4)}
+    assert len(seeds) == 8 and ft.sample_seed(dec, "a", 2) == ft.sample_seed(DecodingConfig(seed=0, top_k=5), "a", 2)
+    assert ft.sample_seed(DecodingConfig(seed=1), "a", 2) != ft.sample_seed(dec, "a", 2)
+
+
+def _answers(values: dict[str, dict[str, list[int]]], invalid: set = frozenset()) -> pd.DataFrame:
+    """Rows of SAMPLE_COLUMNS from ``case -> condition -> [v per sample]`` (v_category = v); the
+    samples in ``invalid`` are invalid answers (v = 0)."""
+    rows = []
+    for case, by_cond in values.items():
+        for cond, vs in by_cond.items():
+            for k, v in enumerate(vs):
+                bad = (case, cond, k) in invalid
+                v = 0 if bad else v
+                rows.append({"case_id": case, "condition": cond, "sample": k, "seed": k, "valid": not bad,
+                             "capped": bad, "n_tokens": 5, "emits_a": v == 1, "emits_b": v == -1, "v": v,
+                             "v_category": v})
+    return pd.DataFrame(rows, columns=list(ft.SAMPLE_COLUMNS))
+
+
+def test_case_readings_by_hand():
+    answers = _answers({
+        "c1": {"original": [1, 1, 1, 0], "flipped": [-1, 1, 0, -1], "irrelevant": [1, 1, 0, 0], "order": [1, 1, 1, 1]},
+        "c2": {"original": [1, 0, 0, 0], "flipped": [1, 1, 1, 1], "irrelevant": [1, 0, 0, 0], "order": [-1, 0, 0, 0]},
+    }, invalid={("c2", "flipped", 3), ("c2", "order", 1)})
+    cases = ft.case_readings(answers, {"c1": True, "c2": False})
+    c1, c2 = cases.loc["c1"], cases.loc["c2"]
+    assert c1["D"] == pytest.approx((0.75 + 0.25) / 2) and c2["D"] == pytest.approx((0.25 - 0.75) / 2)
+    assert (c1["follow_original"], c1["follow_flipped"], c1["s"]) == (0.75, 0.5, 0.625)
+    assert c1["paired_success"] == 0.25  # sample 0 only: +1 under the original and -1 under the flip
+    assert (c1["agreement_irrelevant"], c1["agreement_order"]) == (0.75, 0.75)
+    assert (c1["expected_irrelevant"], c1["expected_order"]) == (0.5, 1.0)
+    assert c2["agreement_order"] == 0.75 and c1["invalid"] == 0.0 and c2["invalid"] == 2 / 16
+    for c in (c1, c2):  # the decomposition sums to D
+        assert c["d_lose_a"] + c["d_adopt_b"] == pytest.approx(c["D"])
+    assert c1["d_adopt_b"] == 0.25 and c2["d_adopt_b"] == 0.0
+    assert c1["D_category"] == pytest.approx(c1["D"]) and np.isnan(c2["D_category"])
+    summary = ft.checkpoint_readings(cases, n_resamples=200)
+    assert summary["n_cases"] == 2 and summary["n_cases_category"] == 1
+    assert summary["D"] == pytest.approx(cases["D"].mean())
+    assert summary["D_lo"] <= summary["D"] <= summary["D_hi"]
+    assert summary["D_category"] == pytest.approx(c1["D"]) and summary["D_category_lo"] == summary["D_category_hi"]
+    with pytest.raises(ValueError, match="same number of samples"):
+        ft.case_readings(answers.iloc[1:], {"c1": True, "c2": False})
+
+
+pytestmark = pytest.mark.usefixtures("pinned_code_version")
+
+
+def test_flip_test_end_to_end_on_a_synthetic_cohort(tracking_uri, tmp_path, monkeypatch):
+    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path / "root"))
+    prep = run_prepare(PrepareConfig(corpus="synthetic", corpus_name=unique("flip-test"), n_notes=6,
+                                     codes_per_note=(3, 4), inventory_size=60, model=TINY))
+    exclude = run_prepare(PrepareConfig(corpus="synthetic", corpus_name=unique("flip-test-train"), n_notes=2,
+                                        codes_per_note=(3, 4), inventory_size=60, model=TINY))
+    lock = tmp_path / "lock.yaml"
+    lock.write_text(LOCK)
+    draw_only = run_flip_cohort(FlipCohortConfig(prepare_run=prep, exclude_prepare_runs=(exclude,), lock=str(lock),
+                                                 model=TINY))
+    with pytest.raises(MistillInputError, match="no condition corpora") as err:
+        run_flip_test(FlipTestConfig(cohort_run=draw_only, model=TINY, arm="teacher"))
+    assert err.value.field == "cohort_run"
+    cohort = run_flip_cohort(FlipCohortConfig(prepare_run=prep, exclude_prepare_runs=(exclude,), lock=str(lock),
+                                              model=TINY, synthetic_cases=True))
+    cfg = FlipTestConfig(cohort_run=cohort, model=TINY, arm="teacher", samples=2, max_new_tokens=6)
+    run_id = run_flip_test(cfg)
+    client = MlflowClient()
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["mistill.stage"] == "flip_test"
+    assert run.data.tags["mistill.backend"] == "hf"
+    assert {"flip_samples.csv", "flip_cases.csv"} <= artifact_paths(client, run_id)
+    work = tmp_path / "root" / "work" / run_id
+    samples = pd.read_csv(next(work.rglob("flip_samples.csv")))
+    n_cases = int(run.data.metrics["flip/n_cases"])
+    assert n_cases == 3 and len(samples) == n_cases * len(CONDITIONS) * 2
+    # one seed per case and sample index, shared by the four conditions
+    seeds = samples.groupby(["case_id", "sample"])["seed"].nunique()
+    assert (seeds == 1).all() and samples.groupby("case_id")["seed"].nunique().eq(2).all()
+    # the untrained tiny model writes no answer in 6 tokens: every output invalid, scored 0, counted
+    assert not samples["valid"].any() and (samples["v"] == 0).all()
+    cases = pd.read_csv(next(work.rglob("flip_cases.csv"))).set_index("case_id")
+    assert cases["invalid"].eq(1.0).all() and cases["D"].eq(0.0).all()
+    assert run.data.metrics["flip/invalid"] == 1.0 and run.data.metrics["flip/D"] == 0.0
+    # recomputed from the logged answers, the logged readings agree
+    differ = dict(zip(cases.index, cases["D_category"].notna(), strict=True))
+    again = ft.case_readings(samples, differ)
+    pd.testing.assert_frame_equal(again, cases[list(ft.CASE_READINGS)], check_names=False, check_dtype=False)
+    assert run_flip_test(cfg) == run_id  # the finished run is reused
