@@ -31,10 +31,10 @@ from analysis import query, run_deviations, tables
 from analysis.characterization_compare import compared_runs, reading_runs
 from analysis.report_model import LAMBDA_CELLS, Report, ReportInputs, ReportTable, TableChoices, cell_train_runs
 from analysis.report_sections import (READ_SIDE_STAGES, ExtraRuns, ablations_section, audit_section,
-                                      characterization_section, global_sets_section, lambda_section, locus_section,
-                                      matched_selection_section, own_heads_aligned_section, own_heads_probe_section,
-                                      own_heads_section, read_side_section, selection_section, student_edits_section,
-                                      task_section)
+                                      characterization_section, flip_test_section, global_sets_section, lambda_section,
+                                      locus_section, matched_selection_section, own_heads_aligned_section,
+                                      own_heads_probe_section, own_heads_section, read_side_section, selection_section,
+                                      student_edits_section, task_section)
 from analysis.report_sections import characterization_compare_section, instruction_control_section
 from analysis.report_sections import replicate_section, training_section
 from mistill import stats
@@ -117,6 +117,7 @@ def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str]
             extra["trace_edit_all"] = query.latest_runs(found, query.RUN_KEY) if not found.empty else found
     extra["attribute_compared"], extra["knockin_compared"] = compared_runs(
         client, experiment, compare_attribute_runs, compare_labels)
+    extra["flip_test"] = query.stage_runs(client, experiment, "flip_test", params=("cohort_run",))
     extra["knockin_sets"] = other_sets_only(query.stage_runs(client, experiment, "knockin", params=SETS_PARAMS))
     extra["locus_compared"] = reading_runs(client, extra["attribute_compared"], "locus")
     extra["read_side_compared"] = reading_runs(client, extra["attribute_compared"], "read_side")
@@ -220,6 +221,7 @@ def build_report(inputs: ReportInputs, *, reference_arm: str,
         inputs.extra.get("locus_compared", pd.DataFrame()), inputs.extra.get("read_side_compared", pd.DataFrame()))
     instruction_control_section(rep, client, inputs.extra.get("knockin_sets", pd.DataFrame()))
     training_section(rep, client, extra, cells, n_resamples, seed)
+    flip_test_section(rep, inputs.extra.get("flip_test", pd.DataFrame()), n_resamples, seed)
     replicate_section(rep, extra, replicate_pairs, n_resamples, seed)
     rep.size_section = evidence_size(inputs.runs["evaluate"], task_notes,
                                      inputs.extra.get("train", pd.DataFrame())).section()

@@ -16,6 +16,7 @@ from analysis import (ablation_tables, characterization, figures, locus_figures,
                       selection_tables as seltab, tables)
 from analysis import aligned_events as aligned
 from analysis import characterization_compare as compare
+from analysis import flip_tables
 from analysis import matched_tables as matched
 from analysis import training_tables
 from analysis.audit import stratified_readouts
@@ -459,6 +460,51 @@ def _median_of(values: dict[str, float]) -> float:
 
 def _fmt(v: Any) -> str:
     return "" if v is None or pd.isna(v) else f"{float(v):.3f}"
+
+
+# ---------------------------------------------------------------------- Table 54
+def flip_test_section(rep: Report, runs: pd.DataFrame, n_resamples: int, seed: int) -> None:
+    """Table 54 (App. N.3, R-D33): every checkpoint's behavioural readings on the evidence-flip
+    cohort, and the locked seed-pair contrasts in ``D`` (:mod:`analysis.flip_tables`)."""
+    runs = flip_tables.latest_flip_runs(runs)
+    name, title = "table54_flip_behaviour", "Table 54: the evidence-flip test, behavioural half"
+    caption = ("Per checkpoint on the frozen cohort (four conditions, N answers each, sample k seeded alike in "
+               "every condition): D = (mean v original - mean v flipped) / 2 with its case-clustered 95% interval, "
+               "s (mean of the follow rates), the follow rates (A-only under the original, B-only under the flip), "
+               "paired success (both at one sample index), each control's agreement with the original's v and its "
+               "expected A-only rate, invalid outputs, D's decomposition into A lost and B adopted, and the "
+               "category-level D on the cases whose categories differ.")
+    table = flip_tables.flip_behaviour_table(runs) if not runs.empty else pd.DataFrame()
+    shown = pd.DataFrame.from_records([{
+        "model": r["model"], "arm": r["arm"], "precision": r["precision"] or "", "seed": r["seed"],
+        "cases": r["n_cases"], "D": tables.fmt_ci(r["D"], r["D_lo"], r["D_hi"]), "s": _fmt(r["s"]),
+        "follow A (orig.)": _fmt(r["follow_original"]), "follow B (flip)": _fmt(r["follow_flipped"]),
+        "paired success": _fmt(r["paired_success"]),
+        "agreement irr./order": f"{_fmt(r['agreement_irrelevant'])} / {_fmt(r['agreement_order'])}",
+        "expected A irr./order": f"{_fmt(r['expected_irrelevant'])} / {_fmt(r['expected_order'])}",
+        "invalid": _fmt(r["invalid"]), "D: A lost + B adopted": f"{_fmt(r['d_lose_a'])} + {_fmt(r['d_adopt_b'])}",
+        "D category": tables.fmt_ci(r["D_category"], r["D_category_lo"], r["D_category_hi"])}
+        for _, r in table.iterrows()])
+    _listed(rep, name, title, caption, table, shown, "no FINISHED flip_test runs",
+            columns=flip_tables.BEHAVIOUR_COLUMNS)
+    name, title = "table54_flip_contrasts", "Table 54 (bottom): the locked seed-pair contrasts in D"
+    caption = ("The locked primary (bf16 Mistill minus bf16 Vanilla CoT-KD) and secondary (the fp32 pair): per "
+               "case the seed-matched differences in D averaged over the seed pairs; mean with a case-clustered "
+               "95% bootstrap interval, median, cases higher / lower / tied with the exact sign test, and each seed "
+               "pair's mean difference. App. N.1's pre-registered minimum effect is 0.10 in D.")
+    contrasts = pd.DataFrame()
+    if not runs.empty:
+        cases = _load(rep, runs, "flip_cases.csv", ["case_id", "D"], ("run_id",))
+        cases["case_id"] = cases["case_id"].astype(str)
+        contrasts = flip_tables.flip_contrasts_table(runs, cases, n_resamples=n_resamples, seed=seed)
+    shown = pd.DataFrame.from_records([{
+        "contrast": r["contrast"], "arm - reference": f"{r['arm']} - {r['reference']}", "seed pairs": r["seed_pairs"],
+        "cases": r["n_cases"], "mean": tables.fmt_ci(r["mean_diff"], r["ci_low"], r["ci_high"]),
+        "median": f"{r['median_diff']:+.3f}", "higher/lower/tied": f"{r['cases_higher']}/{r['cases_lower']}/"
+        f"{r['cases_tied']}", "sign p": f"{r['sign_p']:.3g}", "per seed pair": r["per_pair"]}
+        for _, r in contrasts.iterrows()])
+    _listed(rep, name, title, caption, contrasts, shown,
+            "no cohort with flip_test runs of both arms of a locked contrast", columns=flip_tables.CONTRAST_COLUMNS)
 
 
 # ---------------------------------------------------------------------- Tables 16-23

@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
+from analysis import flip_tables
 from mistill.data.flips import CONDITIONS
 from mistill.errors import MistillInputError
 from mistill.evaluation import flip_test as ft
@@ -15,6 +16,7 @@ from mistill.evaluation.generation import DecodingConfig
 from mistill.stages.flip_cohort import FlipCohortConfig, run_flip_cohort
 from mistill.stages.flip_test import FlipTestConfig, run_flip_test
 from mistill.stages.prepare import PrepareConfig, run_prepare
+from mistill.stages.report import ReportConfig, run_report
 from stage_fixtures import TINY, artifact_paths, unique
 
 LOCK = """study: ef-test
@@ -85,33 +87,41 @@ def test_case_readings_by_hand():
         ft.case_readings(answers.iloc[1:], {"c1": True, "c2": False})
 
 
-pytestmark = pytest.mark.usefixtures("pinned_code_version")
-
-
-def test_flip_test_end_to_end_on_a_synthetic_cohort(tracking_uri, tmp_path, monkeypatch):
-    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path / "root"))
-    prep = run_prepare(PrepareConfig(corpus="synthetic", corpus_name=unique("flip-test"), n_notes=6,
-                                     codes_per_note=(3, 4), inventory_size=60, model=TINY))
-    exclude = run_prepare(PrepareConfig(corpus="synthetic", corpus_name=unique("flip-test-train"), n_notes=2,
-                                        codes_per_note=(3, 4), inventory_size=60, model=TINY))
-    lock = tmp_path / "lock.yaml"
+@pytest.fixture(scope="module")
+def flip_runs(tracking_uri, tmp_path_factory, pinned_code_version):
+    """A synthetic frozen cohort of 3 cases, a draw-only cohort run, and the tiny model's
+    flip_test on the cohort (2 samples, 6 tokens): run ids, the corpus and the root."""
+    root = tmp_path_factory.mktemp("flip-test-root")
+    lock = root / "lock.yaml"
     lock.write_text(LOCK)
-    draw_only = run_flip_cohort(FlipCohortConfig(prepare_run=prep, exclude_prepare_runs=(exclude,), lock=str(lock),
-                                                 model=TINY))
+    name = unique("flip-test")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MISTILL_ROOT", str(root))
+        prep = run_prepare(PrepareConfig(corpus="synthetic", corpus_name=name, n_notes=6, codes_per_note=(3, 4),
+                                         inventory_size=60, model=TINY))
+        exclude = run_prepare(PrepareConfig(corpus="synthetic", corpus_name=unique("flip-test-train"), n_notes=2,
+                                            codes_per_note=(3, 4), inventory_size=60, model=TINY))
+        common = dict(prepare_run=prep, exclude_prepare_runs=(exclude,), lock=str(lock), model=TINY)
+        draw_only = run_flip_cohort(FlipCohortConfig(**common))
+        cohort = run_flip_cohort(FlipCohortConfig(**common, synthetic_cases=True))
+        cfg = FlipTestConfig(cohort_run=cohort, model=TINY, arm="teacher", samples=2, max_new_tokens=6)
+        flip = run_flip_test(cfg)
+    return {"root": root, "corpus": name, "draw_only": draw_only, "cohort": cohort, "flip_test": flip, "cfg": cfg}
+
+
+def test_flip_test_end_to_end_on_a_synthetic_cohort(flip_runs, monkeypatch):
+    monkeypatch.setenv("MISTILL_ROOT", str(flip_runs["root"]))
     with pytest.raises(MistillInputError, match="no condition corpora") as err:
-        run_flip_test(FlipTestConfig(cohort_run=draw_only, model=TINY, arm="teacher"))
+        run_flip_test(FlipTestConfig(cohort_run=flip_runs["draw_only"], model=TINY, arm="teacher"))
     assert err.value.field == "cohort_run"
-    cohort = run_flip_cohort(FlipCohortConfig(prepare_run=prep, exclude_prepare_runs=(exclude,), lock=str(lock),
-                                              model=TINY, synthetic_cases=True))
-    cfg = FlipTestConfig(cohort_run=cohort, model=TINY, arm="teacher", samples=2, max_new_tokens=6)
-    run_id = run_flip_test(cfg)
+    run_id = flip_runs["flip_test"]
     client = MlflowClient()
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.tags["mistill.stage"] == "flip_test"
     assert run.data.tags["mistill.backend"] == "hf"
     assert {"flip_samples.csv", "flip_cases.csv"} <= artifact_paths(client, run_id)
-    work = tmp_path / "root" / "work" / run_id
-    samples = pd.read_csv(next(work.rglob("flip_samples.csv")))
+    work = flip_runs["root"] / "work" / run_id
+    samples = pd.read_csv(next(work.rglob("flip_samples.csv")), dtype={"case_id": str})
     n_cases = int(run.data.metrics["flip/n_cases"])
     assert n_cases == 3 and len(samples) == n_cases * len(CONDITIONS) * 2
     # one seed per case and sample index, shared by the four conditions
@@ -119,11 +129,49 @@ def test_flip_test_end_to_end_on_a_synthetic_cohort(tracking_uri, tmp_path, monk
     assert (seeds == 1).all() and samples.groupby("case_id")["seed"].nunique().eq(2).all()
     # the untrained tiny model writes no answer in 6 tokens: every output invalid, scored 0, counted
     assert not samples["valid"].any() and (samples["v"] == 0).all()
-    cases = pd.read_csv(next(work.rglob("flip_cases.csv"))).set_index("case_id")
+    cases = pd.read_csv(next(work.rglob("flip_cases.csv")), dtype={"case_id": str}).set_index("case_id")
     assert cases["invalid"].eq(1.0).all() and cases["D"].eq(0.0).all()
     assert run.data.metrics["flip/invalid"] == 1.0 and run.data.metrics["flip/D"] == 0.0
     # recomputed from the logged answers, the logged readings agree
     differ = dict(zip(cases.index, cases["D_category"].notna(), strict=True))
     again = ft.case_readings(samples, differ)
     pd.testing.assert_frame_equal(again, cases[list(ft.CASE_READINGS)], check_names=False, check_dtype=False)
-    assert run_flip_test(cfg) == run_id  # the finished run is reused
+    assert run_flip_test(flip_runs["cfg"]) == run_id  # the finished run is reused
+
+
+def test_the_locked_contrasts_pair_seeds_and_cluster_by_case():
+    """Primary: bf16 Mistill minus bf16 Vanilla CoT-KD, seed i with seed i, each case's mean over
+    the seed pairs; the fp32 pair has no runs here, so no secondary row."""
+    d = {("mistill", 0): [0.5, 0.25, 0.0], ("mistill", 1): [0.25, 0.25, 0.5],
+         ("vanilla-bf16", 0): [0.25, 0.25, 0.25], ("vanilla-bf16", 1): [0.0, 0.5, 0.5],
+         ("vanilla-bf16", 2): [0.0, 0.0, 0.0]}
+    runs = pd.DataFrame([{"run_id": f"{arm}-{seed}", "params.cohort_run": "c", "model": "m", "arm": arm,
+                          "precision": "bf16", "seed": seed} for arm, seed in d])
+    cases = pd.DataFrame([{"run_id": f"{arm}-{seed}", "case_id": f"k{i}", "D": v}
+                          for (arm, seed), vs in d.items() for i, v in enumerate(vs)])
+    table = flip_tables.flip_contrasts_table(runs, cases, n_resamples=200)
+    assert list(table["contrast"]) == ["primary"]
+    row = table.iloc[0]
+    per_case = [np.mean([0.5 - 0.25, 0.25 - 0.0]), np.mean([0.0, -0.25]), np.mean([-0.25, 0.0])]
+    assert row["seed_pairs"] == 2 and row["n_cases"] == 3  # seed 2 has no Mistill partner
+    assert row["mean_diff"] == pytest.approx(np.mean(per_case)) and row["median_diff"] == pytest.approx(-0.125)
+    assert (row["cases_higher"], row["cases_lower"], row["cases_tied"]) == (1, 2, 0)
+    assert row["ci_low"] <= row["mean_diff"] <= row["ci_high"]
+    assert row["per_pair"] == "s0-s0 +0.000; s1-s1 +0.000"
+
+
+def test_the_report_lists_table_54_from_flip_test_runs(flip_runs, tmp_path, monkeypatch):
+    """The checkpoint rows from the stage's own runs; no locked contrast without trained arms."""
+    monkeypatch.setenv("MISTILL_ROOT", str(flip_runs["root"]))
+    client = MlflowClient()
+    run_id = run_report(ReportConfig(corpus=flip_runs["corpus"], bootstrap=50, corpus_bootstrap=50))
+    report = client.get_run(run_id)
+    assert report.info.status == "FINISHED"
+    path = client.download_artifacts(run_id, "tables/table54_flip_behaviour.csv", str(tmp_path))
+    table = pd.read_csv(path)
+    assert list(table["run_id"]) == [flip_runs["flip_test"]] and table.loc[0, "arm"] == "teacher"
+    metrics = client.get_run(flip_runs["flip_test"]).data.metrics
+    for col in ("n_cases", "D", "s", "invalid", "d_lose_a", "d_adopt_b", "follow_flipped"):
+        assert table.loc[0, col] == pytest.approx(metrics[f"flip/{col}"])
+    text = open(client.download_artifacts(run_id, "report.md", str(tmp_path / "r"))).read()
+    assert "Table 54 (bottom)" in text and "no cohort with flip_test runs of both arms" in text

@@ -4,7 +4,8 @@ One checkpoint (a ``train`` run's, or any model standing for an arm such as the 
 every case of a frozen cohort (``cohort_run``: a ``flip_cohort`` run that wrote its four condition
 corpora) ``samples`` times under each condition, through the evaluation's generation path: the
 case's prompt as ``evaluate`` builds it, the paper's decoding, every answer of the run in one
-batched sampling pass (``backend``; tag ``mistill.backend``). Sample ``k`` of a case is drawn with
+batched sampling pass (``backend``; tag ``mistill.backend``). The run joins the cohort's
+experiment, where the report finds it. Sample ``k`` of a case is drawn with
 one seed in every condition (:func:`mistill.evaluation.flip_test.sample_seed`), so the
 conditions are compared at the same sample index.
 
@@ -41,7 +42,7 @@ from mistill.stages.common import (Prepared, link_subject, load_prepared, load_t
                                    readout_subject)
 from mistill.stages.flip_cohort import TAG_CONDITION_RUN
 from mistill.stages.runner import open_stage, progress_label, stage_device
-from mistill.tracking.naming import TAG_BACKEND
+from mistill.tracking.naming import TAG_BACKEND, TAG_CORPUS
 from mistill.validation import (check_arm, check_device, check_dtype, check_model_spec, check_no_text_fields,
                                 check_positive, check_run_id, check_seed)
 
@@ -84,9 +85,10 @@ class FlipTestConfig(Config, DecodingParams):
         check_dtype(self.dtype)
 
 
-def cohort_conditions(cohort_run: str) -> dict[str, Prepared]:
-    """The four condition corpora of a frozen cohort, by condition; a run without them is refused
-    (field ``cohort_run``)."""
+def cohort_conditions(cohort_run: str) -> tuple[str, dict[str, Prepared]]:
+    """The corpus a frozen cohort was drawn from (whose experiment holds the cohort and its test)
+    and its four condition corpora, by condition; a run without them is refused (field
+    ``cohort_run``)."""
     tags = MlflowClient().get_run(cohort_run).data.tags
     if tags.get("mistill.stage") != "flip_cohort":
         raise MistillInputError(f"run {cohort_run} is a {tags.get('mistill.stage')!r} run, not a flip_cohort run",
@@ -100,18 +102,18 @@ def cohort_conditions(cohort_run: str) -> dict[str, Prepared]:
     if any(ids != cases["original"] for ids in cases.values()) or not cases["original"]:
         raise MistillInputError(f"flip_cohort run {cohort_run}: its condition corpora do not hold the same cases",
                                 field="cohort_run")
-    return out
+    return tags[TAG_CORPUS], out
 
 
 def run_flip_test(cfg: FlipTestConfig) -> str:
-    conditions = cohort_conditions(cfg.cohort_run)
+    corpus, conditions = cohort_conditions(cfg.cohort_run)
     subject = readout_subject(cfg.train_run, cfg.model, cfg.arm)
     decoding = cfg.decoding()
     device = stage_device(cfg.device)
     backend = resolve_backend(cfg.backend, device)
     inputs = {"flip_cohort": cfg.cohort_run, **({"train": cfg.train_run} if cfg.train_run else {})}
     original = conditions["original"]
-    with open_stage(STAGE, cfg, original, inputs=inputs, model=subject.spec, arm=subject.arm,
+    with open_stage(STAGE, cfg, original, inputs=inputs, corpus=corpus, model=subject.spec, arm=subject.arm,
                     seed=int(subject.seed) if subject.seed is not None else cfg.seed, precision=subject.precision,
                     tags={**subject.links, TAG_BACKEND: backend}) as run:
         if run.reused:

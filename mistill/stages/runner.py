@@ -95,7 +95,7 @@ def preflight(stage: Stage, cfg: Config) -> None:
 
 @contextlib.contextmanager
 def open_stage(stage: str, cfg: Config, prepared: Prepared, *, inputs: Mapping[str, str],
-               guard: PrivacyGuard | None = None, **run_args: Any) -> Iterator[StageRun]:
+               guard: PrivacyGuard | None = None, corpus: str = "", **run_args: Any) -> Iterator[StageRun]:
     """The stage's run, opened with resume (an identical finished run is reused: ``run.reused``).
 
     Args:
@@ -105,6 +105,7 @@ def open_stage(stage: str, cfg: Config, prepared: Prepared, *, inputs: Mapping[s
             (unless the run is reused) and its privacy guard checks everything written.
         inputs: lineage ``{name: input run id}``.
         guard: the privacy guard (default: :func:`~mistill.stages.common.privacy_guard` of the corpus).
+        corpus: the corpus whose experiment holds the run (default: the prepared corpus's name).
         run_args: passed to :class:`~mistill.tracking.runs.StageRun` (model, arm, tags, ...).
     """
     if current_world().distributed and not registered(stage).shardable:
@@ -112,7 +113,7 @@ def open_stage(stage: str, cfg: Config, prepared: Prepared, *, inputs: Mapping[s
                                 f"process", field="nproc")
     world = init_world(str(getattr(cfg, "device", "cpu")))
     guard = guard if guard is not None else privacy_guard(prepared.corpus)
-    args = dict(corpus=prepared.corpus.name, guard=guard, corpus_digest=prepared.corpus.digest, inputs=dict(inputs),
+    args = dict(corpus=corpus or prepared.corpus.name, guard=guard, corpus_digest=prepared.corpus.digest, inputs=dict(inputs),
                 resume=True, root=mistill_root(), description=stage_help()[stage], **run_args)
     if world.leader:
         with StageRun(stage, cfg, **args) as run:
