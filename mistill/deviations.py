@@ -499,6 +499,11 @@ CONVENTIONS: tuple[Convention, ...] = (
                "FROZEN holds a sha256 per version (text and masks), per reviewed proposal, of the ledger, the lock "
                "and the source corpus; written once, re-verified on every later read", "mistill.data.flips",
                "the paper freezes the flips by hash; what is hashed is not listed"),
+    Convention("the evidence-flip pool", "App. N.2",
+               "reproduce's tree EF prepares 400 release notes by App. A's selection on their retrieved "
+               "shortlist, the teacher screens them, and the cohort's lock draws 300 patients among them outside "
+               "the distillation corpus's patients", "mistill.runbook.paper_plan",
+               "the paper draws 300 patients disjoint from every development cohort, not the pool they came from"),
     Convention("evidence-flip decomposition", "App. N.3, Table 54",
                "D = d_lose_a + d_adopt_b, with d_lose_a = (mean v under the original - Pr(v = +1 under the flip)) / 2 "
                "and d_adopt_b = Pr(v = -1 under the flip) / 2; the category-level D compares the first three "

@@ -490,7 +490,7 @@ def estimate(work: Workload, figures: Figures) -> Estimate:
 
 
 ROLES: tuple[str, ...] = ("teacher", "student", "student_smollm3", "encoder", "las_model", "corpus",
-                           "distill_corpus", "split_file")
+                           "distill_corpus", "split_file", "flip_proposals", "flip_ledger")
 """The placeholders a step's ``params`` may hold (``{teacher}``): the models and data a reproduction
 is given (:class:`mistill.stages.reproduce.ReproduceConfig` has a field of each name)."""
 
@@ -512,6 +512,8 @@ class PlanStep:
     skip_synthetic: on a synthetic corpus the step is not run: ``generate`` (the corpus carries
         scripted teacher traces; the step then stands for its input) and the retriever's
         training notes (the shortlist generates synthetic ones).
+    synthetic_params: on a synthetic corpus, these replace ``params`` (a key set to ``""`` is
+        dropped): the evidence-flip cohort's synthetic cases stand for the author's files there.
     """
 
     tree: str
@@ -523,10 +525,19 @@ class PlanStep:
     disk_gib: float = 0.0
     inputs: Mapping[str, str] = field(default_factory=dict)
     skip_synthetic: bool = False
+    synthetic_params: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
         return f"{self.tree}/{self.step}"
+
+    def params_for(self, synthetic: bool) -> dict[str, str]:
+        """The ``-P`` settings on the corpus given: ``params``, with ``synthetic_params`` over them
+        on a synthetic corpus."""
+        if not synthetic or not self.synthetic_params:
+            return dict(self.params)
+        merged = {**self.params, **self.synthetic_params}
+        return {k: v for k, v in merged.items() if v != ""}
 
     @property
     def covers(self) -> tuple[str, ...]:
@@ -536,7 +547,7 @@ class PlanStep:
 
 def _step(tree: str, step: str, entry_point: str, work: Workload, *, inputs: Mapping[str, str] | None = None,
           after: tuple[str, ...] = (), params: Mapping[str, str] | None = None, disk_gib: float = 0.0,
-          skip_synthetic: bool = False) -> PlanStep:
+          skip_synthetic: bool = False, synthetic_params: Mapping[str, str] | None = None) -> PlanStep:
     """A :class:`PlanStep` whose ``needs`` are the steps of its ``inputs`` and ``after``."""
     inputs = dict(inputs or {})
     needs: list[str] = []
@@ -545,7 +556,7 @@ def _step(tree: str, step: str, entry_point: str, work: Workload, *, inputs: Map
         if name not in needs:
             needs.append(name)
     return PlanStep(tree, step, entry_point, work, tuple(needs), dict(params or {}), disk_gib, inputs,
-                    skip_synthetic)
+                    skip_synthetic, dict(synthetic_params or {}))
 
 
 @dataclass(frozen=True)
@@ -567,6 +578,10 @@ class PaperCounts:
     (**[recon]**: the paper states none; 1,500); note_tokens: the same note in the LAS simulator's
     tokens (**[recon]**: 2,000); simulator_steps: the LAS simulator's training steps, one pass over
     the teacher's training traces (**[recon]**: App. K states no schedule).
+    flip_pool: the release notes the evidence-flip cohort is drawn from, screened by the teacher
+    (**[recon]**: App. N.2 draws 300 patients disjoint from every development cohort without
+    naming the pool; 400 leaves room for the distillation corpus's patients); flip_cases: the
+    approved cases (33), flip_samples: answers per case and condition (4), flip_conditions: 4.
     """
 
     characterization_traces: int = 100
@@ -588,6 +603,10 @@ class PaperCounts:
     note_words: int = 1_500
     note_tokens: int = 2_000
     simulator_steps: int = 493
+    flip_pool: int = 400
+    flip_cases: int = 33
+    flip_samples: int = 4
+    flip_conditions: int = 4
 
     def micro_steps(self, notes: int, epochs: int | None = None) -> int:
         return notes * (self.epochs if epochs is None else epochs)
@@ -682,7 +701,7 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
     (App. G); ``instruction``: without the prompt's narrowing sentence (Table 4); DT-000: the
     distillation corpus, its shortlist, the teacher's traces and targets, the students'
     rankings, the LAS simulator, and the teacher's and untrained students' evaluations; DT-001:
-    the λ selection and the Mistill arms; the report.
+    the λ selection and the Mistill arms; EF: the evidence-flip test (App. N); the report.
     """
     c = counts
     full, short = c.full_prompt_tokens, c.shortlist_tokens
@@ -870,13 +889,64 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
                        inputs={"prepare_run": data, "train_run": f"DT-001/train_{run}"},
                        params={"probe_head": head, "probe_phase": "P2C", "probe_rank": "8", "own_traces": "false"},
                        after=(f"DT-001/own_heads_{run}",), skip_synthetic=True))
+    steps += _evidence_flip_tree(c, release, generation)
     steps.append(_step("report", "report", "report", Workload("none"),
-                       after=tuple(s.name for s in steps if s.entry_point in ("evaluate", "own_heads"))))
+                       after=tuple(s.name for s in steps if s.entry_point in ("evaluate", "own_heads", "flip_test"))))
+    return steps
+
+
+TRANSFER_TREES: tuple[str, ...] = ("EF",)
+"""The trees of the discussion-phase transfer tests (App. N onwards: R-D30 and later), priced beside
+the main reproduction (the characterization and distillation trees) rather than inside its budget."""
+
+FLIP_CHECKPOINTS: tuple[tuple[str, str, int], ...] = (
+    ("mistill", "DT-001", 3), ("vanilla-bf16", "DT-000", 3), ("mistill-fp32", "DT-001", 3),
+    ("vanilla-fp32", "DT-000", 3))
+"""(arm, tree of its train steps, seeds) of the Qwen3-4B checkpoints the evidence-flip test reads
+(App. N.1: the locked primary's bf16 pair and the secondary's fp32 pair, three seeds each; the
+teacher beside them). The matched-selection RandHeads pick, descriptive there, is not in the plan
+(its selection is not: see R-D31)."""
+
+
+def _evidence_flip_tree(c: PaperCounts, release: Mapping[str, str], generation) -> list[PlanStep]:
+    """EF, the evidence-flip test (App. N): a pool of release notes on their retrieved shortlist
+    (the retriever's notes exclude the pool's patients), the teacher's screen traces, the cohort
+    drawn disjoint from the distillation corpus's patients with the author's proposals and the
+    reviewer's ledger (roles ``flip_proposals``, ``flip_ledger``; on a synthetic corpus the
+    platform's synthetic cases), then every locked checkpoint's behavioural half."""
+    short, trace = c.shortlist_tokens, c.trace_tokens
+    answers = c.flip_cases * c.flip_conditions * c.flip_samples
+    steps = [
+        _step("EF", "prepare", "prepare", Workload("none"),
+              params={**release, "select_n": str(c.flip_pool), "model": "{teacher}"}),
+        _step("EF", "shortlist", "shortlist",
+              Workload("shortlist", "gte-large", c.flip_pool + c.retriever_train_notes, c.note_words,
+                       head_notes=c.retriever_train_notes, epochs=c.head_epochs, codes=c.inventory_codes),
+              inputs={"prepare_run": "EF/prepare", "train_prepare_run": "DT-000/retriever_notes"},
+              params={"encoder": "{encoder}"}),
+    ]
+    steps += _traced_corpus("EF", "shortlist", {}, generation("qwen3-14b", c.flip_pool, short))
+    steps.append(_step("EF", "flip_cohort", "flip_cohort", Workload("none"),
+                       inputs={"prepare_run": "EF/generate", "exclude_prepare_runs": "DT-000/prepare"},
+                       params={"lock": "projects/configs/cohorts/ef-cohort.yaml", "proposals": "{flip_proposals}",
+                               "ledger": "{flip_ledger}", "model": "{teacher}"},
+                       synthetic_params={"lock": "projects/configs/cohorts/ef-cohort-embedded.yaml",
+                                         "proposals": "", "ledger": "", "synthetic_cases": "true"}))
+    cohort = {"cohort_run": "EF/flip_cohort"}
+    steps.append(_step("EF", "flip_test_teacher", "flip_test",
+                       Workload("generate", "qwen3-14b", answers, short - trace, trace), inputs=cohort,
+                       params={"model": "{teacher}", "arm": "teacher"}))
+    for arm, tree, seeds in FLIP_CHECKPOINTS:
+        for seed in range(seeds):
+            run = f"qwen3-4b_{arm}_s{seed}"
+            steps.append(_step("EF", f"flip_test_{run}", "flip_test",
+                               Workload("generate", "qwen3-4b", answers, short - trace, trace),
+                               inputs={**cohort, "train_run": f"{tree}/train_{run}"}))
     return steps
 
 
 RESULT_TREES: dict[str, tuple[str, ...]] = {"R-C7": ("HD-001", "HD-002"), "R-C14": ("instruction",),
-                                            "R-D20": ("HD-001",)}
+                                            "R-D20": ("HD-001",), "R-D33": ("EF",), "R-D35": ("EF",)}
 """The trees a result reads where it is not its half's default (:func:`result_trees`)."""
 
 
@@ -885,7 +955,8 @@ def result_trees(result_id: str) -> tuple[str, ...]:
     the full-inventory characterization, the distillation results (``R-D``) DT-000 and DT-001,
     except where :data:`RESULT_TREES` says otherwise (R-C7 compares HD-001 with the shortlist's
     HD-002; R-C14 is the instruction control; R-D20, the faithfulness of the objective's ``c``,
-    is read on the teacher's characterization); the report serves every result."""
+    is read on the teacher's characterization; the evidence-flip results, R-D33 and R-D35, are tree
+    EF's); the report serves every result."""
     default = ("HD-001",) if result_id.startswith("R-C") else ("DT-000", "DT-001")
     return (*RESULT_TREES.get(result_id, default), "report")
 
@@ -1009,9 +1080,13 @@ def render(plan: Sequence[PlanStep], figures: Figures, *, reused: Mapping[str, s
     lines += ["", *_subtotal_lines("tree", _group(plan, estimates, "tree"))]
     if by_entry_point:
         lines += ["", *_subtotal_lines("entry point", _group(plan, estimates, "entry_point"))]
+    transfer = sum(e.gpu_hours or 0.0 for s, e in zip(plan, estimates) if s.tree in TRANSFER_TREES)
     lines += ["", f"{len(plan)} steps; {total:.1f} GPU-hours where a benchmark figure covers the step "
-              f"({len(unknown)} steps without one); about {math.ceil(disk)} GiB of artifacts",
-              f"figures: {figures.source}"]
+              f"({len(unknown)} steps without one); about {math.ceil(disk)} GiB of artifacts"]
+    if transfer:
+        lines.append(f"of which the main reproduction {total - transfer:.1f} and the transfer tests "
+                     f"({', '.join(TRANSFER_TREES)}) {transfer:.1f}")
+    lines.append(f"figures: {figures.source}")
     return "\n".join(lines)
 
 

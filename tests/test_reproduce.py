@@ -47,7 +47,11 @@ def test_every_step_of_the_plan_builds_a_valid_config_from_the_roles():
             continue
         assert config is not None, step.name
         for field, ref in step.inputs.items():
-            assert getattr(config, field) == ids[ref], (step.name, field)
+            value = getattr(config, field)
+            assert value == (ids[ref] if isinstance(value, str) else (ids[ref],)), (step.name, field)
+        if step.name == "EF/flip_cohort":  # the synthetic cases stand for the author's files
+            assert config.synthetic_cases and not config.proposals and not config.ledger
+            assert config.lock.endswith("ef-cohort-embedded.yaml")
         if step.name == "DT-000/train_smollm3-3b_gold_s0":
             assert config.student == EMBEDDED["student_smollm3"] and config.arm == "gold"
         if step.name == "HD-001/characterize":
@@ -71,6 +75,12 @@ def test_a_missing_path_makes_a_dry_run_that_creates_nothing(tracking_uri, tmp_p
     assert out.startswith("dry run: missing or empty teacher") and "corpus (mimic:" in out
     assert "HD-001/characterize" in out and "GPU-hours" in out and "DT-000" not in out
     assert MlflowClient().get_experiment_by_name(f"mistill/{name}") is None
+    # the evidence-flip tree needs the author's proposals and the reviewer's ledger on a real corpus
+    flips = ReproduceConfig(teacher="/absent/models/qwen3-14b", corpus="mimic:/absent/mimic/notes.csv",
+                            corpus_name=name, results=("R-D33",))
+    assert {"flip_proposals", "flip_ledger"} <= set(missing_roles(select(paper_plan(), flips.results), flips))
+    assert "flip_proposals" not in missing_roles(select(paper_plan(), flips.results),
+                                                 ReproduceConfig(**EMBEDDED, results=("R-D33",)))
 
 
 def _runs(exp_name: str) -> list:

@@ -66,7 +66,7 @@ STEP_TAG = "mistill.step."
 ``reproduce`` run and on its tree's run: the run id of that step."""
 TAG_TREE = "mistill.tree"
 MODEL_ROLES = ("teacher", "student", "student_smollm3", "encoder", "las_model")
-DATA_ROLES = ("corpus", "distill_corpus", "split_file")
+DATA_ROLES = ("corpus", "distill_corpus", "split_file", "flip_proposals", "flip_ledger")
 OPTIONAL_ROLES = ("split_file",)
 """Roles a plan may leave empty (the release's own split column is then used)."""
 
@@ -84,6 +84,9 @@ class ReproduceConfig(Config):
     distill_corpus: the distillation corpus (App. A: 500 training notes, the 100 characterization
     notes as validation notes, 150 test notes, one per patient), a JSONL corpus whose records
     carry their splits (empty with the synthetic corpus: the synthetic corpus).
+    flip_proposals, flip_ledger: the evidence-flip cohort's edit proposals (JSONL) and the
+    reviewer's ledger (CSV) that the author supplies (App. N.2; ``flip_cohort``'s ``proposals``
+    and ``ledger``); the synthetic corpus needs neither (its synthetic cases stand for them).
     corpus_name: the experiment ``mistill/<corpus_name>`` every run goes to (empty: the name
     ``prepare`` gives the corpus).
     results: App. Q ids to reproduce (empty: every tree).
@@ -103,6 +106,8 @@ class ReproduceConfig(Config):
     corpus: str = ""
     distill_corpus: str = ""
     split_file: str = ""
+    flip_proposals: str = ""
+    flip_ledger: str = ""
     corpus_name: str = ""
     privacy: str = "restricted"
     results: tuple[str, ...] = ()
@@ -186,7 +191,7 @@ def role_available(name: str, value: str) -> bool:
 def roles_used(plan: Sequence[PlanStep], cfg: ReproduceConfig) -> list[str]:
     """The roles the steps that will run refer to, in :data:`ROLES` order."""
     used = {m for s in plan if not (cfg.synthetic and s.skip_synthetic)
-            for v in s.params.values() for m in re.findall(r"{(\w+)}", v)}
+            for v in s.params_for(cfg.synthetic).values() for m in re.findall(r"{(\w+)}", v)}
     return [r for r in ROLES if r in used]
 
 
@@ -225,7 +230,7 @@ def step_values(step: PlanStep, cfg: ReproduceConfig, settings: Mapping[str, Map
     if step.entry_point == "report":
         values["corpus"] = cfg.experiment_corpus()
     roles = {r: cfg.role(r) for r in ROLES}
-    values.update({k: v.format_map(roles) for k, v in step.params.items()})
+    values.update({k: v.format_map(roles) for k, v in step.params_for(cfg.synthetic).items()})
     for key in (step.entry_point, step.name):
         unknown = sorted(set(settings.get(key, {})) - fields)
         if unknown:
