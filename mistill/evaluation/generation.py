@@ -44,6 +44,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +56,7 @@ from mistill.config import Config
 from mistill.data.corpus import Note
 from mistill.evaluation.parsing import THINK_CLOSE, CodeIndex, parse_answer
 from mistill.instrument.passes import stable_seed
-from mistill.models.grouped_attention import use_grouped_decode_attention
+from mistill.models.grouped_attention import decode_key_mask, use_grouped_decode_attention
 from mistill.models.loading import LoadedModel
 
 
@@ -275,7 +276,9 @@ def _generation(lm: LoadedModel, new: list[int], seed: int, decoding: DecodingCo
 
 @torch.no_grad()
 def generate_hf_many(lm: LoadedModel, items: Sequence[tuple[str, int]], decoding: DecodingConfig, *,
-                     batch_size: int | None = None, greedy: bool = False) -> list[Generation]:
+                     batch_size: int | None = None, greedy: bool = False,
+                     key_masks: Sequence[Sequence[int]] | None = None,
+                     mask_heads: Sequence[int] = ()) -> list[Generation]:
     """Completions of ``(prompt_text, seed)`` pairs (prompts already chat-templated), in the order given.
 
     The prompts are tokenized like :func:`prompt_ids`, sorted longest first and decoded
@@ -294,6 +297,11 @@ def generate_hf_many(lm: LoadedModel, items: Sequence[tuple[str, int]], decoding
     batch is prefilled in one forward, whose activations grow with batch size x longest prompt,
     so pass a smaller ``batch_size`` for very long prompts there.
 
+    ``key_masks`` (one per item: token positions of its prompt) and ``mask_heads`` (flat heads
+    ``layer * n_heads + head``): the decode-regime key mask of App. N.4. The prompt is prefilled
+    clean; at every decode step the named heads may not read the named prompt positions
+    (:func:`mistill.models.grouped_attention.decode_key_mask`). Such a call is not compiled.
+
     Each completion keeps its new tokens up to and including the first end token (the
     tokenizer's EOS or one of the model's generation EOS ids), is ``capped`` when it reached
     ``max_new_tokens`` without one, and its text is decoded with special tokens skipped. The
@@ -309,6 +317,11 @@ def generate_hf_many(lm: LoadedModel, items: Sequence[tuple[str, int]], decoding
     ids = [lm.tokenizer(text, add_special_tokens=False)["input_ids"] for text, _ in pairs]
     if any(len(x) == 0 for x in ids):
         raise ValueError("a prompt to generate from needs at least one token")
+    masking = key_masks is not None
+    if masking and len(key_masks) != len(pairs):
+        raise ValueError(f"{len(key_masks)} key masks for {len(pairs)} prompts")
+    if masking and any(not 0 <= int(p) < len(x) for m, x in zip(key_masks, ids) for p in m):
+        raise ValueError("a key mask position lies outside its prompt")
     order = sorted(range(len(pairs)), key=lambda i: -len(ids[i]))  # longest first; ties keep their order
     static = static_cache_ready(model)
     chunked = static and device.type == "cuda" and _generation_option("prefill_chunk_size")
@@ -327,7 +340,7 @@ def generate_hf_many(lm: LoadedModel, items: Sequence[tuple[str, int]], decoding
         options["cache_implementation"] = "static"
         if _generation_option("max_cache_len"):
             options["max_cache_len"] = cache_len  # one cache shape for every batch of the call
-    if device.type != "cuda" and _generation_option("disable_compile"):
+    if (device.type != "cuda" or masking) and _generation_option("disable_compile"):
         options["disable_compile"] = True
     stops = _stop_ids(lm)
     pad = _pad_id(lm, stops)
@@ -347,8 +360,10 @@ def generate_hf_many(lm: LoadedModel, items: Sequence[tuple[str, int]], decoding
                 extra = dict(options)
                 if chunked and n > PREFILL_CHUNK:
                     extra["prefill_chunk_size"] = PREFILL_CHUNK
-                seqs = _run_generate(lm, batch.to(device), mask.to(device), [pairs[i][1] for i in rows], decoding,
-                                     greedy=greedy, options=extra)
+                hidden = [[n - len(ids[i]) + int(p) for p in key_masks[i]] for i in rows] if masking else []
+                with decode_key_mask(mask_heads, lm.geometry.n_heads, hidden) if masking else nullcontext():
+                    seqs = _run_generate(lm, batch.to(device), mask.to(device), [pairs[i][1] for i in rows],
+                                         decoding, greedy=greedy, options=extra)
                 new_rows = seqs[:, n:].tolist()
                 for r, i in enumerate(rows):
                     out[i] = _generation(lm, new_rows[r], pairs[i][1], decoding, stops)

@@ -21,12 +21,19 @@ path; a prefill, a call without a mask, or a model without grouped heads goes to
 transformers' SDPA function unchanged. :func:`use_grouped_decode_attention` switches a loaded
 model to it for the length of a ``with`` block (the batched generation path uses it on CUDA);
 the name is registered with transformers' attention and mask interfaces, the mask being SDPA's.
+
+The same path carries the decode-regime key mask of the evidence-flip test's causal half (App.
+N.4): within :func:`decode_key_mask`, at every decode step the named heads of each layer are
+kept from the named key positions of each batch row (their scores set to the float minimum
+before the softmax, the rest renormalised), while the prefill, and so the cache every head
+reads, stays clean. Every other head attends as before; an empty mask changes nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
@@ -41,6 +48,66 @@ GROUPED_MAX_QUERY = 1
 (prefills, however short) SDPA's, whose mask handling of fully padded query rows they keep."""
 
 
+@dataclass(frozen=True)
+class DecodeKeyMask:
+    """Key positions some heads may not read at decode steps.
+
+    heads: layer -> the query heads of that layer that are masked.
+    positions: per batch row, the key positions (cache indices) those heads may not read.
+    """
+
+    heads: Mapping[int, tuple[int, ...]]
+    positions: tuple[tuple[int, ...], ...]
+
+    def blocked(self, layer: int, n_heads: int, length: int, device: torch.device) -> torch.Tensor | None:
+        """``[B, H, S]`` True where layer ``layer``'s head may not read the key (None: no head of
+        the layer is masked, or no row has a position)."""
+        heads = self.heads.get(int(layer), ())
+        if not heads or not any(self.positions):
+            return None
+        rows = torch.zeros((len(self.positions), length), dtype=torch.bool)
+        for b, pos in enumerate(self.positions):
+            if pos:
+                rows[b, list(pos)] = True
+        out = torch.zeros((len(self.positions), n_heads, length), dtype=torch.bool)
+        out[:, list(heads)] = rows[:, None]
+        return out.to(device)
+
+
+_ACTIVE: list[DecodeKeyMask] = []
+"""The decode key mask in force (:func:`decode_key_mask`), at most one."""
+
+
+@contextlib.contextmanager
+def decode_key_mask(heads: Sequence[int], n_heads: int, positions: Sequence[Sequence[int]]) -> Iterator[None]:
+    """Within the block, at every decode step through :func:`grouped_attention_forward`, the flat
+    heads ``heads`` (``layer * n_heads + head``) may not read the key positions ``positions[b]`` of
+    batch row ``b``. Needs the model switched with :func:`use_grouped_decode_attention`."""
+    if _ACTIVE:
+        raise RuntimeError("a decode key mask is already in force")
+    by_layer: dict[int, list[int]] = {}
+    for flat in sorted({int(h) for h in heads}):
+        layer, head = divmod(flat, int(n_heads))
+        by_layer.setdefault(layer, []).append(head)
+    _ACTIVE.append(DecodeKeyMask({k: tuple(v) for k, v in by_layer.items()},
+                                 tuple(tuple(sorted({int(p) for p in row})) for row in positions)))
+    try:
+        yield
+    finally:
+        _ACTIVE.clear()
+
+
+def _key_block(module: torch.nn.Module, batch: int, heads: int, length: int,
+               device: torch.device) -> torch.Tensor | None:
+    """The active decode key mask's ``[B, H, S]`` block for ``module``'s layer (None: none)."""
+    if not _ACTIVE:
+        return None
+    mask = _ACTIVE[0]
+    if len(mask.positions) != batch:
+        raise RuntimeError(f"the decode key mask has {len(mask.positions)} rows, the batch {batch}")
+    return mask.blocked(int(module.layer_idx), heads, length, device)
+
+
 def grouped_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                               value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
                               scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
@@ -53,8 +120,9 @@ def grouped_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     """
     batch, heads, q_len, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
-    if (q_len > GROUPED_MAX_QUERY or attention_mask is None or dropout > 0.0 or kv_heads == heads
-            or attention_mask.shape[-1] != length):
+    blocked = _key_block(module, batch, heads, length, query.device) if q_len <= GROUPED_MAX_QUERY else None
+    if blocked is None and (q_len > GROUPED_MAX_QUERY or attention_mask is None or dropout > 0.0
+                            or kv_heads == heads or attention_mask.shape[-1] != length):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     group = heads // kv_heads
@@ -62,11 +130,15 @@ def grouped_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     grouped = query.reshape(batch, kv_heads, group * q_len, dim)
     scores = torch.matmul(grouped, key.transpose(-1, -2)).view(batch, kv_heads, group, q_len, length)
     scores = scores.float() * scale
-    mask = attention_mask[:, :, None]  # [B, 1, 1, q, S] against [B, KV, G, q, S]
-    if mask.dtype == torch.bool:  # the float minimum, not -inf: a fully masked row stays finite
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    else:
-        scores = scores + mask.float()
+    lowest = torch.finfo(scores.dtype).min  # the float minimum, not -inf: a fully masked row stays finite
+    if attention_mask is not None:
+        mask = attention_mask[..., :length][:, :, None]  # [B, 1, 1, q, S] against [B, KV, G, q, S]
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, lowest)
+        else:
+            scores = scores + mask.float()
+    if blocked is not None:  # the named heads kept from the named keys (App. N.4)
+        scores = scores.masked_fill(blocked.view(batch, kv_heads, group, 1, length), lowest)
     probs = torch.softmax(scores, dim=-1).to(value.dtype).view(batch, kv_heads, group * q_len, length)
     out = torch.matmul(probs, value).view(batch, heads, q_len, dim)
     return out.transpose(1, 2).contiguous(), None
