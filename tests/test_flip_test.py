@@ -1,7 +1,10 @@
-"""The evidence-flip test's behavioural half (App. N.3, R-D33): the answer scores, the per-case
-readings on hand-made answers, and the ``flip_test`` stage end to end on a synthetic frozen cohort."""
+"""The evidence-flip test (App. N; R-D33, R-D34): the answer scores, the per-case readings on
+hand-made answers, the ``flip_test`` stage end to end on a synthetic frozen cohort, Table 54, and
+the causal half's key masks (the masked prompt tokens, the masked runs)."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pandas as pd
@@ -175,3 +178,52 @@ def test_the_report_lists_table_54_from_flip_test_runs(flip_runs, tmp_path, monk
         assert table.loc[0, col] == pytest.approx(metrics[f"flip/{col}"])
     text = open(client.download_artifacts(run_id, "report.md", str(tmp_path / "r"))).read()
     assert "Table 54 (bottom)" in text and "no cohort with flip_test runs of both arms" in text
+
+
+def test_a_mask_span_becomes_the_prompt_tokens_that_show_it(flip_runs, monkeypatch):
+    """Every masked character of the note is inside a masked prompt token, and every masked
+    token shows some masked character (a token counts when any of its characters is)."""
+    from mistill.data.flips import prompt_positions, token_offsets
+    from mistill.stages.common import load_prepared, load_tokenizer
+
+    monkeypatch.setenv("MISTILL_ROOT", str(flip_runs["root"]))
+    tags = MlflowClient().get_run(flip_runs["cohort"]).data.tags
+    tokenizer = load_tokenizer(TINY)
+    seen = 0
+    for cond in ("original", "flipped"):
+        prepared = load_prepared(tags[f"mistill.flip_cohort.run.{cond}"])
+        for note in prepared.corpus.notes:
+            prompt = prepared.prompt(note, tokenizer)
+            spans = [tuple(s) for s in note.meta["target_mask"]]
+            positions = prompt_positions(prompt, note, spans, tokenizer)
+            offsets = token_offsets(tokenizer, prompt.text)
+            words = {note.text[a:b].strip() for a, b in spans}
+            shown = "".join(prompt.text[offsets[i][0]:offsets[i][1]] for i in positions)
+            assert positions == sorted(set(positions)) and all(w in shown for w in words if w)
+            assert all(b > a for a, b in (offsets[i] for i in positions))
+            seen += bool(positions)
+    assert seen >= 3
+
+
+def test_the_causal_half_masks_the_nominated_heads_on_the_hf_path(flip_runs, monkeypatch):
+    monkeypatch.setenv("MISTILL_ROOT", str(flip_runs["root"]))
+    base = dict(cohort_run=flip_runs["cohort"], model=TINY, arm="teacher", samples=1, max_new_tokens=4)
+    for bad, field in ((dict(mask="target"), "mask_heads"), (dict(mask_heads=("L0H1",)), "mask"),
+                       (dict(mask="sham", mask_heads=("L0H1",), backend="vllm"), "backend"),
+                       (dict(mask="sham", mask_heads=("layer0",)), "mask_heads")):
+        with pytest.raises(MistillInputError) as err:
+            FlipTestConfig(**base, **bad).validate()
+        assert err.value.field == field
+    with pytest.raises(MistillInputError, match="no head L99H0"):
+        run_flip_test(FlipTestConfig(**base, mask="target", mask_heads=("L99H0",)))
+    client = MlflowClient()
+    runs = {}
+    for mask in ("target", "sham"):
+        runs[mask] = run_flip_test(FlipTestConfig(**base, mask=mask, mask_heads=("L0H1", "L1H0")))
+        run = client.get_run(runs[mask])
+        assert run.data.tags["mistill.backend"] == "hf" and run.data.params["mask"] == mask
+        work = flip_runs["root"] / "work" / runs[mask]
+        doc = json.loads(next(work.rglob("key_mask.json")).read_text())
+        assert doc["mask"] == mask and doc["heads"] == ["L0H1", "L1H0"]
+        assert sum(doc["masked_tokens"][k] > 0 for k in doc["masked_tokens"] if k.endswith(".original")) >= 1
+    assert runs["target"] != runs["sham"]

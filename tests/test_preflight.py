@@ -91,8 +91,14 @@ def _inputs(stage: str, make_run: Callable[..., str], *, only_required: bool = F
     """A fitting FINISHED run for each run field of ``stage`` (only the required ones if asked)."""
     s = STAGES[stage]
     required = set(s.required_inputs().values())
-    return {f: _value(f, make_run(INPUT_RUN_STAGES[f][0]), make_run) for f in run_fields(s.config)
-            if not only_required or f in required}
+    values = {f: _value(f, make_run(INPUT_RUN_STAGES[f][0]), make_run) for f in run_fields(s.config)
+              if not only_required or f in required}
+    return {**values, **RUN_CONTEXT.get(stage, {})} if "mask_heads_run" in values else values
+
+
+RUN_CONTEXT = {"flip_test": {"mask": "target"}}
+"""Values another field needs for a run field to apply (the ranking of a key mask's heads is read
+for a masked run only)."""
 
 
 def _value(field: str, run_id: str, make_run: Callable[..., str]) -> str:
@@ -117,7 +123,8 @@ def test_every_run_field_has_its_stages() -> None:
     for s in STAGES.values():
         for lineage, field in s.inputs.items():
             source = s.input_stage(lineage)
-            expected = {source} | {o.name for o in STAGES.values() if o.stands_for == source}
+            expected = {source} | {o.name for o in STAGES.values() if o.stands_for == source} | \
+                set(s.also.get(lineage, ()))
             assert set(INPUT_RUN_STAGES[field]) == expected, (s.name, field)
 
 

@@ -52,6 +52,7 @@ import numpy as np
 
 from mistill.data.corpus import Corpus, Note
 from mistill.data.inventory import Inventory
+from mistill.data.prompts import remove_section
 from mistill.data.synthetic import paraphrase
 from mistill.errors import MistillInputError
 from mistill.evaluation.parsing import parse_answer
@@ -365,6 +366,56 @@ def token_offsets(tokenizer: Any, text: str) -> list[Span]:
     """Character offsets of ``text``'s tokens in the model's fast tokenizer (no special tokens)."""
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     return [(int(a), int(b)) for a, b in enc["offset_mapping"]]
+
+
+def _note_in_body(note: Note, removed: bool) -> tuple[str, Any]:
+    """The note's text as the prompt shows it (:func:`mistill.data.prompts.build_prompt`: the
+    discharge diagnosis removed when ``removed``, then stripped) and a map from a character of
+    ``note.text`` to its index there (None for a character the prompt does not show)."""
+    text = note.text
+    if removed:
+        cut = text.rfind(note.discharge_diagnosis)
+        before, after = text[:cut], text[cut + len(note.discharge_diagnosis):]
+        kept_b, kept_a = before.rstrip(), after.lstrip()
+        body = remove_section(text, note.discharge_diagnosis, note_id=note.note_id)
+        join = len(body) - len(kept_b) - len(kept_a)
+        start_a = len(text) - len(kept_a)
+
+        def raw(c: int) -> int | None:
+            if c < len(kept_b):
+                return c
+            return c - start_a + len(kept_b) + join if c >= start_a else None
+    else:
+        body = text
+
+        def raw(c: int) -> int | None:
+            return c
+    lead = len(body) - len(body.lstrip())
+    shown = body.strip()
+
+    def where(c: int) -> int | None:
+        r = raw(c)
+        return None if r is None or not lead <= r < lead + len(shown) else r - lead
+    return shown, where
+
+
+def prompt_positions(prompt: Any, note: Note, spans: Sequence[Span], tokenizer: Any) -> list[int]:
+    """The token positions of ``prompt.text`` (a :class:`mistill.data.prompts.Prompt` built for
+    ``note``, tokenized without special tokens) that cover any character of ``spans`` (character
+    spans of ``note.text``): a token is counted when any of its characters is, as the masks'
+    checks count them. Characters the prompt does not show (a removed discharge diagnosis) have
+    no token. A prompt whose note part is not the note's text is refused."""
+    shown, where = _note_in_body(note, bool(prompt.discharge_diagnosis_removed))
+    start = prompt.user_offset + prompt.parts["note"][0]
+    if prompt.text[start:start + len(shown)] != shown:
+        raise MistillInputError("the prompt does not show the note's text where its note part says",
+                                note=note.note_id, field="text")
+    chars = sorted({start + w for a, b in spans for c in range(int(a), int(b)) if (w := where(c)) is not None})
+    if not chars:
+        return []
+    marked = set(chars)
+    return [i for i, (a, b) in enumerate(token_offsets(tokenizer, prompt.text))
+            if b > a and any(c in marked for c in range(a, b))]
 
 
 def tokens_under(offsets: Sequence[Span], spans: Sequence[Span]) -> int:
@@ -894,7 +945,8 @@ def all_accept_ledger(records: Sequence[Mapping[str, Any]], budget: int, *, revi
 
 __all__ = ["CONDITIONS", "MASKED_CONDITIONS", "DECISIONS", "EXCEPTIONS", "LEDGER_COLUMNS", "FROZEN_FILE",
            "COHORT_SPLIT", "CohortLock", "load_cohort_lock", "teacher_answer_codes", "eligibility", "draw_cohort",
-           "Edit", "Version", "Proposal", "read_proposals", "apply_edits", "words", "token_offsets", "tokens_under",
+           "Edit", "Version", "Proposal", "read_proposals", "apply_edits", "words", "token_offsets", "prompt_positions",
+           "tokens_under",
            "CheckedCase", "version_sha256", "section_span", "discharge_span", "check_proposal", "check_proposals", "Decision",
            "reviewed_proposals", "read_ledger", "write_ledger", "frozen_record", "write_frozen", "verify_frozen",
            "condition_corpus", "accounting", "synthetic_flip_proposal", "synthetic_flip_proposals",

@@ -178,6 +178,33 @@ class HFBackend(_Closing):
         """Nothing to free: the model belongs to the caller."""
 
 
+class KeyMaskedHFBackend(HFBackend):
+    """:class:`HFBackend` under the decode-regime key mask of App. N.4: each prompt is prefilled
+    clean, then at every decode step the flat heads ``mask_heads`` may not read the prompt's token
+    positions ``key_masks[prompt_text]`` (:func:`generate_hf_many`'s ``key_masks``). A prompt
+    without an entry is refused. Each generation's ``decoding`` records the number of masked heads."""
+
+    def __init__(self, lm: LoadedModel, decoding: DecodingConfig, mask_heads: Sequence[int],
+                 key_masks: Mapping[str, Sequence[int]], *, batch_size: int | None = None) -> None:
+        super().__init__(lm, decoding, batch_size=batch_size)
+        self.mask_heads = tuple(int(h) for h in mask_heads)
+        self.key_masks = {str(k): tuple(int(p) for p in v) for k, v in key_masks.items()}
+
+    def generate(self, prompt_text: str, seed: int) -> Generation:
+        return self.generate_many([(prompt_text, seed)])[0]
+
+    def generate_many(self, items: Sequence[tuple[str, int]]) -> list[Generation]:
+        missing = [text for text, _ in items if text not in self.key_masks]
+        if missing:
+            raise ValueError(f"{len(missing)} prompts without a key mask")
+        gens = generate_hf_many(self.lm, items, self.decoding, batch_size=self.batch_size,
+                                key_masks=[self.key_masks[text] for text, _ in items], mask_heads=self.mask_heads)
+        for gen in gens:
+            gen.decoding = {**_recorded(self.decoding, self.name, self.rope_scaling),
+                            "masked_heads": len(self.mask_heads)}
+        return gens
+
+
 # --------------------------------------------------------------------------------- vLLM
 def vllm_sampling_kwargs(decoding: DecodingConfig, seed: int) -> dict:
     """Keyword arguments of ``vllm.SamplingParams`` for one note under ``decoding``.

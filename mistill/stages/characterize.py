@@ -504,7 +504,9 @@ def donor_steps(n_notes: int, plans: dict[int, list[int]]) -> dict[int, list[tup
     return out
 
 
-def _ranks_from_head_sets(sets: dict, names: list[str]) -> dict[str, list[int]]:
+def ranks_from_head_sets(sets: dict, names: list[str]) -> dict[str, list[int]]:
+    """Each phase's global ranking of a ``head_sets.json`` document, as flat head indices of
+    ``names`` (phases without a ranking left out)."""
     index = {n: i for i, n in enumerate(names)}
     return {phase: [index[h] for h in body["ranking"]] for phase, body in sets.items()
             if phase != "meta" and body.get("ranking")}
@@ -679,7 +681,7 @@ def run_knockin(cfg: KnockinStageConfig) -> str:
         if unknown:
             raise MistillInputError(f"the sets run ranks {len(unknown)} heads this model does not have "
                                     f"(first: {unknown[0]})", field="sets_run" if cfg.sets_run else "attribute_run")
-        global_rank = _ranks_from_head_sets(head_sets, names)
+        global_rank = ranks_from_head_sets(head_sets, names)
         kcfg = KnockinConfig(k_bins=cfg.k_bins, sets=cfg.sets, range_gate=cfg.range_gate,
                              batch_size=cfg.batch_size, chunk_size=cfg.chunk_size, seed=cfg.seed,
                              floor_draws=cfg.floor_draws)

@@ -17,6 +17,17 @@ control statistics, invalid outputs, the decomposition, ``D_category``) and, as 
 means over cases (``flip/D``, ``flip/D_lo``, ``flip/D_hi``, ...) with ``flip/n_cases``. The report
 sets the checkpoints side by side and reads the seed-pair contrasts (Table 54).
 
+With ``mask`` (``target`` or ``sham``) the run is the causal half (App. N.4, R-D34; Table 55):
+every answer is generated on the HF path with the decode-regime key mask, the prompt prefilled
+clean, then at each decode step the nominated heads kept from the case's target (evidence) or
+sham (token-matched non-evidence) positions of this condition's note
+(:class:`~mistill.evaluation.backends.KeyMaskedHFBackend`). The heads are ``mask_heads`` by name
+(the teacher's named pair ``L30H11,L38H39``) or the top ``mask_k`` of the ``mask_phase`` ranking of
+``mask_heads_run`` (an ``attribute`` run, or an ``own_heads`` run whose ranking it reads: each
+checkpoint's own top-40). The clean reference of the causal half is the same run without a mask on
+the HF path (``backend=hf``); its difference from the behavioural run (``backend=auto``) is the
+execution-path offset.
+
 Only codes, flags and ids reach MLflow. The generations are staged in the run's enclave (a
 local folder, :mod:`mistill.evaluation.sampling`); a rerun after a crash samples only the answers
 not staged yet.
@@ -24,32 +35,39 @@ not staged yet.
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from mistill.config import Config
-from mistill.data.flips import CONDITIONS
+from mistill.data.flips import CONDITIONS, prompt_positions
 from mistill.errors import MistillInputError
-from mistill.evaluation.backends import resolve_backend
+from mistill.evaluation.backends import KeyMaskedHFBackend, resolve_backend
 from mistill.evaluation.flip_test import (SAMPLE_COLUMNS, case_readings, category, checkpoint_readings, sample_row,
                                           sample_seed)
 from mistill.evaluation.parsing import CodeIndex, parse_answer
 from mistill.evaluation.sampling import SampleRequest, sample_notes
 from mistill.params import DecodingParams
-from mistill.stages.common import (Prepared, link_subject, load_prepared, load_tokenizer, make_backend,
-                                   readout_subject)
+from mistill.stages.characterize import ranks_from_head_sets
+from mistill.stages.common import (Prepared, RunReader, link_subject, load_model, load_prepared, load_tokenizer,
+                                   make_backend, readout_subject)
 from mistill.stages.flip_cohort import TAG_CONDITION_RUN
 from mistill.stages.runner import open_stage, progress_label, stage_device
 from mistill.tracking.naming import TAG_BACKEND, TAG_CORPUS
-from mistill.validation import (check_arm, check_device, check_dtype, check_model_spec, check_no_text_fields,
-                                check_positive, check_run_id, check_seed)
+from mistill.validation import (check_arm, check_choice, check_device, check_dtype, check_model_spec,
+                                check_no_text_fields, check_positive, check_run_id, check_seed, fail)
 
 STAGE = "flip_test"
+MASKS = ("", "target", "sham")
+PHASES = ("P1", "P2", "P2C")
 SAMPLES = "samples"
 """The enclave folder of the staged generations."""
 METRIC_PREFIX = "flip/"
+TAG_RANK_ATTRIBUTE = "mistill.rank_attribute"
+"""An ``own_heads`` run's tag naming the attribute run of its ranking."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +79,10 @@ class FlipTestConfig(Config, DecodingParams):
         ``model`` (any spec) with ``arm`` naming what it stands for (``teacher``, ...).
     samples: answers per case and condition (the paper: 4); sample ``k`` shares its seed
         across the conditions. seed: the decoding seed the samples' seeds derive from.
+    mask: ``""`` (no mask), ``target`` or ``sham``: the decode-regime key mask of the causal half
+        on the HF path (``backend`` ``auto`` or ``hf``; ``vllm`` is refused).
+    mask_heads: the masked heads by name (``L30H11``); else mask_heads_run: an ``attribute`` or
+        ``own_heads`` run whose ``mask_phase`` ranking's top ``mask_k`` are masked.
     device: ``cpu``, ``cuda``, ``cuda:<n>`` or ``mps``.
     """
 
@@ -70,6 +92,11 @@ class FlipTestConfig(Config, DecodingParams):
     arm: str = ""
     samples: int = 4
     seed: int = 0
+    mask: str = ""
+    mask_heads: tuple[str, ...] = ()
+    mask_heads_run: str = ""
+    mask_phase: str = "P2C"
+    mask_k: int = 40
     device: str = "cpu"
     dtype: str = "float32"
 
@@ -81,6 +108,19 @@ class FlipTestConfig(Config, DecodingParams):
         check_arm(self.arm, "arm", allow_empty=True)
         check_positive(self.samples, "samples")
         check_seed(self.seed)
+        check_choice(self.mask, MASKS, "mask")
+        check_run_id(self.mask_heads_run, "mask_heads_run")
+        check_choice(self.mask_phase, PHASES, "mask_phase")
+        check_positive(self.mask_k, "mask_k")
+        bad = [h for h in self.mask_heads if not re.fullmatch(r"L\d+H\d+", h)]
+        if bad:
+            fail(f"mask_heads names heads as L<layer>H<head>, not {', '.join(bad)}", "mask_heads")
+        if self.mask and bool(self.mask_heads) == bool(self.mask_heads_run):
+            fail("a key mask needs its heads: give mask_heads or mask_heads_run (one of them)", "mask_heads")
+        if not self.mask and (self.mask_heads or self.mask_heads_run):
+            fail("mask_heads and mask_heads_run nominate the heads of a key mask: set mask too", "mask")
+        if self.mask and self.backend == "vllm":
+            fail("the key mask runs on the HF generation path: backend hf or auto", "backend")
         check_device(self.device)
         check_dtype(self.dtype)
 
@@ -105,13 +145,56 @@ def cohort_conditions(cohort_run: str) -> tuple[str, dict[str, Prepared]]:
     return tags[TAG_CORPUS], out
 
 
+def _ranking_run(run_id: str) -> str:
+    """The attribute run holding the ranking ``mask_heads_run`` names: itself, or an
+    ``own_heads`` run's ranking run."""
+    tags = MlflowClient().get_run(run_id).data.tags
+    stage = tags.get("mistill.stage")
+    if stage == "attribute":
+        return run_id
+    if stage == "own_heads" and tags.get(TAG_RANK_ATTRIBUTE):
+        return tags[TAG_RANK_ATTRIBUTE]
+    raise MistillInputError(f"run {run_id} is a {stage!r} run: mask_heads_run takes an attribute or own_heads run",
+                            field="mask_heads_run")
+
+
+def nominated_heads(cfg: FlipTestConfig, names: list[str]) -> list[int]:
+    """The flat heads the key mask acts on: ``mask_heads`` by name, else the top ``mask_k`` of
+    ``mask_heads_run``'s ``mask_phase`` ranking; a name or phase the model lacks is refused."""
+    index = {n: i for i, n in enumerate(names)}
+    if cfg.mask_heads:
+        unknown = [h for h in cfg.mask_heads if h not in index]
+        if unknown:
+            raise MistillInputError(f"the model has no head {', '.join(unknown)}", field="mask_heads")
+        return [index[h] for h in cfg.mask_heads]
+    ranking = RunReader(_ranking_run(cfg.mask_heads_run), field="mask_heads_run")
+    ranks = ranks_from_head_sets(json.loads(ranking.file("head_sets.json").read_text()), names)
+    if cfg.mask_phase not in ranks:
+        raise MistillInputError(f"run {cfg.mask_heads_run}'s ranking has no {cfg.mask_phase} phase",
+                                field="mask_phase")
+    return ranks[cfg.mask_phase][:cfg.mask_k]
+
+
+def _key_masks(conditions: dict[str, Prepared], tokenizer, mask: str) -> dict[str, list[int]]:
+    """Each condition prompt's masked token positions (the case's ``<mask>_mask`` spans of that
+    condition's note), by prompt text."""
+    out = {}
+    for prepared in conditions.values():
+        for note in prepared.corpus.notes:
+            prompt = prepared.prompt(note, tokenizer)
+            spans = [tuple(s) for s in note.meta[f"{mask}_mask"]]
+            out[prompt.text] = prompt_positions(prompt, note, spans, tokenizer)
+    return out
+
+
 def run_flip_test(cfg: FlipTestConfig) -> str:
     corpus, conditions = cohort_conditions(cfg.cohort_run)
     subject = readout_subject(cfg.train_run, cfg.model, cfg.arm)
     decoding = cfg.decoding()
     device = stage_device(cfg.device)
-    backend = resolve_backend(cfg.backend, device)
-    inputs = {"flip_cohort": cfg.cohort_run, **({"train": cfg.train_run} if cfg.train_run else {})}
+    backend = "hf" if cfg.mask else resolve_backend(cfg.backend, device)
+    inputs = {"flip_cohort": cfg.cohort_run, **({"train": cfg.train_run} if cfg.train_run else {}),
+              **({"mask_heads": cfg.mask_heads_run} if cfg.mask_heads_run else {})}
     original = conditions["original"]
     with open_stage(STAGE, cfg, original, inputs=inputs, corpus=corpus, model=subject.spec, arm=subject.arm,
                     seed=int(subject.seed) if subject.seed is not None else cfg.seed, precision=subject.precision,
@@ -129,9 +212,23 @@ def run_flip_test(cfg: FlipTestConfig) -> str:
                     seed = sample_seed(decoding, case, k)
                     requests.append(SampleRequest(f"{note.note_id}.{cond}.{k}", prompt, seed))
                     keys.append((case, cond, k, seed, note.meta["target_code"], note.meta["partner_code"]))
-        gens = sample_notes(requests, run.enclave_dir / SAMPLES,
-                            lambda: make_backend(backend, subject.spec, decoding, device=device, dtype=cfg.dtype),
-                            decoding.to_dict(), desc=progress_label(f"flip_test {subject.arm}: generate"))
+        if cfg.mask:
+            lm = load_model(subject.spec, dtype=cfg.dtype, device=device)
+            names = lm.geometry.head_names()
+            heads = nominated_heads(cfg, names)
+            masks = _key_masks(conditions, tokenizer, cfg.mask)
+            run.log_json("key_mask.json", {
+                "mask": cfg.mask, "heads": [names[h] for h in heads],
+                "masked_tokens": {f"{note.meta['flip_case']}.{cond}": len(masks[prepared.prompt(note, tokenizer).text])
+                                  for cond, prepared in conditions.items() for note in prepared.corpus.notes}})
+
+            def open_backend():
+                return KeyMaskedHFBackend(lm, decoding, heads, masks)
+        else:
+            def open_backend():
+                return make_backend(backend, subject.spec, decoding, device=device, dtype=cfg.dtype)
+        gens = sample_notes(requests, run.enclave_dir / SAMPLES, open_backend, decoding.to_dict(),
+                            desc=progress_label(f"flip_test {subject.arm}: generate"))
         index = CodeIndex(list(original.inventory.codes))
         rows = []
         for request, (case, cond, k, seed, a, b) in zip(requests, keys, strict=True):

@@ -57,7 +57,7 @@ from mistill.models.geometry import HeadGeometry
 from mistill.params import (BackendParams, DonorParams, KnockinReadParams, NomineeParams, NullParams, PatchParams,
                             StabilityParams, TokenCapParams)
 from mistill.progress import get_logger, track
-from mistill.stages.characterize import AttributeConfig, EventsConfig, _ranks_from_head_sets, stage_notes
+from mistill.stages.characterize import AttributeConfig, EventsConfig, ranks_from_head_sets, stage_notes
 from mistill.stages.common import (Prepared, RunReader, Subject, link_subject, load_model, load_prepared,
                                    load_tokenizer, model_positions, sample_then_load, trained_subject)
 from mistill.stages.runner import note_loop, notes_written, open_stage, progress_label, stage_device
@@ -250,7 +250,7 @@ def run_own_heads(cfg: OwnHeadsConfig) -> str:
         runner, hook = Runner(lm, chunk_size=cfg.chunk_size), HeadHook(lm.geometry)
         names = lm.geometry.head_names()
         head_sets = json.loads(RunReader(ranked["attribute"], field="attribute").file("head_sets.json").read_text())
-        rank = _ranks_from_head_sets(head_sets, names)
+        rank = ranks_from_head_sets(head_sets, names)
         if not rank:
             raise MistillInputError(f"the ranking run {ranked['attribute']} has no phase ranking "
                                     f"(no events on the {cfg.rank_split!r} notes)", field="rank_split")

@@ -43,7 +43,7 @@ from mistill.instrument.readside import note_region_lift, prefix_attention_rows
 from mistill.instrument.runner import Runner
 from mistill.io import npz_bytes
 from mistill.params import ChunkParams
-from mistill.stages.characterize import _ranks_from_head_sets, attribute_input, read_realized
+from mistill.stages.characterize import ranks_from_head_sets, attribute_input, read_realized
 from mistill.stages.common import load_model, prepared_note_input, subject_run_args
 from mistill.stages.runner import WrittenNotes, note_loop, notes_written, open_stage, stage_device
 from mistill.stats import sign_test
@@ -133,7 +133,7 @@ def run_read_side(cfg: ReadSideConfig) -> str:
         lm = load_model(ev.model, dtype=cfg.dtype, device=stage_device(cfg.device))
         runner = Runner(lm, chunk_size=cfg.chunk_size)
         names = lm.geometry.head_names()
-        rank = _ranks_from_head_sets(head_sets, names)
+        rank = ranks_from_head_sets(head_sets, names)
         if not rank:
             raise MistillInputError(f"the attribute run {cfg.attribute_run} has no phase ranking",
                                     field="attribute_run")

@@ -30,6 +30,8 @@ class Stage:
     optional: lineage names that may be left empty (every other input is required).
     sources: the stage whose run an input names, where it is not the lineage name itself
         (``teacher_attribute`` -> ``attribute``).
+    also: further stages whose runs an input takes, read for what they point at
+        (``flip_test``'s ``mask_heads``: an ``own_heads`` run, for the attribute run of its ranking).
     stands_for: the stage whose runs this stage's runs can replace as an input
         (``shortlist`` and ``generate`` write a prepared corpus: use them as ``prepare_run``).
     shardable: ``torchrun`` / ``accelerate launch`` may share the stage's work among processes
@@ -52,6 +54,7 @@ class Stage:
     shardable: bool = False
     models: tuple[str, ...] = ()
     files: tuple[str, ...] = ()
+    also: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def input_runs(self, cfg: Config) -> dict[str, str]:
         """Lineage of a config: the input runs it names (optional inputs left empty are omitted)."""
@@ -68,7 +71,7 @@ class Stage:
     def input_description(self, name: str) -> str:
         """What the input ``name`` takes, e.g. "the run id of a `targets` run"."""
         source = self.input_stage(name)
-        standing = [e.name for e in _TABLE if e.stands_for == source]
+        standing = [e.name for e in _TABLE if e.stands_for == source] + list(self.also.get(name, ()))
         also = f" (or of a {' or '.join(f'`{s}`' for s in standing)} run)" if standing else ""
         article = "an" if source[:1] in "aeiou" else "a"
         return f"the run id of {article} `{source}` run{also}"
@@ -97,6 +100,7 @@ class _Entry:
     shardable: bool = False
     models: tuple[str, ...] = ()
     files: tuple[str, ...] = ()
+    also: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 _TABLE = (
@@ -114,10 +118,12 @@ _TABLE = (
            "reviewer's ledger, the freeze by hash; four condition corpora (use each as prepare_run)",
            stands_for="prepare", models=("model",), files=("lock", "proposals", "ledger")),
     _Entry("flip_test", "mistill.stages.flip_test", "FlipTestConfig", "run_flip_test",
-           {"flip_cohort": "cohort_run", "train": "train_run"},
-           "the evidence-flip test's behavioural half (App. N.3): a checkpoint answers every frozen case N times "
-           "under each condition, seeds shared across conditions; D, follow rates, controls (Table 54)",
-           optional=frozenset({"train"}), models=("model",)),
+           {"flip_cohort": "cohort_run", "train": "train_run", "mask_heads": "mask_heads_run"},
+           "the evidence-flip test (App. N): a checkpoint answers every frozen case N times under each condition, "
+           "seeds shared across conditions; D, follow rates, controls (Table 54); with a decode-regime key mask "
+           "on nominated heads, the causal half (Table 55)",
+           optional=frozenset({"train", "mask_heads"}), sources={"mask_heads": "attribute"},
+           also={"mask_heads": ("own_heads",)}, models=("model",)),
     _Entry("events", "mistill.stages.characterize", "EventsConfig", "run_events", {"prepare": "prepare_run"},
            "decision events per note, realized in the model's tokenizer, and the margin audit", shardable=True,
            models=("model",)),
@@ -197,7 +203,7 @@ def _stage(entry: _Entry) -> Stage:
     module = importlib.import_module(entry.module)
     return Stage(entry.name, getattr(module, entry.config), getattr(module, entry.run), dict(entry.inputs),
                  entry.help, optional=entry.optional, sources=dict(entry.sources), stands_for=entry.stands_for,
-                 shardable=entry.shardable, models=entry.models, files=entry.files)
+                 shardable=entry.shardable, models=entry.models, files=entry.files, also=dict(entry.also))
 
 
 def stage(name: str) -> Stage:
