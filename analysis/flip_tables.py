@@ -1,4 +1,9 @@
-"""Table 54: the evidence-flip test's behavioural half (App. N.3, R-D33), from ``flip_test`` runs.
+"""Tables 54 and 55: the evidence-flip test (App. N; R-D33, R-D34), from ``flip_test`` runs.
+
+A ``flip_test`` run is read as one of three kinds (:func:`flip_runs`): the behavioural half's
+run (no mask, sampled by the generation path, ``backend`` ``auto`` or ``vllm``), the causal half's
+clean reference (no mask, ``backend=hf``) or a masked run (``mask`` ``target`` or ``sham``, HF),
+whose nominated heads are labelled ``named`` (``mask_heads``) or ``top<k> <phase>`` (a ranking).
 
 :func:`flip_behaviour_table`: one row per checkpoint (the newest ``flip_test`` run of each cohort,
 model, arm, precision and seed): ``D`` with its case-clustered interval, ``s``, the follow rates,
@@ -21,8 +26,14 @@ from analysis import query
 from mistill import stats
 from mistill.evaluation.flip_test import CASE_READINGS
 
-FLIP_RUN_KEY: tuple[str, ...] = ("params.cohort_run", *query.RUN_KEY)
-"""One checkpoint on one cohort."""
+FLIP_PARAMS: tuple[str, ...] = ("cohort_run", "backend", "mask", "mask_heads", "mask_heads_run", "mask_phase",
+                                 "mask_k")
+"""The ``flip_test`` params the tables read (``query.stage_runs(..., params=FLIP_PARAMS)``)."""
+
+FLIP_RUN_KEY: tuple[str, ...] = ("params.cohort_run", *query.RUN_KEY, "kind", "mask", "heads")
+"""One checkpoint on one cohort, one kind of run, one mask on one head set."""
+
+BEHAVIOUR, CLEAN_HF, MASKED = "behaviour", "clean_hf", "masked"
 
 FLIP_CONTRASTS: tuple[tuple[str, tuple[str, str], tuple[str, str]], ...] = (
     ("primary", ("mistill", "bf16"), ("vanilla-bf16", "bf16")),
@@ -39,10 +50,31 @@ CONTRAST_COLUMNS = ("contrast", "cohort_run", "arm", "reference", "precision", "
                     "per_pair")
 
 
+def _heads_label(run: pd.Series) -> str:
+    if not run.get("params.mask"):
+        return ""
+    if run.get("params.mask_heads"):
+        return "named"
+    return f"top{run.get('params.mask_k')} {run.get('params.mask_phase')}"
+
+
+def flip_runs(runs: pd.DataFrame) -> pd.DataFrame:
+    """The newest ``flip_test`` run (read with :data:`FLIP_PARAMS`) of each checkpoint, kind, mask
+    and head set on each cohort, with the columns ``kind``, ``mask`` and ``heads``."""
+    if runs.empty:
+        return runs
+    runs = runs.copy()
+    runs["mask"] = runs["params.mask"].fillna("").astype(str)
+    runs["heads"] = [_heads_label(r) for _, r in runs.iterrows()]
+    backend = runs["params.backend"].fillna("auto").astype(str)
+    runs["kind"] = [MASKED if m else CLEAN_HF if b == "hf" else BEHAVIOUR for m, b in zip(runs["mask"], backend)]
+    return query.latest_runs(runs, FLIP_RUN_KEY)
+
+
 def latest_flip_runs(runs: pd.DataFrame) -> pd.DataFrame:
-    """The newest ``flip_test`` run (read with the param ``cohort_run``) of each checkpoint on
-    each cohort."""
-    return runs if runs.empty else query.latest_runs(runs, FLIP_RUN_KEY)
+    """The behavioural half's runs (Table 54) among :func:`flip_runs`."""
+    runs = flip_runs(runs)
+    return runs if runs.empty else runs[runs["kind"] == BEHAVIOUR].reset_index(drop=True)
 
 
 def flip_behaviour_table(runs: pd.DataFrame) -> pd.DataFrame:
@@ -91,5 +123,102 @@ def flip_contrasts_table(runs: pd.DataFrame, cases: pd.DataFrame, *, n_resamples
     return pd.DataFrame.from_records(rows, columns=list(CONTRAST_COLUMNS))
 
 
-__all__ = ["FLIP_RUN_KEY", "FLIP_CONTRASTS", "BEHAVIOUR_COLUMNS", "CONTRAST_COLUMNS", "latest_flip_runs",
-           "flip_behaviour_table", "flip_contrasts_table"]
+CAUSAL_COLUMNS = ("cohort_run", *query.RUN_KEY, "heads", "n_cases", "D_clean", "delta_target", "delta_target_low",
+                  "delta_target_high", "delta_sham", "delta_sham_low", "delta_sham_high", "target_minus_sham",
+                  "target_minus_sham_low", "target_minus_sham_high", "cases_higher", "cases_lower")
+INTERACTION_COLUMNS = ("statistic", "cohort_run", "model", "arm", "heads", "n_cases", "estimate", "ci_low", "ci_high",
+                       "cases_higher", "cases_lower")
+
+FLIP_INTERACTION: tuple[tuple[str, str], tuple[str, str]] = (("mistill", "bf16"), ("vanilla-bf16", "bf16"))
+"""The training-benefit interaction's two checkpoints (App. N.4): the bf16 seed-0 Mistill and
+Vanilla CoT-KD students, each on its own top-40."""
+
+
+def _per_case(cases: pd.DataFrame, run_id: str) -> pd.Series:
+    part = cases[cases["run_id"] == run_id]
+    return pd.Series(part["D"].to_numpy(dtype=float), index=part["case_id"].astype(str).to_numpy())
+
+
+def _tests(diff: pd.Series, n_resamples: int, seed: int) -> stats.PairedDifference:
+    return stats.difference_tests(diff.dropna().to_numpy(dtype=float), n_resamples=n_resamples, seed=seed)
+
+
+def _same(group: pd.DataFrame, run: pd.Series, kind: str, mask: str = "", heads: str = "") -> pd.DataFrame:
+    sel = group[(group["model"] == run["model"]) & (group["arm"] == run["arm"])
+                & (group["precision"].fillna("") == (run["precision"] or "")) & (group["seed"].astype(str) == str(run["seed"]))
+                & (group["kind"] == kind)]
+    if mask:
+        sel = sel[(sel["mask"] == mask) & (sel["heads"] == heads)]
+    return sel
+
+
+def flip_causal_table(runs: pd.DataFrame, cases: pd.DataFrame, *, n_resamples: int = stats.N_BOOTSTRAP,
+                      seed: int = 0) -> pd.DataFrame:
+    """Table 55's rows (:data:`CAUSAL_COLUMNS`): per checkpoint and head set with a target and a
+    sham run and a clean HF run, ``ΔD = D_clean - D_masked`` per mask and target minus sham
+    (per case ``D_sham - D_target``), means with case-clustered intervals.
+
+    runs: :func:`flip_runs`; cases: their ``flip_cases`` tables stacked (``run_id``, ``case_id``, ``D``)."""
+    rows = []
+    for cohort, group in runs.groupby("params.cohort_run", sort=True):
+        targets = group[(group["kind"] == MASKED) & (group["mask"] == "target")]
+        for _, run in targets.iterrows():
+            sham, clean = _same(group, run, MASKED, "sham", run["heads"]), _same(group, run, CLEAN_HF)
+            if sham.empty or clean.empty:
+                continue
+            d_t, d_s = _per_case(cases, run["run_id"]), _per_case(cases, sham.iloc[0]["run_id"])
+            d_c = _per_case(cases, clean.iloc[0]["run_id"])
+            dt, ds, ts = _tests(d_c - d_t, n_resamples, seed), _tests(d_c - d_s, n_resamples, seed), \
+                _tests(d_s - d_t, n_resamples, seed)
+            rows.append({"cohort_run": cohort, **{c: run[c] for c in query.RUN_KEY}, "heads": run["heads"],
+                         "n_cases": ts.n, "D_clean": float(d_c.mean()), "delta_target": dt.mean_diff,
+                         "delta_target_low": dt.ci_low, "delta_target_high": dt.ci_high, "delta_sham": ds.mean_diff,
+                         "delta_sham_low": ds.ci_low, "delta_sham_high": ds.ci_high, "target_minus_sham": ts.mean_diff,
+                         "target_minus_sham_low": ts.ci_low, "target_minus_sham_high": ts.ci_high,
+                         "cases_higher": ts.n_higher, "cases_lower": ts.n_lower})
+    return pd.DataFrame.from_records(rows, columns=list(CAUSAL_COLUMNS))
+
+
+def flip_interaction_table(runs: pd.DataFrame, cases: pd.DataFrame, *, n_resamples: int = stats.N_BOOTSTRAP,
+                           seed: int = 0) -> pd.DataFrame:
+    """The training-benefit interaction and the execution-path offsets (:data:`INTERACTION_COLUMNS`).
+
+    ``L = G_sham - G_target`` with ``G = D_Mistill - D_Vanilla`` per case (:data:`FLIP_INTERACTION`'s
+    seed-0 checkpoints, the same head-set label on both, e.g. their own top-40); each checkpoint's
+    execution-path offset, ``D`` of the behavioural run minus ``D`` of the clean HF run, per case."""
+    rows = []
+    (arm_m, prec_m), (arm_v, prec_v) = FLIP_INTERACTION
+    for cohort, group in runs.groupby("params.cohort_run", sort=True):
+        masked = group[group["kind"] == MASKED]
+
+        def seed0(arm: str, precision: str, mask: str, heads: str) -> pd.DataFrame:
+            return masked[(masked["arm"] == arm) & (masked["precision"].fillna("") == precision)
+                          & (masked["seed"].astype(str) == "0") & (masked["mask"] == mask) & (masked["heads"] == heads)]
+
+        for heads in sorted(set(masked["heads"])):
+            sides = [seed0(a, p, m, heads) for a, p in FLIP_INTERACTION for m in ("sham", "target")]
+            if any(s.empty for s in sides):
+                continue
+            (ms, mt, vs, vt) = (_per_case(cases, s.iloc[0]["run_id"]) for s in sides)
+            result = _tests((ms - vs) - (mt - vt), n_resamples, seed)
+            rows.append({"statistic": "L = G_sham - G_target", "cohort_run": cohort, "model": sides[0].iloc[0]["model"],
+                         "arm": f"{arm_m} - {arm_v}", "heads": heads, "n_cases": result.n,
+                         "estimate": result.mean_diff, "ci_low": result.ci_low, "ci_high": result.ci_high,
+                         "cases_higher": result.n_higher, "cases_lower": result.n_lower})
+        for _, clean in group[group["kind"] == CLEAN_HF].iterrows():
+            behaviour = _same(group, clean, BEHAVIOUR)
+            if behaviour.empty:
+                continue
+            result = _tests(_per_case(cases, behaviour.iloc[0]["run_id"]) - _per_case(cases, clean["run_id"]),
+                            n_resamples, seed)
+            rows.append({"statistic": "execution-path offset", "cohort_run": cohort, "model": clean["model"],
+                         "arm": clean["arm"], "heads": "", "n_cases": result.n, "estimate": result.mean_diff,
+                         "ci_low": result.ci_low, "ci_high": result.ci_high, "cases_higher": result.n_higher,
+                         "cases_lower": result.n_lower})
+    return pd.DataFrame.from_records(rows, columns=list(INTERACTION_COLUMNS))
+
+
+__all__ = ["FLIP_PARAMS", "FLIP_RUN_KEY", "FLIP_CONTRASTS", "FLIP_INTERACTION", "BEHAVIOUR", "CLEAN_HF", "MASKED",
+           "BEHAVIOUR_COLUMNS", "CONTRAST_COLUMNS", "CAUSAL_COLUMNS", "INTERACTION_COLUMNS", "flip_runs",
+           "latest_flip_runs", "flip_behaviour_table", "flip_contrasts_table", "flip_causal_table",
+           "flip_interaction_table"]

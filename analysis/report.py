@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
-from analysis import query, run_deviations, tables
+from analysis import flip_tables, query, run_deviations, tables
 from analysis.characterization_compare import compared_runs, reading_runs
 from analysis.report_model import LAMBDA_CELLS, Report, ReportInputs, ReportTable, TableChoices, cell_train_runs
 from analysis.report_sections import (READ_SIDE_STAGES, ExtraRuns, ablations_section, audit_section,
@@ -117,7 +117,7 @@ def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str]
             extra["trace_edit_all"] = query.latest_runs(found, query.RUN_KEY) if not found.empty else found
     extra["attribute_compared"], extra["knockin_compared"] = compared_runs(
         client, experiment, compare_attribute_runs, compare_labels)
-    extra["flip_test"] = query.stage_runs(client, experiment, "flip_test", params=("cohort_run",))
+    extra["flip_test"] = query.stage_runs(client, experiment, "flip_test", params=flip_tables.FLIP_PARAMS)
     extra["knockin_sets"] = other_sets_only(query.stage_runs(client, experiment, "knockin", params=SETS_PARAMS))
     extra["locus_compared"] = reading_runs(client, extra["attribute_compared"], "locus")
     extra["read_side_compared"] = reading_runs(client, extra["attribute_compared"], "read_side")

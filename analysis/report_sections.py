@@ -463,10 +463,11 @@ def _fmt(v: Any) -> str:
 
 
 # ---------------------------------------------------------------------- Table 54
-def flip_test_section(rep: Report, runs: pd.DataFrame, n_resamples: int, seed: int) -> None:
+def flip_test_section(rep: Report, all_runs: pd.DataFrame, n_resamples: int, seed: int) -> None:
     """Table 54 (App. N.3, R-D33): every checkpoint's behavioural readings on the evidence-flip
-    cohort, and the locked seed-pair contrasts in ``D`` (:mod:`analysis.flip_tables`)."""
-    runs = flip_tables.latest_flip_runs(runs)
+    cohort, and the locked seed-pair contrasts in ``D``; Table 55 (App. N.4, R-D34): the key
+    masks' effects and the training-benefit interaction (:mod:`analysis.flip_tables`)."""
+    runs = flip_tables.latest_flip_runs(all_runs)
     name, title = "table54_flip_behaviour", "Table 54: the evidence-flip test, behavioural half"
     caption = ("Per checkpoint on the frozen cohort (four conditions, N answers each, sample k seeded alike in "
                "every condition): D = (mean v original - mean v flipped) / 2 with its case-clustered 95% interval, "
@@ -505,6 +506,45 @@ def flip_test_section(rep: Report, runs: pd.DataFrame, n_resamples: int, seed: i
         for _, r in contrasts.iterrows()])
     _listed(rep, name, title, caption, contrasts, shown,
             "no cohort with flip_test runs of both arms of a locked contrast", columns=flip_tables.CONTRAST_COLUMNS)
+    _flip_causal(rep, flip_tables.flip_runs(all_runs), n_resamples, seed)
+
+
+def _flip_causal(rep: Report, runs: pd.DataFrame, n_resamples: int, seed: int) -> None:
+    """Table 55's two parts from the clean HF and masked flip_test runs."""
+    causal, interaction = pd.DataFrame(), pd.DataFrame()
+    hf = runs[runs["kind"] != flip_tables.BEHAVIOUR] if not runs.empty else runs
+    if not hf.empty:
+        cases = _load(rep, runs, "flip_cases.csv", ["case_id", "D"], ("run_id",))
+        cases["case_id"] = cases["case_id"].astype(str)
+        causal = flip_tables.flip_causal_table(runs, cases, n_resamples=n_resamples, seed=seed)
+        interaction = flip_tables.flip_interaction_table(runs, cases, n_resamples=n_resamples, seed=seed)
+    name, title = "table55_flip_causal", "Table 55: the evidence-flip test, causal half"
+    caption = ("Per checkpoint and nominated head set, on the HF generation path with a clean prefill: D on the "
+               "clean path, the loss of directional sensitivity ΔD = D_clean - D_masked under the target (evidence) "
+               "and the sham (token-matched) decode-time key mask, and target minus sham (per case D_sham - "
+               "D_target), means with case-clustered 95% intervals and the cases higher / lower.")
+    shown = pd.DataFrame.from_records([{
+        "model": r["model"], "arm": r["arm"], "seed": r["seed"], "heads": r["heads"], "cases": r["n_cases"],
+        "D clean": _fmt(r["D_clean"]), "ΔD target": tables.fmt_ci(r["delta_target"], r["delta_target_low"],
+                                                                  r["delta_target_high"]),
+        "ΔD sham": tables.fmt_ci(r["delta_sham"], r["delta_sham_low"], r["delta_sham_high"]),
+        "target - sham": tables.fmt_ci(r["target_minus_sham"], r["target_minus_sham_low"],
+                                       r["target_minus_sham_high"]),
+        "higher/lower": f"{r['cases_higher']}/{r['cases_lower']}"} for _, r in causal.iterrows()])
+    _listed(rep, name, title, caption, causal, shown,
+            "no checkpoint with a clean HF flip_test run and a target and a sham run on one head set",
+            columns=flip_tables.CAUSAL_COLUMNS)
+    name, title = "table55_flip_interaction", "Table 55 (bottom): the training-benefit interaction and the path offsets"
+    caption = ("L = G_sham - G_target with G = D_Mistill - D_Vanilla CoT-KD (bf16, seed 0, each on the same head-set "
+               "label, their own top-40 in the paper), per case; and each checkpoint's execution-path offset, D on "
+               "the generation path minus D on the clean HF path, per case; means with case-clustered 95% intervals.")
+    shown = pd.DataFrame.from_records([{
+        "statistic": r["statistic"], "model": r["model"], "arm": r["arm"], "heads": r["heads"], "cases": r["n_cases"],
+        "estimate": tables.fmt_ci(r["estimate"], r["ci_low"], r["ci_high"]),
+        "higher/lower": f"{r['cases_higher']}/{r['cases_lower']}"} for _, r in interaction.iterrows()])
+    _listed(rep, name, title, caption, interaction, shown,
+            "no masked pair of the interaction's students and no behavioural run beside a clean HF one",
+            columns=flip_tables.INTERACTION_COLUMNS)
 
 
 # ---------------------------------------------------------------------- Tables 16-23

@@ -163,23 +163,6 @@ def test_the_locked_contrasts_pair_seeds_and_cluster_by_case():
     assert row["per_pair"] == "s0-s0 +0.000; s1-s1 +0.000"
 
 
-def test_the_report_lists_table_54_from_flip_test_runs(flip_runs, tmp_path, monkeypatch):
-    """The checkpoint rows from the stage's own runs; no locked contrast without trained arms."""
-    monkeypatch.setenv("MISTILL_ROOT", str(flip_runs["root"]))
-    client = MlflowClient()
-    run_id = run_report(ReportConfig(corpus=flip_runs["corpus"], bootstrap=50, corpus_bootstrap=50))
-    report = client.get_run(run_id)
-    assert report.info.status == "FINISHED"
-    path = client.download_artifacts(run_id, "tables/table54_flip_behaviour.csv", str(tmp_path))
-    table = pd.read_csv(path)
-    assert list(table["run_id"]) == [flip_runs["flip_test"]] and table.loc[0, "arm"] == "teacher"
-    metrics = client.get_run(flip_runs["flip_test"]).data.metrics
-    for col in ("n_cases", "D", "s", "invalid", "d_lose_a", "d_adopt_b", "follow_flipped"):
-        assert table.loc[0, col] == pytest.approx(metrics[f"flip/{col}"])
-    text = open(client.download_artifacts(run_id, "report.md", str(tmp_path / "r"))).read()
-    assert "Table 54 (bottom)" in text and "no cohort with flip_test runs of both arms" in text
-
-
 def test_a_mask_span_becomes_the_prompt_tokens_that_show_it(flip_runs, monkeypatch):
     """Every masked character of the note is inside a masked prompt token, and every masked
     token shows some masked character (a token counts when any of its characters is)."""
@@ -227,3 +210,63 @@ def test_the_causal_half_masks_the_nominated_heads_on_the_hf_path(flip_runs, mon
         assert doc["mask"] == mask and doc["heads"] == ["L0H1", "L1H0"]
         assert sum(doc["masked_tokens"][k] > 0 for k in doc["masked_tokens"] if k.endswith(".original")) >= 1
     assert runs["target"] != runs["sham"]
+
+
+def test_the_report_lists_tables_54_and_55_from_flip_test_runs(flip_runs, tmp_path, monkeypatch):
+    """Table 54's checkpoint rows from the behavioural run; Table 55 from a clean HF run and a
+    target and a sham run of one head set; no locked contrast or interaction without trained arms;
+    the execution-path offset of the teacher."""
+    monkeypatch.setenv("MISTILL_ROOT", str(flip_runs["root"]))
+    base = dict(cohort_run=flip_runs["cohort"], model=TINY, arm="teacher", samples=2, max_new_tokens=6)
+    hf_runs = {"clean": run_flip_test(FlipTestConfig(**base, backend="hf"))}
+    for mask in ("target", "sham"):
+        hf_runs[mask] = run_flip_test(FlipTestConfig(**base, mask=mask, mask_heads=("L0H1", "L1H0")))
+    client = MlflowClient()
+    run_id = run_report(ReportConfig(corpus=flip_runs["corpus"], bootstrap=50, corpus_bootstrap=50))
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+    def table(name: str) -> pd.DataFrame:
+        return pd.read_csv(client.download_artifacts(run_id, f"tables/{name}.csv", str(tmp_path)))
+
+    t54 = table("table54_flip_behaviour")
+    assert list(t54["run_id"]) == [flip_runs["flip_test"]] and t54.loc[0, "arm"] == "teacher"
+    metrics = client.get_run(flip_runs["flip_test"]).data.metrics
+    for col in ("n_cases", "D", "s", "invalid", "d_lose_a", "d_adopt_b", "follow_flipped"):
+        assert t54.loc[0, col] == pytest.approx(metrics[f"flip/{col}"])
+    t55 = table("table55_flip_causal")
+    assert len(t55) == 1 and t55.loc[0, "heads"] == "named" and t55.loc[0, "n_cases"] == 3
+    d = {k: client.get_run(v).data.metrics["flip/D"] for k, v in hf_runs.items()}
+    assert t55.loc[0, "D_clean"] == pytest.approx(d["clean"])
+    assert t55.loc[0, "delta_target"] == pytest.approx(d["clean"] - d["target"])
+    assert t55.loc[0, "target_minus_sham"] == pytest.approx(d["sham"] - d["target"])
+    offsets = table("table55_flip_interaction")
+    assert list(offsets["statistic"]) == ["execution-path offset"]  # no student pair for L here
+    assert offsets.loc[0, "estimate"] == pytest.approx(metrics["flip/D"] - d["clean"])
+    text = open(client.download_artifacts(run_id, "report.md", str(tmp_path / "r"))).read()
+    assert "Table 54 (bottom)" in text and "no cohort with flip_test runs of both arms" in text
+
+
+def test_the_causal_tables_by_hand():
+    """ΔD per mask, target minus sham, and L from hand-made per-case D values."""
+    d = {("mistill", "clean"): [0.5, 0.25, 0.0], ("mistill", "target"): [0.25, 0.25, 0.0],
+         ("mistill", "sham"): [0.5, 0.0, 0.25], ("vanilla-bf16", "clean"): [0.25, 0.25, 0.25],
+         ("vanilla-bf16", "target"): [0.0, 0.25, 0.25], ("vanilla-bf16", "sham"): [0.25, 0.25, 0.0]}
+    rows = []
+    for arm, kind in d:
+        rows.append({"run_id": f"{arm}-{kind}", "params.cohort_run": "c", "model": "m", "arm": arm,
+                     "precision": "bf16", "seed": 0, "start_time": 1, "params.backend": "hf",
+                     "params.mask": "" if kind == "clean" else kind, "params.mask_heads": None,
+                     "params.mask_k": "40", "params.mask_phase": "P2C"})
+    runs = flip_tables.flip_runs(pd.DataFrame(rows))
+    assert set(runs["kind"]) == {flip_tables.CLEAN_HF, flip_tables.MASKED} and set(runs["heads"]) == {"", "top40 P2C"}
+    cases = pd.DataFrame([{"run_id": f"{arm}-{kind}", "case_id": f"k{i}", "D": v}
+                          for (arm, kind), vs in d.items() for i, v in enumerate(vs)])
+    causal = flip_tables.flip_causal_table(runs, cases, n_resamples=100).set_index("arm")
+    m = causal.loc["mistill"]
+    assert m["D_clean"] == pytest.approx(0.25) and m["delta_target"] == pytest.approx(np.mean([0.25, 0, 0]))
+    assert m["target_minus_sham"] == pytest.approx(np.mean([0.25, -0.25, 0.25]))
+    inter = flip_tables.flip_interaction_table(runs, cases, n_resamples=100)
+    assert list(inter["statistic"]) == ["L = G_sham - G_target"]
+    g_sham = np.subtract(d[("mistill", "sham")], d[("vanilla-bf16", "sham")])
+    g_target = np.subtract(d[("mistill", "target")], d[("vanilla-bf16", "target")])
+    assert inter.loc[0, "estimate"] == pytest.approx(np.mean(g_sham - g_target))
