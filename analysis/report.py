@@ -31,10 +31,10 @@ from analysis import flip_tables, query, run_deviations, tables
 from analysis.characterization_compare import compared_runs, reading_runs
 from analysis.report_model import LAMBDA_CELLS, Report, ReportInputs, ReportTable, TableChoices, cell_train_runs
 from analysis.report_sections import (READ_SIDE_STAGES, ExtraRuns, ablations_section, audit_section,
-                                      characterization_section, flip_test_section, global_sets_section, lambda_section,
-                                      locus_section, matched_selection_section, own_heads_aligned_section,
-                                      own_heads_probe_section, own_heads_section, read_side_section, selection_section,
-                                      student_edits_section, task_section)
+                                      audit_shares_section, characterization_section, flip_test_section,
+                                      global_sets_section, lambda_section, locus_section, matched_selection_section,
+                                      own_heads_aligned_section, own_heads_probe_section, own_heads_section,
+                                      read_side_section, selection_section, student_edits_section, task_section)
 from analysis.report_sections import characterization_compare_section, instruction_control_section
 from analysis.report_sections import replicate_section, training_section
 from mistill import stats
@@ -117,6 +117,7 @@ def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str]
             extra["trace_edit_all"] = query.latest_runs(found, query.RUN_KEY) if not found.empty else found
     extra["attribute_compared"], extra["knockin_compared"] = compared_runs(
         client, experiment, compare_attribute_runs, compare_labels)
+    extra["audit_frame"] = query.stage_runs(client, experiment, "audit_frame")
     extra["flip_test"] = query.stage_runs(client, experiment, "flip_test", params=flip_tables.FLIP_PARAMS)
     extra["knockin_sets"] = other_sets_only(query.stage_runs(client, experiment, "knockin", params=SETS_PARAMS))
     extra["locus_compared"] = reading_runs(client, extra["attribute_compared"], "locus")
@@ -207,6 +208,7 @@ def build_report(inputs: ReportInputs, *, reference_arm: str,
     characterization_section(rep, client, extra, choices, n_resamples, seed)
     locus_section(rep, inputs.extra.get("locus", pd.DataFrame()))
     read_side_section(rep, {stage: inputs.extra.get(stage, pd.DataFrame()) for stage in READ_SIDE_STAGES})
+    audit_shares_section(rep, inputs.extra.get("audit_frame", pd.DataFrame()), audit_labels)
     audit_section(rep, inputs.runs["evaluate"], inputs.runs["own_heads"], audit_labels)
     student_edits_section(rep, inputs.extra.get("trace_edit_all", pd.DataFrame()), reference_arm, n_resamples, seed)
     selection_section(rep, inputs.runs["select_lambda"], cells, extra, n_resamples, seed)

@@ -25,6 +25,7 @@ from analysis.report_model import (DECISION, LAMBDA_CELLS, OWN_HEADS_PER_NOTE, P
                                    Report, ReportInputs, ReportTable, TableChoices, cell_train_runs)
 from mistill import stats
 from mistill.errors import MistillInputError
+from mistill.evaluation import audit_frame
 from mistill.io import read_json
 from mistill.stages.common import RunReader
 from mistill.stages.readside import NOTE_LIFTS
@@ -645,6 +646,43 @@ def student_edits_section(rep: Report, runs: pd.DataFrame, reference_arm: str, n
     _listed(rep, name, title, caption, table, table,
             "" if len(table) else f"no arm's trace_edit runs pair with the reference arm's ({reference_arm})",
             columns=cols)
+
+
+def audit_shares_section(rep: Report, frames: pd.DataFrame, labels: pd.DataFrame | None) -> None:
+    """Table 5 (R-C9): what the earlier mention of the sibling is, from the reader's labels joined
+    to the newest ``audit_frame`` run's strata: each label's raw share with its exact binomial 95%
+    interval and its share weighted by the eight strata's population sizes."""
+    name, title = "table5_audit_labels", "Table 5: the audit of contrastive events"
+    caption = ("What the earlier mention of the sibling is, over the labelled events of the audit frame's "
+               "stratified draw: raw shares with exact binomial 95% intervals, and shares weighted by the strata's "
+               "population sizes (strata by tokenizer alignment, gold status and whether the emitted code reaches "
+               "the final answer).")
+    cols = ["frame_run", *audit_frame.SHARE_COLUMNS]
+    if labels is None:
+        return _listed(rep, name, title, caption, pd.DataFrame(), pd.DataFrame(),
+                       "no audit labels given (ReportConfig.audit_labels)", columns=cols)
+    if frames.empty:
+        return _listed(rep, name, title, caption, pd.DataFrame(), pd.DataFrame(), "no FINISHED audit_frame runs",
+                       columns=cols)
+    run = frames.sort_values("start_time", ascending=False).iloc[0]
+    frame = _load(rep, pd.DataFrame([run]), "audit_frame.csv", ["note_id", "event_id", "stratum", "drawn"],
+                  ("run_id",))
+    if frame.empty:
+        return _listed(rep, name, title, caption, pd.DataFrame(), pd.DataFrame(),
+                       f"audit_frame run {run['run_id']} has no frame table", columns=cols)
+    frame["event_id"] = frame["event_id"].astype(str)
+    populations = frame["stratum"].value_counts().to_dict()
+    joined = labels.merge(frame[["note_id", "event_id", "stratum"]], on=["note_id", "event_id"], how="left")
+    unknown = joined["stratum"].isna()
+    if unknown.any():
+        rep.notes.append(f"Table 5: {int(unknown.sum())} labelled events are not in audit_frame run "
+                         f"{run['run_id']}'s population and are left out.")
+    shares = audit_frame.label_shares(joined[~unknown], populations)
+    shares.insert(0, "frame_run", run["run_id"])
+    shown = pd.DataFrame.from_records([{
+        "label": r["label"], "events": r["n"], "share": tables.fmt_ci(r["share"], r["ci_low"], r["ci_high"]),
+        "population-weighted": _fmt(r["weighted_share"])} for _, r in shares.iterrows()])
+    _listed(rep, name, title, caption, shares, shown, "no labelled event of the frame", columns=cols)
 
 
 def audit_section(rep: Report, evaluate: pd.DataFrame, own: pd.DataFrame, labels: pd.DataFrame | None) -> None:

@@ -291,6 +291,10 @@ DEVIATIONS: tuple[Deviation, ...] = (
        "every 4th layer from layer 0 (empty swap_layers)", "LocusStageConfig.swap_layers",
        "matches the layers the paper names on a 40-layer teacher", ()),
     # --- evaluation ---
+    _D("audit sheet context", "Sec. 2.2, App. C",
+       "the reader reads the trace context around the earlier mention and around the decision",
+       "300 characters of the trace either side of each", "AuditFrameConfig.context_chars",
+       "enough for a candidate line and the sentence around it; the width is not stated", 300),
     _D("LAS simulator note length", "App. K",
        "the simulator reads the note", "the whole note",
        "LasSimulatorConfig.max_note_words", "the paper's", 0, 0),
@@ -499,6 +503,11 @@ CONVENTIONS: tuple[Convention, ...] = (
                "FROZEN holds a sha256 per version (text and masks), per reviewed proposal, of the ledger, the lock "
                "and the source corpus; written once, re-verified on every later read", "mistill.data.flips",
                "the paper freezes the flips by hash; what is hashed is not listed"),
+    Convention("the audit's draw", "Sec. 2.2, App. C, Table 5",
+               "the sample is spread one event at a time over the eight strata that have events left, in a fixed "
+               "order, and drawn within each by numpy default_rng(seed); an event is aligned when every student's "
+               "events run realizes its id; the sheet's order is a seeded shuffle", "mistill.evaluation.audit_frame",
+               "the paper states 181 events over eight strata with population weights, not the allocation"),
     Convention("the evidence-flip pool", "App. N.2",
                "reproduce's tree EF prepares 400 release notes by App. A's selection on their retrieved "
                "shortlist, the teacher screens them, and the cohort's lock draws 300 patients among them outside "

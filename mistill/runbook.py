@@ -502,7 +502,7 @@ class PlanStep:
     name: unique in the plan (``<tree>/<step>``).
     inputs: config field -> the step whose run it takes (``<step name>``, or
         ``<step name>:<nested step>`` for a run a composite step nests, e.g.
-        ``DT-000/teacher_attribute:attribute``).
+        ``DT-000/teacher_attribute:attribute``); a ``*_runs`` field takes several, comma-separated.
     needs: every step whose run this one reads: those of ``inputs`` and any read otherwise
         (a Mistill arm reads the λ the selection picked).
     params: the ``-P`` settings that differ from the entry point's defaults; ``{role}``
@@ -551,7 +551,7 @@ def _step(tree: str, step: str, entry_point: str, work: Workload, *, inputs: Map
     """A :class:`PlanStep` whose ``needs`` are the steps of its ``inputs`` and ``after``."""
     inputs = dict(inputs or {})
     needs: list[str] = []
-    for ref in [*inputs.values(), *after]:
+    for ref in [*(r for refs in inputs.values() for r in refs.split(",")), *after]:
         name = ref.split(":", 1)[0]
         if name not in needs:
             needs.append(name)
@@ -819,6 +819,17 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
 
     steps.append(_step("DT-000", "evaluate_teacher", "evaluate", answers("qwen3-14b"), inputs=evaluation,
                        params={"model": "{teacher}", "arm": "teacher", "split": "test"}))
+    # the audit frame of Table 5 (R-C9): the teacher's contrastive events on the test notes, each
+    # student tokenizer's realization of them, the stratified draw and the blinded sheet
+    steps.append(_step("DT-000", "events_test", "events", Workload("targets", "qwen3-14b", c.test_notes, short),
+                       inputs={"prepare_run": data}, params={"model": "{teacher}", "split": "test"}))
+    for student, role in STUDENTS.items():
+        steps.append(_step("DT-000", f"events_test_{student}", "events",
+                           Workload("targets", "qwen3-4b", c.test_notes, short),
+                           inputs={"prepare_run": data}, params={"model": role, "split": "test"}))
+    steps.append(_step("DT-000", "audit_frame", "audit_frame", Workload("none"),
+                       inputs={"events_run": "DT-000/events_test",
+                               "align_events_runs": ",".join(f"DT-000/events_test_{s}" for s in STUDENTS)}))
     for student, role in STUDENTS.items():
         steps.append(_step("DT-000", f"evaluate_{student}_untrained", "evaluate", answers(student),
                            inputs=evaluation, params={"model": role, "arm": "untrained", "split": "test"}))
@@ -946,7 +957,8 @@ def _evidence_flip_tree(c: PaperCounts, release: Mapping[str, str], generation) 
 
 
 RESULT_TREES: dict[str, tuple[str, ...]] = {"R-C7": ("HD-001", "HD-002"), "R-C14": ("instruction",),
-                                            "R-D20": ("HD-001",), "R-D33": ("EF",), "R-D35": ("EF",)}
+                                            "R-D20": ("HD-001",), "R-D33": ("EF",), "R-D35": ("EF",),
+                                            "R-C9": ("DT-000", "DT-001")}
 """The trees a result reads where it is not its half's default (:func:`result_trees`)."""
 
 

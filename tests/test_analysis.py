@@ -249,11 +249,12 @@ def test_report_numbers_match_hand_values(tracking_uri, run_set, reader_root, tm
     run_id = run_report(cfg)
     run = MlflowClient().get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.tags["mistill.stage"] == "report"
-    # 8 tables from these runs, and the 35 always-listed ones (empty rows where no data; 10 of
+    # 8 tables from these runs, and the 36 always-listed ones (empty rows where no data; 10 of
     # them App. E's Tables 16-24 and the read-side patient collapse, one the pool arms' carriers,
     # three Table 52's parts, one App. I's k = 8 probe, one Table 38's aligned-event gains, one
-    # Table 4's instruction control, two Table 54's and two Table 55's evidence-flip readings)
-    assert run.data.metrics["n_runs/evaluate"] == 7 and run.data.metrics["n_tables"] == 8 + 35
+    # Table 4's instruction control, two Table 54's and two Table 55's evidence-flip readings, Table 5's
+    # audit shares)
+    assert run.data.metrics["n_runs/evaluate"] == 7 and run.data.metrics["n_tables"] == 8 + 36
     inputs = {k for k in run.data.tags if k.startswith("mistill.input.")}
     assert f"mistill.input.evaluate.{ids['evaluate'][('opd', 0)]}" in inputs and len(inputs) == 14
 
@@ -363,7 +364,7 @@ def test_report_skips_absent_kinds_and_says_so(tracking_uri, tmp_path, reader_ro
     # an experiment with no runs at all still gives a report
     empty = run_report(ReportConfig(corpus=unique("empty"), bootstrap=10, corpus_bootstrap=10))
     # only the always-listed tables, each with empty rows and the reason
-    assert MlflowClient().get_run(empty).data.metrics["n_tables"] == 35
+    assert MlflowClient().get_run(empty).data.metrics["n_tables"] == 36
     text = _artifact(empty, "report.md", tmp_path / "e").read_text()
     assert "no train runs of arm top8 under this experiment" in text
     assert "No rows: no FINISHED select_lambda runs." in text

@@ -46,9 +46,10 @@ def test_every_step_of_the_plan_builds_a_valid_config_from_the_roles():
             assert config is None  # no selection run yet
             continue
         assert config is not None, step.name
-        for field, ref in step.inputs.items():
+        for field, refs in step.inputs.items():
             value = getattr(config, field)
-            assert value == (ids[ref] if isinstance(value, str) else (ids[ref],)), (step.name, field)
+            want = [ids[ref] for ref in refs.split(",")]
+            assert value == (want[0] if isinstance(value, str) else tuple(want)), (step.name, field)
         if step.name == "EF/flip_cohort":  # the synthetic cases stand for the author's files
             assert config.synthetic_cases and not config.proposals and not config.ledger
             assert config.lock.endswith("ef-cohort-embedded.yaml")

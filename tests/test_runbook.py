@@ -59,14 +59,17 @@ def test_every_step_binds_its_entry_points_inputs_to_earlier_steps():
         by_field = {f: name for name, f in stage.inputs.items()}
         by_field.setdefault("train_prepare_run", "prepare")  # the shortlist's retriever notes
         by_field.setdefault("exclude_prepare_runs", "prepare")  # the corpora a flip cohort avoids
-        for f, ref in step.inputs.items():
-            source, _, nested = ref.partition(":")
-            produced = nested or plan[source].entry_point
-            wanted = stage.input_stage(by_field[f])
-            standing = {s.name for s in table.values() if s.stands_for == wanted}
-            assert produced == wanted or produced in standing, (step.name, f, ref)
-            if nested:
-                assert nested in COMPOSITE[plan[source].entry_point]
+        by_field.setdefault("align_events_runs", "events")  # the students' realizations of the audited events
+        for f, refs in step.inputs.items():
+            assert f.endswith("_runs") or "," not in refs, (step.name, f)
+            for ref in refs.split(","):
+                source, _, nested = ref.partition(":")
+                produced = nested or plan[source].entry_point
+                wanted = stage.input_stage(by_field[f])
+                standing = {s.name for s in table.values() if s.stands_for == wanted}
+                assert produced == wanted or produced in standing, (step.name, f, ref)
+                if nested:
+                    assert nested in COMPOSITE[plan[source].entry_point]
         for f in stage.required_inputs().values():
             assert f in step.inputs, (step.name, f)
         for value in step.params.values():

@@ -181,7 +181,7 @@ def read_realized(reader: RunReader, note_id: str) -> list[RealizedEvent]:
 
 
 @dataclass
-class _EventsInput:
+class EventsInput:
     """An events run and what it was made from."""
 
     reader: RunReader
@@ -190,14 +190,16 @@ class _EventsInput:
     model: str
 
 
-def _events_input(events_run: str) -> _EventsInput:
+def events_input(events_run: str) -> EventsInput:
+    """Open an ``events`` run as a later stage's input: its reader, its prepared corpus, the notes
+    it read and its model; a run of another stage is refused."""
     reader = RunReader(events_run, field="events_run")
     if reader.tags.get("mistill.stage") != "events":
         raise MistillInputError(f"run {events_run} is a {reader.tags.get('mistill.stage')!r} run, not events",
                                 field="events_run")
     cfg = reader.config
     prepared = load_prepared(cfg["prepare_run"])
-    return _EventsInput(reader=reader, prepared=prepared,
+    return EventsInput(reader=reader, prepared=prepared,
                         notes=stage_notes(prepared, cfg.get("split", ""), cfg.get("max_notes", 0),
                                           field="events_run"),
                         model=cfg["model"])
@@ -269,7 +271,7 @@ def running_globals(means: dict[str, list[np.ndarray]], cfg: AttributeConfig) ->
     return out
 
 
-def attribute_notes(ev: _EventsInput, split: str) -> list[Note]:
+def attribute_notes(ev: EventsInput, split: str) -> list[Note]:
     """The notes an attribute run ranks (and its knock-in runs on): the events run's notes of
     ``split`` (all when empty), in corpus order; an empty selection is refused."""
     if not split:
@@ -282,7 +284,7 @@ class AttributeInput:
     """An ``attribute`` run, the events run it read and the notes it ranked."""
 
     reader: RunReader
-    events: _EventsInput
+    events: EventsInput
     notes: list[Note]
 
     @property
@@ -304,7 +306,7 @@ def attribute_input(run_id: str, *, field: str = "attribute_run") -> AttributeIn
     stage = reader.tags.get("mistill.stage")
     if stage != "attribute":
         raise MistillInputError(f"run {run_id} is a {stage!r} run, not attribute", field=field)
-    ev = _events_input(reader.config["events_run"])
+    ev = events_input(reader.config["events_run"])
     return AttributeInput(reader, ev, attribute_notes(ev, reader.config.get("split", "")))
 
 
@@ -320,7 +322,7 @@ def _finished_means(run, reader: WrittenNotes, notes: Sequence[Note]) -> dict[st
 
 
 def run_attribute(cfg: AttributeConfig) -> str:
-    ev = _events_input(cfg.events_run)
+    ev = events_input(cfg.events_run)
     prepared = ev.prepared
     notes = attribute_notes(ev, cfg.split)
     with open_stage("attribute", cfg, prepared, inputs={"events": cfg.events_run}, model=ev.model) as run:
@@ -539,7 +541,7 @@ class _NoteInputs:
 class _KnockinInputs:
     """Per-note inputs of the knock-in pass, built on first use and kept until released."""
 
-    def __init__(self, prepared: Prepared, ev: _EventsInput, att_reader: RunReader, lm, cfg: KnockinStageConfig):
+    def __init__(self, prepared: Prepared, ev: EventsInput, att_reader: RunReader, lm, cfg: KnockinStageConfig):
         self.prepared, self.ev, self.att_reader, self.lm, self.cfg = prepared, ev, att_reader, lm, cfg
         self.cache: dict[str, _NoteInputs] = {}
 
@@ -666,7 +668,7 @@ def _global_sets(cfg: KnockinStageConfig) -> dict:
 
 def run_knockin(cfg: KnockinStageConfig) -> str:
     att_reader = RunReader(cfg.attribute_run, field="attribute_run")
-    ev = _events_input(att_reader.config["events_run"])
+    ev = events_input(att_reader.config["events_run"])
     prepared = ev.prepared
     head_sets = _global_sets(cfg)
     inputs = {"attribute": cfg.attribute_run, **({"sets": cfg.sets_run} if cfg.sets_run else {})}

@@ -630,6 +630,7 @@ INPUT_RUN_STAGES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "train_run": ("train",),
     "las_run": ("las_simulator",),
     "cohort_run": ("flip_cohort",),
+    "align_events_runs": ("events",),
     "mask_heads_run": ("attribute", "own_heads"),
 })
 """Every config field that names input runs (a field ending in ``_run`` or ``_runs``), and the

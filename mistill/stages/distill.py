@@ -53,7 +53,7 @@ from mistill.instrument.events import Event
 from mistill.io import npz_bytes
 from mistill.params import PoolParams, ProbeParams, RecipeParams
 from mistill.progress import track
-from mistill.stages.characterize import NOTES, _events_input
+from mistill.stages.characterize import NOTES, events_input
 from mistill.stages.common import (RunReader, load_model, load_tokenizer, make_backend, prepared_note_input,
                                    require_notes)
 from mistill.stages.runner import note_loop, notes_written, open_stage, stage_device
@@ -152,7 +152,7 @@ def prose_time_sets(locus_run: str) -> dict | None:
 
 def run_targets(cfg: TargetsConfig) -> str:
     att = RunReader(cfg.teacher_attribute_run, field="teacher_attribute_run")
-    ev = _events_input(att.config["events_run"])
+    ev = events_input(att.config["events_run"])
     prepared = ev.prepared
     notes = require_notes([n for n in ev.notes if not cfg.split or n.split == cfg.split], cfg.split, prepared)
     inputs = {"teacher_attribute": cfg.teacher_attribute_run, **({"locus": cfg.locus_run} if cfg.locus_run else {})}
@@ -410,7 +410,7 @@ def run_train(cfg: TrainStageConfig) -> str:
     targets_run = RunReader(cfg.targets_run, field="targets_run")
     tcfg = targets_run.config
     att = RunReader(tcfg["teacher_attribute_run"], field="teacher_attribute_run")
-    ev = _events_input(att.config["events_run"])
+    ev = events_input(att.config["events_run"])
     prepared = ev.prepared
     notes = require_notes([n for n in ev.notes if not tcfg.get("split") or n.split == tcfg["split"]],
                           tcfg.get("split", ""), prepared, field="targets_run")

@@ -45,7 +45,7 @@ from mistill.instrument.passes import prefill_note
 from mistill.instrument.runner import Runner
 from mistill.io import npz_bytes
 from mistill.params import ChunkParams, PoolParams, StabilityParams
-from mistill.stages.characterize import _events_input, attribute_notes, read_realized
+from mistill.stages.characterize import events_input, attribute_notes, read_realized
 from mistill.stages.common import RunReader, load_model
 from mistill.stages.runner import note_loop, notes_written, open_stage, stage_device
 from mistill.tasks import task_for
@@ -157,7 +157,7 @@ def run_locus(cfg: LocusStageConfig) -> str:
     if att.tags.get("mistill.stage") != "attribute":
         raise MistillInputError(f"run {cfg.attribute_run} is a {att.tags.get('mistill.stage')!r} run, not attribute",
                                 field="attribute_run")
-    ev = _events_input(att.config["events_run"])
+    ev = events_input(att.config["events_run"])
     prepared = ev.prepared
     notes = attribute_notes(ev, cfg.split or att.config.get("split", ""))
     with open_stage("locus", cfg, prepared, inputs={"attribute": cfg.attribute_run}, model=ev.model) as run:

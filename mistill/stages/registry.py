@@ -124,6 +124,9 @@ _TABLE = (
            "on nominated heads, the causal half (Table 55)",
            optional=frozenset({"train", "mask_heads"}), sources={"mask_heads": "attribute"},
            also={"mask_heads": ("own_heads",)}, models=("model",)),
+    _Entry("audit_frame", "mistill.stages.audit_frame", "AuditFrameConfig", "run_audit_frame", {"events": "events_run"},
+           "the audit of contrastive events (App. C, Table 5): eight strata, a seeded stratified draw and a blinded "
+           "sheet kept local for the reader (the labels go to report -P audit_labels)"),
     _Entry("events", "mistill.stages.characterize", "EventsConfig", "run_events", {"prepare": "prepare_run"},
            "decision events per note, realized in the model's tokenizer, and the margin audit", shardable=True,
            models=("model",)),

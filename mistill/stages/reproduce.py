@@ -245,10 +245,10 @@ def step_config(step: PlanStep, cfg: ReproduceConfig, ids: Mapping[str, str],
     """The step's config, its input runs read from ``ids`` (step reference -> run id); None when an
     input's run is not known (a dry run's step whose inputs were not found)."""
     values = step_values(step, cfg, settings)
-    for field, ref in step.inputs.items():
-        if ref not in ids:
+    for field, refs in step.inputs.items():
+        if any(ref not in ids for ref in refs.split(",")):
             return None
-        values[field] = ids[ref]
+        values[field] = ",".join(ids[ref] for ref in refs.split(","))
     selections = [n for n in step.needs if n.split("/", 1)[1].startswith("select_lambda")]
     if step.entry_point == "train" and selections:
         overrides = selected_overrides(ids.get(selections[0], ""))
