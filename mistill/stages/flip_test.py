@@ -57,7 +57,7 @@ from mistill.stages.common import (Prepared, RunReader, link_subject, load_model
 from mistill.stages.flip_cohort import TAG_CONDITION_RUN
 from mistill.stages.runner import open_stage, progress_label, stage_device
 from mistill.tracking.naming import TAG_BACKEND, TAG_CORPUS
-from mistill.validation import (check_arm, check_choice, check_device, check_dtype, check_model_spec,
+from mistill.validation import (check_arm, check_choice, check_device, check_dtype, check_model_spec, check_names,
                                 check_no_text_fields, check_positive, check_run_id, check_seed, fail)
 
 STAGE = "flip_test"
@@ -112,9 +112,9 @@ class FlipTestConfig(Config, DecodingParams):
         check_run_id(self.mask_heads_run, "mask_heads_run")
         check_choice(self.mask_phase, PHASES, "mask_phase")
         check_positive(self.mask_k, "mask_k")
-        bad = [h for h in self.mask_heads if not re.fullmatch(r"L\d+H\d+", h)]
-        if bad:
-            fail(f"mask_heads names heads as L<layer>H<head>, not {', '.join(bad)}", "mask_heads")
+        check_names(self.mask_heads, "mask_heads", "a head (L<layer>H<head>)")
+        if not all(re.fullmatch(r"L\d+H\d+", h) for h in self.mask_heads):
+            fail("mask_heads names heads as L<layer>H<head>", "mask_heads")
         if self.mask and bool(self.mask_heads) == bool(self.mask_heads_run):
             fail("a key mask needs its heads: give mask_heads or mask_heads_run (one of them)", "mask_heads")
         if not self.mask and (self.mask_heads or self.mask_heads_run):
