@@ -26,8 +26,9 @@ def pytest_configure(config: pytest.Config) -> None:
             "run scripts/setup.sh (it installs requirements/embedded.txt)") from None
 
 
-LONG_FILES = ("test_privacy_canary.py", "test_sharding.py", "test_tasks_pipeline.py", "test_stages.py",
-              "test_vllm_backend.py", "test_server_outage.py", "test_demo_shape.py", "test_probe_vllm.py")
+LONG_FILES = ("test_privacy_canary.py", "test_sharding.py", "test_benchmark_smoke.py", "test_tasks_pipeline.py",
+              "test_stages.py", "test_vllm_backend.py", "test_server_outage.py", "test_demo_shape.py",
+              "test_probe_vllm.py")
 """The files with the longest tests, collected first: with two worker processes (``-n 2 --dist
 loadfile``) each file runs whole on one worker, and a long file that starts last keeps the
 other worker idle at the end."""
