@@ -1,6 +1,6 @@
 """Device benchmark of the generation probe during training (App. L.2), through each probe backend.
 
-A tracking server, a tiny teacher's characterization of ``--notes`` synthetic notes
+A tracking server, a tiny random teacher's characterization of ``--notes`` synthetic notes
 (``prepare -> events -> attribute -> targets``; the teacher only supplies the traces), then the
 ``train`` stage of ``--arm`` on the student with ``probe_every=1`` for ``--steps`` optimizer steps,
 once per backend of ``--backends``: ``hf`` (HF's batched generation with the model being trained)
@@ -47,15 +47,13 @@ from mistill.stages.distill import TAG_PROBE_BACKEND, TargetsConfig, TrainStageC
 from mistill.stages.prepare import PrepareConfig, run_prepare  # noqa: E402
 from mistill.tracking.server import TrackingServer  # noqa: E402
 
-TEACHER = "tiny:qwen3"
-"""The teacher whose characterization supplies the targets (its tokenizer is the embedded SmolLM2's)."""
 
 
-def targets_run(notes: int) -> str:
+def targets_run(notes: int, teacher: str) -> str:
     """The tiny teacher's targets run over ``notes`` synthetic notes."""
     prep = run_prepare(PrepareConfig(corpus="synthetic", corpus_name=f"bench-probe-{int(time.time())}",
-                                     n_notes=notes, model=TEACHER))
-    events = run_events(EventsConfig(prepare_run=prep, model=TEACHER, n_null=4))
+                                     n_notes=notes, model=teacher))
+    events = run_events(EventsConfig(prepare_run=prep, model=teacher, n_null=4))
     attribute = run_attribute(AttributeConfig(events_run=events, selftest_events=0, stability_splits=5))
     return run_targets(TargetsConfig(teacher_attribute_run=attribute))
 
@@ -106,9 +104,11 @@ def main() -> None:
     if args.smoke:
         args.student, args.backends, args.notes, args.probe_notes, args.probe_new = "smoke", ["hf"], 3, 1, 4
         args.steps = 1
-        args.device, args.tokenizer, args.max_pos = "cpu", "embedded", 1024
+        args.device, args.tokenizer, args.max_pos = "cpu", "embedded", 4096
         args.model_root = tempfile.mkdtemp(prefix="bench-train-probe-")
     student = str(model_dir(args.student, Path(args.model_root), args.max_pos, args.tokenizer, args.device))
+    # the teacher: a 2-layer random Qwen3 with the same tokenizer, on the CPU (it only supplies traces)
+    teacher = str(model_dir("smoke", Path(args.model_root), args.max_pos, args.tokenizer, "cpu"))
     root = Path(args.root or tempfile.mkdtemp(prefix="bench-train-probe-"))
     os.environ["MISTILL_ROOT"] = str(root / "mistill")
     tracking = TrackingServer(root)
@@ -122,7 +122,7 @@ def main() -> None:
         res["vllm"] = vllm.__version__
     try:
         start = time.perf_counter()
-        targets = targets_run(args.notes)
+        targets = targets_run(args.notes, teacher)
         res["targets_chain_s"] = time.perf_counter() - start
         for backend in args.backends:
             res[backend] = measure(targets, student, backend, args)

@@ -7,7 +7,8 @@
 #   carry/minilm-tokenizer    the embedded MiniLM encoder's BERT uncased tokenizer (gte-large's
 #                             vocabulary), for the retriever benchmark
 #   .whl/                     the locked wheels the benchmarks import beyond torch and
-#                             transformers (TRL and its datasets stack, simple-icd-10-cm, MLflow),
+#                             transformers (TRL and its datasets stack, simple-icd-10-cm, MLflow,
+#                             and Flask-WTF with WTForms for MLflow's basic-auth server),
 #                             downloaded without their dependencies
 #
 # Run it here, in the repository, with the project's .venv made by ./scripts/setup.sh; copy both
@@ -35,7 +36,7 @@ print("wrote carry/smollm2-tokenizer and carry/minilm-tokenizer")
 PY
 mkdir -p .whl
 pins=()
-for name in trl datasets dill multiprocess xxhash pyarrow simple_icd_10_cm mlflow mlflow-skinny mlflow-tracing; do
+for name in trl datasets dill multiprocess xxhash pyarrow simple_icd_10_cm mlflow mlflow-skinny mlflow-tracing flask-wtf wtforms; do
   pin=$(grep -i -E "^${name}==" requirements/lock.txt || true)
   [ -n "$pin" ] && pins+=("$pin")
 done
