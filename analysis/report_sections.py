@@ -648,6 +648,13 @@ def student_edits_section(rep: Report, runs: pd.DataFrame, reference_arm: str, n
             columns=cols)
 
 
+def _audit_missing(labels: pd.DataFrame | None, runs: pd.DataFrame, stage: str) -> str:
+    """Why an audit table has no rows before it reads anything (empty: nothing missing)."""
+    if labels is None:
+        return "no audit labels given (ReportConfig.audit_labels)"
+    return f"no FINISHED {stage} runs" if runs.empty else ""
+
+
 def audit_shares_section(rep: Report, frames: pd.DataFrame, labels: pd.DataFrame | None) -> None:
     """Table 5 (R-C9): what the earlier mention of the sibling is, from the reader's labels joined
     to the newest ``audit_frame`` run's strata: each label's raw share with its exact binomial 95%
@@ -658,12 +665,9 @@ def audit_shares_section(rep: Report, frames: pd.DataFrame, labels: pd.DataFrame
                "population sizes (strata by tokenizer alignment, gold status and whether the emitted code reaches "
                "the final answer).")
     cols = ["frame_run", *audit_frame.SHARE_COLUMNS]
-    if labels is None:
-        return _listed(rep, name, title, caption, pd.DataFrame(), pd.DataFrame(),
-                       "no audit labels given (ReportConfig.audit_labels)", columns=cols)
-    if frames.empty:
-        return _listed(rep, name, title, caption, pd.DataFrame(), pd.DataFrame(), "no FINISHED audit_frame runs",
-                       columns=cols)
+    why = _audit_missing(labels, frames, "audit_frame")
+    if why:
+        return _listed(rep, name, title, caption, pd.DataFrame(), pd.DataFrame(), why, columns=cols)
     run = frames.sort_values("start_time", ascending=False).iloc[0]
     frame = _load(rep, pd.DataFrame([run]), "audit_frame.csv", ["note_id", "event_id", "stratum", "drawn"],
                   ("run_id",))
@@ -693,12 +697,9 @@ def audit_section(rep: Report, evaluate: pd.DataFrame, own: pd.DataFrame, labels
                "teacher's choice) and own-heads knock-in recovery at k=40 (mean over gated events), on the "
                "verified rejections and on the other labeled events (enumerations and the remaining classes).")
     cols = ["model", "arm", "precision", "seed", "stratum", "m1_n", "m1_p_pos", "knockin_n", "recovery_k40"]
-    if labels is None:
-        return _listed(rep, name, title, caption, pd.DataFrame(), pd.DataFrame(),
-                       "no audit labels given (ReportConfig.audit_labels)", columns=cols)
-    if evaluate.empty:
-        return _listed(rep, name, title, caption, pd.DataFrame(), pd.DataFrame(), "no FINISHED evaluate runs",
-                       columns=cols)
+    why = _audit_missing(labels, evaluate, "evaluate")
+    if why:
+        return _listed(rep, name, title, caption, pd.DataFrame(), pd.DataFrame(), why, columns=cols)
     m1 = _load(rep, evaluate, "m1_events.csv", ["event_id", "kind", "margin"])
     kin = _load(rep, own, "own_heads_knockin_events.csv", ["event_id", "phase", "k", "recovery", "gated"]) \
         if not own.empty else pd.DataFrame()
