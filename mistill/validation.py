@@ -203,6 +203,10 @@ def _refuse(message: str, field: str, value: str) -> NoReturn:
     fail(message, field)
 
 
+HEAD_NAME = re.compile(r"L\d+H\d+")
+"""A head's name as the instrument writes it (``L30H11``: layer 30, head 11), for :func:`check_pattern`."""
+
+
 def check_pattern(value: str, pattern: re.Pattern, field: str, what: str) -> None:
     """``value`` matches ``pattern`` (``what`` describes the form); a malformed value is refused
     without repeating what could be text (:func:`_refuse`)."""

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,15 +50,14 @@ from mistill.stages.characterize import attribute_input, read_realized
 from mistill.stages.common import load_model, prepared_note_input, subject_run_args
 from mistill.stages.runner import WrittenNotes, note_loop, notes_written, open_stage, stage_device
 from mistill.stats import difference_tests, sign_test, wilcoxon_p
-from mistill.validation import (check_device, check_dtype, check_no_text_fields, check_non_negative, check_pattern,
-                                check_run_id, check_seed)
+from mistill.validation import (HEAD_NAME, check_device, check_dtype, check_no_text_fields, check_non_negative,
+                                check_pattern, check_run_id, check_seed)
 
 NOTES = "notes"
 REPLACEMENTS = ("neutral", "unrelated", "other_category")
 NOTE_VARIANTS = ("code_words", "sibling_words", "other_chapter_words", "no_description_words")
 EDITED_EVENTS = "edited_P2C_events"
 """The seed part of the P2C events both edits draw: at one seed, trace and note edits read the same events."""
-_HEADS = re.compile(r"^L\d+H\d+$")
 
 
 @dataclass(frozen=True)
@@ -86,7 +84,7 @@ class TraceEditConfig(Config, EditParams, ChunkParams):
         check_no_text_fields(self)
         check_run_id(self.attribute_run, "attribute_run")
         for name in filter(None, (s.strip() for s in self.mediation_heads.split(","))):
-            check_pattern(name, _HEADS, "mediation_heads", "a head name like L30H11")
+            check_pattern(name, HEAD_NAME, "mediation_heads", "a head name like L30H11")
         check_non_negative(self.n_mediation, "n_mediation")
         check_non_negative(self.mediation_min_effect, "mediation_min_effect")
         check_dtype(self.dtype)

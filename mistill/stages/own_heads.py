@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -63,10 +62,13 @@ from mistill.stages.common import (Prepared, RunReader, Subject, link_subject, l
 from mistill.stages.runner import note_loop, notes_written, open_stage, progress_label, stage_device
 from mistill.stages.steps import LAUNCHES, run_step
 from mistill.tracking.naming import TAG_BACKEND, TAG_SPLIT
-from mistill.validation import (check_choice, check_counts, check_device, check_dtype, check_model_spec, check_name,
-                                check_no_text_fields, check_non_negative, check_positive, check_run_id, check_seed)
+from mistill.validation import (HEAD_NAME, check_choice, check_counts, check_device, check_dtype, check_model_spec,
+                                check_name, check_no_text_fields, check_non_negative, check_pattern, check_positive,
+                                check_run_id, check_seed)
 
 NOTES = "notes"
+TAG_RANK_ATTRIBUTE = "mistill.rank_attribute"
+"""The run's tag naming the attribute run of the arm's own ranking."""
 OWN_NOTES = "own_notes"
 OWN_TRACES = "own_traces"
 TRACES = ("teacher", "own")
@@ -132,9 +134,8 @@ class OwnHeadsConfig(Config, KnockinReadParams, DonorParams, TokenCapParams, Bac
         check_seed(self.seed)
         check_non_negative(self.max_notes, "max_notes", "0: every note")
         check_choice(self.launch, LAUNCHES, "launch")
-        check_name(self.probe_head, "probe_head", "a head (L<layer>H<head>)", allow_empty=True)
-        if self.probe_head and not re.fullmatch(r"L\d+H\d+", self.probe_head):
-            raise MistillInputError("probe_head must name a head as L<layer>H<head>", field="probe_head")
+        if self.probe_head:
+            check_pattern(self.probe_head, HEAD_NAME, "probe_head", "a head name like L35H26")
         check_choice(self.probe_phase, PHASES, "probe_phase")
         check_positive(self.probe_rank, "probe_rank")
 
@@ -239,7 +240,7 @@ def run_own_heads(cfg: OwnHeadsConfig) -> str:
             link_subject(run, arm)
         ranked = _rank_steps(cfg, arm.spec, prepared.corpus.name, parent=run.run_id)
         if world.leader:
-            run.set_tags({"mistill.rank_events": ranked["events"], "mistill.rank_attribute": ranked["attribute"]})
+            run.set_tags({"mistill.rank_events": ranked["events"], TAG_RANK_ATTRIBUTE: ranked["attribute"]})
         device = stage_device(cfg.device)
         load = lambda: load_model(arm.spec, dtype=cfg.dtype, device=device)  # noqa: E731
         own: dict[str, Generation] = {}
