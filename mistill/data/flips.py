@@ -410,17 +410,24 @@ def prompt_positions(prompt: Any, note: Note, spans: Sequence[Span], tokenizer: 
     if prompt.text[start:start + len(shown)] != shown:
         raise MistillInputError("the prompt does not show the note's text where its note part says",
                                 note=note.note_id, field="text")
-    chars = sorted({start + w for a, b in spans for c in range(int(a), int(b)) if (w := where(c)) is not None})
-    if not chars:
-        return []
-    marked = set(chars)
-    return [i for i, (a, b) in enumerate(token_offsets(tokenizer, prompt.text))
-            if b > a and any(c in marked for c in range(a, b))]
+    runs: list[list[int]] = []  # the shown characters of the spans, as runs in the prompt
+    for c in sorted({start + w for a, b in spans for c in range(int(a), int(b)) if (w := where(c)) is not None}):
+        if runs and runs[-1][1] == c:
+            runs[-1][1] = c + 1
+        else:
+            runs.append([c, c + 1])
+    return token_positions_under(token_offsets(tokenizer, prompt.text), runs) if runs else []
+
+
+def token_positions_under(offsets: Sequence[Span], spans: Sequence[Span]) -> list[int]:
+    """The tokens (their positions in ``offsets``) that overlap any of ``spans``: a token is masked
+    if any character of it is."""
+    return [i for i, (a, b) in enumerate(offsets) if b > a and any(a < e and s < b for s, e in spans)]
 
 
 def tokens_under(offsets: Sequence[Span], spans: Sequence[Span]) -> int:
-    """How many tokens overlap any of ``spans`` (a token is masked if any character of it is)."""
-    return sum(1 for a, b in offsets if b > a and any(a < e and s < b for s, e in spans))
+    """How many tokens overlap any of ``spans`` (:func:`token_positions_under`)."""
+    return len(token_positions_under(offsets, spans))
 
 
 def _inside(span: Span, spans: Sequence[Span]) -> bool:
@@ -946,7 +953,7 @@ def all_accept_ledger(records: Sequence[Mapping[str, Any]], budget: int, *, revi
 __all__ = ["CONDITIONS", "MASKED_CONDITIONS", "DECISIONS", "EXCEPTIONS", "LEDGER_COLUMNS", "FROZEN_FILE",
            "COHORT_SPLIT", "CohortLock", "load_cohort_lock", "teacher_answer_codes", "eligibility", "draw_cohort",
            "Edit", "Version", "Proposal", "read_proposals", "apply_edits", "words", "token_offsets", "prompt_positions",
-           "tokens_under",
+           "token_positions_under", "tokens_under",
            "CheckedCase", "version_sha256", "section_span", "discharge_span", "check_proposal", "check_proposals", "Decision",
            "reviewed_proposals", "read_ledger", "write_ledger", "frozen_record", "write_frozen", "verify_frozen",
            "condition_corpus", "accounting", "synthetic_flip_proposal", "synthetic_flip_proposals",

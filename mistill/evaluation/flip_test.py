@@ -37,8 +37,8 @@ import pandas as pd
 
 from mistill import stats
 from mistill.data.flips import CONDITIONS
+from mistill.data.inventory import category
 from mistill.evaluation.generation import DecodingConfig
-from mistill.evaluation.parsing import undotted
 from mistill.instrument.passes import stable_seed
 
 CONTROLS = ("irrelevant", "order")
@@ -53,10 +53,6 @@ CASE_READINGS = ("D", "s", "follow_original", "follow_flipped", "paired_success"
                  "D_category")
 """Per case, in this order (see the module docstring)."""
 
-CATEGORY_CHARS = 3
-"""The category of a code: its first three characters, undotted (ICD-10-CM's category)."""
-
-
 def sample_seed(decoding: DecodingConfig, case_id: str, sample: int) -> int:
     """The seed of sample ``sample`` of case ``case_id``: the same in every condition."""
     return stable_seed(decoding.seed, case_id, "flip-sample", sample) % (2 ** 31)
@@ -66,11 +62,6 @@ def flip_value(codes: Collection[str], a: str, b: str) -> int:
     """+1 if ``codes`` holds ``a`` and not ``b``, -1 if ``b`` and not ``a``, else 0."""
     has_a, has_b = a in codes, b in codes
     return int(has_a and not has_b) - int(has_b and not has_a)
-
-
-def category(code: str) -> str:
-    """The three-character category of ``code`` (``N18.9`` -> ``N18``)."""
-    return undotted(code)[:CATEGORY_CHARS]
 
 
 def category_value(codes: Collection[str], a: str, b: str) -> int:
@@ -147,5 +138,4 @@ def checkpoint_readings(cases: pd.DataFrame, *, n_resamples: int = stats.N_BOOTS
     return out
 
 
-__all__ = ["CONTROLS", "SAMPLE_COLUMNS", "CASE_READINGS", "CATEGORY_CHARS", "sample_seed", "flip_value", "category",
-           "category_value", "sample_row", "case_readings", "checkpoint_readings"]
+__all__ = ["CONTROLS", "SAMPLE_COLUMNS", "CASE_READINGS", "sample_seed", "flip_value", "category_value", "sample_row", "case_readings", "checkpoint_readings"]

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
@@ -58,20 +58,25 @@ class DecodeKeyMask:
 
     heads: Mapping[int, tuple[int, ...]]
     positions: tuple[tuple[int, ...], ...]
+    _built: dict = field(default_factory=dict, compare=False, repr=False)
 
     def blocked(self, layer: int, n_heads: int, length: int, device: torch.device) -> torch.Tensor | None:
         """``[B, H, S]`` True where layer ``layer``'s head may not read the key (None: no head of
-        the layer is masked, or no row has a position)."""
+        the layer is masked, or no row has a position). Built once per layer, cache length and
+        device: a static cache's decode steps share it."""
         heads = self.heads.get(int(layer), ())
         if not heads or not any(self.positions):
             return None
-        rows = torch.zeros((len(self.positions), length), dtype=torch.bool)
-        for b, pos in enumerate(self.positions):
-            if pos:
-                rows[b, list(pos)] = True
-        out = torch.zeros((len(self.positions), n_heads, length), dtype=torch.bool)
-        out[:, list(heads)] = rows[:, None]
-        return out.to(device)
+        key = (int(layer), int(n_heads), int(length), str(device))
+        if key not in self._built:
+            rows = torch.zeros((len(self.positions), length), dtype=torch.bool)
+            for b, pos in enumerate(self.positions):
+                if pos:
+                    rows[b, list(pos)] = True
+            out = torch.zeros((len(self.positions), n_heads, length), dtype=torch.bool)
+            out[:, list(heads)] = rows[:, None]
+            self._built[key] = out.to(device)
+        return self._built[key]
 
 
 _ACTIVE: list[DecodeKeyMask] = []

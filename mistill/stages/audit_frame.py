@@ -82,30 +82,29 @@ def run_audit_frame(cfg: AuditFrameConfig) -> str:
     with open_stage(STAGE, cfg, ev.prepared, inputs=inputs) as run:
         if run.reused:
             return run.run_id
+        aligner_notes = [{n.note_id for n in a.notes} for a in aligners]
         rows, traces, spans = [], {}, {}
         for note in ev.notes:
-            realized = [r.event.to_dict() for r in read_realized(ev.reader, note.note_id)]
-            ids = [{r.event.event_id for r in read_realized(a.reader, note.note_id)} for a in aligners
-                   if note.note_id in {n.note_id for n in a.notes}]
-            aligned = set.intersection(*ids) if aligners and len(ids) == len(aligners) else \
-                ({e["event_id"] for e in realized} if not aligners else set())
+            realized = [r.event for r in read_realized(ev.reader, note.note_id)]
+            aligned = {e.event_id for e in realized}  # without students: every event
+            for a, noted in zip(aligners, aligner_notes, strict=True):
+                aligned &= {r.event.event_id for r in read_realized(a.reader, note.note_id)} \
+                    if note.note_id in noted else set()
             answer = parse_answer(note.teacher_trace or "", codes)
             in_answer = set(answer.codes) if answer.valid else set()
-            rows += frame_rows(realized, aligned, set(note.gold_codes), in_answer)
+            rows += frame_rows([e.to_dict() for e in realized], aligned, set(note.gold_codes), in_answer)
             traces[note.note_id] = note.teacher_trace or ""
-            for r in read_realized(ev.reader, note.note_id):
-                e = r.event
-                if e.kind == "P2C" and e.N:
-                    spans[(note.note_id, e.event_id)] = (tuple(e.N[-1]), (e.anchor, e.anchor + 1))
+            spans.update({(note.note_id, e.event_id): (tuple(e.N[-1]), (e.anchor, e.anchor + 1))
+                          for e in realized if e.kind == "P2C" and e.N})
         frame = pd.DataFrame(rows, columns=list(FRAME_COLUMNS))
         if frame.empty:
             raise MistillInputError(f"events run {cfg.events_run} has no realized P2C event to audit",
                                     field="events_run")
         drawn = draw(frame, cfg.n, cfg.seed)
-        order = {(r["note_id"], r["event_id"]): int(r["sheet_order"]) for _, r in drawn.iterrows()}
-        frame["drawn"] = [(n, e) in order for n, e in zip(frame["note_id"], frame["event_id"], strict=True)]
-        frame["sheet_order"] = [order.get((n, e), 0) for n, e in zip(frame["note_id"], frame["event_id"],
-                                                                   strict=True)]
+        frame = frame.merge(drawn[["note_id", "event_id", "sheet_order"]], on=["note_id", "event_id"], how="left")
+        frame["drawn"] = frame["sheet_order"].notna()
+        frame["sheet_order"] = frame["sheet_order"].fillna(0).astype(int)
+        frame = frame[[*FRAME_COLUMNS, "drawn", "sheet_order"]]
         sheet = sheet_rows(drawn, traces, spans, cfg.context_chars)
         path = run.enclave_dir / SHEET_FILE
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -36,38 +36,38 @@ not staged yet.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from mistill.config import Config
+from mistill.data.corpus import Note
 from mistill.data.flips import CONDITIONS, prompt_positions
+from mistill.data.prompts import Prompt
 from mistill.errors import MistillInputError
 from mistill.evaluation.backends import KeyMaskedHFBackend, resolve_backend
-from mistill.evaluation.flip_test import (SAMPLE_COLUMNS, case_readings, category, checkpoint_readings, sample_row,
-                                          sample_seed)
+from mistill.data.inventory import category
+from mistill.evaluation.flip_test import SAMPLE_COLUMNS, case_readings, checkpoint_readings, sample_row, sample_seed
 from mistill.evaluation.parsing import CodeIndex, parse_answer
 from mistill.evaluation.sampling import SampleRequest, sample_notes
+from mistill.instrument.passes import PHASES
 from mistill.params import DecodingParams
 from mistill.stages.characterize import ranks_from_head_sets
 from mistill.stages.common import (Prepared, RunReader, link_subject, load_model, load_prepared, load_tokenizer,
                                    make_backend, readout_subject)
 from mistill.stages.flip_cohort import TAG_CONDITION_RUN
+from mistill.stages.own_heads import TAG_RANK_ATTRIBUTE
 from mistill.stages.runner import open_stage, progress_label, stage_device
 from mistill.tracking.naming import TAG_BACKEND, TAG_CORPUS
-from mistill.validation import (check_arm, check_choice, check_device, check_dtype, check_model_spec, check_names,
-                                check_no_text_fields, check_positive, check_run_id, check_seed, fail)
+from mistill.validation import (HEAD_NAME, check_arm, check_choice, check_device, check_dtype, check_model_spec,
+                                check_no_text_fields, check_pattern, check_positive, check_run_id, check_seed, fail)
 
 STAGE = "flip_test"
 MASKS = ("", "target", "sham")
-PHASES = ("P1", "P2", "P2C")
 SAMPLES = "samples"
 """The enclave folder of the staged generations."""
 METRIC_PREFIX = "flip/"
-TAG_RANK_ATTRIBUTE = "mistill.rank_attribute"
-"""An ``own_heads`` run's tag naming the attribute run of its ranking."""
 
 
 @dataclass(frozen=True)
@@ -112,9 +112,8 @@ class FlipTestConfig(Config, DecodingParams):
         check_run_id(self.mask_heads_run, "mask_heads_run")
         check_choice(self.mask_phase, PHASES, "mask_phase")
         check_positive(self.mask_k, "mask_k")
-        check_names(self.mask_heads, "mask_heads", "a head (L<layer>H<head>)")
-        if not all(re.fullmatch(r"L\d+H\d+", h) for h in self.mask_heads):
-            fail("mask_heads names heads as L<layer>H<head>", "mask_heads")
+        for head in self.mask_heads:
+            check_pattern(head, HEAD_NAME, "mask_heads", "a head name like L30H11")
         if self.mask and bool(self.mask_heads) == bool(self.mask_heads_run):
             fail("a key mask needs its heads: give mask_heads or mask_heads_run (one of them)", "mask_heads")
         if not self.mask and (self.mask_heads or self.mask_heads_run):
@@ -175,16 +174,17 @@ def nominated_heads(cfg: FlipTestConfig, names: list[str]) -> list[int]:
     return ranks[cfg.mask_phase][:cfg.mask_k]
 
 
-def _key_masks(conditions: dict[str, Prepared], tokenizer, mask: str) -> dict[str, list[int]]:
+def _prompts(conditions: dict[str, Prepared], tokenizer) -> list[tuple[str, Note, Prompt]]:
+    """Every condition's notes with their prompts, condition by condition."""
+    return [(cond, note, prepared.prompt(note, tokenizer)) for cond, prepared in conditions.items()
+            for note in prepared.corpus.notes]
+
+
+def _key_masks(prompts: list[tuple[str, Note, Prompt]], tokenizer, mask: str) -> dict[str, list[int]]:
     """Each condition prompt's masked token positions (the case's ``<mask>_mask`` spans of that
     condition's note), by prompt text."""
-    out = {}
-    for prepared in conditions.values():
-        for note in prepared.corpus.notes:
-            prompt = prepared.prompt(note, tokenizer)
-            spans = [tuple(s) for s in note.meta[f"{mask}_mask"]]
-            out[prompt.text] = prompt_positions(prompt, note, spans, tokenizer)
-    return out
+    return {prompt.text: prompt_positions(prompt, note, [tuple(s) for s in note.meta[f"{mask}_mask"]], tokenizer)
+            for _, note, prompt in prompts}
 
 
 def run_flip_test(cfg: FlipTestConfig) -> str:
@@ -203,24 +203,23 @@ def run_flip_test(cfg: FlipTestConfig) -> str:
             return run.run_id
         link_subject(run, subject)
         tokenizer = load_tokenizer(subject.spec)
+        prompts = _prompts(conditions, tokenizer)
         requests, keys = [], []
-        for cond, prepared in conditions.items():
-            for note in prepared.corpus.notes:
-                prompt = prepared.prompt(note, tokenizer).text
-                case = note.meta["flip_case"]
-                for k in range(cfg.samples):
-                    seed = sample_seed(decoding, case, k)
-                    requests.append(SampleRequest(f"{note.note_id}.{cond}.{k}", prompt, seed))
-                    keys.append((case, cond, k, seed, note.meta["target_code"], note.meta["partner_code"]))
+        for cond, note, prompt in prompts:
+            case = note.meta["flip_case"]
+            for k in range(cfg.samples):
+                seed = sample_seed(decoding, case, k)
+                requests.append(SampleRequest(f"{note.note_id}.{cond}.{k}", prompt.text, seed))
+                keys.append((case, cond, k, seed, note.meta["target_code"], note.meta["partner_code"]))
         if cfg.mask:
             lm = load_model(subject.spec, dtype=cfg.dtype, device=device)
             names = lm.geometry.head_names()
             heads = nominated_heads(cfg, names)
-            masks = _key_masks(conditions, tokenizer, cfg.mask)
+            masks = _key_masks(prompts, tokenizer, cfg.mask)
             run.log_json("key_mask.json", {
                 "mask": cfg.mask, "heads": [names[h] for h in heads],
-                "masked_tokens": {f"{note.meta['flip_case']}.{cond}": len(masks[prepared.prompt(note, tokenizer).text])
-                                  for cond, prepared in conditions.items() for note in prepared.corpus.notes}})
+                "masked_tokens": {f"{note.meta['flip_case']}.{cond}": len(masks[prompt.text])
+                                  for cond, note, prompt in prompts}})
 
             def open_backend():
                 return KeyMaskedHFBackend(lm, decoding, heads, masks)
