@@ -71,14 +71,13 @@ def flip_runs(runs: pd.DataFrame) -> pd.DataFrame:
     return query.latest_runs(runs, FLIP_RUN_KEY)
 
 
-def latest_flip_runs(runs: pd.DataFrame) -> pd.DataFrame:
-    """The behavioural half's runs (Table 54) among :func:`flip_runs`."""
-    runs = flip_runs(runs)
+def behaviour_runs(runs: pd.DataFrame) -> pd.DataFrame:
+    """The behavioural half's runs (Table 54) among :func:`flip_runs`' result."""
     return runs if runs.empty else runs[runs["kind"] == BEHAVIOUR].reset_index(drop=True)
 
 
 def flip_behaviour_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """Table 54's checkpoint rows (:data:`BEHAVIOUR_COLUMNS`) from :func:`latest_flip_runs`."""
+    """Table 54's checkpoint rows (:data:`BEHAVIOUR_COLUMNS`) from :func:`behaviour_runs`."""
     rows = []
     for _, run in runs.iterrows():
         rec = {"run_id": run["run_id"], "cohort_run": run["params.cohort_run"],
@@ -89,23 +88,39 @@ def flip_behaviour_table(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame.from_records(rows, columns=list(BEHAVIOUR_COLUMNS))
 
 
-def _case_d(cases: pd.DataFrame, run_id: str) -> dict[Hashable, float]:
+def _per_case(cases: pd.DataFrame, run_id: str) -> pd.Series:
+    """One run's ``D`` per case (index: case ids as strings)."""
     part = cases[cases["run_id"] == run_id]
-    return {str(c): float(d) for c, d in zip(part["case_id"], part["D"], strict=True)}
+    return pd.Series(part["D"].to_numpy(dtype=float), index=part["case_id"].astype(str).to_numpy())
+
+
+def _text(value) -> str:
+    """A cell as :func:`_rows` compares it: missing (None, NaN, NA) as ``""``, else its string."""
+    return "" if value is None or (not isinstance(value, str) and pd.isna(value)) else str(value)
+
+
+def _rows(group: pd.DataFrame, **match) -> pd.DataFrame:
+    """The runs of ``group`` whose columns hold the values ``match`` names, compared as strings
+    (a missing value as ``""``: a run without a precision matches ``precision=""``)."""
+    keep = pd.Series(True, index=group.index)
+    for column, value in match.items():
+        keep &= group[column].map(_text) == _text(value)
+    return group[keep]
 
 
 def flip_contrasts_table(runs: pd.DataFrame, cases: pd.DataFrame, *, n_resamples: int = stats.N_BOOTSTRAP,
                          seed: int = 0, contrasts: Sequence = FLIP_CONTRASTS) -> pd.DataFrame:
     """The locked contrasts (:data:`CONTRAST_COLUMNS`) per cohort with runs on both sides.
 
-    runs: :func:`latest_flip_runs`; cases: their ``flip_cases`` tables stacked (``run_id``,
+    runs: :func:`behaviour_runs`; cases: their ``flip_cases`` tables stacked (``run_id``,
     ``case_id``, ``D``)."""
     rows = []
     for cohort, group in runs.groupby("params.cohort_run", sort=True):
         for name, (arm, precision), (ref, ref_precision) in contrasts:
             def side(a: str, p: str) -> dict[int, dict[Hashable, float]]:
-                sel = group[(group["arm"] == a) & (group["precision"].fillna("") == p) & group["seed"].notna()]
-                return {int(r["seed"]): _case_d(cases, r["run_id"]) for _, r in sel.iterrows()}
+                sel = _rows(group, arm=a, precision=p)
+                return {int(r["seed"]): _per_case(cases, r["run_id"]).to_dict()
+                        for _, r in sel[sel["seed"].notna()].iterrows()}
 
             mine, theirs = side(arm, precision), side(ref, ref_precision)
             if not mine or not theirs:
@@ -134,22 +149,14 @@ FLIP_INTERACTION: tuple[tuple[str, str], tuple[str, str]] = (("mistill", "bf16")
 Vanilla CoT-KD students, each on its own top-40."""
 
 
-def _per_case(cases: pd.DataFrame, run_id: str) -> pd.Series:
-    part = cases[cases["run_id"] == run_id]
-    return pd.Series(part["D"].to_numpy(dtype=float), index=part["case_id"].astype(str).to_numpy())
-
-
 def _tests(diff: pd.Series, n_resamples: int, seed: int) -> stats.PairedDifference:
     return stats.difference_tests(diff.dropna().to_numpy(dtype=float), n_resamples=n_resamples, seed=seed)
 
 
 def _same(group: pd.DataFrame, run: pd.Series, kind: str, mask: str = "", heads: str = "") -> pd.DataFrame:
-    sel = group[(group["model"] == run["model"]) & (group["arm"] == run["arm"])
-                & (group["precision"].fillna("") == (run["precision"] or "")) & (group["seed"].astype(str) == str(run["seed"]))
-                & (group["kind"] == kind)]
-    if mask:
-        sel = sel[(sel["mask"] == mask) & (sel["heads"] == heads)]
-    return sel
+    """``run``'s checkpoint's runs of ``kind`` (and, with ``mask``, of that mask on ``heads``)."""
+    masked = {"mask": mask, "heads": heads} if mask else {}
+    return _rows(group, **{c: run[c] for c in query.RUN_KEY}, kind=kind, **masked)
 
 
 def flip_causal_table(runs: pd.DataFrame, cases: pd.DataFrame, *, n_resamples: int = stats.N_BOOTSTRAP,
@@ -190,13 +197,9 @@ def flip_interaction_table(runs: pd.DataFrame, cases: pd.DataFrame, *, n_resampl
     (arm_m, prec_m), (arm_v, prec_v) = FLIP_INTERACTION
     for cohort, group in runs.groupby("params.cohort_run", sort=True):
         masked = group[group["kind"] == MASKED]
-
-        def seed0(arm: str, precision: str, mask: str, heads: str) -> pd.DataFrame:
-            return masked[(masked["arm"] == arm) & (masked["precision"].fillna("") == precision)
-                          & (masked["seed"].astype(str) == "0") & (masked["mask"] == mask) & (masked["heads"] == heads)]
-
         for heads in sorted(set(masked["heads"])):
-            sides = [seed0(a, p, m, heads) for a, p in FLIP_INTERACTION for m in ("sham", "target")]
+            sides = [_rows(masked, arm=a, precision=p, seed=0, mask=m, heads=heads)
+                     for a, p in FLIP_INTERACTION for m in ("sham", "target")]
             if any(s.empty for s in sides):
                 continue
             (ms, mt, vs, vt) = (_per_case(cases, s.iloc[0]["run_id"]) for s in sides)
@@ -220,5 +223,5 @@ def flip_interaction_table(runs: pd.DataFrame, cases: pd.DataFrame, *, n_resampl
 
 __all__ = ["FLIP_PARAMS", "FLIP_RUN_KEY", "FLIP_CONTRASTS", "FLIP_INTERACTION", "BEHAVIOUR", "CLEAN_HF", "MASKED",
            "BEHAVIOUR_COLUMNS", "CONTRAST_COLUMNS", "CAUSAL_COLUMNS", "INTERACTION_COLUMNS", "flip_runs",
-           "latest_flip_runs", "flip_behaviour_table", "flip_contrasts_table", "flip_causal_table",
+           "behaviour_runs", "flip_behaviour_table", "flip_contrasts_table", "flip_causal_table",
            "flip_interaction_table"]

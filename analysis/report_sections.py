@@ -467,8 +467,14 @@ def _fmt(v: Any) -> str:
 def flip_test_section(rep: Report, all_runs: pd.DataFrame, n_resamples: int, seed: int) -> None:
     """Table 54 (App. N.3, R-D33): every checkpoint's behavioural readings on the evidence-flip
     cohort, and the locked seed-pair contrasts in ``D``; Table 55 (App. N.4, R-D34): the key
-    masks' effects and the training-benefit interaction (:mod:`analysis.flip_tables`)."""
-    runs = flip_tables.latest_flip_runs(all_runs)
+    masks' effects and the training-benefit interaction (:mod:`analysis.flip_tables`). Each
+    run's ``flip_cases`` table is read once for all four tables."""
+    every = flip_tables.flip_runs(all_runs)
+    runs = flip_tables.behaviour_runs(every)
+    cases = pd.DataFrame()
+    if not every.empty:
+        cases = _load(rep, every, "flip_cases.csv", ["case_id", "D"], ("run_id",))
+        cases["case_id"] = cases["case_id"].astype(str)
     name, title = "table54_flip_behaviour", "Table 54: the evidence-flip test, behavioural half"
     caption = ("Per checkpoint on the frozen cohort (four conditions, N answers each, sample k seeded alike in "
                "every condition): D = (mean v original - mean v flipped) / 2 with its case-clustered 95% interval, "
@@ -494,11 +500,8 @@ def flip_test_section(rep: Report, all_runs: pd.DataFrame, n_resamples: int, see
                "case the seed-matched differences in D averaged over the seed pairs; mean with a case-clustered "
                "95% bootstrap interval, median, cases higher / lower / tied with the exact sign test, and each seed "
                "pair's mean difference. App. N.1's pre-registered minimum effect is 0.10 in D.")
-    contrasts = pd.DataFrame()
-    if not runs.empty:
-        cases = _load(rep, runs, "flip_cases.csv", ["case_id", "D"], ("run_id",))
-        cases["case_id"] = cases["case_id"].astype(str)
-        contrasts = flip_tables.flip_contrasts_table(runs, cases, n_resamples=n_resamples, seed=seed)
+    contrasts = flip_tables.flip_contrasts_table(runs, cases, n_resamples=n_resamples, seed=seed) \
+        if not runs.empty else pd.DataFrame()
     shown = pd.DataFrame.from_records([{
         "contrast": r["contrast"], "arm - reference": f"{r['arm']} - {r['reference']}", "seed pairs": r["seed_pairs"],
         "cases": r["n_cases"], "mean": tables.fmt_ci(r["mean_diff"], r["ci_low"], r["ci_high"]),
@@ -507,16 +510,15 @@ def flip_test_section(rep: Report, all_runs: pd.DataFrame, n_resamples: int, see
         for _, r in contrasts.iterrows()])
     _listed(rep, name, title, caption, contrasts, shown,
             "no cohort with flip_test runs of both arms of a locked contrast", columns=flip_tables.CONTRAST_COLUMNS)
-    _flip_causal(rep, flip_tables.flip_runs(all_runs), n_resamples, seed)
+    _flip_causal(rep, every, cases, n_resamples, seed)
 
 
-def _flip_causal(rep: Report, runs: pd.DataFrame, n_resamples: int, seed: int) -> None:
-    """Table 55's two parts from the clean HF and masked flip_test runs."""
+def _flip_causal(rep: Report, runs: pd.DataFrame, cases: pd.DataFrame, n_resamples: int, seed: int) -> None:
+    """Table 55's two parts from the clean HF and masked flip_test runs (``runs``: every
+    classified flip_test run; ``cases``: their ``flip_cases`` tables)."""
     causal, interaction = pd.DataFrame(), pd.DataFrame()
     hf = runs[runs["kind"] != flip_tables.BEHAVIOUR] if not runs.empty else runs
     if not hf.empty:
-        cases = _load(rep, runs, "flip_cases.csv", ["case_id", "D"], ("run_id",))
-        cases["case_id"] = cases["case_id"].astype(str)
         causal = flip_tables.flip_causal_table(runs, cases, n_resamples=n_resamples, seed=seed)
         interaction = flip_tables.flip_interaction_table(runs, cases, n_resamples=n_resamples, seed=seed)
     name, title = "table55_flip_causal", "Table 55: the evidence-flip test, causal half"
