@@ -61,8 +61,9 @@ DATA_DIR_NAME = "data"
 CORPUS_FILE = "corpus.jsonl"
 INVENTORY_FILE = "inventory.json"
 CORPUS_META_FILE = "corpus_meta.json"
-_CONDITION_RUN_TAG = "mistill.flip_cohort.run."
-"""A ``flip_cohort`` run's tags naming its condition runs (the prepared corpora it wrote)."""
+TAG_CONDITION_RUN = "mistill.flip_cohort.run."
+"""Prefix of a ``flip_cohort`` run's tags naming its condition runs (the prepared corpora it wrote):
+``mistill.flip_cohort.run.flipped``."""
 _RECORD_KEYS = ("name", "privacy", "digest", "inventory_digest", "inventory_sha256", "run_id", "identity",
                 "identity_digest")
 
@@ -179,7 +180,7 @@ def load_prepared(run_id: str) -> Prepared:
                                 f"({exc.__class__.__name__})", field="prepare_run") from None
     tagged = run.data.tags.get(TAG_DATA_DIR)
     data_dir = Path(tagged) if tagged else None
-    conditions = {k.rsplit(".", 1)[-1]: v for k, v in run.data.tags.items() if k.startswith(_CONDITION_RUN_TAG)}
+    conditions = {k.rsplit(".", 1)[-1]: v for k, v in run.data.tags.items() if k.startswith(TAG_CONDITION_RUN)}
     if data_dir is None and conditions:
         shown = ", ".join(f"{k} {v}" for k, v in sorted(conditions.items()))
         raise MistillInputError(f"run {run_id} is an evidence-flip cohort; its corpora are the runs of its "

@@ -54,9 +54,9 @@ from mistill.data.flips import (CONDITIONS, FROZEN_FILE, CheckedCase, CohortLock
 from mistill.errors import MistillInputError
 from mistill.io import environment_variable, mistill_root, sha256_file
 from mistill.models.loading import EMBEDDED_DEFAULT
-from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE, TAG_DATA_DIR, TAG_DATA_IDENTITY,
-                                   Prepared, corpus_index, load_prepared, load_tokenizer, prepared_data_dir,
-                                   privacy_guard, save_prepared, shown_patient_ids)
+from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE, TAG_CONDITION_RUN, TAG_DATA_DIR,
+                                   TAG_DATA_IDENTITY, Prepared, corpus_index, load_prepared, load_tokenizer,
+                                   prepared_data_dir, privacy_guard, save_prepared, shown_patient_ids)
 from mistill.stages.runner import open_stage
 from mistill.tracking.identity import repo_file
 from mistill.tracking.naming import TAG_CORPUS_DIGEST
@@ -70,8 +70,6 @@ TAG_LOCK_SHA = "mistill.flip_cohort.lock_sha256"
 TAG_FROZEN_SHA = "mistill.flip_cohort.frozen_sha256"
 TAG_PHASE = "mistill.flip_cohort.phase"
 TAG_CONDITION = "mistill.flip_cohort.condition"
-TAG_CONDITION_RUN = "mistill.flip_cohort.run."
-"""Prefix of the cohort run's tags naming each condition's run: ``mistill.flip_cohort.run.flipped``."""
 TAG_SOURCE_PREPARE = "mistill.flip_cohort.source_prepare_run"
 ACCOUNTING_FILE = "cohort_accounting.json"
 PHASES = ("draw", "proposals", "cohort")
@@ -363,4 +361,4 @@ def _save_condition(child: StageRun, corpus: Corpus, prepared: Prepared, conditi
 
 
 __all__ = ["FlipCohortConfig", "FlipConditionConfig", "run_flip_cohort", "PHASES", "TAG_CONDITION",
-           "TAG_CONDITION_RUN", "TAG_LOCK_SHA", "TAG_FROZEN_SHA", "ACCOUNTING_FILE"]
+           "TAG_LOCK_SHA", "TAG_FROZEN_SHA", "ACCOUNTING_FILE"]

@@ -54,9 +54,8 @@ from mistill.evaluation.sampling import SampleRequest, sample_notes
 from mistill.instrument.passes import PHASES
 from mistill.params import DecodingParams
 from mistill.stages.characterize import ranks_from_head_sets
-from mistill.stages.common import (Prepared, RunReader, link_subject, load_model, load_prepared, load_tokenizer,
-                                   make_backend, readout_subject)
-from mistill.stages.flip_cohort import TAG_CONDITION_RUN
+from mistill.stages.common import (TAG_CONDITION_RUN, Prepared, RunReader, link_subject, load_model, load_prepared,
+                                   load_tokenizer, make_backend, readout_subject)
 from mistill.stages.own_heads import TAG_RANK_ATTRIBUTE
 from mistill.stages.runner import open_stage, progress_label, stage_device
 from mistill.tracking.naming import TAG_BACKEND, TAG_CORPUS
