@@ -1,4 +1,5 @@
-"""Device benchmark of sampling through the platform's backends: vLLM and the batched HF path.
+"""Device benchmark of sampling through the platform's backends: vLLM, the batched HF path, and
+the HF path under the evidence-flip test's decode-regime key mask.
 
 The runbook costs every ``generate`` and ``evaluate`` step (and the on-policy rollouts) as notes
 x seconds per note, read from these figures. Each run gives ``batch`` prompts of ``--prompt``
@@ -14,6 +15,12 @@ Qwen3-14B, SmolLM3-3B from transformers' defaults), saved once to ``--model-root
 a directory) with a tokenizer padded by placeholder tokens to the model's vocabulary; the
 prompts are strings of placeholder tokens, so each tokenizes to exactly ``--prompt`` ids.
 
+``--engine hf_masked`` times the causal half of the evidence-flip test (App. N.4) as ``flip_test``
+runs it (:class:`~mistill.evaluation.backends.KeyMaskedHFBackend`: the prompt prefilled clean,
+then every decode step through the grouped attention with ``--mask-heads`` heads kept from
+``--mask-span`` prompt positions, not compiled). The heads are a seeded draw over every layer
+(the plan's top-40 sets spread across layers too); the span sits at the middle of each prompt.
+
 Records, per run ``b<batch>.n<new>``: ``wall_s``, ``tokens`` (generated), ``per_token_s``
 (wall over tokens: the aggregate rate, prefills included); per engine ``engine_start_s`` and
 ``used_gib`` (device memory in use after the runs, every process's: vLLM reserves
@@ -22,7 +29,9 @@ Records, per run ``b<batch>.n<new>``: ``wall_s``, ``tokens`` (generated), ``per_
 Usage (on the GPU machine, vLLM's CUDA build installed):
     python3 benchmarks/bench_sampling.py --engine vllm --model qwen3-4b --prompt 36000 \\
         --runs 1x256 16x256 16x6000 1x6000 --tokenizer carry/smollm2-tokenizer --out raw.json
-    python3 benchmarks/bench_sampling.py --smoke      # a tiny model on the CPU, the HF path, seconds
+    python3 benchmarks/bench_sampling.py --engine hf_batched,hf_masked --model qwen3-14b --prompt 30000 \\
+        --runs 8x32 8x256 --mask-heads 40 --mask-span 64 --tokenizer carry/smollm2-tokenizer --out raw.json
+    python3 benchmarks/bench_sampling.py --smoke      # a tiny model on the CPU, both HF paths, seconds
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_instrument import ARCHS  # noqa: E402
 
-from mistill.evaluation.backends import HFBackend, VLLMBackend  # noqa: E402
+from mistill.evaluation.backends import HFBackend, KeyMaskedHFBackend, VLLMBackend  # noqa: E402
 from mistill.evaluation.generation import DecodingConfig  # noqa: E402
 from mistill.models.geometry import head_geometry  # noqa: E402
 from mistill.models.loading import EMBEDDED_DEFAULT, LoadedModel, load_tokenizer  # noqa: E402
@@ -108,9 +117,23 @@ def used_gib() -> float:
     return (total - free) / 2 ** 30
 
 
-def open_backend(engine: str, path: Path, decoding: DecodingConfig, max_len: int, device: str):
+def masked_heads(n_layers: int, n_heads: int, k: int) -> list[int]:
+    """``k`` flat heads (``layer * n_heads + head``) drawn with a fixed seed over every layer."""
+    g = torch.Generator().manual_seed(0)
+    return sorted(int(h) for h in torch.randperm(n_layers * n_heads, generator=g)[:k])
+
+
+def span(prompt: int, width: int) -> tuple[int, ...]:
+    """The ``width`` prompt positions the key mask hides: the middle of a ``prompt``-token prompt."""
+    start = max(0, (prompt - width) // 2)
+    return tuple(range(start, min(prompt, start + width)))
+
+
+def open_backend(engine: str, path: Path, decoding: DecodingConfig, max_len: int, device: str,
+                 mask_heads: int = 0):
     """The stage's backend for the model at ``path``; vLLM at ``max_len`` positions, eager
-    without CUDA."""
+    without CUDA; ``hf_masked``: the key-masked HF backend over ``mask_heads`` drawn heads (its
+    prompts' spans are set before each call)."""
     if engine == "vllm":
         return VLLMBackend(str(path), decoding, dtype="bfloat16",
                            engine_overrides={"max_model_len": max_len, "gpu_memory_utilization": 0.9,
@@ -122,7 +145,11 @@ def open_backend(engine: str, path: Path, decoding: DecodingConfig, max_len: int
     tokenizer = load_tokenizer(str(path))
     tokenizer.eos_token = None  # a random model's draw of the end-of-text id must not end a timed row
     lm = LoadedModel(model=model, tokenizer=tokenizer, geometry=head_geometry(model), spec=str(path))
-    backend = HFBackend(lm, decoding)
+    if engine == "hf_masked":
+        heads = masked_heads(lm.geometry.n_layers, lm.geometry.n_heads, mask_heads)
+        backend = KeyMaskedHFBackend(lm, decoding, heads, {})
+    else:
+        backend = HFBackend(lm, decoding)
     backend.engine_start_s = time.perf_counter() - start
     return backend
 
@@ -144,21 +171,30 @@ def measure(backend, texts: list[str], seeds: list[int], engine: str) -> tuple[f
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engine", choices=("vllm", "hf_batched"), default="vllm")
+    ap.add_argument("--engine", default="vllm",
+                    help="vllm, hf_batched or hf_masked; several comma-separated run one after another on one "
+                         "saved model")
     ap.add_argument("--model", default="qwen3-4b", choices=(*sorted(ARCHS), "smollm3-3b"))
     ap.add_argument("--prompt", type=int, default=36000, help="prompt tokens")
     ap.add_argument("--runs", nargs="+", default=["1x256", "16x256", "16x6000", "1x6000"],
                     help="<batch>x<new tokens>, timed in this order")
     ap.add_argument("--tokenizer", default="carry/smollm2-tokenizer", help="a tokenizer directory or 'embedded'")
     ap.add_argument("--model-root", default="/root/bench-models")
+    ap.add_argument("--mask-heads", type=int, default=40, help="hf_masked: heads under the key mask")
+    ap.add_argument("--mask-span", type=int, default=64, help="hf_masked: prompt positions they may not read")
     ap.add_argument("--out", default="bench_sampling.json")
-    ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU through the HF path: seconds")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny model on the CPU through both HF paths (batched, then key-masked): seconds")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
+    engines = args.engine.split(",")
+    unknown = sorted(set(engines) - {"vllm", "hf_batched", "hf_masked"})
+    if unknown:
+        ap.error(f"unknown engine {', '.join(unknown)}")
     if args.smoke:
-        args.engine, args.model, args.prompt, args.runs, args.tokenizer = "hf_batched", "smoke", 24, ["1x4", "3x4"], \
-            "embedded"
-
+        engines, args.model, args.prompt, args.runs, args.tokenizer = ["hf_batched", "hf_masked"], "smoke", 24, \
+            ["1x4", "3x4"], "embedded"
+        args.mask_heads, args.mask_span = 3, 6
         args.model_root = tempfile.mkdtemp(prefix="bench-sampling-")
     runs = [tuple(int(x) for x in r.split("x")) for r in args.runs]
     max_new = max(n for _, n in runs)
@@ -167,10 +203,11 @@ def main() -> None:
     tokenizer = load_tokenizer(str(path))
     base = len(load_tokenizer(EMBEDDED_DEFAULT) if args.tokenizer == "embedded" else load_tokenizer(args.tokenizer))
     vocab = len(tokenizer)
-    prefix = f"{args.engine}.{args.model}.p{args.prompt}"
     res: dict = {"card": torch.cuda.get_device_name(0) if device == "cuda" else "cpu-smoke", "torch": torch.__version__,
-                 "engine": args.engine, "model": args.model}
-    if args.engine == "vllm":
+                 "engine": ",".join(engines), "model": args.model}
+    if "hf_masked" in engines:
+        res["mask_heads"], res["mask_span"] = args.mask_heads, args.mask_span
+    if "vllm" in engines:
         import vllm  # deferred: vLLM is optional
 
         res["vllm"] = vllm.__version__
@@ -180,21 +217,26 @@ def main() -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=2))
 
-    with open_backend(args.engine, path, DecodingConfig(max_new_tokens=max_new), max_len, device) as backend:
-        res[f"{prefix}.engine_start_s"] = backend.engine_start_s
-        print(f"{args.engine} {args.model}: engine up in {backend.engine_start_s:.1f} s", flush=True)
-        for i, (batch, new) in enumerate(runs):
-            backend.decoding = DecodingConfig(max_new_tokens=new)
-            texts = prompts(tokenizer, batch, args.prompt, base, vocab, seed=1000 * i)
-            wall, tokens = measure(backend, texts, list(range(batch)), args.engine)
-            key = f"{prefix}.b{batch}.n{new}"
-            res[f"{key}.wall_s"], res[f"{key}.tokens"] = wall, tokens
-            res[f"{key}.per_token_s"] = wall / tokens
-            if device == "cuda":
-                res[f"{prefix}.used_gib"] = max(res.get(f"{prefix}.used_gib", 0.0), used_gib())
-            print(f"{key}: {wall:.2f} s, {tokens} tokens, {1000 * wall / tokens:.2f} ms/token", flush=True)
-            assert tokens == batch * new, f"{tokens} tokens generated, {batch * new} asked for"
-            save()
+    for engine in engines:
+        prefix = f"{engine}.{args.model}.p{args.prompt}"
+        with open_backend(engine, path, DecodingConfig(max_new_tokens=max_new), max_len, device,
+                          mask_heads=args.mask_heads) as backend:
+            res[f"{prefix}.engine_start_s"] = backend.engine_start_s
+            print(f"{engine} {args.model}: engine up in {backend.engine_start_s:.1f} s", flush=True)
+            for i, (batch, new) in enumerate(runs):
+                backend.decoding = DecodingConfig(max_new_tokens=new)
+                texts = prompts(tokenizer, batch, args.prompt, base, vocab, seed=1000 * i)
+                if engine == "hf_masked":
+                    backend.key_masks = {text: span(args.prompt, args.mask_span) for text in texts}
+                wall, tokens = measure(backend, texts, list(range(batch)), engine)
+                key = f"{prefix}.b{batch}.n{new}"
+                res[f"{key}.wall_s"], res[f"{key}.tokens"] = wall, tokens
+                res[f"{key}.per_token_s"] = wall / tokens
+                if device == "cuda":
+                    res[f"{prefix}.used_gib"] = max(res.get(f"{prefix}.used_gib", 0.0), used_gib())
+                print(f"{key}: {wall:.2f} s, {tokens} tokens, {1000 * wall / tokens:.2f} ms/token", flush=True)
+                assert tokens == batch * new, f"{tokens} tokens generated, {batch * new} asked for"
+                save()
     print(json.dumps(res, indent=2))
     save()
 

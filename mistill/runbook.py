@@ -14,6 +14,8 @@ rather than guess.
   vLLM preferred, then batched HF), per note, on a line through two measured new-token counts, at
   the shortest recorded prompt length at least the work's and the batch of least time per note;
   a model without its own such figures falls back to the HF backend at batch 1 (``generate.*``).
+  A step bound to one path (the evidence-flip test's HF runs, clean or under the decode key mask)
+  reads that path's figures only (``Workload.engine``).
 - On-policy training (:func:`rollout_estimate`): the measured step (with TRL's colocated vLLM
   rollouts where recorded, else through HF generation), plus the rest of the rollout at the same
   backend's time per generated token.
@@ -86,6 +88,9 @@ class Workload:
         ``tokens`` their words).
     predictions: notes the LAS simulator predicts for, each twice (with the rationale and from the
         note alone): ``evaluate``'s test notes, ``las_simulator``'s validation notes.
+    engine: the one sampling path a generation step runs on (``hf_batched``: the HF path, clean;
+        ``hf_masked``: the HF path under the decode-regime key mask); empty: whichever engine the
+        stage resolves, costed from :data:`SAMPLING_ENGINES` in order.
     """
 
     kind: str
@@ -99,6 +104,7 @@ class Workload:
     epochs: int = 0
     codes: int = 0
     predictions: int = 0
+    engine: str = ""
 
 
 @dataclass(frozen=True)
@@ -141,6 +147,15 @@ at batch 1 (``generate.<model>.p<prompt tokens>.{prefill_s,decode_per_token_s}``
 for a batched engine."""
 SAMPLING_ENGINES: tuple[str, ...] = ("vllm", "hf_batched")
 """The batched engines whose ``sampling.*`` figures cost generation, most preferred first."""
+PINNED_ENGINES: tuple[str, ...] = ("hf_batched", "hf_masked")
+"""The paths a step may be bound to (``Workload.engine``): the batched HF path, and the same path
+under the decode-regime key mask (uncompiled: ``benchmarks/bench_sampling.py --engine hf_masked``)."""
+ENGINE_BOUNDS: dict[str, tuple[str, str]] = {
+    "hf_batched": ("hf_masked", "the same HF path and batching, its decode steps compiled where the masked "
+                                "path's are not and without the mask's extra scores"),
+}
+"""A pinned path -> (a path at least as slow, why): where the pinned path has no usable figure for
+the work, the slower path's measured figure costs it, as an upper bound the formula names."""
 STAND_INS: dict[str, tuple[str, str]] = {
     "smollm3-3b": ("qwen3-4b", "SmolLM3-3B reads less per token than Qwen3-4B: 3.1B against 4.0B parameters, "
                                "4 key-value heads against 8 at the same 36 layers of 128-wide heads"),
@@ -275,17 +290,30 @@ def generation_estimate(work: Workload, figures: Figures) -> Estimate:
     ``(w1 + (w2 - w1) x (N - n1) / (n2 - n1)) / batch`` from the walls ``w1``, ``w2`` measured at the
     counts ``n1 < n2`` either side of the work's ``N`` (else the two nearest it); GPU-hours are notes
     x that / 3600. Without one, the HF backend at batch 1 (``generate.*`` figures), its formula
-    saying why each recorded engine was passed over; without that either, no estimate."""
+    saying why each recorded engine was passed over; without that either, no estimate. A step bound
+    to one path (``work.engine``) reads that engine's figures only, then those of the slower path
+    :data:`ENGINE_BOUNDS` names, then the HF batch-1 bound."""
+    if work.engine and work.engine not in PINNED_ENGINES:
+        raise ValueError(f"unknown sampling path {work.engine!r}: one of {', '.join(PINNED_ENGINES)}")
+    engines = (work.engine,) if work.engine else SAMPLING_ENGINES
     passed: list[str] = []
-    for engine in SAMPLING_ENGINES:
+    for engine in engines:
         found = _sampling_estimate(engine, work, figures)
         if isinstance(found, Estimate):
             return found
         if found:
             passed.append(found)
+        elif work.engine:  # the bound path has no figure at all: say so beside the fallback
+            passed.append(f"sampling.{engine}.{work.model}.* is not recorded")
+    if work.engine in ENGINE_BOUNDS:  # a slower path's figures: an upper bound, said so
+        slower, why = ENGINE_BOUNDS[work.engine]
+        found = _sampling_estimate(slower, work, figures)
+        if isinstance(found, Estimate):
+            return Estimate(found.gpu_hours, f"{found.formula}; {slower}'s figures stand for {work.engine}: an upper "
+                                             f"bound ({why}); {'; '.join(passed)}", found.keys)
     if work.model in STAND_INS:  # a larger model's batched figures: an upper bound, said so
         larger, why = STAND_INS[work.model]
-        for engine in SAMPLING_ENGINES:
+        for engine in engines:
             found = _sampling_estimate(engine, dataclasses.replace(work, model=larger), figures)
             if isinstance(found, Estimate):
                 return Estimate(found.gpu_hours, f"{found.formula}; {larger}'s figures stand for {work.model}: "
@@ -919,12 +947,25 @@ teacher beside them). The matched-selection RandHeads pick, descriptive there, i
 (its selection is not: see R-D31)."""
 
 
+FLIP_CAUSAL: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+    ("teacher", (("pair", "L30H11,L38H39"), ("top40", "DT-000/teacher_attribute:attribute"))),
+    ("mistill", (("top40", "DT-001/own_heads_{run}"),)),
+    ("vanilla-bf16", (("top40", "DT-000/own_heads_{run}"),)))
+"""The causal half's checkpoints and nominated head sets (App. N.4): the teacher's named pair and
+its own P2C top-40 (its characterization's ranking), and each bf16 seed-0 student's own top-40 (the
+ranking of its ``own_heads`` step); ``(label, heads)``: head names, else the step whose ranking is
+read (``{run}``: the student's run name). The named pair names Qwen3-14B heads, so a synthetic
+corpus skips its steps."""
+
+
 def _evidence_flip_tree(c: PaperCounts, release: Mapping[str, str], generation) -> list[PlanStep]:
     """EF, the evidence-flip test (App. N): a pool of release notes on their retrieved shortlist
     (the retriever's notes exclude the pool's patients), the teacher's screen traces, the cohort
     drawn disjoint from the distillation corpus's patients with the author's proposals and the
     reviewer's ledger (roles ``flip_proposals``, ``flip_ledger``; on a synthetic corpus the
-    platform's synthetic cases), then every locked checkpoint's behavioural half."""
+    platform's synthetic cases), then every locked checkpoint's behavioural half, and the causal
+    half (App. N.4, :data:`FLIP_CAUSAL`) on the HF path: each of its checkpoints clean, then under
+    the target and the sham key mask on each of its nominated head sets."""
     short, trace = c.shortlist_tokens, c.trace_tokens
     answers = c.flip_cases * c.flip_conditions * c.flip_samples
     steps = [
@@ -953,11 +994,37 @@ def _evidence_flip_tree(c: PaperCounts, release: Mapping[str, str], generation) 
             steps.append(_step("EF", f"flip_test_{run}", "flip_test",
                                Workload("generate", "qwen3-4b", answers, short - trace, trace),
                                inputs={**cohort, "train_run": f"{tree}/train_{run}"}))
+    trees = {arm: tree for arm, tree, _ in FLIP_CHECKPOINTS}
+    for checkpoint, head_sets in FLIP_CAUSAL:
+        if checkpoint == "teacher":
+            model, base = "qwen3-14b", {"inputs": cohort, "params": {"model": "{teacher}", "arm": "teacher"}}
+        else:
+            run = f"qwen3-4b_{checkpoint}_s0"
+            model, base = "qwen3-4b", {"inputs": {**cohort, "train_run": f"{trees[checkpoint]}/train_{run}"},
+                                       "params": {}}
+            checkpoint = run
+        steps.append(_step("EF", f"flip_test_{checkpoint}_hf", "flip_test",
+                           Workload("generate", model, answers, short - trace, trace, engine="hf_batched"),
+                           inputs=base["inputs"], params={**base["params"], "backend": "hf"}))
+        for label, heads in head_sets:
+            source = ({"mask_heads": heads} if heads.startswith("L") else
+                      {"mask_heads_run": heads.format(run=checkpoint), "mask_k": "40", "mask_phase": "P2C"})
+            for mask in ("target", "sham"):
+                inputs, params = dict(base["inputs"]), {**base["params"], "backend": "hf", "mask": mask}
+                if "mask_heads_run" in source:
+                    inputs["mask_heads_run"] = source["mask_heads_run"]
+                    params.update({k: v for k, v in source.items() if k != "mask_heads_run"})
+                else:
+                    params.update(source)
+                steps.append(_step("EF", f"flip_test_{checkpoint}_{mask}_{label}", "flip_test",
+                                   Workload("generate", model, answers, short - trace, trace, engine="hf_masked"),
+                                   inputs=inputs, params=params, skip_synthetic="mask_heads" in source))
     return steps
 
 
 RESULT_TREES: dict[str, tuple[str, ...]] = {"R-C7": ("HD-001", "HD-002"), "R-C14": ("instruction",),
-                                            "R-D20": ("HD-001",), "R-D33": ("EF",), "R-D35": ("EF",),
+                                            "R-D20": ("HD-001",), "R-D33": ("EF",), "R-D34": ("EF",),
+                                            "R-D35": ("EF",),
                                             "R-C9": ("DT-000", "DT-001")}
 """The trees a result reads where it is not its half's default (:func:`result_trees`)."""
 
@@ -967,7 +1034,7 @@ def result_trees(result_id: str) -> tuple[str, ...]:
     the full-inventory characterization, the distillation results (``R-D``) DT-000 and DT-001,
     except where :data:`RESULT_TREES` says otherwise (R-C7 compares HD-001 with the shortlist's
     HD-002; R-C14 is the instruction control; R-D20, the faithfulness of the objective's ``c``,
-    is read on the teacher's characterization; the evidence-flip results, R-D33 and R-D35, are tree
+    is read on the teacher's characterization; the evidence-flip results, R-D33 to R-D35, are tree
     EF's); the report serves every result."""
     default = ("HD-001",) if result_id.startswith("R-C") else ("DT-000", "DT-001")
     return (*RESULT_TREES.get(result_id, default), "report")

@@ -44,11 +44,13 @@ def _positive(res: dict, *keys: str) -> None:
 
 
 def _sampling(res: dict, out: Path) -> None:
-    for batch in (1, 3):
-        key = f"hf_batched.smoke.p24.b{batch}.n4"
-        assert res[f"{key}.tokens"] == batch * 4
-        _positive(res, f"{key}.wall_s")
-        assert res[f"{key}.per_token_s"] == res[f"{key}.wall_s"] / (batch * 4)
+    assert res["engine"] == "hf_batched,hf_masked" and res["mask_heads"] == 3
+    for engine in ("hf_batched", "hf_masked"):  # the batched path, then the evidence-flip key mask's
+        for batch in (1, 3):
+            key = f"{engine}.smoke.p24.b{batch}.n4"
+            assert res[f"{key}.tokens"] == batch * 4
+            _positive(res, f"{key}.wall_s")
+            assert res[f"{key}.per_token_s"] == res[f"{key}.wall_s"] / (batch * 4)
 
 
 def _evaluate(res: dict, out: Path) -> None:
