@@ -20,7 +20,7 @@ from analysis import flip_tables
 from analysis import matched_tables as matched
 from analysis import training_tables
 from analysis.audit import stratified_readouts
-from analysis.edit_tables import edit_pairs_table
+from analysis.edit_tables import TABLE_COLUMNS, edit_pairs_table
 from analysis.report_model import (DECISION, LAMBDA_CELLS, OWN_HEADS_PER_NOTE, PER_NOTE_METRICS, PER_NOTE_SETS,
                                    Report, ReportInputs, ReportTable, TableChoices, cell_train_runs)
 from mistill import stats
@@ -630,23 +630,29 @@ def _readside_patient_collapse(rep: Report, runs: pd.DataFrame) -> None:
             "; ".join(reasons) or ("no FINISHED read_side runs" if runs.empty else ""), columns=cols)
 
 
+EDIT_REFERENCES: tuple[str, ...] = ("vanilla-bf16", "vanilla-fp32")
+"""The Vanilla CoT-KD arms Table 22 sets every other arm against, per student model (besides the
+report's reference arm)."""
+
+
 def student_edits_section(rep: Report, runs: pd.DataFrame, reference_arm: str, n_resamples: int, seed: int) -> None:
-    """Table 22: every arm's trace edits against the reference arm's, per seed pair and pooled."""
+    """Table 22: per student model, every arm's trace edits against each Vanilla CoT-KD reference
+    (:data:`EDIT_REFERENCES`, the report's reference arm first), per seed pair and pooled."""
     name, title = "table22_student_edits", "Table 22: the trace edits on the students"
-    caption = ("Per note, the mean edit effect over the three replacements on the events both arms' runs "
-               f"edited; each arm minus the reference arm ({reference_arm}) per seed pair, and pooled with "
-               "the note as the cluster (bootstrap-over-notes 95% interval; notes higher / lower; sign test). "
-               "The ordering is a property of the trained pair.")
-    cols = ["arm", "pair", "n_notes", "arm_mean", "reference_mean", "difference", "ci_low", "ci_high",
-            "notes_higher", "notes_lower", "sign_p"]
+    references = tuple(dict.fromkeys([a for a in (reference_arm, *EDIT_REFERENCES) if a]))
+    caption = ("Per student model, per note, the mean edit effect over the three replacements on the events both "
+               f"arms' runs edited; each arm minus each reference arm ({', '.join(references)}) per seed pair, and "
+               "pooled with the note as the cluster (bootstrap-over-notes 95% interval; notes higher / lower; sign "
+               "test). The ordering is a property of the trained pair.")
+    cols = TABLE_COLUMNS
     students = runs[runs["arm"].notna()] if not runs.empty and "arm" in runs.columns else pd.DataFrame()
     if students.empty:
         return _listed(rep, name, title, caption, pd.DataFrame(), pd.DataFrame(),
                        "no FINISHED trace_edit runs of a trained arm", columns=cols)
-    events = _load(rep, students, "trace_edit_events.csv", ["event_id"], ("run_id", "arm", "seed"))
-    table = edit_pairs_table(events, reference_arm, n_resamples=n_resamples, seed=seed)
+    events = _load(rep, students, "trace_edit_events.csv", ["event_id"], ("run_id", "model", "arm", "seed"))
+    table = edit_pairs_table(events, references, n_resamples=n_resamples, seed=seed)
     _listed(rep, name, title, caption, table, table,
-            "" if len(table) else f"no arm's trace_edit runs pair with the reference arm's ({reference_arm})",
+            "" if len(table) else f"no arm's trace_edit runs pair with a reference arm's ({', '.join(references)})",
             columns=cols)
 
 

@@ -163,6 +163,13 @@ STAND_INS: dict[str, tuple[str, str]] = {
 """A model -> (a larger model, why it is larger in every term a forward reads): where the model has
 no batched-engine or forward-pass figure of its own, the larger model's measured figure costs it,
 as an upper bound that the estimate's formula names."""
+PASS_STAND_INS: dict[str, tuple[str, str]] = {
+    "qwen3-4b": ("qwen3-14b", "Qwen3-14B reads more per token than Qwen3-4B: 14.8B against 4.0B parameters, 40 "
+                              "layers of 40 query heads against 36 of 32, both with 8 key-value heads"),
+}
+"""A model -> (a larger model, why): where a per-note or per-event pass (:data:`COST_MODELS`) has no
+figure for the model, the larger model's figure costs it, as an upper bound the formula names
+(the students' trace edits of Table 22, timed on the teacher only)."""
 READOUT = ("instrument.{model}.prefill_s", "instrument.{model}.tokens")
 """The figures of one teacher-forced forward, which ``evaluate`` runs per note over the teacher's
 prompt and trace for its readouts after sampling (the prefill the instrument benchmark times)."""
@@ -501,6 +508,12 @@ def estimate(work: Workload, figures: Figures) -> Estimate:
         return Estimate(None, f"no benchmark figure for {work.kind} on a GPU yet")
     time_key, tokens_key = (k.format(model=work.model) for k in COST_MODELS[work.kind])
     per_unit = figures.get(time_key)
+    if per_unit is None and work.model in PASS_STAND_INS:  # a larger model's pass: an upper bound, said so
+        larger, why = PASS_STAND_INS[work.model]
+        found = estimate(dataclasses.replace(work, model=larger), figures)
+        if found.gpu_hours is not None:
+            return Estimate(found.gpu_hours, f"{found.formula}; {larger}'s figure stands for {work.model}'s: an "
+                                             f"upper bound ({why})", found.keys)
     if per_unit is None:
         return Estimate(None, f"{time_key} is not recorded")
     keys = [time_key]
@@ -542,6 +555,8 @@ class PlanStep:
         training notes (the shortlist generates synthetic ones).
     synthetic_params: on a synthetic corpus, these replace ``params`` (a key set to ``""`` is
         dropped): the evidence-flip cohort's synthetic cases stand for the author's files there.
+    model_run: a ``train`` step whose checkpoint is the step's model (``-P model=run:<its run id>``;
+        empty: the ``model`` param, if any): a trained student characterized like the teacher.
     """
 
     tree: str
@@ -554,6 +569,7 @@ class PlanStep:
     inputs: Mapping[str, str] = field(default_factory=dict)
     skip_synthetic: bool = False
     synthetic_params: Mapping[str, str] = field(default_factory=dict)
+    model_run: str = ""
 
     @property
     def name(self) -> str:
@@ -575,16 +591,18 @@ class PlanStep:
 
 def _step(tree: str, step: str, entry_point: str, work: Workload, *, inputs: Mapping[str, str] | None = None,
           after: tuple[str, ...] = (), params: Mapping[str, str] | None = None, disk_gib: float = 0.0,
-          skip_synthetic: bool = False, synthetic_params: Mapping[str, str] | None = None) -> PlanStep:
-    """A :class:`PlanStep` whose ``needs`` are the steps of its ``inputs`` and ``after``."""
+          skip_synthetic: bool = False, synthetic_params: Mapping[str, str] | None = None,
+          model_run: str = "") -> PlanStep:
+    """A :class:`PlanStep` whose ``needs`` are the steps of its ``inputs``, ``model_run`` and ``after``."""
     inputs = dict(inputs or {})
     needs: list[str] = []
-    for ref in [*(r for refs in inputs.values() for r in refs.split(",")), *after]:
+    for ref in [*(r for refs in inputs.values() for r in refs.split(",")), *([model_run] if model_run else []),
+                *after]:
         name = ref.split(":", 1)[0]
         if name not in needs:
             needs.append(name)
     return PlanStep(tree, step, entry_point, work, tuple(needs), dict(params or {}), disk_gib, inputs,
-                    skip_synthetic, dict(synthetic_params or {}))
+                    skip_synthetic, dict(synthetic_params or {}), model_run)
 
 
 @dataclass(frozen=True)
@@ -929,14 +947,51 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
                        params={"probe_head": head, "probe_phase": "P2C", "probe_rank": "8", "own_traces": "false"},
                        after=(f"DT-001/own_heads_{run}",), skip_synthetic=True))
     steps += _evidence_flip_tree(c, release, generation)
+    steps += _student_edit_tree(c, data)
     steps.append(_step("report", "report", "report", Workload("none"),
-                       after=tuple(s.name for s in steps if s.entry_point in ("evaluate", "own_heads", "flip_test"))))
+                       after=tuple(s.name for s in steps
+                                   if s.entry_point in ("evaluate", "own_heads", "flip_test", "trace_edit"))))
     return steps
 
 
-TRANSFER_TREES: tuple[str, ...] = ("EF",)
-"""The trees of the discussion-phase transfer tests (App. N onwards: R-D30 and later), priced beside
-the main reproduction (the characterization and distillation trees) rather than inside its budget."""
+TRANSFER_TREES: tuple[str, ...] = ("EF", "ST")
+"""The trees of the tests the paper ran after its main campaign (its ``REBUTTAL/`` artifacts: App. N's
+evidence-flip test, EF, and Table 22's trace edits on the students, ST), priced beside the main
+reproduction (the characterization and distillation trees) rather than inside its budget."""
+
+STUDENT_EDITS: tuple[tuple[str, str, str, int], ...] = (
+    ("qwen3-4b", "mistill", "DT-001", 3), ("qwen3-4b", "vanilla-bf16", "DT-000", 3),
+    ("qwen3-4b", "mistill-fp32-bf16-lambda", "DT-001", 3), ("qwen3-4b", "vanilla-fp32", "DT-000", 3),
+    ("qwen3-4b", "mistill-fp32", "DT-001", 1),
+    ("smollm3-3b", "mistill", "DT-001", 3), ("smollm3-3b", "vanilla-bf16", "DT-000", 1),
+    ("smollm3-3b", "vanilla-fp32", "DT-000", 2))
+"""(student, arm, tree of its train steps, seeds) of the checkpoints Table 22 edits (App. E, R-D28): the
+bf16 Qwen3-4B pair, the fp32 pair at the λ transferred from bf16, fp32 Mistill at the re-selected λ
+on one seed (R-D30), and SmolLM3-3B's Mistill against its Vanilla CoT-KD students of both
+precisions; every seed the main comparison trains."""
+
+
+def _student_edit_tree(c: PaperCounts, data: str) -> list[PlanStep]:
+    """ST, Table 22: each checkpoint of :data:`STUDENT_EDITS` characterized like the teacher on the
+    test notes, teacher-forced on the teacher's traces (``events`` and ``attribute`` with the
+    checkpoint as the model), then the near-miss edits with its own top-2 contrastive heads as the
+    mediation set (``trace_edit``; SmolLM3-3B's passes costed from Qwen3-4B's figures, as
+    :data:`ARM_SEEDS` says)."""
+    short = c.shortlist_tokens
+    steps: list[PlanStep] = []
+    for student, arm, tree, seeds in STUDENT_EDITS:
+        for seed in range(seeds):
+            run = f"{student}_{arm}_s{seed}"
+            steps += [
+                _step("ST", f"events_{run}", "events", Workload("targets", "qwen3-4b", c.test_notes, short),
+                      inputs={"prepare_run": data}, params={"split": "test"}, model_run=f"{tree}/train_{run}"),
+                _step("ST", f"attribute_{run}", "attribute", Workload("characterize", "qwen3-4b", c.test_notes, short),
+                      inputs={"events_run": f"ST/events_{run}"}, disk_gib=c.test_notes * 0.02),
+                _step("ST", f"trace_edit_{run}", "trace_edit",
+                      Workload("edits", "qwen3-4b", c.test_notes * c.edit_events_per_note * c.edit_reads_per_event),
+                      inputs={"attribute_run": f"ST/attribute_{run}"}),
+            ]
+    return steps
 
 FLIP_CHECKPOINTS: tuple[tuple[str, str, int], ...] = (
     ("mistill", "DT-001", 3), ("vanilla-bf16", "DT-000", 3), ("mistill-fp32", "DT-001", 3),
@@ -1024,7 +1079,7 @@ def _evidence_flip_tree(c: PaperCounts, release: Mapping[str, str], generation) 
 
 RESULT_TREES: dict[str, tuple[str, ...]] = {"R-C7": ("HD-001", "HD-002"), "R-C14": ("instruction",),
                                             "R-D20": ("HD-001",), "R-D33": ("EF",), "R-D34": ("EF",),
-                                            "R-D35": ("EF",),
+                                            "R-D35": ("EF",), "R-D28": ("ST",), "R-D30": ("DT-000", "DT-001", "ST"),
                                             "R-C9": ("DT-000", "DT-001")}
 """The trees a result reads where it is not its half's default (:func:`result_trees`)."""
 
@@ -1041,12 +1096,17 @@ def result_trees(result_id: str) -> tuple[str, ...]:
 
 
 def _arm_of(step: PlanStep, by_name: Mapping[str, PlanStep]) -> str | None:
-    """The arm a step trains or reads: its ``arm`` param, else its ``train_run`` input's (None: no
-    arm, as for the corpus's steps)."""
+    """The arm a step trains or reads: its ``arm`` param, else its ``train_run`` input's or its
+    ``model_run``'s, else the one arm its input steps read (a trained student's attribute pass and
+    edits read its events; None: no arm, as for the corpus's steps)."""
     if "arm" in step.params:
         return step.params["arm"]
-    train = step.inputs.get("train_run")
-    return by_name[train].params.get("arm") if train in by_name else None
+    train = step.inputs.get("train_run") or step.model_run
+    if train:
+        return by_name[train].params.get("arm") if train in by_name else None
+    sources = {ref.split(":", 1)[0] for refs in step.inputs.values() for ref in refs.split(",")}
+    arms = {_arm_of(by_name[s], by_name) for s in sources if s in by_name}
+    return arms.pop() if len(arms) == 1 else None
 
 
 def _arms_named(params: str) -> set[str]:
@@ -1163,7 +1223,7 @@ def render(plan: Sequence[PlanStep], figures: Figures, *, reused: Mapping[str, s
     lines += ["", f"{len(plan)} steps; {total:.1f} GPU-hours where a benchmark figure covers the step "
               f"({len(unknown)} steps without one); about {math.ceil(disk)} GiB of artifacts"]
     if transfer:
-        lines.append(f"of which the main reproduction {total - transfer:.1f} and the transfer tests "
+        lines.append(f"of which the main reproduction {total - transfer:.1f} and the later tests "
                      f"({', '.join(TRANSFER_TREES)}) {transfer:.1f}")
     lines.append(f"figures: {figures.source}")
     return "\n".join(lines)

@@ -71,5 +71,20 @@ def test_student_edit_pairs_by_hand():
     assert pairs.loc["seed 1 vs 1", "difference"] == pytest.approx(-0.5)
     pooled = pairs.loc["pooled (note-clustered)"]
     assert pooled["difference"] == pytest.approx(np.mean([(1 + 0) / 2, (2 - 1) / 2]))
-    assert pooled["n_notes"] == 2 and set(t["arm"]) == {"mistill"}
+    assert pooled["n_notes"] == 2 and set(t["arm"]) == {"mistill"} and set(t["reference"]) == {"vanilla-bf16"}
     assert edit_pairs_table(pd.concat([mis0, mis1]), "vanilla-bf16").empty  # no reference runs
+    # several student models and both references: each model's arms against its own references
+    # only; a model without an fp32 reference gets no rows against it
+    smol = [r.assign(model="smollm3-3b") for r in (ref0, ref1, mis0, mis1)]
+    qwen = [r.assign(model="qwen3-4b") for r in (ref0, ref1, mis0, mis1)]
+    fp32 = run("vanilla-fp32", 0, {("n1", "e1"): (0.0, 0.0, 0.0), ("n2", "e3"): (0.0, 0.0, 0.0)}).assign(
+        model="smollm3-3b")
+    both = edit_pairs_table(pd.concat([*smol, *qwen, fp32]), ("vanilla-bf16", "vanilla-fp32"), n_resamples=50)
+    pooled = both[both["pair"] == "pooled (note-clustered)"].set_index(["model", "reference"])
+    assert set(pooled.index) == {("qwen3-4b", "vanilla-bf16"), ("smollm3-3b", "vanilla-bf16"),
+                                 ("smollm3-3b", "vanilla-fp32")}
+    assert pooled.loc[("qwen3-4b", "vanilla-bf16"), "difference"] == pytest.approx(pooled_diff := np.mean([0.5, 0.5]))
+    assert pooled.loc[("smollm3-3b", "vanilla-bf16"), "difference"] == pytest.approx(pooled_diff)
+    # against the one fp32 seed, seed 0 pairs with it: n1 2 - 0, n2 2 - 0 over the shared e1, e3
+    fp = both[(both["reference"] == "vanilla-fp32") & (both["pair"] == "seed 0 vs 0")]
+    assert len(fp) == 1 and fp["difference"].iloc[0] == pytest.approx(np.mean([2.0, 2.0]))

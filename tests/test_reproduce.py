@@ -50,6 +50,8 @@ def test_every_step_of_the_plan_builds_a_valid_config_from_the_roles():
             value = getattr(config, field)
             want = [ids[ref] for ref in refs.split(",")]
             assert value == (want[0] if isinstance(value, str) else tuple(want)), (step.name, field)
+        if step.model_run:  # a trained student's checkpoint is the model
+            assert config.model == f"run:{ids[step.model_run]}", step.name
         if step.name == "EF/flip_cohort":  # the synthetic cases stand for the author's files
             assert config.synthetic_cases and not config.proposals and not config.ledger
             assert config.lock.endswith("ef-cohort-embedded.yaml")

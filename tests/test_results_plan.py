@@ -11,11 +11,16 @@ from __future__ import annotations
 import pytest
 
 from mistill.results_index import load
-from mistill.runbook import PaperCounts, paper_plan, select
+from mistill.runbook import STUDENT_EDITS, PaperCounts, paper_plan, select
 from selection.lock import load_lock
 
 Q4B, SMOL = "qwen3-4b", "smollm3-3b"
 BF16_SELECTION, FP32_SELECTION = "DT-001/select_lambda", "DT-001/select_lambda_fp32"
+
+
+def edited(run: str) -> list[str]:
+    """Table 22's steps of one checkpoint (tree ST): its events, attribute pass and trace edits."""
+    return [f"ST/{stage}_{run}" for stage in ("events", "attribute", "trace_edit")]
 
 
 def trained(student: str, arm: str, seeds: int, *, tree: str = "DT-001", evaluated: bool = True,
@@ -94,7 +99,10 @@ APP_Q_RUNS: dict[str, list[str]] = {
     "R-D26": trained(Q4B, "randheads", 3),
     "R-D27": trained(SMOL, "mistill", 3) + UNTRAINED_HEADS,
     "R-D29": MAIN,
-    "R-D30": trained(Q4B, "mistill-fp32", 3) + trained(Q4B, "vanilla-fp32", 3, tree="DT-000"),
+    "R-D28": [name for student, arm, tree, seeds in STUDENT_EDITS for seed in range(seeds)
+              for name in (f"{tree}/train_{student}_{arm}_s{seed}", *edited(f"{student}_{arm}_s{seed}"))],
+    "R-D30": (trained(Q4B, "mistill-fp32", 3) + trained(Q4B, "vanilla-fp32", 3, tree="DT-000")
+              + edited(f"{Q4B}_mistill-fp32_s0") + [n for s in range(3) for n in edited(f"{Q4B}_vanilla-fp32_s{s}")]),
     "R-D36": trained(SMOL, "mistill", 3),
 }
 

@@ -249,6 +249,10 @@ def step_config(step: PlanStep, cfg: ReproduceConfig, ids: Mapping[str, str],
         if any(ref not in ids for ref in refs.split(",")):
             return None
         values[field] = ",".join(ids[ref] for ref in refs.split(","))
+    if step.model_run:  # a trained student's checkpoint as the model
+        if step.model_run not in ids:
+            return None
+        values["model"] = f"run:{ids[step.model_run]}"
     selections = [n for n in step.needs if n.split("/", 1)[1].startswith("select_lambda")]
     if step.entry_point == "train" and selections:
         overrides = selected_overrides(ids.get(selections[0], ""))
