@@ -448,9 +448,17 @@ CONVENTIONS: tuple[Convention, ...] = (
                "namings: qualified module.attribute names, aliases read from the prompt's imports without running "
                "them; inventory: the namings the prompts and the canonical solution write within the task's "
                "libraries; relation: same module, another attribute; answer: the last fenced python block; "
-               "metric: parses, and the API namings' F1 against the solution (the tests are not executed)",
+               "metric: parses, the API namings' F1 against the solution, and pass@1 (the answer's code block "
+               "then the task's tests, executed in the sandbox)",
                "mistill.tasks.bigcodebench",
-               "the paper scores sandboxed pass@1, which needs an execution sandbox the platform does not ship"),
+               "the paper names the API-naming events and pass@1, not how a naming or an answer is read"),
+    Convention("the execution sandbox of pass@1", "App. P",
+               "a child Python in isolated mode in a fresh temporary folder, removed afterwards, with a minimal "
+               "environment; limits 60 s wall clock, 4 GiB of address space, 64 MiB files (SandboxLimits); no "
+               "network (a new network namespace where the kernel allows one, and a socket guard always); one "
+               "terminal verdict per task: passed, failed, error, timeout, memory or no_code",
+               "mistill.evaluation.sandbox",
+               "the paper states sandboxed execution with time and memory limits, not the limits or the isolation"),
     Convention("the embedded parts catalogue", "App. O, P",
                "part numbers FAM-123, families with distinct first letters (the first letter is P1, the family "
                "the P2C relation, the dash never scored); seeded maintenance orders and scripted traces like the "

@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("mistill.validation",),
     ("mistill.config",),
     # scoring a set of answers: no model, no corpus
-    ("mistill.evaluation.parsing", "mistill.evaluation.metrics", "mistill.stats"),
+    ("mistill.evaluation.parsing", "mistill.evaluation.metrics", "mistill.evaluation.sandbox", "mistill.stats"),
     ("mistill.models",),
     ("mistill.data",),
     ("mistill.tasks",),

@@ -35,8 +35,11 @@ Choices the paper does not fix **[recon]**:
 * **Metric**: ``parses`` (1.0 when ``ast.parse`` accepts the code) and ``api_f1``, the set F1
   of the resolved API namings of the code against those of the reference solution
   (``code_prompt + canonical_solution``), the code's own imports joining the problem's aliases.
-  Executing the tests (pass@1, the paper's native metric) needs a sandbox and is out of scope
-  here.
+
+pass@1, the paper's native metric, executes each answer's code with the problem's tests in
+the sandbox of :mod:`mistill.evaluation.sandbox` (:func:`execute`): the program is the answer's
+code block followed by the ``test`` field, as BigCodeBench runs it; an answer without a code
+block is a ``no_code`` verdict and counts as not passed.
 """
 
 from __future__ import annotations
@@ -48,10 +51,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mistill.errors import MistillInputError
+from mistill.evaluation.sandbox import SandboxLimits, Verdict, run_programs
 from mistill.tasks.base import Mention, Record, Span, Task, _merge, answer_part, jsonl_records, set_scores
 
 __all__ = ["BigCodeBenchTask", "BigCodeBenchProblem", "load_bigcodebench", "import_aliases", "api_namings",
-           "last_code_block"]
+           "last_code_block", "program", "execute"]
 
 _CHAIN = re.compile(r"(?<![\w.])[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
 _IMPORT = re.compile(r"^\s*import\s+(.+?)\s*(?:#.*)?$", re.MULTILINE)
@@ -243,3 +247,19 @@ class BigCodeBenchTask(Task):
         ref = api_namings(gold[0], ref_aliases, roots)
         got = api_namings(code, pred_aliases, roots) if code else set()
         return {"parses": parses, "api_f1": set_scores(ref, got)["f1"]}
+
+
+def program(problem: BigCodeBenchProblem, generation: str) -> str | None:
+    """The program run for one answer: its code block (:meth:`BigCodeBenchTask.parse_answer`), then
+    the problem's tests; None when the generation holds no code."""
+    code = BigCodeBenchTask().parse_answer(generation)
+    return f"{code[0]}\n\n{problem.test}\n" if code and code[0].strip() else None
+
+
+def execute(problems: Sequence[BigCodeBenchProblem], generations: Mapping[str, str], *,
+            limits: SandboxLimits = SandboxLimits()) -> list[Verdict]:
+    """One sandboxed verdict per problem, in order, for the generation ``generations[task_id]``
+    (a problem without a generation is a ``no_code`` verdict); pass@1 is
+    :func:`mistill.evaluation.sandbox.pass_at_1` of the result."""
+    return run_programs(((p.task_id, program(p, generations[p.task_id]) if p.task_id in generations else None)
+                         for p in problems), limits=limits)
