@@ -1051,29 +1051,24 @@ def _evidence_flip_tree(c: PaperCounts, release: Mapping[str, str], generation) 
                                inputs={**cohort, "train_run": f"{tree}/train_{run}"}))
     trees = {arm: tree for arm, tree, _ in FLIP_CHECKPOINTS}
     for checkpoint, head_sets in FLIP_CAUSAL:
-        if checkpoint == "teacher":
-            model, base = "qwen3-14b", {"inputs": cohort, "params": {"model": "{teacher}", "arm": "teacher"}}
+        if checkpoint == "teacher":  # the teacher by role, as the behavioural step reads it
+            model, name, inputs, params = "qwen3-14b", "teacher", cohort, {"model": "{teacher}", "arm": "teacher"}
         else:
-            run = f"qwen3-4b_{checkpoint}_s0"
-            model, base = "qwen3-4b", {"inputs": {**cohort, "train_run": f"{trees[checkpoint]}/train_{run}"},
-                                       "params": {}}
-            checkpoint = run
-        steps.append(_step("EF", f"flip_test_{checkpoint}_hf", "flip_test",
-                           Workload("generate", model, answers, short - trace, trace, engine="hf_batched"),
-                           inputs=base["inputs"], params={**base["params"], "backend": "hf"}))
+            model, name = "qwen3-4b", f"qwen3-4b_{checkpoint}_s0"
+            inputs, params = {**cohort, "train_run": f"{trees[checkpoint]}/train_{name}"}, {}
+        work = Workload("generate", model, answers, short - trace, trace, engine="hf_batched")
+        steps.append(_step("EF", f"flip_test_{name}_hf", "flip_test", work, inputs=inputs,
+                           params={**params, "backend": "hf"}))
+        masked = dataclasses.replace(work, engine="hf_masked")
         for label, heads in head_sets:
-            source = ({"mask_heads": heads} if heads.startswith("L") else
-                      {"mask_heads_run": heads.format(run=checkpoint), "mask_k": "40", "mask_phase": "P2C"})
+            named = heads.startswith("L")  # head names, else the step whose ranking is read
+            nominated = {"mask_heads": heads} if named else {"mask_k": "40", "mask_phase": "P2C"}
+            ranking = {} if named else {"mask_heads_run": heads.format(run=name)}
             for mask in ("target", "sham"):
-                inputs, params = dict(base["inputs"]), {**base["params"], "backend": "hf", "mask": mask}
-                if "mask_heads_run" in source:
-                    inputs["mask_heads_run"] = source["mask_heads_run"]
-                    params.update({k: v for k, v in source.items() if k != "mask_heads_run"})
-                else:
-                    params.update(source)
-                steps.append(_step("EF", f"flip_test_{checkpoint}_{mask}_{label}", "flip_test",
-                                   Workload("generate", model, answers, short - trace, trace, engine="hf_masked"),
-                                   inputs=inputs, params=params, skip_synthetic="mask_heads" in source))
+                steps.append(_step("EF", f"flip_test_{name}_{mask}_{label}", "flip_test", masked,
+                                   inputs={**inputs, **ranking},
+                                   params={**params, "backend": "hf", "mask": mask, **nominated},
+                                   skip_synthetic=named))
     return steps
 
 
