@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -99,6 +100,9 @@ def main() -> None:
     ap.add_argument("--model-root", default="/root/bench-models")
     ap.add_argument("--root", default="", help="the tracking store's folder (default: a new temporary one)")
     ap.add_argument("--out", default="bench_train_probe.json")
+    ap.add_argument("--min-free-gib", type=float, default=40.0,
+                    help="refuse to start with less free disk under the store's folder: a Qwen3-4B train run "
+                         "writes a checkpoint of about 21 GB before its probe")
     ap.add_argument("--smoke", action="store_true", help="a 2-layer student on the CPU, the HF probe: seconds")
     args = ap.parse_args()
     if args.smoke:
@@ -106,10 +110,16 @@ def main() -> None:
         args.steps = 1
         args.device, args.tokenizer, args.max_pos = "cpu", "embedded", 4096
         args.model_root = tempfile.mkdtemp(prefix="bench-train-probe-")
+    root = Path(args.root or tempfile.mkdtemp(prefix="bench-train-probe-"))
+    root.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(root).free / 2 ** 30
+    if not args.smoke and free < args.min_free_gib:
+        sys.exit(f"only {free:.1f} GiB free under {root}, --min-free-gib {args.min_free_gib:g}: the train run's "
+                 f"checkpoint comes before its probe; free space (earlier benchmarks' models under "
+                 f"{args.model_root}) or pass --root on a larger disk")
     student = str(model_dir(args.student, Path(args.model_root), args.max_pos, args.tokenizer, args.device))
     # the teacher: a 2-layer random Qwen3 with the same tokenizer, on the CPU (it only supplies traces)
     teacher = str(model_dir("smoke", Path(args.model_root), args.max_pos, args.tokenizer, "cpu"))
-    root = Path(args.root or tempfile.mkdtemp(prefix="bench-train-probe-"))
     os.environ["MISTILL_ROOT"] = str(root / "mistill")
     tracking = TrackingServer(root)
     os.environ["MLFLOW_TRACKING_URI"] = tracking.start()  # and this process's credentials

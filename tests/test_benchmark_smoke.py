@@ -197,3 +197,14 @@ def test_benchmark_smoke_runs_and_records_what_it_times(script, tmp_path):
     assert script in CHECKS, f"{script}: a new benchmark needs a --smoke mode and a check in CHECKS"
     out = tmp_path / f"{Path(script).stem}.json"
     CHECKS[script](_smoke(script, out), out)
+
+
+def test_the_training_probe_benchmark_refuses_to_start_without_disk_for_its_checkpoint(tmp_path):
+    """On the card the train run writes its checkpoint before the probe: a benchmark started on a
+    disk too full for it stops at once, saying so, before it builds a model or starts a server."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_train_probe.py"), "--min-free-gib", "1e12",
+                          "--root", str(tmp_path / "store"), "--model-root", str(tmp_path / "models")],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "GiB free under" in run.stderr and "--min-free-gib" in run.stderr
+    assert not (tmp_path / "models").exists()
