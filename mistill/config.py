@@ -238,6 +238,18 @@ def file_digest(path: str | os.PathLike) -> str | None:
     return h.hexdigest()
 
 
+def folder_digest(path: str | os.PathLike) -> str | None:
+    """sha256 over a folder's files (each one's path below the folder and its bytes' sha256, in
+    sorted path order), or None when ``path`` is empty or not a folder."""
+    if not path or not Path(path).is_dir():
+        return None
+    root = Path(path)
+    h = hashlib.sha256()
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        h.update(f"{f.relative_to(root).as_posix()}\0{file_digest(f)}\n".encode("utf-8"))
+    return h.hexdigest()
+
+
 def library_versions() -> dict[str, str]:
     """Versions of the libraries a result depends on (recorded in every config.json)."""
     import importlib.metadata as md  # deferred: slow to import, and `mistill --help` imports this module

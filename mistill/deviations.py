@@ -417,6 +417,12 @@ DEVIATIONS: tuple[Deviation, ...] = (
     _D("note-edit fillers", "App. E, Table 23", "a token-length-matched filler for every occurrence",
        "at most 64 fillers tried per word; the variant goes without when a word finds none that keeps the "
        "whole edit aligned token for token", "NoteEditConfig.max_tries", "bounds the tokenizations per event", 64),
+    _D("EURLEX57K candidate list", "App. P",
+       "the teacher labels an act from a shown candidate list of EuroVoc concepts (its size and draw unstated)",
+       "each act lists its gold concepts, then concepts related to them (broader, narrower, siblings), then "
+       "others drawn at random (seeded by the prepare seed and the act), up to 20 labels, shuffled",
+       "PrepareConfig.candidates", "the paper does not say how the candidate list was built", 20,
+       when=("task", ("eurlex57k",))),
     _D("Table 50 direction", "App. M, Table 50",
        "pre-registered expectations marked met or not",
        "direction only (higher / lower / level) at a paired sign-test alpha of 0.05",
@@ -459,6 +465,13 @@ CONVENTIONS: tuple[Convention, ...] = (
                "terminal verdict per task: passed, failed, error, timeout, memory or no_code",
                "mistill.evaluation.sandbox",
                "the paper states sandboxed execution with time and memory limits, not the limits or the isolation"),
+    Convention("competitors of a word-item divergence", "App. P",
+               "for a label space written in words (EuroVoc labels), a P2 or P2C event's competitors are the "
+               "alternative items' own first tokens from the divergence on (every inventory label sharing the "
+               "head, or the near-miss), not a one-character substitution; a divergence inside a word token is "
+               "dropped, never moved",
+               "mistill.instrument.events.realize_events",
+               "the paper marks 'trie-divergent tokens' without saying how a word's alternatives are tokenized"),
     Convention("the embedded parts catalogue", "App. O, P",
                "part numbers FAM-123, families with distinct first letters (the first letter is P1, the family "
                "the P2C relation, the dash never scored); seeded maintenance orders and scripted traces like the "

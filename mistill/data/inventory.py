@@ -226,8 +226,12 @@ class Inventory:
     descriptions: code -> description, for every code in ``codes`` (read-only mapping).
     order_seed: the seed of the shuffle (recorded; ``restrict`` keeps the parent's order).
     source: where the descriptions came from (free text, recorded in ``inventory.json``).
-    task: the label space's task (:func:`mistill.tasks.task_for`): ``icd10`` (ICD-10-CM codes) or
-        ``catalog`` (the embedded parts catalogue); recorded in ``inventory.json``.
+    task: the label space's task (:func:`mistill.tasks.task_for`): ``icd10`` (ICD-10-CM codes),
+        ``catalog`` (the embedded parts catalogue) or ``eurlex57k`` (EuroVoc labels); recorded in
+        ``inventory.json``.
+    relations: code -> its broader codes, for a label space whose structural relation is a
+        hierarchy the codes do not spell (EuroVoc); empty for the others. Recorded in
+        ``inventory.json`` and in the digest when not empty.
 
     Equality and hashing follow ``digest`` (the sha256 of the ordered lines).
     """
@@ -237,6 +241,7 @@ class Inventory:
     order_seed: int = 0
     source: str = ""
     task: str = "icd10"
+    relations: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     _index: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -271,6 +276,15 @@ class Inventory:
             desc = types.MappingProxyType(dict(desc))
         object.__setattr__(self, "descriptions", desc)
         object.__setattr__(self, "_index", index)
+        relations: dict[str, tuple[str, ...]] = {}
+        for c, broader in dict(self.relations).items():
+            unknown = [x for x in (c, *broader) if x not in index]
+            if unknown or isinstance(broader, str):
+                raise MistillInputError(f"relation {c!r} -> {broader!r} names {unknown[0] if unknown else broader!r}, "
+                                        "not a list of inventory codes", field="relations")
+            if broader:
+                relations[c] = tuple(dict.fromkeys(broader))
+        object.__setattr__(self, "relations", types.MappingProxyType(relations))
 
     # -- construction -------------------------------------------------------------------------
 
@@ -324,9 +338,10 @@ class Inventory:
         keep = {self.normalize(c) for c in codes}
         if not keep:
             raise MistillInputError("restrict() needs at least one code", field="codes")
-        return Inventory(codes=tuple(c for c in self.codes if c in keep),
-                         descriptions=self.descriptions, order_seed=self.order_seed,
-                         source=self.source, task=self.task)
+        kept = tuple(c for c in self.codes if c in keep)
+        relations = {c: tuple(b for b in self.relations[c] if b in keep) for c in kept if c in self.relations}
+        return Inventory(codes=kept, descriptions=self.descriptions, order_seed=self.order_seed,
+                         source=self.source, task=self.task, relations=relations)
 
     # -- lookups ------------------------------------------------------------------------------
 
@@ -399,8 +414,12 @@ class Inventory:
 
     @functools.cached_property
     def digest(self) -> str:
-        """sha256 of the ordered prompt lines joined by newlines."""
-        return hashlib.sha256("\n".join(self.lines()).encode("utf-8")).hexdigest()
+        """sha256 of the ordered prompt lines joined by newlines (then the relations, one line
+        each in inventory order, when there are any)."""
+        lines = self.lines()
+        if self.relations:
+            lines += ["", *(f"{c} < {' | '.join(self.relations[c])}" for c in self.codes if c in self.relations)]
+        return hashlib.sha256("\n".join(lines).encode("utf-8")).hexdigest()
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Inventory):
@@ -426,6 +445,8 @@ class Inventory:
             "digest": self.digest,
             "codes": list(self.codes),
             "descriptions": {c: self.descriptions[c] for c in self.codes},
+            **({"relations": {c: list(self.relations[c]) for c in self.codes if c in self.relations}}
+               if self.relations else {}),
         }
 
     @classmethod
@@ -442,7 +463,9 @@ class Inventory:
         try:
             inv = cls(codes=tuple(data["codes"]), descriptions=dict(data["descriptions"]),
                       order_seed=data["order_seed"], source=str(data.get("source", "")),
-                      task=str(data.get("task", "icd10")))
+                      task=str(data.get("task", "icd10")),
+                      relations={str(k): tuple(v) if isinstance(v, list) else v
+                                 for k, v in dict(data.get("relations") or {}).items()})
         except MistillInputError as exc:
             raise MistillInputError(exc.args[0], file=file, field=exc.field) from None
         if "digest" in data and data["digest"] != inv.digest:

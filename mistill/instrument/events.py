@@ -465,7 +465,11 @@ def realize_events(events: Sequence[Event], *, full_text: str, trace_offset: int
     token q+1 begins at a, or before a with only whitespace in between (" N"). Target id =
     ``ids[q+1]`` (NULL: the random letter in q+1's spacing variant, which must be one token).
     Competitor ids: ``lead + c + chunk[1:]`` must encode to exactly one token (``lead`` = the
-    leading whitespace of token q+1). When the decided chunk covers several characters of the
+    leading whitespace of token q+1); for a task of word items (``task.word_items``: EuroVoc
+    labels, whose tokens are words, where a one-character substitution is no token), each
+    alternative item's own first token instead: ``lead`` + the alternative from the divergence on
+    (every inventory item sharing the head and continuing with a competitor character, for P2;
+    the near-miss, for P2C), its first token. When the decided chunk covers several characters of the
     code, ``code[:char_index] + c + chunk[1:]`` must also be a prefix of an inventory code (P1,
     P2; only checked when ``codes`` is given) or of the near-miss (P2C, always). An event with
     no surviving competitor is dropped. With ``check_target_roundtrip`` a code event is also
@@ -495,9 +499,12 @@ def realize_events(events: Sequence[Event], *, full_text: str, trace_offset: int
                                 field="trace_offset")
 
     prefixes: set[str] | None = None
+    word_items: tuple[str, ...] = ()  # a word-item task's items, whose own first tokens compete
     if codes is not None:
         items = _default_task(task).normalise_items(codes)
         prefixes = {c[:i] for c in items for i in range(1, len(c) + 1)}
+        if getattr(task, "word_items", False):
+            word_items = tuple(items)
     unk = getattr(tokenizer, "unk_token_id", None)
     cache: dict[str, tuple[int, ...]] = {}
 
@@ -570,7 +577,16 @@ def realize_events(events: Sequence[Event], *, full_text: str, trace_offset: int
                 if ev.mention_end is not None else chunk
             head = ev.code[: ev.char_index] if ev.code is not None else ""
             comp_ids = []
-            for c in ev.competitors:
+            if word_items:  # each alternative's own first token from the divergence on
+                alternatives = [ev.near_miss] if ev.kind == "P2C" else \
+                    [x for x in word_items if len(x) > len(head) and x.startswith(head)]
+                for alt in alternatives:
+                    if alt is None or len(alt) <= len(head) or alt[len(head)] not in ev.competitors:
+                        continue
+                    toks = encode(lead + alt[len(head):])
+                    if toks and toks[0] != target_id and toks[0] != unk and toks[0] not in comp_ids:
+                        comp_ids.append(toks[0])
+            for c in () if word_items else ev.competitors:
                 cid = one_token(lead + c + chunk[1:])
                 if cid is None or cid == target_id or cid in comp_ids:
                     continue

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from mistill.config import Config, file_digest
+from mistill.config import Config, file_digest, folder_digest
 from mistill.data.corpus import PRIVACY_LEVELS, Corpus, load_mimic_edin, safe_path_component, select_stratified
 from mistill.data.inventory import Inventory
 from mistill.data.prompts import build_prompt
@@ -27,6 +27,7 @@ from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE
                                    privacy_guard, save_prepared)
 from mistill.stages.registry import stage_help
 from mistill.tasks import INVENTORY_TASKS, prompt_wording
+from mistill.tasks.eurlex import load_eurlex_corpus
 from mistill.tasks.synthetic_catalog import make_catalog_corpus
 from mistill.tracking.models import resolve_run_spec
 from mistill.tracking.runs import StageRun
@@ -57,12 +58,18 @@ class PrepareConfig(Config):
         restricted corpus, clear otherwise). The local corpus always keeps the real ids.
 
     task: the label space (:data:`mistill.tasks.INVENTORY_TASKS`): ``icd10`` (ICD-10-CM, the
-        paper's) or ``catalog``, the embedded parts catalogue (:mod:`mistill.tasks.synthetic_catalog`;
+        paper's); ``catalog``, the embedded parts catalogue (:mod:`mistill.tasks.synthetic_catalog`;
         ``corpus=synthetic`` only, ``codes_per_note`` its parts per order), a second label space the
-        stages run on unchanged. The prepared inventory records it; every later stage reads it there.
+        stages run on unchanged; or ``eurlex57k`` (App. P): ``corpus`` is the release's
+        ``dataset`` folder of act documents, ``concepts_file`` its ``EURLEX57K.json``,
+        ``hierarchy_file`` the local broader-concept file, ``traces_file`` optional teacher traces
+        (JSONL ``celex_id``, ``trace``), and each act's prompt lists ``candidates`` concepts
+        (**[recon]**: :func:`mistill.tasks.eurlex.candidate_list`; ``seed`` draws them). The prepared
+        inventory records the task; every later stage reads it there.
 
-    Files named by path (the corpus, ``codes_file``, ``split_file``) join the run's identity by
-    content (:meth:`content_digests`): a file edited in place makes a new run.
+    Files named by path (the corpus, ``codes_file``, ``split_file``, the EURLEX files; a corpus
+    folder by its files) join the run's identity by content (:meth:`content_digests`): a file
+    edited in place makes a new run.
     """
 
     corpus: str = "synthetic"
@@ -82,6 +89,10 @@ class PrepareConfig(Config):
     narrow_instruction: bool = True
     patient_ids: str = "auto"
     task: str = "icd10"
+    concepts_file: str = ""
+    hierarchy_file: str = ""
+    traces_file: str = ""
+    candidates: int = 20
 
     @property
     def corpus_path(self) -> str:
@@ -92,8 +103,10 @@ class PrepareConfig(Config):
 
     def content_digests(self) -> dict[str, str]:
         """sha256 of the corpus file (JSONL or MIMIC table), ``codes_file`` and ``split_file``."""
-        paths = {"corpus": self.corpus_path, "codes_file": self.codes_file, "split_file": self.split_file}
-        digests = {name: file_digest(path) for name, path in paths.items()}
+        paths = {"corpus": self.corpus_path, "codes_file": self.codes_file, "split_file": self.split_file,
+                 "concepts_file": self.concepts_file, "hierarchy_file": self.hierarchy_file,
+                 "traces_file": self.traces_file}
+        digests = {name: file_digest(path) or folder_digest(path) for name, path in paths.items()}
         return {name: d for name, d in digests.items() if d is not None}
 
     def validate(self) -> None:
@@ -115,8 +128,18 @@ class PrepareConfig(Config):
         check_choice(self.privacy, PRIVACY_LEVELS, "privacy")
 
         check_choice(self.task, INVENTORY_TASKS, "task")
-        if self.task != "icd10" and (self.corpus != "synthetic" or self.codes_file):
+        if self.task == "catalog" and (self.corpus != "synthetic" or self.codes_file):
             fail(f"task {self.task}: its corpus is generated (corpus=synthetic, no codes_file)", "task")
+        eurlex = self.task == "eurlex57k"
+        if eurlex and (self.corpus == "synthetic" or self.corpus.startswith(MIMIC_PREFIX) or self.codes_file):
+            fail("task eurlex57k reads the release: corpus is its dataset folder (no codes_file)", "corpus")
+        if eurlex:
+            check_not_empty(self.concepts_file, "concepts_file", "the release's EURLEX57K.json")
+        for name in ("concepts_file", "hierarchy_file", "traces_file"):
+            check_path(getattr(self, name), name, "a file", allow_empty=True)
+            if getattr(self, name) and not eurlex:
+                fail(f"{name} is a file of the EURLEX57K release: task eurlex57k only", name)
+        check_at_least(self.candidates, 1, "candidates")
         check_at_least(self.n_notes, 1, "n_notes")
         check_at_least(self.inventory_size, 1, "inventory_size")
         if len(self.codes_per_note) != 2 or not 1 <= self.codes_per_note[0] <= self.codes_per_note[1]:
@@ -145,6 +168,10 @@ def build_corpus(cfg: PrepareConfig) -> Corpus:
     if cfg.task == "catalog":
         corpus = make_catalog_corpus(n_notes=cfg.n_notes, seed=cfg.seed,
                                      items_range=(cfg.codes_per_note[0], cfg.codes_per_note[1]))
+    elif cfg.task == "eurlex57k":
+        corpus = load_eurlex_corpus(cfg.corpus, cfg.concepts_file, hierarchy_file=cfg.hierarchy_file,
+                                    traces_file=cfg.traces_file, candidates=cfg.candidates, seed=cfg.seed, order_seed=cfg.order_seed,
+                                    name=cfg.corpus_name or "eurlex57k", privacy=cfg.privacy)
     elif cfg.corpus == "synthetic":
         inv = Inventory.from_code_file(cfg.codes_file, order_seed=cfg.order_seed) if cfg.codes_file else None
         corpus = make_synthetic_corpus(n_notes=cfg.n_notes, seed=cfg.seed, inventory_size=cfg.inventory_size,

@@ -105,7 +105,8 @@ class _Entry:
 
 _TABLE = (
     _Entry("prepare", "mistill.stages.prepare", "PrepareConfig", "run_prepare", {},
-           "inventory, corpus and prompts", models=("model",), files=("codes_file", "split_file")),
+           "inventory, corpus and prompts", models=("model",),
+           files=("codes_file", "split_file", "concepts_file", "hierarchy_file", "traces_file")),
     _Entry("shortlist", "mistill.stages.shortlist", "ShortlistConfig", "run_shortlist", {"prepare": "prepare_run"},
            "the retrieved shortlist: a prepared corpus whose prompts list it (use as prepare_run)",
            stands_for="prepare", models=("encoder",)),

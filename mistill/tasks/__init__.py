@@ -22,7 +22,7 @@ from mistill.data.prompts import ICD10_WORDING, PromptWording
 from mistill.errors import MistillInputError
 from mistill.tasks.base import Task
 from mistill.tasks.bigcodebench import BigCodeBenchTask
-from mistill.tasks.eurlex import EurlexTask
+from mistill.tasks.eurlex import EURLEX_WORDING, EurlexTask
 from mistill.tasks.icd10 import ICD10Task
 from mistill.tasks.musique import MuSiQueTask
 from mistill.tasks.synthetic_catalog import CATALOG_WORDING, CatalogTask
@@ -65,9 +65,10 @@ def task(name: str, **kwargs: Any) -> Task:
     return _REGISTRY[name](**kwargs)
 
 
-INVENTORY_TASKS: tuple[str, ...] = ("icd10", "catalog")
+INVENTORY_TASKS: tuple[str, ...] = ("icd10", "catalog", "eurlex57k")
 """Tasks whose label space is an :class:`~mistill.data.inventory.Inventory` listed in the prompt:
-the ones ``prepare`` builds corpora for and the stages run on (``Inventory.task``)."""
+the ones ``prepare`` builds corpora for and the stages run on (``Inventory.task``); EURLEX57K's
+prompt lists each act's candidate list (:func:`mistill.tasks.eurlex.load_eurlex_corpus`)."""
 
 
 def task_for(inventory: Any) -> Task:
@@ -76,6 +77,8 @@ def task_for(inventory: Any) -> Task:
     if name not in INVENTORY_TASKS:
         raise MistillInputError(f"the inventory's task {name!r} has no stages (one of {', '.join(INVENTORY_TASKS)})",
                                 field="task")
+    if name == "eurlex57k":  # labels, ids and hierarchy as the prepared inventory records them
+        return EurlexTask.from_inventory(inventory)
     return task(name, inventory=inventory)
 
 
@@ -83,6 +86,4 @@ def prompt_wording(name: str) -> PromptWording:
     """The prompt sentences of an inventory task (:class:`mistill.data.prompts.PromptWording`)."""
     if name not in INVENTORY_TASKS:
         raise MistillInputError(f"task {name!r} has no prompt wording", field="task")
-    if name == "icd10":
-        return ICD10_WORDING
-    return CATALOG_WORDING
+    return {"icd10": ICD10_WORDING, "catalog": CATALOG_WORDING, "eurlex57k": EURLEX_WORDING}[name]

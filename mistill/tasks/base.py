@@ -56,11 +56,15 @@ class Task(ABC):
             event's anchor is a non-blank character). ICD-10-CM: the dot.
         items: the task-level inventory, item -> description (may be empty for tasks whose
             candidates are given per record, e.g. MuSiQue's passages).
+        word_items: items are written in words a tokenizer keeps whole (EuroVoc labels): a
+            divergence's competitors are the alternative items' own first tokens, not a
+            one-character substitution (:func:`mistill.instrument.events.realize_events`).
     """
 
     name: str = ""
     has_p1: bool = False
     unscored_chars: frozenset[str] = frozenset()
+    word_items: bool = False
 
     def __init__(self, items: Mapping[str, str] | None = None) -> None:
         self._items: Mapping[str, str] = MappingProxyType(dict(items or {}))

@@ -33,21 +33,49 @@ Choices the paper does not fix **[recon]**:
   entries naming no concept are dropped, duplicates too.
 * **Metric**: set counts, precision, recall and F1 per act; :func:`micro_f1` pools the counts
   over acts (the paper's micro-F1).
+
+The stages read the release through :func:`load_eurlex_corpus` (``prepare -P task=eurlex57k``):
+every concept of the concept file is an inventory code (its label, described by its id, the
+hierarchy recorded as the inventory's relations), each act is a note whose prompt lists its
+candidate list (:func:`candidate_list`, **[recon]**: the paper shows the teacher "a candidate
+list" without saying how it was drawn), and teacher traces made elsewhere may come with it
+(``traces_file``). :func:`write_eurlex_fixture` writes a small release of the project's own in the
+release's layout, with scripted traces, on which the stages run in the tests.
 """
 
 from __future__ import annotations
 
+import json
+import random
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from mistill.data.corpus import Corpus, Note
+from mistill.data.inventory import Inventory
+from mistill.data.prompts import PromptWording
 from mistill.errors import MistillInputError
 from mistill.evaluation.metrics import prf_from_counts
 from mistill.evaluation.parsing import last_json_list
 from mistill.io import read_json
-from mistill.tasks.base import Mention, Record, Task, answer_part, set_scores, whole_word_mentions
+from mistill.tasks.base import Mention, Record, Task, answer_part, jsonl_records, set_scores, whole_word_mentions
 
-__all__ = ["EurlexTask", "EurlexAct", "load_eurlex_documents", "load_eurovoc", "load_broader", "micro_f1"]
+__all__ = ["EurlexTask", "EurlexAct", "load_eurlex_documents", "load_eurovoc", "load_broader", "micro_f1",
+           "EURLEX_WORDING", "candidate_list", "load_eurlex_corpus", "write_eurlex_fixture", "SPLIT_FOLDERS"]
+
+EURLEX_WORDING = PromptWording(
+    header="Below is the list of candidate EuroVoc concepts, one per line: the concept label, then its EuroVoc id.",
+    summary_header="Here is the legislative act to label:",
+    role_and_task=("You are an experienced documentalist of EU law. Assign EuroVoc concepts to the act above, "
+                   "choosing only from the candidate concepts listed above it."),
+    narrow_sentence=("Narrow down first to the plausible domains of the list, then decide among the specific "
+                     "concepts within them."),
+    answer=("Give your final answer as a JSON list of concept labels, with every label written exactly as it "
+            "appears in the list."))
+"""The prompt's sentences for an act (**[recon]**: the paper gives the task, not its prompt)."""
+
+SPLIT_FOLDERS: Mapping[str, str] = {"train": "train", "dev": "val", "test": "test"}
+"""The release's split folders and the corpus splits they become (an act elsewhere is a test act)."""
 
 
 @dataclass(frozen=True)
@@ -149,6 +177,7 @@ class EurlexTask(Task):
 
     name = "eurlex57k"
     has_p1 = False
+    word_items = True
 
     def __init__(self, concepts: Mapping[str, str] | None = None,
                  broader: Mapping[str, Sequence[str]] | None = None) -> None:
@@ -211,3 +240,133 @@ class EurlexTask(Task):
     def metric(self, gold: Sequence[str], pred: Sequence[str]) -> dict[str, float]:
         """Set counts, precision, recall and F1 of one act (pool with :func:`micro_f1`)."""
         return set_scores(gold, pred)
+
+
+    @classmethod
+    def from_inventory(cls, inventory: Inventory) -> "EurlexTask":
+        """The task of a prepared EURLEX corpus (:func:`load_eurlex_corpus`): the inventory's
+        labels, their ids (``"EuroVoc <id>"`` descriptions) and its relations as the hierarchy."""
+        ids = {label: inventory.descriptions[label].removeprefix("EuroVoc ").strip() for label in inventory.codes}
+        return cls({cid: label for label, cid in ids.items()},
+                   {ids[label]: [ids[b] for b in broader] for label, broader in inventory.relations.items()})
+
+
+def candidate_list(task: EurlexTask, gold: Sequence[str], labels: Sequence[str], size: int,
+                   rng: random.Random) -> tuple[str, ...]:
+    """An act's candidate list (**[recon]**): its gold labels, then concepts related to them
+    (broader, narrower, siblings: the near-misses a reasoning contrasts), then other concepts
+    drawn at random, up to ``size`` labels (never fewer than the gold), in a shuffled order."""
+    chosen = list(dict.fromkeys(gold))
+    near = sorted({x for g in chosen for x in labels if x not in chosen and task.related(g, x)})
+    rng.shuffle(near)
+    chosen += near[:max(0, size - len(chosen))]
+    rest = [x for x in labels if x not in chosen]
+    chosen += rng.sample(rest, min(len(rest), max(0, size - len(chosen))))
+    rng.shuffle(chosen)
+    return tuple(chosen)
+
+
+def _split_of(act: EurlexAct) -> str:
+    return SPLIT_FOLDERS.get(Path(act.file).parent.name, "test") if act.file else "test"
+
+
+def load_eurlex_corpus(dataset: str | Path, concepts_file: str | Path, *, hierarchy_file: str | Path = "",
+                       traces_file: str | Path = "", candidates: int = 20, seed: int = 0, order_seed: int = 0,
+                       name: str = "eurlex57k", privacy: str = "public") -> Corpus:
+    """The acts below ``dataset`` (the release's ``dataset`` folder, or any folder or file of act
+    documents) as a corpus: one note per act (its CELEX id; split from its folder,
+    :data:`SPLIT_FOLDERS`), its gold labels, its :func:`candidate_list` of ``candidates`` labels as
+    the prompt's list (seeded by ``seed`` and the act), and its trace from ``traces_file`` (JSONL
+    rows ``{"celex_id", "trace"}``) when given. The inventory holds every concept of
+    ``concepts_file`` (labels in a ``random.Random(order_seed)`` shuffle of their sorted order) with
+    the hierarchy of ``hierarchy_file`` as its relations. An act without a concept, a trace for an
+    unknown act or a malformed record raises, naming the file, the act and the field."""
+    if candidates < 1:
+        raise MistillInputError(f"candidates must be at least 1, not {candidates}", field="candidates")
+    concepts = load_eurovoc(concepts_file)
+    broader = load_broader(hierarchy_file, concepts) if hierarchy_file else {}
+    task = EurlexTask(concepts, broader)
+    labels = sorted(task.items)
+    order = list(labels)
+    random.Random(order_seed).shuffle(order)
+    label_of = task.concepts
+    relations = {label_of[c]: tuple(label_of[b] for b in ups) for c, ups in broader.items() if ups}
+    inventory = Inventory(codes=tuple(order), descriptions=dict(task.items), order_seed=order_seed,
+                          source=f"EURLEX57K concepts ({Path(concepts_file).name})", task=task.name,
+                          relations=relations)
+    traces: dict[str, str] = {}
+    if traces_file:
+        for rec, celex in jsonl_records(traces_file, "celex_id"):
+            traces[celex] = rec.text("trace", allow_empty=False)
+    acts = load_eurlex_documents(dataset)
+    unknown = sorted(set(traces) - {a.celex_id for a in acts})
+    if unknown:
+        raise MistillInputError(f"a trace for an act the dataset does not hold ({len(unknown)} such)",
+                                file=str(traces_file), note=unknown[0], field="celex_id")
+    notes = []
+    for act in acts:
+        gold = task.gold(act)
+        if not gold:
+            raise MistillInputError("the act has no EuroVoc concept", file=act.file or None, note=act.celex_id,
+                                    field="concepts")
+        shown = candidate_list(task, gold, labels, candidates, random.Random(f"{seed}:{act.celex_id}"))
+        notes.append(Note(note_id=act.celex_id, patient_id=act.celex_id, split=_split_of(act), text=act.text,
+                          gold_codes=gold, teacher_trace=traces.get(act.celex_id),
+                          meta={"source": "EURLEX57K", "file": Path(act.file).name if act.file else ""},
+                          shortlist=shown))
+    return Corpus(name=name, privacy=privacy, notes=notes, inventory=inventory,
+                  meta={"task": task.name, "candidates": candidates, "seed": seed})
+
+
+_FIXTURE_DOMAINS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
+    ("100", "agricultural policy", (("101", "plant health"), ("102", "animal health"), ("103", "crop production"))),
+    ("200", "trade policy", (("201", "customs duties"), ("202", "import licence"), ("203", "export refund"))),
+    ("300", "environmental policy", (("301", "water pollution"), ("302", "air quality"), ("303", "waste management"))),
+    ("400", "transport policy", (("401", "road safety"), ("402", "rail transport"), ("403", "maritime transport"))),
+)
+
+
+def write_eurlex_fixture(folder: str | Path, *, acts_per_split: Mapping[str, int] | None = None,
+                         seed: int = 0) -> dict[str, Path]:
+    """A small release of the project's own in EURLEX57K's layout under ``folder``: invented acts
+    in ``dataset/{train,dev,test}/<celex>.json``, 16 concepts of four domains in ``EURLEX57K.json``,
+    their hierarchy in ``broader.json``, and a scripted teacher trace per act in ``traces.jsonl``
+    (prose, a gold concept, a sibling of it, the other gold concept, and the gold labels as the
+    answer). Returns the paths by role (``dataset``, ``concepts_file``,
+    ``hierarchy_file``, ``traces_file``)."""
+    root = Path(folder)
+    counts = dict(acts_per_split or {"train": 6, "dev": 3, "test": 3})
+    concepts = {cid: {"label": label} for cid, label, _ in _FIXTURE_DOMAINS}
+    broader: dict[str, list[str]] = {}
+    for cid, _, children in _FIXTURE_DOMAINS:
+        for child_id, child in children:
+            concepts[child_id] = {"label": child}
+            broader[child_id] = [cid]
+    rng = random.Random(seed)
+    traces = []
+    for split, n in counts.items():
+        (root / "dataset" / split).mkdir(parents=True, exist_ok=True)
+        for i in range(n):
+            celex = f"3{2000 + seed}R{len(traces) + 1:04d}"
+            (d1, _, kids1), (d2, _, kids2) = rng.sample(_FIXTURE_DOMAINS, 2)
+            (g1_id, g1), (near_id, near) = rng.sample(kids1, 2)
+            g2_id, g2 = rng.choice(kids2)
+            body = [f"Article 1. This Regulation lays down rules on {g1} within the Union.",
+                    f"Article 2. Member States shall report on {g2} each year."]
+            doc = {"celex_id": celex, "title": f"Commission Regulation on {g1} and {g2}",
+                   "header": "THE EUROPEAN COMMISSION,", "recitals": f"Whereas measures on {g1} are needed,",
+                   "main_body": body, "attachments": "", "concepts": [g1_id, g2_id]}
+            (root / "dataset" / split / f"{celex}.json").write_text(json.dumps(doc, indent=1), encoding="utf-8")
+            trace = ("<think>First I read the title and the articles to see what the act regulates. The recitals "
+                     "explain why the measures are needed and which duties they create for the Member States. "
+                     f"The act lays down rules on {g1}. It is close to {near}, but the articles concern {g1}. "
+                     "The second article then adds a yearly reporting duty for every Member State, which "
+                     f"points to {g2}. Nothing else in the act needs a concept of its own, so the answer has "
+                     f"two labels.</think>\n{json.dumps([g1, g2])}")
+            traces.append({"celex_id": celex, "trace": trace})
+    paths = {"dataset": root / "dataset", "concepts_file": root / "EURLEX57K.json",
+             "hierarchy_file": root / "broader.json", "traces_file": root / "traces.jsonl"}
+    paths["concepts_file"].write_text(json.dumps(concepts, indent=1), encoding="utf-8")
+    paths["hierarchy_file"].write_text(json.dumps(broader, indent=1), encoding="utf-8")
+    paths["traces_file"].write_text("".join(json.dumps(t) + "\n" for t in traces), encoding="utf-8")
+    return paths

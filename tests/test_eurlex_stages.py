@@ -1,0 +1,75 @@
+"""EURLEX57K through the stages (App. P, Table 59's chain) on the project's fixture in the release's
+layout: ``prepare -P task=eurlex57k`` reads the acts, the concept file, the hierarchy and the
+traces; the teacher is ranked on the development batch (the train acts), and its frozen sets are
+knocked in on fresh acts (the test acts) against count-matched random heads."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+from mlflow.tracking import MlflowClient
+from stage_fixtures import TINY, unique
+
+from mistill.errors import MistillInputError
+from mistill.stages.characterize import (AttributeConfig, EventsConfig, KnockinStageConfig, run_attribute, run_events,
+                                         run_knockin)
+from mistill.stages.common import load_prepared
+from mistill.stages.prepare import PrepareConfig, run_prepare
+from mistill.tasks.eurlex import EurlexTask, load_eurlex_corpus, write_eurlex_fixture
+
+
+def test_the_release_layout_becomes_a_corpus_with_candidate_lists(tmp_path):
+    paths = write_eurlex_fixture(tmp_path)
+    corpus = load_eurlex_corpus(paths["dataset"], paths["concepts_file"], hierarchy_file=paths["hierarchy_file"],
+                                traces_file=paths["traces_file"], candidates=6)
+    assert len(corpus.notes) == 12 and {n.split for n in corpus.notes} == {"train", "val", "test"}
+    assert corpus.inventory.task == "eurlex57k" and len(corpus.inventory) == 16
+    task = EurlexTask.from_inventory(corpus.inventory)
+    for note in corpus.notes:
+        assert len(note.shortlist) == 6 and set(note.gold_codes) <= set(note.shortlist)
+        # the near-miss the trace names is one of the gold concept's siblings, and it is listed
+        assert any(task.related(note.gold_codes[0], c) for c in note.shortlist)
+        assert note.teacher_trace.endswith(json.dumps(list(note.gold_codes)))
+    again = load_eurlex_corpus(paths["dataset"], paths["concepts_file"], hierarchy_file=paths["hierarchy_file"],
+                               candidates=6)
+    assert [n.shortlist for n in again.notes] == [n.shortlist for n in corpus.notes]  # seeded per act
+    assert again.notes[0].teacher_trace is None
+    # a trace for an act the dataset lacks is refused, naming the file, the act and the field
+    extra = tmp_path / "extra.jsonl"
+    extra.write_text(json.dumps({"celex_id": "32999R9999", "trace": "<think>x</think>[]"}) + "\n")
+    with pytest.raises(MistillInputError) as err:
+        load_eurlex_corpus(paths["dataset"], paths["concepts_file"], traces_file=extra)
+    assert (err.value.note, err.value.field) == ("32999R9999", "celex_id")
+    with pytest.raises(MistillInputError) as err:
+        PrepareConfig(task="eurlex57k", corpus=str(paths["dataset"])).validate()
+    assert err.value.field == "concepts_file"
+
+
+def test_rank_on_the_development_acts_and_knock_in_the_frozen_sets_on_fresh_acts(tracking_uri, tmp_path, monkeypatch,
+                                                                                 pinned_code_version):
+    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path / "root"))
+    paths = write_eurlex_fixture(tmp_path / "release", acts_per_split={"train": 3, "test": 2})
+    prep = run_prepare(PrepareConfig(task="eurlex57k", corpus=str(paths["dataset"]), corpus_name=unique("eurlex"),
+                                     concepts_file=str(paths["concepts_file"]),
+                                     hierarchy_file=str(paths["hierarchy_file"]),
+                                     traces_file=str(paths["traces_file"]), candidates=6, privacy="public",
+                                     model=TINY))
+    prepared = load_prepared(prep)
+    assert prepared.inventory.task == "eurlex57k" and prepared.inventory.relations  # the hierarchy travels
+    ranked = {}
+    for split in ("train", "test"):
+        events = run_events(EventsConfig(prepare_run=prep, model=TINY, split=split, n_null=4))
+        counts = MlflowClient().get_run(events).data.metrics
+        assert counts["events/P2/realized"] > 0 and counts["events/P2C/realized"] > 0, counts
+        assert counts["events/NULL/realized"] > 0 and counts.get("events/P1/realized", 0) == 0  # no region decision
+        ranked[split] = run_attribute(AttributeConfig(events_run=events, selftest_events=0, stability_splits=5))
+    fresh = run_knockin(KnockinStageConfig(attribute_run=ranked["test"], sets_run=ranked["train"], k_bins=(2, 4),
+                                           events_per_phase=3, floor_draws=1))
+    run = MlflowClient().get_run(fresh)
+    assert run.info.status == "FINISHED" and run.data.tags["mistill.input.sets"] == ranked["train"]
+    rows = pd.read_csv(MlflowClient().download_artifacts(fresh, "per_note_sets.csv", str(tmp_path / "dl")),
+                       dtype={"note_id": str})
+    assert set(rows["note_id"]) <= {n.note_id for n in prepared.corpus.notes if n.split == "test"}
+    assert {"global", "random"} <= set(rows["set"]) and set(rows["phase"]) <= {"P2", "P2C", "NULL"}
