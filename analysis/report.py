@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import pandas as pd
 from mlflow.tracking import MlflowClient
 
-from analysis import flip_tables, query, run_deviations, tables
+from analysis import flip_tables, query, run_deviations, tables, transfer_tables
 from analysis.characterization_compare import compared_runs, reading_runs
 from analysis.report_model import LAMBDA_CELLS, Report, ReportInputs, ReportTable, TableChoices, cell_train_runs
 from analysis.report_sections import (READ_SIDE_STAGES, ExtraRuns, ablations_section, audit_section,
@@ -35,7 +35,8 @@ from analysis.report_sections import (READ_SIDE_STAGES, ExtraRuns, ablations_sec
                                       global_sets_section, lambda_section, locus_section, matched_selection_section,
                                       own_heads_aligned_section, own_heads_probe_section, own_heads_section,
                                       read_side_section, selection_section, student_edits_section, task_section)
-from analysis.report_sections import characterization_compare_section, instruction_control_section
+from analysis.report_sections import (characterization_compare_section, instruction_control_section,
+                                      transfer_screen_section)
 from analysis.report_sections import replicate_section, training_section
 from mistill import stats
 
@@ -120,9 +121,12 @@ def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str]
     extra["audit_frame"] = query.stage_runs(client, experiment, "audit_frame")
     extra["flip_test"] = query.stage_runs(client, experiment, "flip_test", params=flip_tables.FLIP_PARAMS)
     extra["knockin_sets"] = other_sets_only(query.stage_runs(client, experiment, "knockin", params=SETS_PARAMS))
+    prepared = query.stage_runs(client, experiment, "prepare", params=("task",))
+    task = str(prepared["params.task"].dropna().iloc[0]) \
+        if not prepared.empty and prepared["params.task"].notna().any() else "icd10"
     extra["locus_compared"] = reading_runs(client, extra["attribute_compared"], "locus")
     extra["read_side_compared"] = reading_runs(client, extra["attribute_compared"], "read_side")
-    return ReportInputs(experiment, runs, extra)
+    return ReportInputs(experiment, runs, extra, task)
 
 
 PROBE_PARAMS: tuple[str, ...] = ("probe_head", "probe_phase", "probe_rank")
@@ -221,7 +225,10 @@ def build_report(inputs: ReportInputs, *, reference_arm: str,
         pd.concat([inputs.runs["knockin"], inputs.extra.get("knockin_compared", pd.DataFrame())],
                   ignore_index=True),
         inputs.extra.get("locus_compared", pd.DataFrame()), inputs.extra.get("read_side_compared", pd.DataFrame()))
-    instruction_control_section(rep, client, inputs.extra.get("knockin_sets", pd.DataFrame()))
+    if inputs.task in transfer_tables.TRANSFER_TASKS:  # App. P's screen, not App. B's control
+        transfer_screen_section(rep, inputs.extra.get("knockin_sets", pd.DataFrame()), n_resamples, seed)
+    else:
+        instruction_control_section(rep, client, inputs.extra.get("knockin_sets", pd.DataFrame()))
     training_section(rep, client, extra, cells, n_resamples, seed)
     flip_test_section(rep, inputs.extra.get("flip_test", pd.DataFrame()), n_resamples, seed)
     replicate_section(rep, extra, replicate_pairs, n_resamples, seed)

@@ -31,6 +31,8 @@ class ReportInputs:
     """``attribute``, ``train``, ``evaluate_all``, ``own_heads_all`` and ``select_lambda_all``: runs
     read beyond the newest of each cell (the last three: every split, every run; Table 52 pairs
     selections by their recorded lock, not by the cell key)."""
+    task: str = "icd10"
+    """The label space of the experiment's corpus (its prepare runs' ``task``)."""
 
     def frames(self) -> list[pd.DataFrame]:
         return [df for df in (*self.runs.values(), *self.extra.values()) if not df.empty]

@@ -19,6 +19,7 @@ from analysis import characterization_compare as compare
 from analysis import flip_tables
 from analysis import matched_tables as matched
 from analysis import training_tables
+from analysis import transfer_tables
 from analysis.audit import stratified_readouts
 from analysis.edit_tables import TABLE_COLUMNS, edit_pairs_table
 from analysis.report_model import (DECISION, LAMBDA_CELLS, OWN_HEADS_PER_NOTE, PER_NOTE_METRICS, PER_NOTE_SETS,
@@ -1115,6 +1116,33 @@ def characterization_compare_section(rep: Report, attribute: pd.DataFrame, knock
     _compare_locus(rep, attribute, locus if locus is not None else pd.DataFrame())
     _compare_read_side(rep, read_side if read_side is not None else pd.DataFrame())
     _patient_collapse(rep, collapsed)
+
+
+def transfer_screen_section(rep: Report, knockin_sets: pd.DataFrame, n_resamples: int, seed: int,
+                            k: int = transfer_tables.SCREEN_K) -> None:
+    """Table 59 (App. P): per knock-in run of a frozen development ranking on another label space's
+    inputs, its coverage and the ranked heads' recovery against random heads at P2C, top-``k``
+    (:func:`analysis.transfer_tables.transfer_screen_table`)."""
+    name, title = "table59_transfer_screen", "Table 59: the teacher's ranked heads against random heads"
+    caption = ("Per knock-in of the frozen development ranking (sets_run) on the assessment batch or fresh inputs: "
+               "coverage; recovery of the ranked P2C top-40 and of count-matched random heads (means over the "
+               "evaluable inputs, 95% percentile bootstrap over inputs); ranked minus random per input; necessity; "
+               "the ranked set's recovery at the other k read.")
+    if knockin_sets.empty:
+        return _listed(rep, name, title, caption, pd.DataFrame(), pd.DataFrame(),
+                       "no FINISHED knockin run of a frozen ranking (knockin -P sets_run=...)",
+                       columns=["run_id", "sets_run", *transfer_tables.COLUMNS])
+    frames = []
+    for _, run in knockin_sets.iterrows():
+        rows = _load(rep, pd.DataFrame([run]), PER_NOTE_SETS, ["note_id", "phase", "k", "set", "necessity",
+                                                               "recovery"], ("run_id",))
+        table = transfer_tables.transfer_screen_table(rows, k=k, n_resamples=n_resamples, seed=seed)
+        table.insert(0, "sets_run", run["params.sets_run"])
+        table.insert(0, "run_id", run["run_id"])
+        frames.append(table)
+    table = pd.concat(frames, ignore_index=True)
+    _listed(rep, name, title, caption, table, table.round(3),
+            "" if len(table) else "the knock-in runs read no P2C rows", columns=list(table.columns))
 
 
 def instruction_control_section(rep: Report, client: MlflowClient, knockin_sets: pd.DataFrame) -> None:

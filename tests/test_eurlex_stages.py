@@ -12,11 +12,15 @@ import pytest
 from mlflow.tracking import MlflowClient
 from stage_fixtures import TINY, unique
 
+from analysis.report import collect_inputs
+from analysis.report_model import Report
+from analysis.report_sections import transfer_screen_section
 from mistill.errors import MistillInputError
 from mistill.stages.characterize import (AttributeConfig, EventsConfig, KnockinStageConfig, run_attribute, run_events,
                                          run_knockin)
 from mistill.stages.common import load_prepared
 from mistill.stages.prepare import PrepareConfig, run_prepare
+from mistill.tracking.experiments import experiment_for_corpus
 from mistill.tasks.eurlex import EurlexTask, load_eurlex_corpus, write_eurlex_fixture
 
 
@@ -51,7 +55,8 @@ def test_rank_on_the_development_acts_and_knock_in_the_frozen_sets_on_fresh_acts
                                                                                  pinned_code_version):
     monkeypatch.setenv("MISTILL_ROOT", str(tmp_path / "root"))
     paths = write_eurlex_fixture(tmp_path / "release", acts_per_split={"train": 3, "test": 2})
-    prep = run_prepare(PrepareConfig(task="eurlex57k", corpus=str(paths["dataset"]), corpus_name=unique("eurlex"),
+    name = unique("eurlex")
+    prep = run_prepare(PrepareConfig(task="eurlex57k", corpus=str(paths["dataset"]), corpus_name=name,
                                      concepts_file=str(paths["concepts_file"]),
                                      hierarchy_file=str(paths["hierarchy_file"]),
                                      traces_file=str(paths["traces_file"]), candidates=6, privacy="public",
@@ -73,3 +78,15 @@ def test_rank_on_the_development_acts_and_knock_in_the_frozen_sets_on_fresh_acts
                        dtype={"note_id": str})
     assert set(rows["note_id"]) <= {n.note_id for n in prepared.corpus.notes if n.split == "test"}
     assert {"global", "random"} <= set(rows["set"]) and set(rows["phase"]) <= {"P2", "P2C", "NULL"}
+    # the report's inputs of a EURLEX experiment: its task, and the knock-in of the frozen ranking,
+    # from which Table 59 is built (in place of the clinical instruction control)
+    inputs = collect_inputs(MlflowClient(), experiment_for_corpus(name))
+    assert inputs.task == "eurlex57k" and list(inputs.extra["knockin_sets"]["run_id"]) == [fresh]
+    rep = Report(inputs.experiment, "vanilla-bf16")
+    transfer_screen_section(rep, inputs.extra["knockin_sets"], n_resamples=50, seed=0, k=4)  # the fixture's top k
+    (t59,) = [t for t in rep.tables if t.name == "table59_transfer_screen"]
+    assert set(t59.numeric["run_id"]) == {fresh} and set(t59.numeric["sets_run"]) == {ranked["train"]}
+    by = t59.numeric[t59.numeric["k"] == 4].set_index("statistic")
+    p2c = rows[(rows["phase"] == "P2C") & (rows["k"] == 4) & (rows["set"] == "global")]
+    assert by.loc["inputs with an event of the phase", "value"] == int((p2c["n_events"] > 0).sum()) > 0
+    assert by.loc["evaluable events of all events of the phase", "n"] == int(p2c["n_events"].sum())

@@ -1,0 +1,81 @@
+"""Table 59 (App. P): the teacher's ranked heads on another label space, against random heads.
+
+The teacher's heads are ranked once on a development batch (an ``attribute`` run), and that
+frozen ranking's global sets are knocked in on other inputs (``knockin -P sets_run=<the ranking>``
+on the assessment batch or on fresh inputs). From such a knock-in run's ``per_note_sets`` rows,
+at the contrastive decision (P2C) and k = 40 (:data:`SCREEN_PHASE`, :data:`SCREEN_K`):
+
+* coverage: the inputs with an event of the phase, the evaluable inputs (a recovery for both the
+  ranked and the random set: at least one event whose all-heads-minus-corrupt range passed the
+  gate), and the evaluable events against all the phase's events;
+* recovery of the ranked (global) set and of the count-matched random heads, means over the
+  evaluable inputs with 95 % percentile bootstraps over inputs;
+* ranked minus random per input (paired), its mean, bootstrap interval and the inputs where it is
+  positive; necessity of both sets (the normalised margin loss under their ablation);
+* the ranked set's recovery at every other k the run read (the paper quotes k = 100).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from mistill import stats
+
+__all__ = ["SCREEN_PHASE", "SCREEN_K", "TRANSFER_TASKS", "COLUMNS", "transfer_screen_table"]
+
+SCREEN_PHASE, SCREEN_K = "P2C", 40
+"""The cell Table 59 reads: the contrastive decision's top-40."""
+TRANSFER_TASKS: tuple[str, ...] = ("eurlex57k",)
+"""The label spaces of App. P's screen whose corpora the stages read (the report lists Table 59
+for their experiments instead of the clinical instruction control)."""
+COLUMNS: list[str] = ["statistic", "k", "value", "ci_low", "ci_high", "n"]
+
+
+def _cell(rows: pd.DataFrame, phase: str, k: int, which: str) -> pd.DataFrame:
+    got = rows[(rows["phase"] == phase) & (rows["k"] == k) & (rows["set"] == which)]
+    return got.drop_duplicates("note_id").set_index("note_id")
+
+
+def transfer_screen_table(rows: pd.DataFrame, *, phase: str = SCREEN_PHASE, k: int = SCREEN_K,
+                          n_resamples: int = stats.N_BOOTSTRAP, seed: int = 0) -> pd.DataFrame:
+    """Table 59's rows for one knock-in run of a frozen ranking (``rows``: its ``per_note_sets``,
+    columns ``note_id, phase, k, set, necessity, recovery, n_events, n_gated``), :data:`COLUMNS`."""
+    out: list[dict] = []
+
+    def add(statistic: str, value: float, low: float = math.nan, high: float = math.nan, n: int = 0,
+            at: int = k) -> None:
+        out.append({"statistic": statistic, "k": at, "value": float(value), "ci_low": float(low),
+                    "ci_high": float(high), "n": int(n)})
+
+    if rows.empty:
+        return pd.DataFrame(columns=COLUMNS)
+    rows = rows.assign(note_id=rows["note_id"].astype(str), k=pd.to_numeric(rows["k"]).astype(int))
+    ranked, random = _cell(rows, phase, k, "global"), _cell(rows, phase, k, "random")
+    events = pd.to_numeric(ranked.get("n_events", pd.Series(dtype=float)), errors="coerce").fillna(0)
+    gated = pd.to_numeric(ranked.get("n_gated", pd.Series(dtype=float)), errors="coerce").fillna(0)
+    rec = pd.DataFrame({"ranked": pd.to_numeric(ranked["recovery"], errors="coerce"),
+                        "random": pd.to_numeric(random["recovery"], errors="coerce")}).dropna()
+    add("inputs with an event of the phase", int((events > 0).sum()))
+    add("evaluable inputs (a recovery for both sets)", len(rec))
+    add("evaluable events of all events of the phase", float(gated.sum()), n=int(events.sum()))
+    for name in ("ranked", "random"):
+        if len(rec):
+            ci = stats.bootstrap_ci(rec[name].to_numpy(), np.mean, n_resamples=n_resamples, seed=seed)
+            add(f"recovery, {name} heads", ci.estimate, ci.low, ci.high, len(rec))
+    if len(rec):
+        d = stats.paired_difference(rec["ranked"].to_numpy(), rec["random"].to_numpy(), n_resamples=n_resamples,
+                                    seed=seed)
+        add("recovery, ranked minus random", d.mean_diff, d.ci_low, d.ci_high, d.n)
+        add("inputs where ranked minus random is positive", d.n_higher, n=d.n)
+    for name, cell in (("ranked", ranked), ("random", random)):
+        nec = pd.to_numeric(cell["necessity"], errors="coerce").dropna() if len(cell) else pd.Series(dtype=float)
+        if len(nec):
+            add(f"necessity, {name} heads", float(nec.mean()), n=len(nec))
+    for other in sorted(set(rows["k"]) - {k}):
+        cell = pd.to_numeric(_cell(rows, phase, other, "global")["recovery"], errors="coerce").dropna()
+        if len(cell):
+            add("recovery, ranked heads", float(cell.mean()), n=len(cell), at=other)
+    return pd.DataFrame(out, columns=COLUMNS)
