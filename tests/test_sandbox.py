@@ -42,6 +42,10 @@ def test_passing_failing_and_broken_programs_get_their_verdicts():
     no_tests = run_program("x = 1\n", limits=FAST)
     assert no_tests.outcome == "error" and "no tests" in no_tests.detail
     assert run_program("   \n", limits=FAST).outcome == "no_code" and run_program(None).outcome == "no_code"
+    # a program that ends the process itself never reports a pass, whatever its exit status
+    assert run("import sys\nsys.exit(0)\n").outcome == "error"
+    quits = run("import os\ndef task_func(xs):\n    os._exit(0)\n")
+    assert quits.outcome == "error" and quits.returncode == 0
 
 
 def test_the_limits_end_a_program_with_a_verdict():

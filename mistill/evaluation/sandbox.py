@@ -12,7 +12,9 @@ by :func:`run_program` in a child Python process that
   where the kernel lets an unprivileged user create one, and in every case behind a guard that
   makes the socket module's connecting calls raise (:data:`ISOLATION` says which applied).
 
-The harness executes the program as a module, then runs every ``unittest.TestCase`` it defines.
+The harness executes the program as a module, then runs every ``unittest.TestCase`` it defines, and
+writes the outcome to a receipt file named on its command line: a program that ends the process
+itself (``sys.exit``, ``os._exit``) leaves none and is an ``error``, whatever its exit status.
 Each program gets exactly one terminal :class:`Verdict` (:data:`OUTCOMES`): ``passed`` (at least one
 test ran and every test passed), ``failed`` (a test failed or raised), ``error`` (the program did
 not run to its tests: a syntax error, an import error, an exception at module level, no tests),
@@ -29,6 +31,7 @@ from __future__ import annotations
 import functools
 import os
 import resource
+import secrets
 import shutil
 import signal
 import subprocess
@@ -47,14 +50,20 @@ OUTCOMES: tuple[str, ...] = ("passed", "failed", "error", "timeout", "memory", "
 ISOLATION = ("netns", "socket-guard")
 """How the network was cut: a new network namespace (with the guard inside it), or the guard alone."""
 
-_EXIT_PASSED, _EXIT_FAILED, _EXIT_ERROR, _EXIT_MEMORY = 0, 1, 2, 3
-
 _HARNESS = '''\
 import socket, sys, types, unittest
+
+RECEIPT = sys.argv[1]
 
 
 def _no_network(*args, **kwargs):
     raise OSError("network access is disabled in the sandbox")
+
+
+def _end(outcome):
+    with open(RECEIPT, "w", encoding="utf-8") as fh:
+        fh.write(outcome)
+    sys.exit(0)
 
 
 for _name in ("connect", "connect_ex", "sendto"):
@@ -67,24 +76,25 @@ try:
     sys.modules["program"] = module
     exec(compile(source, "program.py", "exec"), module.__dict__)
     suite = unittest.defaultTestLoader.loadTestsFromModule(module)
-    if suite.countTestCases() == 0:
-        print("the program defines no tests", file=sys.stderr)
-        sys.exit(%(error)d)
 except MemoryError:
-    sys.exit(%(memory)d)
-except SystemExit:
-    raise
-except BaseException as exc:
+    _end("memory")
+except BaseException as exc:  # an exit at module level included: the tests never ran
     print(f"the program did not run to its tests: {type(exc).__name__}: {exc}", file=sys.stderr)
-    sys.exit(%(error)d)
+    _end("error")
+if suite.countTestCases() == 0:
+    print("the program defines no tests", file=sys.stderr)
+    _end("error")
 try:
     result = unittest.TextTestRunner(stream=sys.stderr, verbosity=0).run(suite)
 except MemoryError:
-    sys.exit(%(memory)d)
-if any(isinstance(e, MemoryError) or "MemoryError" in str(e) for _, e in result.errors):
-    sys.exit(%(memory)d)
-sys.exit(%(passed)d if result.wasSuccessful() else %(failed)d)
-''' % {"passed": _EXIT_PASSED, "failed": _EXIT_FAILED, "error": _EXIT_ERROR, "memory": _EXIT_MEMORY}
+    _end("memory")
+if any("MemoryError" in str(e) for _, e in result.errors):
+    _end("memory")
+_end("passed" if result.wasSuccessful() else "failed")
+'''
+"""The child's script: the program run as a module, then its tests; the outcome is written to the
+receipt file named on its command line (a program that ends the process itself, even with status
+0, leaves no receipt and is an ``error``)."""
 
 
 @dataclass(frozen=True)
@@ -151,12 +161,11 @@ def _limit(limits: SandboxLimits):
     return apply
 
 
-def _outcome(code: int | None, stderr: str) -> str:
-    if code == _EXIT_PASSED:
-        return "passed"
-    if code == _EXIT_FAILED:
-        return "failed"
-    if code == _EXIT_MEMORY or "MemoryError" in stderr or "Cannot allocate memory" in stderr:
+def _outcome(receipt: str, code: int | None, stderr: str) -> str:
+    """The verdict from the harness's receipt; without one, from how the process ended."""
+    if receipt in ("passed", "failed", "memory", "error"):
+        return receipt
+    if "MemoryError" in stderr or "Cannot allocate memory" in stderr:
         return "memory"
     if code is not None and code < 0 and -code == signal.SIGXCPU:
         return "timeout"
@@ -174,9 +183,10 @@ def run_program(program: str | None, *, task_id: str = "", limits: SandboxLimits
     try:
         (work / "program.py").write_text(program, encoding="utf-8")
         (work / "harness.py").write_text(_HARNESS, encoding="utf-8")
+        receipt = work / f".verdict-{secrets.token_hex(8)}"
         env = {"PATH": os.defpath, "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8",
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-I", "harness.py"]
+        cmd = [sys.executable, "-I", "harness.py", receipt.name]
         if netns:
             cmd = [shutil.which("unshare") or "unshare", "-rn", "--", *cmd]
         start = time.perf_counter()
@@ -192,7 +202,8 @@ def run_program(program: str | None, *, task_id: str = "", limits: SandboxLimits
         seconds = time.perf_counter() - start
         text = err.decode("utf-8", errors="replace")
         tail = text[-limits.output_bytes:] if limits.output_bytes else ""
-        outcome = "timeout" if code is None else _outcome(code, text)
+        written = receipt.read_text(encoding="utf-8").strip() if receipt.is_file() else ""
+        outcome = "timeout" if code is None else _outcome(written, code, text)
         return Verdict(task_id, outcome, code, seconds, isolation, tail)
     finally:
         shutil.rmtree(work, ignore_errors=True)
