@@ -40,6 +40,10 @@ def test_the_release_layout_becomes_a_corpus_with_candidate_lists(tmp_path):
                                candidates=6)
     assert [n.shortlist for n in again.notes] == [n.shortlist for n in corpus.notes]  # seeded per act
     assert again.notes[0].teacher_trace is None
+    every = load_eurlex_corpus(paths["dataset"], paths["concepts_file"], candidates=40)  # more than there are
+    assert {len(n.shortlist) for n in every.notes} == {16}
+    task_near = task.neighbours()  # the hierarchy's neighbours are exactly the related pairs
+    assert all((b in task_near[a]) == task.related(a, b) for a in task_near for b in task_near)
     # a trace for an act the dataset lacks is refused, naming the file, the act and the field
     extra = tmp_path / "extra.jsonl"
     extra.write_text(json.dumps({"celex_id": "32999R9999", "trace": "<think>x</think>[]"}) + "\n")

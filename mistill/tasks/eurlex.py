@@ -242,6 +242,21 @@ class EurlexTask(Task):
         return set_scores(gold, pred)
 
 
+    def neighbours(self) -> dict[str, frozenset[str]]:
+        """Label -> the labels :meth:`related` to it (broader, narrower, siblings), built once from the
+        hierarchy rather than by testing every pair."""
+        children: dict[str, set[str]] = {}
+        for cid, ups in self._broader.items():
+            for up in ups:
+                children.setdefault(up, set()).add(cid)
+        out: dict[str, frozenset[str]] = {}
+        for label, cid in self._id_of.items():
+            ups = self._broader.get(cid, frozenset())
+            ids = set(ups) | children.get(cid, set()) | {s for up in ups for s in children.get(up, ())}
+            ids.discard(cid)
+            out[label] = frozenset(self.concepts[i] for i in ids if i in self.concepts)
+        return out
+
     @classmethod
     def from_inventory(cls, inventory: Inventory) -> "EurlexTask":
         """The task of a prepared EURLEX corpus (:func:`load_eurlex_corpus`): the inventory's
@@ -251,17 +266,29 @@ class EurlexTask(Task):
                    {ids[label]: [ids[b] for b in broader] for label, broader in inventory.relations.items()})
 
 
-def candidate_list(task: EurlexTask, gold: Sequence[str], labels: Sequence[str], size: int,
+def candidate_list(gold: Sequence[str], labels: Sequence[str], near: Mapping[str, Collection[str]], size: int,
                    rng: random.Random) -> tuple[str, ...]:
     """An act's candidate list (**[recon]**): its gold labels, then concepts related to them
-    (broader, narrower, siblings: the near-misses a reasoning contrasts), then other concepts
-    drawn at random, up to ``size`` labels (never fewer than the gold), in a shuffled order."""
+    (``near``: :meth:`EurlexTask.neighbours`, the near-misses a reasoning contrasts), then other
+    concepts of ``labels`` drawn at random, up to ``size`` labels (never fewer than the gold), in a
+    shuffled order."""
     chosen = list(dict.fromkeys(gold))
-    near = sorted({x for g in chosen for x in labels if x not in chosen and task.related(g, x)})
-    rng.shuffle(near)
-    chosen += near[:max(0, size - len(chosen))]
-    rest = [x for x in labels if x not in chosen]
-    chosen += rng.sample(rest, min(len(rest), max(0, size - len(chosen))))
+    seen = set(chosen)
+    size = min(size, len(labels))  # never more than there are (the gold are labels too)
+    related = sorted({x for g in chosen for x in near.get(g, ()) if x not in seen})
+    rng.shuffle(related)
+    for x in related[:max(0, size - len(chosen))]:
+        chosen.append(x)
+        seen.add(x)
+    if size - len(chosen) >= len(labels) - len(seen):  # every other label fits
+        rest = [x for x in labels if x not in seen]
+        rng.shuffle(rest)
+        chosen += rest
+    while len(chosen) < size:  # a few of many: draw and skip the ones already listed
+        x = labels[rng.randrange(len(labels))]
+        if x not in seen:
+            chosen.append(x)
+            seen.add(x)
     rng.shuffle(chosen)
     return tuple(chosen)
 
@@ -299,6 +326,7 @@ def load_eurlex_corpus(dataset: str | Path, concepts_file: str | Path, *, hierar
         for rec, celex in jsonl_records(traces_file, "celex_id"):
             traces[celex] = rec.text("trace", allow_empty=False)
     acts = load_eurlex_documents(dataset)
+    near = task.neighbours()
     unknown = sorted(set(traces) - {a.celex_id for a in acts})
     if unknown:
         raise MistillInputError(f"a trace for an act the dataset does not hold ({len(unknown)} such)",
@@ -309,7 +337,7 @@ def load_eurlex_corpus(dataset: str | Path, concepts_file: str | Path, *, hierar
         if not gold:
             raise MistillInputError("the act has no EuroVoc concept", file=act.file or None, note=act.celex_id,
                                     field="concepts")
-        shown = candidate_list(task, gold, labels, candidates, random.Random(f"{seed}:{act.celex_id}"))
+        shown = candidate_list(gold, labels, near, candidates, random.Random(f"{seed}:{act.celex_id}"))
         notes.append(Note(note_id=act.celex_id, patient_id=act.celex_id, split=_split_of(act), text=act.text,
                           gold_codes=gold, teacher_trace=traces.get(act.celex_id),
                           meta={"source": "EURLEX57K", "file": Path(act.file).name if act.file else ""},
