@@ -29,10 +29,13 @@ RUN_FIELD_CASES = [(name, f) for name, s in STAGES.items() for f in run_fields(s
 MODEL_CASES = [(name, f) for name, s in STAGES.items() for f in s.models]
 FILE_CASES = [(name, f) for name, s in STAGES.items() for f in s.files]
 EXPERIMENT = "preflight-inputs"
+_EURLEX = {"task": "eurlex57k", "corpus": str(Path(__file__).parent), "concepts_file": __file__}
 FILE_CONTEXT = {("prepare", "split_file"): {"corpus": "mimic:/absent/notes.csv"},
-                ("flip_cohort", "ledger"): {"proposals": __file__}}
+                ("flip_cohort", "ledger"): {"proposals": __file__},
+                **{("prepare", f): _EURLEX for f in ("concepts_file", "hierarchy_file", "traces_file")}}
 """Values another field needs for a file field to apply (a split file is read for a MIMIC table only;
-a ledger decides the proposals of a proposals file, here any file that exists)."""
+a ledger decides the proposals of a proposals file, here any file that exists; the EURLEX57K files
+are read for that task, whose concept file is required)."""
 
 
 def _ids(cases: list[tuple[str, str]]) -> list[str]:
