@@ -464,8 +464,7 @@ class Inventory:
             inv = cls(codes=tuple(data["codes"]), descriptions=dict(data["descriptions"]),
                       order_seed=data["order_seed"], source=str(data.get("source", "")),
                       task=str(data.get("task", "icd10")),
-                      relations={str(k): tuple(v) if isinstance(v, list) else v
-                                 for k, v in dict(data.get("relations") or {}).items()})
+                      relations=dict(data.get("relations") or {}))
         except MistillInputError as exc:
             raise MistillInputError(exc.args[0], file=file, field=exc.field) from None
         if "digest" in data and data["digest"] != inv.digest:

@@ -578,26 +578,27 @@ def realize_events(events: Sequence[Event], *, full_text: str, trace_offset: int
             head = ev.code[: ev.char_index] if ev.code is not None else ""
             comp_ids = []
             if word_items:  # each alternative's own first token from the divergence on
-                alternatives = [ev.near_miss] if ev.kind == "P2C" else \
-                    [x for x in word_items if len(x) > len(head) and x.startswith(head)]
+                alternatives = [ev.near_miss] if ev.kind == "P2C" else word_items
                 for alt in alternatives:
-                    if alt is None or len(alt) <= len(head) or alt[len(head)] not in ev.competitors:
+                    if alt is None or len(alt) <= len(head) or not alt.startswith(head) \
+                            or alt[len(head)] not in ev.competitors:
                         continue
                     toks = encode(lead + alt[len(head):])
                     if toks and toks[0] != target_id and toks[0] != unk and toks[0] not in comp_ids:
                         comp_ids.append(toks[0])
-            for c in () if word_items else ev.competitors:
-                cid = one_token(lead + c + chunk[1:])
-                if cid is None or cid == target_id or cid in comp_ids:
-                    continue
-                if len(in_code) > 1:
-                    cand = head + c + in_code[1:]
-                    if ev.kind == "P2C":
-                        if ev.near_miss is None or not ev.near_miss.startswith(cand):
-                            continue
-                    elif prefixes is not None and cand not in prefixes:
+            else:
+                for c in ev.competitors:
+                    cid = one_token(lead + c + chunk[1:])
+                    if cid is None or cid == target_id or cid in comp_ids:
                         continue
-                comp_ids.append(cid)
+                    if len(in_code) > 1:
+                        cand = head + c + in_code[1:]
+                        if ev.kind == "P2C":
+                            if ev.near_miss is None or not ev.near_miss.startswith(cand):
+                                continue
+                        elif prefixes is not None and cand not in prefixes:
+                            continue
+                    comp_ids.append(cid)
         if not comp_ids:
             drop(ev, "no_competitor")
             continue

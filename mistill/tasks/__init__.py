@@ -38,8 +38,9 @@ def _musique(**kw: Any) -> Task:
     return MuSiQueTask(**kw)
 
 
-def _eurlex(**kw: Any) -> Task:
-    return EurlexTask(**kw)
+def _eurlex(inventory: Any = None, **kw: Any) -> Task:
+    # a prepared inventory holds the labels, their ids and the hierarchy (EurlexTask.from_inventory)
+    return EurlexTask.from_inventory(inventory) if inventory is not None else EurlexTask(**kw)
 
 
 def _bigcodebench(**kw: Any) -> Task:
@@ -77,8 +78,6 @@ def task_for(inventory: Any) -> Task:
     if name not in INVENTORY_TASKS:
         raise MistillInputError(f"the inventory's task {name!r} has no stages (one of {', '.join(INVENTORY_TASKS)})",
                                 field="task")
-    if name == "eurlex57k":  # labels, ids and hierarchy as the prepared inventory records them
-        return EurlexTask.from_inventory(inventory)
     return task(name, inventory=inventory)
 
 
