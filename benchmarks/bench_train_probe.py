@@ -2,7 +2,8 @@
 
 A tracking server, a tiny random teacher's characterization of ``--notes`` synthetic notes
 (``prepare -> events -> attribute -> targets``; the teacher only supplies the traces), then the
-``train`` stage of ``--arm`` on the student with ``probe_every=1`` for ``--steps`` optimizer steps,
+``train`` stage of ``--arm`` on the student with ``probe_every=1`` for ``--steps`` optimizer steps
+(no trainer checkpoints unless ``--checkpoint-every``),
 once per backend of ``--backends``: ``hf`` (HF's batched generation with the model being trained)
 and ``vllm`` (:class:`~mistill.evaluation.backends.SyncedVLLMBackend`: one engine for the run,
 asleep between probes, given the student's current weights before each). Each probe samples
@@ -68,7 +69,8 @@ def measure(targets: str, student: str, backend: str, args) -> dict:
                                         grad_accum=1, epochs=args.steps, register=False, device=args.device,
                                         probe_every=1, probe_notes=args.probe_notes,
                                         probe_max_new_tokens=args.probe_new, probe_backend=backend,
-                                        rollout_gpu_memory=args.engine_memory))
+                                        rollout_gpu_memory=args.engine_memory,
+                                        checkpoint_every=args.checkpoint_every))
     wall = time.perf_counter() - start
     client = MlflowClient()
     run = client.get_run(run_id)
@@ -82,6 +84,23 @@ def measure(targets: str, student: str, backend: str, args) -> dict:
     assert res["status"] == "FINISHED" and res["backend"] == backend, res
     assert len(res["probe_s"]) == args.steps, res
     return res
+
+
+def summarize(res: dict) -> dict:
+    """``res`` with flat per-backend keys for ``record.py`` beside the nested histories:
+    ``<backend>_train_s``, ``_probe_first_s`` (the first probe: the HF path's compilation, the
+    engine's first wake-up), ``_probe_last_s`` (a later probe, the steady state), ``_step_last_s``,
+    ``_peak_gib`` (CUDA only)."""
+    out = dict(res)
+    for backend in ("vllm", "hf"):
+        run = res.get(backend)
+        if not isinstance(run, dict):
+            continue
+        out.update({f"{backend}_train_s": run["train_s"], f"{backend}_probe_first_s": run["probe_s"][0],
+                    f"{backend}_probe_last_s": run["probe_s"][-1], f"{backend}_step_last_s": run["step_s"][-1]})
+        if run["peak_gib"]:  # logged on CUDA only
+            out[f"{backend}_peak_gib"] = max(run["peak_gib"])
+    return out
 
 
 def main() -> None:
@@ -100,9 +119,12 @@ def main() -> None:
     ap.add_argument("--model-root", default="/root/bench-models")
     ap.add_argument("--root", default="", help="the tracking store's folder (default: a new temporary one)")
     ap.add_argument("--out", default="bench_train_probe.json")
-    ap.add_argument("--min-free-gib", type=float, default=40.0,
-                    help="refuse to start with less free disk under the store's folder: a Qwen3-4B train run "
-                         "writes a checkpoint of about 21 GB before its probe")
+    ap.add_argument("--checkpoint-every", type=int, default=0,
+                    help="the train run's checkpoint interval (0: none; a Qwen3-4B full-state checkpoint is about "
+                         "20 GB, written beside the previous one: this times the probe, not the disk)")
+    ap.add_argument("--min-free-gib", type=float, default=25.0,
+                    help="refuse to start with less free disk under the store's folder (the student's weights, "
+                         "the trained copy and, with --checkpoint-every, about 40 GB more)")
     ap.add_argument("--smoke", action="store_true", help="a 2-layer student on the CPU, the HF probe: seconds")
     args = ap.parse_args()
     if args.smoke:
@@ -114,9 +136,9 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(root).free / 2 ** 30
     if not args.smoke and free < args.min_free_gib:
-        sys.exit(f"only {free:.1f} GiB free under {root}, --min-free-gib {args.min_free_gib:g}: the train run's "
-                 f"checkpoint comes before its probe; free space (earlier benchmarks' models under "
-                 f"{args.model_root}) or pass --root on a larger disk")
+        sys.exit(f"only {free:.1f} GiB free under {root}, --min-free-gib {args.min_free_gib:g}: the train run "
+                 f"writes the trained student (and its checkpoints) there; free space (earlier benchmarks' models "
+                 f"under {args.model_root}) or pass --root on a larger disk")
     student = str(model_dir(args.student, Path(args.model_root), args.max_pos, args.tokenizer, args.device))
     # the teacher: a 2-layer random Qwen3 with the same tokenizer, on the CPU (it only supplies traces)
     teacher = str(model_dir("smoke", Path(args.model_root), args.max_pos, args.tokenizer, "cpu"))
@@ -129,7 +151,7 @@ def main() -> None:
     if "vllm" in args.backends:
         import vllm  # deferred: vLLM is optional
 
-        res["vllm"] = vllm.__version__
+        res["vllm_version"] = vllm.__version__
     try:
         start = time.perf_counter()
         targets = targets_run(args.notes, teacher)
@@ -138,11 +160,11 @@ def main() -> None:
             res[backend] = measure(targets, student, backend, args)
             print(f"{backend}: {json.dumps(res[backend])}", flush=True)
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(res, indent=2))
+            Path(args.out).write_text(json.dumps(summarize(res), indent=2))
     finally:
         tracking.stop()
-    print(json.dumps(res, indent=2))
-    Path(args.out).write_text(json.dumps(res, indent=2))
+    print(json.dumps(summarize(res), indent=2))
+    Path(args.out).write_text(json.dumps(summarize(res), indent=2))
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ BAD = {"n_null": -1, "null_min_distance": -1, "p2c_cap": 3, "chunk_size": 0, "ba
        "backend": "tgi", "temperature": 0.0, "top_p": 0.0, "top_k": -1, "epochs": 0, "lr": 0.0,
        "warmup_frac": 1.5, "grad_accum": 0, "clip": 0.0, "max_steps": -1, "top_nominees": -1,
        "global_nominees": -1, "p2_top_nominees": -1, "p2_global_nominees": -1, "p2c_top_nominees": -1,
-       "p2c_global_nominees": -1, "cpu_bf16_matmul": "fast", "sharding": "zero3", "max_events": -1, "max_tries": 0,
+       "p2c_global_nominees": -1, "cpu_bf16_matmul": "fast", "sharding": "zero3", "checkpoint_every": -1, "max_events": -1, "max_tries": 0,
        "probe_every": -1, "probe_notes": 0, "probe_split": "no such split!", "probe_max_new_tokens": 0,
        "probe_flag_share": 0.0, "probe_backend": "tgi"}
 """One invalid value of every group field that has invalid values (booleans have none)."""

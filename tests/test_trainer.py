@@ -30,10 +30,10 @@ def _micro_step(data):
     return step
 
 
-def _trainer(tmp_path, precision="fp32", name="a"):
+def _trainer(tmp_path, precision="fp32", name="a", checkpoint_every=1):
     lm = tiny_model("qwen3", layers=2, heads=4, kv_heads=2, d_head=8, d_model=32, seed=1)
     recipe = RecipeConfig(seed=3, precision=precision, epochs=2, lr=1e-3, grad_accum=2,
-                          gradient_checkpointing=True)
+                          gradient_checkpointing=True, checkpoint_every=checkpoint_every)
     model = prepare_student(lm.model, recipe)
     logs = []
     t = Trainer(model, 5, recipe, _micro_step(_data()), state_dir=tmp_path / name,
@@ -72,6 +72,18 @@ def test_resume_halfway_is_bit_identical(tmp_path):
     for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(a, b), name
     assert [m["ce"] for _, m in logs_full] == [m["ce"] for _, m in logs_half + logs_resumed]
+
+
+def test_checkpoint_interval_decides_where_a_crashed_run_resumes(tmp_path):
+    every2, _ = _trainer(tmp_path, name="every2", checkpoint_every=2)
+    every2.train(stop_after=3, progress=False)  # checkpoints after steps 2, then a "crash" after step 3
+    resumed, _ = _trainer(tmp_path, name="every2", checkpoint_every=2)
+    assert resumed.load_state() and resumed.step == 2
+    never, _ = _trainer(tmp_path, name="never", checkpoint_every=0)
+    never.train(progress=False)
+    assert never.step == 6 and not (tmp_path / "never" / "trainer_state.pt").exists()
+    with pytest.raises(MistillInputError, match="checkpoint_every"):
+        RecipeConfig(checkpoint_every=-1)
 
 
 def test_resume_refuses_another_schedule(tmp_path):

@@ -60,8 +60,7 @@ class RecipeConfig(Config, RecipeParams):
     """The optimisation recipe (App. J.2 defaults): the shared fields of :class:`RecipeParams`
     (what the ``train`` stage exposes) and the ones the stage leaves at the paper's values.
 
-    precision: ``bf16`` or ``fp32``; beta1, beta2, weight_decay: AdamW's;
-    checkpoint_every: optimizer steps between trainer checkpoints (0: none).
+    precision: ``bf16`` or ``fp32``; beta1, beta2, weight_decay: AdamW's.
     """
 
     seed: int = 0
@@ -69,7 +68,6 @@ class RecipeConfig(Config, RecipeParams):
     beta1: float = 0.9
     beta2: float = 0.95
     weight_decay: float = 0.0
-    checkpoint_every: int = 1
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
