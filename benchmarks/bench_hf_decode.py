@@ -142,10 +142,10 @@ def main() -> None:
     else:
         path = model_dir(name, Path(args.model_root), cache_len, args.tokenizer, device)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+    prefix = f"{name}.p{args.prompt}"
     res: dict = {"card": torch.cuda.get_device_name(0) if device == "cuda" else "cpu-smoke",
                  "torch": torch.__version__, "attn_implementation": model.config._attn_implementation,
-                 "setup_s": time.perf_counter() - t0}
-    prefix = f"{name}.p{args.prompt}"
+                 f"{prefix}.setup_s": time.perf_counter() - t0}
 
     def run(tag: str, batch: int, new: int, **kw) -> None:
         r = timed_generate(model, batch, args.prompt, new, cache_len, **kw)
