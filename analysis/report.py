@@ -112,7 +112,10 @@ def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str]
     extra["attribute"] = attribute[attribute["run_id"].isin(named)].reset_index(drop=True) \
         if not attribute.empty else attribute
     for stage in ("locus", *READ_SIDE_STAGES):
-        found = query.stage_runs(client, experiment, stage)
+        found = query.stage_runs(client, experiment, stage, params=_READ_PARAMS.get(stage, ()))
+        if stage == "read_side":  # a frozen ranking read on other inputs is Table 59's, not Tables 16-19's
+            extra["read_side_sets"] = other_sets_only(found)
+            found = own_sets_only(found)
         extra[stage] = query.latest_runs(found, ("model",)) if not found.empty else found
         if stage == "trace_edit":  # Table 22 pairs the students' runs by arm and seed
             extra["trace_edit_all"] = query.latest_runs(found, query.RUN_KEY) if not found.empty else found
@@ -155,16 +158,19 @@ def probes_only(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def own_sets_only(runs: pd.DataFrame) -> pd.DataFrame:
-    """``knockin`` runs (read with :data:`SETS_PARAMS`) of their attribute run's own sets."""
+    """``knockin`` or ``read_side`` runs (read with :data:`SETS_PARAMS`) of their attribute run's own
+    sets."""
     return runs if runs.empty else runs[~_set(runs, "sets_run")].reset_index(drop=True)
 
 
 def other_sets_only(runs: pd.DataFrame) -> pd.DataFrame:
-    """``knockin`` runs (read with :data:`SETS_PARAMS`) of another attribute run's sets."""
+    """``knockin`` or ``read_side`` runs (read with :data:`SETS_PARAMS`) of another attribute run's
+    sets."""
     return runs if runs.empty else runs[_set(runs, "sets_run")].reset_index(drop=True)
 
 
-_READ_PARAMS: dict[str, tuple[str, ...]] = {"own_heads": PROBE_PARAMS, "knockin": SETS_PARAMS}
+_READ_PARAMS: dict[str, tuple[str, ...]] = {"own_heads": PROBE_PARAMS, "knockin": SETS_PARAMS,
+                                            "read_side": SETS_PARAMS}
 _KEPT = {"own_heads": without_probes, "knockin": own_sets_only}
 """Per stage, the params read with its runs and the runs kept for the arm and characterization
 tables."""
@@ -226,7 +232,8 @@ def build_report(inputs: ReportInputs, *, reference_arm: str,
                   ignore_index=True),
         inputs.extra.get("locus_compared", pd.DataFrame()), inputs.extra.get("read_side_compared", pd.DataFrame()))
     if inputs.task in transfer_tables.TRANSFER_TASKS:  # App. P's screen, not App. B's control
-        transfer_screen_section(rep, inputs.extra.get("knockin_sets", pd.DataFrame()), n_resamples, seed)
+        transfer_screen_section(rep, inputs.extra.get("knockin_sets", pd.DataFrame()), n_resamples, seed,
+                                read_side_sets=inputs.extra.get("read_side_sets", pd.DataFrame()))
     else:
         instruction_control_section(rep, client, inputs.extra.get("knockin_sets", pd.DataFrame()))
     training_section(rep, client, extra, cells, n_resamples, seed)

@@ -29,7 +29,7 @@ from mistill.errors import MistillInputError
 from mistill.evaluation import audit_frame
 from mistill.io import read_json
 from mistill.stages.common import RunReader
-from mistill.stages.readside import NOTE_LIFTS
+from mistill.stages.readside import NOTE_LIFTS, READBACK_NOTES
 
 
 # ---------------------------------------------------------------------------------- sections
@@ -1118,16 +1118,33 @@ def characterization_compare_section(rep: Report, attribute: pd.DataFrame, knock
     _patient_collapse(rep, collapsed)
 
 
+def _readback_of(rep: Report, knockin: pd.Series, read_side_sets: pd.DataFrame) -> pd.DataFrame:
+    """The read-back rows of the newest ``read_side`` run of the same inputs and frozen ranking as
+    ``knockin`` (empty when there is none)."""
+    if read_side_sets.empty:
+        return pd.DataFrame()
+    same = read_side_sets[(read_side_sets["attribute_run"] == knockin["attribute_run"])
+                          & (read_side_sets["params.sets_run"] == knockin["params.sets_run"])]
+    if same.empty:
+        return pd.DataFrame()
+    return _load(rep, same.head(1), f"{READBACK_NOTES}.csv", ["note_id", "group", "n_share"], ("run_id",))
+
+
 def transfer_screen_section(rep: Report, knockin_sets: pd.DataFrame, n_resamples: int, seed: int,
-                            k: int = transfer_tables.SCREEN_K) -> None:
+                            k: int = transfer_tables.SCREEN_K,
+                            read_side_sets: pd.DataFrame | None = None) -> None:
     """Table 59 (App. P): per knock-in run of a frozen development ranking on another label space's
-    inputs, its coverage and the ranked heads' recovery against random heads at P2C, top-``k``
-    (:func:`analysis.transfer_tables.transfer_screen_table`)."""
+    inputs, its coverage and the ranked heads' recovery against random heads at P2C, top-``k``,
+    and, from a ``read_side`` run of the same inputs and ranking (``read_side_sets``), the
+    earlier-naming read-back (:func:`analysis.transfer_tables.transfer_screen_table`)."""
     name, title = "table59_transfer_screen", "Table 59: the teacher's ranked heads against random heads"
     caption = ("Per knock-in of the frozen development ranking (sets_run) on the assessment batch or fresh inputs: "
                "coverage; recovery of the ranked P2C top-40 and of count-matched random heads (means over the "
                "evaluable inputs, 95% percentile bootstrap over inputs); ranked minus random per input; necessity; "
-               "the ranked set's recovery at the other k read.")
+               "the ranked set's recovery at the other k read; with a read_side run of the same ranking on the "
+               "same inputs, the read-back: the ranked heads' attention share on the alternative's earlier "
+               "namings minus that of the random and the bottom panels, paired per input.")
+    read_side_sets = read_side_sets if read_side_sets is not None else pd.DataFrame()
     if knockin_sets.empty:
         return _listed(rep, name, title, caption, pd.DataFrame(), pd.DataFrame(),
                        "no FINISHED knockin run of a frozen ranking (knockin -P sets_run=...)",
@@ -1136,7 +1153,8 @@ def transfer_screen_section(rep: Report, knockin_sets: pd.DataFrame, n_resamples
     for _, run in knockin_sets.iterrows():
         rows = _load(rep, pd.DataFrame([run]), PER_NOTE_SETS, ["note_id", "phase", "k", "set", "necessity",
                                                                "recovery"], ("run_id",))
-        table = transfer_tables.transfer_screen_table(rows, k=k, n_resamples=n_resamples, seed=seed)
+        table = transfer_tables.transfer_screen_table(rows, k=k, n_resamples=n_resamples, seed=seed,
+                                                      readback=_readback_of(rep, run, read_side_sets))
         table.insert(0, "sets_run", run["params.sets_run"])
         table.insert(0, "run_id", run["run_id"])
         frames.append(table)

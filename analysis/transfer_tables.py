@@ -12,7 +12,12 @@ at the contrastive decision (P2C) and k = 40 (:data:`SCREEN_PHASE`, :data:`SCREE
   evaluable inputs with 95 % percentile bootstraps over inputs;
 * ranked minus random per input (paired), its mean, bootstrap interval and the inputs where it is
   positive; necessity of both sets (the normalised margin loss under their ablation);
-* the ranked set's recovery at every other k the run read (the paper quotes k = 100).
+* the ranked set's recovery at every other k the run read (the paper quotes k = 100);
+* with a ``read_side`` run of the same frozen ranking on the same inputs (``read_side
+  -P sets_run=<the ranking>``), the earlier-naming read-back diagnostic: per input, the ranked P2C
+  heads' mean attention share on the alternative's earlier namings (``N``) minus that of each
+  control panel (count-matched random heads, the bottom of the ranking), its mean with a 95 %
+  percentile bootstrap over inputs and the inputs where the ranked heads read more.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ import pandas as pd
 
 from mistill import stats
 
-__all__ = ["SCREEN_PHASE", "SCREEN_K", "TRANSFER_TASKS", "COLUMNS", "transfer_screen_table"]
+__all__ = ["SCREEN_PHASE", "SCREEN_K", "TRANSFER_TASKS", "COLUMNS", "READBACK_CONTROLS", "readback_table",
+           "transfer_screen_table"]
 
 SCREEN_PHASE, SCREEN_K = "P2C", 40
 """The cell Table 59 reads: the contrastive decision's top-40."""
@@ -32,6 +38,9 @@ TRANSFER_TASKS: tuple[str, ...] = ("eurlex57k",)
 """The label spaces of App. P's screen whose corpora the stages read (the report lists Table 59
 for their experiments instead of the clinical instruction control)."""
 COLUMNS: list[str] = ["statistic", "k", "value", "ci_low", "ci_high", "n"]
+READBACK_CONTROLS: tuple[str, ...] = ("random", "bottom")
+"""The panels the ranked heads' read-back is paired against (the read side's ``random`` and
+``bottom`` groups)."""
 
 
 def _cell(rows: pd.DataFrame, phase: str, k: int, which: str) -> pd.DataFrame:
@@ -39,10 +48,45 @@ def _cell(rows: pd.DataFrame, phase: str, k: int, which: str) -> pd.DataFrame:
     return got.drop_duplicates("note_id").set_index("note_id")
 
 
+def readback_table(notes: pd.DataFrame, *, k: int = SCREEN_K, n_resamples: int = stats.N_BOOTSTRAP,
+                   seed: int = 0) -> pd.DataFrame:
+    """The read-back rows of Table 59 (:data:`COLUMNS`) from a ``read_side`` run's
+    ``readside_readback_notes`` (``note_id, group, n_share``): the ranked heads' mean share on
+    ``N`` over the inputs, then per control of :data:`READBACK_CONTROLS` the paired difference
+    ranked minus control over the inputs with both, and the inputs where it is positive. ``k`` is
+    the panel size the row is labelled with."""
+    out: list[dict] = []
+    if notes.empty:
+        return pd.DataFrame(columns=COLUMNS)
+    wide = notes.assign(note_id=notes["note_id"].astype(str)).pivot_table(
+        index="note_id", columns="group", values="n_share", aggfunc="first")
+    if "top" not in wide:
+        return pd.DataFrame(columns=COLUMNS)
+    top = pd.to_numeric(wide["top"], errors="coerce").dropna()
+    out.append({"statistic": "read-back on the earlier namings, ranked heads", "k": k, "value": float(top.mean()),
+                "ci_low": math.nan, "ci_high": math.nan, "n": len(top)})
+    for control in READBACK_CONTROLS:
+        if control not in wide:
+            continue
+        pair = wide[["top", control]].apply(pd.to_numeric, errors="coerce").dropna()
+        if pair.empty:
+            continue
+        d = stats.paired_difference(pair["top"].to_numpy(), pair[control].to_numpy(), n_resamples=n_resamples,
+                                    seed=seed)
+        out.append({"statistic": f"read-back, ranked minus {control}", "k": k, "value": d.mean_diff,
+                    "ci_low": d.ci_low, "ci_high": d.ci_high, "n": d.n})
+        out.append({"statistic": f"inputs where the ranked heads read back more than {control}", "k": k,
+                    "value": float(d.n_higher), "ci_low": math.nan, "ci_high": math.nan, "n": d.n})
+    return pd.DataFrame(out, columns=COLUMNS)
+
+
 def transfer_screen_table(rows: pd.DataFrame, *, phase: str = SCREEN_PHASE, k: int = SCREEN_K,
-                          n_resamples: int = stats.N_BOOTSTRAP, seed: int = 0) -> pd.DataFrame:
+                          n_resamples: int = stats.N_BOOTSTRAP, seed: int = 0,
+                          readback: pd.DataFrame | None = None) -> pd.DataFrame:
     """Table 59's rows for one knock-in run of a frozen ranking (``rows``: its ``per_note_sets``,
-    columns ``note_id, phase, k, set, necessity, recovery, n_events, n_gated``), :data:`COLUMNS`."""
+    columns ``note_id, phase, k, set, necessity, recovery, n_events, n_gated``), :data:`COLUMNS`;
+    with ``readback`` (a ``read_side`` run's ``readside_readback_notes`` on the same inputs and
+    ranking), the read-back rows of :func:`readback_table` after them."""
     out: list[dict] = []
 
     def add(statistic: str, value: float, low: float = math.nan, high: float = math.nan, n: int = 0,
@@ -78,4 +122,8 @@ def transfer_screen_table(rows: pd.DataFrame, *, phase: str = SCREEN_PHASE, k: i
         cell = pd.to_numeric(_cell(rows, phase, other, "global")["recovery"], errors="coerce").dropna()
         if len(cell):
             add("recovery, ranked heads", float(cell.mean()), n=len(cell), at=other)
-    return pd.DataFrame(out, columns=COLUMNS)
+    table = pd.DataFrame(out, columns=COLUMNS)
+    if readback is not None and not readback.empty:
+        table = pd.concat([table, readback_table(readback, k=k, n_resamples=n_resamples, seed=seed)],
+                          ignore_index=True)
+    return table

@@ -1,7 +1,8 @@
 """EURLEX57K through the stages (App. P, Table 59's chain) on the project's fixture in the release's
 layout: ``prepare -P task=eurlex57k`` reads the acts, the concept file, the hierarchy and the
 traces; the teacher is ranked on the development batch (the train acts), and its frozen sets are
-knocked in on fresh acts (the test acts) against count-matched random heads."""
+knocked in on fresh acts (the test acts) against count-matched random heads, and read there for
+the earlier-naming read-back against the random and bottom panels."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from mistill.stages.characterize import (AttributeConfig, EventsConfig, KnockinS
                                          run_knockin)
 from mistill.stages.common import load_prepared
 from mistill.stages.prepare import PrepareConfig, run_prepare
+from mistill.stages.readside import ReadSideConfig, run_read_side
 from mistill.tracking.experiments import experiment_for_corpus
 from mistill.tasks.eurlex import EurlexTask, load_eurlex_corpus, write_eurlex_fixture
 
@@ -82,15 +84,27 @@ def test_rank_on_the_development_acts_and_knock_in_the_frozen_sets_on_fresh_acts
                        dtype={"note_id": str})
     assert set(rows["note_id"]) <= {n.note_id for n in prepared.corpus.notes if n.split == "test"}
     assert {"global", "random"} <= set(rows["set"]) and set(rows["phase"]) <= {"P2", "P2C", "NULL"}
-    # the report's inputs of a EURLEX experiment: its task, and the knock-in of the frozen ranking,
-    # from which Table 59 is built (in place of the clinical instruction control)
+    # the read-back diagnostic: the frozen ranking's panel read on the fresh acts
+    readback = run_read_side(ReadSideConfig(attribute_run=ranked["test"], sets_run=ranked["train"], panel_top=4,
+                                            panel_bottom=4, panel_random=4))
+    assert MlflowClient().get_run(readback).data.tags["mistill.input.sets"] == ranked["train"]
+    shares = pd.read_csv(MlflowClient().download_artifacts(readback, "readside_readback_notes.csv",
+                                                           str(tmp_path / "rb")), dtype={"note_id": str})
+    assert set(shares["group"]) == {"top", "random", "bottom"} and shares["n_share"].between(0, 1).all()
+    # the report's inputs of a EURLEX experiment: its task, and the knock-in and read side of the
+    # frozen ranking, from which Table 59 is built (in place of the clinical instruction control)
     inputs = collect_inputs(MlflowClient(), experiment_for_corpus(name))
     assert inputs.task == "eurlex57k" and list(inputs.extra["knockin_sets"]["run_id"]) == [fresh]
+    assert list(inputs.extra["read_side_sets"]["run_id"]) == [readback] and inputs.extra["read_side"].empty
     rep = Report(inputs.experiment, "vanilla-bf16")
-    transfer_screen_section(rep, inputs.extra["knockin_sets"], n_resamples=50, seed=0, k=4)  # the fixture's top k
+    transfer_screen_section(rep, inputs.extra["knockin_sets"], n_resamples=50, seed=0, k=4,  # the fixture's top k
+                            read_side_sets=inputs.extra["read_side_sets"])
     (t59,) = [t for t in rep.tables if t.name == "table59_transfer_screen"]
     assert set(t59.numeric["run_id"]) == {fresh} and set(t59.numeric["sets_run"]) == {ranked["train"]}
     by = t59.numeric[t59.numeric["k"] == 4].set_index("statistic")
     p2c = rows[(rows["phase"] == "P2C") & (rows["k"] == 4) & (rows["set"] == "global")]
     assert by.loc["inputs with an event of the phase", "value"] == int((p2c["n_events"] > 0).sum()) > 0
     assert by.loc["evaluable events of all events of the phase", "n"] == int(p2c["n_events"].sum())
+    top = shares[shares["group"] == "top"]
+    assert by.loc["read-back on the earlier namings, ranked heads", "value"] == pytest.approx(top["n_share"].mean())
+    assert by.loc["read-back, ranked minus random", "n"] == len(top) > 0

@@ -129,8 +129,8 @@ def test_read_measures_on_a_hand_built_row():
 def test_read_side_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_code_version):
     """events -> attribute -> read_side on a tiny model against the real tracking server: the
     panel logged by group, per-note shares that sum to one at every event and head, importance
-    read from the attribute run, Tables 16-19 with a family per head, and an identical rerun
-    reused."""
+    read from the attribute run, Tables 16-19 with a family per head, the read-back's per-note N
+    shares recomputed from the notes' shares, and an identical rerun reused."""
     import json
     from pathlib import Path
 
@@ -149,7 +149,8 @@ def test_read_side_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_
     panel = json.loads(Path(client.download_artifacts(run_id, "readside_panel.json", str(tmp_path / "p"))).read_text())
     assert {"top_P1", "bottom_P1", "random"} <= set(panel) and len(panel["top_P1"]) == 3
     assert set(panel["top_P1"]) <= set(panel["panel"])
-    n_notes = 0
+    n_notes, readback = 0, {}
+    col = {name: j for j, name in enumerate(panel["panel"])}
     for d in sorted((tmp_path / "work" / run_id / "notes").iterdir()):
         with np.load(d / "readside.npz") as z:
             shares, kinds, imp = z["shares"], z["kinds"], z["importance"]
@@ -157,7 +158,16 @@ def test_read_side_stage_end_to_end(tracking_uri, tmp_path, monkeypatch, pinned_
         np.testing.assert_allclose(shares.sum(-1), 1.0, atol=1e-5)
         assert set(kinds) <= {"P1", "P2", "P2C"} and np.isfinite(imp).all()
         n_notes += 1
-    assert n_notes == 3
+        p2c = kinds == "P2C"
+        for group, key in (("top", "top_P2C"), ("random", "random"), ("bottom", "bottom_P2C")):
+            if p2c.any():  # the read-back: the group's mean share on N over the note's P2C events
+                cells = shares[p2c][:, [col[h] for h in panel[key]], KEY_CATEGORIES.index("N")]
+                readback[(d.name, group)] = float(cells.mean())
+    assert n_notes == 3 and readback
+    logged = _table(client, run_id, "readside_readback_notes", tmp_path)
+    got = {(str(r.note_id), r.group): r.n_share for r in logged.itertuples()}
+    assert got.keys() == readback.keys()
+    assert all(abs(got[k] - v) < 1e-9 for k, v in readback.items())
     groups = _table(client, run_id, "readside_groups", tmp_path)
     assert "P1" in set(groups["phase"]) and groups["n_notes"].max() <= 3
     heads = _table(client, run_id, "readside_heads_P1", tmp_path)

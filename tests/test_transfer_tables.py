@@ -1,5 +1,6 @@
 """Table 59 (App. P) by hand: coverage, the ranked and the random heads' recovery over the
-evaluable inputs, their paired difference, necessity, and the ranked set at the other k."""
+evaluable inputs, their paired difference, necessity, the ranked set at the other k, and the
+earlier-naming read-back against the control panels."""
 
 from __future__ import annotations
 
@@ -46,3 +47,26 @@ def test_table59_by_hand():
     at100 = t[t["k"] == 100].set_index("statistic")
     assert at100.loc["recovery, ranked heads", "value"] == pytest.approx(0.85)
     assert transfer_screen_table(pd.DataFrame()).empty
+
+
+def test_readback_rows_by_hand():
+    # per input the N share of the ranked heads (top) and the two control panels; input c lacks
+    # the bottom panel's value, so the ranked-minus-bottom pairing reads a and b only
+    notes = pd.DataFrame([{"note_id": n, "group": g, "n_share": v, "n_events": 2}
+                          for n, vals in {"a": (0.30, 0.05, 0.10), "b": (0.20, 0.04, 0.25),
+                                          "c": (0.40, 0.02, math.nan)}.items()
+                          for g, v in zip(("top", "random", "bottom"), vals)])
+    t = transfer_screen_table(_rows(), n_resamples=200, readback=notes)
+    assert list(t.columns) == COLUMNS
+    by = t[t["k"] == 40].set_index("statistic")
+    assert by.loc["recovery, ranked minus random", "value"] == pytest.approx(0.55)  # the knock-in rows stay
+    assert by.loc["read-back on the earlier namings, ranked heads", "value"] == pytest.approx(0.3)
+    rand = by.loc["read-back, ranked minus random"]
+    assert rand["value"] == pytest.approx((0.25 + 0.16 + 0.38) / 3) and rand["n"] == 3
+    assert rand["ci_low"] <= rand["value"] <= rand["ci_high"]
+    assert by.loc["inputs where the ranked heads read back more than random", "value"] == 3
+    bottom = by.loc["read-back, ranked minus bottom"]
+    assert bottom["value"] == pytest.approx((0.20 - 0.05) / 2) and bottom["n"] == 2
+    assert by.loc["inputs where the ranked heads read back more than bottom", "value"] == 1
+    # without a read-back the table is the knock-in's alone
+    assert not transfer_screen_table(_rows(), n_resamples=200)["statistic"].str.startswith("read-back").any()

@@ -655,22 +655,32 @@ def _knockin_notes(run, notes: list[Note], done: set[str], inputs: _KnockinInput
     bar.close()
 
 
-def _global_sets(cfg: KnockinStageConfig) -> dict:
-    """The ``head_sets.json`` whose global rankings the knock-in reads: ``sets_run``'s when given
-    (it must be an ``attribute`` run), else ``attribute_run``'s."""
-    if not cfg.sets_run:
-        return json.loads(RunReader(cfg.attribute_run, field="attribute_run").file("head_sets.json").read_text())
-    reader = RunReader(cfg.sets_run, field="sets_run")
+def ranking_sets(attribute_run: str, sets_run: str = "") -> dict:
+    """The ``head_sets.json`` whose global rankings a reading of ``attribute_run``'s notes uses:
+    ``sets_run``'s when given (it must be an ``attribute`` run: a frozen ranking read on other
+    inputs), else ``attribute_run``'s."""
+    if not sets_run:
+        return json.loads(RunReader(attribute_run, field="attribute_run").file("head_sets.json").read_text())
+    reader = RunReader(sets_run, field="sets_run")
     if reader.tags.get(TAG_STAGE) != "attribute":
-        raise MistillInputError(f"sets_run {cfg.sets_run} is not an attribute run", field="sets_run")
+        raise MistillInputError(f"sets_run {sets_run} is not an attribute run", field="sets_run")
     return json.loads(reader.file("head_sets.json").read_text())
+
+
+def check_ranked_heads(head_sets: dict, names: Sequence[str], field: str) -> None:
+    """Refuse a ranking that names heads the model does not have (another model's ranking)."""
+    unknown = sorted({h for phase, body in head_sets.items() if phase != "meta"
+                      for h in body.get("ranking", [])} - set(names))
+    if unknown:
+        raise MistillInputError(f"the sets run ranks {len(unknown)} heads this model does not have "
+                                f"(first: {unknown[0]})", field=field)
 
 
 def run_knockin(cfg: KnockinStageConfig) -> str:
     att_reader = RunReader(cfg.attribute_run, field="attribute_run")
     ev = events_input(att_reader.config["events_run"])
     prepared = ev.prepared
-    head_sets = _global_sets(cfg)
+    head_sets = ranking_sets(cfg.attribute_run, cfg.sets_run)
     inputs = {"attribute": cfg.attribute_run, **({"sets": cfg.sets_run} if cfg.sets_run else {})}
     with open_stage("knockin", cfg, prepared, inputs=inputs, model=ev.model) as run:
         if run.reused:
@@ -678,11 +688,7 @@ def run_knockin(cfg: KnockinStageConfig) -> str:
         lm = load_model(ev.model, dtype=att_reader.config.get("dtype", cfg.dtype), device=stage_device(cfg.device))
         runner, hook = Runner(lm, chunk_size=cfg.chunk_size), HeadHook(lm.geometry)
         names = lm.geometry.head_names()
-        unknown = sorted({h for phase, body in head_sets.items() if phase != "meta"
-                          for h in body.get("ranking", [])} - set(names))
-        if unknown:
-            raise MistillInputError(f"the sets run ranks {len(unknown)} heads this model does not have "
-                                    f"(first: {unknown[0]})", field="sets_run" if cfg.sets_run else "attribute_run")
+        check_ranked_heads(head_sets, names, "sets_run" if cfg.sets_run else "attribute_run")
         global_rank = ranks_from_head_sets(head_sets, names)
         kcfg = KnockinConfig(k_bins=cfg.k_bins, sets=cfg.sets, range_gate=cfg.range_gate,
                              batch_size=cfg.batch_size, chunk_size=cfg.chunk_size, seed=cfg.seed,

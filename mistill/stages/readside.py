@@ -16,6 +16,11 @@ Reported (medians over notes of per-note values):
   the sink, the inventory lines, the note, the trace prose and the code prefix;
 - ``readside_note_lifts``: each note's region lift per phase and group, the values Table 16's
   medians are taken over (the report collapses them to patients, App. C "Patients");
+- ``readside_readback_notes``: the earlier-naming read-back diagnostic's per-input values (App. P,
+  Table 59; the clinical Table 19's ``N`` share): per note and group (``top``, ``random``,
+  ``bottom``), the mean share on ``N`` (the earlier namings of the alternative) over the note's
+  P2C events and the group's heads. With ``sets_run`` the panel comes from a frozen ranking of
+  another run (the development batch), read on this run's inputs;
 - ``readside_heads_<phase>`` (Tables 17-19): per head of the phase's top-k, its ``I_c``, shares
   on the region, the prose and the sink, region lift, ``n_eff``, ``r`` (Pearson across the head's
   events over all notes between its share on the region, on ``N`` at P2C, and its importance), and
@@ -43,7 +48,8 @@ from mistill.instrument.readside import note_region_lift, prefix_attention_rows
 from mistill.instrument.runner import Runner
 from mistill.io import npz_bytes
 from mistill.params import ChunkParams
-from mistill.stages.characterize import ranks_from_head_sets, attribute_input, read_realized
+from mistill.stages.characterize import (attribute_input, check_ranked_heads, ranking_sets, ranks_from_head_sets,
+                                         read_realized)
 from mistill.stages.common import load_model, prepared_note_input, subject_run_args
 from mistill.stages.runner import WrittenNotes, note_loop, notes_written, open_stage, stage_device
 from mistill.stats import sign_test
@@ -56,13 +62,22 @@ FAMILIES = ("region reader", "prose reader", "mixed")
 NOTE_LIFTS = "readside_note_lifts"
 """The run's table of each note's region lift per phase and group (:func:`note_lift_rows`): the
 per-note values behind Table 16, which the report collapses to patients (App. C)."""
+READBACK_NOTES = "readside_readback_notes"
+"""The run's table of the read-back diagnostic's per-input values (:func:`readback_rows`)."""
+READBACK_PHASE = "P2C"
+"""The decision whose heads' reading of the alternative's earlier namings (``N``) is compared."""
 
 
 @dataclass(frozen=True)
 class ReadSideConfig(Config, ChunkParams):
     """The read side of a ranked model's heads (App. E).
 
-    attribute_run: the ``attribute`` run whose notes and global rankings are read.
+    attribute_run: the ``attribute`` run whose notes are read (and, without ``sets_run``, its
+        global rankings).
+    sets_run: another ``attribute`` run of the same model whose global rankings give the panel
+        (empty: ``attribute_run``'s own): App. P reads a development batch's frozen ranking on
+        the assessment batch and on fresh inputs, with panels of 40 (``-P panel_top=40
+        -P panel_bottom=40 -P panel_random=40``).
     panel_top / panel_bottom / panel_random: the panel's global top-k of each phase, bottom-k of
     the chapter (P1) and contrastive (P2C) rankings, and seeded random heads (the paper: 16 each).
     region_reader_lift, region_reader_share: **[recon]** a head is a region reader when its median
@@ -72,6 +87,7 @@ class ReadSideConfig(Config, ChunkParams):
     """
 
     attribute_run: str = ""
+    sets_run: str = ""
     panel_top: int = 16
     panel_bottom: int = 16
     panel_random: int = 16
@@ -85,6 +101,7 @@ class ReadSideConfig(Config, ChunkParams):
     def validate(self) -> None:
         check_no_text_fields(self)
         check_run_id(self.attribute_run, "attribute_run")
+        check_run_id(self.sets_run, "sets_run")
         for name in ("panel_top", "panel_bottom", "panel_random"):
             check_non_negative(getattr(self, name), name)
         check_positive(self.panel_top, "panel_top")
@@ -125,14 +142,15 @@ def family(lift: float, region: float, prose: float, cfg: ReadSideConfig) -> str
 def run_read_side(cfg: ReadSideConfig) -> str:
     source = attribute_input(cfg.attribute_run)
     att_reader, ev, prepared, notes = source.reader, source.events, source.prepared, source.notes
-    head_sets = source.head_sets()
-    with open_stage("read_side", cfg, prepared, inputs={"attribute": cfg.attribute_run},
-                    **subject_run_args(ev.model)) as run:
+    head_sets = ranking_sets(cfg.attribute_run, cfg.sets_run)
+    inputs = {"attribute": cfg.attribute_run, **({"sets": cfg.sets_run} if cfg.sets_run else {})}
+    with open_stage("read_side", cfg, prepared, inputs=inputs, **subject_run_args(ev.model)) as run:
         if run.reused:
             return run.run_id
         lm = load_model(ev.model, dtype=cfg.dtype, device=stage_device(cfg.device))
         runner = Runner(lm, chunk_size=cfg.chunk_size)
         names = lm.geometry.head_names()
+        check_ranked_heads(head_sets, names, "sets_run" if cfg.sets_run else "attribute_run")
         rank = ranks_from_head_sets(head_sets, names)
         if not rank:
             raise MistillInputError(f"the attribute run {cfg.attribute_run} has no phase ranking",
@@ -177,6 +195,7 @@ def run_read_side(cfg: ReadSideConfig) -> str:
         groups_table = group_table(per_note, panel, groups)
         run.log_table("readside_groups", groups_table)
         run.log_table(NOTE_LIFTS, note_lift_rows(per_note, panel, groups))
+        run.log_table(READBACK_NOTES, readback_rows(per_note, panel, groups))
         metrics = {}
         for _, row in groups_table.iterrows():
             for col in ("lift_top", "lift_random", "lift_bottom", "top_beats_random_p"):
@@ -229,6 +248,28 @@ def note_lift_rows(per_note: dict[str, dict], panel: list[int], groups: dict[str
                 rows.append({"note_id": note_id, "phase": phase, "group": name,
                              "lift": note_region_lift(d["region_lift"][ev][:, [col[h] for h in heads_of[name]]])})
     return pd.DataFrame(rows, columns=["note_id", "phase", "group", "lift"])
+
+
+def readback_rows(per_note: dict[str, dict], panel: list[int], groups: dict[str, list[int]]) -> pd.DataFrame:
+    """The earlier-naming read-back diagnostic's per-input values (``note_id, group, n_share,
+    n_events``): per note with :data:`READBACK_PHASE` events and per group (``top``, ``random``,
+    ``bottom``: the phase's top-k, the seeded random heads, its bottom-k), the mean over those
+    events and the group's heads of the share on ``N``. A group the panel lacks has no rows; a
+    note without such events none."""
+    col = {h: j for j, h in enumerate(panel)}
+    heads_of = {"top": groups.get(f"top_{READBACK_PHASE}", []), "random": groups.get("random", []),
+                "bottom": groups.get(f"bottom_{READBACK_PHASE}", [])}
+    rows = []
+    for note_id, d in per_note.items():
+        ev = d["kinds"] == READBACK_PHASE
+        if not ev.any():
+            continue
+        for name in GROUPS:
+            if heads_of[name]:
+                share = d["shares"][ev][:, [col[h] for h in heads_of[name]], _cat("N")]
+                rows.append({"note_id": note_id, "group": name, "n_share": float(share.mean()),
+                             "n_events": int(ev.sum())})
+    return pd.DataFrame(rows, columns=["note_id", "group", "n_share", "n_events"])
 
 
 def group_table(per_note: dict[str, dict], panel: list[int], groups: dict[str, list[int]]) -> pd.DataFrame:

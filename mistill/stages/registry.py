@@ -138,9 +138,11 @@ _TABLE = (
            {"attribute": "attribute_run", "sets": "sets_run"},
            "necessity and knock-in of the global sets against controls (another attribute run's sets with "
            "sets_run)", optional=frozenset({"sets"}), sources={"sets": "attribute"}, shardable=True),
-    _Entry("read_side", "mistill.stages.readside", "ReadSideConfig", "run_read_side", {"attribute": "attribute_run"},
+    _Entry("read_side", "mistill.stages.readside", "ReadSideConfig", "run_read_side",
+           {"attribute": "attribute_run", "sets": "sets_run"},
            "what the decision heads read: a panel's attention split over 15 key categories, region lift, "
-           "n_eff, r, head families (Tables 16-19)", shardable=True),
+           "n_eff, r, head families (Tables 16-19); with sets_run, another attribute run's frozen ranking "
+           "read on these notes (App. P)", optional=frozenset({"sets"}), sources={"sets": "attribute"}, shardable=True),
     _Entry("key_block", "mistill.stages.keyblock", "KeyBlockConfig", "run_key_block", {"read_side": "read_side_run"},
            "named heads blocked from the keys they read at the decision token against matched control keys "
            "(Table 20)", shardable=True),
