@@ -531,7 +531,8 @@ def estimate(work: Workload, figures: Figures) -> Estimate:
 
 
 ROLES: tuple[str, ...] = ("teacher", "student", "student_smollm3", "encoder", "las_model", "corpus",
-                           "distill_corpus", "split_file", "flip_proposals", "flip_ledger")
+                           "distill_corpus", "split_file", "flip_proposals", "flip_ledger", "eurlex_dataset",
+                           "eurlex_concepts", "eurlex_hierarchy")
 """The placeholders a step's ``params`` may hold (``{teacher}``): the models and data a reproduction
 is given (:class:`mistill.stages.reproduce.ReproduceConfig` has a field of each name)."""
 
@@ -628,6 +629,11 @@ class PaperCounts:
     (**[recon]**: App. N.2 draws 300 patients disjoint from every development cohort without
     naming the pool; 400 leaves room for the distillation corpus's patients); flip_cases: the
     approved cases (33), flip_samples: answers per case and condition (4), flip_conditions: 4.
+    eurlex_rank_acts, eurlex_assess_acts: the EURLEX57K development batch the teacher is ranked on
+    and the disjoint assessment batch (**[recon]**: App. P states neither size; 40 each, the
+    programming pilot's assessment size), eurlex_fresh_acts: the fresh acts (100);
+    eurlex_prompt_tokens: an act's prompt with its candidate list (**[recon]**: 4,000), its
+    trace ``trace_tokens`` long.
     """
 
     characterization_traces: int = 100
@@ -653,6 +659,10 @@ class PaperCounts:
     flip_cases: int = 33
     flip_samples: int = 4
     flip_conditions: int = 4
+    eurlex_rank_acts: int = 40
+    eurlex_assess_acts: int = 40
+    eurlex_fresh_acts: int = 100
+    eurlex_prompt_tokens: int = 4_000
 
     def micro_steps(self, notes: int, epochs: int | None = None) -> int:
         return notes * (self.epochs if epochs is None else epochs)
@@ -948,16 +958,64 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
                        after=(f"DT-001/own_heads_{run}",), skip_synthetic=True))
     steps += _evidence_flip_tree(c, release, generation)
     steps += _student_edit_tree(c, data)
+    steps += _eurlex_tree(c)
     steps.append(_step("report", "report", "report", Workload("none"),
                        after=tuple(s.name for s in steps
                                    if s.entry_point in ("evaluate", "own_heads", "flip_test", "trace_edit"))))
     return steps
 
 
-TRANSFER_TREES: tuple[str, ...] = ("EF", "ST")
-"""The trees of the tests the paper ran after its main campaign (its ``REBUTTAL/`` artifacts: App. N's
-evidence-flip test, EF, and Table 22's trace edits on the students, ST), priced beside the main
-reproduction (the characterization and distillation trees) rather than inside its budget."""
+TRANSFER_TREES: tuple[str, ...] = ("EF", "ST", "EU")
+"""The trees of the tests the paper ran after its main campaign (its ``REBUTTAL/`` and ``DT-005/``
+artifacts: App. N's evidence-flip test, EF, Table 22's trace edits on the students, ST, and App.
+P's screen on EURLEX57K, EU), priced beside the main reproduction (the characterization and
+distillation trees) rather than inside its budget."""
+
+EURLEX_BATCHES: tuple[tuple[str, str, str], ...] = (
+    ("rank", "train", "eurlex_rank_acts"), ("assess", "val", "eurlex_assess_acts"),
+    ("fresh", "test", "eurlex_fresh_acts"))
+"""(batch, split of the release, :class:`PaperCounts` size) of App. P's EURLEX57K screen: the
+development batch the teacher's heads are ranked on, the disjoint assessment batch, and the fresh
+acts; each batch the first acts of its split."""
+EURLEX_PANEL: dict[str, str] = {"panel_top": "40", "panel_bottom": "40", "panel_random": "40"}
+"""The read-back's panels (App. P): the ranked P2C top-40 against 40 random heads and the bottom-40."""
+
+
+def _eurlex_tree(c: PaperCounts) -> list[PlanStep]:
+    """EU, Table 59 on EURLEX57K (App. P, R-D41): the release prepared with its EuroVoc candidate
+    lists (roles ``eurlex_dataset``, ``eurlex_concepts``, ``eurlex_hierarchy``), the teacher's
+    traces on each batch of :data:`EURLEX_BATCHES`, its events and attribution there; the
+    development batch's ranking frozen and knocked in (``knockin -P sets_run``) and read
+    (``read_side -P sets_run``, :data:`EURLEX_PANEL`) on the assessment batch and the fresh acts.
+    The release is not synthetic, so a synthetic corpus skips the tree (the stages run on the
+    project's EURLEX fixture in the suite)."""
+    total = c.eurlex_prompt_tokens + c.trace_tokens
+    release = {"task": "eurlex57k", "corpus": "{eurlex_dataset}", "concepts_file": "{eurlex_concepts}",
+               "hierarchy_file": "{eurlex_hierarchy}", "model": "{teacher}"}
+    steps = [_step("EU", "prepare", "prepare", Workload("none"), params=release, skip_synthetic=True)]
+    for batch, split, size in EURLEX_BATCHES:
+        acts = getattr(c, size)
+        steps += [
+            _step("EU", f"generate_{batch}", "generate",
+                  Workload("generate", "qwen3-14b", acts, c.eurlex_prompt_tokens, c.trace_tokens),
+                  inputs={"prepare_run": "EU/prepare"},
+                  params={"model": "{teacher}", "split": split, "max_notes": str(acts)}, skip_synthetic=True),
+            _step("EU", f"events_{batch}", "events", Workload("targets", "qwen3-14b", acts, total),
+                  inputs={"prepare_run": f"EU/generate_{batch}"}, params={"model": "{teacher}", "split": split},
+                  skip_synthetic=True),
+            _step("EU", f"attribute_{batch}", "attribute", Workload("characterize", "qwen3-14b", acts, total),
+                  inputs={"events_run": f"EU/events_{batch}"}, disk_gib=acts * 0.02, skip_synthetic=True),
+        ]
+        if batch == "rank":
+            continue
+        frozen = {"attribute_run": f"EU/attribute_{batch}", "sets_run": "EU/attribute_rank"}
+        steps += [  # the knock-in costed as a characterization of the batch (an upper bound)
+            _step("EU", f"knockin_{batch}", "knockin", Workload("characterize", "qwen3-14b", acts, total),
+                  inputs=frozen, skip_synthetic=True),
+            _step("EU", f"read_side_{batch}", "read_side", Workload("read_side", "qwen3-14b", acts, total),
+                  inputs=frozen, params=EURLEX_PANEL, disk_gib=acts * 0.01, skip_synthetic=True),
+        ]
+    return steps
 
 STUDENT_EDITS: tuple[tuple[str, str, str, int], ...] = (
     ("qwen3-4b", "mistill", "DT-001", 3), ("qwen3-4b", "vanilla-bf16", "DT-000", 3),
@@ -1075,7 +1133,7 @@ def _evidence_flip_tree(c: PaperCounts, release: Mapping[str, str], generation) 
 RESULT_TREES: dict[str, tuple[str, ...]] = {"R-C7": ("HD-001", "HD-002"), "R-C14": ("instruction",),
                                             "R-D20": ("HD-001",), "R-D33": ("EF",), "R-D34": ("EF",),
                                             "R-D35": ("EF",), "R-D28": ("ST",), "R-D30": ("DT-000", "DT-001", "ST"),
-                                            "R-C9": ("DT-000", "DT-001")}
+                                            "R-C9": ("DT-000", "DT-001"), "R-D41": ("EU",)}
 """The trees a result reads where it is not its half's default (:func:`result_trees`)."""
 
 

@@ -28,11 +28,16 @@ characterize: {n_null: 4, selftest_events: 0, k_bins: [3, 8], events_per_phase: 
 """
 
 
-def test_every_step_of_the_plan_builds_a_valid_config_from_the_roles():
+def test_every_step_of_the_plan_builds_a_valid_config_from_the_roles(tmp_path):
     """On the embedded roles and the smoke settings each step's config validates, its inputs are
-    the runs of the steps it names and its roles are filled in; a Mistill arm waits for the
-    selection's λ."""
-    cfg = ReproduceConfig(**EMBEDDED)
+    the runs of the steps it names and its roles are filled in (the EURLEX tree's from the
+    project's fixture of the release); a Mistill arm waits for the selection's λ."""
+    from mistill.tasks.eurlex import write_eurlex_fixture
+
+    release = write_eurlex_fixture(tmp_path / "eurlex")
+    cfg = ReproduceConfig(**EMBEDDED, eurlex_dataset=str(release["dataset"]),
+                          eurlex_concepts=str(release["concepts_file"]),
+                          eurlex_hierarchy=str(release["hierarchy_file"]))
     settings = load_settings(cfg.settings)
     plan = paper_plan()
     ids = {s.name: uuid.uuid4().hex for s in plan}
@@ -57,9 +62,13 @@ def test_every_step_of_the_plan_builds_a_valid_config_from_the_roles():
             assert config.lock.endswith("ef-cohort-embedded.yaml")
         if step.name == "DT-000/train_smollm3-3b_gold_s0":
             assert config.student == EMBEDDED["student_smollm3"] and config.arm == "gold"
+        if step.name == "EU/prepare":
+            assert config.task == "eurlex57k" and config.concepts_file == str(release["concepts_file"])
+        if step.name == "EU/read_side_fresh":
+            assert (config.panel_top, config.panel_bottom, config.panel_random) == (40, 40, 40)
         if step.name == "HD-001/characterize":
             assert config.model == EMBEDDED["teacher"] and config.n_null == 10 and config.device == "cpu"
-        if step.entry_point == "prepare":
+        if step.entry_point == "prepare" and step.tree != "EU":  # EU reads the release, never the synthetic corpus
             assert config.select_n == 0 and config.corpus == "synthetic"  # the smoke settings over the plan
         if step.name == "DT-001/train_qwen3-4b_low-lambda_s0":
             assert (config.overrides, resolve_arm(config.arm).lambda_p1) == ("", 0.03)  # its own λ

@@ -66,7 +66,8 @@ STEP_TAG = "mistill.step."
 ``reproduce`` run and on its tree's run: the run id of that step."""
 TAG_TREE = "mistill.tree"
 MODEL_ROLES = ("teacher", "student", "student_smollm3", "encoder", "las_model")
-DATA_ROLES = ("corpus", "distill_corpus", "split_file", "flip_proposals", "flip_ledger")
+DATA_ROLES = ("corpus", "distill_corpus", "split_file", "flip_proposals", "flip_ledger", "eurlex_dataset",
+              "eurlex_concepts", "eurlex_hierarchy")
 OPTIONAL_ROLES = ("split_file",)
 """Roles a plan may leave empty (the release's own split column is then used)."""
 
@@ -87,6 +88,10 @@ class ReproduceConfig(Config):
     flip_proposals, flip_ledger: the evidence-flip cohort's edit proposals (JSONL) and the
     reviewer's ledger (CSV) that the author supplies (App. N.2; ``flip_cohort``'s ``proposals``
     and ``ledger``); the synthetic corpus needs neither (its synthetic cases stand for them).
+    eurlex_dataset, eurlex_concepts, eurlex_hierarchy: the EURLEX57K release's ``dataset/``
+    folder, its ``EURLEX57K.json`` and a broader-concept file (App. P's screen, tree EU:
+    ``prepare``'s ``corpus``, ``concepts_file`` and ``hierarchy_file`` with ``task=eurlex57k``);
+    a synthetic corpus skips the tree.
     corpus_name: the experiment ``mistill/<corpus_name>`` every run goes to (empty: the name
     ``prepare`` gives the corpus).
     results: App. Q ids to reproduce (empty: every tree).
@@ -108,6 +113,9 @@ class ReproduceConfig(Config):
     split_file: str = ""
     flip_proposals: str = ""
     flip_ledger: str = ""
+    eurlex_dataset: str = ""
+    eurlex_concepts: str = ""
+    eurlex_hierarchy: str = ""
     corpus_name: str = ""
     privacy: str = "restricted"
     results: tuple[str, ...] = ()
