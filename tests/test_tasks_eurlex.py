@@ -121,3 +121,20 @@ def test_parser_and_micro_f1():
             t.metric(("health",), ("health",))]
     assert rows[0]["f1"] == 0.5 and rows[1]["f1"] == 1.0
     assert micro_f1(rows) == pytest.approx(2 * 2 / (2 * 2 + 1 + 1))
+
+
+def test_the_stages_parse_answers_as_the_task_reads_them():
+    # evaluate, generate, flip_test and the LAS simulator parse through the task's answer index:
+    # labels in any case and ids (strings or JSON numbers) count, over the prepared inventory only
+    from mistill.evaluation.parsing import CodeIndex, parse_answer
+
+    concepts = {k: v["label"] for k, v in CONCEPTS.items()}
+    t = task("eurlex57k", concepts=concepts)
+    index = t.answer_index(("public health", "health care", "health"))  # "health policy" not prepared
+    gen = '<think>x</think>\n["Public Health", 102, "102", "health policy", "no such concept", 7, true]'
+    answer = parse_answer(gen, index)
+    assert answer.codes == ("public health", "health care")
+    assert (answer.n_out_of_inventory, answer.n_malformed) == (3, 1)  # the bool is no id
+    assert parse_answer(gen, t.answer_index(concepts.values())).codes == t.parse_answer(gen)
+    default = parse_answer('<think>x</think>["Public Health", 102]', CodeIndex(["public health", "health care"]))
+    assert default.codes == () and (default.n_out_of_inventory, default.n_malformed) == (1, 1)  # codes as written

@@ -24,7 +24,7 @@ part holds no JSON list has ``valid=True, parsed=False`` and an empty answer; Ta
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from mistill.errors import MistillInputError
@@ -50,14 +50,22 @@ class CodeIndex:
 
     Build it once per inventory and pass it to :func:`parse_answer` in place of the code list
     when parsing many generations (building the map for a 70k-code inventory per note is waste).
+    ``aliases``: other spellings of inventory codes (a label space's ids beside its labels,
+    ``{spelling: code}``), looked up after the codes themselves; an alias of a code outside the
+    inventory is ignored. ``numbers``: an integer entry is read as its decimal spelling (ids
+    written as JSON numbers); else it is a malformed entry.
     """
 
     def __init__(self, inventory_codes: Collection[str],
-                 normalize: Callable[[str], str] | None = None) -> None:
+                 normalize: Callable[[str], str] | None = None,
+                 aliases: Mapping[str, str] | None = None, *, numbers: bool = False) -> None:
         self.normalize = normalize
+        self.numbers = numbers
         self._canonical: dict[str, str] = {}
         for code in inventory_codes:
             self._canonical.setdefault(self._key(code), code)
+        known = set(self._canonical.values())
+        self._aliases = {self._key(spelling): code for spelling, code in (aliases or {}).items() if code in known}
 
     def _key(self, code: str) -> str:
         code = code.strip()
@@ -65,7 +73,9 @@ class CodeIndex:
 
     def lookup(self, code: str) -> str | None:
         """The inventory's spelling of ``code``, or None when it is not an inventory code."""
-        return self._canonical.get(self._key(code))
+        key = self._key(code)
+        found = self._canonical.get(key)
+        return found if found is not None else self._aliases.get(key)
 
     def __len__(self) -> int:
         return len(self._canonical)
@@ -80,7 +90,7 @@ class Answer:
     bracketed span after ``</think>`` decodes as JSON) or ``"not_a_list"`` (the answer part is
     JSON but holds no list). ``n_raw``: entries of the decoded list; ``n_out_of_inventory``:
     string entries that are not inventory codes (duplicates counted); ``n_malformed``:
-    non-string entries. ``degenerate_reason``: ``""``, ``"cap"``, ``"too_many_codes"`` or
+    non-string entries (integers read as ids where the index takes ``numbers`` are not). ``degenerate_reason``: ``""``, ``"cap"``, ``"too_many_codes"`` or
     ``"ascending"`` (the first that applies, in that order).
     """
 
@@ -207,6 +217,8 @@ def parse_answer(generation: str, inventory_codes: Collection[str] | CodeIndex, 
     seen: set[str] = set()
     n_out = n_malformed = 0
     for entry in entries:
+        if index.numbers and isinstance(entry, int) and not isinstance(entry, bool):
+            entry = str(entry)
         if not isinstance(entry, str):
             n_malformed += 1
             continue

@@ -50,7 +50,7 @@ from mistill.evaluation.backends import resolve_backend
 from mistill.evaluation.generation import generation_record, note_seed
 from mistill.evaluation.m1 import m1_summary, teacher_forced_readouts
 from mistill.evaluation.metrics import bleu4, per_note_metrics, task_metrics
-from mistill.evaluation.parsing import CodeIndex, parse_answer, split_reasoning
+from mistill.evaluation.parsing import parse_answer, split_reasoning
 from mistill.evaluation.sampling import SampleRequest
 from mistill.io import write_text
 from mistill.params import DecodingParams
@@ -171,8 +171,8 @@ def _readouts(cfg: EvaluateConfig, run, notes, prepared, lm, samples: dict, guar
     if cfg.las_run:
         simulator = load_simulator(cfg.las_run, device=device)
     codes = list(prepared.inventory.codes)
-    index = CodeIndex(codes)
     task = task_for(prepared.inventory)
+    index = task.answer_index(codes)
     las: dict[str, float] = {}
     if simulator is not None and cfg.fidelity:  # every note's two predictions decoded together
         items = [(n.text, split_reasoning(samples[n.note_id].text)[0], list(parse_answer(n.teacher_trace, index).codes))

@@ -49,7 +49,7 @@ from mistill.errors import MistillInputError
 from mistill.evaluation.backends import KeyMaskedHFBackend, resolve_backend
 from mistill.data.inventory import category
 from mistill.evaluation.flip_test import SAMPLE_COLUMNS, case_readings, checkpoint_readings, sample_row, sample_seed
-from mistill.evaluation.parsing import CodeIndex, parse_answer
+from mistill.evaluation.parsing import parse_answer
 from mistill.evaluation.sampling import SampleRequest, sample_notes
 from mistill.instrument.passes import PHASES
 from mistill.params import DecodingParams
@@ -58,6 +58,7 @@ from mistill.stages.common import (TAG_CONDITION_RUN, Prepared, RunReader, link_
                                    load_tokenizer, make_backend, readout_subject)
 from mistill.stages.own_heads import TAG_RANK_ATTRIBUTE
 from mistill.stages.runner import open_stage, progress_label, stage_device
+from mistill.tasks import task_for
 from mistill.tracking.naming import TAG_BACKEND, TAG_CORPUS
 from mistill.validation import (HEAD_NAME, check_arm, check_choice, check_device, check_dtype, check_model_spec,
                                 check_no_text_fields, check_pattern, check_positive, check_run_id, check_seed, fail)
@@ -227,7 +228,7 @@ def run_flip_test(cfg: FlipTestConfig) -> str:
                 return make_backend(backend, subject.spec, decoding, device=device, dtype=cfg.dtype)
         gens = sample_notes(requests, run.enclave_dir / SAMPLES, open_backend, decoding.to_dict(),
                             desc=progress_label(f"flip_test {subject.arm}: generate"))
-        index = CodeIndex(list(original.inventory.codes))
+        index = task_for(original.inventory).answer_index(original.inventory.codes)
         rows = []
         for request, (case, cond, k, seed, a, b) in zip(requests, keys, strict=True):
             gen = gens[request.note_id]

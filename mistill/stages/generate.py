@@ -40,7 +40,6 @@ from mistill.distributed import current_world
 from mistill.errors import MistillInputError
 from mistill.evaluation.backends import resolve_backend
 from mistill.evaluation.generation import generation_record, note_seed
-from mistill.evaluation.parsing import CodeIndex
 from mistill.evaluation.sampling import call_size
 from mistill.models.loading import EMBEDDED_DEFAULT
 from mistill.params import DecodingParams
@@ -49,6 +48,7 @@ from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE
                                    Prepared, corpus_index, load_prepared, load_tokenizer, make_backend,
                                    prepared_data_dir, require_notes, save_prepared)
 from mistill.stages.runner import notes_written, open_stage, pending_notes, progress_label, stage_device
+from mistill.tasks import task_for
 from mistill.tracking.naming import TAG_CORPUS_DIGEST
 from mistill.validation import (check_device, check_dtype, check_model_spec, check_name, check_no_text_fields,
                                 check_non_negative, check_not_empty, check_run_id, check_seed)
@@ -174,7 +174,7 @@ def run_generate(cfg: GenerateConfig) -> str:
                   "generations without think tags count as closed reasoning of length 0")
         if todo:
             with make_backend(cfg.backend, cfg.model, decoding, device=device, dtype=cfg.dtype) as backend:
-                index = CodeIndex(inventory.codes)
+                index = task_for(inventory).answer_index(inventory.codes)
                 chunk = cfg.batch_size or call_size(backend)
                 bar = track(total=len(todo), desc=progress_label(f"generate ({backend.name})"))
                 for start in range(0, len(todo), chunk):

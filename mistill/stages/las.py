@@ -27,10 +27,10 @@ from mistill.errors import MistillInputError
 from mistill.evaluation.las import (INVENTORY_FILE, META_FILE, Simulator, encode_pair, las_per_note,
                                     load_simulator as load_simulator_from, save_simulator, set_f1, teacher_example,
                                     train_simulator)
-from mistill.evaluation.parsing import CodeIndex
 from mistill.models.loading import EMBEDDED_DEFAULT
 from mistill.stages.common import load_model, load_prepared, model_positions, require_notes
 from mistill.stages.runner import open_stage
+from mistill.tasks import task_for
 from mistill.tracking.models import resolve_run_spec, run_artifact_dir
 from mistill.validation import (check_at_least, check_device, check_dtype, check_model_spec, check_name,
                                 check_no_text_fields, check_non_negative, check_not_empty, check_positive, check_run_id,
@@ -137,7 +137,7 @@ def run_las_simulator(cfg: LasSimulatorConfig) -> str:
         if run.reused:
             return run.run_id
         guard = run.guard
-        index = CodeIndex(list(prepared.inventory.codes))
+        index = task_for(prepared.inventory).answer_index(prepared.inventory.codes)
         train = _examples(train_notes, index)
         lm = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
         positions = model_positions(lm)

@@ -33,7 +33,7 @@ from types import MappingProxyType
 
 from mistill.errors import MistillInputError
 from mistill.evaluation.metrics import prf_from_counts, set_counts
-from mistill.evaluation.parsing import reasoning_closed, split_reasoning
+from mistill.evaluation.parsing import CodeIndex, reasoning_closed, split_reasoning
 from mistill.io import iter_jsonl
 
 __all__ = ["Task", "Span", "Mention", "Record", "record_id", "whole_word_mentions", "set_scores", "answer_part",
@@ -125,6 +125,12 @@ class Task(ABC):
     @abstractmethod
     def parse_answer(self, generation: str) -> tuple[str, ...]:
         """The answer of a generation (empty when there is none or the generation is invalid)."""
+
+    def answer_index(self, codes: Collection[str]) -> CodeIndex:
+        """The lookup the stages parse a generation's answer entries with
+        (:func:`mistill.evaluation.parsing.parse_answer`), over a prepared inventory's ``codes``:
+        the entries the task's own answer reader accepts. Default: the codes as written."""
+        return CodeIndex(codes)
 
     @abstractmethod
     def metric(self, gold: Sequence[str], pred: Sequence[str]) -> dict[str, float]:

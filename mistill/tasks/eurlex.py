@@ -56,7 +56,7 @@ from mistill.data.inventory import Inventory
 from mistill.data.prompts import PromptWording
 from mistill.errors import MistillInputError
 from mistill.evaluation.metrics import prf_from_counts
-from mistill.evaluation.parsing import last_json_list
+from mistill.evaluation.parsing import CodeIndex, last_json_list
 from mistill.io import read_json
 from mistill.tasks.base import Mention, Record, Task, answer_part, jsonl_records, set_scores, whole_word_mentions
 
@@ -221,6 +221,11 @@ class EurlexTask(Task):
             return False
         up_a, up_b = self._broader.get(ia, frozenset()), self._broader.get(ib, frozenset())
         return ib in up_a or ia in up_b or bool(up_a & up_b)
+
+    def answer_index(self, codes: Collection[str]) -> CodeIndex:
+        """Labels case-insensitively, and EuroVoc ids (strings or JSON numbers) for their labels:
+        the entries :meth:`parse_answer` accepts, over a prepared inventory's labels."""
+        return CodeIndex(codes, normalize=str.casefold, aliases=self.concepts, numbers=True)
 
     def parse_answer(self, generation: str) -> tuple[str, ...]:
         part = answer_part(generation)
