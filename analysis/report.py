@@ -39,6 +39,7 @@ from analysis.report_sections import (characterization_compare_section, instruct
                                       transfer_screen_section)
 from analysis.report_sections import replicate_section, training_section
 from mistill import stats
+from mistill.tracking.naming import TAG_INPUT_PREFIX, TAG_STAGE
 
 __all__ = ["MIN_TEST_NOTES", "MIN_TRAIN_STEPS", "STAGES", "EvidenceSize", "Report", "ReportInputs",
            "ReportTable", "build_report", "collect_inputs", "evidence_size"]
@@ -124,6 +125,7 @@ def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str]
     extra["audit_frame"] = query.stage_runs(client, experiment, "audit_frame")
     extra["flip_test"] = query.stage_runs(client, experiment, "flip_test", params=flip_tables.FLIP_PARAMS)
     extra["knockin_sets"] = other_sets_only(query.stage_runs(client, experiment, "knockin", params=SETS_PARAMS))
+    extra["screen_generations"] = screen_generations(client, extra["knockin_sets"])
     prepared = query.stage_runs(client, experiment, "prepare", params=("task",))
     task = str(prepared["params.task"].dropna().iloc[0]) \
         if not prepared.empty and prepared["params.task"].notna().any() else "icd10"
@@ -161,6 +163,24 @@ def own_sets_only(runs: pd.DataFrame) -> pd.DataFrame:
     """``knockin`` or ``read_side`` runs (read with :data:`SETS_PARAMS`) of their attribute run's own
     sets."""
     return runs if runs.empty else runs[~_set(runs, "sets_run")].reset_index(drop=True)
+
+
+def _input(client: MlflowClient, run_id: str, name: str) -> str | None:
+    """The run ``run_id`` read as its input ``name`` (its lineage tag), if any."""
+    return client.get_run(run_id).data.tags.get(TAG_INPUT_PREFIX + name)
+
+
+def screen_generations(client: MlflowClient, knockin_sets: pd.DataFrame) -> pd.DataFrame:
+    """Per knock-in of a frozen ranking, the ``generate`` run whose traces its inputs carry (its
+    attribute run's events run read it as the prepared corpus), where that is a generate run:
+    columns ``knockin_run, run_id`` (Table 59's native row reads its ``generations``)."""
+    rows = []
+    for _, run in knockin_sets.iterrows():
+        events = _input(client, run["attribute_run"], "events") if run.get("attribute_run") else None
+        source = _input(client, events, "prepare") if events else None
+        if source and client.get_run(source).data.tags.get(TAG_STAGE) == "generate":
+            rows.append({"knockin_run": run["run_id"], "run_id": source})
+    return pd.DataFrame(rows, columns=["knockin_run", "run_id"])
 
 
 def other_sets_only(runs: pd.DataFrame) -> pd.DataFrame:
@@ -233,7 +253,8 @@ def build_report(inputs: ReportInputs, *, reference_arm: str,
         inputs.extra.get("locus_compared", pd.DataFrame()), inputs.extra.get("read_side_compared", pd.DataFrame()))
     if inputs.task in transfer_tables.TRANSFER_TASKS:  # App. P's screen, not App. B's control
         transfer_screen_section(rep, inputs.extra.get("knockin_sets", pd.DataFrame()), n_resamples, seed,
-                                read_side_sets=inputs.extra.get("read_side_sets", pd.DataFrame()))
+                                read_side_sets=inputs.extra.get("read_side_sets", pd.DataFrame()),
+                                generations=inputs.extra.get("screen_generations", pd.DataFrame()))
     else:
         instruction_control_section(rep, client, inputs.extra.get("knockin_sets", pd.DataFrame()))
     training_section(rep, client, extra, cells, n_resamples, seed)

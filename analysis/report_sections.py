@@ -1130,21 +1130,38 @@ def _readback_of(rep: Report, knockin: pd.Series, read_side_sets: pd.DataFrame) 
     return _load(rep, same.head(1), f"{READBACK_NOTES}.csv", ["note_id", "group", "n_share"], ("run_id",))
 
 
+def _generations_of(rep: Report, knockin: pd.Series, generations: pd.DataFrame) -> pd.DataFrame:
+    """The ``generations`` table of the generate run that traced ``knockin``'s inputs (empty when
+    there is none)."""
+    if generations.empty:
+        return pd.DataFrame()
+    source = generations[generations["knockin_run"] == knockin["run_id"]]
+    if source.empty:
+        return pd.DataFrame()
+    return _load(rep, source.head(1)[["run_id"]], "generations.csv", ["note_id", "tp", "fp", "fn", "n_gold"],
+                 ("run_id",))
+
+
 def transfer_screen_section(rep: Report, knockin_sets: pd.DataFrame, n_resamples: int, seed: int,
                             k: int = transfer_tables.SCREEN_K,
-                            read_side_sets: pd.DataFrame | None = None) -> None:
+                            read_side_sets: pd.DataFrame | None = None,
+                            generations: pd.DataFrame | None = None) -> None:
     """Table 59 (App. P): per knock-in run of a frozen development ranking on another label space's
-    inputs, its coverage and the ranked heads' recovery against random heads at P2C, top-``k``,
-    and, from a ``read_side`` run of the same inputs and ranking (``read_side_sets``), the
-    earlier-naming read-back (:func:`analysis.transfer_tables.transfer_screen_table`)."""
+    inputs, its coverage and the ranked heads' recovery against random heads at P2C, top-``k``;
+    from a ``read_side`` run of the same inputs and ranking (``read_side_sets``), the
+    earlier-naming read-back; from the ``generate`` run that traced the inputs (``generations``:
+    ``knockin_run, run_id``), the teacher's native micro-F1
+    (:func:`analysis.transfer_tables.transfer_screen_table`)."""
     name, title = "table59_transfer_screen", "Table 59: the teacher's ranked heads against random heads"
     caption = ("Per knock-in of the frozen development ranking (sets_run) on the assessment batch or fresh inputs: "
                "coverage; recovery of the ranked P2C top-40 and of count-matched random heads (means over the "
                "evaluable inputs, 95% percentile bootstrap over inputs); ranked minus random per input; necessity; "
                "the ranked set's recovery at the other k read; with a read_side run of the same ranking on the "
                "same inputs, the read-back: the ranked heads' attention share on the alternative's earlier "
-               "namings minus that of the random and the bottom panels, paired per input.")
+               "namings minus that of the random and the bottom panels, paired per input; where a generate run "
+               "traced the inputs, the teacher's native micro-F1 on them.")
     read_side_sets = read_side_sets if read_side_sets is not None else pd.DataFrame()
+    generations = generations if generations is not None else pd.DataFrame()
     if knockin_sets.empty:
         return _listed(rep, name, title, caption, pd.DataFrame(), pd.DataFrame(),
                        "no FINISHED knockin run of a frozen ranking (knockin -P sets_run=...)",
@@ -1154,7 +1171,8 @@ def transfer_screen_section(rep: Report, knockin_sets: pd.DataFrame, n_resamples
         rows = _load(rep, pd.DataFrame([run]), PER_NOTE_SETS, ["note_id", "phase", "k", "set", "necessity",
                                                                "recovery"], ("run_id",))
         table = transfer_tables.transfer_screen_table(rows, k=k, n_resamples=n_resamples, seed=seed,
-                                                      readback=_readback_of(rep, run, read_side_sets))
+                                                      readback=_readback_of(rep, run, read_side_sets),
+                                                      generations=_generations_of(rep, run, generations))
         table.insert(0, "sets_run", run["params.sets_run"])
         table.insert(0, "run_id", run["run_id"])
         frames.append(table)

@@ -17,7 +17,9 @@ at the contrastive decision (P2C) and k = 40 (:data:`SCREEN_PHASE`, :data:`SCREE
   -P sets_run=<the ranking>``), the earlier-naming read-back diagnostic: per input, the ranked P2C
   heads' mean attention share on the alternative's earlier namings (``N``) minus that of each
   control panel (count-matched random heads, the bottom of the ranking), its mean with a 95 %
-  percentile bootstrap over inputs and the inputs where the ranked heads read more.
+  percentile bootstrap over inputs and the inputs where the ranked heads read more;
+* where the inputs' traces are a ``generate`` run's, the teacher's native micro-F1 there (its
+  own answers against the inputs' gold labels, pooled, with a percentile bootstrap over inputs).
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ import pandas as pd
 
 from mistill import stats
 
-__all__ = ["SCREEN_PHASE", "SCREEN_K", "TRANSFER_TASKS", "COLUMNS", "READBACK_CONTROLS", "readback_table",
-           "transfer_screen_table"]
+__all__ = ["SCREEN_PHASE", "SCREEN_K", "TRANSFER_TASKS", "COLUMNS", "READBACK_CONTROLS", "native_table",
+           "readback_table", "transfer_screen_table"]
 
 SCREEN_PHASE, SCREEN_K = "P2C", 40
 """The cell Table 59 reads: the contrastive decision's top-40."""
@@ -80,13 +82,30 @@ def readback_table(notes: pd.DataFrame, *, k: int = SCREEN_K, n_resamples: int =
     return pd.DataFrame(out, columns=COLUMNS)
 
 
+def native_table(generations: pd.DataFrame, *, k: int = SCREEN_K, n_resamples: int = stats.N_BOOTSTRAP,
+                 seed: int = 0) -> pd.DataFrame:
+    """The native row of Table 59 (:data:`COLUMNS`) from a ``generate`` run's ``generations``
+    (``tp, fp, fn, n_gold`` per input): the pooled micro-F1 of the inputs with gold labels and
+    its percentile bootstrap over them (empty without such inputs)."""
+    if generations.empty or not {"tp", "fp", "fn", "n_gold"} <= set(generations.columns):
+        return pd.DataFrame(columns=COLUMNS)
+    graded = generations[pd.to_numeric(generations["n_gold"], errors="coerce") > 0]
+    if graded.empty:
+        return pd.DataFrame(columns=COLUMNS)
+    ci = stats.corpus_micro_f1(graded[["tp", "fp", "fn"]].to_numpy(dtype=int), n_resamples=n_resamples, seed=seed)
+    return pd.DataFrame([{"statistic": "native micro-F1 of the teacher's answers", "k": k, "value": ci.estimate,
+                          "ci_low": ci.low, "ci_high": ci.high, "n": len(graded)}], columns=COLUMNS)
+
+
 def transfer_screen_table(rows: pd.DataFrame, *, phase: str = SCREEN_PHASE, k: int = SCREEN_K,
                           n_resamples: int = stats.N_BOOTSTRAP, seed: int = 0,
-                          readback: pd.DataFrame | None = None) -> pd.DataFrame:
+                          readback: pd.DataFrame | None = None,
+                          generations: pd.DataFrame | None = None) -> pd.DataFrame:
     """Table 59's rows for one knock-in run of a frozen ranking (``rows``: its ``per_note_sets``,
     columns ``note_id, phase, k, set, necessity, recovery, n_events, n_gated``), :data:`COLUMNS`;
     with ``readback`` (a ``read_side`` run's ``readside_readback_notes`` on the same inputs and
-    ranking), the read-back rows of :func:`readback_table` after them."""
+    ranking), the read-back rows of :func:`readback_table` after them; with ``generations`` (the
+    ``generate`` run that traced the inputs), the native row of :func:`native_table` last."""
     out: list[dict] = []
 
     def add(statistic: str, value: float, low: float = math.nan, high: float = math.nan, n: int = 0,
@@ -123,7 +142,10 @@ def transfer_screen_table(rows: pd.DataFrame, *, phase: str = SCREEN_PHASE, k: i
         if len(cell):
             add("recovery, ranked heads", float(cell.mean()), n=len(cell), at=other)
     table = pd.DataFrame(out, columns=COLUMNS)
+    extra = []
     if readback is not None and not readback.empty:
-        table = pd.concat([table, readback_table(readback, k=k, n_resamples=n_resamples, seed=seed)],
-                          ignore_index=True)
-    return table
+        extra.append(readback_table(readback, k=k, n_resamples=n_resamples, seed=seed))
+    if generations is not None and not generations.empty:
+        extra.append(native_table(generations, k=k, n_resamples=n_resamples, seed=seed))
+    extra = [t for t in extra if not t.empty]
+    return pd.concat([table, *extra], ignore_index=True) if extra else table

@@ -276,6 +276,18 @@ def _micro_f1(c: np.ndarray) -> np.ndarray:
     return np.where(den > 0, 2 * tp / np.maximum(den, 1), 1.0)
 
 
+def corpus_micro_f1(counts: Sequence | np.ndarray, *, n_resamples: int = N_BOOTSTRAP_CORPUS, seed: int = 0,
+                    level: float = 0.95) -> CI:
+    """Corpus micro-F1 of per-note ``(tp, fp, fn)`` counts (``[note, 3]``) with its percentile
+    bootstrap interval over notes (each resample pools the drawn notes' counts)."""
+    c = _seed_counts(counts, "counts")
+    if c.shape[0] != 1:
+        raise MistillInputError(f"expected one set of per-note counts, got {c.shape[0]}", field="counts")
+    c = c[0]
+    boot = np.concatenate([_micro_f1(c[idx].sum(1)) for idx in _resample_chunks(len(c), n_resamples, seed)])
+    return CI(float(_micro_f1(c.sum(0))), *_percentiles(boot, level))
+
+
 def _seed_counts(counts: Sequence | np.ndarray, field: str) -> np.ndarray:
     """Counts as ``[seed, note, 3]`` integers (a ``[note, 3]`` input is one seed)."""
     c = np.asarray(counts)

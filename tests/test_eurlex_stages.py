@@ -108,3 +108,26 @@ def test_rank_on_the_development_acts_and_knock_in_the_frozen_sets_on_fresh_acts
     top = shares[shares["group"] == "top"]
     assert by.loc["read-back on the earlier namings, ranked heads", "value"] == pytest.approx(top["n_share"].mean())
     assert by.loc["read-back, ranked minus random", "n"] == len(top) > 0
+
+
+def test_table59_finds_the_generate_run_that_traced_the_screened_inputs(tracking_uri):
+    # the lineage the report follows: knockin -> its attribute run -> that run's events run -> the
+    # prepared corpus it read; only a generate run there gives Table 59 its native row
+    from analysis.report import screen_generations
+    from mistill.tracking.naming import TAG_INPUT_PREFIX, TAG_STAGE
+
+    client = MlflowClient()
+    exp = client.create_experiment(unique("lineage"))
+
+    def run(stage: str, **inputs: str) -> str:
+        r = client.create_run(exp, tags={TAG_STAGE: stage, **{TAG_INPUT_PREFIX + k: v for k, v in inputs.items()}})
+        client.set_terminated(r.info.run_id)
+        return r.info.run_id
+
+    generated = run("generate")
+    prepared = run("prepare")
+    chains = {source: run("attribute", events=run("events", prepare=source)) for source in (generated, prepared)}
+    sets = pd.DataFrame([{"run_id": f"knockin-{i}", "attribute_run": attribute}
+                         for i, attribute in enumerate(chains.values())])
+    found = screen_generations(client, sets)
+    assert found.to_dict("records") == [{"knockin_run": "knockin-0", "run_id": generated}]

@@ -77,6 +77,19 @@ def test_generate_flags_rates_traced_corpus_and_reuse(tracking_uri, tmp_path, mo
         assert {f"notes/{note.note_id}/generation.json", f"notes/{note.note_id}/trace.txt",
                 f"notes/{note.note_id}/_DONE"} <= arts
     assert {"data/corpus.jsonl", "data/inventory.json", "generations.csv", "decoding.json"} <= arts
+    # every answer graded against its note's gold codes: the model's native micro-F1
+    import mlflow
+    import pandas as pd
+
+    table = pd.read_csv(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="generations.csv",
+                                                            dst_path=str(tmp_path / "gens")), dtype={"note_id": str})
+    hits = [int(code in n.gold_codes) for n in notes]
+    assert list(table["tp"]) == hits and list(table["fp"]) == [1 - h for h in hits]
+    assert list(table["n_gold"]) == [len(set(n.gold_codes)) for n in notes]
+    assert list(table["fn"]) == [len(set(n.gold_codes)) - h for n, h in zip(notes, hits)]
+    tp, gold = sum(hits), sum(len(set(n.gold_codes)) for n in notes)
+    assert m["answer_micro_f1"] == pytest.approx(2 * tp / (2 * tp + (3 - tp) + (gold - tp)))
+    assert m["n_graded_notes"] == 3
 
     traced = load_prepared(run_id)  # the generate run is a prepared corpus
     assert [n.note_id for n in traced.corpus.notes] == [n.note_id for n in notes]

@@ -14,6 +14,7 @@ from mistill.stats import (
     benjamini_hochberg,
     binomial_recurrence,
     bootstrap_ci,
+    corpus_micro_f1,
     corpus_micro_f1_difference,
     note_clustered,
     one_sample_t,
@@ -234,3 +235,14 @@ def test_binomial_recurrence_hand_values():
         min(1.0, 2 * sps.binom.sf(1, 100, 20 / 1600)))
     with pytest.raises(MistillInputError):
         binomial_recurrence([101], n_notes=100, p_null=0.1)
+
+
+def test_corpus_micro_f1_pools_counts_and_resamples_notes():
+    counts = [(2, 1, 0), (0, 0, 3), (1, 1, 1)]  # tp, fp, fn per note
+    ci = corpus_micro_f1(counts, n_resamples=500, seed=1)
+    assert ci.estimate == pytest.approx(2 * 3 / (2 * 3 + 2 + 4))
+    assert ci.low <= ci.estimate <= ci.high and ci.low < ci.high
+    # a resample is a draw of notes whose counts are pooled: with one note every draw is that note
+    assert tuple(corpus_micro_f1([(1, 1, 0)], n_resamples=50)) == pytest.approx((2 / 3,) * 3)
+    with pytest.raises(MistillInputError):
+        corpus_micro_f1(np.ones((2, 3, 3), dtype=int))  # two seeds' counts, not one set

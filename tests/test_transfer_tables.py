@@ -70,3 +70,14 @@ def test_readback_rows_by_hand():
     assert by.loc["inputs where the ranked heads read back more than bottom", "value"] == 1
     # without a read-back the table is the knock-in's alone
     assert not transfer_screen_table(_rows(), n_resamples=200)["statistic"].str.startswith("read-back").any()
+
+
+def test_native_row_by_hand():
+    # the teacher's answers graded against the inputs' gold labels, pooled over the inputs with gold
+    gens = pd.DataFrame({"note_id": ["a", "b", "c"], "tp": [2, 0, 1], "fp": [1, 3, 1], "fn": [0, 0, 1],
+                         "n_gold": [2, 0, 2]})
+    t = transfer_screen_table(_rows(), n_resamples=200, generations=gens)
+    row = t.set_index("statistic").loc["native micro-F1 of the teacher's answers"]
+    assert row["value"] == pytest.approx(2 * 3 / (2 * 3 + 2 + 1)) and row["n"] == 2  # b has no gold label
+    assert row["ci_low"] <= row["value"] <= row["ci_high"]
+    assert "native micro-F1 of the teacher's answers" not in set(transfer_screen_table(_rows())["statistic"])

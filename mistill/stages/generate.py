@@ -9,7 +9,9 @@ parses it with the shared answer rules (:func:`~mistill.evaluation.parsing.parse
 valid (reasoning closed, cap not reached), parsed, degenerate, the scored codes. Nothing is
 scraped from reasoning, and bad output (a cap hit, an unclosed block, an answer that is not a
 JSON list, codes outside the inventory, a chat template without a thinking switch) is counted
-in the metrics, never raised.
+in the metrics, never raised. Each answer is graded against its note's gold codes (the
+``generations`` table's ``tp, fp, fn, n_gold``; metric ``answer_micro_f1`` over the notes with
+gold codes: the model's native micro-F1, App. P's reading of the teacher on fresh inputs).
 
 Per note (resumable, ``notes/<note_id>/``): ``generation.json`` (seed, decoding, flags, codes,
 counts) and ``trace.txt``: an artifact for synthetic and public corpora; for a restricted corpus
@@ -40,6 +42,7 @@ from mistill.distributed import current_world
 from mistill.errors import MistillInputError
 from mistill.evaluation.backends import resolve_backend
 from mistill.evaluation.generation import generation_record, note_seed
+from mistill.evaluation.metrics import prf_from_counts, set_counts
 from mistill.evaluation.sampling import call_size
 from mistill.models.loading import EMBEDDED_DEFAULT
 from mistill.params import DecodingParams
@@ -113,6 +116,21 @@ def selected_notes(prepared: Prepared, split: str = "", max_notes: int = 0) -> l
     notes = [n for n in prepared.corpus.notes if not split or n.split == split]
     notes = require_notes(notes, split, prepared, need_trace=False)
     return notes[:max_notes] if max_notes else notes
+
+
+ANSWER_COUNTS: tuple[str, ...] = ("tp", "fp", "fn", "n_gold")
+"""The ``generations`` table's columns grading each answer against its note's gold codes."""
+
+
+def answer_counts(notes: list[Note], records: list[dict]) -> pd.DataFrame:
+    """Per note (in order), the parsed answer's true and false positives and false negatives
+    against the note's gold codes, and how many gold codes it has (:data:`ANSWER_COUNTS`); an
+    invalid answer is an empty one."""
+    rows = []
+    for note, record in zip(notes, records, strict=True):
+        tp, fp, fn = set_counts(record["codes"], note.gold_codes)
+        rows.append({"tp": tp, "fp": fp, "fn": fn, "n_gold": len(set(note.gold_codes))})
+    return pd.DataFrame(rows, columns=list(ANSWER_COUNTS))
 
 
 def generation_metrics(records: list[dict]) -> dict[str, float]:
@@ -210,10 +228,17 @@ def run_generate(cfg: GenerateConfig) -> str:
 
         table = pd.DataFrame([{k: (" ".join(v) if k == "codes" else v) for k, v in r.items()
                                if k != "decoding"} for r in ordered])
+        counts = answer_counts(notes, ordered)
+        table = pd.concat([table, counts], axis=1)
         run.log_table("generations", table)
         run.log_json("decoding.json", {**ordered[0]["decoding"], "seed_rule": "note_seed(seed, note_id)",
                                        "model": cfg.model, "thinking_template": thinking})
         metrics = generation_metrics(ordered)
+        graded = counts[counts["n_gold"] > 0]
+        if len(graded):  # the model's own answers against the notes' gold (App. P: the teacher's native micro-F1)
+            tp, fp, fn = (int(graded[k].sum()) for k in ("tp", "fp", "fn"))
+            metrics["answer_micro_f1"] = prf_from_counts(tp, fp, fn)[2]
+            metrics["n_graded_notes"] = len(graded)
         metrics["n_traced_notes"] = len(out)
         metrics["thinking_template"] = float(thinking)
         run.log_metrics(metrics)
