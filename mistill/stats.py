@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
-from scipy import stats as sps
 
 from mistill.errors import MistillInputError
 from mistill.evaluation.metrics import set_counts
@@ -34,6 +33,30 @@ U = TypeVar("U")
 N_BOOTSTRAP = 1000
 N_BOOTSTRAP_CORPUS = 10_000
 _MAX_RESAMPLE_CELLS = 4_000_000  # resample index matrices are built in chunks of at most this
+
+
+def _scipy_stats():
+    """``scipy.stats``, imported where a test needs it."""
+    # deferred: scipy.stats takes about half a second to import, at every process start otherwise
+    from scipy import stats
+
+    return stats
+
+
+def pearson(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) -> float:
+    """Pearson's correlation of two equal-length vectors (NaN where one is constant)."""
+    return float(_scipy_stats().pearsonr(x, y).statistic)
+
+
+def spearman(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) -> float:
+    """Spearman's rank correlation of two equal-length vectors (NaN where one is constant)."""
+    return float(_scipy_stats().spearmanr(x, y).statistic)
+
+
+def exact_binomial_ci(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    """The exact (Clopper-Pearson) interval of the proportion ``k / n``."""
+    ci = _scipy_stats().binomtest(int(k), int(n)).proportion_ci(confidence_level=level, method="exact")
+    return float(ci.low), float(ci.high)
 
 
 class CI(NamedTuple):
@@ -101,14 +124,14 @@ def sign_test(wins: int, losses: int) -> float:
         raise MistillInputError("wins and losses must be non-negative", field="wins")
     if wins + losses == 0:
         return 1.0
-    return float(sps.binomtest(int(wins), int(wins + losses), 0.5, alternative="two-sided").pvalue)
+    return float(_scipy_stats().binomtest(int(wins), int(wins + losses), 0.5, alternative="two-sided").pvalue)
 
 
 def wilcoxon_p(diffs: np.ndarray) -> float:
     """Two-sided Wilcoxon signed-rank p with zero differences dropped; 1.0 when all are zero."""
     if not np.any(diffs != 0):
         return 1.0
-    return float(sps.wilcoxon(diffs, zero_method="wilcox", alternative="two-sided").pvalue)
+    return float(_scipy_stats().wilcoxon(diffs, zero_method="wilcox", alternative="two-sided").pvalue)
 
 
 @dataclass(frozen=True)
@@ -354,7 +377,7 @@ def one_sample_t(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         var = np.nansum((x - mean) ** 2, 0) / (n - 1)
         t = mean / np.sqrt(var / n)
         t = np.where(n >= 2, t, np.nan)
-    p = 2.0 * sps.t.sf(np.abs(t), np.maximum(n - 1, 1))
+    p = 2.0 * _scipy_stats().t.sf(np.abs(t), np.maximum(n - 1, 1))
     return t, np.where(np.isnan(t), np.nan, p)
 
 
@@ -429,5 +452,5 @@ def binomial_recurrence(counts: np.ndarray | Sequence[int], n_notes: int,
     c = np.asarray(counts)
     if np.any(c < 0) or np.any(c > n_notes):
         raise MistillInputError(f"recurrence counts must lie in [0, {n_notes}]", field="counts")
-    p = sps.binom.sf(c - 1, n_notes, p_null)
+    p = _scipy_stats().binom.sf(c - 1, n_notes, p_null)
     return RecurrenceResult(p, np.minimum(1.0, p * c.size))

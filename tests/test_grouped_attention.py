@@ -109,6 +109,7 @@ def test_batched_generation_decodes_through_the_grouped_path() -> None:
         return ga.grouped_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     lm = tiny_model("qwen3", heads=8, kv_heads=2, logit_scale=8)
+    ga.register_grouped_attention()  # the real function first, so that the counted one replaces it
     AttentionInterface.register(ga.GROUPED_ATTENTION, counted)
     try:
         gens = generate_hf_many(lm, [("alpha beta " * 4, 1), ("gamma " * 9, 2)], DecodingConfig(max_new_tokens=4),

@@ -24,7 +24,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
-from scipy import stats as sps
+
+from mistill import stats
 
 FACTORS = ("aligned", "gold", "in_answer")
 """The three binary factors of a stratum, in its name's order."""
@@ -120,11 +121,11 @@ def label_shares(labelled: pd.DataFrame, populations: Mapping[str, int], level: 
     rows = []
     for label in sorted(labelled["label"].unique()):
         k = int((labelled["label"] == label).sum())
-        ci = sps.binomtest(k, n_all).proportion_ci(confidence_level=level, method="exact")
+        low, high = stats.exact_binomial_ci(k, n_all, level)
         weighted = sum(int(populations.get(s, 0)) / total * float((labelled.loc[labelled["stratum"] == s, "label"]
                                                                     == label).mean()) for s in sampled) \
             if total else math.nan
-        rows.append({"label": label, "n": k, "share": k / n_all, "ci_low": float(ci.low), "ci_high": float(ci.high),
+        rows.append({"label": label, "n": k, "share": k / n_all, "ci_low": low, "ci_high": high,
                      "weighted_share": weighted})
     return pd.DataFrame(rows, columns=list(SHARE_COLUMNS))
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from scipy import stats as sps
 
+from mistill import stats
 from mistill.instrument.hooks import HeadHook
 from mistill.instrument.patching import Query, margins_from_logits, mean_ablate
 from mistill.instrument.runner import KVPrefix, Runner
@@ -97,8 +97,8 @@ def fidelity(first_order_importance: np.ndarray, exact: np.ndarray, *, top: int 
     top_ex = np.argsort(-np.abs(ex), kind="stable")[:top]
     denom = np.abs(ex[top_ex]).sum()
     return {
-        "pearson": float(sps.pearsonr(fo, ex).statistic) if fo.std() > 0 and ex.std() > 0 else float("nan"),
-        "spearman": float(sps.spearmanr(fo, ex).statistic) if fo.std() > 0 and ex.std() > 0 else float("nan"),
+        "pearson": stats.pearson(fo, ex) if fo.std() > 0 and ex.std() > 0 else float("nan"),
+        "spearman": stats.spearman(fo, ex) if fo.std() > 0 and ex.std() > 0 else float("nan"),
         "top_overlap": float(len(top_fo & set(top_ex.tolist()))),
         "share_captured": float(np.abs(ex[list(top_fo)]).sum() / denom) if denom > 0 else float("nan"),
     }

@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from scipy import stats as sps
 
+from mistill import stats
 from mistill.instrument.passes import NoteAttribution
 
 __all__ = ["QUANTITIES", "event_rows", "pooled", "summary"]
@@ -41,7 +41,7 @@ POOLED_NAMES: dict[str, str] = {"spearman": "spearman_pooled", "pearson": "pears
 def _corr(x: np.ndarray, y: np.ndarray) -> dict[str, float]:
     if x.size < 3 or x.std() == 0 or y.std() == 0:
         return {"spearman": float("nan"), "pearson": float("nan")}
-    return {"spearman": float(sps.spearmanr(x, y).statistic), "pearson": float(sps.pearsonr(x, y).statistic)}
+    return {"spearman": stats.spearman(x, y), "pearson": stats.pearson(x, y)}
 
 
 def _values(att: NoteAttribution, e: int, heads: np.ndarray) -> dict[str, np.ndarray]:

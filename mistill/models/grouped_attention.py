@@ -32,13 +32,12 @@ reads, stays clean. Every other head attends as before; an empty mask changes no
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 GROUPED_ATTENTION = "mistill_grouped_decode"
 """The name under which :func:`grouped_attention_forward` is registered with transformers."""
@@ -149,8 +148,17 @@ def grouped_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     return out.transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(GROUPED_ATTENTION, grouped_attention_forward)
-AttentionMaskInterface.register(GROUPED_ATTENTION, sdpa_mask)
+@functools.cache
+def register_grouped_attention() -> None:
+    """Register :func:`grouped_attention_forward` (with SDPA's mask) with transformers under
+    :data:`GROUPED_ATTENTION`, once per process; :func:`use_grouped_decode_attention` does it."""
+    # deferred: transformers' attention registries import its modeling stack (about two seconds
+    # of every process start, spent here only by a process that decodes)
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GROUPED_ATTENTION, grouped_attention_forward)
+    AttentionMaskInterface.register(GROUPED_ATTENTION, sdpa_mask)
 
 
 def _configs(model: torch.nn.Module) -> list:
@@ -170,6 +178,7 @@ def use_grouped_decode_attention(model: torch.nn.Module) -> Iterator[bool]:
     Yields whether it switched: only a model whose attention is SDPA is switched (an eager or
     flash model is left as it is). The previous implementation is restored on exit.
     """
+    register_grouped_attention()
     configs = [cfg for cfg in _configs(model) if cfg._attn_implementation == "sdpa"]
     for cfg in configs:
         cfg._attn_implementation = GROUPED_ATTENTION

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 import torch
-from scipy import stats as sps
 
+from mistill import stats
 from mistill.config import Config
 from mistill.data.corpus import Note
 from mistill.distributed import broadcast, current_world, gather, shard
@@ -417,7 +417,7 @@ def _log_refinement(run, attributions: list[NoteAttribution], importances: list[
         refined, plain = cal.importance_c.get(phase), cal_fo.importance_c.get(phase)
         if refined is None or plain is None or not (np.isfinite(refined).all() and np.isfinite(plain).all()):
             continue
-        metrics[metric_name("refinement", phase, "spearman")] = float(sps.spearmanr(refined, plain).statistic)
+        metrics[metric_name("refinement", phase, "spearman")] = stats.spearman(refined, plain)
         top_r, top_p = np.argsort(-refined, kind="stable"), np.argsort(-plain, kind="stable")
         for k in REFINEMENT_TOP:
             metrics[metric_name("refinement", phase, "top_overlap", k)] = float(len(set(top_r[:k]) & set(top_p[:k])))
