@@ -163,8 +163,9 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(summarize(res), indent=2))
     finally:
         tracking.stop()
-    print(json.dumps(summarize(res), indent=2))
-    Path(args.out).write_text(json.dumps(summarize(res), indent=2))
+    text = json.dumps(summarize(res), indent=2)
+    print(text)
+    Path(args.out).write_text(text)
 
 
 if __name__ == "__main__":

@@ -90,8 +90,9 @@ class Answer:
     bracketed span after ``</think>`` decodes as JSON) or ``"not_a_list"`` (the answer part is
     JSON but holds no list). ``n_raw``: entries of the decoded list; ``n_out_of_inventory``:
     string entries that are not inventory codes (duplicates counted); ``n_malformed``:
-    non-string entries (integers read as ids where the index takes ``numbers`` are not). ``degenerate_reason``: ``""``, ``"cap"``, ``"too_many_codes"`` or
-    ``"ascending"`` (the first that applies, in that order).
+    non-string entries (integers read as ids where the index takes ``numbers`` are not).
+    ``degenerate_reason``: ``""``, ``"cap"``, ``"too_many_codes"`` or ``"ascending"`` (the first
+    that applies, in that order).
     """
 
     codes: tuple[str, ...]

@@ -228,6 +228,13 @@ GROUPS: tuple[str, ...] = ("top", "random", "bottom")
 seeded random heads and the phase's bottom-k."""
 
 
+def phase_groups(groups: dict[str, list[int]], phase: str) -> dict[str, list[int]]:
+    """The heads of each of :data:`GROUPS` for ``phase`` (empty where the panel has none: there is
+    no bottom-k of P2)."""
+    return {"top": groups.get(f"top_{phase}", []), "random": groups.get("random", []),
+            "bottom": groups.get(f"bottom_{phase}", [])}
+
+
 def note_lift_rows(per_note: dict[str, dict], panel: list[int], groups: dict[str, list[int]]) -> pd.DataFrame:
     """Each note's region lift per phase and group (``note_id, phase, group, lift``): the median
     over the phase's events per head, then the mean over the group's heads
@@ -238,8 +245,7 @@ def note_lift_rows(per_note: dict[str, dict], panel: list[int], groups: dict[str
     for phase in PHASES:
         if f"top_{phase}" not in groups:
             continue
-        heads_of = {"top": groups[f"top_{phase}"], "random": groups.get("random", []),
-                    "bottom": groups.get(f"bottom_{phase}", [])}  # the panel has no bottom-k of P2
+        heads_of = phase_groups(groups, phase)
         for note_id, d in per_note.items():
             ev = d["kinds"] == phase
             if not ev.any():
@@ -257,8 +263,7 @@ def readback_rows(per_note: dict[str, dict], panel: list[int], groups: dict[str,
     events and the group's heads of the share on ``N``. A group the panel lacks has no rows; a
     note without such events none."""
     col = {h: j for j, h in enumerate(panel)}
-    heads_of = {"top": groups.get(f"top_{READBACK_PHASE}", []), "random": groups.get("random", []),
-                "bottom": groups.get(f"bottom_{READBACK_PHASE}", [])}
+    heads_of = phase_groups(groups, READBACK_PHASE)
     rows = []
     for note_id, d in per_note.items():
         ev = d["kinds"] == READBACK_PHASE

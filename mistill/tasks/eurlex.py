@@ -45,6 +45,7 @@ release's layout, with scripted traces, on which the stages run in the tests.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -56,9 +57,9 @@ from mistill.data.inventory import Inventory
 from mistill.data.prompts import PromptWording
 from mistill.errors import MistillInputError
 from mistill.evaluation.metrics import prf_from_counts
-from mistill.evaluation.parsing import CodeIndex, last_json_list
+from mistill.evaluation.parsing import CodeIndex, parse_answer
 from mistill.io import read_json
-from mistill.tasks.base import Mention, Record, Task, answer_part, jsonl_records, set_scores, whole_word_mentions
+from mistill.tasks.base import Mention, Record, Task, jsonl_records, set_scores, whole_word_mentions
 
 __all__ = ["EurlexTask", "EurlexAct", "load_eurlex_documents", "load_eurovoc", "load_broader", "micro_f1",
            "EURLEX_WORDING", "candidate_list", "load_eurlex_corpus", "write_eurlex_fixture", "SPLIT_FOLDERS"]
@@ -191,7 +192,6 @@ class EurlexTask(Task):
         super().__init__({label: f"EuroVoc {cid}" for label, cid in by_label.items()})
         self.concepts = concepts
         self._id_of = by_label
-        self._folded = {label.casefold(): label for label in by_label}
         self._broader = {str(k): frozenset(v) for k, v in (broader or {}).items()}
 
     def label(self, concept_id: str) -> str:
@@ -227,20 +227,12 @@ class EurlexTask(Task):
         the entries :meth:`parse_answer` accepts, over a prepared inventory's labels."""
         return CodeIndex(codes, normalize=str.casefold, aliases=self.concepts, numbers=True)
 
+    @functools.cached_property
+    def _index(self) -> CodeIndex:
+        return self.answer_index(tuple(self._id_of))
+
     def parse_answer(self, generation: str) -> tuple[str, ...]:
-        part = answer_part(generation)
-        entries = last_json_list(part) if part is not None else None
-        out: list[str] = []
-        for e in entries or ():
-            if isinstance(e, int) and not isinstance(e, bool):
-                e = str(e)
-            if not isinstance(e, str):
-                continue
-            e = e.strip()
-            label = self.concepts.get(e) or self._folded.get(e.casefold())
-            if label is not None and label not in out:
-                out.append(label)
-        return tuple(out)
+        return parse_answer(generation, self._index).codes
 
     def metric(self, gold: Sequence[str], pred: Sequence[str]) -> dict[str, float]:
         """Set counts, precision, recall and F1 of one act (pool with :func:`micro_f1`)."""
