@@ -40,7 +40,7 @@ __all__ = ["COMPARE_KS", "LOCUS_RANKINGS", "SIDE_METRICS", "compare_display", "c
            "instruction_control_table", "knockin_display", "metrics_side_by_side", "newest_reader",
            "prose_time_overlap", "reading_runs",
            "knockin_side_by_side", "note_patients", "patient_collapse_display", "patient_collapse_table",
-           "patient_rows", "ranking_agreement", "readside_patient_collapse", "spearman"]
+           "patient_rows", "prepared_patients", "ranking_agreement", "readside_patient_collapse", "spearman"]
 
 COMPARE_KS: tuple[int, ...] = (8, 16, 40)
 """The top-k overlaps reported: Table 9 and App. G report the top-8 and top-40, Table 15 (the
@@ -569,7 +569,17 @@ def note_patients(knockin_run: str) -> dict[str, str]:
         if not upstream:
             raise MistillInputError(f"run {run_id} names no {name} run", field=f"{name}_run")
         run_id = upstream
-    prepare = run_id
+    return prepared_patients(run_id)
+
+
+def prepared_patients(prepare: str) -> dict[str, str]:
+    """``note_id -> patient_id`` of a prepared corpus (its ``corpus_index``; a note without a
+    patient id is its own): the clusters of note-clustered statistics (MuSiQue-Ans: base-question
+    groups).
+
+    Raises:
+        MistillInputError: the run or its index is missing or unreadable.
+    """
     try:
         index = pd.read_csv(RunReader(prepare, field="prepare_run").file(CORPUS_INDEX),
                             dtype={"note_id": str, "patient_id": str})

@@ -36,7 +36,7 @@ from analysis.report_sections import (READ_SIDE_STAGES, ExtraRuns, ablations_sec
                                       own_heads_aligned_section, own_heads_probe_section, own_heads_section,
                                       read_side_section, selection_section, student_edits_section, task_section)
 from analysis.report_sections import (characterization_compare_section, instruction_control_section,
-                                      transfer_screen_section)
+                                      public_task_section, transfer_screen_section)
 from analysis.report_sections import replicate_section, training_section
 from mistill import stats
 from mistill.tracking.naming import TAG_INPUT_PREFIX, TAG_STAGE
@@ -189,11 +189,11 @@ def other_sets_only(runs: pd.DataFrame) -> pd.DataFrame:
     return runs if runs.empty else runs[_set(runs, "sets_run")].reset_index(drop=True)
 
 
-_READ_PARAMS: dict[str, tuple[str, ...]] = {"own_heads": PROBE_PARAMS, "knockin": SETS_PARAMS,
-                                            "read_side": SETS_PARAMS}
+_READ_PARAMS: dict[str, tuple[str, ...]] = {"own_heads": (*PROBE_PARAMS, "prepare_run"), "knockin": SETS_PARAMS,
+                                            "read_side": SETS_PARAMS, "evaluate": ("prepare_run",)}
 _KEPT = {"own_heads": without_probes, "knockin": own_sets_only}
 """Per stage, the params read with its runs and the runs kept for the arm and characterization
-tables."""
+tables (``prepare_run``: the corpus whose groups cluster App. O's readings)."""
 
 
 def partial_train_runs(train: pd.DataFrame) -> set[str]:
@@ -255,6 +255,8 @@ def build_report(inputs: ReportInputs, *, reference_arm: str,
         transfer_screen_section(rep, inputs.extra.get("knockin_sets", pd.DataFrame()), n_resamples, seed,
                                 read_side_sets=inputs.extra.get("read_side_sets", pd.DataFrame()),
                                 generations=inputs.extra.get("screen_generations", pd.DataFrame()))
+    elif inputs.task == "musique":  # App. O's readings, not App. B's control
+        public_task_section(rep, inputs.runs["own_heads"], inputs.runs["evaluate"], n_resamples, seed)
     else:
         instruction_control_section(rep, client, inputs.extra.get("knockin_sets", pd.DataFrame()))
     training_section(rep, client, extra, cells, n_resamples, seed)

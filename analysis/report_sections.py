@@ -18,6 +18,7 @@ from analysis import aligned_events as aligned
 from analysis import characterization_compare as compare
 from analysis import flip_tables
 from analysis import matched_tables as matched
+from analysis import public_task_tables
 from analysis import training_tables
 from analysis import transfer_tables
 from analysis.audit import stratified_readouts
@@ -1179,6 +1180,47 @@ def transfer_screen_section(rep: Report, knockin_sets: pd.DataFrame, n_resamples
     table = pd.concat(frames, ignore_index=True)
     _listed(rep, name, title, caption, table, table.round(3),
             "" if len(table) else "the knock-in runs read no P2C rows", columns=list(table.columns))
+
+
+def public_task_section(rep: Report, own_runs: pd.DataFrame, eval_runs: pd.DataFrame, n_resamples: int,
+                        seed: int) -> None:
+    """Tables 56 and 57 (App. O) of a MuSiQue-Ans experiment: readings 1 and 2, Mistill against the
+    reference arm (and against RandHeads on recovery), paired by question over seed pairs with a
+    bootstrap over base-question groups, and the per-checkpoint values
+    (:mod:`analysis.public_task_tables`)."""
+    name56, title56 = "table56_public_task", "Table 56: the public-task extension's readings"
+    caption56 = (f"Mistill minus {rep.reference_arm}, seed i against seed i: (1) the own-heads final-line P2 "
+                 "recovery at k=40 per question on the common support, and against RandHeads (no criterion); (2) the "
+                 "answer F1 per question; means over questions with 95% percentile bootstraps over base-question "
+                 "groups, both counts, each seed pair's mean, and the locked criterion. Readings 3 and 4 come from "
+                 "the evidence-flip runs.")
+    name57, title57 = "table57_public_task_checkpoints", "Table 57: the public-task extension per checkpoint"
+    caption57 = ("Per checkpoint: answer F1 and valid-answer rate of its evaluate run; mean own-heads P2 recovery at "
+                 "k=40 over the questions its own_heads run recovers (descriptive).")
+    own = _load(rep, own_runs, OWN_HEADS_PER_NOTE, ["note_id", "phase", "k", "recovery_own"]) \
+        if not own_runs.empty else pd.DataFrame()
+    answers = _load(rep, eval_runs, PER_NOTE_METRICS, ["note_id", "answer_f1"]) \
+        if not eval_runs.empty else pd.DataFrame()
+    if own.empty and answers.empty:
+        for name, title, caption, cols in ((name56, title56, caption56, public_task_tables.READING_COLUMNS),
+                                           (name57, title57, caption57, public_task_tables.CHECKPOINT_COLUMNS)):
+            _listed(rep, name, title, caption, pd.DataFrame(), pd.DataFrame(),
+                    "no FINISHED own_heads or evaluate run with per-question rows", columns=cols)
+        return
+    prepare_runs = sorted({str(p) for frame in (own_runs, eval_runs) if "params.prepare_run" in frame
+                           for p in frame["params.prepare_run"].dropna()})
+    groups: dict[str, str] = {}
+    for run_id in prepare_runs:
+        groups.update(compare.prepared_patients(run_id))
+    readings = public_task_tables.readings_table(own, answers, groups, reference=rep.reference_arm,
+                                                 n_resamples=n_resamples, seed=seed)
+    _listed(rep, name56, title56, caption56, readings, readings.round(4),
+            "" if len(readings) else f"no seed pair of mistill and {rep.reference_arm}",
+            columns=list(public_task_tables.READING_COLUMNS))
+    checkpoints = public_task_tables.checkpoint_table(own, answers, tables._norm(eval_runs) if not eval_runs.empty
+                                                      else eval_runs)
+    _listed(rep, name57, title57, caption57, checkpoints, checkpoints.round(3),
+            columns=list(public_task_tables.CHECKPOINT_COLUMNS))
 
 
 def instruction_control_section(rep: Report, client: MlflowClient, knockin_sets: pd.DataFrame) -> None:

@@ -441,9 +441,19 @@ CONVENTIONS: tuple[Convention, ...] = (
     Convention("MuSiQue adapter", "App. O",
                "candidates: the passage titles, the answer and its aliases; the answer is the last 'Answer:' line "
                "after </think> (abstentions give no event); no P2C (the paper's contrastive event is a diagnostic); "
-               "metric: SQuAD-normalised EM/F1, the best over answer and aliases",
+               "metric: SQuAD-normalised EM/F1, the best over answer and aliases; an event's competitors are the "
+               "other candidates' own first tokens from the divergence on",
                "mistill.tasks.musique",
                "the paper names the answer-emission event and the official F1, not the inventory or line format"),
+    Convention("MuSiQue-Ans through the stages", "App. O",
+               "prepare -P task=musique: the prompt lists no candidates; the note is the passages in the release's "
+               "order ('Passage i: title', then the text) and the question; each question's candidates are its "
+               "note's own; a question's group (the cluster of note-clustered statistics) is the first single-hop "
+               "id of its composed id; train-file questions are train notes, dev-file questions test notes; "
+               "answer EM / F1 are macro means over the questions; the distillation's one pool is P2's",
+               "mistill.tasks.musique.load_musique_corpus",
+               "the paper gives the task, its base-question groups and its loss phase, not the prompt or the "
+               "grouping rule"),
     Convention("EURLEX57K adapter", "App. P",
                "items: the EuroVoc labels of the release's concept file; namings: whole words, case-insensitive; "
                "relation: broader, narrower or sibling from a local id -> broader-ids file (the release has no "

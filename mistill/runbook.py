@@ -532,7 +532,7 @@ def estimate(work: Workload, figures: Figures) -> Estimate:
 
 ROLES: tuple[str, ...] = ("teacher", "student", "student_smollm3", "encoder", "las_model", "corpus",
                            "distill_corpus", "split_file", "flip_proposals", "flip_ledger", "eurlex_dataset",
-                           "eurlex_concepts", "eurlex_hierarchy")
+                           "eurlex_concepts", "eurlex_hierarchy", "musique_release")
 """The placeholders a step's ``params`` may hold (``{teacher}``): the models and data a reproduction
 is given (:class:`mistill.stages.reproduce.ReproduceConfig` has a field of each name)."""
 
@@ -558,6 +558,9 @@ class PlanStep:
         dropped): the evidence-flip cohort's synthetic cases stand for the author's files there.
     model_run: a ``train`` step whose checkpoint is the step's model (``-P model=run:<its run id>``;
         empty: the ``model`` param, if any): a trained student characterized like the teacher.
+    experiment: empty, or the suffix of an experiment of the tree's own (``<corpus>-<experiment>``):
+        a tree whose arms would share the main trees' table keys (model, arm, precision, seed) runs
+        and is reported there (MQ's students on MuSiQue-Ans).
     """
 
     tree: str
@@ -571,6 +574,7 @@ class PlanStep:
     skip_synthetic: bool = False
     synthetic_params: Mapping[str, str] = field(default_factory=dict)
     model_run: str = ""
+    experiment: str = ""
 
     @property
     def name(self) -> str:
@@ -593,7 +597,7 @@ class PlanStep:
 def _step(tree: str, step: str, entry_point: str, work: Workload, *, inputs: Mapping[str, str] | None = None,
           after: tuple[str, ...] = (), params: Mapping[str, str] | None = None, disk_gib: float = 0.0,
           skip_synthetic: bool = False, synthetic_params: Mapping[str, str] | None = None,
-          model_run: str = "") -> PlanStep:
+          model_run: str = "", experiment: str = "") -> PlanStep:
     """A :class:`PlanStep` whose ``needs`` are the steps of its ``inputs``, ``model_run`` and ``after``."""
     inputs = dict(inputs or {})
     needs: list[str] = []
@@ -603,7 +607,7 @@ def _step(tree: str, step: str, entry_point: str, work: Workload, *, inputs: Map
         if name not in needs:
             needs.append(name)
     return PlanStep(tree, step, entry_point, work, tuple(needs), dict(params or {}), disk_gib, inputs,
-                    skip_synthetic, dict(synthetic_params or {}), model_run)
+                    skip_synthetic, dict(synthetic_params or {}), model_run, experiment)
 
 
 @dataclass(frozen=True)
@@ -634,6 +638,10 @@ class PaperCounts:
     programming pilot's assessment size), eurlex_fresh_acts: the fresh acts (100);
     eurlex_prompt_tokens: an act's prompt with its candidate list (**[recon]**: 4,000), its
     trace ``trace_tokens`` long.
+    musique_splits: App. O's training, ranking, selection and evaluation questions (2,000, 102,
+    1,203, 1,610); musique_prompt_tokens: a question's prompt, its 20 passages (**[recon]**:
+    3,000); musique_trace_tokens: a MuSiQue-Ans trace (**[recon]**: 2,000; the cap is 16,384);
+    musique_seeds: the training seeds of each arm (3).
     """
 
     characterization_traces: int = 100
@@ -663,6 +671,10 @@ class PaperCounts:
     eurlex_assess_acts: int = 40
     eurlex_fresh_acts: int = 100
     eurlex_prompt_tokens: int = 4_000
+    musique_splits: tuple[int, int, int, int] = (2_000, 102, 1_203, 1_610)
+    musique_prompt_tokens: int = 3_000
+    musique_trace_tokens: int = 2_000
+    musique_seeds: int = 3
 
     def micro_steps(self, notes: int, epochs: int | None = None) -> int:
         return notes * (self.epochs if epochs is None else epochs)
@@ -959,17 +971,18 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
     steps += _evidence_flip_tree(c, release, generation)
     steps += _student_edit_tree(c, data)
     steps += _eurlex_tree(c)
+    steps += _musique_tree(c)
     steps.append(_step("report", "report", "report", Workload("none"),
-                       after=tuple(s.name for s in steps
-                                   if s.entry_point in ("evaluate", "own_heads", "flip_test", "trace_edit"))))
+                       after=tuple(s.name for s in steps if not s.experiment
+                                   and s.entry_point in ("evaluate", "own_heads", "flip_test", "trace_edit"))))
     return steps
 
 
-TRANSFER_TREES: tuple[str, ...] = ("EF", "ST", "EU")
+TRANSFER_TREES: tuple[str, ...] = ("EF", "ST", "EU", "MQ")
 """The trees of the tests the paper ran after its main campaign (its ``REBUTTAL/`` and ``DT-005/``
-artifacts: App. N's evidence-flip test, EF, Table 22's trace edits on the students, ST, and App.
-P's screen on EURLEX57K, EU), priced beside the main reproduction (the characterization and
-distillation trees) rather than inside its budget."""
+artifacts: App. N's evidence-flip test, EF, Table 22's trace edits on the students, ST, App. P's
+screen on EURLEX57K, EU, and App. O's public-task extension on MuSiQue-Ans, MQ), priced beside the
+main reproduction (the characterization and distillation trees) rather than inside its budget."""
 
 EURLEX_BATCHES: tuple[tuple[str, str, str], ...] = (
     ("rank", "train", "eurlex_rank_acts"), ("assess", "val", "eurlex_assess_acts"),
@@ -1016,6 +1029,91 @@ def _eurlex_tree(c: PaperCounts) -> list[PlanStep]:
                   inputs=frozen, params=EURLEX_PANEL, disk_gib=acts * 0.01, skip_synthetic=True),
         ]
     return steps
+
+MUSIQUE_EXPERIMENT = "musique"
+"""MQ's experiment suffix (:attr:`PlanStep.experiment`): its arms are the main trees' arm names on
+another task, so they are run and reported in an experiment of their own."""
+
+MUSIQUE_ARMS: tuple[tuple[str, str, str], ...] = (
+    ("vanilla-bf16", "train_vanilla", ""), ("mistill", "train_mistill", "select_lambda_mistill"),
+    ("randheads", "train_mistill", "select_lambda_randheads"))
+"""App. O's arms: (arm, training workload, the selection whose pick it trains with)."""
+
+
+def _musique_tree(c: PaperCounts) -> list[PlanStep]:
+    """MQ, App. O's public-task extension on MuSiQue-Ans (R-D37, R-D38; Tables 56-57): the release
+    (role ``musique_release``, the folder of its train and dev files) dealt by base-question group
+    into App. O's splits twice, once with only the training and ranking questions, which the
+    teacher traces (``prepare_traced``, then ``generate``), once with the selection and evaluation
+    questions too (``prepare``: the answers-only evaluations read it); the teacher characterized on
+    the ranking questions and read on the training ones (its targets), the untrained student
+    ranked on the ranking questions (the Mistill pool); the λ selection of each mechanism family on
+    the selection questions (locks ``o-musique-mistill``, ``o-musique-randheads``); three seeds of
+    Vanilla CoT-KD, Mistill and RandHeads, each evaluated on the evaluation questions (answer F1)
+    and read on its own heads on the ranking questions; the untrained student the same. The release
+    is not synthetic, so a synthetic corpus skips the tree (the stages run on the project's MuSiQue
+    fixture in the suite)."""
+    train, rank, select, test = c.musique_splits
+    prompt, trace = c.musique_prompt_tokens, c.musique_trace_tokens
+    total = prompt + trace
+    release = {"task": "musique", "corpus": "{musique_release}", "model": "{teacher}"}
+    data = "MQ/generate"
+    answers = {"prepare_run": "MQ/prepare"}  # answers only: the evaluation questions carry no teacher trace
+    read = {"split": "test", "fidelity": "false"}
+    own = {"prepare_run": data}
+    own_splits = {"rank_split": "val", "test_split": "val"}  # teacher-forced on the ranking questions
+    steps = [
+        _step("MQ", "prepare_traced", "prepare", Workload("none"), skip_synthetic=True,
+              params={**release, "split_sizes": f"{train},{rank},0,0"}),
+        _step("MQ", "prepare", "prepare", Workload("none"), skip_synthetic=True,
+              params={**release, "split_sizes": ",".join(map(str, c.musique_splits))}),
+        _step("MQ", "generate", "generate", Workload("generate", "qwen3-14b", train + rank, prompt, trace),
+              inputs={"prepare_run": "MQ/prepare_traced"}, params={"model": "{teacher}"}, skip_synthetic=True),
+        _step("MQ", "teacher_attribute", "characterize", Workload("characterize", "qwen3-14b", train + rank, total),
+              inputs={"prepare_run": data}, params={"model": "{teacher}", "rank_split": "val"},
+              disk_gib=(train + rank) * 0.02, skip_synthetic=True),
+        _step("MQ", "targets", "targets", Workload("targets", "qwen3-14b", train, total),
+              inputs={"teacher_attribute_run": "MQ/teacher_attribute:attribute"}, params={"split": "train"},
+              disk_gib=train * 0.01, skip_synthetic=True),
+        _step("MQ", "student_attribute", "characterize", Workload("characterize", "qwen3-4b", rank, total),
+              inputs={"prepare_run": data}, params={"model": "{student}", "split": "val"}, skip_synthetic=True),
+        _step("MQ", "evaluate_untrained", "evaluate", Workload("generate", "qwen3-4b", test, prompt, trace),
+              inputs=answers,
+              params={"model": "{student}", "arm": "untrained", **read}, skip_synthetic=True),
+        _step("MQ", "own_heads_untrained", "own_heads",
+              Workload("own_heads", "qwen3-4b", rank, total, trace, sampler="qwen3-4b"),
+              inputs=own, params={"model": "{student}", **own_splits}, skip_synthetic=True),
+    ]
+    # an answers-only evaluation is its generations (no teacher-forced readouts, no LAS simulator)
+    cell = c.micro_steps(train)
+    for arm in ("mistill", "randheads"):  # three grid cells and one outward cell, each a full training
+        steps.append(_step("MQ", f"select_lambda_{arm}", "select_lambda",
+                           Workload("train_mistill", "qwen3-4b", 4 * cell, total),
+                           inputs={"prepare_run": "MQ/prepare", "targets_run": "MQ/targets",
+                                   "student_attribute_run": "MQ/student_attribute:attribute"},
+                           params={"lock": f"projects/configs/locks/o-musique-{arm}.yaml", "student": "{student}"},
+                           disk_gib=4 * 8.0, skip_synthetic=True))
+    for arm, kind, selection in MUSIQUE_ARMS:
+        inputs = {"targets_run": "MQ/targets"}
+        if selection:
+            inputs["student_attribute_run"] = "MQ/student_attribute:attribute"
+        for seed in range(c.musique_seeds):
+            run = f"{arm}_s{seed}"
+            steps += [
+                _step("MQ", f"train_{run}", "train", Workload(kind, "qwen3-4b", cell, total), inputs=inputs,
+                      after=(f"MQ/{selection}",) if selection else (), disk_gib=8.0, skip_synthetic=True,
+                      params={"arm": arm, "seed": str(seed), "student": "{student}"}),
+                _step("MQ", f"evaluate_{run}", "evaluate", Workload("generate", "qwen3-4b", test, prompt, trace),
+                      inputs={**answers, "train_run": f"MQ/train_{run}"}, params={"arm": arm, **read},
+                      skip_synthetic=True),
+                _step("MQ", f"own_heads_{run}", "own_heads",
+                      Workload("own_heads", "qwen3-4b", rank, total, trace, sampler="qwen3-4b"),
+                      inputs={**own, "train_run": f"MQ/train_{run}"}, params=own_splits, skip_synthetic=True),
+            ]
+    steps.append(_step("MQ", "report", "report", Workload("none"), skip_synthetic=True,
+                       after=tuple(s.name for s in steps if s.entry_point in ("evaluate", "own_heads"))))
+    return [dataclasses.replace(s, experiment=MUSIQUE_EXPERIMENT) for s in steps]
+
 
 STUDENT_EDITS: tuple[tuple[str, str, str, int], ...] = (
     ("qwen3-4b", "mistill", "DT-001", 3), ("qwen3-4b", "vanilla-bf16", "DT-000", 3),
@@ -1133,7 +1231,8 @@ def _evidence_flip_tree(c: PaperCounts, release: Mapping[str, str], generation) 
 RESULT_TREES: dict[str, tuple[str, ...]] = {"R-C7": ("HD-001", "HD-002"), "R-C14": ("instruction",),
                                             "R-D20": ("HD-001",), "R-D33": ("EF",), "R-D34": ("EF",),
                                             "R-D35": ("EF",), "R-D28": ("ST",), "R-D30": ("DT-000", "DT-001", "ST"),
-                                            "R-C9": ("DT-000", "DT-001"), "R-D41": ("EU",)}
+                                            "R-C9": ("DT-000", "DT-001"), "R-D41": ("EU",),
+                                            "R-D37": ("MQ",), "R-D38": ("MQ",)}
 """The trees a result reads where it is not its half's default (:func:`result_trees`)."""
 
 

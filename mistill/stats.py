@@ -114,6 +114,31 @@ def bootstrap_ci(values: Sequence[float] | np.ndarray,
     return CI(float(stat(x)), *_percentiles(np.concatenate(parts), level))
 
 
+def group_bootstrap_mean(values: Mapping[Hashable, float], groups: Mapping[Hashable, Hashable], *,
+                         n_resamples: int = N_BOOTSTRAP, seed: int = 0, level: float = 0.95) -> CI:
+    """The mean of per-item ``values`` with a percentile bootstrap over their groups: each
+    resample draws the groups with replacement and takes the mean over every item of the drawn
+    groups (App. O: questions, resampled by base-question group). NaN values are dropped; an
+    item without a group raises, naming it."""
+    items = [k for k, v in values.items() if not math.isnan(float(v))]
+    if not items:
+        raise MistillInputError("no values to resample", field="values")
+    missing = [k for k in items if k not in groups]
+    if missing:
+        raise MistillInputError(f"{len(missing)} items have no group (first: {missing[0]})", note=str(missing[0]),
+                                field="groups")
+    names = sorted({str(groups[k]) for k in items})
+    col = {g: j for j, g in enumerate(names)}
+    sums, counts = np.zeros(len(names)), np.zeros(len(names))
+    for k in items:
+        j = col[str(groups[k])]
+        sums[j] += float(values[k])
+        counts[j] += 1
+    boot = np.concatenate([sums[idx].sum(axis=1) / counts[idx].sum(axis=1)
+                           for idx in _resample_chunks(len(names), n_resamples, seed)])
+    return CI(float(sums.sum() / counts.sum()), *_percentiles(boot, level))
+
+
 # ---------------------------------------------------------------------------------------------
 # Paired tests over notes
 

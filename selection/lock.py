@@ -55,8 +55,8 @@ is neither the best, nor in the band, nor the pick. The floor is inclusive.
 
 App. O's lock, for example::
 
-    selection: {metric: answer_f1, split: val, tie_band: 0.017, tie_break: smallest_lambda,
-                validity_floor: 0.95}
+    selection: {metric: answer_f1, split: select, tie_band: 0.017, tie_break: smallest_lambda,
+                validity_floor: 0.95, fidelity: false}
     edge: {extend: true, max_extensions: 1, outward: {lambda: {low: 0.01, high: 1.0}}}
 
 The edge rule (``edge``; :mod:`selection.decide` applies it): when the pick sits on the grid's
@@ -87,7 +87,7 @@ _SECTIONS: dict[str, set[str]] = {
     "grid": {"tied", "scale", TIED_AXIS, *UNTIED_AXES},
     "training": {"seed", "max_steps", "epochs", "grad_accum", "precision", "train_notes"},
     "selection": {"metric", "split", "tie_band", "tie_break", "max_new_tokens", "validity_floor",
-                  "validity_metric", "tie_fallback"},
+                  "validity_metric", "tie_fallback", "fidelity"},
     "edge": {"extend", "max_extensions", "outward"},
 }
 _REQUIRED: dict[str, tuple[str, ...]] = {
@@ -176,6 +176,9 @@ class SelectionRule:
         tie-break ranks last): entries of ``metric`` (the higher selection metric),
         ``smaller_lambda``, ``larger_lambda``, ending with exactly one λ order. Unused with
         :data:`SMALLEST_LAMBDA`.
+    fidelity: whether the cells' ``evaluate`` runs read the teacher-forced fidelity and M1
+        readouts (they need the teacher's traces on the selection notes; App. O's selection by
+        answer F1 and the smallest λ reads neither: ``fidelity: false``).
     """
 
     metric: str
@@ -186,6 +189,7 @@ class SelectionRule:
     validity_floor: float | None = None
     validity_metric: str = VALID_RATE
     tie_fallback: tuple[str, ...] = DEFAULT_TIE_FALLBACK
+    fidelity: bool = True
 
     @property
     def by_smallest_lambda(self) -> bool:
@@ -379,7 +383,7 @@ def _selection(path: str, data: Any) -> SelectionRule:
                          validity_floor=None if data.get("validity_floor") is None
                          else r.get("validity_floor", float),
                          validity_metric=_metric(r, "validity_metric", VALID_RATE),
-                         tie_fallback=_tie_fallback(r))
+                         tie_fallback=_tie_fallback(r), fidelity=r.get("fidelity", bool, True))
     if rule.max_new_tokens < 1:
         raise r.fail("max_new_tokens", f"must be >= 1, got {rule.max_new_tokens!r}")
     if rule.tie_band < 0:

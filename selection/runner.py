@@ -76,7 +76,8 @@ class TrainEvaluateRunner:
         train_run = self.train_cell(run)
         eval_cfg = EvaluateConfig(prepare_run=self.prepare_run, train_run=train_run,
                                   split=self.lock.selection.split, device=self.device,
-                                  max_new_tokens=self.lock.selection.max_new_tokens)
+                                  max_new_tokens=self.lock.selection.max_new_tokens,
+                                  fidelity=self.lock.selection.fidelity)
         eval_run = run_step("evaluate", eval_cfg, self.corpus_name, launch=self.launch, parent=run.mlflow_run)
         metrics = MlflowClient().get_run(eval_run).data.metrics
         return cell_result(self.lock, metrics, {"train": train_run, "evaluate": eval_run})

@@ -33,16 +33,20 @@ def test_every_step_of_the_plan_builds_a_valid_config_from_the_roles(tmp_path):
     the runs of the steps it names and its roles are filled in (the EURLEX tree's from the
     project's fixture of the release); a Mistill arm waits for the selection's λ."""
     from mistill.tasks.eurlex import write_eurlex_fixture
+    from mistill.tasks.musique import write_musique_fixture
 
     release = write_eurlex_fixture(tmp_path / "eurlex")
+    musique = write_musique_fixture(tmp_path / "musique")
     cfg = ReproduceConfig(**EMBEDDED, eurlex_dataset=str(release["dataset"]),
                           eurlex_concepts=str(release["concepts_file"]),
-                          eurlex_hierarchy=str(release["hierarchy_file"]))
+                          eurlex_hierarchy=str(release["hierarchy_file"]), musique_release=str(musique["corpus"]))
     settings = load_settings(cfg.settings)
     plan = paper_plan()
     ids = {s.name: uuid.uuid4().hex for s in plan}
     ids.update({f"{s.name}:{n}": uuid.uuid4().hex for s in plan for n in ("events", "attribute", "knockin")})
-    del ids["DT-001/select_lambda"], ids["DT-001/select_lambda_fp32"]
+    for selection in ("DT-001/select_lambda", "DT-001/select_lambda_fp32", "MQ/select_lambda_mistill",
+                      "MQ/select_lambda_randheads"):
+        del ids[selection]
     assert missing_roles(plan, cfg) == []
     for step in plan:
         config = step_config(step, cfg, ids, settings)
@@ -68,7 +72,14 @@ def test_every_step_of_the_plan_builds_a_valid_config_from_the_roles(tmp_path):
             assert (config.panel_top, config.panel_bottom, config.panel_random) == (40, 40, 40)
         if step.name == "HD-001/characterize":
             assert config.model == EMBEDDED["teacher"] and config.n_null == 10 and config.device == "cpu"
-        if step.entry_point == "prepare" and step.tree != "EU":  # EU reads the release, never the synthetic corpus
+        if step.name == "MQ/prepare":  # App. O's splits, in an experiment of the tree's own
+            assert config.task == "musique" and config.split_sizes == (2000, 102, 1203, 1610)
+            assert config.corpus == str(musique["corpus"]) and config.corpus_name.endswith("-musique")
+        if step.name == "MQ/evaluate_vanilla-bf16_s2":  # answers only, on the evaluation questions
+            assert (config.split, config.fidelity, config.arm) == ("test", False, "vanilla-bf16")
+        if step.name == "MQ/own_heads_mistill_s1":  # ranked and read on the ranking questions
+            assert (config.rank_split, config.test_split) == ("val", "val")
+        if step.entry_point == "prepare" and step.tree not in ("EU", "MQ"):  # they read the releases
             assert config.select_n == 0 and config.corpus == "synthetic"  # the smoke settings over the plan
         if step.name == "DT-001/train_qwen3-4b_low-lambda_s0":
             assert (config.overrides, resolve_arm(config.arm).lambda_p1) == ("", 0.03)  # its own λ

@@ -29,7 +29,7 @@ def trained(student: str, arm: str, seeds: int, *, tree: str = "DT-001", evaluat
     evaluation and its own-heads readout."""
     out = []
     for seed in range(seeds):
-        run = f"{student}_{arm}_s{seed}"
+        run = f"{student}_{arm}_s{seed}" if student else f"{arm}_s{seed}"  # MQ's runs name no student
         out.append(f"{tree}/train_{run}")
         if evaluated:
             out.append(f"{tree}/evaluate_{run}")
@@ -104,6 +104,12 @@ APP_Q_RUNS: dict[str, list[str]] = {
     "R-D30": (trained(Q4B, "mistill-fp32", 3) + trained(Q4B, "vanilla-fp32", 3, tree="DT-000")
               + edited(f"{Q4B}_mistill-fp32_s0") + [n for s in range(3) for n in edited(f"{Q4B}_vanilla-fp32_s{s}")]),
     "R-D36": trained(SMOL, "mistill", 3),
+    # App. O: the teacher's traces and ranking, the student's ranking, each family's selection, three
+    # seeds of each arm read on their own heads, and the untrained student's own heads
+    "R-D37": (["MQ/prepare_traced", "MQ/generate", "MQ/teacher_attribute", "MQ/targets", "MQ/student_attribute",
+               "MQ/prepare", "MQ/select_lambda_mistill", "MQ/select_lambda_randheads", "MQ/own_heads_untrained"]
+              + [n for arm in ("vanilla-bf16", "mistill", "randheads")
+                 for n in trained("", arm, 3, tree="MQ", evaluated=False)]),
 }
 
 LAMBDA_SOURCE: dict[str, str | None] = {"mistill": BF16_SELECTION, "mistill-fp32": FP32_SELECTION,
@@ -162,7 +168,7 @@ def test_each_mechanism_arm_trains_at_the_lambda_the_paper_names():
         if arm not in LAMBDA_SOURCE:
             continue
         selections = [n for n in step.needs if n.split("/", 1)[1].startswith("select_lambda")]
-        expected = LAMBDA_SOURCE[arm]
+        expected = f"MQ/select_lambda_{arm}" if step.tree == "MQ" else LAMBDA_SOURCE[arm]  # App. O's own
         assert selections == ([expected] if expected else []), step.name
 
 

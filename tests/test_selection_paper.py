@@ -46,9 +46,12 @@ PINNED_SHA256 = {
     "i4-fp32-reselection.yaml": "abcee0cd4355a74d84493c97cd9c118874aaff208bd0434760c7ac7b2c9d9629",
     "m2-matched-mistill.yaml": "635499f110535ca2792fe3bceed6220fd2cefc3e0e8753a1a21647b014dd4446",
     "m2-matched-randheads.yaml": "8bfabf9be3103e4403e3b74dd1698387688ea0eeb3f1c9910a9b1704005e4121",
+    "o-musique-mistill.yaml": "b05267d45fbf0bed5f1ebddb1c1d98d79016258778c6190e049aa1331fca20cf",
+    "o-musique-randheads.yaml": "b2a0390629f08af7707d3f9651b0fae191c83de31b3b4cf4e985780cfc9ff4c9",
 }
 SECTION = {"i3-bf16-selection.yaml": "App. I.3", "i4-fp32-reselection.yaml": "App. I.4",
-           "m2-matched-mistill.yaml": "App. M.2", "m2-matched-randheads.yaml": "App. M.2"}
+           "m2-matched-mistill.yaml": "App. M.2", "m2-matched-randheads.yaml": "App. M.2",
+           "o-musique-mistill.yaml": "App. O", "o-musique-randheads.yaml": "App. O"}
 
 
 def tied(v: float) -> Cell:
@@ -293,6 +296,20 @@ def test_the_fp32_lock_states_app_i4(fp32_lock):
     assert (fp32_lock.selection.metric, fp32_lock.selection.tie_band, fp32_lock.selection.tie_break) == \
         ("micro_f1", 0.004, "m1/P2C/p_pos")
     assert fp32_lock.edge.extend and fp32_lock.edge.outward["lambda"]["low"] == 0.01
+
+
+@pytest.mark.parametrize("arm", ["mistill", "randheads"])
+def test_the_musique_locks_state_app_o(arm):
+    """App. O: tied λ in {0.03, 0.1, 0.3} at seed 0 on the full recipe, answer F1 on the selection
+    questions among cells valid at 0.95 or more, the smallest λ within 0.017 of the best, one
+    outward cell (0.01 below); the cells read answers only."""
+    lock = load_lock(LOCKS / f"o-musique-{arm}.yaml")
+    assert lock.arm == arm and lock.grid.tied and lock.grid.axes == {"lambda": (0.03, 0.1, 0.3)}
+    assert (lock.training.seed, lock.training.max_steps, lock.training.grad_accum) == (0, 0, 8)
+    rule = lock.selection
+    assert (rule.metric, rule.split, rule.tie_band, rule.validity_floor) == ("answer_f1", "select", 0.017, 0.95)
+    assert rule.by_smallest_lambda and rule.fidelity is False
+    assert lock.edge.extend and lock.edge.max_extensions == 1 and lock.edge.outward["lambda"]["low"] == 0.01
 
 
 def test_the_bf16_lock_trains_on_100_notes():

@@ -19,6 +19,9 @@ gives the clinical-coder role, the task, points to the complete list above, asks
 narrow first to the clinically plausible region and then decide among its specific codes, and
 asks for a JSON list of code strings.
 
+A task whose wording shows no list (:attr:`PromptWording.shows_list`, MuSiQue-Ans) starts the
+user turn at ``<summary_header>``: its prompt has no ``header`` and no ``lines`` part.
+
 The user turn is wrapped in the model's chat template (one user message, generation prompt
 added, thinking on where the template has a switch). Every span is a ``(start, end)`` character
 range into ``user_text``; add ``user_offset`` for the range in ``text``. The read side builds its
@@ -63,6 +66,9 @@ class PromptWording:
     role_and_task: str
     narrow_sentence: str
     answer: str
+    shows_list: bool = True
+    """False for a task whose prompt lists no candidates (MuSiQue-Ans: the passages and the
+    question are the input): the prompt then has no ``header`` and no ``lines`` part."""
 
 
 ICD10_WORDING = PromptWording(HEADER, SUMMARY_HEADER, _ROLE_AND_TASK, NARROW_SENTENCE, _ANSWER)
@@ -127,9 +133,10 @@ class Prompt:
 
     user_text: the untemplated user turn.
     parts: part name -> ``(start, end)`` in ``user_text`` for ``header``, ``lines`` (the whole
-        block, first line start to last line end), ``summary_header``, ``note``, ``instruction``.
+        block, first line start to last line end), ``summary_header``, ``note``, ``instruction``
+        (no ``header`` and ``lines`` where the wording shows no list).
     line_spans: code -> ``(start, end)`` of its line ``"<code> <description>"`` in ``user_text``.
-    codes: the candidate codes in prompt order.
+    codes: the candidate codes in prompt order (none where the wording shows no list).
     text: the chat-templated prompt ending with the generation prompt (``== user_text`` when no
         tokenizer was given).
     user_offset: where ``user_text`` starts inside ``text``.
@@ -194,7 +201,7 @@ def build_prompt(note: Note, candidate_codes: Sequence[str] | None, inventory: I
     """Build the coding prompt for ``note`` (App. A/B).
 
     candidate_codes: the lines to list, in this order (a shortlist), or None for the full
-        inventory in its shared order. Codes are normalised; unknown or repeated codes raise.
+        inventory in its shared order; ignored where the wording shows no list. Codes are normalised; unknown or repeated codes raise.
     tokenizer: a transformers tokenizer whose chat template wraps the user turn; None leaves
         ``text == user_text`` (``thinking=False``). A tokenizer without a chat template raises.
     remove_discharge_diagnosis: drop ``note.discharge_diagnosis`` from the note when known.
@@ -202,8 +209,9 @@ def build_prompt(note: Note, candidate_codes: Sequence[str] | None, inventory: I
     wording: the task's prompt sentences (:func:`mistill.tasks.prompt_wording`); None: the
         ICD-10-CM wording, for an ICD-10-CM inventory only.
     """
-    codes = as_code_list(candidate_codes, inventory)
-    if not codes:
+    wording = wording_of(inventory, wording)
+    codes = as_code_list(candidate_codes, inventory) if wording.shows_list else ()
+    if wording.shows_list and not codes:
         raise MistillInputError("empty candidate list", note=note.note_id,
                                 field="candidate_codes")
     body = note.text
@@ -226,17 +234,17 @@ def build_prompt(note: Note, candidate_codes: Sequence[str] | None, inventory: I
         pos += len(s)
         return start, pos
 
-    wording = wording_of(inventory, wording)
-    parts["header"] = put(wording.header)
-    put("\n")
     line_spans: dict[str, tuple[int, int]] = {}
-    desc = inventory.descriptions
-    for i, c in enumerate(codes):
-        if i:
-            put("\n")
-        line_spans[c] = put(f"{c} {desc[c]}")
-    parts["lines"] = (line_spans[codes[0]][0], line_spans[codes[-1]][1])
-    put("\n\n")
+    if wording.shows_list:
+        parts["header"] = put(wording.header)
+        put("\n")
+        desc = inventory.descriptions
+        for i, c in enumerate(codes):
+            if i:
+                put("\n")
+            line_spans[c] = put(f"{c} {desc[c]}")
+        parts["lines"] = (line_spans[codes[0]][0], line_spans[codes[-1]][1])
+        put("\n\n")
     parts["summary_header"] = put(wording.summary_header)
     put("\n")
     parts["note"] = put(body)

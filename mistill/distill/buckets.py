@@ -10,7 +10,7 @@ The axis, in order:
 
 * bucket 0, ``template``: the chat-template tokens (everything of the templated text outside the
   user turn and the trace) and the first-position attention sink;
-* the shortlist ``header``;
+* the shortlist ``header`` (absent, with the lines, where the prompt lists no candidates);
 * one ``line`` bucket per candidate line (``"<code> <description>"``), prompt order;
 * the ``summary_header``;
 * the ``note`` in windows of 32 whitespace words;
@@ -213,19 +213,20 @@ def build_axis(prompt: Prompt, trace: str, *, note_window_words: int = 32,
     """
     user = prompt.user_text
     parts = prompt.parts
-    for name in ("header", "summary_header", "note", "instruction"):
+    listed = "header" in parts  # a prompt without a list starts at its summary header
+    for name in (("header",) if listed else ()) + ("summary_header", "note", "instruction"):
         if name not in parts:
             raise MistillInputError("prompt lacks a part the span buckets need",
                                     note=prompt.note_id, field=name)
     codes = list(prompt.codes)
-    if not codes or any(c not in prompt.line_spans for c in codes):
+    if (listed and not codes) or any(c not in prompt.line_spans for c in codes):
         raise MistillInputError("prompt has no line span for every candidate code",
                                 note=prompt.note_id, field="line_spans")
     if not isinstance(trace, str):
         raise MistillInputError("trace must be text", note=prompt.note_id, field="trace")
 
     # (start, name, kind, code); each base bucket ends where the next starts
-    starts: list[tuple[int, str, str, str | None]] = [(0, "header", "header", None)]
+    starts: list[tuple[int, str, str, str | None]] = [(0, "header", "header", None)] if listed else []
     for c in codes:
         starts.append((prompt.line_spans[c][0], f"line:{c}", "line", c))
     starts.append((parts["summary_header"][0], "summary_header", "summary_header", None))
@@ -238,7 +239,7 @@ def build_axis(prompt: Prompt, trace: str, *, note_window_words: int = 32,
         starts.append((L + a, f"trace:{j}", "trace", None))
     total = L + len(trace)
     positions = [s for s, *_ in starts]
-    if parts["header"][0] != 0 or any(b <= a for a, b in zip(positions, positions[1:])) \
+    if positions[0] != 0 or any(b <= a for a, b in zip(positions, positions[1:])) \
             or positions[-1] >= total:
         raise MistillInputError("prompt parts are not in the layout order header, lines, "
                                 "summary header, note, instruction", note=prompt.note_id,

@@ -17,7 +17,7 @@ from mistill.data.inventory import Inventory
 from mistill.distill.buckets import BucketAxis, build_axis, region_buckets, row_buckets, token_buckets
 from mistill.instrument.events import Event, RealizedEvent, realize_events
 from mistill.instrument.inputs import NoteInput, note_input
-from mistill.tasks import task_for
+from mistill.tasks import note_items, task_for
 
 PHASES = ("P1", "P2", "P2C")
 
@@ -127,7 +127,7 @@ def build_note_data(note: Note, inventory: Inventory, tokenizer, events: Sequenc
     phase_events = [e for e in events if e.kind in PHASES]
     realized = realize_events(phase_events, full_text=inp.full_text, trace_offset=inp.trace_offset,
                               tokenizer=tokenizer, input_ids=inp.input_ids.tolist(), offsets=inp.offsets,
-                              codes=list(inventory.codes), task=task_for(inventory))
+                              codes=note_items(inventory, note), task=task_for(inventory))
     return NoteData(note=note, inp=inp, axis=axis, base_map=base,
                     realized={r.event.event_id: r for r in realized}, inventory=inventory,
                     trace_start=first_trace_token(inp.offsets, inp.trace_offset))

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -54,7 +54,7 @@ from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from mistill.config import Config
 from mistill.data.corpus import Note
-from mistill.evaluation.parsing import THINK_CLOSE, CodeIndex, parse_answer
+from mistill.evaluation.parsing import THINK_CLOSE, Answer
 from mistill.instrument.passes import stable_seed
 from mistill.models.grouped_attention import decode_key_mask, use_grouped_decode_attention
 from mistill.models.loading import LoadedModel
@@ -379,9 +379,11 @@ def generate_hf(lm: LoadedModel, prompt_text: str, decoding: DecodingConfig, see
     return generate_hf_many(lm, [(prompt_text, seed)], decoding, batch_size=1)[0]
 
 
-def generation_record(note: Note, gen: Generation, index: CodeIndex) -> dict:
-    """What is kept of one generation besides its text: ids, seed, decoding, flags and codes."""
-    ans = parse_answer(gen.text, index, capped=gen.capped)
+def generation_record(note: Note, gen: Generation, read: Callable[..., Answer]) -> dict:
+    """What is kept of one generation besides its text: ids, seed, decoding, flags and codes.
+
+    read: the task's answer reader (:meth:`mistill.tasks.base.Task.answer_reader`)."""
+    ans = read(gen.text, capped=gen.capped)
     return {"note_id": note.note_id, "split": note.split, "seed": gen.seed,
             "decoding": gen.decoding, "n_tokens": gen.n_tokens, "capped": gen.capped,
             "valid": ans.valid, "parsed": ans.parsed, "reason": ans.reason,

@@ -45,7 +45,7 @@ from mistill.instrument.readside import (bucket_rows, chapter_region, event_chap
                                          note_region_lift, note_share, region_lift, slot_share, token_counts)
 from mistill.instrument.runner import Runner
 from mistill.models.loading import LoadedModel
-from mistill.tasks import task_for
+from mistill.tasks import note_items, task_for
 
 __all__ = ["NoteCase", "note_case", "subsample_case", "draw_config", "own_knockin", "m4_rows", "random_panel",
            "place_head", "readside_note", "M2_PHASES", "m5_note", "m5_summary", "M5_OUTCOMES"]
@@ -88,7 +88,7 @@ def note_case(note: Note, inventory: Inventory, lm: LoadedModel, *, trace: str |
                     remove_discharge_diagnosis=remove_discharge_diagnosis,
                     narrow_instruction=narrow_instruction, max_positions=max_positions)
 
-    realized = phase_events(ni, list(inventory.codes), lm.tokenizer, p2c_cap=p2c_cap, require_think=require_think,
+    realized = phase_events(ni, note_items(inventory, note), lm.tokenizer, p2c_cap=p2c_cap, require_think=require_think,
                             task=task_for(inventory))
     return NoteCase(note_id=note.note_id, inp=ni, realized=list(realized),
                     queries=event_queries(realized, ni.input_ids))

@@ -41,7 +41,7 @@ from mistill.params import (AttributeParams, ChunkParams, DonorParams, EventsPar
 from mistill.progress import track
 from mistill.stages.common import Prepared, RunReader, load_model, load_prepared, model_positions, require_notes
 from mistill.stages.runner import WrittenNotes, note_loop, notes_written, open_stage, progress_label, stage_device
-from mistill.tasks import task_for
+from mistill.tasks import note_items, task_for
 from mistill.tracking.naming import TAG_STAGE, metric_name
 from mistill.validation import (check_choices, check_device, check_dtype, check_interval, check_model_spec, check_name,
                                 check_no_text_fields, check_non_negative, check_not_empty, check_positive, check_run_id,
@@ -109,10 +109,9 @@ def run_events(cfg: EventsConfig) -> str:
         guard = run.guard
         lm = load_model(cfg.model, dtype=cfg.dtype, device=stage_device(cfg.device))
         runner = Runner(lm, chunk_size=cfg.chunk_size)
-        codes = list(prepared.inventory.codes)
-
         task = task_for(prepared.inventory)
         for note in note_loop(run, NOTES, notes, desc="events"):
+            codes = note_items(prepared.inventory, note)
             ni = note_input(note, prepared.inventory, lm.tokenizer,
                             **prepared.prompt_settings,
                             max_positions=model_positions(lm))

@@ -57,6 +57,7 @@ from mistill.stages.characterize import NOTES, events_input
 from mistill.stages.common import (RunReader, load_model, load_tokenizer, make_backend, prepared_note_input,
                                    require_notes)
 from mistill.stages.runner import note_loop, notes_written, open_stage, stage_device
+from mistill.tasks import task_for
 from mistill.tracking import models as reg
 from mistill.tracking.enclave import TAG_ENCLAVE_DIR
 from mistill.tracking.identity import param_string
@@ -163,7 +164,8 @@ def run_targets(cfg: TargetsConfig) -> str:
         lm = load_model(ev.model, dtype=cfg.dtype, device=stage_device(cfg.device))
         head_sets = json.loads(att.file("head_sets.json").read_text())
         window_sets = prose_time_sets(cfg.locus_run) if cfg.locus_run else None
-        pools = model_pools(head_sets, lm.geometry.head_names(), k=cfg.pool_k, window_head_sets=window_sets)
+        pools = model_pools(head_sets, lm.geometry.head_names(), k=cfg.pool_k, window_head_sets=window_sets,
+                            phases=task_for(prepared.inventory).phases)
         if current_world().leader:
             run.log_json("teacher_pools.json", {k: p.to_dict() for k, p in pools.items()})
             if cfg.window > 0 and window_sets is None:
@@ -470,7 +472,7 @@ def run_train(cfg: TrainStageConfig) -> str:
         if arm.objective == "mistill":
             s_sets = json.loads(RunReader(cfg.student_attribute_run).file("head_sets.json").read_text())
             pools = model_pools(s_sets, lm.geometry.head_names(), k=arm.pool_k, mode=arm.pool_mode,
-                                seed=arm.pool_seed)
+                                seed=arm.pool_seed, phases=task_for(prepared.inventory).phases)
             if leader:
                 run.log_json("student_pools.json", {k: p.to_dict() for k, p in pools.items()})
         teacher_tok = load_tokenizer(ev.model)

@@ -50,6 +50,7 @@ from mistill.stages.characterize import attribute_input, read_realized
 from mistill.stages.common import load_model, prepared_note_input, subject_run_args
 from mistill.stages.runner import WrittenNotes, note_loop, notes_written, open_stage, stage_device
 from mistill.stats import difference_tests, sign_test, wilcoxon_p
+from mistill.tasks import note_items
 from mistill.validation import (HEAD_NAME, check_device, check_dtype, check_no_text_fields, check_non_negative,
                                 check_pattern, check_run_id, check_seed)
 
@@ -142,11 +143,10 @@ def run_trace_edit(cfg: TraceEditConfig) -> str:
         mediation = mediation_set(cfg, head_sets, names)
         run.log_json("trace_edit_mediation.json", {"mediation_heads": [names[h] for h in mediation]})
         runner, hook = Runner(lm, chunk_size=cfg.chunk_size), HeadHook(lm.geometry)
-        codes = list(prepared.inventory.codes)
-
         tokenize = functools.partial(token_ids, lm.tokenizer)
 
         for note in note_loop(run, NOTES, notes, desc="trace edit"):
+            codes = note_items(prepared.inventory, note)
             ni = prepared_note_input(prepared, note, lm.tokenizer)
             picked = seeded_subset([r for r in read_realized(ev.reader, note.note_id)
                                     if r.event.kind == "P2C" and r.event.N], cfg.max_events, cfg.seed,

@@ -50,7 +50,7 @@ from mistill.evaluation.backends import resolve_backend
 from mistill.evaluation.generation import generation_record, note_seed
 from mistill.evaluation.m1 import m1_summary, teacher_forced_readouts
 from mistill.evaluation.metrics import bleu4, per_note_metrics, task_metrics
-from mistill.evaluation.parsing import parse_answer, split_reasoning
+from mistill.evaluation.parsing import split_reasoning
 from mistill.evaluation.sampling import SampleRequest
 from mistill.io import write_text
 from mistill.params import DecodingParams
@@ -60,7 +60,7 @@ from mistill.stages.common import (link_subject, load_model, load_prepared, load
                                    note_input, readout_subject, sample_then_load)
 from mistill.stages.las import load_simulator
 from mistill.stages.runner import notes_written, open_stage, pending_notes, progress_label, stage_device
-from mistill.tasks import task_for
+from mistill.tasks import note_items, task_for
 from mistill.tracking.naming import TAG_BACKEND, TAG_SPLIT
 from mistill.validation import (check_arm, check_device, check_dtype, check_model_spec, check_name,
                                 check_no_text_fields, check_non_negative, check_run_id, check_seed)
@@ -170,23 +170,23 @@ def _readouts(cfg: EvaluateConfig, run, notes, prepared, lm, samples: dict, guar
     simulator = None
     if cfg.las_run:
         simulator = load_simulator(cfg.las_run, device=device)
-    codes = list(prepared.inventory.codes)
     task = task_for(prepared.inventory)
-    index = task.answer_index(codes)
+    read = task.answer_reader(prepared.inventory.codes)
     las: dict[str, float] = {}
     if simulator is not None and cfg.fidelity:  # every note's two predictions decoded together
-        items = [(n.text, split_reasoning(samples[n.note_id].text)[0], list(parse_answer(n.teacher_trace, index).codes))
+        items = [(n.text, split_reasoning(samples[n.note_id].text)[0], list(read(n.teacher_trace).codes))
                  for n in notes]
         las = dict(zip((n.note_id for n in notes), simulator.las_many(items)))
     for note in track(notes, desc=progress_label(f"evaluate {arm}: read"), total=len(notes)):
         gen = samples[note.note_id]
-        files: dict = {"prediction.json": generation_record(note, gen, index)}
+        files: dict = {"prediction.json": generation_record(note, gen, read)}
         ni = note_input(note, prepared.inventory, lm.tokenizer,
                         **prepared.prompt_settings, max_positions=model_positions(lm))
         if cfg.fidelity:
             teacher_reasoning, _ = split_reasoning(note.teacher_trace)
             own_reasoning, _ = split_reasoning(gen.text)
-            ppl, margins = teacher_forced_readouts(lm, ni, codes, first_trace_token(ni.offsets, ni.trace_offset),
+            ppl, margins = teacher_forced_readouts(lm, ni, note_items(prepared.inventory, note),
+                                                   first_trace_token(ni.offsets, ni.trace_offset),
                                                    task=task)
             fid = {"ppl": ppl, "bleu4": bleu4(own_reasoning, teacher_reasoning)}
             if simulator is not None:
@@ -223,6 +223,12 @@ def _aggregate(run, notes, prepared, cfg: EvaluateConfig) -> tuple[dict, pd.Data
                             note_ids=[n.note_id for n in notes], **kw)
     df = pd.DataFrame(rows)
     df.insert(1, "micro_f1", df["f1"])
+    task = task_for(prepared.inventory)
+    if not task.set_valued:  # a free-text answer (MuSiQue-Ans): its exact match and F1, macro over notes
+        scores = [task.metric(g, p) for g, p in zip(gold, pred, strict=True)]
+        for key in ("em", "f1"):
+            df[f"answer_{key}"] = [s[key] for s in scores]
+            metrics[f"answer_{key}"] = float(np.mean([s[key] for s in scores]))
     if cfg.fidelity:
         fids = [run.load_note(NOTES, n.note_id, "fidelity.json") for n in notes]
         m1 = [run.load_note(NOTES, n.note_id, "m1.json")["events"] for n in notes]

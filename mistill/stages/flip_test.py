@@ -49,7 +49,6 @@ from mistill.errors import MistillInputError
 from mistill.evaluation.backends import KeyMaskedHFBackend, resolve_backend
 from mistill.data.inventory import category
 from mistill.evaluation.flip_test import SAMPLE_COLUMNS, case_readings, checkpoint_readings, sample_row, sample_seed
-from mistill.evaluation.parsing import parse_answer
 from mistill.evaluation.sampling import SampleRequest, sample_notes
 from mistill.instrument.passes import PHASES
 from mistill.params import DecodingParams
@@ -228,11 +227,11 @@ def run_flip_test(cfg: FlipTestConfig) -> str:
                 return make_backend(backend, subject.spec, decoding, device=device, dtype=cfg.dtype)
         gens = sample_notes(requests, run.enclave_dir / SAMPLES, open_backend, decoding.to_dict(),
                             desc=progress_label(f"flip_test {subject.arm}: generate"))
-        index = task_for(original.inventory).answer_index(original.inventory.codes)
+        read = task_for(original.inventory).answer_reader(original.inventory.codes)
         rows = []
         for request, (case, cond, k, seed, a, b) in zip(requests, keys, strict=True):
             gen = gens[request.note_id]
-            answer = parse_answer(gen.text, index, capped=gen.capped)
+            answer = read(gen.text, capped=gen.capped)
             rows.append(sample_row(case, cond, k, seed, answer.codes, valid=answer.valid, capped=gen.capped,
                                    n_tokens=gen.n_tokens, a=a, b=b))
         samples = pd.DataFrame(rows, columns=list(SAMPLE_COLUMNS))

@@ -51,7 +51,7 @@ from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE
                                    Prepared, corpus_index, load_prepared, load_tokenizer, make_backend,
                                    prepared_data_dir, require_notes, save_prepared)
 from mistill.stages.runner import notes_written, open_stage, pending_notes, progress_label, stage_device
-from mistill.tasks import task_for
+from mistill.tasks import Task, task_for
 from mistill.tracking.naming import TAG_CORPUS_DIGEST
 from mistill.validation import (check_device, check_dtype, check_model_spec, check_name, check_no_text_fields,
                                 check_non_negative, check_not_empty, check_run_id, check_seed)
@@ -121,11 +121,20 @@ def selected_notes(prepared: Prepared, split: str = "", max_notes: int = 0) -> l
 ANSWER_COUNTS: tuple[str, ...] = ("tp", "fp", "fn", "n_gold")
 """The ``generations`` table's columns grading each answer against its note's gold codes."""
 
+ANSWER_SCORES: tuple[str, ...] = ("answer_em", "answer_f1")
+"""The columns grading a free-text answer (a task whose answers are not sets: MuSiQue-Ans)."""
 
-def answer_counts(notes: list[Note], records: list[dict]) -> pd.DataFrame:
+
+def answer_counts(notes: list[Note], records: list[dict], task: Task | None = None) -> pd.DataFrame:
     """Per note (in order), the parsed answer's true and false positives and false negatives
     against the note's gold codes, and how many gold codes it has (:data:`ANSWER_COUNTS`); an
-    invalid answer is an empty one."""
+    invalid answer is an empty one. For a task whose answers are not sets
+    (:attr:`~mistill.tasks.base.Task.set_valued` false) the columns are its metric's exact match
+    and F1 against the gold answers instead (:data:`ANSWER_SCORES`)."""
+    if task is not None and not task.set_valued:
+        scores = [task.metric(note.gold_codes, record["codes"]) for note, record in zip(notes, records, strict=True)]
+        return pd.DataFrame([{"answer_em": s["em"], "answer_f1": s["f1"]} for s in scores],
+                            columns=list(ANSWER_SCORES))
     rows = []
     for note, record in zip(notes, records, strict=True):
         tp, fp, fn = set_counts(record["codes"], note.gold_codes)
@@ -192,7 +201,7 @@ def run_generate(cfg: GenerateConfig) -> str:
                   "generations without think tags count as closed reasoning of length 0")
         if todo:
             with make_backend(cfg.backend, cfg.model, decoding, device=device, dtype=cfg.dtype) as backend:
-                index = task_for(inventory).answer_index(inventory.codes)
+                read = task_for(inventory).answer_reader(inventory.codes)
                 chunk = cfg.batch_size or call_size(backend)
                 bar = track(total=len(todo), desc=progress_label(f"generate ({backend.name})"))
                 for start in range(0, len(todo), chunk):
@@ -201,7 +210,7 @@ def run_generate(cfg: GenerateConfig) -> str:
                               note_seed(decoding, n.note_id)) for n in batch]
                     for note, gen in zip(batch, backend.generate_many(items), strict=True):
                         guard.protect([gen.text])
-                        record = generation_record(note, gen, index)
+                        record = generation_record(note, gen, read)
                         trace = {TRACE_FILE: gen.text}
                         if guard.allows_text:
                             run.write_note(NOTES, note.note_id, {RECORD_FILE: record, **trace})
@@ -228,13 +237,16 @@ def run_generate(cfg: GenerateConfig) -> str:
 
         table = pd.DataFrame([{k: (" ".join(v) if k == "codes" else v) for k, v in r.items()
                                if k != "decoding"} for r in ordered])
-        counts = answer_counts(notes, ordered)
+        counts = answer_counts(notes, ordered, task_for(inventory))
         table = pd.concat([table, counts], axis=1)
         run.log_table("generations", table)
         run.log_json("decoding.json", {**ordered[0]["decoding"], "seed_rule": "note_seed(seed, note_id)",
                                        "model": cfg.model, "thinking_template": thinking})
         metrics = generation_metrics(ordered)
-        graded = counts[counts["n_gold"] > 0]
+        graded = counts[counts["n_gold"] > 0] if "n_gold" in counts else counts.iloc[:0]
+        for key in ANSWER_SCORES:  # a free-text answer's scores, averaged over the notes
+            if key in counts and len(counts):
+                metrics[key] = float(counts[key].mean())
         if len(graded):  # the model's own answers against the notes' gold (App. P: the teacher's native micro-F1)
             tp, fp, fn = (int(graded[k].sum()) for k in ("tp", "fp", "fn"))
             metrics["answer_micro_f1"] = prf_from_counts(tp, fp, fn)[2]

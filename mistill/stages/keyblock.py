@@ -52,7 +52,7 @@ from mistill.stages.characterize import attribute_input, read_realized
 from mistill.stages.common import RunReader, load_model, prepared_note_input, subject_run_args
 from mistill.stages.runner import WrittenNotes, note_loop, notes_written, open_stage, stage_device
 from mistill.stats import difference_tests
-from mistill.tasks import task_for
+from mistill.tasks import note_items, task_for
 from mistill.validation import (check_device, check_dtype, check_no_text_fields, check_non_negative, check_pattern,
                                 check_run_id, check_seed)
 
@@ -195,8 +195,8 @@ def run_key_block(cfg: KeyBlockConfig) -> str:
                                                           "control": ks.control} for _, h, ks in named]})
         phases = sorted({p for _, _, ks in named for p in ks.phases})  # none: every note records no row
         runner, hook = Runner(lm, chunk_size=cfg.chunk_size), HeadHook(g)
-        codes = list(prepared.inventory.codes)
         for note in note_loop(run, NOTES, notes, desc="key block"):
+            codes = note_items(prepared.inventory, note)
             ni = prepared_note_input(prepared, note, lm.tokenizer)
             realized = read_realized(ev.reader, note.note_id)
             picked = [r for p in phases

@@ -28,6 +28,7 @@ from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE
 from mistill.stages.registry import stage_help
 from mistill.tasks import INVENTORY_TASKS, prompt_wording
 from mistill.tasks.eurlex import load_eurlex_corpus
+from mistill.tasks.musique import load_musique_corpus
 from mistill.tasks.synthetic_catalog import make_catalog_corpus
 from mistill.tracking.models import resolve_run_spec
 from mistill.tracking.runs import StageRun
@@ -64,8 +65,17 @@ class PrepareConfig(Config):
         ``dataset`` folder of act documents, ``concepts_file`` its ``EURLEX57K.json``,
         ``hierarchy_file`` the local broader-concept file, ``traces_file`` optional teacher traces
         (JSONL ``celex_id``, ``trace``), and each act's prompt lists ``candidates`` concepts
-        (**[recon]**: :func:`mistill.tasks.eurlex.candidate_list`; ``seed`` draws them). The prepared
+        (**[recon]**: :func:`mistill.tasks.eurlex.candidate_list`; ``seed`` draws them); or
+        ``musique`` (App. O): ``corpus`` is one of the MuSiQue-Ans release's JSONL files or a folder
+        holding its train and dev files, ``traces_file`` optional teacher traces (JSONL ``id``,
+        ``trace``); the prompt shows the passages and the question, and each question's
+        candidates are its own (:func:`mistill.tasks.musique.load_musique_corpus`). The prepared
         inventory records the task; every later stage reads it there.
+    split_sizes: task musique: the training, ranking (``val``), selection (``select``) and
+        evaluation (``test``) question counts, dealt by base question group (App. O's locked design:
+        ``2000,102,1203,1610``; the first three from the train file, the last from the dev file,
+        the rest left out; 0 leaves a split empty); empty keeps every question (train file: train,
+        dev file: test).
 
     Files named by path (the corpus, ``codes_file``, ``split_file``, the EURLEX files; a corpus
     folder by its files) join the run's identity by content (:meth:`content_digests`): a file
@@ -93,6 +103,7 @@ class PrepareConfig(Config):
     hierarchy_file: str = ""
     traces_file: str = ""
     candidates: int = 20
+    split_sizes: tuple[int, ...] = ()
 
     @property
     def corpus_path(self) -> str:
@@ -130,16 +141,26 @@ class PrepareConfig(Config):
         check_choice(self.task, INVENTORY_TASKS, "task")
         if self.task == "catalog" and (self.corpus != "synthetic" or self.codes_file):
             fail(f"task {self.task}: its corpus is generated (corpus=synthetic, no codes_file)", "task")
-        eurlex = self.task == "eurlex57k"
+        eurlex, musique = self.task == "eurlex57k", self.task == "musique"
         if eurlex and (self.corpus == "synthetic" or self.corpus.startswith(MIMIC_PREFIX) or self.codes_file):
             fail("task eurlex57k reads the release: corpus is its dataset folder (no codes_file)", "corpus")
+        if musique and (self.corpus == "synthetic" or self.corpus.startswith(MIMIC_PREFIX) or self.codes_file):
+            fail("task musique reads the release: corpus is its JSONL file or folder (no codes_file)", "corpus")
         if eurlex:
             check_not_empty(self.concepts_file, "concepts_file", "the release's EURLEX57K.json")
         for name in ("concepts_file", "hierarchy_file", "traces_file"):
             check_path(getattr(self, name), name, "a file", allow_empty=True)
-            if getattr(self, name) and not eurlex:
+            if name == "traces_file" and getattr(self, name) and not (eurlex or musique):
+                fail(f"{name} holds teacher traces of a release: task eurlex57k or musique only", name)
+            elif getattr(self, name) and not eurlex and name != "traces_file":
                 fail(f"{name} is a file of the EURLEX57K release: task eurlex57k only", name)
         check_at_least(self.candidates, 1, "candidates")
+        if self.split_sizes and not musique:
+            fail("split_sizes deals MuSiQue-Ans questions: task musique only", "split_sizes")
+        if self.split_sizes and (len(self.split_sizes) != 4 or min(self.split_sizes) < 0
+                                 or not sum(self.split_sizes)):
+            fail(f"split_sizes must be four counts (train, val, select, test; 0 leaves a split empty, not all), "
+                 f"not {self.split_sizes!r}", "split_sizes")
         check_at_least(self.n_notes, 1, "n_notes")
         check_at_least(self.inventory_size, 1, "inventory_size")
         if len(self.codes_per_note) != 2 or not 1 <= self.codes_per_note[0] <= self.codes_per_note[1]:
@@ -172,6 +193,10 @@ def build_corpus(cfg: PrepareConfig) -> Corpus:
         corpus = load_eurlex_corpus(cfg.corpus, cfg.concepts_file, hierarchy_file=cfg.hierarchy_file,
                                     traces_file=cfg.traces_file, candidates=cfg.candidates, seed=cfg.seed, order_seed=cfg.order_seed,
                                     name=cfg.corpus_name or "eurlex57k", privacy=cfg.privacy)
+    elif cfg.task == "musique":
+        corpus = load_musique_corpus(cfg.corpus, traces_file=cfg.traces_file, order_seed=cfg.order_seed,
+                                     split_sizes=cfg.split_sizes, name=cfg.corpus_name or "musique",
+                                     privacy=cfg.privacy)
     elif cfg.corpus == "synthetic":
         inv = Inventory.from_code_file(cfg.codes_file, order_seed=cfg.order_seed) if cfg.codes_file else None
         corpus = make_synthetic_corpus(n_notes=cfg.n_notes, seed=cfg.seed, inventory_size=cfg.inventory_size,
@@ -275,7 +300,7 @@ def prompt_lengths(corpus: Corpus, tokenizer, *, remove_discharge_diagnosis: boo
                               narrow_instruction=narrow_instruction,
                               wording=prompt_wording(corpus.inventory.task))
         trace = note.teacher_trace or ""
-        cut = prompt.span_in_text("lines")[1]
+        cut = prompt.span_in_text("lines")[1] if "lines" in prompt.parts else prompt.user_offset
         prefix, rest = prompt.text[:cut], prompt.text[cut:]
         if prefix not in groups:
             groups[prefix] = {"prefix": _n_tokens(tokenizer, prefix)}

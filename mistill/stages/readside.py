@@ -53,7 +53,7 @@ from mistill.stages.characterize import (attribute_input, check_ranked_heads, ra
 from mistill.stages.common import load_model, prepared_note_input, subject_run_args
 from mistill.stages.runner import WrittenNotes, note_loop, notes_written, open_stage, stage_device
 from mistill.stats import sign_test
-from mistill.tasks import task_for
+from mistill.tasks import note_items, task_for
 from mistill.validation import (check_device, check_dtype, check_interval, check_no_text_fields, check_non_negative,
                                 check_positive, check_run_id, check_seed)
 
@@ -160,9 +160,9 @@ def run_read_side(cfg: ReadSideConfig) -> str:
         if current_world().leader:
             run.log_json("readside_panel.json", {"panel": [names[h] for h in panel],
                                                  **{g: [names[h] for h in hs] for g, hs in groups.items()}})
-        codes = list(prepared.inventory.codes)
         task = task_for(prepared.inventory)
         for note in note_loop(run, NOTES, notes, desc="read side"):
+            codes = note_items(prepared.inventory, note)
             ni = prepared_note_input(prepared, note, lm.tokenizer)
             realized = [r for r in read_realized(ev.reader, note.note_id) if r.event.kind in PHASES]
             att = NoteAttribution.from_npz(att_reader.note_file(NOTES, note.note_id, "attribution.npz"),

@@ -67,7 +67,7 @@ STEP_TAG = "mistill.step."
 TAG_TREE = "mistill.tree"
 MODEL_ROLES = ("teacher", "student", "student_smollm3", "encoder", "las_model")
 DATA_ROLES = ("corpus", "distill_corpus", "split_file", "flip_proposals", "flip_ledger", "eurlex_dataset",
-              "eurlex_concepts", "eurlex_hierarchy")
+              "eurlex_concepts", "eurlex_hierarchy", "musique_release")
 OPTIONAL_ROLES = ("split_file",)
 """Roles a plan may leave empty (the release's own split column is then used)."""
 
@@ -92,6 +92,10 @@ class ReproduceConfig(Config):
     folder, its ``EURLEX57K.json`` and a broader-concept file (App. P's screen, tree EU:
     ``prepare``'s ``corpus``, ``concepts_file`` and ``hierarchy_file`` with ``task=eurlex57k``);
     a synthetic corpus skips the tree.
+    musique_release: the folder holding the MuSiQue-Ans release's ``musique_ans_v1.0_train.jsonl``
+    and ``musique_ans_v1.0_dev.jsonl`` (App. O, tree MQ: ``prepare``'s ``corpus`` with
+    ``task=musique``; its runs go to the experiment ``mistill/<corpus_name>-musique``, its own
+    report there); a synthetic corpus skips the tree.
     corpus_name: the experiment ``mistill/<corpus_name>`` every run goes to (empty: the name
     ``prepare`` gives the corpus).
     results: App. Q ids to reproduce (empty: every tree).
@@ -116,6 +120,7 @@ class ReproduceConfig(Config):
     eurlex_dataset: str = ""
     eurlex_concepts: str = ""
     eurlex_hierarchy: str = ""
+    musique_release: str = ""
     corpus_name: str = ""
     privacy: str = "restricted"
     results: tuple[str, ...] = ()
@@ -168,6 +173,13 @@ class ReproduceConfig(Config):
 
     def experiment_corpus(self) -> str:
         return corpus_name_of(self.corpus, self.corpus_name)
+
+    def step_corpus(self, step: PlanStep) -> str:
+        """The corpus name whose experiment a step's runs go to: the reproduction's, or for a tree
+        with an experiment of its own (:attr:`mistill.runbook.PlanStep.experiment`) that name with
+        its suffix."""
+        base = self.experiment_corpus()
+        return f"{base}-{step.experiment}" if step.experiment else base
 
 
 @dataclass(frozen=True)
@@ -234,9 +246,9 @@ def step_values(step: PlanStep, cfg: ReproduceConfig, settings: Mapping[str, Map
     fields = {f.name for f in dataclasses.fields(stage(step.entry_point).config)}
     values: dict[str, Any] = {k: getattr(cfg, k) for k in ("device", "dtype", "launch") if k in fields}
     if step.entry_point == "prepare":
-        values.update(corpus_name=cfg.experiment_corpus(), privacy=cfg.privacy)
+        values.update(corpus_name=cfg.step_corpus(step), privacy=cfg.privacy)
     if step.entry_point == "report":
-        values["corpus"] = cfg.experiment_corpus()
+        values["corpus"] = cfg.step_corpus(step)
     roles = {r: cfg.role(r) for r in ROLES}
     values.update({k: v.format_map(roles) for k, v in step.params_for(cfg.synthetic).items()})
     for key in (step.entry_point, step.name):
@@ -296,7 +308,7 @@ def run_plan_step(step: PlanStep, cfg: ReproduceConfig, ids: Mapping[str, str],
     config = step_config(step, cfg, ids, settings)
     if config is None:  # the plan's order makes every input known before its step
         raise RuntimeError(f"step {step.name}: an input run is unknown ({dict(step.inputs)})")
-    corpus = cfg.experiment_corpus()
+    corpus = cfg.step_corpus(step)
     if step.entry_point == "characterize":
         nested = characterize_steps(config, corpus, parent=parent)
         return {step.name: nested["knockin"], **{f"{step.name}:{k}": v for k, v in nested.items()}}
@@ -310,7 +322,7 @@ def find_finished(step: PlanStep, cfg: ReproduceConfig, ids: Mapping[str, str],
     config = step_config(step, cfg, ids, settings)
     if config is None:
         return {}
-    experiment = experiment_for_corpus(cfg.experiment_corpus())
+    experiment = experiment_for_corpus(cfg.step_corpus(step))
     version = identity.code_version(REPO_ROOT)  # looked up at the call: a test session pins it on the module
 
     def finished(name: str, c: Config) -> str | None:

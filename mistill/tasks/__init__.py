@@ -24,17 +24,18 @@ from mistill.tasks.base import Task
 from mistill.tasks.bigcodebench import BigCodeBenchTask
 from mistill.tasks.eurlex import EURLEX_WORDING, EurlexTask
 from mistill.tasks.icd10 import ICD10Task
-from mistill.tasks.musique import MuSiQueTask
+from mistill.tasks.musique import MUSIQUE_WORDING, MuSiQueTask
 from mistill.tasks.synthetic_catalog import CATALOG_WORDING, CatalogTask
 
-__all__ = ["Task", "task", "task_for", "prompt_wording", "TASK_NAMES", "INVENTORY_TASKS"]
+__all__ = ["Task", "task", "task_for", "prompt_wording", "note_items", "TASK_NAMES", "INVENTORY_TASKS"]
 
 
 def _icd10(**kw: Any) -> Task:
     return ICD10Task(**kw)
 
 
-def _musique(**kw: Any) -> Task:
+def _musique(inventory: Any = None, **kw: Any) -> Task:
+    # each question's candidates are its note's own (note_items), not the task's
     return MuSiQueTask(**kw)
 
 
@@ -66,10 +67,28 @@ def task(name: str, **kwargs: Any) -> Task:
     return _REGISTRY[name](**kwargs)
 
 
-INVENTORY_TASKS: tuple[str, ...] = ("icd10", "catalog", "eurlex57k")
-"""Tasks whose label space is an :class:`~mistill.data.inventory.Inventory` listed in the prompt:
-the ones ``prepare`` builds corpora for and the stages run on (``Inventory.task``); EURLEX57K's
-prompt lists each act's candidate list (:func:`mistill.tasks.eurlex.load_eurlex_corpus`)."""
+INVENTORY_TASKS: tuple[str, ...] = ("icd10", "catalog", "eurlex57k", "musique")
+"""Tasks whose label space ``prepare`` builds as an :class:`~mistill.data.inventory.Inventory`: the
+ones the stages run on (``Inventory.task``). EURLEX57K's prompt lists each act's candidate list
+(:func:`mistill.tasks.eurlex.load_eurlex_corpus`); MuSiQue-Ans's lists none, each question's
+candidates being its note's own (:func:`mistill.tasks.musique.load_musique_corpus`)."""
+
+PER_NOTE_ITEMS: frozenset[str] = frozenset({"musique"})
+"""Tasks whose events are extracted over each note's own candidates (``Note.shortlist``) rather
+than the whole inventory: the candidates of a MuSiQue question are its passages' titles and its
+answers, not every question's."""
+
+
+def note_items(inventory: Any, note: Any) -> list[str]:
+    """The items ``note``'s events are extracted over: its own candidates for a task of
+    :data:`PER_NOTE_ITEMS`, else the inventory's codes. A note of such a task without candidates
+    raises, naming the note and the field."""
+    if getattr(inventory, "task", "icd10") not in PER_NOTE_ITEMS:
+        return list(inventory.codes)
+    if not note.shortlist:
+        raise MistillInputError("the note has no candidates to extract its events over", note=note.note_id,
+                                field="shortlist")
+    return list(note.shortlist)
 
 
 def task_for(inventory: Any) -> Task:
@@ -85,4 +104,5 @@ def prompt_wording(name: str) -> PromptWording:
     """The prompt sentences of an inventory task (:class:`mistill.data.prompts.PromptWording`)."""
     if name not in INVENTORY_TASKS:
         raise MistillInputError(f"task {name!r} has no prompt wording", field="task")
-    return {"icd10": ICD10_WORDING, "catalog": CATALOG_WORDING, "eurlex57k": EURLEX_WORDING}[name]
+    return {"icd10": ICD10_WORDING, "catalog": CATALOG_WORDING, "eurlex57k": EURLEX_WORDING,
+            "musique": MUSIQUE_WORDING}[name]

@@ -27,16 +27,19 @@ from __future__ import annotations
 import re
 import string
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 
 from mistill.errors import MistillInputError
 from mistill.evaluation.metrics import prf_from_counts, set_counts
-from mistill.evaluation.parsing import CodeIndex, reasoning_closed, split_reasoning
+from mistill.evaluation.parsing import Answer, CodeIndex, parse_answer, reasoning_closed, split_reasoning
 from mistill.io import iter_jsonl
 
-__all__ = ["Task", "Span", "Mention", "Record", "record_id", "whole_word_mentions", "set_scores", "answer_part",
+AnswerReader = Callable[..., Answer]
+"""``reader(generation, capped=False) -> Answer``: how the stages read a generation's answer."""
+
+__all__ = ["Task", "AnswerReader", "Span", "Mention", "Record", "record_id", "whole_word_mentions", "set_scores", "answer_part",
            "THINK_CLOSE"]
 
 Span = tuple[int, int]
@@ -104,6 +107,12 @@ class Task(ABC):
     def related(self, a: str, b: str) -> bool:
         """Whether an earlier naming of ``b`` is a near-miss for a naming of ``a`` (P2C)."""
 
+    @property
+    def phases(self) -> tuple[str, ...]:
+        """The decision phases the task's events can have, the pools a distillation builds: P1
+        where there is a region-level decision, P2, and P2C where items are related."""
+        return (("P1",) if self.has_p1 else ()) + ("P2", "P2C")
+
     def p1_target(self, item: str) -> str | None:
         """The region-level decision character of ``item`` (its first character), or None."""
         return None
@@ -131,6 +140,20 @@ class Task(ABC):
         (:func:`mistill.evaluation.parsing.parse_answer`), over a prepared inventory's ``codes``:
         the entries the task's own answer reader accepts. Default: the codes as written."""
         return CodeIndex(codes)
+
+    def answer_reader(self, codes: Collection[str]) -> AnswerReader:
+        """How the stages read a generation's answer (validity, the answer's entries, the flags of
+        :class:`mistill.evaluation.parsing.Answer`) for a prepared inventory's ``codes``. Default:
+        the shared JSON-list parser over :meth:`answer_index`."""
+        index = self.answer_index(codes)
+
+        def read(generation: str, capped: bool = False) -> Answer:
+            return parse_answer(generation, index, capped=capped)
+        return read
+
+    set_valued: bool = True
+    """Whether an answer is a set of items scored by set counts (micro-F1); False for a task whose
+    answer is one string scored by :meth:`metric` (MuSiQue-Ans: answer EM and F1)."""
 
     @abstractmethod
     def metric(self, gold: Sequence[str], pred: Sequence[str]) -> dict[str, float]:

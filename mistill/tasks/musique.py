@@ -24,7 +24,9 @@ Choices the paper does not fix **[recon]**:
 * **Events**: the emitted answer, character by character, on the trie of the candidates
   (case-sensitive); the emitted answer need not be a candidate (the trie then stops branching
   once its prefix leaves every candidate). The first character is a P2 candidate like any
-  other. An abstaining answer (empty, ``unanswerable``, ``unknown``, ``none``, ``n/a``, ``no
+  other. Answers are written in words (:attr:`MuSiQueTask.word_items`): in a tokenizer, an
+  event's competitors are the alternative candidates' own first tokens from the divergence on,
+  as the paper's "every token of the emitted answer at which a candidate answer first diverges". An abstaining answer (empty, ``unanswerable``, ``unknown``, ``none``, ``n/a``, ``no
   answer``, ``cannot be determined``) has no event. :meth:`MuSiQueTask.related` is always false:
   no P2C events (the paper's contrastive event was a diagnostic, validated on 6 of 25).
 * **Fields**: ``answer_aliases`` may be absent (no aliases) and ``answerable`` may be absent
@@ -33,22 +35,50 @@ Choices the paper does not fix **[recon]**:
   normalisation (lower case, punctuation and the articles a / an / the removed, whitespace
   collapsed), the maximum over the answer and its aliases. An empty prediction scores 0
   (against a non-empty gold).
+
+The stages read the release through :func:`load_musique_corpus` (``prepare -P task=musique``),
+with these further choices **[recon]** (the paper gives neither the prompt nor the grouping
+rule):
+
+* **Prompt**: no candidate list (:data:`MUSIQUE_WORDING`); the note is the question's passages
+  in the release's order, each as ``Passage <i>: <title>`` and its text, then ``Question:`` and
+  the question. The instruction asks for a final ``Answer:`` line.
+* **Candidates**: each question's :attr:`MuSiQueQuestion.candidates` are its note's
+  ``shortlist``, the items its events are extracted over (the prompt does not list them); the
+  inventory is the union of every question's candidates.
+* **Groups**: the paper keeps "derivatives of one source question" together; a question's
+  group (its note's ``patient_id``, the cluster of every note-clustered statistic) is
+  :func:`question_group`, the first single-hop id of its composed id.
+* **Splits**: questions of a file whose name holds ``train`` are train notes, every other file's
+  (the labelled ``dev``) test notes. With ``split_sizes`` (App. O's locked design: 2,000
+  training, 102 ranking and 1,203 selection questions from the train file, 1,610 evaluation
+  questions from the dev file), :func:`split_by_groups` deals whole groups, in the order their
+  first question appears in the file, to ``train``, ``val`` (the ranking questions) and
+  ``select``, and the dev file's to ``test``; a group joins a split while the split stays within
+  its size, and the questions left over are not part of the corpus.
 """
 
 from __future__ import annotations
 
 import collections
+import json
+import random
 import re
 import string
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from mistill.data.corpus import Corpus, Note
+from mistill.data.inventory import Inventory
+from mistill.data.prompts import PromptWording
 from mistill.errors import MistillInputError
-from mistill.tasks.base import Mention, Record, Span, Task, _merge, answer_part, jsonl_records, whole_word_mentions
+from mistill.evaluation.parsing import Answer, degenerate_reason
+from mistill.tasks.base import AnswerReader, Mention, Record, Span, Task, _merge, answer_part, jsonl_records, whole_word_mentions
 
 __all__ = ["MuSiQueTask", "MuSiQueQuestion", "Paragraph", "load_musique", "normalize_answer",
-           "answer_em", "answer_f1", "ABSTAIN"]
+           "answer_em", "answer_f1", "ABSTAIN", "MUSIQUE_WORDING", "question_group", "question_text",
+           "load_musique_corpus", "write_musique_fixture", "split_by_groups", "SPLIT_SIZES"]
 
 ABSTAIN = frozenset({"", "unanswerable", "unknown", "none", "n/a", "no answer", "cannot be determined"})
 
@@ -179,6 +209,7 @@ class MuSiQueTask(Task):
 
     name = "musique"
     has_p1 = False
+    word_items = True  # an answer is written in words: the alternatives' own first tokens compete
 
     def find_mentions(self, text: str, items: Collection[str], start: int = 0,
                       end: int | None = None) -> list[Mention]:
@@ -199,6 +230,11 @@ class MuSiQueTask(Task):
     def related(self, a: str, b: str) -> bool:
         """No contrastive relation: P2C is not used for this task **[recon]**."""
         return False
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        """Answer emission only: P2 (the paper's loss phase for this task)."""
+        return ("P2",)
 
     def item_like_spans(self, trace: str, items: Collection[str]) -> list[Span]:
         """Namings of candidates anywhere in the trace (whole words) and the emitted answer."""
@@ -223,9 +259,219 @@ class MuSiQueTask(Task):
         answer = _clean(lines[-1])
         return () if answer.casefold() in ABSTAIN else (answer,)
 
+    set_valued = False
+
+    def answer_reader(self, codes: Collection[str]) -> AnswerReader:
+        """:meth:`read_answer` (the answer is free text: the inventory plays no part)."""
+        return self.read_answer
+
+    def read_answer(self, generation: str, capped: bool = False) -> Answer:
+        """The stages' reading of a generation: invalid when capped or its reasoning is not closed;
+        else ``parsed`` when its answer part holds text, the answer of :meth:`parse_answer` (none for
+        an abstention, reason ``abstained``; reason ``no_answer`` when the answer part is empty)."""
+        def answer(codes: tuple[str, ...], valid: bool, parsed: bool, reason: str) -> Answer:
+            flag = degenerate_reason(codes, capped)
+            return Answer(codes, valid, parsed, reason, len(codes), 0, 0, bool(flag), flag)
+
+        if capped:
+            return answer((), False, False, "capped")
+        part = answer_part(generation)
+        if part is None:
+            return answer((), False, False, "unclosed_think")
+        if not part.strip():
+            return answer((), True, False, "no_answer")
+        codes = self.parse_answer(generation)
+        return answer(codes, True, True, "ok" if codes else "abstained")
+
     def metric(self, gold: Sequence[str], pred: Sequence[str]) -> dict[str, float]:
         """``em`` and ``f1``: the maximum over the references ``gold`` (answer + aliases) of the
         first predicted answer (an empty prediction is the empty string)."""
         refs = [g for g in gold if g is not None] or [""]
         p = pred[0] if pred else ""
         return {"em": max(answer_em(p, g) for g in refs), "f1": max(answer_f1(p, g) for g in refs)}
+
+
+# ------------------------------------------------------------------------- through the stages
+
+MUSIQUE_WORDING = PromptWording(
+    header="", shows_list=False,
+    summary_header="Here are the passages, then the question to answer:",
+    role_and_task=("You are answering a multi-hop question. Answer the question above from the passages given "
+                   "with it."),
+    narrow_sentence=("Narrow down first to the passages that bear on the question, then decide the answer from "
+                     "them."),
+    answer="End with a final line of the form Answer: <answer>, the answer as a short phrase.")
+"""The prompt's sentences for a question (**[recon]**: the paper gives the task, not its prompt)."""
+
+
+def question_group(question_id: str) -> str:
+    """The base-question group of a MuSiQue id (**[recon]**): the first single-hop id of the
+    composed id (``2hop__482757_12019`` -> ``482757``); an id of another shape is its own group."""
+    head, sep, rest = question_id.partition("__")
+    return rest.split("_")[0] or question_id if sep else question_id
+
+
+def question_text(q: MuSiQueQuestion) -> str:
+    """The note text of a question: its passages, each ``Passage <i>: <title>`` and its text, then
+    ``Question: <question>``."""
+    blocks = [f"Passage {i}: {p.title.strip()}\n{p.text.strip()}" for i, p in enumerate(q.paragraphs, 1)]
+    return "\n\n".join(blocks + [f"Question: {q.question.strip()}"])
+
+
+def _release_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise MistillInputError("MuSiQue-Ans file or folder not found", file=str(path), field="corpus")
+    files = sorted(p for p in path.glob("*.jsonl") if "train" in p.name or "dev" in p.name)
+    if not files:
+        raise MistillInputError("no MuSiQue-Ans train or dev JSONL file in the folder", file=str(path),
+                                field="corpus")
+    return files
+
+
+SPLIT_SIZES: tuple[int, int, int, int] = (2_000, 102, 1_203, 1_610)
+"""App. O's locked design: training, ranking and selection questions of the train file, and the
+evaluation questions of the dev file (``prepare -P split_sizes=2000,102,1203,1610``)."""
+
+_LAYOUT: tuple[tuple[str, ...], tuple[str, ...]] = (("train", "val", "select"), ("test",))
+
+
+def split_by_groups(question_ids: Sequence[str], sizes: Sequence[int]) -> dict[str, str]:
+    """``question id -> split`` for one file's questions: whole groups (:func:`question_group`),
+    in the order of their first question, dealt to the splits in turn (``sizes[i]`` questions at
+    most for the i-th; a group that does not fit closes the split, and the next split starts with
+    it); questions left when every split is closed are left out."""
+    order: list[str] = []
+    members: dict[str, list[str]] = {}
+    for qid in question_ids:
+        g = question_group(qid)
+        if g not in members:
+            order.append(g)
+            members[g] = []
+        members[g].append(qid)
+    out: dict[str, str] = {}
+    i, filled = 0, 0
+    for g in order:
+        while i < len(sizes) and filled + len(members[g]) > sizes[i]:
+            i, filled = i + 1, 0
+        if i == len(sizes):
+            break
+        out.update({q: str(i) for q in members[g]})
+        filled += len(members[g])
+    return out
+
+
+def load_musique_corpus(path: str | Path, *, traces_file: str | Path = "", order_seed: int = 0,
+                        split_sizes: Sequence[int] = (), name: str = "musique",
+                        privacy: str = "public") -> Corpus:
+    """MuSiQue-Ans questions as a corpus: ``path`` is one of the release's JSONL files or a folder
+    holding them (its ``*train*.jsonl`` and ``*dev*.jsonl`` files, in name order). One note per
+    question (its id; :func:`question_group` as its group; train or test split from the file
+    name), the :func:`question_text` as its text, the answer and its aliases as its gold, its
+    candidates as its ``shortlist``, and its trace from ``traces_file`` (JSONL rows ``{"id",
+    "trace"}``) when given. The inventory is every question's candidates (a
+    ``random.Random(order_seed)`` shuffle of their sorted order). A question without an answer, an
+    id in two files, a trace for an unknown question or a malformed record raises, naming the
+    file, the question and the field. ``split_sizes`` (four counts: training, ranking, selection,
+    evaluation questions; :data:`SPLIT_SIZES`) deals the questions by group instead
+    (:func:`split_by_groups`): train-file questions to ``train``, ``val`` and ``select``, dev-file
+    questions to ``test``, the rest left out (a count of 0 leaves its split empty: ``2000,102,0,0``
+    holds the questions the teacher traces, with the same training and ranking questions as
+    ``2000,102,1203,1610``)."""
+    if split_sizes and (len(split_sizes) != 4 or min(split_sizes) < 0 or not sum(split_sizes)):
+        raise MistillInputError(f"split_sizes must be four counts (train, val, select, test; 0 leaves a split "
+                                f"empty, not all), not {tuple(split_sizes)!r}", field="split_sizes")
+    questions: list[tuple[MuSiQueQuestion, str, Path]] = []
+    seen: dict[str, Path] = {}
+    for f in _release_files(Path(path)):
+        train_file = "train" in f.name
+        loaded = load_musique(f)
+        if split_sizes:
+            names = _LAYOUT[0] if train_file else _LAYOUT[1]
+            dealt = split_by_groups([q.id for q in loaded], split_sizes[:3] if train_file else split_sizes[3:])
+            splits = {q: names[int(i)] for q, i in dealt.items()}
+        else:
+            splits = {q.id: "train" if train_file else "test" for q in loaded}
+        for q in loaded:
+            if q.id in seen:
+                raise MistillInputError(f"question also in {seen[q.id].name}", file=str(f), note=q.id, field="id")
+            seen[q.id] = f
+            if q.id not in splits:
+                continue
+            split = splits[q.id]
+            if not q.answer.strip():
+                raise MistillInputError("the question has no answer (MuSiQue-Ans questions have one)", file=str(f),
+                                        note=q.id, field="answer")
+            questions.append((q, split, f))
+    traces: dict[str, str] = {}
+    if traces_file:
+        for rec, qid in jsonl_records(traces_file, "id"):
+            if qid not in seen:
+                raise MistillInputError("a trace for a question the corpus does not hold", file=str(traces_file),
+                                        note=qid, field="id")
+            traces[qid] = rec.text("trace", allow_empty=False)  # a question left out keeps none
+    items = sorted({c for q, _, _ in questions for c in q.candidates})
+    random.Random(order_seed).shuffle(items)
+    inventory = Inventory(codes=tuple(items), descriptions={c: "MuSiQue-Ans candidate" for c in items},
+                          order_seed=order_seed, source="MuSiQue-Ans candidates (passage titles and answers)",
+                          task="musique")
+    notes = [Note(note_id=q.id, patient_id=question_group(q.id), split=split, text=question_text(q),
+                  gold_codes=tuple(dict.fromkeys(a.strip() for a in q.gold if a.strip())),
+                  teacher_trace=traces.get(q.id), shortlist=tuple(q.candidates),
+                  meta={"source": "MuSiQue-Ans", "file": f.name, "answerable": q.answerable,
+                        "supporting": [p.idx for p in q.paragraphs if p.is_supporting]})
+             for q, split, f in questions]
+    return Corpus(name=name, privacy=privacy, notes=notes, inventory=inventory, meta={"task": "musique"})
+
+
+_FIXTURE_PEOPLE = ("Marta Lind", "Mark Lindqvist", "Maria Lopez", "Tomas Berg", "Tove Bergman", "Anna Holm")
+_FIXTURE_FIRMS = ("Nordvik Works", "Nordlys Instruments", "Halden Mills", "Haldor Optics")
+_FIXTURE_THINGS = ("the Vega lamp", "the Orion kettle", "the Lyra radio", "the Pavo clock", "the Draco fan",
+                   "the Cetus scale")
+
+
+def write_musique_fixture(folder: str | Path, *, questions_per_split: dict[str, int] | None = None,
+                          seed: int = 0) -> dict[str, Path]:
+    """A small release of the project's own in MuSiQue-Ans's layout under ``folder``: invented
+    two-hop questions (which person founded the firm that makes a product) with four titled
+    passages each, in ``musique_ans_v1.0_{train,dev}.jsonl``, and a scripted teacher trace per
+    question in ``traces.jsonl`` (the two hops, a near-miss founder named, and an ``Answer:``
+    line). Returns the paths by role (``corpus``, the folder; ``traces_file``)."""
+    root = Path(folder)
+    root.mkdir(parents=True, exist_ok=True)
+    counts = dict(questions_per_split or {"train": 6, "dev": 3})
+    rng = random.Random(seed)
+    traces = []
+    n = 0
+    for split, k in counts.items():
+        rows = []
+        for _ in range(k):
+            n += 1
+            thing = _FIXTURE_THINGS[n % len(_FIXTURE_THINGS)]
+            firm, other = rng.sample(_FIXTURE_FIRMS, 2)
+            founder, rival = rng.sample(_FIXTURE_PEOPLE, 2)
+            qid = f"2hop__{7000 + (n + 1) // 2}_{8000 + n}"  # two questions of one base question
+            paragraphs = [
+                {"idx": 0, "title": thing.removeprefix("the ").title(), "is_supporting": True,
+                 "paragraph_text": f"{thing[0].upper() + thing[1:]} is a household product made by {firm} since 1961."},
+                {"idx": 1, "title": firm, "is_supporting": True,
+                 "paragraph_text": f"{firm} is a manufacturer founded by {founder} in a small coastal town."},
+                {"idx": 2, "title": other, "is_supporting": False,
+                 "paragraph_text": f"{other} is a rival firm founded by {rival}."},
+                {"idx": 3, "title": rival, "is_supporting": False,
+                 "paragraph_text": f"{rival} is an engineer who later ran {other}."}]
+            rng.shuffle(paragraphs)
+            rows.append({"id": qid, "question": f"Who founded the company that makes {thing}?",
+                         "paragraphs": paragraphs, "answer": founder,
+                         "answer_aliases": [founder.split()[-1]], "answerable": True})
+            trace = ("<think>The question has two hops: first the maker of the product, then the founder of "
+                     f"that maker. One passage says {thing} is made by {firm}. Another passage says {firm} was "
+                     f"founded by {founder}. The passage on {other} names {rival}, but that firm does not make "
+                     f"{thing}, so {rival} is not the answer.</think>\nAnswer: {founder}")
+            traces.append({"id": qid, "trace": trace})
+        (root / f"musique_ans_v1.0_{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows),
+                                                              encoding="utf-8")
+    paths = {"corpus": root, "traces_file": root / "traces.jsonl"}
+    paths["traces_file"].write_text("".join(json.dumps(t) + "\n" for t in traces), encoding="utf-8")
+    return paths

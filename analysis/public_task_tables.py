@@ -1,0 +1,124 @@
+"""The public-task extension's readings (App. O, Tables 56 and 57) from MuSiQue-Ans runs.
+
+* :func:`readings_table` (Table 56, readings 1 and 2): each compared arm minus the reference arm,
+  seed i against seed i. Per question, the difference of the own-heads final-line P2 recovery at
+  k = 40 (``own_heads`` runs' per-note rows; a question counts where both runs of a seed pair
+  recover it, the common support) or of the answer F1 (``evaluate`` runs' per-note rows), averaged
+  over the seed pairs that have it; the estimate is the mean over questions with a percentile
+  bootstrap over base-question groups (the notes' ``patient_id``,
+  :func:`mistill.tasks.musique.question_group`), and both counts are reported. The locked
+  criteria: recovery, lower bound above 0 (Mistill against Vanilla CoT-KD); answer F1, lower
+  bound above -0.02.
+* :func:`checkpoint_table` (Table 57): per checkpoint (model, arm, precision, seed), the answer F1
+  and valid-answer rate of its ``evaluate`` run and the mean own-heads P2 recovery at k = 40 over
+  the questions its ``own_heads`` run recovers.
+
+Readings 3 and 4 (paired correctness on the evidence pairs, the teacher's evidence-mask gate) come
+from the evidence-flip machinery, not from these runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+
+from mistill import stats
+from mistill.errors import MistillInputError
+
+__all__ = ["READING_PHASE", "READING_K", "READING_COLUMNS", "CHECKPOINT_COLUMNS", "seed_paired_differences",
+           "readings_table", "checkpoint_table"]
+
+READING_PHASE = "P2"
+"""The answer-emission event's phase: the task's one phase."""
+READING_K = 40
+"""The own top-k of reading 1."""
+CRITERIA: Mapping[str, float] = {"recovery": 0.0, "answer_f1": -0.02}
+"""The locked criteria: the lower bound must lie above these (recovery; answer F1)."""
+
+READING_COLUMNS: tuple[str, ...] = ("reading", "arm", "reference", "estimate", "ci_low", "ci_high", "n_questions",
+                                    "n_groups", "n_seed_pairs", "seed_pairs", "criterion", "met")
+CHECKPOINT_COLUMNS: tuple[str, ...] = ("model", "arm", "precision", "seed", "answer_f1", "valid_rate", "n_questions",
+                                       "recovery_own", "n_recovered")
+
+
+def seed_paired_differences(arm: pd.DataFrame, ref: pd.DataFrame, value: str) -> tuple[dict[str, float], dict]:
+    """``({question: mean over seed pairs of arm - ref}, {seed: that pair's mean difference})``:
+    ``arm`` and ``ref`` hold ``seed, note_id`` and ``value``; a seed both have is a pair, and a
+    question enters a pair where both values are finite."""
+    by_q: dict[str, list[float]] = {}
+    per_pair: dict = {}
+    for seed in sorted(set(arm["seed"]) & set(ref["seed"])):
+        a = arm[arm["seed"] == seed].groupby("note_id")[value].mean()
+        r = ref[ref["seed"] == seed].groupby("note_id")[value].mean()
+        d = (a - r).dropna()
+        if d.empty:
+            continue
+        per_pair[seed] = float(d.mean())
+        for q, v in d.items():
+            by_q.setdefault(str(q), []).append(float(v))
+    return {q: float(np.mean(v)) for q, v in by_q.items()}, per_pair
+
+
+def _reading(name: str, criterion_key: str, arm: str, reference: str, diffs: dict[str, float], per_pair: dict,
+             groups: Mapping[str, str], n_resamples: int, seed: int, locked: bool) -> dict:
+    ci = stats.group_bootstrap_mean(diffs, groups, n_resamples=n_resamples, seed=seed)
+    bound = CRITERIA[criterion_key]
+    return {"reading": name, "arm": arm, "reference": reference, "estimate": ci.estimate, "ci_low": ci.low,
+            "ci_high": ci.high, "n_questions": len(diffs), "n_groups": len({groups[q] for q in diffs}),
+            "n_seed_pairs": len(per_pair), "seed_pairs": ", ".join(f"{s}: {v:+.3f}" for s, v in per_pair.items()),
+            "criterion": f"lower bound > {bound:g}" if locked else "secondary (no criterion)",
+            "met": bool(ci.low > bound) if locked else None}
+
+
+def readings_table(own: pd.DataFrame, answers: pd.DataFrame, groups: Mapping[str, str], *,
+                   reference: str = "vanilla-bf16", primary: str = "mistill", secondary: Sequence[str] = ("randheads",),
+                   k: int = READING_K, n_resamples: int = stats.N_BOOTSTRAP, seed: int = 0) -> pd.DataFrame:
+    """Table 56's readings 1 and 2 (module docstring). ``own``: ``own_heads`` per-note rows with
+    ``arm, seed, note_id, phase, k, recovery_own``; ``answers``: ``evaluate`` per-note rows with
+    ``arm, seed, note_id, answer_f1``; ``groups``: question -> base-question group. The primary
+    arm against the reference carries the locked criteria; the primary arm is also read against
+    each ``secondary`` arm on recovery (no criterion). A comparison without a seed pair is left out."""
+    rows = []
+    own = own[(own["phase"] == READING_PHASE) & (own["k"].astype(int) == k)] if not own.empty else own
+    if not own.empty:
+        comparisons = [(reference, True)] + [(other, False) for other in secondary]
+        for ref, locked in comparisons:
+            diffs, pairs = seed_paired_differences(own[own["arm"] == primary], own[own["arm"] == ref],
+                                                   "recovery_own")
+            if diffs:
+                rows.append(_reading(f"(1) own-heads {READING_PHASE} recovery, k={k}", "recovery", primary, ref,
+                                     diffs, pairs, groups, n_resamples, seed, locked))
+    if not answers.empty:
+        diffs, pairs = seed_paired_differences(answers[answers["arm"] == primary],
+                                               answers[answers["arm"] == reference], "answer_f1")
+        if diffs:
+            rows.append(_reading("(2) answer F1", "answer_f1", primary, reference, diffs, pairs, groups,
+                                 n_resamples, seed, True))
+    return pd.DataFrame(rows, columns=list(READING_COLUMNS))
+
+
+def checkpoint_table(own: pd.DataFrame, answers: pd.DataFrame, eval_runs: pd.DataFrame,
+                     k: int = READING_K) -> pd.DataFrame:
+    """Table 57 (module docstring): one row per checkpoint with an ``evaluate`` or ``own_heads`` run.
+    ``eval_runs``: the evaluate runs' rows (``model, arm, precision, seed`` and ``valid_rate``)."""
+    key = ["model", "arm", "precision", "seed"]
+    cells: dict[tuple, dict] = {}
+    if not answers.empty:
+        for cell, grp in answers.groupby(key, sort=True, dropna=False):
+            cells.setdefault(cell, {})["answer_f1"] = float(grp["answer_f1"].mean())
+            cells[cell]["n_questions"] = int(grp["note_id"].nunique())
+    if not eval_runs.empty and "valid_rate" in eval_runs:
+        for cell, grp in eval_runs.groupby(key, sort=True, dropna=False):
+            cells.setdefault(cell, {})["valid_rate"] = float(grp["valid_rate"].mean())
+    if not own.empty:
+        sel = own[(own["phase"] == READING_PHASE) & (own["k"].astype(int) == k)]
+        for cell, grp in sel.groupby(key, sort=True, dropna=False):
+            per_q = grp.groupby("note_id")["recovery_own"].mean().dropna()
+            cells.setdefault(cell, {})["recovery_own"] = float(per_q.mean()) if len(per_q) else np.nan
+            cells[cell]["n_recovered"] = len(per_q)
+    if not cells:
+        raise MistillInputError("no evaluate or own_heads rows of a MuSiQue-Ans experiment", field="runs")
+    out = [{**dict(zip(key, cell)), **vals} for cell, vals in sorted(cells.items(), key=lambda kv: str(kv[0]))]
+    return pd.DataFrame(out).reindex(columns=list(CHECKPOINT_COLUMNS))

@@ -1,0 +1,159 @@
+"""MuSiQue-Ans through the stages (App. O) on the project's fixture in the release's layout:
+``prepare -P task=musique`` reads the questions and the teacher traces; the prompt shows the
+passages and the question, each question's candidates are its own; the teacher's answer-emission
+heads are located on the ranking questions; students are trained on them (Vanilla CoT-KD and
+Mistill, whose one pool is the answer-emission phase's), their answers are scored with the
+official EM / F1, their own heads are read out, and the report pairs the two arms by question
+(Tables 56 and 57)."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+from mlflow.tracking import MlflowClient
+from stage_fixtures import TINY, unique
+
+from analysis.report import build_report, collect_inputs
+from mistill.errors import MistillInputError
+from mistill.stages.characterize import (AttributeConfig, EventsConfig, KnockinStageConfig, run_attribute, run_events,
+                                         run_knockin)
+from mistill.stages.common import load_prepared
+from mistill.stages.distill import TargetsConfig, TrainStageConfig, run_targets, run_train
+from mistill.stages.evaluate import EvaluateConfig, run_evaluate
+from mistill.stages.generate import answer_counts
+from mistill.stages.own_heads import OwnHeadsConfig, run_own_heads
+from mistill.stages.prepare import PrepareConfig, run_prepare
+from mistill.tasks import note_items, task_for
+from mistill.tasks.musique import load_musique_corpus, question_group, split_by_groups, write_musique_fixture
+from mistill.tracking.experiments import experiment_for_corpus
+
+STUDENT = "tiny:qwen3:seed=2:d_model=8"
+
+
+def test_the_release_layout_becomes_a_corpus_with_per_question_candidates(tmp_path):
+    paths = write_musique_fixture(tmp_path)
+    corpus = load_musique_corpus(paths["corpus"], traces_file=paths["traces_file"])
+    assert len(corpus.notes) == 9 and {n.split for n in corpus.notes} == {"train", "test"}
+    assert corpus.inventory.task == "musique"
+    union = set()
+    for note in corpus.notes:
+        # the candidates are the question's own: its passage titles and its answers
+        assert set(note.gold_codes) <= set(note.shortlist) and note_items(corpus.inventory, note) == list(note.shortlist)
+        assert note.patient_id == question_group(note.note_id) and note.text.endswith("?")
+        assert note.teacher_trace.endswith(f"Answer: {note.gold_codes[0]}")
+        union |= set(note.shortlist)
+    assert union == set(corpus.inventory.codes)
+    assert question_group("3hop1__9285_5188_23307") == "9285" and question_group("odd-id") == "odd-id"
+    # a trace for a question the release does not hold is refused, naming the file, the question and the field
+    extra = tmp_path / "extra.jsonl"
+    extra.write_text(json.dumps({"id": "2hop__1_2", "trace": "<think>x</think>\nAnswer: y"}) + "\n")
+    with pytest.raises(MistillInputError) as err:
+        load_musique_corpus(paths["corpus"], traces_file=extra)
+    assert (err.value.note, err.value.field) == ("2hop__1_2", "id")
+    with pytest.raises(MistillInputError) as err:
+        PrepareConfig(task="musique", corpus="synthetic").validate()
+    assert err.value.field == "corpus"
+    with pytest.raises(MistillInputError) as err:
+        PrepareConfig(task="musique", corpus=str(paths["corpus"]), concepts_file=str(extra)).validate()
+    assert err.value.field == "concepts_file"
+
+
+def test_split_sizes_deal_whole_base_question_groups_in_file_order(tmp_path):
+    ids = ["2hop__1_5", "2hop__1_6", "2hop__2_7", "2hop__3_8", "2hop__3_9"]
+    assert split_by_groups(ids, (3, 2)) == {"2hop__1_5": "0", "2hop__1_6": "0", "2hop__2_7": "0",
+                                            "2hop__3_8": "1", "2hop__3_9": "1"}
+    # a group that does not fit closes its split; what no split takes is left out
+    assert split_by_groups(["x__1_1", "x__1_2", "x__2_3"], (1, 2)) == {"x__1_1": "1", "x__1_2": "1"}
+    paths = write_musique_fixture(tmp_path)  # two questions per base question
+    corpus = load_musique_corpus(paths["corpus"], traces_file=paths["traces_file"], split_sizes=(2, 2, 2, 2))
+    by_split = {}
+    for note in corpus.notes:
+        by_split.setdefault(note.split, set()).add(note.patient_id)
+    assert {k: len(v) for k, v in by_split.items()} == {"train": 1, "val": 1, "select": 1, "test": 1}
+    assert len(corpus.notes) == 8  # the dev file's second group does not fit: left out, its trace ignored
+    with pytest.raises(MistillInputError) as err:
+        PrepareConfig(task="musique", corpus=str(paths["corpus"]), split_sizes=(2, 2, 2)).validate()
+    assert err.value.field == "split_sizes"
+
+
+def test_answers_are_read_and_scored_with_the_official_semantics(tmp_path):
+    paths = write_musique_fixture(tmp_path)
+    corpus = load_musique_corpus(paths["corpus"], traces_file=paths["traces_file"])
+    task = task_for(corpus.inventory)
+    read = task.answer_reader(corpus.inventory.codes)
+    note = corpus.notes[0]
+    founder, surname = note.gold_codes
+    records = [{"codes": list(read(t).codes)} for t in (
+        note.teacher_trace,                                      # the answer: EM 1
+        f"<think>r</think>\nAnswer: **The {surname}.**",         # an alias, articles and marks removed: EM 1
+        f"<think>r</think>\nAnswer: {founder} Junior",           # partial overlap: F1 only
+        "<think>r</think>\nAnswer: unknown",                     # an abstention: no answer
+        "<think>never closed")]                                  # invalid: no answer
+    assert read("<think>never closed").reason == "unclosed_think" and not read("<think>x").valid
+    assert read("<think>r</think>\nAnswer: unknown").reason == "abstained"
+    assert read("x", capped=True).reason == "capped"
+    scores = answer_counts([note] * len(records), records, task)
+    assert list(scores["answer_em"]) == [1.0, 1.0, 0.0, 0.0, 0.0]
+    assert scores["answer_f1"][2] == pytest.approx(2 * (2 / 3) * 1 / (2 / 3 + 1))
+
+
+def test_rank_knock_in_train_evaluate_and_read_on_questions(tracking_uri, tmp_path, monkeypatch,
+                                                            pinned_code_version):
+    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path / "root"))
+    paths = write_musique_fixture(tmp_path / "release", questions_per_split={"train": 3, "dev": 3})
+    name = unique("musique")
+    prep = run_prepare(PrepareConfig(task="musique", corpus=str(paths["corpus"]), corpus_name=name,
+                                     traces_file=str(paths["traces_file"]), privacy="public", model=TINY))
+    prepared = load_prepared(prep)
+    assert prepared.inventory.task == "musique"
+    prompt = prepared.prompt(prepared.corpus.notes[0], None)
+    assert "header" not in prompt.parts and prompt.part("note").startswith("Passage 1: ")
+    client = MlflowClient()
+    # the teacher's answer-emission heads located on the ranking questions
+    events = run_events(EventsConfig(prepare_run=prep, model=TINY, split="train", n_null=4))
+    counts = client.get_run(events).data.metrics
+    assert counts["events/P2/realized"] > 0, counts  # answer emission is a P2 event
+    assert counts.get("events/P1/realized", 0) == 0 and counts.get("events/P2C/realized", 0) == 0
+    ranked = run_attribute(AttributeConfig(events_run=events, selftest_events=0, stability_splits=5))
+    located = run_knockin(KnockinStageConfig(attribute_run=ranked, k_bins=(2, 4), events_per_phase=3, floor_draws=1))
+    rows = pd.read_csv(client.download_artifacts(located, "per_note_sets.csv", str(tmp_path / "dl")),
+                       dtype={"note_id": str})
+    assert {"global", "random"} <= set(rows["set"]) and "P2" in set(rows["phase"])
+
+    # the student, ranked on its own and trained on the teacher's answer-emission targets
+    student_events = run_events(EventsConfig(prepare_run=prep, model=STUDENT, split="train", n_null=4))
+    student_rank = run_attribute(AttributeConfig(events_run=student_events, selftest_events=0, stability_splits=5))
+    targets = run_targets(TargetsConfig(teacher_attribute_run=ranked, split="train"))
+    trained = {arm: run_train(TrainStageConfig(targets_run=targets, student_attribute_run=student_rank,
+                                               student=STUDENT, arm=arm, max_steps=1))
+               for arm in ("vanilla-bf16", "mistill")}
+    pools = json.loads(open(client.download_artifacts(trained["mistill"], "student_pools.json",
+                                                      str(tmp_path / "p"))).read())
+    assert set(pools) == {"P2"}  # answer emission is the task's one phase: the only pool
+    for arm, run in trained.items():  # each arm's answers, scored with answer EM / F1, and its own heads
+        ev = run_evaluate(EvaluateConfig(prepare_run=prep, split="test", max_new_tokens=8, train_run=run))
+        m = client.get_run(ev).data.metrics
+        assert 0.0 <= m["answer_f1"] <= 1.0 and 0.0 <= m["answer_em"] <= m["answer_f1"], m
+        assert m["m1/P2/n"] > 0, m  # the readouts find the answer-emission events
+        run_own_heads(OwnHeadsConfig(prepare_run=prep, train_run=run, rank_split="train", test_split="test",
+                                     k=(2, 40), necessity_k=2, m2_k=2, max_new_tokens=8, n_null=4,
+                                     stability_splits=5, events_per_phase=3, floor_draws=1, range_gate=0.0))
+
+    # Tables 56 and 57 from these runs: readings paired by question, groups from the prepared corpus
+    inputs = collect_inputs(client, experiment_for_corpus(name))
+    assert inputs.task == "musique"
+    rep = build_report(inputs, reference_arm="vanilla-bf16", n_resamples=50, corpus_resamples=50)
+    t56, t57 = (next(t for t in rep.tables if t.name == n) for n in ("table56_public_task",
+                                                                      "table57_public_task_checkpoints"))
+    by = t56.numeric.set_index("reading")
+    groups = {n.note_id: n.patient_id for n in prepared.corpus.notes}
+    answer = by.loc["(2) answer F1"]
+    assert (answer["arm"], answer["reference"], answer["n_seed_pairs"]) == ("mistill", "vanilla-bf16", 1)
+    assert answer["n_questions"] == 3 and answer["n_groups"] == len({groups[n.note_id] for n in
+                                                                      prepared.corpus.notes if n.split == "test"})
+    f1 = t57.numeric.set_index("arm")["answer_f1"]
+    assert answer["estimate"] == pytest.approx(f1["mistill"] - f1["vanilla-bf16"])
+    assert set(t57.numeric["arm"]) == {"mistill", "vanilla-bf16"}
+    assert answer["criterion"] == "lower bound > -0.02" and answer["met"] == (answer["ci_low"] > -0.02)
