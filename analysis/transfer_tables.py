@@ -19,7 +19,8 @@ at the contrastive decision (P2C) and k = 40 (:data:`SCREEN_PHASE`, :data:`SCREE
   control panel (count-matched random heads, the bottom of the ranking), its mean with a 95 %
   percentile bootstrap over inputs and the inputs where the ranked heads read more;
 * where the inputs' traces are a ``generate`` run's, the teacher's native micro-F1 there (its
-  own answers against the inputs' gold labels, pooled, with a percentile bootstrap over inputs).
+  own answers against the inputs' gold labels, pooled, with a percentile bootstrap over inputs),
+  or, for programming, its pass@1 (its code run against each problem's tests in the sandbox).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ __all__ = ["SCREEN_PHASE", "SCREEN_K", "TRANSFER_TASKS", "COLUMNS", "READBACK_CO
 
 SCREEN_PHASE, SCREEN_K = "P2C", 40
 """The cell Table 59 reads: the contrastive decision's top-40."""
-TRANSFER_TASKS: tuple[str, ...] = ("eurlex57k",)
+TRANSFER_TASKS: tuple[str, ...] = ("eurlex57k", "bigcodebench")
 """The label spaces of App. P's screen whose corpora the stages read (the report lists Table 59
 for their experiments instead of the clinical instruction control)."""
 COLUMNS: list[str] = ["statistic", "k", "value", "ci_low", "ci_high", "n"]
@@ -86,7 +87,17 @@ def native_table(generations: pd.DataFrame, *, k: int = SCREEN_K, n_resamples: i
                  seed: int = 0) -> pd.DataFrame:
     """The native row of Table 59 (:data:`COLUMNS`) from a ``generate`` run's ``generations``
     (``tp, fp, fn, n_gold`` per input): the pooled micro-F1 of the inputs with gold labels and
-    its percentile bootstrap over them (empty without such inputs)."""
+    its percentile bootstrap over them (empty without such inputs); for executed answers
+    (BigCodeBench: ``verdict`` and ``passed`` per input), pass@1 over every input with its
+    percentile bootstrap, and the inputs whose generation held no code, in its place."""
+    if "passed" in generations.columns and len(generations):
+        passed = pd.to_numeric(generations["passed"], errors="coerce").to_numpy(dtype=float)
+        ci = stats.bootstrap_ci(passed, n_resamples=n_resamples, seed=seed)
+        no_code = int((generations.get("verdict", pd.Series(dtype=str)) == "no_code").sum())
+        return pd.DataFrame([{"statistic": "native pass@1 of the teacher's code (sandboxed tests)", "k": k,
+                              "value": ci.estimate, "ci_low": ci.low, "ci_high": ci.high, "n": len(passed)},
+                             {"statistic": "inputs whose generation held no code", "k": k, "value": no_code,
+                              "ci_low": math.nan, "ci_high": math.nan, "n": len(passed)}], columns=COLUMNS)
     if generations.empty or not {"tp", "fp", "fn", "n_gold"} <= set(generations.columns):
         return pd.DataFrame(columns=COLUMNS)
     graded = generations[pd.to_numeric(generations["n_gold"], errors="coerce") > 0]

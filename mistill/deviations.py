@@ -445,6 +445,17 @@ CONVENTIONS: tuple[Convention, ...] = (
                "other candidates' own first tokens from the divergence on",
                "mistill.tasks.musique",
                "the paper names the answer-emission event and the official F1, not the inventory or line format"),
+    Convention("BigCodeBench through the stages", "App. P",
+               "prepare -P task=bigcodebench: the note is the problem's instruct prompt (no candidate list), its id "
+               "the task_id with '/' written '-'; each problem's API namings are its note's own candidates and its "
+               "prompt's imports its aliases; gold and answer are sets of API namings (the reference program's; "
+               "the last code block's), so set counts give the API F1; a problem whose reference names no API of "
+               "its libraries is left out; split_sizes deals the problems in the release's order; generate runs "
+               "each answer's code block and the problem's tests in the sandbox (pass@1); an event's competitors "
+               "are the alternative namings' own first tokens",
+               "mistill.tasks.bigcodebench.load_bigcodebench_corpus",
+               "the paper gives the task, the prompt's libraries and pass@1, not the prompt, the batches or how an "
+               "answer's namings are read"),
     Convention("MuSiQue-Ans through the stages", "App. O",
                "prepare -P task=musique: the prompt lists no candidates; the note is the passages in the release's "
                "order ('Passage i: title', then the text) and the question; each question's candidates are its "

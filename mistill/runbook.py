@@ -532,7 +532,7 @@ def estimate(work: Workload, figures: Figures) -> Estimate:
 
 ROLES: tuple[str, ...] = ("teacher", "student", "student_smollm3", "encoder", "las_model", "corpus",
                            "distill_corpus", "split_file", "flip_proposals", "flip_ledger", "eurlex_dataset",
-                           "eurlex_concepts", "eurlex_hierarchy", "musique_release")
+                           "eurlex_concepts", "eurlex_hierarchy", "bigcodebench_file", "musique_release")
 """The placeholders a step's ``params`` may hold (``{teacher}``): the models and data a reproduction
 is given (:class:`mistill.stages.reproduce.ReproduceConfig` has a field of each name)."""
 
@@ -638,6 +638,10 @@ class PaperCounts:
     programming pilot's assessment size), eurlex_fresh_acts: the fresh acts (100);
     eurlex_prompt_tokens: an act's prompt with its candidate list (**[recon]**: 4,000), its
     trace ``trace_tokens`` long.
+    code_rank_tasks, code_assess_tasks, code_fresh_tasks: BigCodeBench's ranking batch
+    (**[recon]**: 40, App. P does not size it), its assessment batch (40, the inputs of the
+    pilot's pre-check) and the fresh tasks (100); code_prompt_tokens: a problem's instruct prompt
+    (**[recon]**: 1,000).
     musique_splits: App. O's training, ranking, selection and evaluation questions (2,000, 102,
     1,203, 1,610); musique_prompt_tokens: a question's prompt, its 20 passages (**[recon]**:
     3,000); musique_trace_tokens: a MuSiQue-Ans trace (**[recon]**: 2,000; the cap is 16,384);
@@ -671,6 +675,10 @@ class PaperCounts:
     eurlex_assess_acts: int = 40
     eurlex_fresh_acts: int = 100
     eurlex_prompt_tokens: int = 4_000
+    code_rank_tasks: int = 40
+    code_assess_tasks: int = 40
+    code_fresh_tasks: int = 100
+    code_prompt_tokens: int = 1_000
     musique_splits: tuple[int, int, int, int] = (2_000, 102, 1_203, 1_610)
     musique_prompt_tokens: int = 3_000
     musique_trace_tokens: int = 2_000
@@ -971,6 +979,7 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
     steps += _evidence_flip_tree(c, release, generation)
     steps += _student_edit_tree(c, data)
     steps += _eurlex_tree(c)
+    steps += _bigcodebench_tree(c)
     steps += _musique_tree(c)
     steps.append(_step("report", "report", "report", Workload("none"),
                        after=tuple(s.name for s in steps if not s.experiment
@@ -978,10 +987,11 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
     return steps
 
 
-TRANSFER_TREES: tuple[str, ...] = ("EF", "ST", "EU", "MQ")
+TRANSFER_TREES: tuple[str, ...] = ("EF", "ST", "EU", "BC", "MQ")
 """The trees of the tests the paper ran after its main campaign (its ``REBUTTAL/`` and ``DT-005/``
 artifacts: App. N's evidence-flip test, EF, Table 22's trace edits on the students, ST, App. P's
-screen on EURLEX57K, EU, and App. O's public-task extension on MuSiQue-Ans, MQ), priced beside the
+screens on EURLEX57K, EU, and on BigCodeBench, BC, and App. O's public-task extension on
+MuSiQue-Ans, MQ), priced beside the
 main reproduction (the characterization and distillation trees) rather than inside its budget."""
 
 EURLEX_BATCHES: tuple[tuple[str, str, str], ...] = (
@@ -990,45 +1000,70 @@ EURLEX_BATCHES: tuple[tuple[str, str, str], ...] = (
 """(batch, split of the release, :class:`PaperCounts` size) of App. P's EURLEX57K screen: the
 development batch the teacher's heads are ranked on, the disjoint assessment batch, and the fresh
 acts; each batch the first acts of its split."""
+CODE_BATCHES: tuple[tuple[str, str, str], ...] = (
+    ("rank", "train", "code_rank_tasks"), ("assess", "val", "code_assess_tasks"), ("fresh", "test", "code_fresh_tasks"))
+"""(batch, split, :class:`PaperCounts` size) of App. P's BigCodeBench screen, dealt in the release's
+order (``prepare -P split_sizes``)."""
 EURLEX_PANEL: dict[str, str] = {"panel_top": "40", "panel_bottom": "40", "panel_random": "40"}
 """The read-back's panels (App. P): the ranked P2C top-40 against 40 random heads and the bottom-40."""
 
 
 def _eurlex_tree(c: PaperCounts) -> list[PlanStep]:
     """EU, Table 59 on EURLEX57K (App. P, R-D41): the release prepared with its EuroVoc candidate
-    lists (roles ``eurlex_dataset``, ``eurlex_concepts``, ``eurlex_hierarchy``), the teacher's
-    traces on each batch of :data:`EURLEX_BATCHES`, its events and attribution there; the
-    development batch's ranking frozen and knocked in (``knockin -P sets_run``) and read
-    (``read_side -P sets_run``, :data:`EURLEX_PANEL`) on the assessment batch and the fresh acts.
-    The release is not synthetic, so a synthetic corpus skips the tree (the stages run on the
-    project's EURLEX fixture in the suite)."""
-    total = c.eurlex_prompt_tokens + c.trace_tokens
+    lists (roles ``eurlex_dataset``, ``eurlex_concepts``, ``eurlex_hierarchy``) and screened over
+    :data:`EURLEX_BATCHES` (:func:`_screen_tree`)."""
     release = {"task": "eurlex57k", "corpus": "{eurlex_dataset}", "concepts_file": "{eurlex_concepts}",
                "hierarchy_file": "{eurlex_hierarchy}", "model": "{teacher}"}
-    steps = [_step("EU", "prepare", "prepare", Workload("none"), params=release, skip_synthetic=True)]
-    for batch, split, size in EURLEX_BATCHES:
-        acts = getattr(c, size)
+    return _screen_tree("EU", release, [(b, split, getattr(c, size)) for b, split, size in EURLEX_BATCHES],
+                        c.eurlex_prompt_tokens, c.trace_tokens)
+
+
+def _bigcodebench_tree(c: PaperCounts) -> list[PlanStep]:
+    """BC, Table 59 on BigCodeBench (App. P, R-D42): the release (role ``bigcodebench_file``) dealt
+    in file order into the ranking, assessment and fresh batches of :data:`CODE_BATCHES`
+    (``prepare -P split_sizes``) and screened over them (:func:`_screen_tree`); the fresh problems'
+    generations are run against their tests in the sandbox (pass@1, the native row)."""
+    batches = [(b, split, getattr(c, size)) for b, split, size in CODE_BATCHES]
+    release = {"task": "bigcodebench", "corpus": "{bigcodebench_file}", "model": "{teacher}",
+               "split_sizes": ",".join(str(n) for _, _, n in batches)}
+    return _screen_tree("BC", release, batches, c.code_prompt_tokens, c.trace_tokens)
+
+
+def _screen_tree(tree: str, release: Mapping[str, str], batches: Sequence[tuple[str, str, int]], prompt: int,
+                 trace: int) -> list[PlanStep]:
+    """App. P's screen of one label space: the release prepared (``release``: ``prepare``'s params),
+    the teacher's traces on each batch (``(batch, split, inputs)``; ``rank`` first), its events and
+    attribution there; the ranking batch's ranking frozen and knocked in (``knockin -P
+    sets_run``) and read (``read_side -P sets_run``, :data:`EURLEX_PANEL`) on the other batches;
+    and the tree's report. Its runs go to an experiment of the tree's own (the task's name), so
+    that its report reads them alone. The releases are not synthetic, so a synthetic corpus skips
+    the tree (the stages run on the project's fixtures of the releases in the suite)."""
+    total = prompt + trace
+    steps = [_step(tree, "prepare", "prepare", Workload("none"), params=release, skip_synthetic=True)]
+    for batch, split, inputs in batches:
         steps += [
-            _step("EU", f"generate_{batch}", "generate",
-                  Workload("generate", "qwen3-14b", acts, c.eurlex_prompt_tokens, c.trace_tokens),
-                  inputs={"prepare_run": "EU/prepare"},
-                  params={"model": "{teacher}", "split": split, "max_notes": str(acts)}, skip_synthetic=True),
-            _step("EU", f"events_{batch}", "events", Workload("targets", "qwen3-14b", acts, total),
-                  inputs={"prepare_run": f"EU/generate_{batch}"}, params={"model": "{teacher}", "split": split},
+            _step(tree, f"generate_{batch}", "generate", Workload("generate", "qwen3-14b", inputs, prompt, trace),
+                  inputs={"prepare_run": f"{tree}/prepare"},
+                  params={"model": "{teacher}", "split": split, "max_notes": str(inputs)}, skip_synthetic=True),
+            _step(tree, f"events_{batch}", "events", Workload("targets", "qwen3-14b", inputs, total),
+                  inputs={"prepare_run": f"{tree}/generate_{batch}"}, params={"model": "{teacher}", "split": split},
                   skip_synthetic=True),
-            _step("EU", f"attribute_{batch}", "attribute", Workload("characterize", "qwen3-14b", acts, total),
-                  inputs={"events_run": f"EU/events_{batch}"}, disk_gib=acts * 0.02, skip_synthetic=True),
+            _step(tree, f"attribute_{batch}", "attribute", Workload("characterize", "qwen3-14b", inputs, total),
+                  inputs={"events_run": f"{tree}/events_{batch}"}, disk_gib=inputs * 0.02, skip_synthetic=True),
         ]
         if batch == "rank":
             continue
-        frozen = {"attribute_run": f"EU/attribute_{batch}", "sets_run": "EU/attribute_rank"}
+        frozen = {"attribute_run": f"{tree}/attribute_{batch}", "sets_run": f"{tree}/attribute_rank"}
         steps += [  # the knock-in costed as a characterization of the batch (an upper bound)
-            _step("EU", f"knockin_{batch}", "knockin", Workload("characterize", "qwen3-14b", acts, total),
+            _step(tree, f"knockin_{batch}", "knockin", Workload("characterize", "qwen3-14b", inputs, total),
                   inputs=frozen, skip_synthetic=True),
-            _step("EU", f"read_side_{batch}", "read_side", Workload("read_side", "qwen3-14b", acts, total),
-                  inputs=frozen, params=EURLEX_PANEL, disk_gib=acts * 0.01, skip_synthetic=True),
+            _step(tree, f"read_side_{batch}", "read_side", Workload("read_side", "qwen3-14b", inputs, total),
+                  inputs=frozen, params=EURLEX_PANEL, disk_gib=inputs * 0.01, skip_synthetic=True),
         ]
-    return steps
+    steps.append(_step(tree, "report", "report", Workload("none"), skip_synthetic=True,
+                       after=tuple(s.name for s in steps if s.entry_point in ("knockin", "read_side"))))
+    return [dataclasses.replace(s, experiment=release["task"]) for s in steps]
+
 
 MUSIQUE_EXPERIMENT = "musique"
 """MQ's experiment suffix (:attr:`PlanStep.experiment`): its arms are the main trees' arm names on
@@ -1231,7 +1266,7 @@ def _evidence_flip_tree(c: PaperCounts, release: Mapping[str, str], generation) 
 RESULT_TREES: dict[str, tuple[str, ...]] = {"R-C7": ("HD-001", "HD-002"), "R-C14": ("instruction",),
                                             "R-D20": ("HD-001",), "R-D33": ("EF",), "R-D34": ("EF",),
                                             "R-D35": ("EF",), "R-D28": ("ST",), "R-D30": ("DT-000", "DT-001", "ST"),
-                                            "R-C9": ("DT-000", "DT-001"), "R-D41": ("EU",),
+                                            "R-C9": ("DT-000", "DT-001"), "R-D41": ("EU",), "R-D42": ("BC",),
                                             "R-D37": ("MQ",), "R-D38": ("MQ",)}
 """The trees a result reads where it is not its half's default (:func:`result_trees`)."""
 

@@ -33,13 +33,16 @@ def test_every_step_of_the_plan_builds_a_valid_config_from_the_roles(tmp_path):
     the runs of the steps it names and its roles are filled in (the EURLEX tree's from the
     project's fixture of the release); a Mistill arm waits for the selection's λ."""
     from mistill.tasks.eurlex import write_eurlex_fixture
+    from mistill.tasks.bigcodebench import write_bigcodebench_fixture
     from mistill.tasks.musique import write_musique_fixture
 
     release = write_eurlex_fixture(tmp_path / "eurlex")
     musique = write_musique_fixture(tmp_path / "musique")
+    code = write_bigcodebench_fixture(tmp_path / "bigcodebench")
     cfg = ReproduceConfig(**EMBEDDED, eurlex_dataset=str(release["dataset"]),
                           eurlex_concepts=str(release["concepts_file"]),
-                          eurlex_hierarchy=str(release["hierarchy_file"]), musique_release=str(musique["corpus"]))
+                          eurlex_hierarchy=str(release["hierarchy_file"]), musique_release=str(musique["corpus"]),
+                          bigcodebench_file=str(code["corpus"]))
     settings = load_settings(cfg.settings)
     plan = paper_plan()
     ids = {s.name: uuid.uuid4().hex for s in plan}
@@ -79,7 +82,10 @@ def test_every_step_of_the_plan_builds_a_valid_config_from_the_roles(tmp_path):
             assert (config.split, config.fidelity, config.arm) == ("test", False, "vanilla-bf16")
         if step.name == "MQ/own_heads_mistill_s1":  # ranked and read on the ranking questions
             assert (config.rank_split, config.test_split) == ("val", "val")
-        if step.entry_point == "prepare" and step.tree not in ("EU", "MQ"):  # they read the releases
+        if step.name == "BC/prepare":  # the ranking, assessment and fresh batches, in an experiment of its own
+            assert config.task == "bigcodebench" and config.split_sizes == (40, 40, 100)
+            assert config.corpus_name.endswith("-bigcodebench")
+        if step.entry_point == "prepare" and step.tree not in ("EU", "BC", "MQ"):  # they read the releases
             assert config.select_n == 0 and config.corpus == "synthetic"  # the smoke settings over the plan
         if step.name == "DT-001/train_qwen3-4b_low-lambda_s0":
             assert (config.overrides, resolve_arm(config.arm).lambda_p1) == ("", 0.03)  # its own λ

@@ -404,7 +404,8 @@ def test_the_tree_subtotals_sum_to_the_total(tmp_path):
     for figures in (Figures.load(), figures_file(tmp_path / "f.json", {**Figures.load().values, **VLLM_4B})):
         plan = paper_plan()
         trees = subtotals(plan, figures)
-        assert list(trees) == ["HD-001", "HD-002", "instruction", "DT-000", "DT-001", "EF", "ST", "EU", "MQ", "report"]
+        assert list(trees) == ["HD-001", "HD-002", "instruction", "DT-000", "DT-001", "EF", "ST", "EU", "BC", "MQ",
+                               "report"]
         estimates = [estimate(s.work, figures) for s in plan]
         total = sum(e.gpu_hours for e in estimates if e.gpu_hours is not None)
         assert sum(t.gpu_hours for t in trees.values()) == pytest.approx(total, rel=1e-12)
@@ -420,7 +421,7 @@ def test_the_tree_subtotals_sum_to_the_total(tmp_path):
         assert lines.index("GPU-hours by entry point:") > at + n
         assert f"{total:.1f} GPU-hours" in text
         transfer = sum(t.gpu_hours for name, t in trees.items() if name in TRANSFER_TREES)
-        assert f"of which the main reproduction {total - transfer:.1f} and the later tests (EF, ST, EU, MQ) " \
+        assert f"of which the main reproduction {total - transfer:.1f} and the later tests (EF, ST, EU, BC, MQ) " \
                f"{transfer:.1f}" in text
         by_entry = subtotals(plan, figures, "entry_point")
         assert sum(t.gpu_hours for t in by_entry.values()) == pytest.approx(total, rel=1e-12)

@@ -127,7 +127,7 @@ def build_note_data(note: Note, inventory: Inventory, tokenizer, events: Sequenc
     phase_events = [e for e in events if e.kind in PHASES]
     realized = realize_events(phase_events, full_text=inp.full_text, trace_offset=inp.trace_offset,
                               tokenizer=tokenizer, input_ids=inp.input_ids.tolist(), offsets=inp.offsets,
-                              codes=note_items(inventory, note), task=task_for(inventory))
+                              codes=note_items(inventory, note), task=task_for(inventory).for_note(note))
     return NoteData(note=note, inp=inp, axis=axis, base_map=base,
                     realized={r.event.event_id: r for r in realized}, inventory=inventory,
                     trace_start=first_trace_token(inp.offsets, inp.trace_offset))

@@ -89,7 +89,7 @@ def note_case(note: Note, inventory: Inventory, lm: LoadedModel, *, trace: str |
                     narrow_instruction=narrow_instruction, max_positions=max_positions)
 
     realized = phase_events(ni, note_items(inventory, note), lm.tokenizer, p2c_cap=p2c_cap, require_think=require_think,
-                            task=task_for(inventory))
+                            task=task_for(inventory).for_note(note))
     return NoteCase(note_id=note.note_id, inp=ni, realized=list(realized),
                     queries=event_queries(realized, ni.input_ids))
 

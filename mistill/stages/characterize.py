@@ -111,16 +111,16 @@ def run_events(cfg: EventsConfig) -> str:
         runner = Runner(lm, chunk_size=cfg.chunk_size)
         task = task_for(prepared.inventory)
         for note in note_loop(run, NOTES, notes, desc="events"):
-            codes = note_items(prepared.inventory, note)
+            codes, note_task = note_items(prepared.inventory, note), task.for_note(note)
             ni = note_input(note, prepared.inventory, lm.tokenizer,
                             **prepared.prompt_settings,
                             max_positions=model_positions(lm))
             events = extract_events(note.note_id, ni.trace, codes, tokenizer=lm.tokenizer, seed=cfg.seed,
-                                    task=task, **cfg.extraction())
+                                    task=note_task, **cfg.extraction())
             drops: Counter = Counter()
             realized = realize_events(events, full_text=ni.full_text, trace_offset=ni.trace_offset,
                                       tokenizer=lm.tokenizer, input_ids=ni.input_ids.tolist(),
-                                      offsets=ni.offsets, codes=codes, drops=drops, task=task)
+                                      offsets=ni.offsets, codes=codes, drops=drops, task=note_task)
             _, logits = runner.prefill(ni.input_ids, logits_at=torch.tensor([r.position for r in realized],
                                                                             dtype=torch.long))
             rows = []

@@ -187,7 +187,7 @@ def _readouts(cfg: EvaluateConfig, run, notes, prepared, lm, samples: dict, guar
             own_reasoning, _ = split_reasoning(gen.text)
             ppl, margins = teacher_forced_readouts(lm, ni, note_items(prepared.inventory, note),
                                                    first_trace_token(ni.offsets, ni.trace_offset),
-                                                   task=task)
+                                                   task=task.for_note(note))
             fid = {"ppl": ppl, "bleu4": bleu4(own_reasoning, teacher_reasoning)}
             if simulator is not None:
                 fid["las"] = float(las[note.note_id])

@@ -237,8 +237,14 @@ def run_generate(cfg: GenerateConfig) -> str:
 
         table = pd.DataFrame([{k: (" ".join(v) if k == "codes" else v) for k, v in r.items()
                                if k != "decoding"} for r in ordered])
-        counts = answer_counts(notes, ordered, task_for(inventory))
+        task = task_for(inventory)
+        counts = answer_counts(notes, ordered, task)
         table = pd.concat([table, counts], axis=1)
+        outcomes = task.execute_answers(notes, [traces[n.note_id] for n in notes]) if current_world().leader \
+            else None
+        if outcomes is not None:  # App. P: pass@1 from the sandboxed tests (a run of the leader only)
+            table["verdict"] = outcomes
+            table["passed"] = [int(o == "passed") for o in outcomes]
         run.log_table("generations", table)
         run.log_json("decoding.json", {**ordered[0]["decoding"], "seed_rule": "note_seed(seed, note_id)",
                                        "model": cfg.model, "thinking_template": thinking})
@@ -247,6 +253,9 @@ def run_generate(cfg: GenerateConfig) -> str:
         for key in ANSWER_SCORES:  # a free-text answer's scores, averaged over the notes
             if key in counts and len(counts):
                 metrics[key] = float(counts[key].mean())
+        if outcomes is not None:
+            metrics["pass_at_1"] = float(np.mean(table["passed"]))
+            metrics.update({f"verdict/{o}": float(n) for o, n in Counter(outcomes).items()})
         if len(graded):  # the model's own answers against the notes' gold (App. P: the teacher's native micro-F1)
             tp, fp, fn = (int(graded[k].sum()) for k in ("tp", "fp", "fn"))
             metrics["answer_micro_f1"] = prf_from_counts(tp, fp, fn)[2]

@@ -195,6 +195,7 @@ def run_key_block(cfg: KeyBlockConfig) -> str:
                                                           "control": ks.control} for _, h, ks in named]})
         phases = sorted({p for _, _, ks in named for p in ks.phases})  # none: every note records no row
         runner, hook = Runner(lm, chunk_size=cfg.chunk_size), HeadHook(g)
+        task = task_for(prepared.inventory)
         for note in note_loop(run, NOTES, notes, desc="key block"):
             codes = note_items(prepared.inventory, note)
             ni = prepared_note_input(prepared, note, lm.tokenizer)
@@ -202,7 +203,7 @@ def run_key_block(cfg: KeyBlockConfig) -> str:
             picked = [r for p in phases
                       for r in seeded_subset([r for r in realized if r.event.kind == p], cfg.max_events, cfg.seed,
                                              note.note_id, p)]
-            rows = block_note(runner, hook, ni, picked, named, codes, cfg, task_for(prepared.inventory)) \
+            rows = block_note(runner, hook, ni, picked, named, codes, cfg, task.for_note(note)) \
                 if picked else []
             run.write_note(NOTES, note.note_id, {"key_block.jsonl": "".join(dumps(r) + "\n" for r in rows)})
         if not notes_written(run, NOTES, notes):

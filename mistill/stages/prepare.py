@@ -27,6 +27,7 @@ from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE
                                    privacy_guard, save_prepared)
 from mistill.stages.registry import stage_help
 from mistill.tasks import INVENTORY_TASKS, prompt_wording
+from mistill.tasks.bigcodebench import load_bigcodebench_corpus
 from mistill.tasks.eurlex import load_eurlex_corpus
 from mistill.tasks.musique import load_musique_corpus
 from mistill.tasks.synthetic_catalog import make_catalog_corpus
@@ -69,13 +70,19 @@ class PrepareConfig(Config):
         ``musique`` (App. O): ``corpus`` is one of the MuSiQue-Ans release's JSONL files or a folder
         holding its train and dev files, ``traces_file`` optional teacher traces (JSONL ``id``,
         ``trace``); the prompt shows the passages and the question, and each question's
-        candidates are its own (:func:`mistill.tasks.musique.load_musique_corpus`). The prepared
-        inventory records the task; every later stage reads it there.
+        candidates are its own (:func:`mistill.tasks.musique.load_musique_corpus`); or
+        ``bigcodebench`` (App. P): ``corpus`` is the release's JSONL file, ``traces_file`` optional
+        teacher traces (JSONL ``task_id``, ``trace``); the prompt is the problem's instruct prompt
+        and each problem's API namings are its own
+        (:func:`mistill.tasks.bigcodebench.load_bigcodebench_corpus`). The prepared inventory
+        records the task; every later stage reads it there.
     split_sizes: task musique: the training, ranking (``val``), selection (``select``) and
         evaluation (``test``) question counts, dealt by base question group (App. O's locked design:
         ``2000,102,1203,1610``; the first three from the train file, the last from the dev file,
         the rest left out; 0 leaves a split empty); empty keeps every question (train file: train,
-        dev file: test).
+        dev file: test). Task bigcodebench: the ranking (``train``), assessment (``val``) and fresh
+        (``test``) problem counts, dealt in file order (the rest left out); empty: every problem a
+        test note.
 
     Files named by path (the corpus, ``codes_file``, ``split_file``, the EURLEX files; a corpus
     folder by its files) join the run's identity by content (:meth:`content_digests`): a file
@@ -141,26 +148,31 @@ class PrepareConfig(Config):
         check_choice(self.task, INVENTORY_TASKS, "task")
         if self.task == "catalog" and (self.corpus != "synthetic" or self.codes_file):
             fail(f"task {self.task}: its corpus is generated (corpus=synthetic, no codes_file)", "task")
-        eurlex, musique = self.task == "eurlex57k", self.task == "musique"
+        eurlex, musique, code = self.task == "eurlex57k", self.task == "musique", self.task == "bigcodebench"
         if eurlex and (self.corpus == "synthetic" or self.corpus.startswith(MIMIC_PREFIX) or self.codes_file):
             fail("task eurlex57k reads the release: corpus is its dataset folder (no codes_file)", "corpus")
-        if musique and (self.corpus == "synthetic" or self.corpus.startswith(MIMIC_PREFIX) or self.codes_file):
-            fail("task musique reads the release: corpus is its JSONL file or folder (no codes_file)", "corpus")
+        if (musique or code) and (self.corpus == "synthetic" or self.corpus.startswith(MIMIC_PREFIX)
+                                  or self.codes_file):
+            fail(f"task {self.task} reads the release: corpus is its JSONL file{' or folder' if musique else ''} "
+                 "(no codes_file)", "corpus")
         if eurlex:
             check_not_empty(self.concepts_file, "concepts_file", "the release's EURLEX57K.json")
         for name in ("concepts_file", "hierarchy_file", "traces_file"):
             check_path(getattr(self, name), name, "a file", allow_empty=True)
-            if name == "traces_file" and getattr(self, name) and not (eurlex or musique):
-                fail(f"{name} holds teacher traces of a release: task eurlex57k or musique only", name)
+            if name == "traces_file" and getattr(self, name) and not (eurlex or musique or code):
+                fail(f"{name} holds teacher traces of a release: task eurlex57k, musique or bigcodebench only",
+                     name)
             elif getattr(self, name) and not eurlex and name != "traces_file":
                 fail(f"{name} is a file of the EURLEX57K release: task eurlex57k only", name)
         check_at_least(self.candidates, 1, "candidates")
-        if self.split_sizes and not musique:
-            fail("split_sizes deals MuSiQue-Ans questions: task musique only", "split_sizes")
-        if self.split_sizes and (len(self.split_sizes) != 4 or min(self.split_sizes) < 0
+        if self.split_sizes and not (musique or code):
+            fail("split_sizes deals a release's records: task musique or bigcodebench only", "split_sizes")
+        n_sizes = 4 if musique else 3
+        if self.split_sizes and (len(self.split_sizes) != n_sizes or min(self.split_sizes) < 0
                                  or not sum(self.split_sizes)):
-            fail(f"split_sizes must be four counts (train, val, select, test; 0 leaves a split empty, not all), "
-                 f"not {self.split_sizes!r}", "split_sizes")
+            names = "train, val, select, test" if musique else "ranking, assessment, fresh"
+            fail(f"split_sizes must be {n_sizes} counts ({names}; 0 leaves a split empty, not all), not "
+                 f"{self.split_sizes!r}", "split_sizes")
         check_at_least(self.n_notes, 1, "n_notes")
         check_at_least(self.inventory_size, 1, "inventory_size")
         if len(self.codes_per_note) != 2 or not 1 <= self.codes_per_note[0] <= self.codes_per_note[1]:
@@ -193,6 +205,12 @@ def build_corpus(cfg: PrepareConfig) -> Corpus:
         corpus = load_eurlex_corpus(cfg.corpus, cfg.concepts_file, hierarchy_file=cfg.hierarchy_file,
                                     traces_file=cfg.traces_file, candidates=cfg.candidates, seed=cfg.seed, order_seed=cfg.order_seed,
                                     name=cfg.corpus_name or "eurlex57k", privacy=cfg.privacy)
+    elif cfg.task == "bigcodebench":
+        if not Path(cfg.corpus).is_file():
+            raise MistillInputError("BigCodeBench JSONL file not found", file=cfg.corpus, field="corpus")
+        corpus = load_bigcodebench_corpus(cfg.corpus, traces_file=cfg.traces_file, split_sizes=cfg.split_sizes,
+                                          order_seed=cfg.order_seed, name=cfg.corpus_name or "bigcodebench",
+                                          privacy=cfg.privacy)
     elif cfg.task == "musique":
         corpus = load_musique_corpus(cfg.corpus, traces_file=cfg.traces_file, order_seed=cfg.order_seed,
                                      split_sizes=cfg.split_sizes, name=cfg.corpus_name or "musique",

@@ -162,7 +162,7 @@ def run_read_side(cfg: ReadSideConfig) -> str:
                                                  **{g: [names[h] for h in hs] for g, hs in groups.items()}})
         task = task_for(prepared.inventory)
         for note in note_loop(run, NOTES, notes, desc="read side"):
-            codes = note_items(prepared.inventory, note)
+            codes, note_task = note_items(prepared.inventory, note), task.for_note(note)
             ni = prepared_note_input(prepared, note, lm.tokenizer)
             realized = [r for r in read_realized(ev.reader, note.note_id) if r.event.kind in PHASES]
             att = NoteAttribution.from_npz(att_reader.note_file(NOTES, note.note_id, "attribution.npz"),
@@ -178,7 +178,7 @@ def run_read_side(cfg: ReadSideConfig) -> str:
             n_eff = np.full((len(realized), len(panel)), np.nan)
             importance = np.full((len(realized), len(panel)), np.nan)
             for i, r in enumerate(realized):
-                cats = key_categories(axis, base, ni.prompt, ni.offsets, r, ni.trace, codes, task=task)
+                cats = key_categories(axis, base, ni.prompt, ni.offsets, r, ni.trace, codes, task=note_task)
                 m = read_measures(rows[i], cats, r.position)
                 shares[i], lift[i], n_eff[i] = m["shares"], m["region_lift"], m["n_eff"]
                 if r.event.event_id in row_of:

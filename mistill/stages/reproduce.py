@@ -67,7 +67,7 @@ STEP_TAG = "mistill.step."
 TAG_TREE = "mistill.tree"
 MODEL_ROLES = ("teacher", "student", "student_smollm3", "encoder", "las_model")
 DATA_ROLES = ("corpus", "distill_corpus", "split_file", "flip_proposals", "flip_ledger", "eurlex_dataset",
-              "eurlex_concepts", "eurlex_hierarchy", "musique_release")
+              "eurlex_concepts", "eurlex_hierarchy", "bigcodebench_file", "musique_release")
 OPTIONAL_ROLES = ("split_file",)
 """Roles a plan may leave empty (the release's own split column is then used)."""
 
@@ -90,8 +90,12 @@ class ReproduceConfig(Config):
     and ``ledger``); the synthetic corpus needs neither (its synthetic cases stand for them).
     eurlex_dataset, eurlex_concepts, eurlex_hierarchy: the EURLEX57K release's ``dataset/``
     folder, its ``EURLEX57K.json`` and a broader-concept file (App. P's screen, tree EU:
-    ``prepare``'s ``corpus``, ``concepts_file`` and ``hierarchy_file`` with ``task=eurlex57k``);
-    a synthetic corpus skips the tree.
+    ``prepare``'s ``corpus``, ``concepts_file`` and ``hierarchy_file`` with ``task=eurlex57k``;
+    its runs go to the experiment ``mistill/<corpus_name>-eurlex57k``, its own report there); a
+    synthetic corpus skips the tree.
+    bigcodebench_file: the BigCodeBench release's JSONL file (App. P's programming screen, tree BC:
+    ``prepare``'s ``corpus`` with ``task=bigcodebench``; experiment
+    ``mistill/<corpus_name>-bigcodebench``); a synthetic corpus skips the tree.
     musique_release: the folder holding the MuSiQue-Ans release's ``musique_ans_v1.0_train.jsonl``
     and ``musique_ans_v1.0_dev.jsonl`` (App. O, tree MQ: ``prepare``'s ``corpus`` with
     ``task=musique``; its runs go to the experiment ``mistill/<corpus_name>-musique``, its own
@@ -120,6 +124,7 @@ class ReproduceConfig(Config):
     eurlex_dataset: str = ""
     eurlex_concepts: str = ""
     eurlex_hierarchy: str = ""
+    bigcodebench_file: str = ""
     musique_release: str = ""
     corpus_name: str = ""
     privacy: str = "restricted"

@@ -21,7 +21,7 @@ from typing import Any
 from mistill.data.prompts import ICD10_WORDING, PromptWording
 from mistill.errors import MistillInputError
 from mistill.tasks.base import Task
-from mistill.tasks.bigcodebench import BigCodeBenchTask
+from mistill.tasks.bigcodebench import BIGCODEBENCH_WORDING, BigCodeBenchTask
 from mistill.tasks.eurlex import EURLEX_WORDING, EurlexTask
 from mistill.tasks.icd10 import ICD10Task
 from mistill.tasks.musique import MUSIQUE_WORDING, MuSiQueTask
@@ -44,8 +44,9 @@ def _eurlex(inventory: Any = None, **kw: Any) -> Task:
     return EurlexTask.from_inventory(inventory) if inventory is not None else EurlexTask(**kw)
 
 
-def _bigcodebench(**kw: Any) -> Task:
-    return BigCodeBenchTask(**kw)
+def _bigcodebench(inventory: Any = None, **kw: Any) -> Task:
+    # a prepared corpus's inventory holds every problem's namings; each note binds its own imports (for_note)
+    return BigCodeBenchTask(items=inventory.descriptions) if inventory is not None else BigCodeBenchTask(**kw)
 
 
 def _catalog(**kw: Any) -> Task:
@@ -67,16 +68,19 @@ def task(name: str, **kwargs: Any) -> Task:
     return _REGISTRY[name](**kwargs)
 
 
-INVENTORY_TASKS: tuple[str, ...] = ("icd10", "catalog", "eurlex57k", "musique")
+INVENTORY_TASKS: tuple[str, ...] = ("icd10", "catalog", "eurlex57k", "musique", "bigcodebench")
 """Tasks whose label space ``prepare`` builds as an :class:`~mistill.data.inventory.Inventory`: the
 ones the stages run on (``Inventory.task``). EURLEX57K's prompt lists each act's candidate list
 (:func:`mistill.tasks.eurlex.load_eurlex_corpus`); MuSiQue-Ans's lists none, each question's
-candidates being its note's own (:func:`mistill.tasks.musique.load_musique_corpus`)."""
+candidates being its note's own (:func:`mistill.tasks.musique.load_musique_corpus`); so does
+BigCodeBench's, each problem's API namings its own
+(:func:`mistill.tasks.bigcodebench.load_bigcodebench_corpus`)."""
 
-PER_NOTE_ITEMS: frozenset[str] = frozenset({"musique"})
+PER_NOTE_ITEMS: frozenset[str] = frozenset({"musique", "bigcodebench"})
 """Tasks whose events are extracted over each note's own candidates (``Note.shortlist``) rather
 than the whole inventory: the candidates of a MuSiQue question are its passages' titles and its
-answers, not every question's."""
+answers, a BigCodeBench problem's the API namings of its prompts and reference, not every
+question's or problem's."""
 
 
 def note_items(inventory: Any, note: Any) -> list[str]:
@@ -105,4 +109,4 @@ def prompt_wording(name: str) -> PromptWording:
     if name not in INVENTORY_TASKS:
         raise MistillInputError(f"task {name!r} has no prompt wording", field="task")
     return {"icd10": ICD10_WORDING, "catalog": CATALOG_WORDING, "eurlex57k": EURLEX_WORDING,
-            "musique": MUSIQUE_WORDING}[name]
+            "musique": MUSIQUE_WORDING, "bigcodebench": BIGCODEBENCH_WORDING}[name]

@@ -107,6 +107,11 @@ class Task(ABC):
     def related(self, a: str, b: str) -> bool:
         """Whether an earlier naming of ``b`` is a near-miss for a naming of ``a`` (P2C)."""
 
+    def for_note(self, note: object) -> "Task":
+        """The task as one note's events see it: itself, unless the task binds something of the
+        note (BigCodeBench: the imports of the problem's prompt as aliases)."""
+        return self
+
     @property
     def phases(self) -> tuple[str, ...]:
         """The decision phases the task's events can have, the pools a distillation builds: P1
@@ -150,6 +155,12 @@ class Task(ABC):
         def read(generation: str, capped: bool = False) -> Answer:
             return parse_answer(generation, index, capped=capped)
         return read
+
+    def execute_answers(self, notes: Sequence[object], generations: Sequence[str]) -> list[str] | None:
+        """The terminal outcome of running each generation's answer against its note's tests
+        (:data:`mistill.evaluation.sandbox.OUTCOMES`; BigCodeBench's pass@1), or None for a task
+        whose answers are not executed."""
+        return None
 
     set_valued: bool = True
     """Whether an answer is a set of items scored by set counts (micro-F1); False for a task whose

@@ -28,6 +28,9 @@ Choices the paper does not fix **[recon]**:
   everything they expose.
 * **Written forms**: a naming written through an alias (``np.mean``) gets events only where its
   characters are the item's (the attribute part, ``.mean``), by the extractor's rule.
+* **Tokens**: attribute names are identifiers a tokenizer keeps whole (``median``), so an event's
+  competitors are the alternative namings' own first tokens from the divergence on
+  (:attr:`BigCodeBenchTask.word_items`), as the paper's "trie-divergent tokens".
 * **Item-like spans** for NULL placement: every chain whose first name is an alias or a known
   top-level module, named or not.
 * **Answer**: the last fenced code block (```` ```python ````, ```` ```py ```` or a bare fence)
@@ -40,6 +43,22 @@ pass@1, the paper's native metric, executes each answer's code with the problem'
 the sandbox of :mod:`mistill.evaluation.sandbox` (:func:`execute`): the program is the answer's
 code block followed by the ``test`` field, as BigCodeBench runs it; an answer without a code
 block is a ``no_code`` verdict and counts as not passed.
+
+The stages read the release through :func:`load_bigcodebench_corpus` (``prepare -P
+task=bigcodebench``), with these further choices **[recon]**:
+
+* **Prompt**: no candidate list (:data:`BIGCODEBENCH_WORDING`); the note is the problem's
+  ``instruct_prompt`` (BigCodeBench-Instruct: the task in words, then the code to start from,
+  whose imports name the libraries). Its id is the ``task_id`` with ``/`` written ``-``.
+* **Candidates**: each problem's :attr:`BigCodeBenchProblem.items` are its note's own
+  (``shortlist``); a note's task is bound to the imports of its text (:meth:`BigCodeBenchTask.
+  for_note`). The inventory is the union of the problems' items.
+* **Gold and answer as sets**: the gold is the set of API namings of the reference program; a
+  generation's answer is the set of API namings of its last code block (its own imports resolving
+  aliases), so set counts give the API F1 and micro-F1 pools it. A problem whose reference names
+  no API of its libraries is left out (the corpus records how many).
+* **Batches**: ``split_sizes`` (ranking, assessment and fresh counts) deals the problems in file
+  order to ``train``, ``val`` and ``test``; without it every problem is a ``test`` note.
 """
 
 from __future__ import annotations
@@ -50,12 +69,21 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import json
+import random
+
+from mistill.data.corpus import Corpus, Note
+from mistill.data.inventory import Inventory
+from mistill.data.prompts import PromptWording
 from mistill.errors import MistillInputError
+from mistill.evaluation.parsing import Answer, degenerate_reason
 from mistill.evaluation.sandbox import SandboxLimits, Verdict, run_programs
-from mistill.tasks.base import Mention, Record, Span, Task, _merge, answer_part, jsonl_records, set_scores
+from mistill.tasks.base import (AnswerReader, Mention, Record, Span, Task, _merge, answer_part, jsonl_records,
+                                set_scores)
 
 __all__ = ["BigCodeBenchTask", "BigCodeBenchProblem", "load_bigcodebench", "import_aliases", "api_namings",
-           "last_code_block", "program", "execute"]
+           "last_code_block", "program", "execute", "BIGCODEBENCH_WORDING", "note_id_of",
+           "load_bigcodebench_corpus", "write_bigcodebench_fixture", "note_program"]
 
 _CHAIN = re.compile(r"(?<![\w.])[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
 _IMPORT = re.compile(r"^\s*import\s+(.+?)\s*(?:#.*)?$", re.MULTILINE)
@@ -194,6 +222,7 @@ class BigCodeBenchTask(Task):
 
     name = "bigcodebench"
     has_p1 = False
+    word_items = True  # attribute names are identifiers a tokenizer keeps whole: the alternatives' tokens compete
 
     def __init__(self, aliases: Mapping[str, str] | None = None, roots: Iterable[str] = (),
                  items: Mapping[str, str] | None = None) -> None:
@@ -214,6 +243,45 @@ class BigCodeBenchTask(Task):
                     out.append((resolved, m.start(), m.start() + n))
                     break
         return out
+
+    def for_note(self, note: object) -> "BigCodeBenchTask":
+        """Bound to one prepared problem: the imports of its prompt (the note's text) as aliases,
+        its candidates (``shortlist``) as the inventory."""
+        items = getattr(note, "shortlist", None) or ()
+        return BigCodeBenchTask(aliases=import_aliases(getattr(note, "text", "")), roots=self.roots,
+                                items={i: self.items.get(i, "") for i in items})
+
+    def answer_reader(self, codes: Collection[str]) -> AnswerReader:
+        """A generation's answer as the set of API namings of its last code block (the block's own
+        imports resolve its aliases; namings outside ``codes`` are counted, not kept); a
+        generation without a code block is valid but not parsed (reason ``no_code``)."""
+        known = frozenset(codes)
+        roots = self.roots | {c.split(".")[0] for c in known}
+
+        def read(generation: str, capped: bool = False) -> Answer:
+            def answer(found: tuple[str, ...], valid: bool, parsed: bool, reason: str, n_raw: int = 0,
+                       n_out: int = 0) -> Answer:
+                flag = degenerate_reason(found, capped)
+                return Answer(found, valid, parsed, reason, n_raw, n_out, 0, bool(flag), flag)
+
+            if capped:
+                return answer((), False, False, "capped")
+            part = answer_part(generation)
+            if part is None:
+                return answer((), False, False, "unclosed_think")
+            code = last_code_block(part)
+            if code is None:
+                return answer((), True, False, "no_code")
+            named = api_namings(code, {**self.aliases, **import_aliases(code)}, roots)
+            kept = tuple(sorted(n for n in named if n in known))
+            return answer(kept, True, True, "ok", len(named), len(named) - len(kept))
+        return read
+
+    def execute_answers(self, notes: Sequence[object], generations: Sequence[str]) -> list[str]:
+        """Each generation's code block and its prepared problem's tests run in the sandbox
+        (:func:`note_program`), one after another: the verdicts' outcomes, in order."""
+        programs = [(getattr(n, "note_id", ""), note_program(n, g)) for n, g in zip(notes, generations, strict=True)]
+        return [v.outcome for v in run_programs(programs)]
 
     def related(self, a: str, b: str) -> bool:
         """Same module, different attribute."""
@@ -263,3 +331,132 @@ def execute(problems: Sequence[BigCodeBenchProblem], generations: Mapping[str, s
     :func:`mistill.evaluation.sandbox.pass_at_1` of the result."""
     return run_programs(((p.task_id, program(p, generations[p.task_id]) if p.task_id in generations else None)
                          for p in problems), limits=limits)
+
+
+# ------------------------------------------------------------------------- through the stages
+
+BIGCODEBENCH_WORDING = PromptWording(
+    header="", shows_list=False,
+    summary_header="Here is the programming task:",
+    role_and_task=("You are an experienced Python programmer. Solve the task above with the libraries its code "
+                   "imports."),
+    narrow_sentence=("Narrow down first to the modules of those libraries that fit the task, then decide on the "
+                     "specific functions and attributes within them."),
+    answer="Give your final answer as one fenced python code block holding the whole program.")
+"""The prompt's sentences for a problem (**[recon]**: the paper gives the task, not its prompt)."""
+
+_BATCHES: tuple[str, ...] = ("train", "val", "test")
+
+
+def note_id_of(task_id: str) -> str:
+    """A problem's note id: its ``task_id`` with ``/`` written ``-`` (``BigCodeBench/13`` ->
+    ``BigCodeBench-13``; a note id names a folder)."""
+    return task_id.replace("/", "-")
+
+
+def note_program(note: Note, generation: str) -> str | None:
+    """The program the sandbox runs for a generation on a prepared problem: its last code block,
+    then the problem's tests (kept in the note's ``meta``); None without a code block."""
+    part = answer_part(generation)
+    code = last_code_block(part) if part is not None else None
+    if code is None or not code.strip():
+        return None
+    return f"{code}\n\n{note.meta.get('test', '')}\n"
+
+
+def load_bigcodebench_corpus(path: str | Path, *, traces_file: str | Path = "", split_sizes: Sequence[int] = (),
+                             order_seed: int = 0, name: str = "bigcodebench", privacy: str = "public") -> Corpus:
+    """BigCodeBench problems as a corpus (module docstring): one note per problem whose reference
+    names an API of its libraries (:func:`note_id_of`; its ``instruct_prompt`` as text; the
+    reference's API namings as gold; its items as ``shortlist``; its tests, entry point and
+    libraries in ``meta``), its trace from ``traces_file`` (JSONL rows ``{"task_id", "trace"}``)
+    when given. ``split_sizes`` (ranking, assessment, fresh) deals the problems in file order to
+    ``train``, ``val`` and ``test`` and leaves the rest out; empty makes every problem a ``test``
+    note. A trace for an unknown problem or a malformed record raises, naming the file, the
+    problem and the field."""
+    if split_sizes and (len(split_sizes) != 3 or min(split_sizes) < 0 or not sum(split_sizes)):
+        raise MistillInputError(f"split_sizes must be three counts (ranking, assessment, fresh), not "
+                                f"{tuple(split_sizes)!r}", field="split_sizes")
+    problems = load_bigcodebench(path)
+    traces: dict[str, str] = {}
+    if traces_file:
+        known = {p.task_id for p in problems}
+        for rec, tid in jsonl_records(traces_file, "task_id"):
+            if tid not in known:
+                raise MistillInputError("a trace for a problem the release does not hold", file=str(traces_file),
+                                        note=tid, field="task_id")
+            traces[tid] = rec.text("trace", allow_empty=False)
+    bounds = [sum(split_sizes[:i + 1]) for i in range(len(split_sizes))]
+    notes, items, left_out = [], {}, 0
+    for problem in problems:
+        gold = tuple(sorted(api_namings(problem.reference_code, problem.aliases, problem.roots)))
+        if not gold:
+            left_out += 1
+            continue
+        k = len(notes)
+        if split_sizes and k >= bounds[-1]:
+            break
+        split = _BATCHES[next(i for i, b in enumerate(bounds) if k < b)] if split_sizes else "test"
+        own = problem.items
+        items.update(own)
+        notes.append(Note(note_id=note_id_of(problem.task_id), patient_id=note_id_of(problem.task_id), split=split,
+                          text=problem.instruct_prompt, gold_codes=gold, teacher_trace=traces.get(problem.task_id),
+                          shortlist=tuple(own),
+                          meta={"source": "BigCodeBench", "task_id": problem.task_id, "test": problem.test,
+                                "entry_point": problem.entry_point, "libs": list(problem.libs)}))
+    if not notes:
+        raise MistillInputError("no problem whose reference names an API of its libraries", file=str(path),
+                                field="corpus")
+    codes = sorted(items)
+    random.Random(order_seed).shuffle(codes)
+    inventory = Inventory(codes=tuple(codes), descriptions=items, order_seed=order_seed, task="bigcodebench",
+                          source="BigCodeBench API namings (prompts and reference solutions)")
+    return Corpus(name=name, privacy=privacy, notes=notes, inventory=inventory,
+                  meta={"task": "bigcodebench", "left_out_without_api": left_out})
+
+
+_FIXTURE_TASKS: tuple[tuple[str, str, str, str], ...] = (
+    ("the square root of the sum of squares of a list", "math", "math.sqrt(sum(x * x for x in values))",
+     "self.assertAlmostEqual(task_func([3, 4]), 5.0)"),
+    ("the median of a list", "statistics", "statistics.median(values)",
+     "self.assertEqual(task_func([1, 5, 2]), 2)"),
+    ("the most common element of a list", "collections", "collections.Counter(values).most_common(1)[0][0]",
+     "self.assertEqual(task_func(['a', 'b', 'a']), 'a')"),
+    ("the product of a list", "math", "math.prod(values)", "self.assertEqual(task_func([2, 3, 4]), 24)"),
+    ("the population standard deviation of a list", "statistics", "statistics.pstdev(values)",
+     "self.assertAlmostEqual(task_func([1, 1, 1]), 0.0)"),
+    ("the mean of a list", "statistics", "statistics.mean(values)", "self.assertEqual(task_func([1, 2, 3]), 2)"),
+)
+_NEAR: Mapping[str, str] = {"math": "math.fsum", "statistics": "statistics.mode", "collections": "collections.deque"}
+
+
+def write_bigcodebench_fixture(folder: str | Path, *, n_problems: int = 8) -> dict[str, Path]:
+    """A small release of the project's own in BigCodeBench's layout under ``folder``: invented
+    problems on the standard library (their tests run in the sandbox without third-party
+    packages) in ``bigcodebench.jsonl``, and a scripted teacher trace per problem in
+    ``traces.jsonl`` (the module, a near-miss attribute of it, the chosen one, and a code block
+    that passes). Returns the paths by role (``corpus``, ``traces_file``)."""
+    root = Path(folder)
+    root.mkdir(parents=True, exist_ok=True)
+    rows, traces = [], []
+    for i in range(n_problems):
+        what, module, body, check = _FIXTURE_TASKS[i % len(_FIXTURE_TASKS)]
+        code_prompt = f"import {module}\n\ndef task_func(values):\n"
+        solution = f"    return {body}\n"
+        test = (f"import unittest\n\nclass TestCases(unittest.TestCase):\n    def test_case(self):\n"
+                f"        {check}\n")
+        task_id = f"BigCodeBench/{i}"
+        rows.append({"task_id": task_id, "libs": [module], "entry_point": "task_func", "test": test,
+                     "code_prompt": code_prompt, "canonical_solution": solution,
+                     "complete_prompt": f"{code_prompt}    \"\"\"Return {what} (compare {_NEAR[module]}).\"\"\"\n",
+                     "instruct_prompt": (f"Write a function that returns {what}.\nYou should write self-contained "
+                                         f"code starting with:\n```\n{code_prompt}```")})
+        api = re.findall(rf"{module}\.\w+", body)[0]
+        trace = (f"<think>The task asks for {what}. The standard module {module} has what is needed. "
+                 f"I could reach for {_NEAR[module]} here, but the task wants {api}, so the function returns "
+                 f"{api} over the values.</think>\n```python\n{code_prompt}{solution}```")
+        traces.append({"task_id": task_id, "trace": trace})
+    paths = {"corpus": root / "bigcodebench.jsonl", "traces_file": root / "traces.jsonl"}
+    paths["corpus"].write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    paths["traces_file"].write_text("".join(json.dumps(t) + "\n" for t in traces), encoding="utf-8")
+    return paths
