@@ -19,6 +19,7 @@ from mistill.errors import MistillInputError
 from mistill.stages.characterize import (AttributeConfig, EventsConfig, KnockinStageConfig, run_attribute, run_events,
                                          run_knockin)
 from mistill.stages.common import load_prepared
+from mistill.stages.evaluate import EvaluateConfig, run_evaluate
 from mistill.stages.generate import GenerateConfig, run_generate
 from mistill.stages.prepare import PrepareConfig, run_prepare
 from mistill.tasks import note_items, task_for
@@ -81,6 +82,11 @@ def test_rank_knock_in_frozen_sets_and_pass_at_1_of_the_fresh_problems(tracking_
     assert m["pass_at_1"] == 0.0 and m["verdict/no_code"] == 3.0
     table = pd.read_csv(client.download_artifacts(gen, "generations.csv", str(tmp_path / "g")))
     assert list(table["verdict"]) == ["no_code"] * 3
+    # a checkpoint's answers the same way: evaluate runs each against its problem's tests (the pilot's pass@1)
+    ev = run_evaluate(EvaluateConfig(prepare_run=prep, model=TINY, arm="teacher", split="test", max_new_tokens=8))
+    assert client.get_run(ev).data.metrics["pass_at_1"] == 0.0
+    per_note = pd.read_csv(client.download_artifacts(ev, "per_note_metrics.csv", str(tmp_path / "e")))
+    assert list(per_note["verdict"]) == ["no_code"] * 3 and list(per_note["passed"]) == [0] * 3
     native = native_table(table, n_resamples=50).set_index("statistic")
     assert native.loc["native pass@1 of the teacher's code (sandboxed tests)", "n"] == 3
     assert native.loc["inputs whose generation held no code", "value"] == 3

@@ -6,7 +6,9 @@ trace: teacher-trace perplexity, M1 margins at the teacher's events (realized in
 tokenizer), BLEU-4 of this model's reasoning against the teacher's, and LAS when a simulator run
 is given. Aggregated: ``metrics.json`` (and MLflow metrics) with task metrics, valid / cap /
 degenerate rates, mean generated tokens, fidelity (PPL median over notes, BLEU-4 and LAS means
-over notes) and M1 per event kind; ``per_note_metrics`` and ``predictions.jsonl`` (codes and flags),
+over notes) and M1 per event kind, a free-text task's answer EM and F1 (MuSiQue-Ans), an executed
+task's pass@1 (BigCodeBench: each answer's code run against its note's tests in the sandbox, the
+``verdict`` per note); ``per_note_metrics`` and ``predictions.jsonl`` (codes and flags),
 both also MLflow tables (``per_note_metrics.json``, ``predictions.json``: ``mlflow.load_table``
 reads them, the UI shows them as tables). The run links what it scored: a train run's checkpoint
 is its model input (the checkpoint's logged model, listed under the run page's "Logged models"),
@@ -180,6 +182,9 @@ def _readouts(cfg: EvaluateConfig, run, notes, prepared, lm, samples: dict, guar
     for note in track(notes, desc=progress_label(f"evaluate {arm}: read"), total=len(notes)):
         gen = samples[note.note_id]
         files: dict = {"prediction.json": generation_record(note, gen, read)}
+        outcome = task.execute_answers([note], [gen.text])  # App. P: the answer run against the note's tests
+        if outcome is not None:
+            files["prediction.json"]["verdict"] = outcome[0]
         ni = note_input(note, prepared.inventory, lm.tokenizer,
                         **prepared.prompt_settings, max_positions=model_positions(lm))
         if cfg.fidelity:
@@ -223,6 +228,10 @@ def _aggregate(run, notes, prepared, cfg: EvaluateConfig) -> tuple[dict, pd.Data
                             note_ids=[n.note_id for n in notes], **kw)
     df = pd.DataFrame(rows)
     df.insert(1, "micro_f1", df["f1"])
+    if any("verdict" in p for p in preds):  # executed answers (BigCodeBench): pass@1 over every note
+        df["verdict"] = [p.get("verdict", "") for p in preds]
+        df["passed"] = (df["verdict"] == "passed").astype(int)
+        metrics["pass_at_1"] = float(df["passed"].mean())
     task = task_for(prepared.inventory)
     if not task.set_valued:  # a free-text answer (MuSiQue-Ans): its exact match and F1, macro over notes
         scores = [task.metric(g, p) for g, p in zip(gold, pred, strict=True)]
