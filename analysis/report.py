@@ -65,7 +65,7 @@ reading aid only, like :data:`MIN_TEST_NOTES`."""
 
 _KEYS: dict[str, tuple[str, ...]] = {"knockin": ("model",), "evaluate": query.RUN_KEY,
                                      "own_heads": query.RUN_KEY,
-                                     "select_lambda": query.RUN_KEY}
+                                     "select_lambda": (*query.RUN_KEY, "params.lock")}
 _ARMED = ("evaluate", "own_heads")  # stages whose runs the ``arms`` filter applies to
 
 
@@ -84,8 +84,9 @@ def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str]
     ``knockin_compared`` of :attr:`ReportInputs.extra`; :func:`compared_runs`)."""
     keep = tuple(dict.fromkeys([*arms, reference_arm, tables.TEACHER_ARM,
                                 tables.UNTRAINED_ARM])) if arms else ()
-    runs = {"select_lambda": query.latest_runs(query.stage_runs(client, experiment,
-                                                                "select_lambda"),
+    # a selection is its lock's: App. M.2's matched selection of Mistill stands beside App. I.3's
+    runs = {"select_lambda": query.latest_runs(query.stage_runs(client, experiment, "select_lambda",
+                                                                params=("lock",)),
                                                _KEYS["select_lambda"])}
     train_all = query.stage_runs(client, experiment, "train", params=("train_notes",))
     cell_train = set(cell_train_runs(_selection_cells(runs["select_lambda"]), train_all))

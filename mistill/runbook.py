@@ -978,6 +978,7 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
                        after=(f"DT-001/own_heads_{run}",), skip_synthetic=True))
     steps += _evidence_flip_tree(c, release, generation)
     steps += _student_edit_tree(c, data)
+    steps += _matched_tree(c)
     steps += _eurlex_tree(c)
     steps += _bigcodebench_tree(c)
     steps += _musique_tree(c)
@@ -987,9 +988,10 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
     return steps
 
 
-TRANSFER_TREES: tuple[str, ...] = ("EF", "ST", "EU", "BC", "MQ")
+TRANSFER_TREES: tuple[str, ...] = ("EF", "ST", "M2", "EU", "BC", "MQ")
 """The trees of the tests the paper ran after its main campaign (its ``REBUTTAL/`` and ``DT-005/``
-artifacts: App. N's evidence-flip test, EF, Table 22's trace edits on the students, ST, App. P's
+artifacts: App. N's evidence-flip test, EF, Table 22's trace edits on the students, ST, App.
+M.2's matched selection, M2, App. P's
 screens on EURLEX57K, EU, and on BigCodeBench, BC, and App. O's public-task extension on
 MuSiQue-Ans, MQ), priced beside the
 main reproduction (the characterization and distillation trees) rather than inside its budget."""
@@ -1006,6 +1008,45 @@ CODE_BATCHES: tuple[tuple[str, str, str], ...] = (
 order (``prepare -P split_sizes``)."""
 EURLEX_PANEL: dict[str, str] = {"panel_top": "40", "panel_bottom": "40", "panel_random": "40"}
 """The read-back's panels (App. P): the ranked P2C top-40 against 40 random heads and the bottom-40."""
+
+
+MATCHED_FAMILIES: tuple[tuple[str, str], ...] = (("mistill", "m2-mistill"), ("randheads", "m2-randheads"))
+"""App. M.2's two families: (the lock's arm, the arm its picks are trained and read under, whose
+name keeps them beside the main arms in the arm tables)."""
+
+
+def _matched_tree(c: PaperCounts) -> list[PlanStep]:
+    """M2, App. M.2's matched selection (R-D31, R-D32; Table 52): on DT-000's corpus, targets and
+    the student's ranking, the λ selection of Mistill and of RandHeads on the frozen pool 0 under
+    one protocol (locks ``m2-matched-mistill`` and ``m2-matched-randheads``: three grid cells and
+    one outward cell each, full trainings), then three seeds of each family at its pick, each
+    evaluated on the test notes and read on its own heads. The picks train as the arms
+    ``m2-mistill`` and ``m2-randheads`` (:data:`MATCHED_FAMILIES`)."""
+    data, short, trace = "DT-000/generate", c.shortlist_tokens, c.trace_tokens
+    cell = c.micro_steps(c.train_notes)
+    ranking = {"student_attribute_run": "DT-000/student_attribute_qwen3-4b:attribute"}
+    steps = []
+    for family, arm in MATCHED_FAMILIES:
+        selection = f"select_lambda_{family}"
+        steps.append(_step("M2", selection, "select_lambda", Workload("train_mistill", "qwen3-4b", 4 * cell, short),
+                           inputs={"prepare_run": data, "targets_run": "DT-000/targets", **ranking},
+                           params={"lock": f"projects/configs/locks/m2-matched-{family}.yaml",
+                                   "student": "{student}"}, disk_gib=4 * 8.0))
+        for seed in range(3):
+            run = f"qwen3-4b_{arm}_s{seed}"
+            steps += [
+                _step("M2", f"train_{run}", "train", Workload("train_mistill", "qwen3-4b", cell, short),
+                      inputs={"targets_run": "DT-000/targets", **ranking}, after=(f"M2/{selection}",),
+                      params={"arm": arm, "seed": str(seed), "student": "{student}"}, disk_gib=8.0),
+                _step("M2", f"evaluate_{run}", "evaluate",
+                      Workload("evaluate", "qwen3-4b", c.test_notes, short - trace, trace, predictions=c.test_notes),
+                      inputs={"prepare_run": data, "las_run": "DT-000/las_simulator", "train_run": f"M2/train_{run}"},
+                      params={"arm": arm, "split": "test"}),
+                _step("M2", f"own_heads_{run}", "own_heads",
+                      Workload("own_heads", "qwen3-4b", c.test_notes, short, trace, sampler="qwen3-4b"),
+                      inputs={"prepare_run": data, "train_run": f"M2/train_{run}"}),
+            ]
+    return steps
 
 
 def _eurlex_tree(c: PaperCounts) -> list[PlanStep]:
@@ -1267,7 +1308,8 @@ RESULT_TREES: dict[str, tuple[str, ...]] = {"R-C7": ("HD-001", "HD-002"), "R-C14
                                             "R-D20": ("HD-001",), "R-D33": ("EF",), "R-D34": ("EF",),
                                             "R-D35": ("EF",), "R-D28": ("ST",), "R-D30": ("DT-000", "DT-001", "ST"),
                                             "R-C9": ("DT-000", "DT-001"), "R-D41": ("EU",), "R-D42": ("BC",),
-                                            "R-D37": ("MQ",), "R-D38": ("MQ",)}
+                                            "R-D37": ("MQ",), "R-D38": ("MQ",),
+                                            "R-D31": ("M2",), "R-D32": ("M2",)}
 """The trees a result reads where it is not its half's default (:func:`result_trees`)."""
 
 

@@ -8,6 +8,7 @@ picks under the 0.004 and 0.005 bands); the other values are illustrative."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from mlflow.tracking import MlflowClient
 from stage_fixtures import unique
 
 from analysis.report import build_report, collect_inputs
+from mistill.config import Config
 from mistill.distill.arms import resolve_arm
 from mistill.instrument.settables import to_latex, to_markdown
 from selection.cells import Cell, CellResult
@@ -228,3 +230,23 @@ def test_the_paired_rows_are_note_clustered_seed_pair_means(matched):
         f"{k40['mean_diff']:+.3f} [{k40['ci_low']:+.3f}, {k40['ci_high']:+.3f}]"
     shown = shown.reset_index()
     assert "mistill − randheads" in to_latex(shown) and "corpus micro-F1" in to_markdown(shown)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SelectionConfig(Config):
+    arm: str = ""
+    seed: int = 0
+    lock: str = ""
+
+
+def test_a_selection_is_its_locks_two_of_one_arm_and_seed_both_reach_the_report(tracking_uri, tmp_path):
+    """App. I.3's selection and App. M.2's matched one are both Mistill at seed 0: the report keeps
+    one run per lock (the newest of each), not one per arm and seed."""
+    corpus = unique("two-locks")
+    locks = ("projects/configs/locks/i3-bf16-selection.yaml", "projects/configs/locks/m2-matched-mistill.yaml")
+    made = [make_run(tracking_uri, corpus, "select_lambda", tmp_path, arm="mistill", seed=0, precision="bf16",
+                     cfg=_SelectionConfig(arm="mistill", seed=0, lock=lock)) for lock in (*locks, locks[0])]
+    inputs = collect_inputs(MlflowClient(), f"mistill/{corpus}")
+    kept = inputs.runs["select_lambda"]
+    assert sorted(kept["run_id"]) == sorted(made[1:])  # the newer run of the repeated lock, and the other lock's
+    assert set(kept["params.lock"]) == set(locks)

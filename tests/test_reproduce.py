@@ -48,7 +48,7 @@ def test_every_step_of_the_plan_builds_a_valid_config_from_the_roles(tmp_path):
     ids = {s.name: uuid.uuid4().hex for s in plan}
     ids.update({f"{s.name}:{n}": uuid.uuid4().hex for s in plan for n in ("events", "attribute", "knockin")})
     for selection in ("DT-001/select_lambda", "DT-001/select_lambda_fp32", "MQ/select_lambda_mistill",
-                      "MQ/select_lambda_randheads"):
+                      "MQ/select_lambda_randheads", "M2/select_lambda_mistill", "M2/select_lambda_randheads"):
         del ids[selection]
     assert missing_roles(plan, cfg) == []
     for step in plan:

@@ -104,6 +104,12 @@ APP_Q_RUNS: dict[str, list[str]] = {
     "R-D30": (trained(Q4B, "mistill-fp32", 3) + trained(Q4B, "vanilla-fp32", 3, tree="DT-000")
               + edited(f"{Q4B}_mistill-fp32_s0") + [n for s in range(3) for n in edited(f"{Q4B}_vanilla-fp32_s{s}")]),
     "R-D36": trained(SMOL, "mistill", 3),
+    # App. M.2: both families' matched selections on DT-000's inputs, three seeds of each pick
+    "R-D31": (["M2/select_lambda_mistill", "M2/select_lambda_randheads"] + trained(Q4B, "m2-mistill", 3, tree="M2")
+              + trained(Q4B, "m2-randheads", 3, tree="M2")),
+    "R-D32": (["M2/select_lambda_mistill", "M2/select_lambda_randheads"]
+              + trained(Q4B, "m2-mistill", 3, tree="M2", own_heads=False)
+              + trained(Q4B, "m2-randheads", 3, tree="M2", own_heads=False)),
     # App. O: the teacher's traces and ranking, the student's ranking, each family's selection, three
     # seeds of each arm read on their own heads, and the untrained student's own heads
     "R-D37": (["MQ/prepare_traced", "MQ/generate", "MQ/teacher_attribute", "MQ/targets", "MQ/student_attribute",
@@ -114,7 +120,9 @@ APP_Q_RUNS: dict[str, list[str]] = {
 
 LAMBDA_SOURCE: dict[str, str | None] = {"mistill": BF16_SELECTION, "mistill-fp32": FP32_SELECTION,
                                         "mistill-fp32-bf16-lambda": BF16_SELECTION, "low-lambda": None,
-                                        "randheads": BF16_SELECTION, "write-term": BF16_SELECTION}
+                                        "randheads": BF16_SELECTION, "write-term": BF16_SELECTION,
+                                        "m2-mistill": "M2/select_lambda_mistill",
+                                        "m2-randheads": "M2/select_lambda_randheads"}
 """The selection whose pick each arm trains at (None: the arm file's own λ; App. I.3, I.4, M.1)."""
 
 ENTRIES = {e.id: e for e in load()}
