@@ -39,8 +39,8 @@ from mistill.io import iter_jsonl
 AnswerReader = Callable[..., Answer]
 """``reader(generation, capped=False) -> Answer``: how the stages read a generation's answer."""
 
-__all__ = ["Task", "AnswerReader", "Span", "Mention", "Record", "record_id", "whole_word_mentions", "set_scores", "answer_part",
-           "THINK_CLOSE"]
+__all__ = ["Task", "AnswerReader", "Span", "Mention", "Record", "record_id", "whole_word_mentions", "set_scores",
+           "answer_part", "THINK_CLOSE"]
 
 Span = tuple[int, int]
 Mention = tuple[str, int, int]

@@ -26,7 +26,8 @@ Choices the paper does not fix **[recon]**:
   once its prefix leaves every candidate). The first character is a P2 candidate like any
   other. Answers are written in words (:attr:`MuSiQueTask.word_items`): in a tokenizer, an
   event's competitors are the alternative candidates' own first tokens from the divergence on,
-  as the paper's "every token of the emitted answer at which a candidate answer first diverges". An abstaining answer (empty, ``unanswerable``, ``unknown``, ``none``, ``n/a``, ``no
+  as the paper's "every token of the emitted answer at which a candidate answer first
+  diverges". An abstaining answer (empty, ``unanswerable``, ``unknown``, ``none``, ``n/a``, ``no
   answer``, ``cannot be determined``) has no event. :meth:`MuSiQueTask.related` is always false:
   no P2C events (the paper's contrastive event was a diagnostic, validated on 6 of 25).
 * **Fields**: ``answer_aliases`` may be absent (no aliases) and ``answerable`` may be absent
@@ -74,7 +75,8 @@ from mistill.data.inventory import Inventory
 from mistill.data.prompts import PromptWording
 from mistill.errors import MistillInputError
 from mistill.evaluation.parsing import Answer, degenerate_reason
-from mistill.tasks.base import AnswerReader, Mention, Record, Span, Task, _merge, answer_part, jsonl_records, whole_word_mentions
+from mistill.tasks.base import (AnswerReader, Mention, Record, Span, Task, _merge, answer_part, jsonl_records,
+                                whole_word_mentions)
 
 __all__ = ["MuSiQueTask", "MuSiQueQuestion", "Paragraph", "load_musique", "normalize_answer",
            "answer_em", "answer_f1", "ABSTAIN", "MUSIQUE_WORDING", "question_group", "question_text",
