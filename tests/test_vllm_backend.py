@@ -280,7 +280,7 @@ def test_evaluate_with_vllm_resumes_and_predicts_as_hf(engines, prepared, hf_gre
     flags, token counts) are those of HF's generations."""
     import mistill.stages.evaluate as ev
     from mistill.evaluation.generation import generation_record
-    from mistill.evaluation.parsing import CodeIndex
+    from mistill.tasks import task_for
 
     prep, p, _ = prepared
     monkeypatch.setenv("MISTILL_ROOT", str(tmp_path))
@@ -295,11 +295,11 @@ def test_evaluate_with_vllm_resumes_and_predicts_as_hf(engines, prepared, hf_gre
     monkeypatch.setattr(VLLMBackend, "generate_ids", counting)
     read: list[str] = []
 
-    def interrupted(note, gen, index):
+    def interrupted(note, gen, reader):
         read.append(note.note_id)
         if len(read) == 3:
             raise KeyboardInterrupt("interrupted at the third note")
-        return generation_record(note, gen, index)
+        return generation_record(note, gen, reader)
     monkeypatch.setattr(ev, "generation_record", interrupted)
     with pytest.raises(KeyboardInterrupt):
         ev.run_evaluate(cfg)
@@ -315,10 +315,10 @@ def test_evaluate_with_vllm_resumes_and_predicts_as_hf(engines, prepared, hf_gre
 
     path = client.download_artifacts(run_id, "predictions.jsonl", str(tmp_path))
     got = [json.loads(line) for line in open(path).read().splitlines()]
-    index = CodeIndex(p.inventory.codes)
+    reader = task_for(p.inventory).answer_reader(p.inventory.codes)
     decoding = DecodingConfig(top_k=1, max_new_tokens=GREEDY_TOKENS)
     for pred, note, gen in zip(got, p.corpus.notes, hf_greedy, strict=True):
-        want = generation_record(note, gen, index)
+        want = generation_record(note, gen, reader)
         assert {k: v for k, v in pred.items() if k != "seed"} == \
             {k: want[k] for k in pred if k != "seed"}
         assert pred["seed"] == note_seed(decoding, note.note_id)
