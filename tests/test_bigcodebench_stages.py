@@ -19,6 +19,7 @@ from mistill.errors import MistillInputError
 from mistill.stages.characterize import (AttributeConfig, EventsConfig, KnockinStageConfig, run_attribute, run_events,
                                          run_knockin)
 from mistill.stages.common import load_prepared
+from mistill.stages.distill import TargetsConfig, run_targets
 from mistill.stages.evaluate import EvaluateConfig, run_evaluate
 from mistill.stages.generate import GenerateConfig, run_generate
 from mistill.stages.prepare import PrepareConfig, run_prepare
@@ -76,6 +77,15 @@ def test_rank_knock_in_frozen_sets_and_pass_at_1_of_the_fresh_problems(tracking_
     rows = pd.read_csv(client.download_artifacts(fresh, "per_note_sets.csv", str(tmp_path / "dl")),
                        dtype={"note_id": str})
     assert {"global", "random"} <= set(rows["set"]) and "P2C" in set(rows["phase"])
+    # the pilot's targets: read on one batch's traces, pooled over the ranking frozen on another
+    targets = run_targets(TargetsConfig(teacher_attribute_run=ranked["test"], sets_run=ranked["train"], split="test",
+                                        pool_k=2))
+    assert client.get_run(targets).data.tags["mistill.input.sets"] == ranked["train"]
+    pools = json.loads(open(client.download_artifacts(targets, "teacher_pools.json", str(tmp_path / "t"))).read())
+    frozen = json.loads(open(client.download_artifacts(ranked["train"], "head_sets.json", str(tmp_path / "h"))).read())
+    assert set(pools) == {"P2", "P2C"}  # the task's phases: no region-level decision
+    for phase in ("P2", "P2C"):
+        assert set(pools[phase]["head_names"]) == set(frozen[phase]["ranking"][:2]), phase
     # the native row: the model's code run against each fresh problem's tests (a random model writes none)
     gen = run_generate(GenerateConfig(prepare_run=prep, model=TINY, split="test", max_new_tokens=8))
     m = client.get_run(gen).data.metrics

@@ -53,7 +53,7 @@ from mistill.instrument.events import Event
 from mistill.io import npz_bytes
 from mistill.params import PoolParams, ProbeParams, RecipeParams
 from mistill.progress import track
-from mistill.stages.characterize import NOTES, events_input
+from mistill.stages.characterize import NOTES, check_ranked_heads, events_input, ranking_sets
 from mistill.stages.common import (RunReader, load_model, load_tokenizer, make_backend, prepared_note_input,
                                    require_notes)
 from mistill.stages.runner import note_loop, notes_written, open_stage, stage_device
@@ -116,10 +116,15 @@ class TargetsConfig(Config, PoolParams):
         I.1); **[recon]** when empty the window rows are pooled over the P1 emission set and the
         run is tagged ``mistill.deviation`` (the paper has no such fallback).
     window: rows before each P1 event (>= 0); top_k: next-token entries kept per row (>= 1).
+    sets_run: another ``attribute`` run of the teacher whose rankings give its pools (empty:
+        ``teacher_attribute_run``'s own): a ranking frozen on other inputs (App. P's pilot ranks
+        the teacher on the screen's development batches and reads its targets on the training
+        problems' traces).
     """
 
     teacher_attribute_run: str = ""
     locus_run: str = ""
+    sets_run: str = ""
     split: str = "train"
     window: int = 8
     top_k: int = 32
@@ -130,6 +135,7 @@ class TargetsConfig(Config, PoolParams):
         check_no_text_fields(self)
         check_run_id(self.teacher_attribute_run, "teacher_attribute_run")
         check_run_id(self.locus_run, "locus_run")
+        check_run_id(self.sets_run, "sets_run")
         check_name(self.split, "split", "a split", allow_empty=True)
         check_non_negative(self.window, "window", "0: no window rows")
         check_positive(self.top_k, "top_k")
@@ -156,13 +162,16 @@ def run_targets(cfg: TargetsConfig) -> str:
     ev = events_input(att.config["events_run"])
     prepared = ev.prepared
     notes = require_notes([n for n in ev.notes if not cfg.split or n.split == cfg.split], cfg.split, prepared)
-    inputs = {"teacher_attribute": cfg.teacher_attribute_run, **({"locus": cfg.locus_run} if cfg.locus_run else {})}
+    inputs = {"teacher_attribute": cfg.teacher_attribute_run, **({"locus": cfg.locus_run} if cfg.locus_run else {}),
+              **({"sets": cfg.sets_run} if cfg.sets_run else {})}
     with open_stage("targets", cfg, prepared, inputs=inputs, model=ev.model) as run:
         if run.reused:
             return run.run_id
         guard = run.guard
         lm = load_model(ev.model, dtype=cfg.dtype, device=stage_device(cfg.device))
-        head_sets = json.loads(att.file("head_sets.json").read_text())
+        head_sets = ranking_sets(cfg.teacher_attribute_run, cfg.sets_run)
+        if cfg.sets_run:
+            check_ranked_heads(head_sets, lm.geometry.head_names(), "sets_run")
         window_sets = prose_time_sets(cfg.locus_run) if cfg.locus_run else None
         pools = model_pools(head_sets, lm.geometry.head_names(), k=cfg.pool_k, window_head_sets=window_sets,
                             phases=task_for(prepared.inventory).phases)

@@ -156,9 +156,11 @@ _TABLE = (
            "the forcing probe's locus per chapter mention, the prose-time set, passes A/B, "
            "follow-through and residual swap", shardable=True),
     _Entry("targets", "mistill.stages.distill", "TargetsConfig", "run_targets",
-           {"teacher_attribute": "teacher_attribute_run", "locus": "locus_run"},
-           "the teacher's targets on the training notes: top-32, pooled bucket rows, m and c",
-           optional=frozenset({"locus"}), sources={"teacher_attribute": "attribute"}, shardable=True),
+           {"teacher_attribute": "teacher_attribute_run", "locus": "locus_run", "sets": "sets_run"},
+           "the teacher's targets on the training notes: top-32, pooled bucket rows, m and c (pools from "
+           "another attribute run's ranking with sets_run)",
+           optional=frozenset({"locus", "sets"}), sources={"teacher_attribute": "attribute", "sets": "attribute"},
+           shardable=True),
     _Entry("train", "mistill.stages.distill", "TrainStageConfig", "run_train",
            {"targets": "targets_run", "student_attribute": "student_attribute_run"},
            "one arm at one seed with the shared recipe; the checkpoint registered per arm and seed",
