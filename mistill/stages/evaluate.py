@@ -60,6 +60,7 @@ from mistill.progress import track
 from mistill.stages.characterize import stage_notes
 from mistill.stages.common import (link_subject, load_model, load_prepared, load_tokenizer, model_positions,
                                    note_input, readout_subject, sample_then_load)
+from mistill.stages.generate import ANSWER_SCORES, answer_counts
 from mistill.stages.las import load_simulator
 from mistill.stages.runner import notes_written, open_stage, pending_notes, progress_label, stage_device
 from mistill.tasks import note_items, task_for
@@ -234,10 +235,10 @@ def _aggregate(run, notes, prepared, cfg: EvaluateConfig) -> tuple[dict, pd.Data
         metrics["pass_at_1"] = float(df["passed"].mean())
     task = task_for(prepared.inventory)
     if not task.set_valued:  # a free-text answer (MuSiQue-Ans): its exact match and F1, macro over notes
-        scores = [task.metric(g, p) for g, p in zip(gold, pred, strict=True)]
-        for key in ("em", "f1"):
-            df[f"answer_{key}"] = [s[key] for s in scores]
-            metrics[f"answer_{key}"] = float(np.mean([s[key] for s in scores]))
+        scores = answer_counts(notes, preds, task)
+        for key in ANSWER_SCORES:
+            df[key] = scores[key].to_numpy()
+            metrics[key] = float(scores[key].mean())
     if cfg.fidelity:
         fids = [run.load_note(NOTES, n.note_id, "fidelity.json") for n in notes]
         m1 = [run.load_note(NOTES, n.note_id, "m1.json")["events"] for n in notes]

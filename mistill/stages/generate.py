@@ -199,9 +199,10 @@ def run_generate(cfg: GenerateConfig) -> str:
         if not thinking and current_world().leader:
             print(f"generate: the chat template of {cfg.model} has no thinking switch; "
                   "generations without think tags count as closed reasoning of length 0")
+        task = task_for(inventory)
         if todo:
             with make_backend(cfg.backend, cfg.model, decoding, device=device, dtype=cfg.dtype) as backend:
-                read = task_for(inventory).answer_reader(inventory.codes)
+                read = task.answer_reader(inventory.codes)
                 chunk = cfg.batch_size or call_size(backend)
                 bar = track(total=len(todo), desc=progress_label(f"generate ({backend.name})"))
                 for start in range(0, len(todo), chunk):
@@ -237,7 +238,6 @@ def run_generate(cfg: GenerateConfig) -> str:
 
         table = pd.DataFrame([{k: (" ".join(v) if k == "codes" else v) for k, v in r.items()
                                if k != "decoding"} for r in ordered])
-        task = task_for(inventory)
         counts = answer_counts(notes, ordered, task)
         table = pd.concat([table, counts], axis=1)
         outcomes = task.execute_answers(notes, [traces[n.note_id] for n in notes]) if current_world().leader \
