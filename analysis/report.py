@@ -36,7 +36,8 @@ from analysis.report_sections import (READ_SIDE_STAGES, ExtraRuns, ablations_sec
                                       own_heads_aligned_section, own_heads_probe_section, own_heads_section,
                                       read_side_section, selection_section, student_edits_section, task_section)
 from analysis.report_sections import (characterization_compare_section, instruction_control_section,
-                                      public_task_section, transfer_screen_section)
+                                      pilot_section, public_task_section,
+                                      transfer_screen_section)
 from analysis.report_sections import replicate_section, training_section
 from mistill import stats
 from mistill.tracking.naming import TAG_INPUT_PREFIX, TAG_STAGE
@@ -70,14 +71,15 @@ _ARMED = ("evaluate", "own_heads")  # stages whose runs the ``arms`` filter appl
 
 
 def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str] = (),
-                   reference_arm: str = "", split: str = "test",
+                   reference_arm: str = "", split: str = "test", own_heads_split: str = "",
                    compare_attribute_runs: Sequence[str] = (),
                    compare_labels: Sequence[str] = ()) -> ReportInputs:
     """The newest FINISHED run of each (model, arm, precision, seed) of every stage in
     :data:`STAGES` (``knockin``: the newest per model). ``arms`` (non-empty) restricts the
     ``evaluate`` and ``own_heads`` runs to those arms plus the reference, the teacher and the
     untrained student; of those, only runs on ``split`` are read (the λ selection's
-    validation evaluations are not test results; runs without a split tag are kept), and not
+    validation evaluations are not test results; runs without a split tag are kept; the
+    ``own_heads`` runs on ``own_heads_split`` where given), and not
     those of a selection cell's or a partial training run (:func:`partial_train_runs`).
     ``compare_attribute_runs`` (pairs of attribute run ids) and ``compare_labels``: the two
     characterizations put side by side, and their knock-in runs (``attribute_compared``,
@@ -99,7 +101,8 @@ def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str]
         if stage in _KEPT:
             df = _KEPT[stage](df)
         if stage in _ARMED and not df.empty:
-            df = df[(df["split"].isna() | (df["split"] == split))
+            read = own_heads_split if stage == "own_heads" and own_heads_split else split
+            df = df[(df["split"].isna() | (df["split"] == read))
                     & ~df["train_run"].isin(cell_train)]
         runs[stage] = query.latest_runs(df, _KEYS[stage])
     runs = {stage: runs[stage] for stage in STAGES}
@@ -128,8 +131,9 @@ def collect_inputs(client: MlflowClient, experiment: str, *, arms: Sequence[str]
     extra["knockin_sets"] = other_sets_only(query.stage_runs(client, experiment, "knockin", params=SETS_PARAMS))
     extra["screen_generations"] = screen_generations(client, extra["knockin_sets"])
     prepared = query.stage_runs(client, experiment, "prepare", params=("task",))
-    task = str(prepared["params.task"].dropna().iloc[0]) \
-        if not prepared.empty and prepared["params.task"].notna().any() else "icd10"
+    tasks = [str(t) for t in prepared["params.task"].dropna()] if not prepared.empty else []
+    # App. P's pilot prepares KodCode's training problems beside BigCodeBench's development tasks
+    task = "kodcode" if "kodcode" in tasks else tasks[0] if tasks else "icd10"
     extra["locus_compared"] = reading_runs(client, extra["attribute_compared"], "locus")
     extra["read_side_compared"] = reading_runs(client, extra["attribute_compared"], "read_side")
     return ReportInputs(experiment, runs, extra, task)
@@ -258,6 +262,8 @@ def build_report(inputs: ReportInputs, *, reference_arm: str,
                                 generations=inputs.extra.get("screen_generations", pd.DataFrame()))
     elif inputs.task == "musique":  # App. O's readings, not App. B's control
         public_task_section(rep, inputs.runs["own_heads"], inputs.runs["evaluate"], n_resamples, seed)
+    elif inputs.task == "kodcode":  # App. P's programming pilot
+        pilot_section(rep, inputs.runs["own_heads"], inputs.runs["evaluate"], n_resamples, seed)
     else:
         instruction_control_section(rep, client, inputs.extra.get("knockin_sets", pd.DataFrame()))
     training_section(rep, client, extra, cells, n_resamples, seed)

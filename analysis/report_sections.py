@@ -18,7 +18,7 @@ from analysis import aligned_events as aligned
 from analysis import characterization_compare as compare
 from analysis import flip_tables
 from analysis import matched_tables as matched
-from analysis import public_task_tables
+from analysis import pilot_tables, public_task_tables
 from analysis import training_tables
 from analysis import transfer_tables
 from analysis.audit import stratified_readouts
@@ -1221,6 +1221,50 @@ def public_task_section(rep: Report, own_runs: pd.DataFrame, eval_runs: pd.DataF
                                                       else eval_runs)
     _listed(rep, name57, title57, caption57, checkpoints, checkpoints.round(3),
             columns=list(public_task_tables.CHECKPOINT_COLUMNS))
+
+
+def pilot_section(rep: Report, own_runs: pd.DataFrame, eval_runs: pd.DataFrame, n_resamples: int,
+                  seed: int) -> None:
+    """Table 60 (App. P) of a programming-pilot experiment: the paired own-heads P2C recovery
+    contrasts at k = 40 and 29 and the raw knock-in gain, the pass@1 changes and pass@1 per arm and
+    seed, and the advancement thresholds' verdict (:mod:`analysis.pilot_tables`). Inputs and tasks
+    are resampled by their prepared group (``patient_id``: each BigCodeBench task its own)."""
+    name, title = "table60_pilot", "Table 60: the programming pilot's paired contrasts"
+    caption = ("Own-heads P2C recovery, seed i against seed i, on the inputs evaluable in both arms at both seeds: "
+               "the seed-averaged median over inputs, the mean with a 95% percentile bootstrap resampling "
+               "near-duplicate groups, inputs above zero and each seed pair's median; k=40 primary, k=29 "
+               "sensitivity; the raw knock-in gain in nats at k=40. The author's thresholds, fixed before the "
+               "outcome, in the last columns.")
+    pname, ptitle = "table60_pilot_pass_at_1", "Table 60 (pass@1): the pilot's development tasks"
+    pcaption = ("pass@1 changes on the development tasks (seed-averaged per task, the mean with a bootstrap over "
+                "tasks; the seed columns are mean pass-rate changes), then pass@1 per arm and seed with the tasks "
+                "holding a terminal sandbox result, and the verdict of the advancement thresholds.")
+    own = _load(rep, own_runs, OWN_HEADS_PER_NOTE, ["note_id", "phase", "k", "recovery_own"]) \
+        if not own_runs.empty else pd.DataFrame()
+    if not own.empty:
+        own = own[own["traces"] == "teacher"] if "traces" in own else own  # teacher-forced on the teacher's traces
+    answers = _load(rep, eval_runs, PER_NOTE_METRICS, ["note_id", "passed", "verdict"]) \
+        if not eval_runs.empty else pd.DataFrame()
+    prepare_runs = sorted({str(p) for frame in (own_runs, eval_runs) if "params.prepare_run" in frame
+                           for p in frame["params.prepare_run"].dropna()})
+    groups: dict[str, str] = {}
+    for run_id in prepare_runs:
+        groups.update(compare.prepared_patients(run_id))
+    recovery = pilot_tables.recovery_table(own, groups, n_resamples=n_resamples, seed=seed)
+    _listed(rep, name, title, caption, recovery, recovery.round(4),
+            "" if len(recovery) else "no seed pair of two pilot arms with own-heads P2C rows",
+            columns=list(pilot_tables.RECOVERY_COLUMNS))
+    passes = pilot_tables.pass_table(answers, groups, n_resamples=n_resamples, seed=seed)
+    arms = pilot_tables.arm_pass_table(answers) if not answers.empty else \
+        pd.DataFrame(columns=list(pilot_tables.ARM_PASS_COLUMNS))
+    verdict = pilot_tables.pilot_verdict(recovery, passes, arms)
+    rows = [*({"panel": "change", **r} for r in passes.to_dict("records")),
+            *({"panel": "per arm", **r} for r in arms.to_dict("records")),
+            *({"panel": "verdict", "arm": key, "met": value} for key, value in verdict.items())]
+    table = pd.DataFrame(rows) if passes.size or arms.size else pd.DataFrame()
+    _listed(rep, pname, ptitle, pcaption, table, table.round(4) if len(table) else table,
+            "" if len(table) else "no FINISHED evaluate run with per-task sandbox verdicts",
+            columns=["panel", *pilot_tables.PASS_COLUMNS])
 
 
 def instruction_control_section(rep: Report, client: MlflowClient, knockin_sets: pd.DataFrame) -> None:

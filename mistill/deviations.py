@@ -456,6 +456,27 @@ CONVENTIONS: tuple[Convention, ...] = (
                "mistill.tasks.bigcodebench.load_bigcodebench_corpus",
                "the paper gives the task, the prompt's libraries and pass@1, not the prompt, the batches or how an "
                "answer's namings are read"),
+    Convention("KodCode through the stages", "App. P",
+               "prepare -P task=kodcode: KodCode-V1 rows as train notes in BigCodeBench's label space; a problem's "
+               "libraries are the modules its reference solution imports; the note is the question, then the "
+               "solution's import lines and declared functions as the code to start from; candidates: the API "
+               "namings of question, starting code and solution; gold: the solution's; a problem whose solution "
+               "names no API is left out; -P split_sizes=2000 draws the training problems with order_seed (or "
+               "-P split_file lists a locked split); pytest tests run in the sandbox with the answer as the "
+               "module 'solution'",
+               "mistill.tasks.kodcode.load_kodcode_corpus",
+               "the paper names KodCode's locked split of 2,000 and the first-mention events, not the prompt, "
+               "the eligibility rule or the draw"),
+    Convention("the programming pilot's plan", "App. P",
+               "tree PP: BigCodeBench's development tasks are the release's first 120 (the ranking batches) and "
+               "next 60 (the assessment batch), traced by the teacher in the tree itself with the same per-note "
+               "seeds as tree BC; the teacher's targets pool its ranking frozen on BC's ranking batch; pass@1 is "
+               "read on the 180 as one evaluation split; each task is its own near-duplicate group; the report "
+               "reads the own-heads runs on the assessment batch (-P own_heads_split=val) and the answers on "
+               "the evaluation split, with 10,000-draw intervals",
+               "mistill.runbook._pilot_tree",
+               "the paper gives three screening batches of 180 tasks, 40 common-support inputs in 40 "
+               "near-duplicate groups, and 180 groups, not which tasks or how the groups were formed"),
     Convention("MuSiQue-Ans through the stages", "App. O",
                "prepare -P task=musique: the prompt lists no candidates; the note is the passages in the release's "
                "order ('Passage i: title', then the text) and the question; each question's candidates are its "

@@ -532,7 +532,8 @@ def estimate(work: Workload, figures: Figures) -> Estimate:
 
 ROLES: tuple[str, ...] = ("teacher", "student", "student_smollm3", "encoder", "las_model", "corpus",
                            "distill_corpus", "split_file", "flip_proposals", "flip_ledger", "eurlex_dataset",
-                           "eurlex_concepts", "eurlex_hierarchy", "bigcodebench_file", "musique_release")
+                           "eurlex_concepts", "eurlex_hierarchy", "bigcodebench_file", "musique_release",
+                           "kodcode_file")
 """The placeholders a step's ``params`` may hold (``{teacher}``): the models and data a reproduction
 is given (:class:`mistill.stages.reproduce.ReproduceConfig` has a field of each name)."""
 
@@ -638,10 +639,13 @@ class PaperCounts:
     programming pilot's assessment size), eurlex_fresh_acts: the fresh acts (100);
     eurlex_prompt_tokens: an act's prompt with its candidate list (**[recon]**: 4,000), its
     trace ``trace_tokens`` long.
-    code_rank_tasks, code_assess_tasks, code_fresh_tasks: BigCodeBench's ranking batch
-    (**[recon]**: 40, App. P does not size it), its assessment batch (40, the inputs of the
-    pilot's pre-check) and the fresh tasks (100); code_prompt_tokens: a problem's instruct prompt
-    (**[recon]**: 1,000).
+    code_rank_tasks, code_assess_tasks, code_fresh_tasks: BigCodeBench's ranking batches, its
+    assessment batch and the fresh tasks (App. P: three screening batches of 180 development tasks,
+    two ranked and one assessed, and 100 fresh tasks; **[recon]**: batches of 60 each, so 120 and
+    60); code_prompt_tokens: a problem's instruct prompt (**[recon]**: 1,000).
+    kodcode_problems: the programming pilot's training problems (App. P: a locked split of 2,000);
+    kodcode_prompt_tokens: a KodCode problem's prompt (**[recon]**: 500); pilot_seeds: its paired
+    training seeds (2); pilot_lambda: its fixed loss weight (0.01, App. P).
     musique_splits: App. O's training, ranking, selection and evaluation questions (2,000, 102,
     1,203, 1,610); musique_prompt_tokens: a question's prompt, its 20 passages (**[recon]**:
     3,000); musique_trace_tokens: a MuSiQue-Ans trace (**[recon]**: 2,000; the cap is 16,384);
@@ -675,14 +679,18 @@ class PaperCounts:
     eurlex_assess_acts: int = 40
     eurlex_fresh_acts: int = 100
     eurlex_prompt_tokens: int = 4_000
-    code_rank_tasks: int = 40
-    code_assess_tasks: int = 40
+    code_rank_tasks: int = 120
+    code_assess_tasks: int = 60
     code_fresh_tasks: int = 100
     code_prompt_tokens: int = 1_000
     musique_splits: tuple[int, int, int, int] = (2_000, 102, 1_203, 1_610)
     musique_prompt_tokens: int = 3_000
     musique_trace_tokens: int = 2_000
     musique_seeds: int = 3
+    kodcode_problems: int = 2_000
+    kodcode_prompt_tokens: int = 500
+    pilot_seeds: int = 2
+    pilot_lambda: float = 0.01
 
     def micro_steps(self, notes: int, epochs: int | None = None) -> int:
         return notes * (self.epochs if epochs is None else epochs)
@@ -982,18 +990,19 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
     steps += _eurlex_tree(c)
     steps += _bigcodebench_tree(c)
     steps += _musique_tree(c)
+    steps += _pilot_tree(c)
     steps.append(_step("report", "report", "report", Workload("none"),
                        after=tuple(s.name for s in steps if not s.experiment
                                    and s.entry_point in ("evaluate", "own_heads", "flip_test", "trace_edit"))))
     return steps
 
 
-TRANSFER_TREES: tuple[str, ...] = ("EF", "ST", "M2", "EU", "BC", "MQ")
+TRANSFER_TREES: tuple[str, ...] = ("EF", "ST", "M2", "EU", "BC", "MQ", "PP")
 """The trees of the tests the paper ran after its main campaign (its ``REBUTTAL/`` and ``DT-005/``
 artifacts: App. N's evidence-flip test, EF, Table 22's trace edits on the students, ST, App.
 M.2's matched selection, M2, App. P's
-screens on EURLEX57K, EU, and on BigCodeBench, BC, and App. O's public-task extension on
-MuSiQue-Ans, MQ), priced beside the
+screens on EURLEX57K, EU, and on BigCodeBench, BC, App. O's public-task extension on
+MuSiQue-Ans, MQ, and App. P's programming pilot, PP), priced beside the
 main reproduction (the characterization and distillation trees) rather than inside its budget."""
 
 EURLEX_BATCHES: tuple[tuple[str, str, str], ...] = (
@@ -1187,8 +1196,91 @@ def _musique_tree(c: PaperCounts) -> list[PlanStep]:
                       inputs={**own, "train_run": f"MQ/train_{run}"}, params=own_splits, skip_synthetic=True),
             ]
     steps.append(_step("MQ", "report", "report", Workload("none"), skip_synthetic=True,
+                       params={"own_heads_split": "val"},  # the answers on the evaluation questions
                        after=tuple(s.name for s in steps if s.entry_point in ("evaluate", "own_heads"))))
     return [dataclasses.replace(s, experiment=MUSIQUE_EXPERIMENT) for s in steps]
+
+
+PILOT_EXPERIMENT = "programming-pilot"
+"""PP's experiment suffix (:attr:`PlanStep.experiment`): its arms are the main trees' arm names
+trained on another task."""
+
+PILOT_ARMS: tuple[tuple[str, str], ...] = (
+    ("vanilla-bf16", "train_vanilla"), ("mistill", "train_mistill"), ("randheads", "train_mistill"))
+"""App. P's pilot arms: (arm, training workload). The mechanism arms train at the pilot's fixed λ."""
+
+PILOT_K: str = "29,40"
+"""The own-heads budgets the pilot reads: k = 40, primary, and k = 29, its sensitivity (App. P)."""
+
+
+def _pilot_tree(c: PaperCounts) -> list[PlanStep]:
+    """PP, App. P's programming pilot (R-D43 to R-D46; Table 60): KodCode's training problems (role
+    ``kodcode_file``) drawn into the locked split and traced by the teacher, their events read and
+    the teacher's targets pooled over the ranking BC froze on its ranking batches (``targets -P
+    events_run -P sets_run``); BigCodeBench's development tasks (role ``bigcodebench_file``, BC's
+    ranking and assessment batches) prepared twice, once dealt as BC deals them and traced by the
+    teacher (the students' own heads are ranked on the ranking batches and read on the assessment
+    batch, teacher-forced on those traces), once as one evaluation split (pass@1 on all of them);
+    the untrained student ranked on the ranking batches (the Mistill pool) and read there; three
+    arms at two paired seeds, the mechanism arms at λ fixed to :attr:`PaperCounts.pilot_lambda`
+    (no selection), each evaluated and read on its own heads at :data:`PILOT_K`. The releases are
+    not synthetic, so a synthetic corpus skips the tree (the stages run on the project's KodCode
+    and BigCodeBench fixtures in the suite)."""
+    train, prompt, trace = c.kodcode_problems, c.kodcode_prompt_tokens, c.trace_tokens
+    rank, assess = c.code_rank_tasks, c.code_assess_tasks
+    dev_prompt = c.code_prompt_tokens
+    dev = {"task": "bigcodebench", "corpus": "{bigcodebench_file}", "model": "{teacher}"}
+    own = {"prepare_run": "PP/generate_dev"}
+    own_params = {"rank_split": "train", "test_split": "val", "k": PILOT_K, "own_traces": "false"}
+    lam = f"{c.pilot_lambda:g}"
+    steps = [
+        _step("PP", "prepare", "prepare", Workload("none"), skip_synthetic=True,
+              params={"task": "kodcode", "corpus": "{kodcode_file}", "model": "{teacher}", "split_sizes": str(train)}),
+        _step("PP", "generate", "generate", Workload("generate", "qwen3-14b", train, prompt, trace),
+              inputs={"prepare_run": "PP/prepare"}, params={"model": "{teacher}"}, skip_synthetic=True),
+        _step("PP", "events", "events", Workload("targets", "qwen3-14b", train, prompt + trace),
+              inputs={"prepare_run": "PP/generate"}, params={"model": "{teacher}", "split": "train"},
+              skip_synthetic=True),
+        _step("PP", "targets", "targets", Workload("targets", "qwen3-14b", train, prompt + trace),
+              inputs={"events_run": "PP/events", "sets_run": "BC/attribute_rank"}, params={"split": "train"},
+              disk_gib=train * 0.01, skip_synthetic=True),
+        _step("PP", "prepare_dev", "prepare", Workload("none"), skip_synthetic=True,
+              params={**dev, "split_sizes": f"{rank},{assess},0"}),
+        _step("PP", "prepare_eval", "prepare", Workload("none"), skip_synthetic=True,
+              params={**dev, "split_sizes": f"0,0,{rank + assess}"}),
+        _step("PP", "generate_dev", "generate", Workload("generate", "qwen3-14b", rank + assess, dev_prompt, trace),
+              inputs={"prepare_run": "PP/prepare_dev"}, params={"model": "{teacher}"}, skip_synthetic=True),
+        _step("PP", "student_attribute", "characterize",
+              Workload("characterize", "qwen3-4b", rank, dev_prompt + trace),
+              inputs=own, params={"model": "{student}", "split": "train"}, skip_synthetic=True),
+        _step("PP", "own_heads_untrained", "own_heads",
+              Workload("own_heads", "qwen3-4b", assess, dev_prompt + trace, trace),
+              inputs=own, params={"model": "{student}", **own_params}, skip_synthetic=True),
+    ]
+    cell = c.micro_steps(train)
+    for arm, kind in PILOT_ARMS:
+        inputs = {"targets_run": "PP/targets"}
+        params = {"arm": arm, "student": "{student}"}
+        if kind == "train_mistill":
+            inputs["student_attribute_run"] = "PP/student_attribute:attribute"
+            params["overrides"] = f"lambda_p1={lam},lambda_p2={lam}"
+        for seed in range(c.pilot_seeds):
+            run = f"{arm}_s{seed}"
+            steps += [
+                _step("PP", f"train_{run}", "train", Workload(kind, "qwen3-4b", cell, prompt + trace), inputs=inputs,
+                      params={**params, "seed": str(seed)}, disk_gib=8.0, skip_synthetic=True),
+                _step("PP", f"evaluate_{run}", "evaluate",
+                      Workload("generate", "qwen3-4b", rank + assess, dev_prompt, trace),
+                      inputs={"prepare_run": "PP/prepare_eval", "train_run": f"PP/train_{run}"},
+                      params={"arm": arm, "split": "test", "fidelity": "false"}, skip_synthetic=True),
+                _step("PP", f"own_heads_{run}", "own_heads",
+                      Workload("own_heads", "qwen3-4b", assess, dev_prompt + trace, trace),
+                      inputs={**own, "train_run": f"PP/train_{run}"}, params=own_params, skip_synthetic=True),
+            ]
+    steps.append(_step("PP", "report", "report", Workload("none"), skip_synthetic=True,
+                       params={"own_heads_split": "val", "bootstrap": "10000"},  # App. P: 10,000-draw intervals
+                       after=tuple(s.name for s in steps if s.entry_point in ("evaluate", "own_heads"))))
+    return [dataclasses.replace(s, experiment=PILOT_EXPERIMENT) for s in steps]
 
 
 STUDENT_EDITS: tuple[tuple[str, str, str, int], ...] = (
@@ -1309,7 +1401,8 @@ RESULT_TREES: dict[str, tuple[str, ...]] = {"R-C7": ("HD-001", "HD-002"), "R-C14
                                             "R-D35": ("EF",), "R-D28": ("ST",), "R-D30": ("DT-000", "DT-001", "ST"),
                                             "R-C9": ("DT-000", "DT-001"), "R-D41": ("EU",), "R-D42": ("BC",),
                                             "R-D37": ("MQ",), "R-D38": ("MQ",),
-                                            "R-D31": ("M2",), "R-D32": ("M2",)}
+                                            "R-D31": ("M2",), "R-D32": ("M2",),
+                                            **{rid: ("BC", "PP") for rid in ("R-D43", "R-D44", "R-D45", "R-D46")}}
 """The trees a result reads where it is not its half's default (:func:`result_trees`)."""
 
 

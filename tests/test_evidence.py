@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from analysis.evidence import MIN_GATED_EVENTS, MIN_NOTES, TOO_SMALL, Support, floor_cell, readout_cell, support_of
 from analysis.tables import own_heads_seed_display
@@ -55,8 +56,10 @@ def test_extra_floor_draws_are_new_sets_beside_the_recorded_draw():
 
 
 def _row(note, event, set_name, recovery, gated=True, phase="P1", k=8):
+    # a range of 2 nats above a corrupted margin of -1: the raw gain is twice the recovery
     return {"note_id": note, "event_id": event, "phase": phase, "k": k, "set": set_name, "gated": gated,
-            "recovery": recovery if gated else math.nan, "draw": 0}
+            "recovery": recovery if gated else math.nan, "draw": 0, "m_corr": -1.0,
+            "m_set": -1.0 + 2 * recovery if gated else 0.0}
 
 
 def test_own_heads_rows_and_summary_carry_counts_and_the_floor_spread():
@@ -71,6 +74,7 @@ def test_own_heads_rows_and_summary_carry_counts_and_the_floor_spread():
         notes[f"n{n}"] = m4_rows(f"n{n}", nec, kin, (8,))
     rows = [r for rs in notes.values() for r in rs]
     assert rows[0]["recovery_random"] == 0.0 and rows[0]["n_gated"] == 3
+    assert rows[0]["gain_own_nats"] == pytest.approx(1.6)  # the own set's gated events only
     assert np.allclose(rows[0]["recovery_random_floors"], [0.0, 0.05, 0.1, 0.15, 0.2])
     m = summary_metrics(pd.DataFrame(rows), pd.DataFrame(), (8,), 8)
     assert m["m4/P1/k8/n_gated"] == 9 and m["m4/P1/k8/n_notes"] == 3

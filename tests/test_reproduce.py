@@ -34,15 +34,17 @@ def test_every_step_of_the_plan_builds_a_valid_config_from_the_roles(tmp_path):
     project's fixture of the release); a Mistill arm waits for the selection's λ."""
     from mistill.tasks.eurlex import write_eurlex_fixture
     from mistill.tasks.bigcodebench import write_bigcodebench_fixture
+    from mistill.tasks.kodcode import write_kodcode_fixture
     from mistill.tasks.musique import write_musique_fixture
 
     release = write_eurlex_fixture(tmp_path / "eurlex")
     musique = write_musique_fixture(tmp_path / "musique")
     code = write_bigcodebench_fixture(tmp_path / "bigcodebench")
+    kodcode = write_kodcode_fixture(tmp_path / "kodcode")
     cfg = ReproduceConfig(**EMBEDDED, eurlex_dataset=str(release["dataset"]),
                           eurlex_concepts=str(release["concepts_file"]),
                           eurlex_hierarchy=str(release["hierarchy_file"]), musique_release=str(musique["corpus"]),
-                          bigcodebench_file=str(code["corpus"]))
+                          bigcodebench_file=str(code["corpus"]), kodcode_file=str(kodcode["corpus"]))
     settings = load_settings(cfg.settings)
     plan = paper_plan()
     ids = {s.name: uuid.uuid4().hex for s in plan}
@@ -54,7 +56,7 @@ def test_every_step_of_the_plan_builds_a_valid_config_from_the_roles(tmp_path):
     for step in plan:
         config = step_config(step, cfg, ids, settings)
         if step.entry_point == "train" and resolve_arm(step.params["arm"]).objective == "mistill" \
-                and step.params["arm"] not in OWN_LAMBDA_ARMS:
+                and step.params["arm"] not in OWN_LAMBDA_ARMS and "overrides" not in step.params:
             assert config is None  # no selection run yet
             continue
         assert config is not None, step.name
@@ -83,9 +85,21 @@ def test_every_step_of_the_plan_builds_a_valid_config_from_the_roles(tmp_path):
         if step.name == "MQ/own_heads_mistill_s1":  # ranked and read on the ranking questions
             assert (config.rank_split, config.test_split) == ("val", "val")
         if step.name == "BC/prepare":  # the ranking, assessment and fresh batches, in an experiment of its own
-            assert config.task == "bigcodebench" and config.split_sizes == (40, 40, 100)
+            assert config.task == "bigcodebench" and config.split_sizes == (120, 60, 100)
             assert config.corpus_name.endswith("-bigcodebench")
-        if step.entry_point == "prepare" and step.tree not in ("EU", "BC", "MQ"):  # they read the releases
+        if step.name == "PP/prepare":  # App. P's pilot: KodCode's locked split, in an experiment of its own
+            assert config.task == "kodcode" and config.split_sizes == (2000,)
+            assert config.corpus == str(kodcode["corpus"]) and config.corpus_name.endswith("-programming-pilot")
+        if step.name == "PP/targets":  # the training problems' events, the teacher's ranking frozen on BC's batches
+            assert (config.events_run, config.sets_run) == (ids["PP/events"], ids["BC/attribute_rank"])
+        if step.name == "PP/train_mistill_s1":  # λ fixed at 0.01, no selection
+            assert config.overrides == "lambda_p1=0.01,lambda_p2=0.01" and config.seed == 1
+        if step.name == "PP/own_heads_randheads_s0":  # ranked on the ranking batches, read on the assessment batch
+            assert (config.rank_split, config.test_split, config.k, config.own_traces) == ("train", "val", (29, 40),
+                                                                                            False)
+        if step.name == "PP/evaluate_vanilla-bf16_s1":  # pass@1 on the 180 development tasks
+            assert config.split == "test" and not config.fidelity
+        if step.entry_point == "prepare" and step.tree not in ("EU", "BC", "MQ", "PP"):  # they read the releases
             assert config.select_n == 0 and config.corpus == "synthetic"  # the smoke settings over the plan
         if step.name == "DT-001/train_qwen3-4b_low-lambda_s0":
             assert (config.overrides, resolve_arm(config.arm).lambda_p1) == ("", 0.03)  # its own λ

@@ -176,6 +176,9 @@ def test_each_mechanism_arm_trains_at_the_lambda_the_paper_names():
         if arm not in LAMBDA_SOURCE:
             continue
         selections = [n for n in step.needs if n.split("/", 1)[1].startswith("select_lambda")]
+        if step.tree == "PP":  # App. P's pilot: λ fixed at 0.01, no selection
+            assert not selections and step.params["overrides"] == "lambda_p1=0.01,lambda_p2=0.01", step.name
+            continue
         expected = f"MQ/select_lambda_{arm}" if step.tree == "MQ" else LAMBDA_SOURCE[arm]  # App. O's own
         assert selections == ([expected] if expected else []), step.name
 

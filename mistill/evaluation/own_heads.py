@@ -172,8 +172,10 @@ def m4_rows(note_id: str, necessity: Sequence[dict], knockin: Sequence[dict],
     (per draw the mean over gated events, then the mean over draws), ``recovery_random_floors``
     (the mean over gated events of each floor draw of draw 0's batch: ``random``, ``random1``,
     ...; the floor's spread), ``necessity_own`` (mean share
-    of the clean margin destroyed, the instrument's definition) and ``necessity_own_nats`` (mean
-    margin drop in nats, the paper's App. K wording), with event counts."""
+    of the clean margin destroyed, the instrument's definition), ``necessity_own_nats`` (mean
+    margin drop in nats, the paper's App. K wording) and ``gain_own_nats`` (the raw knock-in gain,
+    the own set's patched minus corrupted margin in nats, mean over gated events: App. P's check of
+    the normalizing denominator), with event counts."""
     out = []
     for phase in PHASES:
         for k in k_bins:
@@ -193,6 +195,7 @@ def m4_rows(note_id: str, necessity: Sequence[dict], knockin: Sequence[dict],
             out.append({
                 "note_id": note_id, "phase": phase, "k": int(k),
                 "recovery_own": _mean([r["recovery"] for r in own]),
+                "gain_own_nats": _mean([r["m_set"] - r["m_corr"] for r in own if r["gated"]]),
                 "recovery_random": _mean([_mean(v) for v in by_draw.values()]),
                 "necessity_own": _mean([r["necessity"] for r in nec]),
                 "necessity_own_nats": _mean([r["clean_margin"] - r["ablated_margin"] for r in nec]),

@@ -63,7 +63,7 @@ from mistill.tracking.enclave import TAG_ENCLAVE_DIR
 from mistill.tracking.identity import param_string
 from mistill.validation import (check_arm, check_choice, check_device, check_dtype, check_interval, check_model_spec,
                                 check_name, check_no_text_fields, check_non_negative, check_not_empty, check_overrides,
-                                check_positive, check_run_id, check_seed)
+                                check_positive, check_run_id, check_seed, fail)
 
 EMBEDDED_STUDENT = "embedded:smollm2-135m@every-other"
 TARGETS_FILE = "targets.npz"
@@ -120,9 +120,13 @@ class TargetsConfig(Config, PoolParams):
         ``teacher_attribute_run``'s own): a ranking frozen on other inputs (App. P's pilot ranks
         the teacher on the screen's development batches and reads its targets on the training
         problems' traces).
+    events_run: with ``sets_run``, the teacher's ``events`` run of the training notes in place of
+        ``teacher_attribute_run`` (give one of the two): the pools come from the frozen ranking,
+        so the training notes need their events only, not an attribution.
     """
 
     teacher_attribute_run: str = ""
+    events_run: str = ""
     locus_run: str = ""
     sets_run: str = ""
     split: str = "train"
@@ -134,8 +138,14 @@ class TargetsConfig(Config, PoolParams):
     def validate(self) -> None:
         check_no_text_fields(self)
         check_run_id(self.teacher_attribute_run, "teacher_attribute_run")
+        check_run_id(self.events_run, "events_run")
         check_run_id(self.locus_run, "locus_run")
         check_run_id(self.sets_run, "sets_run")
+        if self.teacher_attribute_run and self.events_run:
+            fail("give one of teacher_attribute_run and events_run, not both", "teacher_attribute_run")
+        if self.events_run and not self.sets_run:
+            fail("events_run needs sets_run: without an attribution of these notes the pools come from a frozen "
+                 "ranking", "events_run")
         check_name(self.split, "split", "a split", allow_empty=True)
         check_non_negative(self.window, "window", "0: no window rows")
         check_positive(self.top_k, "top_k")
@@ -157,12 +167,26 @@ def prose_time_sets(locus_run: str) -> dict | None:
     return {"meta": doc.get("meta", {}), "P1": doc["prose_time"]}
 
 
+def targets_events_run(targets_config: Mapping[str, object]) -> str:
+    """The teacher's ``events`` run a ``targets`` run read (its config: ``events_run``, or the
+    events of its ``teacher_attribute_run``)."""
+    if targets_config.get("events_run"):
+        return str(targets_config["events_run"])
+    if not targets_config.get("teacher_attribute_run"):
+        raise MistillInputError("the targets need the teacher's attribute run of the training notes "
+                                "(teacher_attribute_run), or their events run with sets_run",
+                                field="teacher_attribute_run")
+    att = RunReader(str(targets_config["teacher_attribute_run"]), field="teacher_attribute_run")
+    return att.config["events_run"]
+
+
 def run_targets(cfg: TargetsConfig) -> str:
-    att = RunReader(cfg.teacher_attribute_run, field="teacher_attribute_run")
-    ev = events_input(att.config["events_run"])
+    ev = events_input(targets_events_run(dataclasses.asdict(cfg)))
     prepared = ev.prepared
     notes = require_notes([n for n in ev.notes if not cfg.split or n.split == cfg.split], cfg.split, prepared)
-    inputs = {"teacher_attribute": cfg.teacher_attribute_run, **({"locus": cfg.locus_run} if cfg.locus_run else {}),
+    source = {"teacher_attribute": cfg.teacher_attribute_run} if cfg.teacher_attribute_run else \
+        {"events": cfg.events_run}
+    inputs = {**source, **({"locus": cfg.locus_run} if cfg.locus_run else {}),
               **({"sets": cfg.sets_run} if cfg.sets_run else {})}
     with open_stage("targets", cfg, prepared, inputs=inputs, model=ev.model) as run:
         if run.reused:
@@ -420,8 +444,7 @@ def run_train(cfg: TrainStageConfig) -> str:
     arm = resolve_arm(cfg.arm, cfg.arm_overrides())
     targets_run = RunReader(cfg.targets_run, field="targets_run")
     tcfg = targets_run.config
-    att = RunReader(tcfg["teacher_attribute_run"], field="teacher_attribute_run")
-    ev = events_input(att.config["events_run"])
+    ev = events_input(targets_events_run(tcfg))
     prepared = ev.prepared
     notes = require_notes([n for n in ev.notes if not tcfg.get("split") or n.split == tcfg["split"]],
                           tcfg.get("split", ""), prepared, field="targets_run")

@@ -44,6 +44,7 @@ import numpy as np
 import pandas as pd
 
 from mistill.config import Config
+from mistill.data.corpus import Note
 from mistill.data.prompts import template_has_thinking
 from mistill.distill.note_data import first_trace_token
 from mistill.distributed import current_world
@@ -58,8 +59,8 @@ from mistill.io import write_text
 from mistill.params import DecodingParams
 from mistill.progress import track
 from mistill.stages.characterize import stage_notes
-from mistill.stages.common import (link_subject, load_model, load_prepared, load_tokenizer, model_positions,
-                                   note_input, readout_subject, sample_then_load)
+from mistill.stages.common import (Prepared, link_subject, load_model, load_prepared, load_tokenizer,
+                                   model_positions, note_input, readout_subject, require_notes, sample_then_load)
 from mistill.stages.generate import ANSWER_SCORES, answer_counts
 from mistill.stages.las import load_simulator
 from mistill.stages.runner import notes_written, open_stage, pending_notes, progress_label, stage_device
@@ -117,9 +118,21 @@ class EvaluateConfig(Config, DecodingParams):
         check_dtype(self.dtype)
 
 
+def evaluated_notes(prepared: Prepared, cfg: EvaluateConfig) -> list[Note]:
+    """The notes an evaluation reads, in corpus order: with ``fidelity``, those of ``split`` with a
+    teacher trace (its readouts are teacher-forced on it); without, every note of ``split`` (its
+    answers need no trace: App. O's and App. P's evaluation inputs carry none); the first
+    ``max_notes`` (0: all). An empty selection is refused, naming the split."""
+    if cfg.fidelity:
+        return stage_notes(prepared, cfg.split, cfg.max_notes)
+    notes = [n for n in prepared.corpus.notes if not cfg.split or n.split == cfg.split]
+    notes = require_notes(notes, cfg.split, prepared, need_trace=False)
+    return notes[:cfg.max_notes] if cfg.max_notes else notes
+
+
 def run_evaluate(cfg: EvaluateConfig) -> str:
     prepared = load_prepared(cfg.prepare_run)
-    notes = stage_notes(prepared, cfg.split, cfg.max_notes)  # refuses a split without notes
+    notes = evaluated_notes(prepared, cfg)  # refuses a split without notes
     subject = readout_subject(cfg.train_run, cfg.model, cfg.arm)
     inputs = {"prepare": cfg.prepare_run}
     if cfg.train_run:
@@ -186,9 +199,9 @@ def _readouts(cfg: EvaluateConfig, run, notes, prepared, lm, samples: dict, guar
         outcome = task.execute_answers([note], [gen.text])  # App. P: the answer run against the note's tests
         if outcome is not None:
             files["prediction.json"]["verdict"] = outcome[0]
-        ni = note_input(note, prepared.inventory, lm.tokenizer,
-                        **prepared.prompt_settings, max_positions=model_positions(lm))
         if cfg.fidelity:
+            ni = note_input(note, prepared.inventory, lm.tokenizer,
+                            **prepared.prompt_settings, max_positions=model_positions(lm))
             teacher_reasoning, _ = split_reasoning(note.teacher_trace)
             own_reasoning, _ = split_reasoning(gen.text)
             ppl, margins = teacher_forced_readouts(lm, ni, note_items(prepared.inventory, note),

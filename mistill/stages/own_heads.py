@@ -413,7 +413,7 @@ def _aggregate(run, cfg: OwnHeadsConfig, notes: list[Note], coverage: dict[str, 
             per_event += [{"note_id": note.note_id, "traces": traces, **e} for e in m4.get("events", [])]
             readside.append({"note_id": note.note_id, "traces": traces,
                              **{k: (float("nan") if v is None else v) for k, v in rs["values"].items()}})
-    cols = ["note_id", "traces", "phase", "k", "recovery_own", "recovery_random", "necessity_own",
+    cols = ["note_id", "traces", "phase", "k", "recovery_own", "gain_own_nats", "recovery_random", "necessity_own",
             "necessity_own_nats", "n_events", "n_matched", "n_gated", "n_random_draws", "recovery_random_floors"]
     table = pd.DataFrame(per_note, columns=cols)
     # per note, the floor's draws as JSON text (an MLflow table cell holds a scalar)

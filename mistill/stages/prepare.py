@@ -29,6 +29,7 @@ from mistill.stages.registry import stage_help
 from mistill.tasks import INVENTORY_TASKS, prompt_wording
 from mistill.tasks.bigcodebench import load_bigcodebench_corpus
 from mistill.tasks.eurlex import load_eurlex_corpus
+from mistill.tasks.kodcode import load_kodcode_corpus
 from mistill.tasks.musique import load_musique_corpus
 from mistill.tasks.synthetic_catalog import make_catalog_corpus
 from mistill.tracking.models import resolve_run_spec
@@ -37,6 +38,9 @@ from mistill.validation import (check_at_least, check_choice, check_model_spec, 
                                 check_non_negative, check_not_empty, check_path, check_seed, fail)
 
 MIMIC_PREFIX = "mimic:"
+PREPARE_TASKS: tuple[str, ...] = (*INVENTORY_TASKS, "kodcode")
+"""What ``prepare -P task`` reads: a label space of :data:`mistill.tasks.INVENTORY_TASKS`, or
+``kodcode``, KodCode's training problems prepared in BigCodeBench's label space (App. P's pilot)."""
 
 
 @dataclass(frozen=True)
@@ -74,15 +78,20 @@ class PrepareConfig(Config):
         ``bigcodebench`` (App. P): ``corpus`` is the release's JSONL file, ``traces_file`` optional
         teacher traces (JSONL ``task_id``, ``trace``); the prompt is the problem's instruct prompt
         and each problem's API namings are its own
-        (:func:`mistill.tasks.bigcodebench.load_bigcodebench_corpus`). The prepared inventory
-        records the task; every later stage reads it there.
+        (:func:`mistill.tasks.bigcodebench.load_bigcodebench_corpus`); or ``kodcode`` (App. P's
+        programming pilot): ``corpus`` is a JSONL file of KodCode-V1 rows, ``traces_file`` optional
+        teacher traces (JSONL ``question_id``, ``trace``), each problem a ``train`` note in
+        BigCodeBench's label space (:func:`mistill.tasks.kodcode.load_kodcode_corpus`). The prepared
+        inventory records the label space; every later stage reads it there.
     split_sizes: task musique: the training, ranking (``val``), selection (``select``) and
         evaluation (``test``) question counts, dealt by base question group (App. O's locked design:
         ``2000,102,1203,1610``; the first three from the train file, the last from the dev file,
         the rest left out; 0 leaves a split empty); empty keeps every question (train file: train,
         dev file: test). Task bigcodebench: the ranking (``train``), assessment (``val``) and fresh
         (``test``) problem counts, dealt in file order (the rest left out); empty: every problem a
-        test note.
+        test note. Task kodcode: one count, the training problems drawn with ``order_seed`` (App. P:
+        ``2000``); empty: every eligible problem, or those ``split_file`` lists (one
+        ``question_id`` per line: a locked split such as the paper's).
 
     Files named by path (the corpus, ``codes_file``, ``split_file``, the EURLEX files; a corpus
     folder by its files) join the run's identity by content (:meth:`content_digests`): a file
@@ -145,10 +154,11 @@ class PrepareConfig(Config):
         check_choice(self.patient_ids, PATIENT_ID_MODES, "patient_ids")
         check_choice(self.privacy, PRIVACY_LEVELS, "privacy")
 
-        check_choice(self.task, INVENTORY_TASKS, "task")
+        check_choice(self.task, PREPARE_TASKS, "task")
         if self.task == "catalog" and (self.corpus != "synthetic" or self.codes_file):
             fail(f"task {self.task}: its corpus is generated (corpus=synthetic, no codes_file)", "task")
-        eurlex, musique, code = self.task == "eurlex57k", self.task == "musique", self.task == "bigcodebench"
+        eurlex, musique = self.task == "eurlex57k", self.task == "musique"
+        code, kodcode = self.task in ("bigcodebench", "kodcode"), self.task == "kodcode"
         if eurlex and (self.corpus == "synthetic" or self.corpus.startswith(MIMIC_PREFIX) or self.codes_file):
             fail("task eurlex57k reads the release: corpus is its dataset folder (no codes_file)", "corpus")
         if (musique or code) and (self.corpus == "synthetic" or self.corpus.startswith(MIMIC_PREFIX)
@@ -160,17 +170,18 @@ class PrepareConfig(Config):
         for name in ("concepts_file", "hierarchy_file", "traces_file"):
             check_path(getattr(self, name), name, "a file", allow_empty=True)
             if name == "traces_file" and getattr(self, name) and not (eurlex or musique or code):
-                fail(f"{name} holds teacher traces of a release: task eurlex57k, musique or bigcodebench only",
-                     name)
+                fail(f"{name} holds teacher traces of a release: task eurlex57k, musique, bigcodebench or kodcode "
+                     "only", name)
             elif getattr(self, name) and not eurlex and name != "traces_file":
                 fail(f"{name} is a file of the EURLEX57K release: task eurlex57k only", name)
         check_at_least(self.candidates, 1, "candidates")
         if self.split_sizes and not (musique or code):
-            fail("split_sizes deals a release's records: task musique or bigcodebench only", "split_sizes")
-        n_sizes = 4 if musique else 3
+            fail("split_sizes deals a release's records: task musique, bigcodebench or kodcode only", "split_sizes")
+        n_sizes = 4 if musique else 1 if kodcode else 3
         if self.split_sizes and (len(self.split_sizes) != n_sizes or min(self.split_sizes) < 0
                                  or not sum(self.split_sizes)):
-            names = "train, val, select, test" if musique else "ranking, assessment, fresh"
+            names = "train, val, select, test" if musique else "training problems" if kodcode else \
+                "ranking, assessment, fresh"
             fail(f"split_sizes must be {n_sizes} counts ({names}; 0 leaves a split empty, not all), not "
                  f"{self.split_sizes!r}", "split_sizes")
         check_at_least(self.n_notes, 1, "n_notes")
@@ -183,8 +194,10 @@ class PrepareConfig(Config):
         check_non_negative(self.select_n, "select_n", "0 keeps every note")
         if self.select_split and not self.select_n:
             fail("select_split names the split to select from: it needs select_n > 0", "select_split")
-        if self.split_file and not self.corpus.startswith(MIMIC_PREFIX):
-            fail("split_file applies to a mimic:<table> corpus only", "split_file")
+        if self.split_file and not (self.corpus.startswith(MIMIC_PREFIX) or kodcode):
+            fail("split_file applies to a mimic:<table> corpus or task kodcode only", "split_file")
+        if self.split_file and kodcode and self.split_sizes:
+            fail("task kodcode takes its training problems from split_file or split_sizes, not both", "split_sizes")
         check_not_empty(self.model, "model", "the model whose tokenizer and chat template build the prompts")
         name = self.corpus_name or (Path(self.corpus_path).stem if self.corpus_path
                                     and not self.corpus.startswith(MIMIC_PREFIX) else "")
@@ -211,6 +224,12 @@ def build_corpus(cfg: PrepareConfig) -> Corpus:
         corpus = load_bigcodebench_corpus(cfg.corpus, traces_file=cfg.traces_file, split_sizes=cfg.split_sizes,
                                           order_seed=cfg.order_seed, name=cfg.corpus_name or "bigcodebench",
                                           privacy=cfg.privacy)
+    elif cfg.task == "kodcode":
+        if not Path(cfg.corpus).is_file():
+            raise MistillInputError("KodCode JSONL file not found", file=cfg.corpus, field="corpus")
+        corpus = load_kodcode_corpus(cfg.corpus, traces_file=cfg.traces_file, split_sizes=cfg.split_sizes,
+                                     split_file=cfg.split_file, order_seed=cfg.order_seed,
+                                     name=cfg.corpus_name or "kodcode", privacy=cfg.privacy)
     elif cfg.task == "musique":
         corpus = load_musique_corpus(cfg.corpus, traces_file=cfg.traces_file, order_seed=cfg.order_seed,
                                      split_sizes=cfg.split_sizes, name=cfg.corpus_name or "musique",

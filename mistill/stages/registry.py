@@ -156,10 +156,12 @@ _TABLE = (
            "the forcing probe's locus per chapter mention, the prose-time set, passes A/B, "
            "follow-through and residual swap", shardable=True),
     _Entry("targets", "mistill.stages.distill", "TargetsConfig", "run_targets",
-           {"teacher_attribute": "teacher_attribute_run", "locus": "locus_run", "sets": "sets_run"},
+           {"teacher_attribute": "teacher_attribute_run", "events": "events_run", "locus": "locus_run",
+            "sets": "sets_run"},
            "the teacher's targets on the training notes: top-32, pooled bucket rows, m and c (pools from "
-           "another attribute run's ranking with sets_run)",
-           optional=frozenset({"locus", "sets"}), sources={"teacher_attribute": "attribute", "sets": "attribute"},
+           "another attribute run's ranking with sets_run; then the training notes' events_run suffices)",
+           optional=frozenset({"teacher_attribute", "events", "locus", "sets"}),
+           sources={"teacher_attribute": "attribute", "sets": "attribute"},
            shardable=True),
     _Entry("train", "mistill.stages.distill", "TrainStageConfig", "run_train",
            {"targets": "targets_run", "student_attribute": "student_attribute_run"},

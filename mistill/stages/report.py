@@ -58,6 +58,9 @@ class ReportConfig(Config):
     arms: keep only these arms' evaluate and own-heads runs (plus the reference, ``teacher``
         and ``untrained``); empty keeps every arm.
     split: the notes the evaluate and own-heads runs read must be these (``test``).
+    own_heads_split: the notes the own-heads runs read, where they differ from ``split`` (empty:
+        ``split``): App. O reads the students' own heads on its ranking questions and App. P on
+        the development assessment batch (``val``), while their answers are evaluated on ``test``.
     bootstrap: resamples of the per-note bootstrap intervals (App. L: 1,000; >= 1).
     corpus_bootstrap: resamples of the corpus-level micro-F1 difference (App. L: 10,000; >= 1).
     seed: seed of every bootstrap (>= 0).
@@ -90,6 +93,7 @@ class ReportConfig(Config):
     reference_arm: str = "vanilla-bf16"
     arms: tuple[str, ...] = ()
     split: str = "test"
+    own_heads_split: str = ""
     bootstrap: int = N_BOOTSTRAP
     corpus_bootstrap: int = N_BOOTSTRAP_CORPUS
     seed: int = 0
@@ -110,6 +114,7 @@ class ReportConfig(Config):
         check_not_empty(self.reference_arm, "reference_arm", "the arm every other arm is compared against")
         check_arm(self.reference_arm, "reference_arm")
         check_name(self.split, "split", "a split", allow_empty=True)
+        check_name(self.own_heads_split, "own_heads_split", "a split", allow_empty=True)
         if any(not arm.strip() for arm in self.arms):
             raise MistillInputError(f"arms holds an empty name: {list(self.arms)}", field="arms")
         check_arms(self.arms, "arms")
@@ -158,7 +163,7 @@ def run_report(cfg: ReportConfig) -> str:
     client = MlflowClient(tracking_uri=uri)
     experiment = experiment_for_corpus(cfg.corpus, tracking_uri=uri)
     inputs = collect_inputs(client, experiment, arms=cfg.arms, reference_arm=cfg.reference_arm, split=cfg.split,
-                            compare_attribute_runs=cfg.compare_attribute_runs, compare_labels=cfg.compare_labels)
+                            own_heads_split=cfg.own_heads_split, compare_attribute_runs=cfg.compare_attribute_runs, compare_labels=cfg.compare_labels)
     guard = PrivacyGuard([], inputs.privacy())
     with StageRun("report", cfg, corpus=cfg.corpus, guard=guard, inputs=inputs.lineage(),
                   description=stage_help()["report"],

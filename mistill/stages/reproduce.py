@@ -67,7 +67,7 @@ STEP_TAG = "mistill.step."
 TAG_TREE = "mistill.tree"
 MODEL_ROLES = ("teacher", "student", "student_smollm3", "encoder", "las_model")
 DATA_ROLES = ("corpus", "distill_corpus", "split_file", "flip_proposals", "flip_ledger", "eurlex_dataset",
-              "eurlex_concepts", "eurlex_hierarchy", "bigcodebench_file", "musique_release")
+              "eurlex_concepts", "eurlex_hierarchy", "bigcodebench_file", "musique_release", "kodcode_file")
 OPTIONAL_ROLES = ("split_file",)
 """Roles a plan may leave empty (the release's own split column is then used)."""
 
@@ -100,6 +100,10 @@ class ReproduceConfig(Config):
     and ``musique_ans_v1.0_dev.jsonl`` (App. O, tree MQ: ``prepare``'s ``corpus`` with
     ``task=musique``; its runs go to the experiment ``mistill/<corpus_name>-musique``, its own
     report there); a synthetic corpus skips the tree.
+    kodcode_file: a JSONL file of KodCode-V1 rows (App. P's programming pilot, tree PP: ``prepare``'s
+    ``corpus`` with ``task=kodcode``, the training problems; the pilot also reads
+    ``bigcodebench_file`` and tree BC's ranking; experiment ``mistill/<corpus_name>-programming-pilot``);
+    a synthetic corpus skips the tree.
     corpus_name: the experiment ``mistill/<corpus_name>`` every run goes to (empty: the name
     ``prepare`` gives the corpus).
     results: App. Q ids to reproduce (empty: every tree).
@@ -126,6 +130,7 @@ class ReproduceConfig(Config):
     eurlex_hierarchy: str = ""
     bigcodebench_file: str = ""
     musique_release: str = ""
+    kodcode_file: str = ""
     corpus_name: str = ""
     privacy: str = "restricted"
     results: tuple[str, ...] = ()

@@ -83,7 +83,8 @@ from mistill.tasks.base import (AnswerReader, Mention, Record, Span, Task, _merg
 
 __all__ = ["BigCodeBenchTask", "BigCodeBenchProblem", "load_bigcodebench", "import_aliases", "api_namings",
            "last_code_block", "program", "execute", "BIGCODEBENCH_WORDING", "note_id_of",
-           "load_bigcodebench_corpus", "write_bigcodebench_fixture", "note_program"]
+           "load_bigcodebench_corpus", "write_bigcodebench_fixture", "note_program", "pytest_program",
+           "PYTEST_STYLE"]
 
 _CHAIN = re.compile(r"(?<![\w.])[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
 _IMPORT = re.compile(r"^\s*import\s+(.+?)\s*(?:#.*)?$", re.MULTILINE)
@@ -354,14 +355,42 @@ def note_id_of(task_id: str) -> str:
     return task_id.replace("/", "-")
 
 
+PYTEST_STYLE = "pytest"
+"""``Note.meta["test_style"]`` of a problem whose tests are pytest functions importing the answer
+as the module ``solution`` (KodCode's, :mod:`mistill.tasks.kodcode`), run through
+:func:`pytest_program`; without it the tests are BigCodeBench's ``unittest`` classes."""
+
+
 def note_program(note: Note, generation: str) -> str | None:
     """The program the sandbox runs for a generation on a prepared problem: its last code block,
-    then the problem's tests (kept in the note's ``meta``); None without a code block."""
+    then the problem's tests (kept in the note's ``meta``; pytest-style tests through
+    :func:`pytest_program`); None without a code block."""
     part = answer_part(generation)
     code = last_code_block(part) if part is not None else None
     if code is None or not code.strip():
         return None
+    if note.meta.get("test_style") == PYTEST_STYLE:
+        return pytest_program(code, str(note.meta.get("test", "")))
     return f"{code}\n\n{note.meta.get('test', '')}\n"
+
+
+def pytest_program(code: str, test: str) -> str:
+    """One program for the sandbox from an answer's ``code`` and a problem's pytest ``test``
+    (module docstring): the code becomes the module ``solution``, then the tests, then a
+    ``unittest.TestCase`` calling each top-level ``test_*`` function."""
+    return (f"import sys as _sys, types as _types\n"
+            f"_solution = _types.ModuleType('solution')\n"
+            f"exec(compile({code!r}, 'solution.py', 'exec'), _solution.__dict__)\n"
+            f"_sys.modules['solution'] = _solution\n\n"
+            f"{test}\n\n"
+            f"import unittest as _unittest\n\n\n"
+            f"class KodCodeTests(_unittest.TestCase):\n    pass\n\n\n"
+            f"def _collect(names):\n"
+            f"    for name, fn in names:\n"
+            f"        if name.startswith('test') and callable(fn) and not isinstance(fn, type):\n"
+            f"            setattr(KodCodeTests, name if name.startswith('test_') else 'test_' + name,\n"
+            f"                    (lambda f: lambda self: f())(fn))\n\n\n"
+            f"_collect(list(globals().items()))\n")
 
 
 def load_bigcodebench_corpus(path: str | Path, *, traces_file: str | Path = "", split_sizes: Sequence[int] = (),
@@ -430,17 +459,22 @@ _FIXTURE_TASKS: tuple[tuple[str, str, str, str], ...] = (
 _NEAR: Mapping[str, str] = {"math": "math.fsum", "statistics": "statistics.mode", "collections": "collections.deque"}
 
 
-def write_bigcodebench_fixture(folder: str | Path, *, n_problems: int = 8) -> dict[str, Path]:
+def write_bigcodebench_fixture(folder: str | Path, *, n_problems: int = 8,
+                               kinds: Sequence[int] = ()) -> dict[str, Path]:
     """A small release of the project's own in BigCodeBench's layout under ``folder``: invented
     problems on the standard library (their tests run in the sandbox without third-party
     packages) in ``bigcodebench.jsonl``, and a scripted teacher trace per problem in
     ``traces.jsonl`` (the module, a near-miss attribute of it, the chosen one, and a code block
-    that passes). Returns the paths by role (``corpus``, ``traces_file``)."""
+    that passes). ``kinds``: which of the six invented problems each problem is, in order (then
+    ``n_problems`` is its length); empty cycles through them. Problems of one kind share their
+    events' tokens, so each can stand in the other's context (a knock-in's donor). Returns the
+    paths by role (``corpus``, ``traces_file``)."""
     root = Path(folder)
     root.mkdir(parents=True, exist_ok=True)
     rows, traces = [], []
-    for i in range(n_problems):
-        what, module, body, check = _FIXTURE_TASKS[i % len(_FIXTURE_TASKS)]
+    order = list(kinds) or [i % len(_FIXTURE_TASKS) for i in range(n_problems)]
+    for i, kind in enumerate(order):
+        what, module, body, check = _FIXTURE_TASKS[kind]
         code_prompt = f"import {module}\n\ndef task_func(values):\n"
         solution = f"    return {body}\n"
         test = (f"import unittest\n\nclass TestCases(unittest.TestCase):\n    def test_case(self):\n"
