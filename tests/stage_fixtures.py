@@ -8,6 +8,7 @@ import json
 import os
 import re
 import sys
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -61,6 +62,33 @@ def freeze_source(dst: Path) -> Path:
 def unique(prefix: str) -> str:
     """A corpus name no other test uses (its own experiment ``mistill/<name>``)."""
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def now_ms(slack_ms: int = 1000) -> int:
+    """A time in ms, ``slack_ms`` before now: a run created after this call starts later."""
+    return int(time.time() * 1000) - slack_ms
+
+
+def runs_started_since(since_ms: int, client=None) -> set[str]:
+    """The ids of every run on the tracking server started at or after ``since_ms`` (see
+    :func:`now_ms`), of every experiment, deleted ones included: what a call made after
+    ``since_ms`` may have left. The session's server holds every other test's runs, so the query
+    filters on the start time rather than reading them all."""
+    from mlflow.entities import ViewType  # deferred: mlflow is slow to import
+    from mlflow.tracking import MlflowClient
+
+    client = client or MlflowClient()
+    ids = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ALL)]
+    found: set[str] = set()
+    token = None
+    while ids:
+        page = client.search_runs(ids, filter_string=f"attributes.start_time >= {since_ms}",
+                                  run_view_type=ViewType.ALL, max_results=1000, page_token=token)
+        found |= {r.info.run_id for r in page}
+        token = page.token
+        if not token:
+            break
+    return found
 
 
 def tiny_attribute_run(prefix: str, n_notes: int = 3) -> str:

@@ -18,7 +18,7 @@ import pytest
 from mistill.stages.cli import console, field_meanings, main, param_text, parse_stage_args
 from mistill.stages.registry import stage_help, stages
 from mistill.tracking.server import TrackingServer, free_port, port_is_free
-from stage_fixtures import REPO, TINY, subprocess_env, unique
+from stage_fixtures import REPO, TINY, now_ms, runs_started_since, subprocess_env, unique
 
 STAGES = list(stage_help())
 HEX_RUN = "0123456789abcdef0123456789abcdef"  # a well-formed run id no server holds
@@ -38,15 +38,6 @@ def _option_blocks(help_text: str) -> dict[str, str]:
         else:
             current = None
     return {k: " ".join(v.split()) for k, v in blocks.items()}
-
-
-def _all_runs() -> set[str]:
-    from mlflow.entities import ViewType
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient()
-    ids = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ALL)]
-    return {r.info.run_id for r in client.search_runs(ids, run_view_type=ViewType.ALL)} if ids else set()
 
 
 def _cli(args: list[str], env: dict[str, str], cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
@@ -169,7 +160,7 @@ def test_name_equals_value_round_trip_through_a_run(tracking_uri, tmp_path, monk
 # ---------------------------------------------------------------------------- failing early
 @pytest.mark.parametrize("name,argv,message", [
     ("train", [], "targets_run is required: the run id of a `targets` run"),
-    ("targets", [], "teacher_attribute_run is required: the run id of an `attribute` run"),
+    ("targets", [], "the targets need the teacher's attribute run of the training notes (teacher_attribute_run)"),
     ("evaluate", ["--model", TINY], "prepare_run is required: the run id of a `prepare` run "
                                     "(or of a `shortlist` or `generate` or `flip_cohort` run)"),
 ])
@@ -177,14 +168,15 @@ def test_missing_required_input_is_refused_before_any_run(name, argv, message, t
                                                           monkeypatch, capsys):
     monkeypatch.setenv("MISTILL_ROOT", str(tmp_path))
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
-    before = _all_runs()
+    since = now_ms()
+    before = runs_started_since(since)
     with pytest.raises(SystemExit) as exc:
         main(name, argv)
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err, err
     assert "no run" not in err
-    assert _all_runs() == before
+    assert runs_started_since(since) == before
 
 
 def test_optional_inputs_are_not_required():

@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
+from stage_fixtures import now_ms, runs_started_since
 
 from mistill.errors import MistillInputError
 from mistill.models.loading import check_model_present
@@ -65,38 +65,36 @@ def make_run(server: MlflowClient) -> Callable[..., str]:
     return make
 
 
-def _count_runs(client: MlflowClient) -> int:
-    """Every run on the server, deleted ones included."""
-    ids = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ALL)]
-    total, token = 0, None
-    while True:
-        page = client.search_runs(ids, run_view_type=ViewType.ALL, max_results=1000, page_token=token)
-        total += len(page)
-        token = page.token
-        if not token:
-            return total
-
-
 def _refused(client: MlflowClient, stage: str, argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     """Run the stage's command line; assert it exits 2 and leaves no new run; its stderr line."""
-    before = _count_runs(client)
+    since = now_ms()  # a run the stage creates starts after this
+    before = runs_started_since(since, client)
     capsys.readouterr()
     with pytest.raises(SystemExit) as exc:
         cli.main(stage, argv)
     err = capsys.readouterr().err.strip()
     assert exc.value.code == cli.EXIT_INPUT, err
     assert len(err.splitlines()) == 1, err
-    assert _count_runs(client) == before, f"{stage} left a run behind: {err}"
+    assert runs_started_since(since, client) == before, f"{stage} left a run behind: {err}"
     return err
 
 
-def _inputs(stage: str, make_run: Callable[..., str], *, only_required: bool = False) -> dict[str, str]:
-    """A fitting FINISHED run for each run field of ``stage`` (only the required ones if asked)."""
+def _inputs(stage: str, make_run: Callable[..., str], *, only_required: bool = False,
+            field: str = "") -> dict[str, str]:
+    """A fitting FINISHED run for each run field of ``stage`` (only the required ones if asked; of
+    fields that exclude each other, ``field`` or else the first)."""
     s = STAGES[stage]
     required = set(s.required_inputs().values())
+    group = EXCLUSIVE.get(stage, ())
+    kept = field if field in group else group[0] if group else ""
     values = {f: _value(f, make_run(INPUT_RUN_STAGES[f][0]), make_run) for f in run_fields(s.config)
-              if not only_required or f in required}
+              if (not only_required or f in required) and (f not in group or f == kept)}
     return {**values, **RUN_CONTEXT.get(stage, {})} if "mask_heads_run" in values else values
+
+
+EXCLUSIVE = {"targets": ("teacher_attribute_run", "events_run")}
+"""Run fields of which a stage takes one: the training notes' attribution, or their events with a
+frozen ranking."""
 
 
 RUN_CONTEXT = {"flip_test": {"mask": "target"}}
@@ -141,7 +139,7 @@ def test_wrong_stage_run_is_refused(stage: str, field: str, server: MlflowClient
                                     capsys: pytest.CaptureFixture[str]) -> None:
     accepted = INPUT_RUN_STAGES[field]
     wrong = "prepare" if "prepare" not in accepted else "report"
-    values = _inputs(stage, make_run)
+    values = _inputs(stage, make_run, field=field)
     wrong_run = make_run(wrong)
     values[field] = _value(field, wrong_run, make_run)
     err = _refused(server, stage, _argv(values), capsys)

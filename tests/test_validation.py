@@ -13,7 +13,6 @@ import math
 
 import pytest
 import torch
-from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
 from mistill.config import Config
@@ -32,7 +31,7 @@ from mistill.stages.report import ReportConfig
 from mistill.stages.select_lambda import SelectLambdaConfig
 from mistill.stages.shortlist import ShortlistConfig, run_shortlist
 from mistill.stages.workflow import CharacterizeConfig, PipelineConfig, pipeline_steps, run_characterize
-from stage_fixtures import TINY, unique
+from stage_fixtures import TINY, now_ms, runs_started_since, unique
 
 REFUSED = [
     (EventsConfig, {"max_notes": -1}, "max_notes"),
@@ -213,28 +212,15 @@ def test_files_named_by_path_join_the_pipelines_identity(tmp_path):
 
 
 # --------------------------------------------------------------------- refused before the run
-def _run_ids() -> set[str]:
-    """Every run on the tracking server, of every experiment, in any lifecycle state."""
-    client = MlflowClient()
-    experiments = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ALL)]
-    ids: set[str] = set()
-    token = None
-    while True:
-        page = client.search_runs(experiments, run_view_type=ViewType.ALL, max_results=1000, page_token=token)
-        ids |= {r.info.run_id for r in page}
-        token = page.token
-        if not token:
-            return ids
-
-
 def _refused_without_a_run(call, field: str, *needles: str) -> MistillInputError:
-    before = _run_ids()
+    since = now_ms()
+    before = runs_started_since(since)
     with pytest.raises(MistillInputError) as err:
         call()
     assert err.value.field == field, str(err.value)
     for needle in needles:
         assert needle in str(err.value), (needle, str(err.value))
-    assert _run_ids() == before, "the refused call left a run on the server"
+    assert runs_started_since(since) == before, "the refused call left a run on the server"
     return err.value
 
 
@@ -303,25 +289,27 @@ def test_targets_split_without_notes_is_refused_before_any_run(prepared, root):
 def test_bad_device_on_the_command_line_exits_2_without_a_run(stage, argv, prepared, root, capsys):
     from mistill.stages.cli import main
 
-    before = _run_ids()
+    since = now_ms()
+    before = runs_started_since(since)
     with pytest.raises(SystemExit) as exc:
         main(stage, ["--prepare_run", prepared["run"], "--device", "gpu", *argv])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "field 'device'" in err and "'cuda:<n>'" in err, err
-    assert _run_ids() == before
+    assert runs_started_since(since) == before
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_cuda_on_a_machine_without_it_exits_2_without_a_run(prepared, root, capsys):
     from mistill.stages.cli import main
 
-    before = _run_ids()
+    since = now_ms()
+    before = runs_started_since(since)
     with pytest.raises(SystemExit) as exc:
         main("events", ["--prepare_run", prepared["run"], "--model", TINY, "--device", "cuda"])
     assert exc.value.code == 2
     assert "CUDA is not available" in capsys.readouterr().err
-    assert _run_ids() == before
+    assert runs_started_since(since) == before
 
 
 def test_pipeline_refuses_a_split_without_notes_before_any_model_step(tracking_uri, tmp_path, monkeypatch):
@@ -331,13 +319,14 @@ def test_pipeline_refuses_a_split_without_notes_before_any_model_step(tracking_u
     cfg = PipelineConfig(corpus="synthetic", corpus_name=name, n_notes=4, model=TINY, student=TINY, las_model=TINY,
                          train_arms=("vanilla-bf16",), shortlist=False, select_lock="", own_heads=False,
                          report=False, eval_split="nope", launch="inline")
-    before = _run_ids()
+    since = now_ms()
+    before = runs_started_since(since)
     with pytest.raises(MistillInputError) as err:
         pipeline_steps(cfg)
     assert err.value.field == "eval_split"
     assert "'nope'" in str(err.value) and all(s in str(err.value) for s in SPLITS)
     client = MlflowClient()
-    new = [client.get_run(r) for r in _run_ids() - before]
+    new = [client.get_run(r) for r in runs_started_since(since) - before]
     assert [r.data.tags.get("mistill.stage") for r in new] == ["prepare"]  # no model step ran
 
 
