@@ -39,7 +39,7 @@ from mistill.io import iter_jsonl
 AnswerReader = Callable[..., Answer]
 """``reader(generation, capped=False) -> Answer``: how the stages read a generation's answer."""
 
-__all__ = ["Task", "AnswerReader", "Span", "Mention", "Record", "record_id", "whole_word_mentions", "set_scores",
+__all__ = ["Task", "AnswerReader", "Span", "Mention", "Record", "record_id", "read_traces", "whole_word_mentions", "set_scores",
            "answer_part", "THINK_CLOSE"]
 
 Span = tuple[int, int]
@@ -301,6 +301,20 @@ def jsonl_records(path: str | Path, id_key: str) -> Iterator[tuple[Record, str]]
             raise rec.fail(f"duplicate {id_key}", id_key)
         seen.add(rid)
         yield rec, rid
+
+
+def read_traces(path: str | Path, id_key: str, known: Collection[str], what: str) -> dict[str, str]:
+    """Teacher traces made elsewhere: JSONL rows ``{<id_key>, "trace"}`` -> ``{id: trace}``. A trace
+    whose id is not in ``known`` (a ``what`` the release does not hold), a missing or repeated id
+    and an empty trace raise, naming the file, the record and the field."""
+    known = set(known)
+    traces: dict[str, str] = {}
+    for rec, rid in jsonl_records(path, id_key):
+        if rid not in known:
+            raise MistillInputError(f"a trace for {what} the release does not hold", file=str(path), note=rid,
+                                    field=id_key)
+        traces[rid] = rec.text("trace", allow_empty=False)
+    return traces
 
 
 def record_id(row: object, key: str) -> str | None:

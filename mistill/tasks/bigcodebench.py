@@ -79,7 +79,7 @@ from mistill.errors import MistillInputError
 from mistill.evaluation.parsing import Answer, degenerate_reason
 from mistill.evaluation.sandbox import SandboxLimits, Verdict, run_programs
 from mistill.tasks.base import (AnswerReader, Mention, Record, Span, Task, _merge, answer_part, jsonl_records,
-                                set_scores)
+                                read_traces, set_scores)
 
 __all__ = ["BigCodeBenchTask", "BigCodeBenchProblem", "load_bigcodebench", "import_aliases", "api_namings",
            "last_code_block", "program", "execute", "BIGCODEBENCH_WORDING", "note_id_of",
@@ -407,14 +407,7 @@ def load_bigcodebench_corpus(path: str | Path, *, traces_file: str | Path = "", 
         raise MistillInputError(f"split_sizes must be three counts (ranking, assessment, fresh), not "
                                 f"{tuple(split_sizes)!r}", field="split_sizes")
     problems = load_bigcodebench(path)
-    traces: dict[str, str] = {}
-    if traces_file:
-        known = {p.task_id for p in problems}
-        for rec, tid in jsonl_records(traces_file, "task_id"):
-            if tid not in known:
-                raise MistillInputError("a trace for a problem the release does not hold", file=str(traces_file),
-                                        note=tid, field="task_id")
-            traces[tid] = rec.text("trace", allow_empty=False)
+    traces = read_traces(traces_file, "task_id", {p.task_id for p in problems}, "a problem") if traces_file else {}
     bounds = [sum(split_sizes[:i + 1]) for i in range(len(split_sizes))]
     notes, items, left_out = [], {}, 0
     for problem in problems:

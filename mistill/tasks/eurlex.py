@@ -59,7 +59,7 @@ from mistill.errors import MistillInputError
 from mistill.evaluation.metrics import prf_from_counts
 from mistill.evaluation.parsing import CodeIndex, parse_answer
 from mistill.io import read_json
-from mistill.tasks.base import Mention, Record, Task, jsonl_records, set_scores, whole_word_mentions
+from mistill.tasks.base import Mention, Record, Task, read_traces, set_scores, whole_word_mentions
 
 __all__ = ["EurlexTask", "EurlexAct", "load_eurlex_documents", "load_eurovoc", "load_broader", "micro_f1",
            "EURLEX_WORDING", "candidate_list", "load_eurlex_corpus", "write_eurlex_fixture", "SPLIT_FOLDERS"]
@@ -318,16 +318,9 @@ def load_eurlex_corpus(dataset: str | Path, concepts_file: str | Path, *, hierar
     inventory = Inventory(codes=tuple(order), descriptions=dict(task.items), order_seed=order_seed,
                           source=f"EURLEX57K concepts ({Path(concepts_file).name})", task=task.name,
                           relations=relations)
-    traces: dict[str, str] = {}
-    if traces_file:
-        for rec, celex in jsonl_records(traces_file, "celex_id"):
-            traces[celex] = rec.text("trace", allow_empty=False)
     acts = load_eurlex_documents(dataset)
+    traces = read_traces(traces_file, "celex_id", {a.celex_id for a in acts}, "an act") if traces_file else {}
     near = task.neighbours()
-    unknown = sorted(set(traces) - {a.celex_id for a in acts})
-    if unknown:
-        raise MistillInputError(f"a trace for an act the dataset does not hold ({len(unknown)} such)",
-                                file=str(traces_file), note=unknown[0], field="celex_id")
     notes = []
     for act in acts:
         gold = task.gold(act)

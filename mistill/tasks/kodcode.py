@@ -47,7 +47,7 @@ from pathlib import Path
 from mistill.data.corpus import Corpus, Note
 from mistill.data.inventory import Inventory
 from mistill.errors import MistillInputError
-from mistill.tasks.base import Record, jsonl_records
+from mistill.tasks.base import Record, jsonl_records, read_traces
 from mistill.tasks.bigcodebench import PYTEST_STYLE, api_namings, import_aliases
 
 __all__ = ["KodCodeProblem", "load_kodcode", "load_kodcode_corpus", "write_kodcode_fixture", "note_id_of",
@@ -174,14 +174,8 @@ def load_kodcode_corpus(path: str | Path, *, traces_file: str | Path = "", split
         raise MistillInputError(f"split_sizes must be one count (the training problems), not {tuple(split_sizes)!r}",
                                 field="split_sizes")
     problems = load_kodcode(path)
-    traces: dict[str, str] = {}
-    if traces_file:
-        known = {p.question_id for p in problems}
-        for rec, qid in jsonl_records(traces_file, "question_id"):
-            if qid not in known:
-                raise MistillInputError("a trace for a problem the release does not hold", file=str(traces_file),
-                                        note=qid, field="question_id")
-            traces[qid] = rec.text("trace", allow_empty=False)
+    traces = read_traces(traces_file, "question_id", {p.question_id for p in problems}, "a problem") \
+        if traces_file else {}
     eligible = [p for p in problems if p.gold]
     left_out = len(problems) - len(eligible)
     if not eligible:

@@ -76,7 +76,7 @@ from mistill.data.prompts import PromptWording
 from mistill.errors import MistillInputError
 from mistill.evaluation.parsing import Answer, degenerate_reason
 from mistill.tasks.base import (AnswerReader, Mention, Record, Span, Task, _merge, answer_part, jsonl_records,
-                                whole_word_mentions)
+                                read_traces, whole_word_mentions)
 
 __all__ = ["MuSiQueTask", "MuSiQueQuestion", "Paragraph", "load_musique", "normalize_answer",
            "answer_em", "answer_f1", "ABSTAIN", "MUSIQUE_WORDING", "question_group", "question_text",
@@ -406,13 +406,8 @@ def load_musique_corpus(path: str | Path, *, traces_file: str | Path = "", order
                 raise MistillInputError("the question has no answer (MuSiQue-Ans questions have one)", file=str(f),
                                         note=q.id, field="answer")
             questions.append((q, split, f))
-    traces: dict[str, str] = {}
-    if traces_file:
-        for rec, qid in jsonl_records(traces_file, "id"):
-            if qid not in seen:
-                raise MistillInputError("a trace for a question the corpus does not hold", file=str(traces_file),
-                                        note=qid, field="id")
-            traces[qid] = rec.text("trace", allow_empty=False)  # a question left out keeps none
+    # a question left out keeps none
+    traces = read_traces(traces_file, "id", seen, "a question") if traces_file else {}
     items = sorted({c for q, _, _ in questions for c in q.candidates})
     random.Random(order_seed).shuffle(items)
     inventory = Inventory(codes=tuple(items), descriptions={c: "MuSiQue-Ans candidate" for c in items},
