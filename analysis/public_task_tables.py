@@ -9,12 +9,15 @@
   :func:`mistill.tasks.musique.question_group`), and both counts are reported. The locked
   criteria: recovery, lower bound above 0 (Mistill against Vanilla CoT-KD); answer F1, lower
   bound above -0.02.
+  Reading 3: the paired correctness ``P`` per evidence pair (``flip_test`` runs' per-case
+  ``paired_success`` on the pair cohort: success on the original and on the flipped input at the
+  same sample index, over the N samples), seed-paired the same way and resampled by the pairs'
+  base-question groups; the locked criterion, lower bound above 0.
 * :func:`checkpoint_table` (Table 57): per checkpoint (model, arm, precision, seed), the answer F1
-  and valid-answer rate of its ``evaluate`` run and the mean own-heads P2 recovery at k = 40 over
-  the questions its ``own_heads`` run recovers.
+  and valid-answer rate of its ``evaluate`` run, the mean own-heads P2 recovery at k = 40 over
+  the questions its ``own_heads`` run recovers, and its paired correctness over the pairs.
 
-Readings 3 and 4 (paired correctness on the evidence pairs, the teacher's evidence-mask gate) come
-from the evidence-flip machinery, not from these runs.
+Reading 4 (the teacher's evidence-mask gate) comes from key-masked runs of the teacher.
 """
 
 from __future__ import annotations
@@ -34,13 +37,14 @@ READING_PHASE = "P2"
 """The answer-emission event's phase: the task's one phase."""
 READING_K = 40
 """The own top-k of reading 1."""
-CRITERIA: Mapping[str, float] = {"recovery": 0.0, "answer_f1": -0.02}
-"""The locked criteria: the lower bound must lie above these (recovery; answer F1)."""
+CRITERIA: Mapping[str, float] = {"recovery": 0.0, "answer_f1": -0.02, "paired_correctness": 0.0}
+"""The locked criteria: the lower bound must lie above these (recovery; answer F1; paired
+correctness on the evidence pairs)."""
 
 READING_COLUMNS: tuple[str, ...] = ("reading", "arm", "reference", "estimate", "ci_low", "ci_high", "n_questions",
                                     "n_groups", "n_seed_pairs", "seed_pairs", "criterion", "met")
 CHECKPOINT_COLUMNS: tuple[str, ...] = ("model", "arm", "precision", "seed", "answer_f1", "valid_rate", "n_questions",
-                                       "recovery_own", "n_recovered")
+                                       "recovery_own", "n_recovered", "paired_correctness", "n_pairs")
 
 
 def seed_paired_differences(arm: pd.DataFrame, ref: pd.DataFrame, value: str) -> tuple[dict[str, float], dict]:
@@ -73,13 +77,16 @@ def _reading(name: str, criterion_key: str, arm: str, reference: str, diffs: dic
 
 
 def readings_table(own: pd.DataFrame, answers: pd.DataFrame, groups: Mapping[str, str], *,
+                   pair_rows: pd.DataFrame | None = None,
                    reference: str = "vanilla-bf16", primary: str = "mistill", secondary: Sequence[str] = ("randheads",),
                    k: int = READING_K, n_resamples: int = stats.N_BOOTSTRAP, seed: int = 0) -> pd.DataFrame:
-    """Table 56's readings 1 and 2 (module docstring). ``own``: ``own_heads`` per-note rows with
+    """Table 56's readings 1 to 3 (module docstring). ``own``: ``own_heads`` per-note rows with
     ``arm, seed, note_id, phase, k, recovery_own``; ``answers``: ``evaluate`` per-note rows with
-    ``arm, seed, note_id, answer_f1``; ``groups``: question -> base-question group. The primary
+    ``arm, seed, note_id, answer_f1``; ``groups``: question -> base-question group; ``pair_rows``:
+    ``flip_test`` per-case rows with ``arm, seed, case_id, paired_success, group``. The primary
     arm against the reference carries the locked criteria; the primary arm is also read against
-    each ``secondary`` arm on recovery (no criterion). A comparison without a seed pair is left out."""
+    each ``secondary`` arm on recovery and on paired correctness (no criterion). A comparison
+    without a seed pair is left out."""
     rows = []
     own = own[(own["phase"] == READING_PHASE) & (own["k"].astype(int) == k)] if not own.empty else own
     if not own.empty:
@@ -96,13 +103,23 @@ def readings_table(own: pd.DataFrame, answers: pd.DataFrame, groups: Mapping[str
         if diffs:
             rows.append(_reading("(2) answer F1", "answer_f1", primary, reference, diffs, pairs, groups,
                                  n_resamples, seed, True))
+    if pair_rows is not None and not pair_rows.empty:
+        by_case = pair_rows.rename(columns={"case_id": "note_id"})
+        pair_groups = dict(zip(by_case["note_id"].astype(str), by_case["group"].astype(str)))
+        for ref, locked in [(reference, True)] + [(other, False) for other in secondary]:
+            diffs, per_pair = seed_paired_differences(by_case[by_case["arm"] == primary], by_case[by_case["arm"] == ref],
+                                                      "paired_success")
+            if diffs:
+                rows.append(_reading("(3) paired correctness on the evidence pairs", "paired_correctness", primary,
+                                     ref, diffs, per_pair, pair_groups, n_resamples, seed, locked))
     return pd.DataFrame(rows, columns=list(READING_COLUMNS))
 
 
 def checkpoint_table(own: pd.DataFrame, answers: pd.DataFrame, eval_runs: pd.DataFrame,
-                     k: int = READING_K) -> pd.DataFrame:
-    """Table 57 (module docstring): one row per checkpoint with an ``evaluate`` or ``own_heads`` run.
-    ``eval_runs``: the evaluate runs' rows (``model, arm, precision, seed`` and ``valid_rate``)."""
+                     k: int = READING_K, pair_rows: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Table 57 (module docstring): one row per checkpoint with an ``evaluate``, ``own_heads`` or
+    ``flip_test`` run. ``eval_runs``: the evaluate runs' rows (``model, arm, precision, seed`` and
+    ``valid_rate``); ``pair_rows``: the flip_test runs' per-case rows (``paired_success``)."""
     key = ["model", "arm", "precision", "seed"]
     cells: dict[tuple, dict] = {}
     if not answers.empty:
@@ -118,7 +135,11 @@ def checkpoint_table(own: pd.DataFrame, answers: pd.DataFrame, eval_runs: pd.Dat
             per_q = grp.groupby("note_id")["recovery_own"].mean().dropna()
             cells.setdefault(cell, {})["recovery_own"] = float(per_q.mean()) if len(per_q) else np.nan
             cells[cell]["n_recovered"] = len(per_q)
+    if pair_rows is not None and not pair_rows.empty:
+        for cell, grp in pair_rows.groupby(key, sort=True, dropna=False):
+            cells.setdefault(cell, {})["paired_correctness"] = float(grp["paired_success"].mean())
+            cells[cell]["n_pairs"] = int(grp["case_id"].nunique())
     if not cells:
-        raise MistillInputError("no evaluate or own_heads rows of a MuSiQue-Ans experiment", field="runs")
+        raise MistillInputError("no evaluate, own_heads or flip_test rows of a MuSiQue-Ans experiment", field="runs")
     out = [{**dict(zip(key, cell)), **vals} for cell, vals in sorted(cells.items(), key=lambda kv: str(kv[0]))]
     return pd.DataFrame(out).reindex(columns=list(CHECKPOINT_COLUMNS))

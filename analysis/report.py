@@ -261,7 +261,8 @@ def build_report(inputs: ReportInputs, *, reference_arm: str,
                                 read_side_sets=inputs.extra.get("read_side_sets", pd.DataFrame()),
                                 generations=inputs.extra.get("screen_generations", pd.DataFrame()))
     elif inputs.task == "musique":  # App. O's readings, not App. B's control
-        public_task_section(rep, inputs.runs["own_heads"], inputs.runs["evaluate"], n_resamples, seed)
+        public_task_section(rep, inputs.runs["own_heads"], inputs.runs["evaluate"], n_resamples, seed,
+                            flip_runs=inputs.extra.get("flip_test", pd.DataFrame()))
     elif inputs.task == "kodcode":  # App. P's programming pilot
         pilot_section(rep, inputs.runs["own_heads"], inputs.runs["evaluate"], n_resamples, seed)
     else:

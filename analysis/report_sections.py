@@ -1182,43 +1182,59 @@ def transfer_screen_section(rep: Report, knockin_sets: pd.DataFrame, n_resamples
             "" if len(table) else "the knock-in runs read no P2C rows", columns=list(table.columns))
 
 
+def _prepared_groups(*runs: pd.DataFrame) -> dict[str, str]:
+    """Each note's group (its ``patient_id``: a MuSiQue-Ans base question, a BigCodeBench task) in
+    the prepared corpora the runs read (``params.prepare_run``)."""
+    prepare_runs = sorted({str(p) for frame in runs if "params.prepare_run" in frame
+                           for p in frame["params.prepare_run"].dropna()})
+    groups: dict[str, str] = {}
+    for run_id in prepare_runs:
+        groups.update(compare.prepared_patients(run_id))
+    return groups
+
+
 def public_task_section(rep: Report, own_runs: pd.DataFrame, eval_runs: pd.DataFrame, n_resamples: int,
-                        seed: int) -> None:
-    """Tables 56 and 57 (App. O) of a MuSiQue-Ans experiment: readings 1 and 2, Mistill against the
-    reference arm (and against RandHeads on recovery), paired by question over seed pairs with a
-    bootstrap over base-question groups, and the per-checkpoint values
-    (:mod:`analysis.public_task_tables`)."""
+                        seed: int, flip_runs: pd.DataFrame | None = None) -> None:
+    """Tables 56 and 57 (App. O) of a MuSiQue-Ans experiment: readings 1 to 3, Mistill against the
+    reference arm (and against RandHeads on recovery and paired correctness), paired by question
+    (or evidence pair) over seed pairs with a bootstrap over base-question groups, and the
+    per-checkpoint values (:mod:`analysis.public_task_tables`). ``flip_runs``: the experiment's
+    ``flip_test`` runs; the behavioural ones on the evidence pairs give reading 3."""
     name56, title56 = "table56_public_task", "Table 56: the public-task extension's readings"
     caption56 = (f"Mistill minus {rep.reference_arm}, seed i against seed i: (1) the own-heads final-line P2 "
                  "recovery at k=40 per question on the common support, and against RandHeads (no criterion); (2) the "
-                 "answer F1 per question; means over questions with 95% percentile bootstraps over base-question "
-                 "groups, both counts, each seed pair's mean, and the locked criterion. Readings 3 and 4 come from "
-                 "the evidence-flip runs.")
+                 "answer F1 per question; (3) the paired correctness per evidence pair (success on the original "
+                 "and the flipped input at one sample index), and against RandHeads; means with 95% percentile "
+                 "bootstraps over base-question groups, both counts, each seed pair's mean, and the locked "
+                 "criterion. Reading 4 (the teacher's evidence-mask gate) comes from key-masked runs.")
     name57, title57 = "table57_public_task_checkpoints", "Table 57: the public-task extension per checkpoint"
     caption57 = ("Per checkpoint: answer F1 and valid-answer rate of its evaluate run; mean own-heads P2 recovery at "
-                 "k=40 over the questions its own_heads run recovers (descriptive).")
+                 "k=40 over the questions its own_heads run recovers; paired correctness over the evidence pairs "
+                 "(descriptive).")
     own = _load(rep, own_runs, OWN_HEADS_PER_NOTE, ["note_id", "phase", "k", "recovery_own"]) \
         if not own_runs.empty else pd.DataFrame()
     answers = _load(rep, eval_runs, PER_NOTE_METRICS, ["note_id", "answer_f1"]) \
         if not eval_runs.empty else pd.DataFrame()
-    if own.empty and answers.empty:
+    behaviour = flip_tables.behaviour_runs(flip_tables.flip_runs(flip_runs)) \
+        if flip_runs is not None and not flip_runs.empty else pd.DataFrame()
+    pair_rows = _load(rep, behaviour, "flip_cases.csv", ["case_id", "paired_success", "group"]) \
+        if not behaviour.empty else pd.DataFrame()
+    if not pair_rows.empty:
+        pair_rows["case_id"] = pair_rows["case_id"].astype(str)
+    if own.empty and answers.empty and pair_rows.empty:
         for name, title, caption, cols in ((name56, title56, caption56, public_task_tables.READING_COLUMNS),
                                            (name57, title57, caption57, public_task_tables.CHECKPOINT_COLUMNS)):
             _listed(rep, name, title, caption, pd.DataFrame(), pd.DataFrame(),
                     "no FINISHED own_heads or evaluate run with per-question rows", columns=cols)
         return
-    prepare_runs = sorted({str(p) for frame in (own_runs, eval_runs) if "params.prepare_run" in frame
-                           for p in frame["params.prepare_run"].dropna()})
-    groups: dict[str, str] = {}
-    for run_id in prepare_runs:
-        groups.update(compare.prepared_patients(run_id))
-    readings = public_task_tables.readings_table(own, answers, groups, reference=rep.reference_arm,
-                                                 n_resamples=n_resamples, seed=seed)
+    groups = _prepared_groups(own_runs, eval_runs)
+    readings = public_task_tables.readings_table(own, answers, groups, pair_rows=pair_rows,
+                                                 reference=rep.reference_arm, n_resamples=n_resamples, seed=seed)
     _listed(rep, name56, title56, caption56, readings, readings.round(4),
             "" if len(readings) else f"no seed pair of mistill and {rep.reference_arm}",
             columns=list(public_task_tables.READING_COLUMNS))
     checkpoints = public_task_tables.checkpoint_table(own, answers, tables._norm(eval_runs) if not eval_runs.empty
-                                                      else eval_runs)
+                                                      else eval_runs, pair_rows=pair_rows)
     _listed(rep, name57, title57, caption57, checkpoints, checkpoints.round(3),
             columns=list(public_task_tables.CHECKPOINT_COLUMNS))
 
@@ -1245,11 +1261,7 @@ def pilot_section(rep: Report, own_runs: pd.DataFrame, eval_runs: pd.DataFrame, 
         own = own[own["traces"] == "teacher"] if "traces" in own else own  # teacher-forced on the teacher's traces
     answers = _load(rep, eval_runs, PER_NOTE_METRICS, ["note_id", "passed", "verdict"]) \
         if not eval_runs.empty else pd.DataFrame()
-    prepare_runs = sorted({str(p) for frame in (own_runs, eval_runs) if "params.prepare_run" in frame
-                           for p in frame["params.prepare_run"].dropna()})
-    groups: dict[str, str] = {}
-    for run_id in prepare_runs:
-        groups.update(compare.prepared_patients(run_id))
+    groups = _prepared_groups(own_runs, eval_runs)
     recovery = pilot_tables.recovery_table(own, groups, n_resamples=n_resamples, seed=seed)
     _listed(rep, name, title, caption, recovery, recovery.round(4),
             "" if len(recovery) else "no seed pair of two pilot arms with own-heads P2C rows",

@@ -456,6 +456,17 @@ CONVENTIONS: tuple[Convention, ...] = (
                "mistill.tasks.bigcodebench.load_bigcodebench_corpus",
                "the paper gives the task, the prompt's libraries and pass@1, not the prompt, the batches or how an "
                "answer's namings are read"),
+    Convention("MuSiQue-Ans evidence pairs", "App. O",
+               "the evidence-flip machinery on free-text answers: the cohort lock names App. O's conditions "
+               "(original, flipped, irrelevant, control); teacher success and the answers' A and B are exact "
+               "matches under the task's EM (A with its aliases); the partner need not be a candidate; the "
+               "flipped version's gold is the partner alone; a control edit may not touch the evidence (its "
+               "meaning is the reviewer's to judge); the pair slice is the dev file's questions after the "
+               "evaluation questions (prepare -P split_sizes=...,807), drawn in a seeded order of 385 bases; a "
+               "pair's cluster is its base-question group",
+               "mistill.data.flips",
+               "the paper describes the pairs, their controls and paired correctness, not the slice, the order or "
+               "how an answer is matched"),
     Convention("KodCode through the stages", "App. P",
                "prepare -P task=kodcode: KodCode-V1 rows as train notes in BigCodeBench's label space; a problem's "
                "libraries are the modules its reference solution imports; the note is the question, then the "

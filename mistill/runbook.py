@@ -533,7 +533,7 @@ def estimate(work: Workload, figures: Figures) -> Estimate:
 ROLES: tuple[str, ...] = ("teacher", "student", "student_smollm3", "encoder", "las_model", "corpus",
                            "distill_corpus", "split_file", "flip_proposals", "flip_ledger", "eurlex_dataset",
                            "eurlex_concepts", "eurlex_hierarchy", "bigcodebench_file", "musique_release",
-                           "kodcode_file")
+                           "musique_pair_proposals", "musique_pair_ledger", "kodcode_file")
 """The placeholders a step's ``params`` may hold (``{teacher}``): the models and data a reproduction
 is given (:class:`mistill.stages.reproduce.ReproduceConfig` has a field of each name)."""
 
@@ -650,6 +650,10 @@ class PaperCounts:
     1,203, 1,610); musique_prompt_tokens: a question's prompt, its 20 passages (**[recon]**:
     3,000); musique_trace_tokens: a MuSiQue-Ans trace (**[recon]**: 2,000; the cap is 16,384);
     musique_seeds: the training seeds of each arm (3).
+    musique_pair_slice: the dev file's questions after the evaluation questions, the evidence
+    pairs' bases (**[recon]**: the remaining 807 of 2,417; App. O screens 385 two-hop bases there);
+    musique_pair_bases: the bases the cohort's draw orders (385); musique_pairs: the accepted pairs
+    (16); musique_pair_samples: answers per pair and condition (4).
     """
 
     characterization_traces: int = 100
@@ -687,6 +691,10 @@ class PaperCounts:
     musique_prompt_tokens: int = 3_000
     musique_trace_tokens: int = 2_000
     musique_seeds: int = 3
+    musique_pair_slice: int = 807
+    musique_pair_bases: int = 385
+    musique_pairs: int = 16
+    musique_pair_samples: int = 4
     kodcode_problems: int = 2_000
     kodcode_prompt_tokens: int = 500
     pilot_seeds: int = 2
@@ -990,6 +998,7 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
     steps += _eurlex_tree(c)
     steps += _bigcodebench_tree(c)
     steps += _musique_tree(c)
+    steps += _musique_pairs_tree(c)
     steps += _pilot_tree(c)
     steps.append(_step("report", "report", "report", Workload("none"),
                        after=tuple(s.name for s in steps if not s.experiment
@@ -997,12 +1006,12 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
     return steps
 
 
-TRANSFER_TREES: tuple[str, ...] = ("EF", "ST", "M2", "EU", "BC", "MQ", "PP")
+TRANSFER_TREES: tuple[str, ...] = ("EF", "ST", "M2", "EU", "BC", "MQ", "MP", "PP")
 """The trees of the tests the paper ran after its main campaign (its ``REBUTTAL/`` and ``DT-005/``
 artifacts: App. N's evidence-flip test, EF, Table 22's trace edits on the students, ST, App.
 M.2's matched selection, M2, App. P's
 screens on EURLEX57K, EU, and on BigCodeBench, BC, App. O's public-task extension on
-MuSiQue-Ans, MQ, and App. P's programming pilot, PP), priced beside the
+MuSiQue-Ans, MQ, with its evidence pairs, MP, and App. P's programming pilot, PP), priced beside the
 main reproduction (the characterization and distillation trees) rather than inside its budget."""
 
 EURLEX_BATCHES: tuple[tuple[str, str, str], ...] = (
@@ -1283,6 +1292,41 @@ def _pilot_tree(c: PaperCounts) -> list[PlanStep]:
     return [dataclasses.replace(s, experiment=PILOT_EXPERIMENT) for s in steps]
 
 
+def _musique_pairs_tree(c: PaperCounts) -> list[PlanStep]:
+    """MP, App. O's evidence pairs (R-D39; Tables 56-57, reading 3): the release dealt as MQ deals it
+    with the evidence pairs' slice of the dev file after the evaluation questions (a fifth
+    ``split_sizes`` count, split ``pairs``), the teacher's screen traces on that slice, the cohort
+    (lock ``o-musique-pairs``: the slice's bases in a seeded order, teacher-success-conditioned,
+    App. O's conditions) from the author's proposals and ledger (roles ``musique_pair_proposals``,
+    ``musique_pair_ledger``), then every MQ checkpoint's answers to every pair under every
+    condition (``flip_test``: paired correctness), and the experiment's report again. The runs go
+    to MQ's experiment; the release is not synthetic, so a synthetic corpus skips the tree."""
+    prompt, trace = c.musique_prompt_tokens, c.musique_trace_tokens
+    sizes = ",".join(map(str, (*c.musique_splits, c.musique_pair_slice)))
+    answers = c.musique_pairs * c.flip_conditions * c.musique_pair_samples
+    steps = [
+        _step("MP", "prepare", "prepare", Workload("none"), skip_synthetic=True,
+              params={"task": "musique", "corpus": "{musique_release}", "model": "{teacher}", "split_sizes": sizes}),
+        _step("MP", "generate", "generate", Workload("generate", "qwen3-14b", c.musique_pair_slice, prompt, trace),
+              inputs={"prepare_run": "MP/prepare"}, params={"model": "{teacher}", "split": "pairs"},
+              skip_synthetic=True),
+        _step("MP", "flip_cohort", "flip_cohort", Workload("none"), inputs={"prepare_run": "MP/generate"},
+              params={"lock": "projects/configs/cohorts/o-musique-pairs.yaml", "proposals": "{musique_pair_proposals}",
+                      "ledger": "{musique_pair_ledger}", "model": "{teacher}"}, skip_synthetic=True),
+    ]
+    for arm, _, _ in MUSIQUE_ARMS:
+        for seed in range(c.musique_seeds):
+            run = f"{arm}_s{seed}"
+            steps.append(_step("MP", f"flip_test_{run}", "flip_test",
+                               Workload("generate", "qwen3-4b", answers, prompt, trace),
+                               inputs={"cohort_run": "MP/flip_cohort", "train_run": f"MQ/train_{run}"},
+                               params={"samples": str(c.musique_pair_samples)}, skip_synthetic=True))
+    steps.append(_step("MP", "report", "report", Workload("none"), skip_synthetic=True,
+                       params={"own_heads_split": "val"},
+                       after=("MQ/report", *(s.name for s in steps if s.entry_point == "flip_test"))))
+    return [dataclasses.replace(s, experiment=MUSIQUE_EXPERIMENT) for s in steps]
+
+
 STUDENT_EDITS: tuple[tuple[str, str, str, int], ...] = (
     ("qwen3-4b", "mistill", "DT-001", 3), ("qwen3-4b", "vanilla-bf16", "DT-000", 3),
     ("qwen3-4b", "mistill-fp32-bf16-lambda", "DT-001", 3), ("qwen3-4b", "vanilla-fp32", "DT-000", 3),
@@ -1402,6 +1446,7 @@ RESULT_TREES: dict[str, tuple[str, ...]] = {"R-C7": ("HD-001", "HD-002"), "R-C14
                                             "R-C9": ("DT-000", "DT-001"), "R-D41": ("EU",), "R-D42": ("BC",),
                                             "R-D37": ("MQ",), "R-D38": ("MQ",),
                                             "R-D31": ("M2",), "R-D32": ("M2",),
+                                            "R-D39": ("MQ", "MP"),
                                             **{rid: ("BC", "PP") for rid in ("R-D43", "R-D44", "R-D45", "R-D46")}}
 """The trees a result reads where it is not its half's default (:func:`result_trees`)."""
 

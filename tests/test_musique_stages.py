@@ -13,21 +13,27 @@ import json
 import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
-from stage_fixtures import TINY, unique
+from stage_fixtures import REPO, TINY, unique
 
 from analysis.report import build_report, collect_inputs
+from mistill.data import flips
 from mistill.errors import MistillInputError
+from mistill.models.loading import load_tokenizer
 from mistill.stages.characterize import (AttributeConfig, EventsConfig, KnockinStageConfig, run_attribute, run_events,
                                          run_knockin)
 from mistill.stages.common import load_prepared
 from mistill.stages.distill import TargetsConfig, TrainStageConfig, run_targets, run_train
 from mistill.stages.evaluate import EvaluateConfig, run_evaluate
+from mistill.stages.flip_cohort import FlipCohortConfig, run_flip_cohort
+from mistill.stages.flip_test import FlipTestConfig, run_flip_test
 from mistill.stages.generate import answer_counts
 from mistill.stages.own_heads import OwnHeadsConfig, run_own_heads
 from mistill.stages.prepare import PrepareConfig, run_prepare
 from mistill.tasks import note_items, task_for
-from mistill.tasks.musique import load_musique_corpus, question_group, split_by_groups, write_musique_fixture
+from mistill.tasks.musique import (fixture_pair_proposals, load_musique_corpus, question_group, split_by_groups,
+                                   write_musique_fixture)
 from mistill.tracking.experiments import experiment_for_corpus
+
 
 def test_the_release_layout_becomes_a_corpus_with_per_question_candidates(tmp_path):
     paths = write_musique_fixture(tmp_path)
@@ -70,6 +76,10 @@ def test_split_sizes_deal_whole_base_question_groups_in_file_order(tmp_path):
         by_split.setdefault(note.split, set()).add(note.patient_id)
     assert {k: len(v) for k, v in by_split.items()} == {"train": 1, "val": 1, "select": 1, "test": 1}
     assert len(corpus.notes) == 8  # the dev file's second group does not fit: left out, its trace ignored
+    # a fifth count: the evidence pairs' slice, the dev file's groups after the evaluation questions
+    paired = load_musique_corpus(paths["corpus"], split_sizes=(2, 2, 2, 2, 2))
+    assert [n.note_id for n in paired.notes if n.split == "pairs"] == [n.note_id for n in load_musique_corpus(
+        paths["corpus"]).notes if n.split == "test"][2:]
     with pytest.raises(MistillInputError) as err:
         PrepareConfig(task="musique", corpus=str(paths["corpus"]), split_sizes=(2, 2, 2)).validate()
     assert err.value.field == "split_sizes"
@@ -156,3 +166,61 @@ def test_rank_knock_in_train_evaluate_and_read_on_questions(tracking_uri, tmp_pa
     assert answer["estimate"] == pytest.approx(f1["mistill"] - f1["vanilla-bf16"])
     assert set(t57.numeric["arm"]) == {"mistill", "vanilla-bf16"}
     assert answer["criterion"] == "lower bound > -0.02" and answer["met"] == (answer["ci_low"] > -0.02)
+
+
+def test_evidence_pairs_are_frozen_answered_and_read_as_paired_correctness(tracking_uri, tmp_path, monkeypatch,
+                                                                           pinned_code_version):
+    """App. O's evidence pairs through the evidence-flip machinery: the cohort lock names the pair
+    conditions (a paraphrase as the second control), eligibility is the teacher's screen answer
+    matching the gold answer (EM), the partner answer need not be a candidate, the flipped gold is
+    the partner alone; each checkpoint answers every pair under every condition, and the report's
+    reading 3 pairs Mistill with the reference per pair, resampled by base-question group."""
+    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path / "root"))
+    paths = write_musique_fixture(tmp_path / "release", questions_per_split={"train": 2, "dev": 6})
+    name = unique("mq-pairs")
+    prep = run_prepare(PrepareConfig(task="musique", corpus=str(paths["corpus"]), corpus_name=name,
+                                     traces_file=str(paths["traces_file"]), privacy="public", model=TINY))
+    prepared = load_prepared(prep)
+    lock = flips.load_cohort_lock(REPO / "projects/configs/cohorts/o-musique-pairs.yaml")
+    assert lock.conditions == flips.PAIR_CONDITIONS
+    drawn = flips.draw_cohort(prepared.corpus.notes, set(), lock.draw_n, lock.draw_seed)
+    records = fixture_pair_proposals(drawn, load_tokenizer(TINY))
+    assert len(records) == len(drawn) == 4  # one question of each base-question group
+    proposals = flips.write_proposals(tmp_path / "pairs" / "proposals.jsonl", records)
+    with pytest.raises(MistillInputError) as err:  # App. N's conditions are not this lock's
+        flips.read_proposals(flips.write_proposals(tmp_path / "order.jsonl", [
+            {**records[0], "versions": {**{k: v for k, v in records[0]["versions"].items() if k != "control"},
+                                        "order": records[0]["versions"]["control"]}}]), lock.conditions)
+    assert err.value.field == "versions"
+    decisions = flips.all_accept_ledger(records, lock.review_budget)
+    decisions[0] = flips.Decision(decisions[0].case_id, "exclude", "control_meaning", "author", "2026-01-02T10:00:00")
+    ledger = flips.write_ledger(tmp_path / "pairs" / "ledger.csv", decisions)
+    cohort = run_flip_cohort(FlipCohortConfig(prepare_run=prep, lock="projects/configs/cohorts/o-musique-pairs.yaml",
+                                              proposals=str(proposals), ledger=str(ledger), model=TINY))
+    client = MlflowClient()
+    tags = client.get_run(cohort).data.tags
+    assert client.get_run(cohort).data.metrics["n_accepted"] == 3
+    corpora = {c: load_prepared(tags[f"mistill.flip_cohort.run.{c}"]).corpus for c in flips.PAIR_CONDITIONS}
+    for original, flipped in zip(corpora["original"].notes, corpora["flipped"].notes, strict=True):
+        assert original.meta["target_code"] in original.gold_codes
+        assert flipped.gold_codes == (flipped.meta["partner_code"],)  # the flip's answer is the partner alone
+        assert original.meta["partner_code"] in flipped.text and original.meta["partner_code"] not in \
+            original.gold_codes
+    # two checkpoints standing for the reference and Mistill, every pair under every condition
+    runs = {arm: run_flip_test(FlipTestConfig(cohort_run=cohort, model=model, arm=arm, samples=2, max_new_tokens=6))
+            for arm, model in (("vanilla-bf16", TINY), ("mistill", "tiny:qwen3:seed=2"))}
+    cases = pd.read_csv(client.download_artifacts(runs["mistill"], "flip_cases.csv", str(tmp_path / "c")))
+    assert list(cases["case_id"]) == sorted(d.case_id for d in decisions if d.decision == "accept")
+    assert {"agreement_control", "expected_control", "paired_success", "group"} <= set(cases.columns)
+    assert cases["D_category"].isna().all()  # free-text answers have no categories
+    groups = {n.meta["flip_case"]: n.patient_id for n in corpora["original"].notes}
+    assert dict(zip(cases["case_id"], cases["group"].astype(str))) == groups
+    inputs = collect_inputs(client, experiment_for_corpus(name))
+    rep = build_report(inputs, reference_arm="vanilla-bf16", n_resamples=50, corpus_resamples=50)
+    t56, t57 = (next(t for t in rep.tables if t.name == n) for n in ("table56_public_task",
+                                                                      "table57_public_task_checkpoints"))
+    reading = t56.numeric.set_index("reading").loc["(3) paired correctness on the evidence pairs"]
+    per = t57.numeric.set_index("arm")["paired_correctness"]
+    assert (reading["arm"], reading["reference"], reading["n_questions"]) == ("mistill", "vanilla-bf16", 3)
+    assert reading["estimate"] == pytest.approx(per["mistill"] - per["vanilla-bf16"])
+    assert reading["criterion"] == "lower bound > 0" and reading["met"] == (reading["ci_low"] > 0)

@@ -41,10 +41,15 @@ def test_every_step_of_the_plan_builds_a_valid_config_from_the_roles(tmp_path):
     musique = write_musique_fixture(tmp_path / "musique")
     code = write_bigcodebench_fixture(tmp_path / "bigcodebench")
     kodcode = write_kodcode_fixture(tmp_path / "kodcode")
+    pair_files = {role: tmp_path / name for role, name in (("musique_pair_proposals", "pairs.jsonl"),
+                                                           ("musique_pair_ledger", "pairs-ledger.csv"))}
+    for path in pair_files.values():
+        path.write_text("")
     cfg = ReproduceConfig(**EMBEDDED, eurlex_dataset=str(release["dataset"]),
                           eurlex_concepts=str(release["concepts_file"]),
                           eurlex_hierarchy=str(release["hierarchy_file"]), musique_release=str(musique["corpus"]),
-                          bigcodebench_file=str(code["corpus"]), kodcode_file=str(kodcode["corpus"]))
+                          bigcodebench_file=str(code["corpus"]), kodcode_file=str(kodcode["corpus"]),
+                          **{role: str(path) for role, path in pair_files.items()})
     settings = load_settings(cfg.settings)
     plan = paper_plan()
     ids = {s.name: uuid.uuid4().hex for s in plan}
@@ -99,7 +104,14 @@ def test_every_step_of_the_plan_builds_a_valid_config_from_the_roles(tmp_path):
                                                                                             False)
         if step.name == "PP/evaluate_vanilla-bf16_s1":  # pass@1 on the 180 development tasks
             assert config.split == "test" and not config.fidelity
-        if step.entry_point == "prepare" and step.tree not in ("EU", "BC", "MQ", "PP"):  # they read the releases
+        if step.name == "MP/prepare":  # MQ's splits and the evidence pairs' slice of the dev file
+            assert config.split_sizes == (2000, 102, 1203, 1610, 807) and config.corpus_name.endswith("-musique")
+        if step.name == "MP/flip_cohort":  # the author's pairs under App. O's lock
+            assert (config.proposals, config.ledger) == tuple(str(p) for p in pair_files.values())
+            assert config.lock.endswith("o-musique-pairs.yaml") and config.prepare_run == ids["MP/generate"]
+        if step.name == "MP/flip_test_randheads_s2":  # each MQ checkpoint on every pair
+            assert (config.train_run, config.samples) == (ids["MQ/train_randheads_s2"], 4)
+        if step.entry_point == "prepare" and step.tree not in ("EU", "BC", "MQ", "MP", "PP"):  # they read the releases
             assert config.select_n == 0 and config.corpus == "synthetic"  # the smoke settings over the plan
         if step.name == "DT-001/train_qwen3-4b_low-lambda_s0":
             assert (config.overrides, resolve_arm(config.arm).lambda_p1) == ("", 0.03)  # its own λ

@@ -5,7 +5,9 @@ A *case* is a patient's note with an emitted gold code A (the *target code*) sup
 evidence in the note and a *partner code* B. Its four versions are the conditions
 (:data:`CONDITIONS`): the ``original`` note; the ``flipped`` note, whose evidence is rewritten so
 that it supports B instead; an ``irrelevant`` edit of matched length; and an ``order``
-permutation. The platform drafts nothing clinical: the edits come from a proposals file
+permutation. App. O's evidence pairs on a free-text label space (MuSiQue-Ans answers) use the
+same machinery with a paraphrase, ``control``, as the second control (:data:`PAIR_CONDITIONS`;
+the cohort lock names the set). The platform drafts nothing clinical: the edits come from a proposals file
 (:func:`read_proposals`), each version's edits applied to the note text, and every proposal is
 checked (:func:`check_proposal`) before anything is reviewed or frozen:
 
@@ -59,7 +61,12 @@ from mistill.evaluation.parsing import parse_answer
 from mistill.io import dumps, is_safe_name, iter_jsonl, read_yaml_mapping, sha256_file, sha256_text, write_text
 
 CONDITIONS = ("original", "flipped", "irrelevant", "order")
-"""The four conditions, in the order the paper names them."""
+"""The four conditions of App. N's evidence flips, in the order the paper names them."""
+PAIR_CONDITIONS = ("original", "flipped", "irrelevant", "control")
+"""The four conditions of App. O's evidence pairs: the second control is a meaning-preserving
+paraphrase (``control``), not an order permutation."""
+CONDITION_SETS: tuple[tuple[str, ...], ...] = (CONDITIONS, PAIR_CONDITIONS)
+"""The condition sets a cohort lock may name (``conditions``)."""
 MASKED_CONDITIONS = ("original", "flipped")
 """The conditions whose versions carry a target and a sham mask (the two sides of D)."""
 DECISIONS = ("accept", "exclude")
@@ -84,7 +91,8 @@ class CohortLock:
     eligible only if its screen trace's answer holds a gold code, and a proposal's target code
     must be one of those. disjoint: the draw must exclude at least one other corpus's patients
     (the training and test corpora). review_budget: proposals reviewed in file order.
-    reason_codes: the exclusion reasons a ledger may give. conditions: always :data:`CONDITIONS`.
+    reason_codes: the exclusion reasons a ledger may give. conditions: one of
+    :data:`CONDITION_SETS` (App. N's :data:`CONDITIONS` or App. O's :data:`PAIR_CONDITIONS`).
     """
 
     path: str
@@ -150,14 +158,15 @@ def load_cohort_lock(path: str | Path) -> CohortLock:
     if (not isinstance(reasons, list) or not reasons or len(set(reasons)) != len(reasons)
             or not all(isinstance(r, str) and _REASON.match(r) for r in reasons)):
         raise fail("review.reason_codes", "expected a list of distinct codes of lowercase letters, digits and '_'")
-    if data["conditions"] != list(CONDITIONS):
-        raise fail("conditions", f"expected {list(CONDITIONS)}, got {data['conditions']!r}")
+    if data["conditions"] not in [list(c) for c in CONDITION_SETS]:
+        raise fail("conditions", f"expected one of {[list(c) for c in CONDITION_SETS]}, got {data['conditions']!r}")
     description = data.get("description", "")
     if not isinstance(description, str):
         raise fail("description", "expected a string")
     return CohortLock(path=str(p), sha256=sha256_file(p), study=data["study"], description=description,
                       draw_n=draw["n"], draw_seed=draw["seed"], teacher_success=elig["teacher_success"],
-                      disjoint=data["disjoint"], review_budget=budget, reason_codes=tuple(reasons))
+                      disjoint=data["disjoint"], review_budget=budget, reason_codes=tuple(reasons),
+                      conditions=tuple(data["conditions"]))
 
 
 # ------------------------------------------------------------------------------------- the draw
@@ -170,16 +179,23 @@ def teacher_answer_codes(note: Note, inventory: Inventory) -> tuple[str, ...] | 
     return answer.codes if answer.valid and answer.parsed else None
 
 
-def eligibility(note: Note, inventory: Inventory, teacher_success: bool = True) -> str:
-    """``eligible``, or why not: ``no_screen`` (no screen trace, or an invalid answer) or
-    ``teacher_miss`` (the answer holds no gold code). Without ``teacher_success`` every note is
-    eligible."""
+def screen_eligibility(answer_codes: Sequence[str] | None, gold: Sequence[str], teacher_success: bool = True) -> str:
+    """``eligible``, or why not, from a note's screen answer (``answer_codes``; None: no screen
+    trace, or an invalid answer): ``no_screen``, or ``teacher_miss`` (the answer holds no gold
+    code). Without ``teacher_success`` every note is eligible."""
     if not teacher_success:
         return "eligible"
-    codes = teacher_answer_codes(note, inventory)
-    if codes is None:
+    if answer_codes is None:
         return "no_screen"
-    return "eligible" if set(codes) & set(note.gold_codes) else "teacher_miss"
+    return "eligible" if set(answer_codes) & set(gold) else "teacher_miss"
+
+
+def eligibility(note: Note, inventory: Inventory, teacher_success: bool = True) -> str:
+    """:func:`screen_eligibility` of the note's screen trace read as a code list
+    (:func:`teacher_answer_codes`)."""
+    if not teacher_success:
+        return "eligible"
+    return screen_eligibility(teacher_answer_codes(note, inventory), note.gold_codes, teacher_success)
 
 
 def draw_cohort(notes: Sequence[Note], excluded_patients: Iterable[str], n: int, seed: int) -> list[Note]:
@@ -286,7 +302,7 @@ def _version(cond: str, raw: Any, fail) -> Version:
     return Version(cond, tuple(sorted(edits, key=lambda x: (x.start, x.end))), **masks)
 
 
-def read_proposals(path: str | Path) -> list[Proposal]:
+def read_proposals(path: str | Path, conditions: Sequence[str] = CONDITIONS) -> list[Proposal]:
     """Every proposal of a JSONL file, in file order, its shape checked (the edits and masks
     against the note are :func:`check_proposal`'s). One line per case::
 
@@ -296,6 +312,9 @@ def read_proposals(path: str | Path) -> list[Proposal]:
                       "flipped": {"edits": [{"start": s, "end": e, "text": "..."}],
                                   "target_mask": [...], "sham_mask": [...]},
                       "irrelevant": {"edits": [...]}, "order": {"edits": [...]}}}
+
+    (App. O's evidence pairs, ``conditions`` :data:`PAIR_CONDITIONS`: ``control`` in place of
+    ``order``.)
 
     Raises:
         MistillInputError: naming the file, the line, the case and the field.
@@ -327,15 +346,15 @@ def read_proposals(path: str | Path) -> list[Proposal]:
             raise fail("case_id", "duplicate case id")
         seen.add(row["case_id"])
         versions = row["versions"]
-        if not isinstance(versions, dict) or set(versions) != set(CONDITIONS):
+        if not isinstance(versions, dict) or set(versions) != set(conditions):
             got = sorted(versions) if isinstance(versions, dict) else versions
-            raise fail("versions", f"expected exactly the four conditions {list(CONDITIONS)}, got {got!r}")
+            raise fail("versions", f"expected exactly the four conditions {list(conditions)}, got {got!r}")
         exceptions = row.get("exceptions", [])
         if not isinstance(exceptions, list) or not set(exceptions) <= set(EXCEPTIONS):
             raise fail("exceptions", f"expected a list of {list(EXCEPTIONS)}, got {exceptions!r}")
         out.append(Proposal(case_id=row["case_id"], note_id=row["note_id"], target_code=row["target_code"],
                             partner_code=row["partner_code"],
-                            versions={c: _version(c, versions[c], fail) for c in CONDITIONS},
+                            versions={c: _version(c, versions[c], fail) for c in conditions},
                             exceptions=tuple(sorted(set(exceptions))), line=lineno, record=row))
     return out
 
@@ -490,12 +509,16 @@ def discharge_span(note: Note) -> Span | None:
 
 def check_proposal(proposal: Proposal, note: Note, inventory: Inventory, tokenizer: Any, *, file: str,
                    answer_codes: Sequence[str] | None = None, teacher_success: bool = True,
-                   removed_section: str | None = None) -> CheckedCase:
+                   removed_section: str | None = None, free_text: bool = False) -> CheckedCase:
     """Check one proposal against its note (see the module docstring for the rules).
 
     answer_codes: the codes of the note's screen answer (:func:`teacher_answer_codes`); with
     ``teacher_success`` the target code must be among them. removed_section: the part of the note
     the prompt removes (its discharge-diagnosis section): no edit and no mask may touch it.
+    free_text: answers are free text (App. O's evidence pairs): the target is one of the note's
+    gold answers, the partner none of them (ignoring case), neither need be in the inventory, and
+    the flipped version's gold is the partner alone. A ``control`` version (a paraphrase, App. O)
+    may not touch the original evidence; whether it keeps the meaning is the reviewer's to say.
 
     Raises:
         MistillInputError: naming ``file``, the case (``note``) and the field.
@@ -506,12 +529,14 @@ def check_proposal(proposal: Proposal, note: Note, inventory: Inventory, tokeniz
         return MistillInputError(message, file=file, line=proposal.line or None, note=case, field=fld)
 
     a, b = proposal.target_code, proposal.partner_code
-    for fld, code in (("target_code", a), ("partner_code", b)):
-        if code not in inventory:
-            raise fail(fld, f"{code!r} is not in the inventory")
+    if not free_text:
+        for fld, code in (("target_code", a), ("partner_code", b)):
+            if code not in inventory:
+                raise fail(fld, f"{code!r} is not in the inventory")
     if a not in note.gold_codes:
         raise fail("target_code", f"{a} is not a gold code of note {note.note_id}")
-    if b == a or b in note.gold_codes:
+    golds = {g.casefold() for g in note.gold_codes} if free_text else set(note.gold_codes)
+    if b == a or (b.casefold() if free_text else b) in golds:
         raise fail("partner_code", f"{b} is the target or another gold code of note {note.note_id}")
     if teacher_success and (answer_codes is None or a not in answer_codes):
         raise fail("target_code", f"{a} is not in the teacher's screen answer for note {note.note_id} "
@@ -521,7 +546,8 @@ def check_proposal(proposal: Proposal, note: Note, inventory: Inventory, tokeniz
     texts: dict[str, str] = {}
     replaced: dict[str, list[Span]] = {}
     written: dict[str, list[Span]] = {}
-    for cond in CONDITIONS:
+    conditions = tuple(proposal.versions)
+    for cond in conditions:
         version = proposal.versions[cond]
         fld = f"versions.{cond}.edits"
         if cond == "original":
@@ -583,18 +609,19 @@ def check_proposal(proposal: Proposal, note: Note, inventory: Inventory, tokeniz
         if not _inside(span, written["flipped"]):
             raise fail("versions.flipped.target_mask", f"span [{span[0]}, {span[1]}] is not inside text the "
                                                        "flip wrote")
-    for e in proposal.versions["irrelevant"].edits:
-        if _overlaps((e.start, e.end), proposal.versions["original"].target_mask):
-            raise fail("versions.irrelevant.edits", f"edit [{e.start}, {e.end}] touches the evidence: the "
-                                                    "irrelevant edit changes only irrelevant text")
-    edit_words = {c: sum(len(words(e.text)) for e in proposal.versions[c].edits) for c in CONDITIONS}
+    for cond in ("irrelevant", "control"):
+        for e in proposal.versions[cond].edits if cond in proposal.versions else ():
+            if _overlaps((e.start, e.end), proposal.versions["original"].target_mask):
+                raise fail(f"versions.{cond}.edits", f"edit [{e.start}, {e.end}] touches the evidence: the "
+                                                     f"{cond} edit leaves the evidence as it is")
+    edit_words = {c: sum(len(words(e.text)) for e in proposal.versions[c].edits) for c in conditions}
     if edit_words["irrelevant"] != edit_words["flipped"]:
         if "irrelevant_length" not in proposal.exceptions:
             raise fail("versions.irrelevant.edits",
                        f"length not matched: the irrelevant edit writes {edit_words['irrelevant']} words, the "
                        f"flip {edit_words['flipped']} (declare 'irrelevant_length' in exceptions to keep the case)")
         facts.append(f"irrelevant_length:{edit_words['irrelevant']}/{edit_words['flipped']}")
-    for e in proposal.versions["order"].edits:
+    for e in proposal.versions["order"].edits if "order" in proposal.versions else ():
         old = words(original[e.start:e.end])
         if Counter(old) != Counter(words(e.text)):
             raise fail("versions.order.edits", f"edit [{e.start}, {e.end}] is not a permutation of the words "
@@ -602,17 +629,19 @@ def check_proposal(proposal: Proposal, note: Note, inventory: Inventory, tokeniz
     for declared in proposal.exceptions:
         if not any(f.startswith(declared) for f in facts):
             raise fail("exceptions", f"{declared!r} is declared but its check passes: declare only what fails")
-    gold = {c: note.gold_codes for c in CONDITIONS}
-    gold["flipped"] = tuple(b if c == a else c for c in note.gold_codes)
+    gold = {c: note.gold_codes for c in conditions}
+    gold["flipped"] = (b,) if free_text else tuple(b if c == a else c for c in note.gold_codes)
     return CheckedCase(proposal=proposal, note=note, texts=texts, gold=gold, mask_tokens=mask_tokens,
                        edit_words=edit_words, facts=tuple(sorted(set(facts))))
 
 
 def check_proposals(proposals: Sequence[Proposal], drawn: Sequence[Note], inventory: Inventory, tokenizer: Any, *,
-                    file: str, teacher_success: bool = True,
-                    removes_discharge_diagnosis: bool = True) -> list[CheckedCase]:
+                    file: str, teacher_success: bool = True, removes_discharge_diagnosis: bool = True,
+                    screen: Mapping[str, Sequence[str] | None] | None = None,
+                    free_text: bool = False) -> list[CheckedCase]:
     """:func:`check_proposal` on every proposal, each naming a drawn, eligible note, at most one
-    proposal per patient."""
+    proposal per patient. ``screen``: each drawn note's screen answer (note id -> codes, None for
+    none), when the label space reads answers otherwise than :func:`teacher_answer_codes`."""
     by_id = {n.note_id: n for n in drawn}
     patients: dict[str, str] = {}
     out = []
@@ -626,11 +655,13 @@ def check_proposals(proposals: Sequence[Proposal], drawn: Sequence[Note], invent
                                     "one case per patient", file=file, line=proposal.line, note=proposal.case_id,
                                     field="note_id")
         patients[note.patient_id] = proposal.case_id
-        if teacher_success and eligibility(note, inventory) != "eligible":
-            raise MistillInputError(f"note {note.note_id} is not eligible ({eligibility(note, inventory)})",
+        answer = screen[note.note_id] if screen is not None else teacher_answer_codes(note, inventory)
+        status = screen_eligibility(answer, note.gold_codes, teacher_success)
+        if status != "eligible":
+            raise MistillInputError(f"note {note.note_id} is not eligible ({status})",
                                     file=file, line=proposal.line, note=proposal.case_id, field="note_id")
-        out.append(check_proposal(proposal, note, inventory, tokenizer, file=file,
-                                  answer_codes=teacher_answer_codes(note, inventory), teacher_success=teacher_success,
+        out.append(check_proposal(proposal, note, inventory, tokenizer, file=file, answer_codes=answer,
+                                  teacher_success=teacher_success, free_text=free_text,
                                   removed_section=note.discharge_diagnosis if removes_discharge_diagnosis else None))
     return out
 
@@ -739,7 +770,7 @@ def frozen_record(lock: CohortLock, ledger_sha256: str, proposals: Sequence[Prop
                       "reason_code": d.reason_code, "proposal_sha256": by_id[d.case_id].sha256} for d in decisions],
         "cases": [{"case_id": c.case_id, "note_id": c.note.note_id, "target_code": c.proposal.target_code,
                    "partner_code": c.proposal.partner_code, "facts": list(c.facts),
-                   "versions": {cond: c.version_sha256(cond) for cond in CONDITIONS}} for c in accepted],
+                   "versions": {cond: c.version_sha256(cond) for cond in c.proposal.versions}} for c in accepted],
     }
 
 
@@ -786,7 +817,7 @@ def verify_frozen(path: str | Path, record: Mapping[str, Any]) -> None:
         for key in ("note_id", "target_code", "partner_code", "facts"):
             if old.get(key) != case[key]:
                 raise fail(key, f"case {case['case_id']}'s {key} differs", case["case_id"])
-        for cond in CONDITIONS:
+        for cond in case["versions"]:
             if old.get("versions", {}).get(cond) != case["versions"][cond]:
                 raise fail(f"versions.{cond}", f"the {cond} version's text or masks differ (sha256)",
                            case["case_id"])
@@ -803,7 +834,7 @@ def condition_corpus(source: Corpus, cases: Sequence[CheckedCase], condition: st
     every condition (the source's, with A and B added when absent, so the prompts differ only in
     the note), and ``meta`` holding the case, its codes, its masks (spans of this condition's
     text) and its recorded facts."""
-    if condition not in CONDITIONS:
+    if any(condition not in c.proposal.versions for c in cases):
         raise ValueError(f"unknown condition {condition!r}")
     notes = []
     inventory = source.inventory
@@ -813,7 +844,8 @@ def condition_corpus(source: Corpus, cases: Sequence[CheckedCase], condition: st
         shortlist = note.shortlist
         if shortlist is not None:
             extra = [x for x in (c.proposal.target_code, c.proposal.partner_code) if x not in shortlist]
-            in_inventory_order = list(shortlist) == sorted(shortlist, key=inventory.index)
+            in_inventory_order = all(x in inventory for x in extra) and \
+                list(shortlist) == sorted(shortlist, key=inventory.index)
             shortlist = tuple(sorted([*shortlist, *extra], key=inventory.index) if in_inventory_order
                               else [*shortlist, *extra])
         meta = {"flip_case": c.case_id, "flip_condition": condition, "target_code": c.proposal.target_code,
@@ -859,7 +891,7 @@ def _occurrences(text: str, needle: str, avoid: Span | None) -> list[Span]:
     return out
 
 
-def _sham_span(offsets: Sequence[Span], n: int, forbidden: Sequence[Span]) -> tuple[Span, ...] | None:
+def sham_span(offsets: Sequence[Span], n: int, forbidden: Sequence[Span]) -> tuple[Span, ...] | None:
     """A run of ``n`` consecutive tokens touching no forbidden span, as one character span."""
     run: list[Span] = []
     for a, b in offsets:
@@ -911,7 +943,7 @@ def synthetic_flip_proposal(note: Note, inventory: Inventory, tokenizer: Any, rn
             offsets = token_offsets(tokenizer, body)
             n = tokens_under(offsets, target)
             removed = section_span(body, note.discharge_diagnosis)
-            sham = _sham_span(offsets, n, list(target) + ([removed] if removed else []))
+            sham = sham_span(offsets, n, list(target) + ([removed] if removed else []))
             if sham is None:
                 return None
             masks[cond] = {"target_mask": [list(s) for s in target], "sham_mask": [list(s) for s in sham]}
@@ -950,8 +982,8 @@ def all_accept_ledger(records: Sequence[Mapping[str, Any]], budget: int, *, revi
     return [Decision(str(r["case_id"]), "accept", "", reviewer, timestamp) for r in records[:budget]]
 
 
-__all__ = ["CONDITIONS", "MASKED_CONDITIONS", "DECISIONS", "EXCEPTIONS", "LEDGER_COLUMNS", "FROZEN_FILE",
-           "COHORT_SPLIT", "CohortLock", "load_cohort_lock", "teacher_answer_codes", "eligibility", "draw_cohort",
+__all__ = ["CONDITIONS", "PAIR_CONDITIONS", "CONDITION_SETS", "screen_eligibility", "sham_span", "MASKED_CONDITIONS",
+           "DECISIONS", "EXCEPTIONS", "LEDGER_COLUMNS", "FROZEN_FILE", "COHORT_SPLIT", "CohortLock", "load_cohort_lock", "teacher_answer_codes", "eligibility", "draw_cohort",
            "Edit", "Version", "Proposal", "read_proposals", "apply_edits", "words", "token_offsets", "prompt_positions",
            "token_positions_under", "tokens_under",
            "CheckedCase", "version_sha256", "section_span", "discharge_span", "check_proposal", "check_proposals", "Decision",

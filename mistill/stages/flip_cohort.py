@@ -8,7 +8,8 @@ any prepared corpus with traces), and goes as far as its files allow:
 
 1. **the draw**: the lock's seeded draw of patients (one note each), patient-disjoint from
    every corpus of ``exclude_prepare_runs`` (the training and test corpora), each drawn note's
-   eligibility (teacher success: its screen answer holds a gold code);
+   eligibility (teacher success: its screen answer holds a gold code; for a label space of
+   free-text answers, App. O's, it matches one under the task's EM);
 2. **the proposals** (``proposals``, a JSONL file the author supplies: the platform drafts
    nothing clinical): each checked against its drawn note in ``model``'s tokenizer;
 3. **the review** (``ledger``, the reviewer's CSV): the first ``review.budget`` proposals,
@@ -16,7 +17,8 @@ any prepared corpus with traces), and goes as far as its files allow:
 4. **the freeze**: the ``FROZEN`` file (``frozen``; default: ``FROZEN`` beside the ledger)
    written when absent; when present, the cohort as read now is re-verified against it and
    anything changed since is refused, before any run exists;
-5. **the cohort**: the accepted cases as four prepared corpora, one nested run per condition
+5. **the cohort**: the accepted cases as four prepared corpora, one nested run per condition of
+   the lock's set (App. N's or App. O's, :data:`~mistill.data.flips.CONDITION_SETS`)
    (tag ``mistill.flip_cohort.condition``), each tagged like a ``prepare`` run, so its run id is
    a ``prepare_run`` of ``generate`` and ``evaluate`` (tags ``mistill.flip_cohort.run.<condition>``
    on the cohort run name them).
@@ -46,18 +48,20 @@ import pandas as pd
 
 from mistill.config import Config, file_digest
 from mistill.data.corpus import Corpus
-from mistill.data.flips import (CONDITIONS, FROZEN_FILE, CheckedCase, CohortLock, Decision, Proposal, accounting,
-                                all_accept_ledger, check_proposals, condition_corpus, draw_cohort, eligibility,
-                                frozen_record, load_cohort_lock, read_ledger, read_proposals,
-                                synthetic_flip_proposals, verify_frozen, write_frozen, write_ledger,
-                                write_proposals)
+from mistill.data.flips import (CONDITION_SETS, FROZEN_FILE, CheckedCase, CohortLock, Decision, Proposal,
+                                accounting, all_accept_ledger, check_proposals, condition_corpus, draw_cohort,
+                                eligibility, frozen_record, load_cohort_lock, read_ledger, read_proposals,
+                                screen_eligibility, synthetic_flip_proposals, verify_frozen, write_frozen,
+                                write_ledger, write_proposals)
 from mistill.errors import MistillInputError
+from mistill.evaluation.flip_test import screen_answer
 from mistill.io import environment_variable, mistill_root, sha256_file
 from mistill.models.loading import EMBEDDED_DEFAULT
 from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE, TAG_CONDITION_RUN, TAG_DATA_DIR,
                                    TAG_DATA_IDENTITY, Prepared, corpus_index, load_prepared, load_tokenizer,
                                    prepared_data_dir, privacy_guard, save_prepared, shown_patient_ids)
 from mistill.stages.runner import open_stage
+from mistill.tasks import task_for
 from mistill.tracking.identity import repo_file
 from mistill.tracking.naming import TAG_CORPUS_DIGEST
 from mistill.tracking.privacy import PrivacyGuard
@@ -143,8 +147,9 @@ class FlipConditionConfig(Config):
     def validate(self) -> None:
         check_no_text_fields(self)
         check_run_id(self.cohort_run, "cohort_run")
-        if self.condition not in CONDITIONS:
-            fail(f"condition must be one of {list(CONDITIONS)}", "condition")
+        known = sorted({c for conditions in CONDITION_SETS for c in conditions})
+        if self.condition not in known:
+            fail(f"condition must be one of {known}", "condition")
 
 
 @dataclass
@@ -184,16 +189,21 @@ def _read_cohort(cfg: FlipCohortConfig, proposals_file: str, ledger_file: str, f
         raise MistillInputError(f"no note of the corpus of run {cfg.prepare_run} is left to draw once the "
                                 f"{len(excluded)} excluded patients are removed", field="exclude_prepare_runs")
     inventory = prepared.inventory
-    elig = {n.note_id: eligibility(n, inventory, lock.teacher_success) for n in drawn}
+    task = task_for(inventory)
+    free_text = not task.set_valued  # App. O: one answer string, matched by the task's metric
+    screen = {n.note_id: screen_answer(task, inventory, n) for n in drawn} if free_text else None
+    elig = {n.note_id: screen_eligibility(screen[n.note_id], n.gold_codes, lock.teacher_success) if free_text
+            else eligibility(n, inventory, lock.teacher_success) for n in drawn}
     cohort = _Cohort(lock=lock, prepared=prepared, drawn=drawn, eligibility_of=elig, proposals=[], checked=[],
                      decisions=None)
     if not proposals_file:
         return cohort
     tokenizer = load_tokenizer(cfg.model)
-    cohort.proposals = read_proposals(proposals_file)
+    cohort.proposals = read_proposals(proposals_file, lock.conditions)
     cohort.checked = check_proposals(cohort.proposals, drawn, inventory, tokenizer, file=proposals_file,
                                      teacher_success=lock.teacher_success,
-                                     removes_discharge_diagnosis=prepared.remove_discharge_diagnosis)
+                                     removes_discharge_diagnosis=prepared.remove_discharge_diagnosis,
+                                     screen=screen, free_text=free_text)
     if not ledger_file:
         return cohort
     cohort.decisions = read_ledger(ledger_file, cohort.proposals, lock)
@@ -322,7 +332,7 @@ def _write_conditions(run: StageRun, cohort: _Cohort, accepted: list[CheckedCase
     if not accepted:
         return {}
     out: dict[str, str] = {}
-    for cond in CONDITIONS:
+    for cond in cohort.lock.conditions:
         corpus = condition_corpus(prepared.corpus, accepted, cond, name=f"{prepared.corpus.name}-flip-{cond}")
         config = FlipConditionConfig(cohort_run=run.run_id, condition=cond, frozen_sha256=frozen_sha)
         # a nested run of its own, never the run `mlflow run` launched for the cohort

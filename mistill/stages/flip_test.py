@@ -43,7 +43,7 @@ from mlflow.tracking import MlflowClient
 
 from mistill.config import Config
 from mistill.data.corpus import Note
-from mistill.data.flips import CONDITIONS, prompt_positions
+from mistill.data.flips import CONDITION_SETS, prompt_positions
 from mistill.data.prompts import Prompt
 from mistill.errors import MistillInputError
 from mistill.evaluation.backends import KeyMaskedHFBackend, resolve_backend
@@ -54,7 +54,7 @@ from mistill.instrument.passes import PHASES
 from mistill.params import DecodingParams
 from mistill.stages.characterize import ranks_from_head_sets
 from mistill.stages.common import (TAG_CONDITION_RUN, Prepared, RunReader, link_subject, load_model, load_prepared,
-                                   load_tokenizer, make_backend, readout_subject)
+                                   load_tokenizer, make_backend, readout_subject, shown_patient_ids)
 from mistill.stages.own_heads import TAG_RANK_ATTRIBUTE
 from mistill.stages.runner import open_stage, progress_label, stage_device
 from mistill.tasks import task_for
@@ -125,13 +125,16 @@ class FlipTestConfig(Config, DecodingParams):
 
 def cohort_conditions(cohort_run: str) -> tuple[str, dict[str, Prepared]]:
     """The corpus a frozen cohort was drawn from (whose experiment holds the cohort and its test)
-    and its four condition corpora, by condition; a run without them is refused (field
+    and its four condition corpora, by condition in the order of its condition set
+    (:data:`~mistill.data.flips.CONDITION_SETS`); a run without them is refused (field
     ``cohort_run``)."""
     tags = MlflowClient().get_run(cohort_run).data.tags
     if tags.get("mistill.stage") != "flip_cohort":
         raise MistillInputError(f"run {cohort_run} is a {tags.get('mistill.stage')!r} run, not a flip_cohort run",
                                 field="cohort_run")
-    runs = {c: tags.get(TAG_CONDITION_RUN + c, "") for c in CONDITIONS}
+    conditions = next((s for s in CONDITION_SETS if all(tags.get(TAG_CONDITION_RUN + c) for c in s)),
+                      CONDITION_SETS[0])
+    runs = {c: tags.get(TAG_CONDITION_RUN + c, "") for c in conditions}
     if not all(runs.values()):
         raise MistillInputError(f"flip_cohort run {cohort_run} wrote no condition corpora (its review is not "
                                 f"frozen yet): the test needs the frozen cohort", field="cohort_run")
@@ -203,6 +206,8 @@ def run_flip_test(cfg: FlipTestConfig) -> str:
         link_subject(run, subject)
         tokenizer = load_tokenizer(subject.spec)
         prompts = _prompts(conditions, tokenizer)
+        task = task_for(original.inventory)
+        a_refs = {n.meta["flip_case"]: tuple(n.gold_codes) for n in original.corpus.notes}  # A and its aliases
         requests, keys = [], []
         for cond, note, prompt in prompts:
             case = note.meta["flip_case"]
@@ -227,22 +232,27 @@ def run_flip_test(cfg: FlipTestConfig) -> str:
                 return make_backend(backend, subject.spec, decoding, device=device, dtype=cfg.dtype)
         gens = sample_notes(requests, run.enclave_dir / SAMPLES, open_backend, decoding.to_dict(),
                             desc=progress_label(f"flip_test {subject.arm}: generate"))
-        read = task_for(original.inventory).answer_reader(original.inventory.codes)
+        read = task.answer_reader(original.inventory.codes)
         rows = []
         for request, (case, cond, k, seed, a, b) in zip(requests, keys, strict=True):
             gen = gens[request.note_id]
             answer = read(gen.text, capped=gen.capped)
             rows.append(sample_row(case, cond, k, seed, answer.codes, valid=answer.valid, capped=gen.capped,
-                                   n_tokens=gen.n_tokens, a=a, b=b))
+                                   n_tokens=gen.n_tokens, a=a, b=b, task=task, a_refs=a_refs[case]))
         samples = pd.DataFrame(rows, columns=list(SAMPLE_COLUMNS))
-        differ = {n.meta["flip_case"]: category(n.meta["target_code"]) != category(n.meta["partner_code"])
-                  for n in original.corpus.notes}
-        cases = case_readings(samples, differ)
+        # a label space of free-text answers has no categories (App. O)
+        differ = {n.meta["flip_case"]: task.set_valued and category(n.meta["target_code"]) !=
+                  category(n.meta["partner_code"]) for n in original.corpus.notes}
+        cases = case_readings(samples, differ, tuple(conditions))
         readings = checkpoint_readings(cases)
         run.log_table("flip_samples", samples)
-        run.log_table("flip_cases", cases.reset_index())
+        # each case's cluster (its note's patient; App. O: the base-question group), hashed when restricted
+        notes = sorted(original.corpus.notes, key=lambda n: n.meta["flip_case"])
+        groups = dict(zip((n.meta["flip_case"] for n in notes),
+                          shown_patient_ids(original.corpus.privacy, [n.patient_id for n in notes])))
+        run.log_table("flip_cases", cases.reset_index().assign(group=lambda f: f["case_id"].map(groups)))
         run.log_metrics({METRIC_PREFIX + k: float(v) for k, v in readings.items() if pd.notna(v)})
-        print(f"flip_test: {subject.arm} on {readings['n_cases']} cases x {len(CONDITIONS)} conditions x "
+        print(f"flip_test: {subject.arm} on {readings['n_cases']} cases x {len(conditions)} conditions x "
               f"{cfg.samples} samples ({backend} sampled): D {readings['D']:+.3f} "
               f"[{readings['D_lo']:+.3f}, {readings['D_hi']:+.3f}] -> run {run.run_id}")
         return run.run_id

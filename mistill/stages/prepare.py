@@ -86,7 +86,8 @@ class PrepareConfig(Config):
     split_sizes: task musique: the training, ranking (``val``), selection (``select``) and
         evaluation (``test``) question counts, dealt by base question group (App. O's locked design:
         ``2000,102,1203,1610``; the first three from the train file, the last from the dev file,
-        the rest left out; 0 leaves a split empty); empty keeps every question (train file: train,
+        the rest left out; 0 leaves a split empty), and optionally the evidence pairs' slice of the
+        dev file after the evaluation questions (``pairs``); empty keeps every question (train file: train,
         dev file: test). Task bigcodebench: the ranking (``train``), assessment (``val``) and fresh
         (``test``) problem counts, dealt in file order (the rest left out); empty: every problem a
         test note. Task kodcode: one count, the training problems drawn with ``order_seed`` (App. P:
@@ -177,13 +178,13 @@ class PrepareConfig(Config):
         check_at_least(self.candidates, 1, "candidates")
         if self.split_sizes and not (musique or code):
             fail("split_sizes deals a release's records: task musique, bigcodebench or kodcode only", "split_sizes")
-        n_sizes = 4 if musique else 1 if kodcode else 3
-        if self.split_sizes and (len(self.split_sizes) != n_sizes or min(self.split_sizes) < 0
+        n_sizes = (4, 5) if musique else (1,) if kodcode else (3,)
+        if self.split_sizes and (len(self.split_sizes) not in n_sizes or min(self.split_sizes) < 0
                                  or not sum(self.split_sizes)):
-            names = "train, val, select, test" if musique else "training problems" if kodcode else \
+            names = "train, val, select, test[, pairs]" if musique else "training problems" if kodcode else \
                 "ranking, assessment, fresh"
-            fail(f"split_sizes must be {n_sizes} counts ({names}; 0 leaves a split empty, not all), not "
-                 f"{self.split_sizes!r}", "split_sizes")
+            fail(f"split_sizes must be {' or '.join(map(str, n_sizes))} counts ({names}; 0 leaves a split empty, "
+                 f"not all), not {self.split_sizes!r}", "split_sizes")
         check_at_least(self.n_notes, 1, "n_notes")
         check_at_least(self.inventory_size, 1, "inventory_size")
         if len(self.codes_per_note) != 2 or not 1 <= self.codes_per_note[0] <= self.codes_per_note[1]:

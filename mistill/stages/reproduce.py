@@ -67,7 +67,8 @@ STEP_TAG = "mistill.step."
 TAG_TREE = "mistill.tree"
 MODEL_ROLES = ("teacher", "student", "student_smollm3", "encoder", "las_model")
 DATA_ROLES = ("corpus", "distill_corpus", "split_file", "flip_proposals", "flip_ledger", "eurlex_dataset",
-              "eurlex_concepts", "eurlex_hierarchy", "bigcodebench_file", "musique_release", "kodcode_file")
+              "eurlex_concepts", "eurlex_hierarchy", "bigcodebench_file", "musique_release", "musique_pair_proposals",
+              "musique_pair_ledger", "kodcode_file")
 OPTIONAL_ROLES = ("split_file",)
 """Roles a plan may leave empty (the release's own split column is then used)."""
 
@@ -100,6 +101,10 @@ class ReproduceConfig(Config):
     and ``musique_ans_v1.0_dev.jsonl`` (App. O, tree MQ: ``prepare``'s ``corpus`` with
     ``task=musique``; its runs go to the experiment ``mistill/<corpus_name>-musique``, its own
     report there); a synthetic corpus skips the tree.
+    musique_pair_proposals, musique_pair_ledger: App. O's evidence pairs as the author supplies
+    them (tree MP: ``flip_cohort``'s ``proposals`` and ``ledger`` under the lock
+    ``o-musique-pairs``; proposals name the bases of the dev file's pair slice, with App. O's
+    conditions original, flipped, irrelevant and control); a synthetic corpus skips the tree.
     kodcode_file: a JSONL file of KodCode-V1 rows (App. P's programming pilot, tree PP: ``prepare``'s
     ``corpus`` with ``task=kodcode``, the training problems; the pilot also reads
     ``bigcodebench_file`` and tree BC's ranking; experiment ``mistill/<corpus_name>-programming-pilot``);
@@ -130,6 +135,8 @@ class ReproduceConfig(Config):
     eurlex_hierarchy: str = ""
     bigcodebench_file: str = ""
     musique_release: str = ""
+    musique_pair_proposals: str = ""
+    musique_pair_ledger: str = ""
     kodcode_file: str = ""
     corpus_name: str = ""
     privacy: str = "restricted"

@@ -67,10 +67,12 @@ import random
 import re
 import string
 from collections.abc import Collection, Sequence
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
 
 from mistill.data.corpus import Corpus, Note
+from mistill.data.flips import Edit, apply_edits, sham_span, token_offsets, tokens_under, words
 from mistill.data.inventory import Inventory
 from mistill.data.prompts import PromptWording
 from mistill.errors import MistillInputError
@@ -80,7 +82,8 @@ from mistill.tasks.base import (AnswerReader, Mention, Record, Span, Task, _merg
 
 __all__ = ["MuSiQueTask", "MuSiQueQuestion", "Paragraph", "load_musique", "normalize_answer",
            "answer_em", "answer_f1", "ABSTAIN", "MUSIQUE_WORDING", "question_group", "question_text",
-           "load_musique_corpus", "write_musique_fixture", "split_by_groups", "SPLIT_SIZES"]
+           "load_musique_corpus", "write_musique_fixture", "split_by_groups", "SPLIT_SIZES", "PAIR_SPLIT",
+           "fixture_pair_proposals"]
 
 ABSTAIN = frozenset({"", "unanswerable", "unknown", "none", "n/a", "no answer", "cannot be determined"})
 
@@ -334,9 +337,13 @@ def _release_files(path: Path) -> list[Path]:
 
 SPLIT_SIZES: tuple[int, int, int, int] = (2_000, 102, 1_203, 1_610)
 """App. O's locked design: training, ranking and selection questions of the train file, and the
-evaluation questions of the dev file (``prepare -P split_sizes=2000,102,1203,1610``)."""
+evaluation questions of the dev file (``prepare -P split_sizes=2000,102,1203,1610``); a fifth count
+deals the evidence pairs' slice of the dev file, after the evaluation questions (split ``pairs``)."""
 
-_LAYOUT: tuple[tuple[str, ...], tuple[str, ...]] = (("train", "val", "select"), ("test",))
+PAIR_SPLIT = "pairs"
+"""The split of the dev file's slice the evidence pairs' bases come from (App. O)."""
+
+_LAYOUT: tuple[tuple[str, ...], tuple[str, ...]] = (("train", "val", "select"), ("test", PAIR_SPLIT))
 
 
 def split_by_groups(question_ids: Sequence[str], sizes: Sequence[int]) -> dict[str, str]:
@@ -376,14 +383,14 @@ def load_musique_corpus(path: str | Path, *, traces_file: str | Path = "", order
     ``random.Random(order_seed)`` shuffle of their sorted order). A question without an answer, an
     id in two files, a trace for an unknown question or a malformed record raises, naming the
     file, the question and the field. ``split_sizes`` (four counts: training, ranking, selection,
-    evaluation questions; :data:`SPLIT_SIZES`) deals the questions by group instead
-    (:func:`split_by_groups`): train-file questions to ``train``, ``val`` and ``select``, dev-file
-    questions to ``test``, the rest left out (a count of 0 leaves its split empty: ``2000,102,0,0``
-    holds the questions the teacher traces, with the same training and ranking questions as
-    ``2000,102,1203,1610``)."""
-    if split_sizes and (len(split_sizes) != 4 or min(split_sizes) < 0 or not sum(split_sizes)):
-        raise MistillInputError(f"split_sizes must be four counts (train, val, select, test; 0 leaves a split "
-                                f"empty, not all), not {tuple(split_sizes)!r}", field="split_sizes")
+    evaluation questions; :data:`SPLIT_SIZES`; a fifth: the evidence pairs' slice) deals the
+    questions by group instead (:func:`split_by_groups`): train-file questions to ``train``, ``val``
+    and ``select``, dev-file questions to ``test`` and then :data:`PAIR_SPLIT`, the rest left out (a
+    count of 0 leaves its split empty: ``2000,102,0,0`` holds the questions the teacher traces, with
+    the same training and ranking questions as ``2000,102,1203,1610``)."""
+    if split_sizes and (len(split_sizes) not in (4, 5) or min(split_sizes) < 0 or not sum(split_sizes)):
+        raise MistillInputError(f"split_sizes must be four or five counts (train, val, select, test[, pairs]; 0 "
+                                f"leaves a split empty, not all), not {tuple(split_sizes)!r}", field="split_sizes")
     questions: list[tuple[MuSiQueQuestion, str, Path]] = []
     seen: dict[str, Path] = {}
     for f in _release_files(Path(path)):
@@ -472,3 +479,53 @@ def write_musique_fixture(folder: str | Path, *, questions_per_split: dict[str, 
     paths = {"corpus": root, "traces_file": root / "traces.jsonl"}
     paths["traces_file"].write_text("".join(json.dumps(t) + "\n" for t in traces), encoding="utf-8")
     return paths
+
+
+def fixture_pair_proposals(notes: Sequence[Note], tokenizer: Any, *, first_case: int = 1) -> list[dict[str, Any]]:
+    """App. O's evidence pairs for questions of :func:`write_musique_fixture` (proposals-file
+    records, :func:`mistill.data.flips.read_proposals` with ``conditions``
+    :data:`~mistill.data.flips.PAIR_CONDITIONS`; case ids ``mq-001``, ...): the flip writes the rival
+    firm over the maker named in the product's passage, so that the rival's passage, already
+    present, supports its founder (``B``) instead of the answer (``A``); the irrelevant edit
+    rewrites the product's kind with as many words, the control paraphrases the year's phrase; the
+    target masks are the maker's name in the original and the rival's in the flip, the shams
+    token-matched runs elsewhere. For tests and smoke settings; a note without the fixture's
+    sentences gets no proposal."""
+    out: list[dict[str, Any]] = []
+    for note in notes:
+        text = note.text
+        made = text.find(" made by ")
+        rival_at = text.find(" is a rival firm founded by ")
+        if made < 0 or rival_at < 0 or not note.gold_codes:
+            continue
+        start = made + len(" made by ")
+        end = text.find(" since ", start)
+        other = text[text.rfind("\n", 0, rival_at) + 1:rival_at]
+        b_start = rival_at + len(" is a rival firm founded by ")
+        partner = text[b_start:text.find(".", b_start)]
+        kind = text.rfind("household", 0, made)
+        year = text.find("since 1961", end)
+        if end < 0 or kind < 0 or year < 0:
+            continue
+        flip = Edit(start, end, other)
+        filler = " ".join((["everyday", "kitchen", "garden", "office"] * 4)[:len(words(other))])
+        flipped, _, written = apply_edits(text, [flip])
+        masks: dict[str, dict[str, list[list[int]]]] = {}
+        for cond, body, target in (("original", text, [(start, end)]), ("flipped", flipped, written)):
+            offsets = token_offsets(tokenizer, body)
+            sham = sham_span(offsets, tokens_under(offsets, target), target)
+            if sham is None:
+                break
+            masks[cond] = {"target_mask": [list(s) for s in target], "sham_mask": [list(s) for s in sham]}
+        if len(masks) != 2:
+            continue
+        out.append({"case_id": f"mq-{first_case + len(out):03d}", "note_id": note.note_id,
+                    "target_code": note.gold_codes[0], "partner_code": partner, "exceptions": [],
+                    "versions": {"original": {"edits": [], **masks["original"]},
+                                 "flipped": {"edits": [{"start": start, "end": end, "text": other}],
+                                             **masks["flipped"]},
+                                 "irrelevant": {"edits": [{"start": kind, "end": kind + len("household"),
+                                                           "text": filler}]},
+                                 "control": {"edits": [{"start": year, "end": year + len("since 1961"),
+                                                        "text": "from 1961 on"}]}}})
+    return out
