@@ -27,7 +27,7 @@ from mistill import stats
 from mistill.evaluation.flip_test import CASE_READINGS
 
 FLIP_PARAMS: tuple[str, ...] = ("cohort_run", "backend", "mask", "mask_heads", "mask_heads_run", "mask_phase",
-                                 "mask_k")
+                                 "mask_k", "mask_regime", "mask_random")
 """The ``flip_test`` params the tables read (``query.stage_runs(..., params=FLIP_PARAMS)``)."""
 
 FLIP_RUN_KEY: tuple[str, ...] = ("params.cohort_run", *query.RUN_KEY, "kind", "mask", "heads")
@@ -51,11 +51,16 @@ CONTRAST_COLUMNS = ("contrast", "cohort_run", "arm", "reference", "precision", "
 
 
 def _heads_label(run: pd.Series) -> str:
+    """The masked head set: ``named``, or ``top<k> <phase>``; a prefill-inclusive mask adds
+    ``prefill`` and a layer-matched random draw ``random<n>`` (App. O's gate)."""
     if not run.get("params.mask"):
         return ""
-    if run.get("params.mask_heads"):
-        return "named"
-    return f"top{run.get('params.mask_k')} {run.get('params.mask_phase')}"
+    label = "named" if run.get("params.mask_heads") else f"top{run.get('params.mask_k')} {run.get('params.mask_phase')}"
+    if _text(run.get("params.mask_regime")) == "prefill":
+        label += " prefill"
+    if _text(run.get("params.mask_random")) not in ("", "0"):
+        label += f" random{run.get('params.mask_random')}"
+    return label
 
 
 def flip_runs(runs: pd.DataFrame) -> pd.DataFrame:

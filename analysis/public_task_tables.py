@@ -17,7 +17,8 @@
   and valid-answer rate of its ``evaluate`` run, the mean own-heads P2 recovery at k = 40 over
   the questions its ``own_heads`` run recovers, and its paired correctness over the pairs.
 
-Reading 4 (the teacher's evidence-mask gate) comes from key-masked runs of the teacher.
+* :func:`gate_table` (Table 58, reading 4): the teacher's prefill-inclusive evidence-key mask on
+  the pairs, from its clean, sham-, target- and random-masked ``flip_test`` runs.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ import pandas as pd
 from mistill import stats
 from mistill.errors import MistillInputError
 
-__all__ = ["READING_PHASE", "READING_K", "READING_COLUMNS", "CHECKPOINT_COLUMNS", "seed_paired_differences",
-           "readings_table", "checkpoint_table"]
+__all__ = ["READING_PHASE", "READING_K", "READING_COLUMNS", "CHECKPOINT_COLUMNS", "GATE_COLUMNS",
+           "seed_paired_differences", "readings_table", "checkpoint_table", "gate_table"]
 
 READING_PHASE = "P2"
 """The answer-emission event's phase: the task's one phase."""
@@ -143,3 +144,52 @@ def checkpoint_table(own: pd.DataFrame, answers: pd.DataFrame, eval_runs: pd.Dat
         raise MistillInputError("no evaluate, own_heads or flip_test rows of a MuSiQue-Ans experiment", field="runs")
     out = [{**dict(zip(key, cell)), **vals} for cell, vals in sorted(cells.items(), key=lambda kv: str(kv[0]))]
     return pd.DataFrame(out).reindex(columns=list(CHECKPOINT_COLUMNS))
+
+
+GATE_COLUMNS: tuple[str, ...] = ("statistic", "weighting", "estimate", "ci_low", "ci_high", "n_pairs", "n_groups")
+"""Table 58's columns."""
+
+
+def _weighted(values: Mapping[str, float], groups: Mapping[str, str], weighting: str, n_resamples: int,
+              seed: int) -> stats.CI:
+    """The mean of per-pair ``values``: ``equal-group`` (the mean of per-group means, bootstrap over
+    the groups' means) or ``equal-pair`` (the mean over pairs, groups resampled)."""
+    if weighting == "equal-pair":
+        return stats.group_bootstrap_mean(values, groups, n_resamples=n_resamples, seed=seed)
+    by_group: dict[str, list[float]] = {}
+    for pair, v in values.items():
+        by_group.setdefault(str(groups[pair]), []).append(float(v))
+    means = np.array([np.mean(v) for _, v in sorted(by_group.items())])
+    return stats.bootstrap_ci(means, n_resamples=n_resamples, seed=seed)
+
+
+def gate_table(rows: pd.DataFrame, *, n_resamples: int = stats.N_BOOTSTRAP, seed: int = 0) -> pd.DataFrame:
+    """Table 58, the teacher's evidence-mask gate on the evidence pairs (App. O, reading 4). ``rows``:
+    per pair and setting (``case_id, group, setting, paired_success``; settings ``clean``, ``sham``,
+    ``target`` and ``random<n>``, the layer-matched random draws under the target mask). Per pair
+    ``P`` is the paired correctness; the readings are the clean ``P``, ``E_P = P_sham - P_target``
+    and ``E_P^rand = P_random - P_target`` (the draws' mean), each in the recorded equal-group
+    weighting and the equal-pair sensitivity, with percentile bootstraps over groups; a reading
+    whose settings are missing is left out."""
+    if rows.empty:
+        return pd.DataFrame(columns=list(GATE_COLUMNS))
+    wide = rows.pivot_table(index="case_id", columns="setting", values="paired_success", aggfunc="mean")
+    groups = dict(zip(rows["case_id"].astype(str), rows["group"].astype(str)))
+    randoms = [c for c in wide.columns if str(c).startswith("random")]
+    readings: dict[str, pd.Series] = {}
+    if "clean" in wide:
+        readings["clean P"] = wide["clean"]
+    if {"sham", "target"} <= set(wide.columns):
+        readings["E_P (sham - target)"] = wide["sham"] - wide["target"]
+    if randoms and "target" in wide:
+        readings["E_P^rand (random - target)"] = wide[randoms].mean(axis=1) - wide["target"]
+    out = []
+    for name, series in readings.items():
+        values = {str(k): float(v) for k, v in series.dropna().items()}
+        if not values:
+            continue
+        for weighting in ("equal-group", "equal-pair"):
+            ci = _weighted(values, groups, weighting, n_resamples, seed)
+            out.append({"statistic": name, "weighting": weighting, "estimate": ci.estimate, "ci_low": ci.low,
+                        "ci_high": ci.high, "n_pairs": len(values), "n_groups": len({groups[p] for p in values})})
+    return pd.DataFrame(out, columns=list(GATE_COLUMNS))

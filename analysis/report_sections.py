@@ -1237,6 +1237,44 @@ def public_task_section(rep: Report, own_runs: pd.DataFrame, eval_runs: pd.DataF
                                                       else eval_runs, pair_rows=pair_rows)
     _listed(rep, name57, title57, caption57, checkpoints, checkpoints.round(3),
             columns=list(public_task_tables.CHECKPOINT_COLUMNS))
+    gate = public_task_tables.gate_table(_gate_rows(rep, flip_runs), n_resamples=n_resamples, seed=seed)
+    _listed(rep, "table58_evidence_mask_gate", "Table 58: the teacher's evidence-mask gate",
+            "The teacher on the evidence pairs, clean and under the prefill-inclusive evidence-key mask over its "
+            "nominated heads (sham, target) and over layer-matched random heads (target): the clean paired "
+            "correctness P, E_P = P_sham - P_target and E_P^rand = P_random - P_target, in the recorded "
+            "equal-group weighting (the mean of per-group means) and the equal-pair sensitivity, with 95% "
+            "percentile bootstraps over base-question groups.", gate, gate.round(4),
+            "" if len(gate) else "no teacher flip_test runs on the pairs, clean and under the prefill-inclusive mask",
+            columns=list(public_task_tables.GATE_COLUMNS))
+
+
+def _gate_rows(rep: Report, flip_runs: pd.DataFrame | None) -> pd.DataFrame:
+    """The teacher's per-pair paired correctness in each setting of the gate (``clean``: its HF run
+    without a mask; ``sham``/``target``: the prefill-inclusive mask on its nominated heads;
+    ``random<n>``: the target mask on random draw n), from the flip_test runs' ``flip_cases``."""
+    every = flip_tables.flip_runs(flip_runs) if flip_runs is not None and not flip_runs.empty else pd.DataFrame()
+    if every.empty:
+        return pd.DataFrame()
+    teacher = every[every["arm"].astype(str) == tables.TEACHER_ARM]
+    settings: dict[str, str] = {}
+    for _, run in teacher.iterrows():
+        heads = str(run["heads"])
+        if run["kind"] == flip_tables.CLEAN_HF:
+            settings[run["run_id"]] = "clean"
+        elif run["kind"] == flip_tables.MASKED and "prefill" in heads.split():
+            draw = next((w for w in heads.split() if w.startswith("random")), "")
+            if draw and run["mask"] == "target":
+                settings[run["run_id"]] = draw
+            elif not draw:
+                settings[run["run_id"]] = str(run["mask"])
+    if not settings:
+        return pd.DataFrame()
+    chosen = teacher[teacher["run_id"].isin(list(settings))]
+    rows = _load(rep, chosen, "flip_cases.csv", ["case_id", "paired_success", "group"], ("run_id",))
+    if rows.empty:
+        return rows
+    rows["case_id"] = rows["case_id"].astype(str)
+    return rows.assign(setting=rows["run_id"].map(settings))
 
 
 def pilot_section(rep: Report, own_runs: pd.DataFrame, eval_runs: pd.DataFrame, n_resamples: int,

@@ -463,7 +463,9 @@ CONVENTIONS: tuple[Convention, ...] = (
                "flipped version's gold is the partner alone; a control edit may not touch the evidence (its "
                "meaning is the reviewer's to judge); the pair slice is the dev file's questions after the "
                "evaluation questions (prepare -P split_sizes=...,807), drawn in a seeded order of 385 bases; a "
-               "pair's cluster is its base-question group",
+               "pair's cluster is its base-question group; the teacher's gate masks its answer-emission (P2) "
+               "top-40 of tree MQ in the prefill and at decode steps (flip_test -P mask_regime=prefill), the "
+               "random draws taking as many other heads of each layer (-P mask_random=n, seeded)",
                "mistill.data.flips",
                "the paper describes the pairs, their controls and paired correctness, not the slice, the order or "
                "how an answer is matched"),

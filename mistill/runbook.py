@@ -653,7 +653,8 @@ class PaperCounts:
     musique_pair_slice: the dev file's questions after the evaluation questions, the evidence
     pairs' bases (**[recon]**: the remaining 807 of 2,417; App. O screens 385 two-hop bases there);
     musique_pair_bases: the bases the cohort's draw orders (385); musique_pairs: the accepted pairs
-    (16); musique_pair_samples: answers per pair and condition (4).
+    (16); musique_pair_samples: answers per pair and condition (4); musique_gate_draws: the
+    teacher gate's layer-matched random head draws (3).
     """
 
     characterization_traces: int = 100
@@ -695,6 +696,7 @@ class PaperCounts:
     musique_pair_bases: int = 385
     musique_pairs: int = 16
     musique_pair_samples: int = 4
+    musique_gate_draws: int = 3
     kodcode_problems: int = 2_000
     kodcode_prompt_tokens: int = 500
     pilot_seeds: int = 2
@@ -1293,13 +1295,16 @@ def _pilot_tree(c: PaperCounts) -> list[PlanStep]:
 
 
 def _musique_pairs_tree(c: PaperCounts) -> list[PlanStep]:
-    """MP, App. O's evidence pairs (R-D39; Tables 56-57, reading 3): the release dealt as MQ deals it
+    """MP, App. O's evidence pairs (R-D39, R-D40; Tables 56-58, readings 3 and 4): the release dealt as MQ deals it
     with the evidence pairs' slice of the dev file after the evaluation questions (a fifth
     ``split_sizes`` count, split ``pairs``), the teacher's screen traces on that slice, the cohort
     (lock ``o-musique-pairs``: the slice's bases in a seeded order, teacher-success-conditioned,
     App. O's conditions) from the author's proposals and ledger (roles ``musique_pair_proposals``,
     ``musique_pair_ledger``), then every MQ checkpoint's answers to every pair under every
-    condition (``flip_test``: paired correctness), and the experiment's report again. The runs go
+    condition (``flip_test``: paired correctness), the teacher's gate (clean on the HF path, then
+    the prefill-inclusive evidence-key mask over its MQ answer-emission top-40, sham and target,
+    and over :attr:`PaperCounts.musique_gate_draws` layer-matched random draws, target), and the
+    experiment's report again. The runs go
     to MQ's experiment; the release is not synthetic, so a synthetic corpus skips the tree."""
     prompt, trace = c.musique_prompt_tokens, c.musique_trace_tokens
     sizes = ",".join(map(str, (*c.musique_splits, c.musique_pair_slice)))
@@ -1321,6 +1326,21 @@ def _musique_pairs_tree(c: PaperCounts) -> list[PlanStep]:
                                Workload("generate", "qwen3-4b", answers, prompt, trace),
                                inputs={"cohort_run": "MP/flip_cohort", "train_run": f"MQ/train_{run}"},
                                params={"samples": str(c.musique_pair_samples)}, skip_synthetic=True))
+    # the teacher's gate (Table 58, R-D40): clean on the HF path, then the prefill-inclusive mask over
+    # its frozen answer-emission top-40 (sham, target) and over layer-matched random draws (target)
+    teacher = {"model": "{teacher}", "arm": "teacher", "samples": str(c.musique_pair_samples), "backend": "hf"}
+    clean = Workload("generate", "qwen3-14b", answers, prompt, trace, engine="hf_batched")
+    masked = dataclasses.replace(clean, engine="hf_masked")
+    nominated = {"mask_heads_run": "MQ/teacher_attribute:attribute"}
+    mask = {"mask_phase": "P2", "mask_k": "40", "mask_regime": "prefill"}
+    steps.append(_step("MP", "gate_clean", "flip_test", clean, inputs={"cohort_run": "MP/flip_cohort"},
+                       params=teacher, skip_synthetic=True))
+    gates = [("sham", "sham", 0), ("target", "target", 0),
+             *((f"random{d}", "target", d) for d in range(1, c.musique_gate_draws + 1))]
+    for label, which, draw in gates:
+        steps.append(_step("MP", f"gate_{label}", "flip_test", masked,
+                           inputs={"cohort_run": "MP/flip_cohort", **nominated}, skip_synthetic=True,
+                           params={**teacher, "mask": which, **mask, **({"mask_random": str(draw)} if draw else {})}))
     steps.append(_step("MP", "report", "report", Workload("none"), skip_synthetic=True,
                        params={"own_heads_split": "val"},
                        after=("MQ/report", *(s.name for s in steps if s.entry_point == "flip_test"))))
@@ -1446,7 +1466,7 @@ RESULT_TREES: dict[str, tuple[str, ...]] = {"R-C7": ("HD-001", "HD-002"), "R-C14
                                             "R-C9": ("DT-000", "DT-001"), "R-D41": ("EU",), "R-D42": ("BC",),
                                             "R-D37": ("MQ",), "R-D38": ("MQ",),
                                             "R-D31": ("M2",), "R-D32": ("M2",),
-                                            "R-D39": ("MQ", "MP"),
+                                            "R-D39": ("MQ", "MP"), "R-D40": ("MQ", "MP"),
                                             **{rid: ("BC", "PP") for rid in ("R-D43", "R-D44", "R-D45", "R-D46")}}
 """The trees a result reads where it is not its half's default (:func:`result_trees`)."""
 

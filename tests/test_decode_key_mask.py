@@ -118,3 +118,54 @@ def test_masking_every_head_is_a_decode_time_attention_mask_and_an_empty_mask_ch
             assert [g.token_ids for g in same] == [g.token_ids for g in base]
     with pytest.raises(ValueError, match="outside its prompt"):
         generate_hf_many(lm, items, dec, key_masks=[[999], []], mask_heads=every)
+
+
+def _greedy_hidden_throughout(lm, prompt: list[int], hidden: list[int], steps: int) -> list[int]:
+    """Greedy tokens with ``hidden`` removed by the attention mask from the prefill on."""
+    model = lm.model
+    ids = torch.tensor([prompt])
+    mask = torch.ones_like(ids)
+    mask[0, hidden] = 0
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        past, logits = out.past_key_values, out.logits[0, -1]
+        tokens = []
+        for _ in range(steps):
+            nxt = int(logits.argmax())
+            tokens.append(nxt)
+            mask = torch.cat([mask, torch.ones(1, 1, dtype=mask.dtype)], dim=1)
+            out = model(input_ids=torch.tensor([[nxt]]), attention_mask=mask, past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[0, -1]
+    return tokens
+
+
+def test_the_prefill_inclusive_mask_keeps_the_heads_from_the_keys_in_the_prefill_too(lm):
+    """App. O's gate: with ``mask_prefill`` every head kept from the hidden positions from the
+    prefill on is an attention mask over those positions for the whole generation; the decode
+    regime differs from it (the cache was written with them); a prefill without a mask in force
+    stays on SDPA, and one head set's prefill mask leaves the other heads' outputs as they were."""
+    dec = DecodingConfig(max_new_tokens=6)
+    texts = ["the patient was seen for chest pain and", "renal function was stable over the week and the"]
+    items = [(t, 5 + i) for i, t in enumerate(texts)]
+    prompts = [lm.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    hidden = [[2, 3], [1, 4, 5]]  # never the first position: every query keeps a key
+    every = list(range(lm.geometry.n_layers * lm.geometry.n_heads))
+    both = generate_hf_many(lm, items, dec, batch_size=2, greedy=True, key_masks=hidden, mask_heads=every,
+                            mask_prefill=True)
+    decode_only = generate_hf_many(lm, items, dec, batch_size=2, greedy=True, key_masks=hidden, mask_heads=every)
+    for gen, prompt, pos in zip(both, prompts, hidden, strict=True):
+        want = _greedy_hidden_throughout(lm, prompt, pos, 6)
+        assert gen.token_ids[:len(want)] == want[:len(gen.token_ids)]
+    assert [g.token_ids for g in both] != [g.token_ids for g in decode_only]
+    g = torch.Generator().manual_seed(1)
+    batch, heads, kv, q_len, dim = 1, 8, 2, 5, 16
+    q = torch.randn(batch, heads, q_len, dim, generator=g)
+    k, v = torch.randn(batch, kv, q_len, dim, generator=g), torch.randn(batch, kv, q_len, dim, generator=g)
+    layer = 2
+    clean, _ = grouped_attention_forward(_Layer(layer), q, k, v, None)
+    with decode_key_mask([layer * heads + 3], heads, [[1]], prefill=True):
+        masked, _ = grouped_attention_forward(_Layer(layer), q, k, v, None)
+    others = [h for h in range(heads) if h != 3]
+    assert torch.allclose(masked[:, :, others].float(), clean[:, :, others].float(), atol=1e-5)
+    assert not torch.allclose(masked[:, 2:, 3].float(), clean[:, 2:, 3].float(), atol=1e-5)  # queries after key 1
+    assert torch.allclose(masked[:, :1, 3].float(), clean[:, :1, 3].float(), atol=1e-5)  # query 0 never saw it

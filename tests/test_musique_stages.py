@@ -215,10 +215,29 @@ def test_evidence_pairs_are_frozen_answered_and_read_as_paired_correctness(track
     assert cases["D_category"].isna().all()  # free-text answers have no categories
     groups = {n.meta["flip_case"]: n.patient_id for n in corpora["original"].notes}
     assert dict(zip(cases["case_id"], cases["group"].astype(str))) == groups
+    # the teacher's gate: clean on the HF path, the prefill-inclusive mask on its heads and on a random draw
+    gate = dict(cohort_run=cohort, model=TINY, arm="teacher", samples=2, max_new_tokens=6, backend="hf")
+    masked = dict(mask_heads=("L0H1", "L1H2"), mask_regime="prefill")
+    settings = {"clean": run_flip_test(FlipTestConfig(**gate)),
+                "sham": run_flip_test(FlipTestConfig(**gate, mask="sham", **masked)),
+                "target": run_flip_test(FlipTestConfig(**gate, mask="target", **masked)),
+                "random1": run_flip_test(FlipTestConfig(**gate, mask="target", mask_random=1, **masked))}
+    drawn_heads = json.loads(open(client.download_artifacts(settings["random1"], "key_mask.json",
+                                                              str(tmp_path / "k"))).read())
+    assert drawn_heads["regime"] == "prefill" and len(drawn_heads["heads"]) == 2
+    assert not set(drawn_heads["heads"]) & {"L0H1", "L1H2"} and sorted(h[:2] for h in drawn_heads["heads"]) == \
+        ["L0", "L1"]  # one other head of each nominated head's layer
+    per_setting = {k: pd.read_csv(client.download_artifacts(r, "flip_cases.csv", str(tmp_path / k))).set_index(
+        "case_id")["paired_success"] for k, r in settings.items()}
     inputs = collect_inputs(client, experiment_for_corpus(name))
     rep = build_report(inputs, reference_arm="vanilla-bf16", n_resamples=50, corpus_resamples=50)
-    t56, t57 = (next(t for t in rep.tables if t.name == n) for n in ("table56_public_task",
-                                                                      "table57_public_task_checkpoints"))
+    t56, t57, t58 = (next(t for t in rep.tables if t.name == n) for n in (
+        "table56_public_task", "table57_public_task_checkpoints", "table58_evidence_mask_gate"))
+    g58 = t58.numeric.set_index(["statistic", "weighting"])
+    assert g58.loc[("clean P", "equal-pair"), "estimate"] == pytest.approx(per_setting["clean"].mean())
+    assert g58.loc[("E_P (sham - target)", "equal-pair"), "estimate"] == pytest.approx(
+        (per_setting["sham"] - per_setting["target"]).mean())
+    assert g58.loc[("E_P^rand (random - target)", "equal-group"), "n_pairs"] == 3
     reading = t56.numeric.set_index("reading").loc["(3) paired correctness on the evidence pairs"]
     per = t57.numeric.set_index("arm")["paired_correctness"]
     assert (reading["arm"], reading["reference"], reading["n_questions"]) == ("mistill", "vanilla-bf16", 3)

@@ -111,6 +111,10 @@ def test_every_step_of_the_plan_builds_a_valid_config_from_the_roles(tmp_path):
             assert config.lock.endswith("o-musique-pairs.yaml") and config.prepare_run == ids["MP/generate"]
         if step.name == "MP/flip_test_randheads_s2":  # each MQ checkpoint on every pair
             assert (config.train_run, config.samples) == (ids["MQ/train_randheads_s2"], 4)
+        if step.name == "MP/gate_random2":  # the teacher's gate: a layer-matched draw under the prefill mask
+            assert (config.mask, config.mask_regime, config.mask_random, config.mask_phase, config.mask_k) == \
+                ("target", "prefill", 2, "P2", 40)
+            assert config.mask_heads_run == ids["MQ/teacher_attribute:attribute"] and config.backend == "hf"
         if step.entry_point == "prepare" and step.tree not in ("EU", "BC", "MQ", "MP", "PP"):  # they read the releases
             assert config.select_n == 0 and config.corpus == "synthetic"  # the smoke settings over the plan
         if step.name == "DT-001/train_qwen3-4b_low-lambda_s0":

@@ -461,10 +461,10 @@ def test_the_command_reads_a_figures_file(tmp_path, capsys):
 def test_the_recorded_figures_cost_every_step_of_the_paper_plan_within_the_budget():
     """The reproduction's dry run: each of the plan's steps costed from a figure recorded in
     benchmarks/results.json, and the main reproduction (every tree but the later tests') at
-    most 200 H200 GPU-hours; the later tests' trees are priced apart, at most 270 (the evidence-flip
+    most 200 H200 GPU-hours; the later tests' trees are priced apart, at most 280 (the evidence-flip
     causal half's eleven HF runs, costed from H100 figures of the uncompiled masked path, are most
-    of it; App. O's MuSiQue-Ans tree about 43 and its evidence pairs about 4, App. M.2's matched
-    selection about 32, App. P's programming pilot about 20)."""
+    of it; App. O's MuSiQue-Ans tree about 43 and its evidence pairs with the teacher's gate about
+    19, App. M.2's matched selection about 32, App. P's programming pilot about 20)."""
     figures = Figures.load()
     plan = paper_plan()
     estimates = {s.name: estimate(s.work, figures) for s in plan}
@@ -474,7 +474,7 @@ def test_the_recorded_figures_cost_every_step_of_the_paper_plan_within_the_budge
         assert e.gpu_hours == 0.0 or all(k in figures.values for k in e.keys), name
     main = sum(estimates[s.name].gpu_hours for s in plan if s.tree not in TRANSFER_TREES)
     transfer = sum(estimates[s.name].gpu_hours for s in plan if s.tree in TRANSFER_TREES)
-    assert main <= 200.0 and 0 < transfer <= 270.0
+    assert main <= 200.0 and 0 < transfer <= 280.0
 
 
 def test_the_causal_half_of_the_flip_test_runs_each_checkpoint_clean_and_under_both_masks():
@@ -482,7 +482,8 @@ def test_the_causal_half_of_the_flip_test_runs_each_checkpoint_clean_and_under_b
     top-40 (its own_heads step's ranking); a clean HF run of each checkpoint; every run on the HF path,
     costed on that path; the named pair's steps are skipped on a synthetic corpus."""
     plan = {s.name: s for s in paper_plan()}
-    causal = {n: s for n, s in plan.items() if s.entry_point == "flip_test" and s.params.get("backend") == "hf"}
+    causal = {n: s for n, s in plan.items() if s.entry_point == "flip_test" and s.params.get("backend") == "hf"
+              and s.tree == "EF"}  # App. O's gate (tree MP) is read in its own test
     runs = {"teacher": "teacher", "qwen3-4b_mistill_s0": "DT-001", "qwen3-4b_vanilla-bf16_s0": "DT-000"}
     want = {f"EF/flip_test_{r}_hf" for r in runs}
     want |= {f"EF/flip_test_{r}_{m}_top40" for r in runs for m in ("target", "sham")}
@@ -500,6 +501,27 @@ def test_the_causal_half_of_the_flip_test_runs_each_checkpoint_clean_and_under_b
         assert step.inputs == {"cohort_run": "EF/flip_cohort", "train_run": f"{tree}/train_{run}",
                                "mask_heads_run": f"{tree}/own_heads_{run}"}
         assert (step.params["mask_k"], step.params["mask_phase"]) == ("40", "P2C")
+
+
+def test_the_teachers_evidence_mask_gate_masks_its_top_40_from_the_prefill_on():
+    """App. O's gate (Table 58): the teacher on the evidence pairs clean on the HF path, then its MQ
+    answer-emission top-40 under the prefill-inclusive sham and target masks, and three
+    layer-matched random draws under the target mask; every masked run costed on the masked path."""
+    plan = {s.name: s for s in paper_plan()}
+    gate = {n: s for n, s in plan.items() if n.startswith("MP/gate_")}
+    assert set(gate) == {f"MP/gate_{x}" for x in ("clean", "sham", "target", "random1", "random2", "random3")}
+    assert "mask" not in gate["MP/gate_clean"].params and gate["MP/gate_clean"].work.engine == "hf_batched"
+    for name, step in gate.items():
+        assert (step.params["arm"], step.params["backend"], step.inputs["cohort_run"]) == ("teacher", "hf",
+                                                                                           "MP/flip_cohort")
+        if name == "MP/gate_clean":
+            continue
+        assert step.work.engine == "hf_masked" and step.inputs["mask_heads_run"] == "MQ/teacher_attribute:attribute"
+        assert (step.params["mask_regime"], step.params["mask_phase"], step.params["mask_k"]) == ("prefill", "P2", "40")
+        draw = name.removeprefix("MP/gate_")
+        assert step.params["mask"] == ("sham" if draw == "sham" else "target")
+        assert step.params.get("mask_random", "0") == (draw.removeprefix("random") if "random" in draw else "0")
+    assert set(gate) <= set(plan["MP/report"].needs)
 
 
 def test_a_step_pinned_to_one_path_reads_that_path_or_a_slower_ones_figures(tmp_path):

@@ -179,16 +179,20 @@ class HFBackend(_Closing):
 
 
 class KeyMaskedHFBackend(HFBackend):
-    """:class:`HFBackend` under the decode-regime key mask of App. N.4: each prompt is prefilled
-    clean, then at every decode step the flat heads ``mask_heads`` may not read the prompt's token
-    positions ``key_masks[prompt_text]`` (:func:`generate_hf_many`'s ``key_masks``). A prompt
-    without an entry is refused. Each generation's ``decoding`` records the number of masked heads."""
+    """:class:`HFBackend` under a key mask: the decode-regime mask of App. N.4 (each prompt is
+    prefilled clean, then at every decode step the flat heads ``mask_heads`` may not read the
+    prompt's token positions ``key_masks[prompt_text]``: :func:`generate_hf_many`'s
+    ``key_masks``), or with ``prefill`` App. O's prefill-inclusive one (the heads kept from those
+    positions in the prefill too). A prompt without an entry is refused. Each generation's
+    ``decoding`` records the number of masked heads and the regime."""
 
     def __init__(self, lm: LoadedModel, decoding: DecodingConfig, mask_heads: Sequence[int],
-                 key_masks: Mapping[str, Sequence[int]], *, batch_size: int | None = None) -> None:
+                 key_masks: Mapping[str, Sequence[int]], *, batch_size: int | None = None,
+                 prefill: bool = False) -> None:
         super().__init__(lm, decoding, batch_size=batch_size)
         self.mask_heads = tuple(int(h) for h in mask_heads)
         self.key_masks = {str(k): tuple(int(p) for p in v) for k, v in key_masks.items()}
+        self.prefill = bool(prefill)
 
     def generate(self, prompt_text: str, seed: int) -> Generation:
         return self.generate_many([(prompt_text, seed)])[0]
@@ -198,10 +202,11 @@ class KeyMaskedHFBackend(HFBackend):
         if missing:
             raise ValueError(f"{len(missing)} prompts without a key mask")
         gens = generate_hf_many(self.lm, items, self.decoding, batch_size=self.batch_size,
-                                key_masks=[self.key_masks[text] for text, _ in items], mask_heads=self.mask_heads)
+                                key_masks=[self.key_masks[text] for text, _ in items], mask_heads=self.mask_heads,
+                                mask_prefill=self.prefill)
         for gen in gens:
             gen.decoding = {**_recorded(self.decoding, self.name, self.rope_scaling),
-                            "masked_heads": len(self.mask_heads)}
+                            "masked_heads": len(self.mask_heads), "mask_regime": "prefill" if self.prefill else "decode"}
         return gens
 
 

@@ -278,7 +278,7 @@ def _generation(lm: LoadedModel, new: list[int], seed: int, decoding: DecodingCo
 def generate_hf_many(lm: LoadedModel, items: Sequence[tuple[str, int]], decoding: DecodingConfig, *,
                      batch_size: int | None = None, greedy: bool = False,
                      key_masks: Sequence[Sequence[int]] | None = None,
-                     mask_heads: Sequence[int] = ()) -> list[Generation]:
+                     mask_heads: Sequence[int] = (), mask_prefill: bool = False) -> list[Generation]:
     """Completions of ``(prompt_text, seed)`` pairs (prompts already chat-templated), in the order given.
 
     The prompts are tokenized like :func:`prompt_ids`, sorted longest first and decoded
@@ -300,7 +300,8 @@ def generate_hf_many(lm: LoadedModel, items: Sequence[tuple[str, int]], decoding
     ``key_masks`` (one per item: token positions of its prompt) and ``mask_heads`` (flat heads
     ``layer * n_heads + head``): the decode-regime key mask of App. N.4. The prompt is prefilled
     clean; at every decode step the named heads may not read the named prompt positions
-    (:func:`mistill.models.grouped_attention.decode_key_mask`). Such a call is not compiled.
+    (:func:`mistill.models.grouped_attention.decode_key_mask`); with ``mask_prefill`` (App. O's
+    prefill-inclusive mask) the prefill's queries are masked too. Such a call is not compiled.
 
     Each completion keeps its new tokens up to and including the first end token (the
     tokenizer's EOS or one of the model's generation EOS ids), is ``capped`` when it reached
@@ -361,7 +362,8 @@ def generate_hf_many(lm: LoadedModel, items: Sequence[tuple[str, int]], decoding
                 if chunked and n > PREFILL_CHUNK:
                     extra["prefill_chunk_size"] = PREFILL_CHUNK
                 hidden = [[n - len(ids[i]) + int(p) for p in key_masks[i]] for i in rows] if masking else []
-                with decode_key_mask(mask_heads, lm.geometry.n_heads, hidden) if masking else nullcontext():
+                with decode_key_mask(mask_heads, lm.geometry.n_heads, hidden, prefill=mask_prefill) if masking \
+                        else nullcontext():
                     seqs = _run_generate(lm, batch.to(device), mask.to(device), [pairs[i][1] for i in rows],
                                          decoding, greedy=greedy, options=extra)
                 new_rows = seqs[:, n:].tolist()

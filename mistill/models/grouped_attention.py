@@ -26,7 +26,11 @@ The same path carries the decode-regime key mask of the evidence-flip test's cau
 N.4): within :func:`decode_key_mask`, at every decode step the named heads of each layer are
 kept from the named key positions of each batch row (their scores set to the float minimum
 before the softmax, the rest renormalised), while the prefill, and so the cache every head
-reads, stays clean. Every other head attends as before; an empty mask changes nothing.
+reads, stays clean. Every other head attends as before; an empty mask changes nothing. With
+``prefill=True`` (App. O's prefill-inclusive evidence mask) the prefill's queries take this path
+too and the named heads are kept from the named keys there as well, so no position's cache holds
+what those heads would have read of them; the prefill's scores are then materialised in float32
+(``[B, KV, G, q, S]`` per layer: fine at App. O's few-thousand-token prompts).
 """
 
 from __future__ import annotations
@@ -53,10 +57,12 @@ class DecodeKeyMask:
 
     heads: layer -> the query heads of that layer that are masked.
     positions: per batch row, the key positions (cache indices) those heads may not read.
+    prefill: whether the prefill's queries are masked too (else decode steps only).
     """
 
     heads: Mapping[int, tuple[int, ...]]
     positions: tuple[tuple[int, ...], ...]
+    prefill: bool = False
     _built: dict = field(default_factory=dict, compare=False, repr=False)
 
     def blocked(self, layer: int, n_heads: int, length: int, device: torch.device) -> torch.Tensor | None:
@@ -83,10 +89,12 @@ _ACTIVE: list[DecodeKeyMask] = []
 
 
 @contextlib.contextmanager
-def decode_key_mask(heads: Sequence[int], n_heads: int, positions: Sequence[Sequence[int]]) -> Iterator[None]:
-    """Within the block, at every decode step through :func:`grouped_attention_forward`, the flat
-    heads ``heads`` (``layer * n_heads + head``) may not read the key positions ``positions[b]`` of
-    batch row ``b``. Needs the model switched with :func:`use_grouped_decode_attention`."""
+def decode_key_mask(heads: Sequence[int], n_heads: int, positions: Sequence[Sequence[int]], *,
+                    prefill: bool = False) -> Iterator[None]:
+    """Within the block, at every decode step through :func:`grouped_attention_forward` (and, with
+    ``prefill``, at the prefill's queries too), the flat heads ``heads`` (``layer * n_heads +
+    head``) may not read the key positions ``positions[b]`` of batch row ``b``. Needs the model
+    switched with :func:`use_grouped_decode_attention`."""
     if _ACTIVE:
         raise RuntimeError("a decode key mask is already in force")
     by_layer: dict[int, list[int]] = {}
@@ -94,7 +102,7 @@ def decode_key_mask(heads: Sequence[int], n_heads: int, positions: Sequence[Sequ
         layer, head = divmod(flat, int(n_heads))
         by_layer.setdefault(layer, []).append(head)
     _ACTIVE.append(DecodeKeyMask({k: tuple(v) for k, v in by_layer.items()},
-                                 tuple(tuple(sorted({int(p) for p in row})) for row in positions)))
+                                 tuple(tuple(sorted({int(p) for p in row})) for row in positions), bool(prefill)))
     try:
         yield
     finally:
@@ -118,13 +126,21 @@ def grouped_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     """Attention of ``query`` [B, H, q, D] over ``key``/``value`` [B, KV, S, D] (H a multiple of KV).
 
     ``attention_mask``: SDPA's mask, boolean ``[B, 1, q, S]`` (True: attend) or additive float of
-    that shape. Returns ``(out [B, q, H, D], None)``, the layout transformers' attention functions
-    return. Falls back to :func:`sdpa_attention_forward` for a prefill (``q`` above
-    :data:`GROUPED_MAX_QUERY`), without a mask, with dropout, or when ``H == KV``.
+    that shape; None for a prefill means causal over the keys, the queries being the last ``q``
+    of them (SDPA's ``is_causal``). Returns ``(out [B, q, H, D], None)``, the layout
+    transformers' attention functions return. Falls back to :func:`sdpa_attention_forward` for a
+    prefill (``q`` above :data:`GROUPED_MAX_QUERY`) unless a prefill-inclusive key mask is in
+    force, without a mask, with dropout, or when ``H == KV``.
     """
     batch, heads, q_len, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
-    blocked = _key_block(module, batch, heads, length, query.device) if q_len <= GROUPED_MAX_QUERY else None
+    masks_prefill = bool(_ACTIVE) and _ACTIVE[0].prefill
+    blocked = _key_block(module, batch, heads, length, query.device) \
+        if q_len <= GROUPED_MAX_QUERY or masks_prefill else None
+    if blocked is not None and attention_mask is None and q_len > 1:  # SDPA would have been causal
+        rows = torch.arange(q_len, device=query.device)[:, None] + (length - q_len)
+        attention_mask = (torch.arange(length, device=query.device)[None, :] <= rows)[None, None].expand(
+            batch, 1, q_len, length)
     if blocked is None and (q_len > GROUPED_MAX_QUERY or attention_mask is None or dropout > 0.0
                             or kv_heads == heads or attention_mask.shape[-1] != length):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

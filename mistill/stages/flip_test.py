@@ -28,6 +28,12 @@ checkpoint's own top-40). The clean reference of the causal half is the same run
 the HF path (``backend=hf``); its difference from the behavioural run (``backend=auto``) is the
 execution-path offset.
 
+``mask_regime=prefill`` is App. O's prefill-inclusive evidence mask (the teacher's gate on the
+evidence pairs, Table 58): the heads are kept from the positions in the prefill too.
+``mask_random=n`` (n >= 1) masks, in place of the nominated heads, random draw ``n`` of as many
+heads per layer among that layer's other heads (seeded by ``seed`` and ``n``): App. O's
+layer-matched random draws.
+
 Only codes, flags and ids reach MLflow. The generations are staged in the run's enclave (a
 local folder, :mod:`mistill.evaluation.sampling`); a rerun after a crash samples only the answers
 not staged yet.
@@ -36,6 +42,8 @@ not staged yet.
 from __future__ import annotations
 
 import json
+import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pandas as pd
@@ -50,7 +58,7 @@ from mistill.evaluation.backends import KeyMaskedHFBackend, resolve_backend
 from mistill.data.inventory import category
 from mistill.evaluation.flip_test import SAMPLE_COLUMNS, case_readings, checkpoint_readings, sample_row, sample_seed
 from mistill.evaluation.sampling import SampleRequest, sample_notes
-from mistill.instrument.passes import PHASES
+from mistill.instrument.passes import PHASES, stable_seed
 from mistill.params import DecodingParams
 from mistill.stages.characterize import ranks_from_head_sets
 from mistill.stages.common import (TAG_CONDITION_RUN, Prepared, RunReader, link_subject, load_model, load_prepared,
@@ -60,10 +68,14 @@ from mistill.stages.runner import open_stage, progress_label, stage_device
 from mistill.tasks import task_for
 from mistill.tracking.naming import TAG_BACKEND, TAG_CORPUS
 from mistill.validation import (HEAD_NAME, check_arm, check_choice, check_device, check_dtype, check_model_spec,
-                                check_no_text_fields, check_pattern, check_positive, check_run_id, check_seed, fail)
+                                check_no_text_fields, check_non_negative, check_pattern, check_positive, check_run_id,
+                                check_seed, fail)
 
 STAGE = "flip_test"
 MASKS = ("", "target", "sham")
+MASK_REGIMES = ("decode", "prefill")
+"""Where the key mask acts: decode steps after a clean prefill (App. N.4), or the prefill too
+(App. O's gate)."""
 SAMPLES = "samples"
 """The enclave folder of the staged generations."""
 METRIC_PREFIX = "flip/"
@@ -82,6 +94,8 @@ class FlipTestConfig(Config, DecodingParams):
         on the HF path (``backend`` ``auto`` or ``hf``; ``vllm`` is refused).
     mask_heads: the masked heads by name (``L30H11``); else mask_heads_run: an ``attribute`` or
         ``own_heads`` run whose ``mask_phase`` ranking's top ``mask_k`` are masked.
+    mask_regime: ``decode`` (App. N.4) or ``prefill`` (App. O's prefill-inclusive mask).
+    mask_random: 0 masks the nominated heads; n >= 1 random draw n of layer-matched other heads.
     device: ``cpu``, ``cuda``, ``cuda:<n>`` or ``mps``.
     """
 
@@ -96,6 +110,8 @@ class FlipTestConfig(Config, DecodingParams):
     mask_heads_run: str = ""
     mask_phase: str = "P2C"
     mask_k: int = 40
+    mask_regime: str = "decode"
+    mask_random: int = 0
     device: str = "cpu"
     dtype: str = "float32"
 
@@ -111,6 +127,10 @@ class FlipTestConfig(Config, DecodingParams):
         check_run_id(self.mask_heads_run, "mask_heads_run")
         check_choice(self.mask_phase, PHASES, "mask_phase")
         check_positive(self.mask_k, "mask_k")
+        check_choice(self.mask_regime, MASK_REGIMES, "mask_regime")
+        check_non_negative(self.mask_random, "mask_random", "0: the nominated heads")
+        if not self.mask and (self.mask_regime != "decode" or self.mask_random):
+            fail("mask_regime and mask_random shape a key mask: set mask too", "mask")
         for head in self.mask_heads:
             check_pattern(head, HEAD_NAME, "mask_heads", "a head name like L30H11")
         if self.mask and bool(self.mask_heads) == bool(self.mask_heads_run):
@@ -176,6 +196,21 @@ def nominated_heads(cfg: FlipTestConfig, names: list[str]) -> list[int]:
     return ranks[cfg.mask_phase][:cfg.mask_k]
 
 
+def layer_matched_draw(heads: Sequence[int], n_heads: int, draw: int, seed: int) -> list[int]:
+    """Random draw ``draw`` of heads matched to ``heads`` (flat) layer by layer: as many of each
+    layer's other heads as it has nominated ones (all of them when fewer), seeded by ``seed`` and
+    ``draw``; sorted."""
+    by_layer: dict[int, list[int]] = {}
+    for flat in sorted({int(h) for h in heads}):
+        by_layer.setdefault(flat // n_heads, []).append(flat)
+    rng = random.Random(stable_seed(seed, "mask-random", draw))
+    out: list[int] = []
+    for layer, chosen in sorted(by_layer.items()):
+        others = [layer * n_heads + h for h in range(n_heads) if layer * n_heads + h not in chosen]
+        out += rng.sample(others, min(len(chosen), len(others)))
+    return sorted(out)
+
+
 def _prompts(conditions: dict[str, Prepared], tokenizer) -> list[tuple[str, Note, Prompt]]:
     """Every condition's notes with their prompts, condition by condition."""
     return [(cond, note, prepared.prompt(note, tokenizer)) for cond, prepared in conditions.items()
@@ -219,14 +254,17 @@ def run_flip_test(cfg: FlipTestConfig) -> str:
             lm = load_model(subject.spec, dtype=cfg.dtype, device=device)
             names = lm.geometry.head_names()
             heads = nominated_heads(cfg, names)
+            if cfg.mask_random:
+                heads = layer_matched_draw(heads, lm.geometry.n_heads, cfg.mask_random, cfg.seed)
             masks = _key_masks(prompts, tokenizer, cfg.mask)
             run.log_json("key_mask.json", {
-                "mask": cfg.mask, "heads": [names[h] for h in heads],
+                "mask": cfg.mask, "regime": cfg.mask_regime, "random_draw": cfg.mask_random,
+                "heads": [names[h] for h in heads],
                 "masked_tokens": {f"{note.meta['flip_case']}.{cond}": len(masks[prompt.text])
                                   for cond, note, prompt in prompts}})
 
             def open_backend():
-                return KeyMaskedHFBackend(lm, decoding, heads, masks)
+                return KeyMaskedHFBackend(lm, decoding, heads, masks, prefill=cfg.mask_regime == "prefill")
         else:
             def open_backend():
                 return make_backend(backend, subject.spec, decoding, device=device, dtype=cfg.dtype)
