@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.public_task_tables import checkpoint_table, readings_table, seed_paired_differences
+from analysis.public_task_tables import checkpoint_table, gate_table, readings_table, seed_paired_differences
 from mistill import stats
 from mistill.errors import MistillInputError
 
@@ -62,3 +62,25 @@ def test_readings_pair_seeds_by_question_on_the_common_support():
     assert per.loc[("mistill", 0), "answer_f1"] == pytest.approx(0.5)
     assert per.loc[("mistill", 0), "recovery_own"] == pytest.approx(0.45)
     assert per.loc[("mistill", 0), "n_recovered"] == 2 and per.loc[("vanilla-bf16", 0), "valid_rate"] == 0.5
+
+
+def test_the_gate_reads_each_setting_per_pair_in_both_weightings():
+    """Table 58: per pair P in each setting; E_P = sham - target, E_P^rand = the random draws' mean -
+    target; equal-group averages the group means (a group of two pairs weighs as one of one pair),
+    equal-pair the pairs."""
+    p = {"clean": [1.0, 0.5, 0.0], "sham": [1.0, 1.0, 0.5], "target": [0.5, 0.5, 0.5],
+         "random1": [1.0, 0.5, 0.5], "random2": [0.5, 0.5, 1.0]}
+    groups = ["g1", "g1", "g2"]
+    rows = pd.DataFrame([{"case_id": f"c{i}", "group": groups[i], "setting": k, "paired_success": v[i]}
+                         for k, v in p.items() for i in range(3)])
+    table = gate_table(rows, n_resamples=100).set_index(["statistic", "weighting"])
+    assert table.loc[("clean P", "equal-pair"), "estimate"] == pytest.approx(0.5)
+    assert table.loc[("clean P", "equal-group"), "estimate"] == pytest.approx((0.75 + 0.0) / 2)
+    e_p = np.array(p["sham"]) - np.array(p["target"])  # 0.5, 0.5, 0
+    assert table.loc[("E_P (sham - target)", "equal-pair"), "estimate"] == pytest.approx(e_p.mean())
+    assert table.loc[("E_P (sham - target)", "equal-group"), "estimate"] == pytest.approx((0.5 + 0.0) / 2)
+    rand = (np.array(p["random1"]) + np.array(p["random2"])) / 2 - np.array(p["target"])  # 0.25, 0, 0.25
+    assert table.loc[("E_P^rand (random - target)", "equal-pair"), "estimate"] == pytest.approx(rand.mean())
+    assert set(table["n_pairs"]) == {3} and set(table["n_groups"]) == {2}
+    assert gate_table(rows[rows["setting"] != "sham"], n_resamples=10)["statistic"].tolist().count(
+        "E_P (sham - target)") == 0  # a reading whose settings are missing is left out
