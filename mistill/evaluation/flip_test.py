@@ -50,9 +50,6 @@ from mistill.evaluation.generation import DecodingConfig
 from mistill.instrument.passes import stable_seed
 from mistill.tasks import Task
 
-CONTROLS = ("irrelevant", "order")
-"""The control conditions (App. N.1)."""
-
 SAMPLE_COLUMNS = ("case_id", "condition", "sample", "seed", "valid", "capped", "n_tokens", "emits_a", "emits_b",
                   "v", "v_category")
 """One row per answer: what the stage's ``flip_samples`` table holds (codes and flags, never text)."""
@@ -106,13 +103,12 @@ def sample_row(case_id: str, condition: str, sample: int, seed: int, codes: Coll
     if task is not None and not task.set_valued:
         has_a = answer_matches(task, tuple(codes), tuple(a_refs) or (a,))
         has_b = answer_matches(task, tuple(codes), (b,))
-        v = int(has_a and not has_b) - int(has_b and not has_a)
-        return {"case_id": case_id, "condition": condition, "sample": int(sample), "seed": int(seed),
-                "valid": bool(valid), "capped": bool(capped), "n_tokens": int(n_tokens), "emits_a": has_a,
-                "emits_b": has_b, "v": v, "v_category": 0}
+        v_category = 0
+    else:
+        has_a, has_b, v_category = a in codes, b in codes, category_value(codes, a, b)
     return {"case_id": case_id, "condition": condition, "sample": int(sample), "seed": int(seed),
-            "valid": bool(valid), "capped": bool(capped), "n_tokens": int(n_tokens), "emits_a": a in codes,
-            "emits_b": b in codes, "v": flip_value(codes, a, b), "v_category": category_value(codes, a, b)}
+            "valid": bool(valid), "capped": bool(capped), "n_tokens": int(n_tokens), "emits_a": has_a,
+            "emits_b": has_b, "v": int(has_a and not has_b) - int(has_b and not has_a), "v_category": v_category}
 
 
 def case_reading_names(conditions: Sequence[str] = CONDITIONS) -> tuple[str, ...]:
@@ -187,5 +183,5 @@ def checkpoint_readings(cases: pd.DataFrame, *, n_resamples: int = stats.N_BOOTS
     return out
 
 
-__all__ = ["CONTROLS", "SAMPLE_COLUMNS", "CASE_READINGS", "sample_seed", "flip_value", "category_value", "sample_row",
+__all__ = ["SAMPLE_COLUMNS", "CASE_READINGS", "sample_seed", "flip_value", "category_value", "sample_row",
            "case_readings", "case_reading_names", "checkpoint_readings", "answer_matches", "screen_answer"]
