@@ -116,7 +116,7 @@ def timed_generate(model, batch: int, prompt: int, new: int, cache_len: int, *, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan", choices=("breakdown", "grouped"), default="breakdown")
-    ap.add_argument("--model", choices=("qwen3-4b", "qwen3-14b"), default="qwen3-4b")
+    ap.add_argument("--model", choices=("qwen3-4b", "qwen3-14b", "smollm3-3b"), default="qwen3-4b")
     ap.add_argument("--prompt", type=int, default=36864, help="prompt tokens (a multiple of the prefill chunk)")
     ap.add_argument("--new", type=int, default=48, help="new tokens of the timed short calls")
     ap.add_argument("--batch", type=int, default=16, help="rows of the grouped plan's calls")
