@@ -20,7 +20,9 @@ at the contrastive decision (P2C) and k = 40 (:data:`SCREEN_PHASE`, :data:`SCREE
   percentile bootstrap over inputs and the inputs where the ranked heads read more;
 * where the inputs' traces are a ``generate`` run's, the teacher's native micro-F1 there (its
   own answers against the inputs' gold labels, pooled, with a percentile bootstrap over inputs),
-  or, for programming, its pass@1 (its code run against each problem's tests in the sandbox).
+  or, for programming, its pass@1 (its code run against each problem's tests in the sandbox);
+  beside the micro-F1, the same inputs' retrieval baseline (the top-5 of a retrieval ranking) where
+  the ``generate`` run graded one.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import numpy as np
 import pandas as pd
 
 from mistill import stats
+from mistill.stages.generate import RETRIEVAL_COUNTS
 
 __all__ = ["SCREEN_PHASE", "SCREEN_K", "TRANSFER_TASKS", "COLUMNS", "READBACK_CONTROLS", "native_table",
            "readback_table", "transfer_screen_table"]
@@ -89,7 +92,10 @@ def native_table(generations: pd.DataFrame, *, k: int = SCREEN_K, n_resamples: i
     (``tp, fp, fn, n_gold`` per input): the pooled micro-F1 of the inputs with gold labels and
     its percentile bootstrap over them (empty without such inputs); for executed answers
     (BigCodeBench: ``verdict`` and ``passed`` per input), pass@1 over every input with its
-    percentile bootstrap, and the inputs whose generation held no code, in its place."""
+    percentile bootstrap, and the inputs whose generation held no code, in its place. Where the
+    table grades a retrieval baseline on the same inputs (``retrieval_tp, retrieval_fp,
+    retrieval_fn``, its top ``retrieval_top``: EURLEX57K), that baseline's pooled micro-F1 and
+    bootstrap follow the teacher's."""
     if "passed" in generations.columns and len(generations):
         passed = pd.to_numeric(generations["passed"], errors="coerce").to_numpy(dtype=float)
         ci = stats.bootstrap_ci(passed, n_resamples=n_resamples, seed=seed)
@@ -104,8 +110,17 @@ def native_table(generations: pd.DataFrame, *, k: int = SCREEN_K, n_resamples: i
     if graded.empty:
         return pd.DataFrame(columns=COLUMNS)
     ci = stats.corpus_micro_f1(graded[["tp", "fp", "fn"]].to_numpy(dtype=int), n_resamples=n_resamples, seed=seed)
-    return pd.DataFrame([{"statistic": "native micro-F1 of the teacher's answers", "k": k, "value": ci.estimate,
-                          "ci_low": ci.low, "ci_high": ci.high, "n": len(graded)}], columns=COLUMNS)
+    rows = [{"statistic": "native micro-F1 of the teacher's answers", "k": k, "value": ci.estimate,
+             "ci_low": ci.low, "ci_high": ci.high, "n": len(graded)}]
+    if set(RETRIEVAL_COUNTS) <= set(graded.columns):
+        counts = graded[list(RETRIEVAL_COUNTS)].apply(pd.to_numeric, errors="coerce").dropna()
+        if len(counts):
+            top = int(pd.to_numeric(graded["retrieval_top"], errors="coerce").max()) \
+                if "retrieval_top" in graded.columns else 0
+            ci = stats.corpus_micro_f1(counts.to_numpy(dtype=int), n_resamples=n_resamples, seed=seed)
+            rows.append({"statistic": f"micro-F1 of the retrieval ranking's top {top if top else 'labels'}",
+                         "k": k, "value": ci.estimate, "ci_low": ci.low, "ci_high": ci.high, "n": len(counts)})
+    return pd.DataFrame(rows, columns=COLUMNS)
 
 
 def transfer_screen_table(rows: pd.DataFrame, *, phase: str = SCREEN_PHASE, k: int = SCREEN_K,

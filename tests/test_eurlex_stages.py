@@ -131,3 +131,40 @@ def test_table59_finds_the_generate_run_that_traced_the_screened_inputs(tracking
                          for i, attribute in enumerate(chains.values())])
     found = screen_generations(client, sets)
     assert found.to_dict("records") == [{"knockin_run": "knockin-0", "run_id": generated}]
+
+
+def test_generate_grades_the_retrieval_baseline_beside_the_answers(tracking_uri, tmp_path, monkeypatch,
+                                                                 pinned_code_version):
+    # Table 59's native row on EURLEX: the teacher's answers and, on the same acts, the top labels
+    # of the retrieval ranking of each act's shown candidates
+    from mistill.stages.generate import GenerateConfig, retrieval_counts, run_generate
+
+    monkeypatch.setenv("MISTILL_ROOT", str(tmp_path / "root"))
+    paths = write_eurlex_fixture(tmp_path / "release", acts_per_split={"test": 3})
+    prep = run_prepare(PrepareConfig(task="eurlex57k", corpus=str(paths["dataset"]), corpus_name=unique("eurlex"),
+                                     concepts_file=str(paths["concepts_file"]),
+                                     hierarchy_file=str(paths["hierarchy_file"]), candidates=6, privacy="public",
+                                     model=TINY))
+    gen = run_generate(GenerateConfig(prepare_run=prep, model=TINY, split="test", max_new_tokens=8, retrieval_top=2))
+    client = MlflowClient()
+    table = pd.read_csv(client.download_artifacts(gen, "generations.csv", str(tmp_path / "g")),
+                        dtype={"note_id": str})
+    prepared = load_prepared(prep)
+    notes = [n for n in prepared.corpus.notes if n.split == "test"]
+    assert list(table["note_id"]) == [n.note_id for n in notes] and set(table["retrieval_top"]) == {2}
+    task = EurlexTask.from_inventory(prepared.inventory)
+    for note, row in zip(notes, table.itertuples(), strict=True):
+        top = task.retrieval_ranking(note.text, note.shortlist)[:2]
+        assert set(top) <= set(note.shortlist)
+        hits = len(set(top) & set(note.gold_codes))
+        assert (row.retrieval_tp, row.retrieval_fp, row.retrieval_fn) == (hits, 2 - hits, len(note.gold_codes) - hits)
+    # the fixture's acts name their gold concepts in the title: the baseline finds them
+    assert table["retrieval_tp"].sum() > 0
+    tp, fp, fn = (int(table[k].sum()) for k in ("retrieval_tp", "retrieval_fp", "retrieval_fn"))
+    assert client.get_run(gen).data.metrics["retrieval_micro_f1"] == pytest.approx(2 * tp / (2 * tp + fp + fn))
+    # every concept ranked instead of the shown list
+    wide = retrieval_counts(notes, task, prepared.inventory.codes, 2, "inventory")
+    assert len(wide) == len(notes) and (wide["retrieval_tp"] + wide["retrieval_fp"] == 2).all()
+    with pytest.raises(MistillInputError) as err:
+        GenerateConfig(prepare_run=prep, retrieval_scope="corpus").validate()
+    assert err.value.field == "retrieval_scope"

@@ -11,7 +11,8 @@ import pytest
 from mistill.errors import MistillInputError
 from mistill.instrument.events import extract_events
 from mistill.tasks import task
-from mistill.tasks.eurlex import load_broader, load_eurlex_documents, load_eurovoc, micro_f1
+from mistill.tasks.eurlex import (label_words, lexical_ranking, load_broader, load_eurlex_documents, load_eurovoc,
+                                  micro_f1)
 
 CONCEPTS = {"100": {"label": "public health", "alt_labels": []}, "101": {"label": "health policy"},
             "102": {"label": "health care"}, "103": {"label": "public order"}, "104": {"label": "health"}}
@@ -121,6 +122,29 @@ def test_parser_and_micro_f1():
             t.metric(("health",), ("health",))]
     assert rows[0]["f1"] == 0.5 and rows[1]["f1"] == 1.0
     assert micro_f1(rows) == pytest.approx(2 * 2 / (2 * 2 + 1 + 1))
+
+
+def test_retrieval_ranking_by_hand():
+    # a label's score is the share of its words' idf the act holds; ties go to the larger mass
+    # found, then to the label; a word without an idf counts 1, duplicates keep their first place
+    idf = {"public": 2.0, "health": 1.0, "order": 3.0, "policy": 2.5}
+    text = "Rules on Public Health and on health care."
+    ranked = lexical_ranking(text, ["public order", "health care", "health", "public health", "health policy",
+                                    "health"], idf)
+    # shares: public health 3/3, health care 2/2 ("care" counts 1), health 1/1, public order 2/5,
+    # health policy 1/3.5
+    assert ranked == ("public health", "health care", "health", "public order", "health policy")
+    assert lexical_ranking(text, ["health", "health care"], {}) == ("health care", "health")
+    assert lexical_ranking("health", ["b health", "a health"], {}) == ("a health", "b health")  # equal: the label
+    assert label_words("EU-wide aid, 2010 (Art. 3)") == {"eu", "wide", "aid", "art"}
+    # the task's idf comes from the concept file's labels: "health", held by four of five, counts
+    # less than "public" (two) and "order" (one)
+    concepts = {k: v["label"] for k, v in CONCEPTS.items()}
+    t = task("eurlex57k", concepts=concepts)
+    assert t.retrieval_ranking("on public order", ["health", "public health", "public order"]) == \
+        ("public order", "public health", "health")
+    assert t.retrieval_ranking("on public order", []) == ()
+    assert task("musique").retrieval_ranking("on public order", ["public order"]) is None
 
 
 def test_the_stages_parse_answers_as_the_task_reads_them():

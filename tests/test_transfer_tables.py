@@ -81,3 +81,10 @@ def test_native_row_by_hand():
     assert row["value"] == pytest.approx(2 * 3 / (2 * 3 + 2 + 1)) and row["n"] == 2  # b has no gold label
     assert row["ci_low"] <= row["value"] <= row["ci_high"]
     assert "native micro-F1 of the teacher's answers" not in set(transfer_screen_table(_rows())["statistic"])
+    # beside it, the retrieval baseline's top labels graded on the same inputs (those with gold)
+    gens = gens.assign(retrieval_tp=[1, 0, 2], retrieval_fp=[4, 5, 3], retrieval_fn=[1, 0, 0], retrieval_top=5)
+    by = transfer_screen_table(_rows(), n_resamples=200, generations=gens).set_index("statistic")
+    row = by.loc["micro-F1 of the retrieval ranking's top 5"]
+    assert row["value"] == pytest.approx(2 * 3 / (2 * 3 + 7 + 1)) and row["n"] == 2
+    assert row["ci_low"] <= row["value"] <= row["ci_high"]
+    assert by.loc["native micro-F1 of the teacher's answers", "value"] == pytest.approx(2 * 3 / (2 * 3 + 2 + 1))

@@ -11,7 +11,10 @@ scraped from reasoning, and bad output (a cap hit, an unclosed block, an answer 
 JSON list, codes outside the inventory, a chat template without a thinking switch) is counted
 in the metrics, never raised. Each answer is graded against its note's gold codes (the
 ``generations`` table's ``tp, fp, fn, n_gold``; metric ``answer_micro_f1`` over the notes with
-gold codes: the model's native micro-F1, App. P's reading of the teacher on fresh inputs).
+gold codes: the model's native micro-F1, App. P's reading of the teacher on fresh inputs). For a
+task with a retrieval baseline (EURLEX57K) the table also grades the first ``retrieval_top`` labels
+of that ranking on each note (``retrieval_tp, retrieval_fp, retrieval_fn``; metric
+``retrieval_micro_f1``), the score App. P sets beside the teacher's.
 
 Per note (resumable, ``notes/<note_id>/``): ``generation.json`` (seed, decoding, flags, codes,
 counts) and ``trace.txt``: an artifact for synthetic and public corpora; for a restricted corpus
@@ -30,6 +33,7 @@ no generation qualifies there is no traced corpus (tag ``mistill.generate.traced
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -53,8 +57,9 @@ from mistill.stages.common import (CORPUS_FILE, CORPUS_META_FILE, INVENTORY_FILE
 from mistill.stages.runner import notes_written, open_stage, pending_notes, progress_label, stage_device
 from mistill.tasks import Task, task_for
 from mistill.tracking.naming import TAG_CORPUS_DIGEST
-from mistill.validation import (check_device, check_dtype, check_model_spec, check_name, check_no_text_fields,
-                                check_non_negative, check_not_empty, check_run_id, check_seed)
+from mistill.validation import (check_choice, check_device, check_dtype, check_model_spec, check_name,
+                                check_no_text_fields, check_non_negative, check_not_empty, check_positive,
+                                check_run_id, check_seed)
 
 NOTES = "notes"
 RECORD_FILE = "generation.json"
@@ -79,6 +84,11 @@ class GenerateConfig(Config, DecodingParams):
     batch_size: notes per engine call, each note written as soon as its call returns (0: the
         backend's own size, :func:`~mistill.evaluation.sampling.call_size`: 256 for vLLM,
         which schedules them as its KV cache allows; the HF backend's batch).
+    retrieval_top: for a task with a retrieval baseline
+        (:meth:`~mistill.tasks.base.Task.retrieval_ranking`: EURLEX57K), the first this many of
+        its ranking are scored as a prediction beside the model's answer (App. P: the top-5).
+    retrieval_scope: **[recon]** what that baseline ranks: ``candidates`` (the note's shown
+        candidate list, the labels the model chooses from) or ``inventory`` (every label).
     """
 
     prepare_run: str = ""
@@ -89,6 +99,8 @@ class GenerateConfig(Config, DecodingParams):
     device: str = "cpu"
     dtype: str = "float32"
     batch_size: int = 0
+    retrieval_top: int = 5
+    retrieval_scope: str = "candidates"
 
     def validate(self) -> None:
         check_no_text_fields(self)
@@ -101,6 +113,8 @@ class GenerateConfig(Config, DecodingParams):
         check_device(self.device)
         check_dtype(self.dtype)
         check_non_negative(self.batch_size, "batch_size", "0: the backend's own size")
+        check_positive(self.retrieval_top, "retrieval_top")
+        check_choice(self.retrieval_scope, RETRIEVAL_SCOPES, "retrieval_scope")
 
 
 def check_config(cfg: GenerateConfig) -> None:
@@ -140,6 +154,32 @@ def answer_counts(notes: list[Note], records: list[dict], task: Task | None = No
         tp, fp, fn = set_counts(record["codes"], note.gold_codes)
         rows.append({"tp": tp, "fp": fp, "fn": fn, "n_gold": len(set(note.gold_codes))})
     return pd.DataFrame(rows, columns=list(ANSWER_COUNTS))
+
+
+RETRIEVAL_SCOPES: tuple[str, ...] = ("candidates", "inventory")
+"""What a task's retrieval baseline ranks: each note's shown candidate list, or every label."""
+
+RETRIEVAL_COUNTS: tuple[str, ...] = ("retrieval_tp", "retrieval_fp", "retrieval_fn")
+"""The ``generations`` table's columns grading the retrieval baseline's top labels per note."""
+
+
+def retrieval_counts(notes: list[Note], task: Task, labels: Sequence[str], top: int,
+                     scope: str = "candidates") -> pd.DataFrame:
+    """Per note (in order), the set counts of the first ``top`` labels of the task's retrieval
+    ranking (:meth:`~mistill.tasks.base.Task.retrieval_ranking` of the note's text) against its
+    gold codes (:data:`RETRIEVAL_COUNTS`, then ``retrieval_top``); the ranking covers the
+    note's shown candidate list (``scope`` ``candidates``; a note without one: ``labels``) or
+    ``labels`` (``inventory``).
+    Empty (no rows, no columns) for a task without a retrieval baseline."""
+    rows = []
+    for note in notes:
+        pool = note.shortlist if scope == "candidates" and note.shortlist else labels
+        ranked = task.retrieval_ranking(note.text, pool)
+        if ranked is None:
+            return pd.DataFrame()
+        tp, fp, fn = set_counts(ranked[:top], note.gold_codes)
+        rows.append({"retrieval_tp": tp, "retrieval_fp": fp, "retrieval_fn": fn, "retrieval_top": top})
+    return pd.DataFrame(rows, columns=[*RETRIEVAL_COUNTS, "retrieval_top"])
 
 
 def generation_metrics(records: list[dict]) -> dict[str, float]:
@@ -239,7 +279,9 @@ def run_generate(cfg: GenerateConfig) -> str:
         table = pd.DataFrame([{k: (" ".join(v) if k == "codes" else v) for k, v in r.items()
                                if k != "decoding"} for r in ordered])
         counts = answer_counts(notes, ordered, task)
-        table = pd.concat([table, counts], axis=1)
+        retrieval = retrieval_counts(notes, task, inventory.codes, cfg.retrieval_top, cfg.retrieval_scope) \
+            if task.set_valued else pd.DataFrame()
+        table = pd.concat([table, counts, retrieval], axis=1)
         outcomes = task.execute_answers(notes, [traces[n.note_id] for n in notes]) if current_world().leader \
             else None
         if outcomes is not None:  # App. P: pass@1 from the sandboxed tests (a run of the leader only)
@@ -260,6 +302,9 @@ def run_generate(cfg: GenerateConfig) -> str:
             tp, fp, fn = (int(graded[k].sum()) for k in ("tp", "fp", "fn"))
             metrics["answer_micro_f1"] = prf_from_counts(tp, fp, fn)[2]
             metrics["n_graded_notes"] = len(graded)
+            if len(retrieval):  # App. P: a retrieval ranking's top labels on the same inputs
+                tp, fp, fn = (int(retrieval.loc[graded.index, k].sum()) for k in RETRIEVAL_COUNTS)
+                metrics["retrieval_micro_f1"] = prf_from_counts(tp, fp, fn)[2]
         metrics["n_traced_notes"] = len(out)
         metrics["thinking_template"] = float(thinking)
         run.log_metrics(metrics)

@@ -162,6 +162,12 @@ class Task(ABC):
         whose answers are not executed."""
         return None
 
+    def retrieval_ranking(self, text: str, candidates: Sequence[str]) -> tuple[str, ...] | None:
+        """``candidates`` ordered by a retrieval baseline's score against an input's ``text``, best
+        first, or None for a task without such a baseline (App. P sets the top-5 of a retrieval
+        ranking beside the EURLEX teacher's native micro-F1)."""
+        return None
+
     set_valued: bool = True
     """Whether an answer is a set of items scored by set counts (micro-F1); False for a task whose
     answer is one string scored by :meth:`metric` (MuSiQue-Ans: answer EM and F1)."""

@@ -33,6 +33,9 @@ Choices the paper does not fix **[recon]**:
   entries naming no concept are dropped, duplicates too.
 * **Metric**: set counts, precision, recall and F1 per act; :func:`micro_f1` pools the counts
   over acts (the paper's micro-F1).
+* **Retrieval baseline** (:meth:`EurlexTask.retrieval_ranking`): the candidates ranked by the
+  idf-weighted share of each label's words that the act holds (:func:`lexical_ranking`), whose
+  top-5 ``generate`` scores beside the teacher's answer (Table 59's native row).
 
 The stages read the release through :func:`load_eurlex_corpus` (``prepare -P task=eurlex57k``):
 every concept of the concept file is an inventory code (its label, described by its id, the
@@ -47,7 +50,10 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import random
+import re
+from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,7 +68,7 @@ from mistill.io import read_json
 from mistill.tasks.base import Mention, Record, Task, read_traces, set_scores, whole_word_mentions
 
 __all__ = ["EurlexTask", "EurlexAct", "load_eurlex_documents", "load_eurovoc", "load_broader", "micro_f1",
-           "EURLEX_WORDING", "candidate_list", "load_eurlex_corpus", "write_eurlex_fixture", "SPLIT_FOLDERS"]
+           "EURLEX_WORDING", "candidate_list", "label_words", "lexical_ranking", "load_eurlex_corpus", "write_eurlex_fixture", "SPLIT_FOLDERS"]
 
 EURLEX_WORDING = PromptWording(
     header="Below is the list of candidate EuroVoc concepts, one per line: the concept label, then its EuroVoc id.",
@@ -74,6 +80,8 @@ EURLEX_WORDING = PromptWording(
     answer=("Give your final answer as a JSON list of concept labels, with every label written exactly as it "
             "appears in the list."))
 """The prompt's sentences for an act (**[recon]**: the paper gives the task, not its prompt)."""
+
+_WORDS = re.compile(r"[^\W\d_]+")
 
 SPLIT_FOLDERS: Mapping[str, str] = {"train": "train", "dev": "val", "test": "test"}
 """The release's split folders and the corpus splits they become (an act elsewhere is a test act)."""
@@ -239,6 +247,20 @@ class EurlexTask(Task):
         return set_scores(gold, pred)
 
 
+    @functools.cached_property
+    def _word_idf(self) -> dict[str, float]:
+        """Each word of the concepts' labels -> its inverse document frequency over the labels,
+        ``ln((1 + L) / (1 + l_w)) + 1`` (``L`` labels, ``l_w`` of them holding the word)."""
+        held = Counter(w for label in self._id_of for w in label_words(label))
+        n = len(self._id_of)
+        return {w: math.log((1 + n) / (1 + c)) + 1.0 for w, c in held.items()}
+
+    def retrieval_ranking(self, text: str, candidates: Sequence[str]) -> tuple[str, ...]:
+        """``candidates`` (labels) ranked against an act's ``text`` by :func:`lexical_ranking`
+        with the idf of the concept file's labels (**[recon]**: App. P scores "the top-5 of a
+        retrieval ranking" without naming the retriever)."""
+        return lexical_ranking(text, candidates, self._word_idf)
+
     def neighbours(self) -> dict[str, frozenset[str]]:
         """Label -> the labels :meth:`related` to it (broader, narrower, siblings), built once from the
         hierarchy rather than by testing every pair."""
@@ -261,6 +283,27 @@ class EurlexTask(Task):
         ids = {label: inventory.descriptions[label].removeprefix("EuroVoc ").strip() for label in inventory.codes}
         return cls({cid: label for label, cid in ids.items()},
                    {ids[label]: [ids[b] for b in broader] for label, broader in inventory.relations.items()})
+
+
+def label_words(text: str) -> frozenset[str]:
+    """The case-folded words (runs of letters) of a label or an act."""
+    return frozenset(w.casefold() for w in _WORDS.findall(text))
+
+
+def lexical_ranking(text: str, candidates: Sequence[str], idf: Mapping[str, float]) -> tuple[str, ...]:
+    """``candidates`` ordered by how much of each label's words an act's ``text`` holds, best first
+    (**[recon]**, a retrieval baseline without training): a label's score is the share of its
+    words' idf (``idf``; a word it lacks counts 1) found among the text's words, ties going to the
+    larger idf mass found (the more specific label), then to the label in code-point order.
+    Duplicates keep their first place."""
+    words = label_words(text)
+    scored = []
+    for label in dict.fromkeys(candidates):
+        mine = label_words(label)
+        mass = sum(idf.get(w, 1.0) for w in mine)
+        found = sum(idf.get(w, 1.0) for w in mine & words)
+        scored.append((-(found / mass) if mass else 0.0, -found, label))
+    return tuple(label for _, _, label in sorted(scored))
 
 
 def candidate_list(gold: Sequence[str], labels: Sequence[str], near: Mapping[str, Collection[str]], size: int,
