@@ -1002,19 +1002,21 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
     steps += _musique_tree(c)
     steps += _musique_pairs_tree(c)
     steps += _pilot_tree(c)
+    steps += _learning_curve_tree(c, evaluation)
     steps.append(_step("report", "report", "report", Workload("none"),
                        after=tuple(s.name for s in steps if not s.experiment
                                    and s.entry_point in ("evaluate", "own_heads", "flip_test", "trace_edit"))))
     return steps
 
 
-TRANSFER_TREES: tuple[str, ...] = ("EF", "ST", "M2", "EU", "BC", "MQ", "MP", "PP")
-"""The trees of the tests the paper ran after its main campaign (its ``REBUTTAL/`` and ``DT-005/``
-artifacts: App. N's evidence-flip test, EF, Table 22's trace edits on the students, ST, App.
-M.2's matched selection, M2, App. P's
-screens on EURLEX57K, EU, and on BigCodeBench, BC, App. O's public-task extension on
-MuSiQue-Ans, MQ, with its evidence pairs, MP, and App. P's programming pilot, PP), priced beside the
-main reproduction (the characterization and distillation trees) rather than inside its budget."""
+TRANSFER_TREES: tuple[str, ...] = ("EF", "ST", "M2", "EU", "BC", "MQ", "MP", "PP", "LC")
+"""The trees priced beside the main reproduction (the characterization and distillation trees)
+rather than inside its budget: the tests the paper ran after its main campaign (its ``REBUTTAL/``
+and ``DT-005/`` artifacts: App. N's evidence-flip test, EF, Table 22's trace edits on the
+students, ST, App. M.2's matched selection, M2, App. P's screens on EURLEX57K, EU, and on
+BigCodeBench, BC, App. O's public-task extension on MuSiQue-Ans, MQ, with its evidence pairs, MP,
+and App. P's programming pilot, PP), and App. M.5's learning curve, LC (three smaller trainings run
+to decide whether to grow the corpus; no other result reads them)."""
 
 EURLEX_BATCHES: tuple[tuple[str, str, str], ...] = (
     ("rank", "train", "eurlex_rank_acts"), ("assess", "val", "eurlex_assess_acts"),
@@ -1028,6 +1030,42 @@ CODE_BATCHES: tuple[tuple[str, str, str], ...] = (
 order (``prepare -P split_sizes``)."""
 EURLEX_PANEL: dict[str, str] = {"panel_top": "40", "panel_bottom": "40", "panel_random": "40"}
 """The read-back's panels (App. P): the ranked P2C top-40 against 40 random heads and the bottom-40."""
+
+
+LEARNING_CURVE_SIZES: tuple[int, ...] = (100, 250)
+"""App. M.5's smaller training sets (Table 53, Figure 8): the first n training notes in note seed
+0's order; the full set's rows are the main arms' seeds."""
+LEARNING_CURVE_ARMS: tuple[tuple[str, str], ...] = (("vanilla-bf16", "train_vanilla"), ("mistill", "train_mistill"))
+"""(arm, workload kind) of the learning curve: Vanilla CoT-KD and Mistill, both with bf16 weights."""
+
+
+def _learning_curve_tree(c: PaperCounts, evaluation: Mapping[str, str]) -> list[PlanStep]:
+    """LC, App. M.5's learning curve (R-D8; Table 53, Figure 8): seed 0 of each arm of
+    :data:`LEARNING_CURVE_ARMS` trained on each size of :data:`LEARNING_CURVE_SIZES` (Mistill at
+    the bf16 selection's λ) and evaluated on the test notes. Vanilla CoT-KD at the selection's
+    size is DT-001's reference run of that size (the same notes, note seed and seed), evaluated
+    here on the test notes as well."""
+    short, trace = c.shortlist_tokens, c.trace_tokens
+    steps = []
+    for n in LEARNING_CURVE_SIZES:
+        for arm, kind in LEARNING_CURVE_ARMS:
+            run = f"qwen3-4b_{arm}_n{n}_s0"
+            train = f"DT-001/train_{run}" if arm == "vanilla-bf16" and n == c.selection_notes else f"LC/train_{run}"
+            if train.startswith("LC/"):
+                mechanism = kind == "train_mistill"
+                steps.append(_step(
+                    "LC", f"train_{run}", "train", Workload(kind, "qwen3-4b", c.micro_steps(n), short),
+                    inputs={"targets_run": "DT-000/targets",
+                            **({"student_attribute_run": "DT-000/student_attribute_qwen3-4b:attribute"}
+                               if mechanism else {})},
+                    after=("DT-001/select_lambda",) if mechanism else (),
+                    params={"arm": arm, "seed": "0", "student": "{student}", "train_notes": str(n),
+                            "train_notes_seed": "0"}, disk_gib=8.0))
+            steps.append(_step("LC", f"evaluate_{run}", "evaluate",
+                               Workload("evaluate", "qwen3-4b", c.test_notes, short - trace, trace,
+                                        predictions=c.test_notes),
+                               inputs={**evaluation, "train_run": train}, params={"arm": arm, "split": "test"}))
+    return steps
 
 
 MATCHED_FAMILIES: tuple[tuple[str, str], ...] = (("mistill", "m2-mistill"), ("randheads", "m2-randheads"))
@@ -1465,7 +1503,7 @@ RESULT_TREES: dict[str, tuple[str, ...]] = {"R-C7": ("HD-001", "HD-002"), "R-C14
                                             "R-D35": ("EF",), "R-D28": ("ST",), "R-D30": ("DT-000", "DT-001", "ST"),
                                             "R-C9": ("DT-000", "DT-001"), "R-D41": ("EU",), "R-D42": ("BC",),
                                             "R-D37": ("MQ",), "R-D38": ("MQ",),
-                                            "R-D31": ("M2",), "R-D32": ("M2",),
+                                            "R-D31": ("M2",), "R-D32": ("M2",), "R-D8": ("DT-000", "DT-001", "LC"),
                                             "R-D39": ("MQ", "MP"), "R-D40": ("MQ", "MP"),
                                             **{rid: ("BC", "PP") for rid in ("R-D43", "R-D44", "R-D45", "R-D46")}}
 """The trees a result reads where it is not its half's default (:func:`result_trees`)."""
@@ -1610,7 +1648,7 @@ def render(plan: Sequence[PlanStep], figures: Figures, *, reused: Mapping[str, s
     lines += ["", f"{len(plan)} steps; {total:.1f} GPU-hours where a benchmark figure covers the step "
               f"({len(unknown)} steps without one); about {math.ceil(disk)} GiB of artifacts"]
     if transfer:
-        lines.append(f"of which the main reproduction {total - transfer:.1f} and the later tests "
+        lines.append(f"of which the main reproduction {total - transfer:.1f} and the trees priced apart "
                      f"({', '.join(TRANSFER_TREES)}) {transfer:.1f}")
     lines.append(f"figures: {figures.source}")
     return "\n".join(lines)

@@ -36,7 +36,7 @@ def test_every_step_reads_only_earlier_steps():
     trains = [s for s in plan if s.entry_point == "train"]
     assert {s.params["arm"] for s in trains} >= {"mistill", "vanilla-fp32", "vanilla-bf16", "opd", "gold"}
     # App. J.4's seeds: three for Qwen3-4B Mistill, two for SmolLM3-3B's; GOLD on SmolLM3-3B only
-    clinical = [s for s in trains if s.tree not in ("MQ", "PP")]
+    clinical = [s for s in trains if s.tree not in ("MQ", "PP", "LC")]
     assert sum(s.params["arm"] == "mistill" and s.params["student"] == "{student}" for s in clinical) == 3
     assert sum(s.params["arm"] == "mistill" and s.params["student"] == "{student_smollm3}" for s in clinical) == 3
     # App. O: three seeds of each arm on MuSiQue-Ans, Qwen3-4B the student
@@ -405,7 +405,7 @@ def test_the_tree_subtotals_sum_to_the_total(tmp_path):
         plan = paper_plan()
         trees = subtotals(plan, figures)
         assert list(trees) == ["HD-001", "HD-002", "instruction", "DT-000", "DT-001", "EF", "ST", "M2", "EU", "BC",
-                               "MQ", "MP", "PP", "report"]
+                               "MQ", "MP", "PP", "LC", "report"]
         estimates = [estimate(s.work, figures) for s in plan]
         total = sum(e.gpu_hours for e in estimates if e.gpu_hours is not None)
         assert sum(t.gpu_hours for t in trees.values()) == pytest.approx(total, rel=1e-12)
@@ -421,7 +421,8 @@ def test_the_tree_subtotals_sum_to_the_total(tmp_path):
         assert lines.index("GPU-hours by entry point:") > at + n
         assert f"{total:.1f} GPU-hours" in text
         transfer = sum(t.gpu_hours for name, t in trees.items() if name in TRANSFER_TREES)
-        assert f"of which the main reproduction {total - transfer:.1f} and the later tests (EF, ST, M2, EU, BC, MQ, MP, PP) " \
+        assert f"of which the main reproduction {total - transfer:.1f} and the trees priced apart " \
+               f"(EF, ST, M2, EU, BC, MQ, MP, PP, LC) " \
                f"{transfer:.1f}" in text
         by_entry = subtotals(plan, figures, "entry_point")
         assert sum(t.gpu_hours for t in by_entry.values()) == pytest.approx(total, rel=1e-12)
@@ -460,11 +461,12 @@ def test_the_command_reads_a_figures_file(tmp_path, capsys):
 
 def test_the_recorded_figures_cost_every_step_of_the_paper_plan_within_the_budget():
     """The reproduction's dry run: each of the plan's steps costed from a figure recorded in
-    benchmarks/results.json, and the main reproduction (every tree but the later tests') at
-    most 200 H200 GPU-hours; the later tests' trees are priced apart, at most 280 (the evidence-flip
-    causal half's eleven HF runs, costed from H100 figures of the uncompiled masked path, are most
-    of it; App. O's MuSiQue-Ans tree about 43 and its evidence pairs with the teacher's gate about
-    19, App. M.2's matched selection about 32, App. P's programming pilot about 20)."""
+    benchmarks/results.json, and the main reproduction (every tree but those priced apart) at
+    most 200 H200 GPU-hours; the trees priced apart at most 285 (the evidence-flip causal half's
+    eleven HF runs, costed from H100 figures of the uncompiled masked path, are most of it; App.
+    O's MuSiQue-Ans tree about 43 and its evidence pairs with the teacher's gate about 19, App.
+    M.2's matched selection about 32, App. P's programming pilot about 20, App. M.5's learning
+    curve about 4)."""
     figures = Figures.load()
     plan = paper_plan()
     estimates = {s.name: estimate(s.work, figures) for s in plan}
@@ -474,7 +476,30 @@ def test_the_recorded_figures_cost_every_step_of_the_paper_plan_within_the_budge
         assert e.gpu_hours == 0.0 or all(k in figures.values for k in e.keys), name
     main = sum(estimates[s.name].gpu_hours for s in plan if s.tree not in TRANSFER_TREES)
     transfer = sum(estimates[s.name].gpu_hours for s in plan if s.tree in TRANSFER_TREES)
-    assert main <= 200.0 and 0 < transfer <= 280.0
+    assert main <= 200.0 and 0 < transfer <= 285.0
+
+
+def test_the_learning_curve_trains_both_arms_at_each_smaller_size_and_evaluates_them_on_the_test_notes():
+    """App. M.5 (R-D8): seed 0 of Vanilla CoT-KD and Mistill, bf16, on 100 and 250 training notes
+    (note seed 0), each evaluated on the test notes; Vanilla CoT-KD at 100 notes is the selection's
+    reference run of DT-001, and Mistill trains at the bf16 selection's lambda."""
+    from mistill.runbook import result_trees, select
+
+    plan = {s.name: s for s in paper_plan()}
+    lc = {n: s for n, s in plan.items() if s.tree == "LC"}
+    evaluated = {s.inputs["train_run"] for s in lc.values() if s.entry_point == "evaluate"}
+    assert evaluated == {"DT-001/train_qwen3-4b_vanilla-bf16_n100_s0", "LC/train_qwen3-4b_mistill_n100_s0",
+                         "LC/train_qwen3-4b_vanilla-bf16_n250_s0", "LC/train_qwen3-4b_mistill_n250_s0"}
+    for name in evaluated:
+        train = plan[name]
+        assert (train.params["train_notes"], train.params["train_notes_seed"], train.params["seed"]) in \
+            {("100", "0", "0"), ("250", "0", "0")}
+        assert train.params["arm"] in ("mistill", "vanilla-bf16")
+        assert ("DT-001/select_lambda" in train.needs) == (train.params["arm"] == "mistill")
+    assert {s.params["split"] for s in lc.values() if s.entry_point == "evaluate"} == {"test"}
+    assert result_trees("R-D8") == ("DT-000", "DT-001", "LC", "report")
+    picked = {s.name for s in select(list(plan.values()), ["R-D8"])}
+    assert set(lc) <= picked and "DT-001/evaluate_qwen3-4b_mistill_s0" in picked
 
 
 def test_the_causal_half_of_the_flip_test_runs_each_checkpoint_clean_and_under_both_masks():
