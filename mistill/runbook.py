@@ -994,9 +994,9 @@ def paper_plan(counts: PaperCounts = PaperCounts()) -> list[PlanStep]:
                        inputs={"prepare_run": data, "train_run": f"DT-001/train_{run}"},
                        params={"probe_head": head, "probe_phase": "P2C", "probe_rank": "8", "own_traces": "false"},
                        after=(f"DT-001/own_heads_{run}",), skip_synthetic=True))
+    steps += _matched_tree(c)  # before EF, which flip-tests its RandHeads pick
     steps += _evidence_flip_tree(c, release, generation)
     steps += _student_edit_tree(c, data)
-    steps += _matched_tree(c)
     steps += _eurlex_tree(c)
     steps += _bigcodebench_tree(c)
     steps += _musique_tree(c)
@@ -1421,11 +1421,11 @@ def _student_edit_tree(c: PaperCounts, data: str) -> list[PlanStep]:
 
 FLIP_CHECKPOINTS: tuple[tuple[str, str, int], ...] = (
     ("mistill", "DT-001", 3), ("vanilla-bf16", "DT-000", 3), ("mistill-fp32", "DT-001", 3),
-    ("vanilla-fp32", "DT-000", 3))
+    ("vanilla-fp32", "DT-000", 3), ("m2-randheads", "M2", 1))
 """(arm, tree of its train steps, seeds) of the Qwen3-4B checkpoints the evidence-flip test reads
 (App. N.1: the locked primary's bf16 pair and the secondary's fp32 pair, three seeds each; the
-teacher beside them). The matched-selection RandHeads pick, descriptive there, is not in the plan
-(its selection is not: see R-D31)."""
+teacher beside them; and, descriptive, App. M.2's matched-selection RandHeads pick, tree M2's
+``m2-randheads``, **[recon]** its seed 0: the paper's fourteen checkpoints hold one)."""
 
 
 FLIP_CAUSAL: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (

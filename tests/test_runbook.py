@@ -404,7 +404,7 @@ def test_the_tree_subtotals_sum_to_the_total(tmp_path):
     for figures in (Figures.load(), figures_file(tmp_path / "f.json", {**Figures.load().values, **VLLM_4B})):
         plan = paper_plan()
         trees = subtotals(plan, figures)
-        assert list(trees) == ["HD-001", "HD-002", "instruction", "DT-000", "DT-001", "EF", "ST", "M2", "EU", "BC",
+        assert list(trees) == ["HD-001", "HD-002", "instruction", "DT-000", "DT-001", "M2", "EF", "ST", "EU", "BC",
                                "MQ", "MP", "PP", "LC", "report"]
         estimates = [estimate(s.work, figures) for s in plan]
         total = sum(e.gpu_hours for e in estimates if e.gpu_hours is not None)
@@ -500,6 +500,24 @@ def test_the_learning_curve_trains_both_arms_at_each_smaller_size_and_evaluates_
     assert result_trees("R-D8") == ("DT-000", "DT-001", "LC", "report")
     picked = {s.name for s in select(list(plan.values()), ["R-D8"])}
     assert set(lc) <= picked and "DT-001/evaluate_qwen3-4b_mistill_s0" in picked
+
+
+def test_the_behavioural_half_of_the_flip_test_reads_the_papers_fourteen_checkpoints():
+    """App. N (Table 54): the teacher, three seeds of each locked pair (bf16 and fp32 Mistill and
+    Vanilla CoT-KD) and, descriptive, the matched-selection RandHeads pick of tree M2, all sampled
+    through the stages' engine on one frozen cohort."""
+    plan = paper_plan()
+    names = [s.name for s in plan]
+    behaviour = {s.name: s for s in plan if s.entry_point == "flip_test" and s.tree == "EF"
+                 and "backend" not in s.params}
+    assert len(behaviour) == 14 and all(s.inputs["cohort_run"] == "EF/flip_cohort" for s in behaviour.values())
+    reads = {s.inputs.get("train_run", s.params.get("arm")) for s in behaviour.values()}
+    want = {f"{tree}/train_qwen3-4b_{arm}_s{seed}" for arm, tree in (("mistill", "DT-001"), ("vanilla-bf16", "DT-000"),
+                                                                      ("mistill-fp32", "DT-001"),
+                                                                      ("vanilla-fp32", "DT-000")) for seed in range(3)}
+    assert reads == want | {"teacher", "M2/train_qwen3-4b_m2-randheads_s0"}
+    pick = "EF/flip_test_qwen3-4b_m2-randheads_s0"
+    assert names.index("M2/train_qwen3-4b_m2-randheads_s0") < names.index(pick)
 
 
 def test_the_causal_half_of_the_flip_test_runs_each_checkpoint_clean_and_under_both_masks():
