@@ -488,6 +488,12 @@ CONVENTIONS: tuple[Convention, ...] = (
                "mistill.tasks.kodcode.load_kodcode_corpus",
                "the paper names KodCode's locked split of 2,000 and the first-mention events, not the prompt, "
                "the eligibility rule or the draw"),
+    Convention("the evidence-flip test's RandHeads pick", "App. N, Table 54",
+               "tree EF flip-tests seed 0 of tree M2's matched-selection RandHeads pick (the arm m2-randheads) "
+               "beside the teacher and the twelve locked checkpoints; another seed's pick is flip-tested by hand "
+               "(flip_test -P cohort_run=<the cohort> -P train_run=<its train run>)",
+               "mistill.runbook.FLIP_CHECKPOINTS",
+               "the paper's fourteen checkpoints hold one RandHeads pick, descriptive, without naming its seed"),
     Convention("the programming pilot's plan", "App. P",
                "tree PP: BigCodeBench's development tasks are the release's first 120 (the ranking batches) and "
                "next 60 (the assessment batch), traced by the teacher in the tree itself with the same per-note "
