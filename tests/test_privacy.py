@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from mistill.errors import MistillInputError
-from mistill.tracking.privacy import (CHAR_WINDOW, PrivacyError, PrivacyGuard, ngram_hashes,
-                                      normalise, tokens)
+from mistill.tracking.privacy import (CHAR_WINDOW, MAX_DECODE_ROUNDS, PrivacyError, PrivacyGuard, decode_escapes,
+                                      ngram_hashes, normalise, tokens)
 from tok_fixtures import bpe_tokenizer
 
 CANARY = "the zebra canary walked slowly past the violet lighthouse at dawn"
@@ -41,6 +41,28 @@ def test_levels_and_allows_text() -> None:
     with pytest.raises(MistillInputError):
         PrivacyGuard([NOTE], "secret")
     assert issubclass(PrivacyError, MistillInputError)
+
+
+def test_url_escapes_decode_as_unquote_decodes_them() -> None:
+    """Only runs of %XX escapes are decoded (each as one UTF-8 byte string, invalid bytes as
+    U+FFFD), every other '%' kept: repeated ``urllib.parse.unquote``, on random texts of escapes,
+    broken escapes, bare percents and other characters."""
+    def reference(text: str) -> str:
+        for _ in range(MAX_DECODE_ROUNDS):
+            out = urllib.parse.unquote(text)
+            if out == text:
+                break
+            text = out
+        return text
+
+    pieces = ["%", "%2", "%20", "%C3", "%A9", "%c3%a9", "%E2%82", "%AC", "%zz", "a", "é", "x%", "%%",
+              "%F0%9F%98", "%80", " ", "%4", "1", "%25", "%2541"]
+    rng = random.Random(0)
+    for _ in range(20000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(14)))
+        assert decode_escapes(text) == reference(text), text
+    assert decode_escapes("100%% of %7A%65bra") == "100%% of zebra"
+    assert decode_escapes("%2541") == "A"  # %25 -> '%', then %41 -> 'A' on the next round
 
 
 def test_ngram_hash_is_positional_and_tokens_normalise() -> None:
