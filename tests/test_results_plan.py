@@ -72,6 +72,15 @@ APP_Q_RUNS: dict[str, list[str]] = {
     "R-D6": MAIN + UNTRAINED_HEADS,
     "R-D7": (trained(Q4B, "randpos", 1) + trained(Q4B, "randheads", 1) + trained(Q4B, "randboth", 1)
              + trained(SMOL, "randpos", 1) + trained(SMOL, "randheads", 1)),
+    # App. M.5: seed 0 of both arms at 100 and 250 notes (Vanilla CoT-KD at 100 is the selection's
+    # reference run), beside the tier-1 rows at 493 (three seeds, bf16 and fp32 Vanilla CoT-KD)
+    "R-D8": ([f"LC/{step}_{Q4B}_{arm}_n{n}_s0" for arm, n, step in
+              (("mistill", 100, "train"), ("mistill", 250, "train"), ("vanilla-bf16", 250, "train"))]
+             + [f"LC/evaluate_{Q4B}_{arm}_n{n}_s0" for arm in ("mistill", "vanilla-bf16") for n in (100, 250)]
+             + [BF16_SELECTION, f"DT-001/train_{Q4B}_vanilla-bf16_n100_s0"]
+             + trained(Q4B, "mistill", 3, own_heads=False)
+             + trained(Q4B, "vanilla-bf16", 3, tree="DT-000", own_heads=False)
+             + trained(Q4B, "vanilla-fp32", 3, tree="DT-000", own_heads=False)),
     # the cost per arm: train runs with and without the Mistill terms (their step timing)
     "R-D9": (trained(Q4B, "mistill", 1, evaluated=False, own_heads=False)
              + trained(Q4B, "vanilla-bf16", 1, tree="DT-000", evaluated=False, own_heads=False)),
