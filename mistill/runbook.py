@@ -1050,8 +1050,9 @@ def _learning_curve_tree(c: PaperCounts, evaluation: Mapping[str, str]) -> list[
     for n in LEARNING_CURVE_SIZES:
         for arm, kind in LEARNING_CURVE_ARMS:
             run = f"qwen3-4b_{arm}_n{n}_s0"
-            train = f"DT-001/train_{run}" if arm == "vanilla-bf16" and n == c.selection_notes else f"LC/train_{run}"
-            if train.startswith("LC/"):
+            reused = arm == "vanilla-bf16" and n == c.selection_notes  # DT-001's selection reference
+            train = f"DT-001/train_{run}" if reused else f"LC/train_{run}"
+            if not reused:
                 mechanism = kind == "train_mistill"
                 steps.append(_step(
                     "LC", f"train_{run}", "train", Workload(kind, "qwen3-4b", c.micro_steps(n), short),

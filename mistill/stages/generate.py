@@ -279,8 +279,7 @@ def run_generate(cfg: GenerateConfig) -> str:
         table = pd.DataFrame([{k: (" ".join(v) if k == "codes" else v) for k, v in r.items()
                                if k != "decoding"} for r in ordered])
         counts = answer_counts(notes, ordered, task)
-        retrieval = retrieval_counts(notes, task, inventory.codes, cfg.retrieval_top, cfg.retrieval_scope) \
-            if task.set_valued else pd.DataFrame()
+        retrieval = retrieval_counts(notes, task, inventory.codes, cfg.retrieval_top, cfg.retrieval_scope)
         table = pd.concat([table, counts, retrieval], axis=1)
         outcomes = task.execute_answers(notes, [traces[n.note_id] for n in notes]) if current_world().leader \
             else None

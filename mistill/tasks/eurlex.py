@@ -68,7 +68,8 @@ from mistill.io import read_json
 from mistill.tasks.base import Mention, Record, Task, read_traces, set_scores, whole_word_mentions
 
 __all__ = ["EurlexTask", "EurlexAct", "load_eurlex_documents", "load_eurovoc", "load_broader", "micro_f1",
-           "EURLEX_WORDING", "candidate_list", "label_words", "lexical_ranking", "load_eurlex_corpus", "write_eurlex_fixture", "SPLIT_FOLDERS"]
+           "EURLEX_WORDING", "candidate_list", "label_words", "lexical_ranking", "load_eurlex_corpus",
+           "write_eurlex_fixture", "SPLIT_FOLDERS"]
 
 EURLEX_WORDING = PromptWording(
     header="Below is the list of candidate EuroVoc concepts, one per line: the concept label, then its EuroVoc id.",
@@ -246,12 +247,11 @@ class EurlexTask(Task):
         """Set counts, precision, recall and F1 of one act (pool with :func:`micro_f1`)."""
         return set_scores(gold, pred)
 
-
     @functools.cached_property
     def _word_idf(self) -> dict[str, float]:
         """Each word of the concepts' labels -> its inverse document frequency over the labels,
         ``ln((1 + L) / (1 + l_w)) + 1`` (``L`` labels, ``l_w`` of them holding the word)."""
-        held = Counter(w for label in self._id_of for w in label_words(label))
+        held = Counter(w for label in self._id_of for w in _label_words(label))
         n = len(self._id_of)
         return {w: math.log((1 + n) / (1 + c)) + 1.0 for w, c in held.items()}
 
@@ -290,6 +290,12 @@ def label_words(text: str) -> frozenset[str]:
     return frozenset(w.casefold() for w in _WORDS.findall(text))
 
 
+@functools.lru_cache(maxsize=None)
+def _label_words(label: str) -> frozenset[str]:
+    """:func:`label_words` of a label, read once per process (every act ranks the same labels)."""
+    return label_words(label)
+
+
 def lexical_ranking(text: str, candidates: Sequence[str], idf: Mapping[str, float]) -> tuple[str, ...]:
     """``candidates`` ordered by how much of each label's words an act's ``text`` holds, best first
     (**[recon]**, a retrieval baseline without training): a label's score is the share of its
@@ -299,7 +305,7 @@ def lexical_ranking(text: str, candidates: Sequence[str], idf: Mapping[str, floa
     words = label_words(text)
     scored = []
     for label in dict.fromkeys(candidates):
-        mine = label_words(label)
+        mine = _label_words(label)
         mass = sum(idf.get(w, 1.0) for w in mine)
         found = sum(idf.get(w, 1.0) for w in mine & words)
         scored.append((-(found / mass) if mass else 0.0, -found, label))
