@@ -18,8 +18,14 @@ prompts are strings of placeholder tokens, so each tokenizes to exactly ``--prom
 ``--engine hf_masked`` times the causal half of the evidence-flip test (App. N.4) as ``flip_test``
 runs it (:class:`~mistill.evaluation.backends.KeyMaskedHFBackend`: the prompt prefilled clean,
 then every decode step through the grouped attention with ``--mask-heads`` heads kept from
-``--mask-span`` prompt positions, not compiled). The heads are a seeded draw over every layer
-(the plan's top-40 sets spread across layers too); the span sits at the middle of each prompt.
+``--mask-span`` prompt positions, compiled on CUDA like the unmasked path); ``hf_masked_eager``
+is the same with the decode step left uncompiled (the model's ``disable_compile``), as it ran
+before the mask could be compiled. The heads are a seeded draw over every layer (the plan's
+top-40 sets spread across layers too); the span sits at the middle of each prompt.
+
+``--warmup`` runs the largest ``batch x new`` once, untimed, before the timed runs: a compiled
+engine compiles its decode step (and sizes its static cache) there, so the timed runs measure
+decoding alone; the warm-up's wall is recorded as ``warmup_s``.
 
 Records, per run ``b<batch>.n<new>``: ``wall_s``, ``tokens`` (generated), ``per_token_s``
 (wall over tokens: the aggregate rate, prefills included); per engine ``engine_start_s`` and
@@ -31,7 +37,7 @@ Usage (on the GPU machine, vLLM's CUDA build installed):
         --runs 1x256 16x256 16x6000 1x6000 --tokenizer carry/smollm2-tokenizer --out raw.json
     python3 benchmarks/bench_sampling.py --engine hf_batched,hf_masked --model qwen3-14b --prompt 30000 \\
         --runs 8x32 8x256 --mask-heads 40 --mask-span 64 --tokenizer carry/smollm2-tokenizer --out raw.json
-    python3 benchmarks/bench_sampling.py --smoke      # a tiny model on the CPU, both HF paths, seconds
+    python3 benchmarks/bench_sampling.py --smoke      # a tiny model on the CPU, the HF paths, seconds
 """
 
 from __future__ import annotations
@@ -145,9 +151,11 @@ def open_backend(engine: str, path: Path, decoding: DecodingConfig, max_len: int
     tokenizer = load_tokenizer(str(path))
     tokenizer.eos_token = None  # a random model's draw of the end-of-text id must not end a timed row
     lm = LoadedModel(model=model, tokenizer=tokenizer, geometry=head_geometry(model), spec=str(path))
-    if engine == "hf_masked":
+    if engine in ("hf_masked", "hf_masked_eager"):
         heads = masked_heads(lm.geometry.n_layers, lm.geometry.n_heads, mask_heads)
         backend = KeyMaskedHFBackend(lm, decoding, heads, {})
+        if engine == "hf_masked_eager":
+            model.generation_config.disable_compile = True
     else:
         backend = HFBackend(lm, decoding)
     backend.engine_start_s = time.perf_counter() - start
@@ -172,8 +180,8 @@ def measure(backend, texts: list[str], seeds: list[int], engine: str) -> tuple[f
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", default="vllm",
-                    help="vllm, hf_batched or hf_masked; several comma-separated run one after another on one "
-                         "saved model")
+                    help="vllm, hf_batched, hf_masked or hf_masked_eager; several comma-separated run one after "
+                         "another on one saved model")
     ap.add_argument("--model", default="qwen3-4b", choices=(*sorted(ARCHS), "smollm3-3b"))
     ap.add_argument("--prompt", type=int, default=36000, help="prompt tokens")
     ap.add_argument("--runs", nargs="+", default=["1x256", "16x256", "16x6000", "1x6000"],
@@ -182,19 +190,22 @@ def main() -> None:
     ap.add_argument("--model-root", default="/root/bench-models")
     ap.add_argument("--mask-heads", type=int, default=40, help="hf_masked: heads under the key mask")
     ap.add_argument("--mask-span", type=int, default=64, help="hf_masked: prompt positions they may not read")
+    ap.add_argument("--warmup", action="store_true",
+                    help="run the largest batch x new tokens once, untimed, before the timed runs")
     ap.add_argument("--out", default="bench_sampling.json")
     ap.add_argument("--smoke", action="store_true",
-                    help="a tiny model on the CPU through both HF paths (batched, then key-masked): seconds")
+                    help="a tiny model on the CPU through the HF paths (batched, key-masked, and key-masked "
+                         "uncompiled), with a warm-up: seconds")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
     engines = args.engine.split(",")
-    unknown = sorted(set(engines) - {"vllm", "hf_batched", "hf_masked"})
+    unknown = sorted(set(engines) - {"vllm", "hf_batched", "hf_masked", "hf_masked_eager"})
     if unknown:
         ap.error(f"unknown engine {', '.join(unknown)}")
     if args.smoke:
-        engines, args.model, args.prompt, args.runs, args.tokenizer = ["hf_batched", "hf_masked"], "smoke", 24, \
-            ["1x4", "3x4"], "embedded"
-        args.mask_heads, args.mask_span = 3, 6
+        engines, args.model, args.prompt, args.runs, args.tokenizer = ["hf_batched", "hf_masked", "hf_masked_eager"], \
+            "smoke", 24, ["1x4", "3x4"], "embedded"
+        args.mask_heads, args.mask_span, args.warmup = 3, 6, True
         args.model_root = tempfile.mkdtemp(prefix="bench-sampling-")
     runs = [tuple(int(x) for x in r.split("x")) for r in args.runs]
     max_new = max(n for _, n in runs)
@@ -205,7 +216,7 @@ def main() -> None:
     vocab = len(tokenizer)
     res: dict = {"card": torch.cuda.get_device_name(0) if device == "cuda" else "cpu-smoke", "torch": torch.__version__,
                  "engine": ",".join(engines), "model": args.model}
-    if "hf_masked" in engines:
+    if {"hf_masked", "hf_masked_eager"} & set(engines):
         res["mask_heads"], res["mask_span"] = args.mask_heads, args.mask_span
     if "vllm" in engines:
         import vllm  # deferred: vLLM is optional
@@ -223,10 +234,18 @@ def main() -> None:
                           mask_heads=args.mask_heads) as backend:
             res[f"{prefix}.engine_start_s"] = backend.engine_start_s
             print(f"{engine} {args.model}: engine up in {backend.engine_start_s:.1f} s", flush=True)
+            if args.warmup:
+                batch, new = max(runs, key=lambda r: (r[1], r[0]))
+                backend.decoding = DecodingConfig(max_new_tokens=new)
+                texts = prompts(tokenizer, batch, args.prompt, base, vocab, seed=999_999)
+                if engine.startswith("hf_masked"):
+                    backend.key_masks = {text: span(args.prompt, args.mask_span) for text in texts}
+                res[f"{prefix}.warmup_s"], _ = measure(backend, texts, list(range(batch)), engine)
+                print(f"warm-up {batch}x{new}: {res[f'{prefix}.warmup_s']:.2f} s", flush=True)
             for i, (batch, new) in enumerate(runs):
                 backend.decoding = DecodingConfig(max_new_tokens=new)
                 texts = prompts(tokenizer, batch, args.prompt, base, vocab, seed=1000 * i)
-                if engine == "hf_masked":
+                if engine.startswith("hf_masked"):
                     backend.key_masks = {text: span(args.prompt, args.mask_span) for text in texts}
                 wall, tokens = measure(backend, texts, list(range(batch)), engine)
                 key = f"{prefix}.b{batch}.n{new}"

@@ -44,8 +44,10 @@ def _positive(res: dict, *keys: str) -> None:
 
 
 def _sampling(res: dict, out: Path) -> None:
-    assert res["engine"] == "hf_batched,hf_masked" and res["mask_heads"] == 3
-    for engine in ("hf_batched", "hf_masked"):  # the batched path, then the evidence-flip key mask's
+    engines = ("hf_batched", "hf_masked", "hf_masked_eager")  # the batched path, the evidence-flip key mask's
+    assert res["engine"] == ",".join(engines) and res["mask_heads"] == 3
+    for engine in engines:
+        _positive(res, f"{engine}.smoke.p24.warmup_s")
         for batch in (1, 3):
             key = f"{engine}.smoke.p24.b{batch}.n4"
             assert res[f"{key}.tokens"] == batch * 4

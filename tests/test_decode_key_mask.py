@@ -4,11 +4,13 @@ changes nothing."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
 from mistill.evaluation.generation import DecodingConfig, generate_hf_many
-from mistill.models.grouped_attention import decode_key_mask, grouped_attention_forward
+from mistill.models.grouped_attention import KEY_ROWS, decode_key_mask, grouped_attention_forward
 from mistill.models.loading import load_model
 
 
@@ -41,12 +43,17 @@ def test_the_named_heads_read_nothing_of_the_named_keys_and_the_others_are_untou
     layer = 3
     named = [layer * heads + 1, layer * heads + 6, (layer + 1) * heads + 2]  # one head of another layer
     positions = [[4, 5, 9], [3, 7]]
-    clean, _ = grouped_attention_forward(_Layer(layer), q, k, v, mask)
-    with decode_key_mask(named, heads, positions):
-        masked, _ = grouped_attention_forward(_Layer(layer), q, k, v, mask)
+    modules = {i: _Layer(i) for i in range(6)}
+    clean, _ = grouped_attention_forward(modules[layer], q, k, v, mask)
+    with decode_key_mask(modules, named, heads, positions):
+        masked, _ = grouped_attention_forward(modules[layer], q, k, v, mask)
         with pytest.raises(RuntimeError, match="already in force"):
-            with decode_key_mask(named, heads, positions):
+            with decode_key_mask(modules, named, heads, positions):
                 pass
+    assert not any(vars(m).get(KEY_ROWS) is not None for m in modules.values())  # removed on exit
+    with pytest.raises(ValueError, match="no attention module"):
+        with decode_key_mask({layer: modules[layer]}, named, heads, positions):
+            pass
     blocked = torch.zeros(batch, heads, length, dtype=torch.bool)
     for b, pos in enumerate(positions):
         for h in (1, 6):
@@ -56,13 +63,13 @@ def test_the_named_heads_read_nothing_of_the_named_keys_and_the_others_are_untou
     assert probs[:, [1, 6]][blocked[:, [1, 6], None, :]].abs().max() == 0
     others = [h for h in range(heads) if h not in (1, 6)]
     assert torch.equal(masked[:, :, others], clean[:, :, others])  # bit-identical
-    with decode_key_mask(named, heads, [[], []]):  # no position: nothing changes
-        assert torch.equal(grouped_attention_forward(_Layer(layer), q, k, v, mask)[0], clean)
+    with decode_key_mask(modules, named, heads, [[], []]):  # no position: nothing changes
+        assert torch.equal(grouped_attention_forward(modules[layer], q, k, v, mask)[0], clean)
     # a prefill (more than one query position) is never masked
     q2 = torch.randn(batch, heads, 4, dim, generator=g)
     causal = torch.ones(batch, 1, 4, length, dtype=torch.bool)
-    with decode_key_mask(named, heads, positions):
-        assert torch.equal(grouped_attention_forward(_Layer(layer), q2, k, v, causal)[0],
+    with decode_key_mask(modules, named, heads, positions):
+        assert torch.equal(grouped_attention_forward(modules[layer], q2, k, v, causal)[0],
                            grouped_attention_forward(_Layer(layer), q2, k, v, causal)[0])
 
 
@@ -162,10 +169,48 @@ def test_the_prefill_inclusive_mask_keeps_the_heads_from_the_keys_in_the_prefill
     q = torch.randn(batch, heads, q_len, dim, generator=g)
     k, v = torch.randn(batch, kv, q_len, dim, generator=g), torch.randn(batch, kv, q_len, dim, generator=g)
     layer = 2
-    clean, _ = grouped_attention_forward(_Layer(layer), q, k, v, None)
-    with decode_key_mask([layer * heads + 3], heads, [[1]], prefill=True):
-        masked, _ = grouped_attention_forward(_Layer(layer), q, k, v, None)
+    module = _Layer(layer)
+    clean, _ = grouped_attention_forward(module, q, k, v, None)
+    with decode_key_mask({layer: module}, [layer * heads + 3], heads, [[1]], prefill=True):
+        masked, _ = grouped_attention_forward(module, q, k, v, None)
     others = [h for h in range(heads) if h != 3]
     assert torch.allclose(masked[:, :, others].float(), clean[:, :, others].float(), atol=1e-5)
     assert not torch.allclose(masked[:, 2:, 3].float(), clean[:, 2:, 3].float(), atol=1e-5)  # queries after key 1
     assert torch.allclose(masked[:, :1, 3].float(), clean[:, :1, 3].float(), atol=1e-5)  # query 0 never saw it
+
+
+def test_the_compiled_decode_step_reads_each_batchs_mask(lm):
+    """The decode step traced whole by ``torch.compile`` (``fullgraph``, dynamo's eager backend:
+    the graph capture the CUDA path compiles, without a C++ toolchain) takes the key mask of each
+    call: its tokens are the uncompiled masked path's, for two calls with different masks through
+    one compiled step, and differ from the unmasked generation."""
+    from transformers import CompileConfig
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def capture(gm: torch.fx.GraphModule, example_inputs, **options) -> Callable:  # dynamo's eager backend, counted
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = CompileConfig(backend=capture, fullgraph=True, dynamic=False)
+    compiled._compile_all_devices = True
+    dec = DecodingConfig(max_new_tokens=6)
+    texts = ["the patient was seen for chest pain and", "renal function was stable over the week and the"]
+    items = [(t, 3 + i) for i, t in enumerate(texts)]
+    heads = list(range(lm.geometry.n_heads)) + [lm.geometry.n_heads * (lm.geometry.n_layers - 1) + 1]
+    torch._dynamo.reset()
+    try:
+        counts = []
+        for hidden in ([[1, 2, 3], [0, 4]], [[5], [2, 3, 6]]):
+            for greedy in (True, False):
+                eager = generate_hf_many(lm, items, dec, batch_size=2, greedy=greedy, key_masks=hidden,
+                                         mask_heads=heads)
+                traced = generate_hf_many(lm, items, dec, batch_size=2, greedy=greedy, key_masks=hidden,
+                                          mask_heads=heads, compile_config=compiled)
+                assert [g.token_ids for g in traced] == [g.token_ids for g in eager], (hidden, greedy)
+                counts.append(len(graphs))
+        assert counts[0] >= 1 and counts[-1] == counts[0]  # traced once; a new mask is a new input, not a new graph
+        plain = generate_hf_many(lm, items, dec, batch_size=2, greedy=True, compile_config=compiled)
+        assert [g.token_ids for g in plain] != [g.token_ids for g in eager]
+    finally:
+        torch._dynamo.reset()

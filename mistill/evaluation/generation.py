@@ -28,7 +28,8 @@ Key/value cache and compilation. The batched path preallocates transformers' sta
 ``max_new_tokens`` (``max_cache_len``, where transformers has it), so that every batch of a call
 has the same cache shape. On CUDA, transformers compiles the decode step of a static cache by
 itself (``torch.compile`` in ``reduce-overhead`` mode, i.e. CUDA graphs; a new batch size
-compiles once more); on CPU nothing is compiled (``disable_compile``). A model with SDPA attention
+compiles once more), the evidence-flip test's decode-regime key mask included; on CPU nothing is
+compiled (``disable_compile``) unless a ``compile_config`` asks for it. A model with SDPA attention
 decodes through :mod:`mistill.models.grouped_attention` for the length of the call: its decode
 steps read each key/value head once instead of expanding them per query head (``repeat_kv``),
 which is most of a long-context step's memory traffic; prefills stay on SDPA. A model class that
@@ -56,7 +57,7 @@ from mistill.config import Config
 from mistill.data.corpus import Note
 from mistill.evaluation.parsing import THINK_CLOSE, Answer
 from mistill.instrument.passes import stable_seed
-from mistill.models.grouped_attention import decode_key_mask, use_grouped_decode_attention
+from mistill.models.grouped_attention import decode_key_mask, mask_width, use_grouped_decode_attention
 from mistill.models.loading import LoadedModel
 
 
@@ -278,7 +279,8 @@ def _generation(lm: LoadedModel, new: list[int], seed: int, decoding: DecodingCo
 def generate_hf_many(lm: LoadedModel, items: Sequence[tuple[str, int]], decoding: DecodingConfig, *,
                      batch_size: int | None = None, greedy: bool = False,
                      key_masks: Sequence[Sequence[int]] | None = None,
-                     mask_heads: Sequence[int] = (), mask_prefill: bool = False) -> list[Generation]:
+                     mask_heads: Sequence[int] = (), mask_prefill: bool = False,
+                     compile_config: Any | None = None) -> list[Generation]:
     """Completions of ``(prompt_text, seed)`` pairs (prompts already chat-templated), in the order given.
 
     The prompts are tokenized like :func:`prompt_ids`, sorted longest first and decoded
@@ -300,8 +302,13 @@ def generate_hf_many(lm: LoadedModel, items: Sequence[tuple[str, int]], decoding
     ``key_masks`` (one per item: token positions of its prompt) and ``mask_heads`` (flat heads
     ``layer * n_heads + head``): the decode-regime key mask of App. N.4. The prompt is prefilled
     clean; at every decode step the named heads may not read the named prompt positions
-    (:func:`mistill.models.grouped_attention.decode_key_mask`); with ``mask_prefill`` (App. O's
-    prefill-inclusive mask) the prefill's queries are masked too. Such a call is not compiled.
+    (:func:`mistill.models.grouped_attention.decode_key_mask`), in the compiled decode step like
+    an unmasked call; with ``mask_prefill`` (App. O's prefill-inclusive mask) the prefill's
+    queries are masked too, and that call is not compiled.
+
+    ``compile_config``: transformers' ``CompileConfig`` for the decode step of a static cache. None
+    keeps transformers' choice (compiled on CUDA, not on a CPU); one whose ``_compile_all_devices``
+    is set compiles on any device (the suite traces the decode step on a CPU this way).
 
     Each completion keeps its new tokens up to and including the first end token (the
     tokenizer's EOS or one of the model's generation EOS ids), is ``capped`` when it reached
@@ -341,10 +348,15 @@ def generate_hf_many(lm: LoadedModel, items: Sequence[tuple[str, int]], decoding
         options["cache_implementation"] = "static"
         if _generation_option("max_cache_len"):
             options["max_cache_len"] = cache_len  # one cache shape for every batch of the call
-    if (device.type != "cuda" or masking) and _generation_option("disable_compile"):
+    if compile_config is not None:
+        options["compile_config"] = compile_config
+    elif device.type != "cuda" and _generation_option("disable_compile"):
+        options["disable_compile"] = True
+    if mask_prefill and masking and _generation_option("disable_compile"):
         options["disable_compile"] = True
     stops = _stop_ids(lm)
     pad = _pad_id(lm, stops)
+    attention = {part.index: part.attn for part in lm.geometry.layers} if masking else {}
     out: list[Generation | None] = [None] * len(pairs)
     was_training = model.training
     model.eval()
@@ -362,8 +374,8 @@ def generate_hf_many(lm: LoadedModel, items: Sequence[tuple[str, int]], decoding
                 if chunked and n > PREFILL_CHUNK:
                     extra["prefill_chunk_size"] = PREFILL_CHUNK
                 hidden = [[n - len(ids[i]) + int(p) for p in key_masks[i]] for i in rows] if masking else []
-                with decode_key_mask(mask_heads, lm.geometry.n_heads, hidden, prefill=mask_prefill) if masking \
-                        else nullcontext():
+                with decode_key_mask(attention, mask_heads, lm.geometry.n_heads, hidden, prefill=mask_prefill,
+                                     width=mask_width(cache_len)) if masking else nullcontext():
                     seqs = _run_generate(lm, batch.to(device), mask.to(device), [pairs[i][1] for i in rows],
                                          decoding, greedy=greedy, options=extra)
                 new_rows = seqs[:, n:].tolist()

@@ -26,7 +26,9 @@ The same path carries the decode-regime key mask of the evidence-flip test's cau
 N.4): within :func:`decode_key_mask`, at every decode step the named heads of each layer are
 kept from the named key positions of each batch row (their scores set to the float minimum
 before the softmax, the rest renormalised), while the prefill, and so the cache every head
-reads, stays clean. Every other head attends as before; an empty mask changes nothing. With
+reads, stays clean. Every other head attends as before; an empty mask changes nothing. The mask
+is held by the masked layers' attention modules, so the compiled decode step of a static cache
+(CUDA) takes each batch's mask like any other input of its graph. With
 ``prefill=True`` (App. O's prefill-inclusive evidence mask) the prefill's queries take this path
 too and the named heads are kept from the named keys there as well, so no position's cache holds
 what those heads would have read of them; the prefill's scores are then materialised in float32
@@ -38,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -51,73 +52,106 @@ GROUPED_MAX_QUERY = 1
 (prefills, however short) SDPA's, whose mask handling of fully padded query rows they keep."""
 
 
-@dataclass(frozen=True)
-class DecodeKeyMask:
-    """Key positions some heads may not read at decode steps.
+KEY_ROWS = "mistill_key_rows"
+"""The attribute of a masked layer's attention module holding the key positions each batch row
+hides, ``[B, W]`` bool (True: hidden; ``W`` at least the keys' length, see :func:`mask_width`),
+set by :func:`decode_key_mask`; one tensor shared by every masked layer."""
 
-    heads: layer -> the query heads of that layer that are masked.
-    positions: per batch row, the key positions (cache indices) those heads may not read.
-    prefill: whether the prefill's queries are masked too (else decode steps only).
-    """
+KEY_HEADS = "mistill_key_heads"
+"""The attribute holding which of that layer's query heads are masked, ``[H]`` bool."""
 
-    heads: Mapping[int, tuple[int, ...]]
-    positions: tuple[tuple[int, ...], ...]
-    prefill: bool = False
-    _built: dict = field(default_factory=dict, compare=False, repr=False)
-
-    def blocked(self, layer: int, n_heads: int, length: int, device: torch.device) -> torch.Tensor | None:
-        """``[B, H, S]`` True where layer ``layer``'s head may not read the key (None: no head of
-        the layer is masked, or no row has a position). Built once per layer, cache length and
-        device: a static cache's decode steps share it."""
-        heads = self.heads.get(int(layer), ())
-        if not heads or not any(self.positions):
-            return None
-        key = (int(layer), int(n_heads), int(length), str(device))
-        if key not in self._built:
-            rows = torch.zeros((len(self.positions), length), dtype=torch.bool)
-            for b, pos in enumerate(self.positions):
-                if pos:
-                    rows[b, list(pos)] = True
-            out = torch.zeros((len(self.positions), n_heads, length), dtype=torch.bool)
-            out[:, list(heads)] = rows[:, None]
-            self._built[key] = out.to(device)
-        return self._built[key]
+KEY_PREFILL = "mistill_key_prefill"
+"""The attribute saying whether the mask holds at the prefill's queries too (else decode steps only)."""
 
 
-_ACTIVE: list[DecodeKeyMask] = []
-"""The decode key mask in force (:func:`decode_key_mask`), at most one."""
+def mask_width(n_positions: int) -> int:
+    """The width of the rows tensor for keys of up to ``n_positions`` positions: the next power of
+    two (at least 64). A compiled decode step is traced for one width, so calls whose caches
+    differ a little share it."""
+    return 1 << max(6, (max(int(n_positions), 1) - 1).bit_length())
 
 
-@contextlib.contextmanager
-def decode_key_mask(heads: Sequence[int], n_heads: int, positions: Sequence[Sequence[int]], *,
-                    prefill: bool = False) -> Iterator[None]:
-    """Within the block, at every decode step through :func:`grouped_attention_forward` (and, with
-    ``prefill``, at the prefill's queries too), the flat heads ``heads`` (``layer * n_heads +
-    head``) may not read the key positions ``positions[b]`` of batch row ``b``. Needs the model
-    switched with :func:`use_grouped_decode_attention`."""
-    if _ACTIVE:
-        raise RuntimeError("a decode key mask is already in force")
+def key_block(heads: Sequence[int], n_heads: int, positions: Sequence[Sequence[int]],
+              width: int | None = None) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
+    """The mask of the flat heads ``heads`` (``layer * n_heads + head``) kept from the key
+    positions ``positions[b]`` of batch row ``b``: the rows ``[B, width]`` bool (True: hidden;
+    ``width`` defaults to :func:`mask_width` of one past the largest position) and, per layer with
+    a masked head, that layer's ``[H]`` bool head vector. ``(None, {})`` when no head or no
+    position is named: nothing is masked."""
     by_layer: dict[int, list[int]] = {}
     for flat in sorted({int(h) for h in heads}):
         layer, head = divmod(flat, int(n_heads))
         by_layer.setdefault(layer, []).append(head)
-    _ACTIVE.append(DecodeKeyMask({k: tuple(v) for k, v in by_layer.items()},
-                                 tuple(tuple(sorted({int(p) for p in row})) for row in positions), bool(prefill)))
+    reach = max((int(p) + 1 for row in positions for p in row), default=0)
+    if not by_layer or reach == 0:
+        return None, {}
+    width = mask_width(reach) if width is None else int(width)
+    if width < reach:
+        raise ValueError(f"a key mask position ({reach - 1}) lies outside the mask's width {width}")
+    rows = torch.zeros((len(positions), width), dtype=torch.bool)
+    for b, row in enumerate(positions):
+        if row:
+            rows[b, sorted({int(p) for p in row})] = True
+    vectors = {}
+    for layer, named in by_layer.items():
+        vector = torch.zeros(int(n_heads), dtype=torch.bool)
+        vector[named] = True
+        vectors[layer] = vector
+    return rows, vectors
+
+
+@contextlib.contextmanager
+def decode_key_mask(attention: Mapping[int, torch.nn.Module], heads: Sequence[int], n_heads: int,
+                    positions: Sequence[Sequence[int]], *, prefill: bool = False,
+                    width: int | None = None) -> Iterator[None]:
+    """Within the block, at every decode step through :func:`grouped_attention_forward` (and, with
+    ``prefill``, at the prefill's queries too), the flat heads ``heads`` (``layer * n_heads +
+    head``) may not read the key positions ``positions[b]`` of batch row ``b``.
+
+    ``attention``: layer index -> that layer's attention module (the module transformers hands to
+    the attention function). The mask lives on those modules (:data:`KEY_ROWS`, :data:`KEY_HEADS`,
+    on their device), not in a global, so that a compiled decode step reads it as an input of its
+    graph: a batch's new positions are used without a new compilation as long as the batch size,
+    the masked layers and ``width`` (:func:`key_block`) stay the same. Needs the model switched
+    with :func:`use_grouped_decode_attention`; removed on exit."""
+    rows, vectors = key_block(heads, n_heads, positions, width)
+    missing = sorted(set(vectors) - set(attention))
+    if missing:
+        raise ValueError(f"masked heads on layers {missing}, which have no attention module here")
+    if any(hasattr(module, KEY_ROWS) for module in attention.values()):
+        raise RuntimeError("a decode key mask is already in force")
+    touched = []
     try:
+        on_device: dict[torch.device, torch.Tensor] = {}
+        for layer, vector in vectors.items():
+            module = attention[layer]
+            device = next(module.parameters(), vector).device
+            if device not in on_device:
+                on_device[device] = rows.to(device)
+            setattr(module, KEY_ROWS, on_device[device])
+            setattr(module, KEY_HEADS, vector.to(device))
+            setattr(module, KEY_PREFILL, bool(prefill))
+            touched.append(module)
         yield
     finally:
-        _ACTIVE.clear()
+        for module in touched:
+            for name in (KEY_ROWS, KEY_HEADS, KEY_PREFILL):
+                delattr(module, name)
 
 
-def _key_block(module: torch.nn.Module, batch: int, heads: int, length: int,
-               device: torch.device) -> torch.Tensor | None:
-    """The active decode key mask's ``[B, H, S]`` block for ``module``'s layer (None: none)."""
-    if not _ACTIVE:
+def _key_block(module: torch.nn.Module, batch: int, q_len: int, length: int) -> torch.Tensor | None:
+    """``module``'s key mask as ``[B, H, S]`` bool for a call of ``q_len`` queries over ``length``
+    keys (None: no mask in force on this layer, or a prefill under the decode regime)."""
+    rows = getattr(module, KEY_ROWS, None)
+    if rows is None or (q_len > GROUPED_MAX_QUERY and not getattr(module, KEY_PREFILL, False)):
         return None
-    mask = _ACTIVE[0]
-    if len(mask.positions) != batch:
-        raise RuntimeError(f"the decode key mask has {len(mask.positions)} rows, the batch {batch}")
-    return mask.blocked(int(module.layer_idx), heads, length, device)
+    if rows.shape[0] != batch:
+        raise RuntimeError(f"the decode key mask has {rows.shape[0]} rows, the batch {batch}")
+    if rows.shape[1] >= length:
+        rows = rows[:, :length]
+    else:  # keys beyond the rows' width are never hidden
+        rows = torch.nn.functional.pad(rows, (0, length - rows.shape[1]))
+    return rows[:, None, :] & getattr(module, KEY_HEADS)[None, :, None]
 
 
 def grouped_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -134,9 +168,7 @@ def grouped_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     """
     batch, heads, q_len, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
-    masks_prefill = bool(_ACTIVE) and _ACTIVE[0].prefill
-    blocked = _key_block(module, batch, heads, length, query.device) \
-        if q_len <= GROUPED_MAX_QUERY or masks_prefill else None
+    blocked = _key_block(module, batch, q_len, length)
     if blocked is not None and attention_mask is None and q_len > 1:  # SDPA would have been causal
         rows = torch.arange(q_len, device=query.device)[:, None] + (length - q_len)
         attention_mask = (torch.arange(length, device=query.device)[None, :] <= rows)[None, None].expand(
