@@ -147,12 +147,14 @@ at batch 1 (``generate.<model>.p<prompt tokens>.{prefill_s,decode_per_token_s}``
 for a batched engine."""
 SAMPLING_ENGINES: tuple[str, ...] = ("vllm", "hf_batched")
 """The batched engines whose ``sampling.*`` figures cost generation, most preferred first."""
-PINNED_ENGINES: tuple[str, ...] = ("hf_batched", "hf_masked")
-"""The paths a step may be bound to (``Workload.engine``): the batched HF path, and the same path
-under the decode-regime key mask (uncompiled: ``benchmarks/bench_sampling.py --engine hf_masked``)."""
+PINNED_ENGINES: tuple[str, ...] = ("hf_batched", "hf_masked", "hf_masked_eager")
+"""The paths a step may be bound to (``Workload.engine``): the batched HF path; the same path
+under the decode-regime key mask, its decode step compiled (``benchmarks/bench_sampling.py
+--engine hf_masked``); and the masked path uncompiled, as the prefill-inclusive regime runs
+(``--engine hf_masked_eager``)."""
 ENGINE_BOUNDS: dict[str, tuple[str, str]] = {
-    "hf_batched": ("hf_masked", "the same HF path and batching, its decode steps compiled where the masked "
-                                "path's are not and without the mask's extra scores"),
+    "hf_batched": ("hf_masked", "the same HF path, batching and compiled decode step, without the mask's "
+                                "extra work on the scores"),
 }
 """A pinned path -> (a path at least as slow, why): where the pinned path has no usable figure for
 the work, the slower path's measured figure costs it, as an upper bound the formula names."""
@@ -257,12 +259,33 @@ def _sampling_estimate(engine: str, work: Workload, figures: Figures) -> Estimat
     n1, n2 = _segment(walls, n)
     w1, w2 = walls[n1], walls[n2]
     beyond = "" if n1 <= n <= n2 else f", extrapolated to {n}"
-    return Estimate(work.units * per_note(batch) / 3600,
-                    f"{work.units} x ({w1:.4g} s + ({w2:.4g} - {w1:.4g}) s x ({n} - {n1}) / ({n2} - {n1})) / {batch} "
-                    f"(measured: {engine}, batch {batch}, {prompt}-token prompts, {n1} and {n2} new tokens{beyond}"
-                    f"{_prompt_note(prompt, work.tokens)})",
-                    (sampling_key(engine, work.model, prompt, batch, n1),
-                     sampling_key(engine, work.model, prompt, batch, n2)))
+    keys = (sampling_key(engine, work.model, prompt, batch, n1), sampling_key(engine, work.model, prompt, batch, n2))
+    formula = (f"{work.units} x ({w1:.4g} s + ({w2:.4g} - {w1:.4g}) s x ({n} - {n1}) / ({n2} - {n1})) / {batch} "
+               f"(measured: {engine}, batch {batch}, {prompt}-token prompts, {n1} and {n2} new tokens{beyond}"
+               f"{_prompt_note(prompt, work.tokens)})")
+    seconds = work.units * per_note(batch)
+    compiling = _compile_seconds(engine, work.model, prompt, table[prompt], figures)
+    if compiling is not None:
+        compile_s, warm_keys = compiling
+        seconds += compile_s
+        formula += f" + {compile_s:.4g} s compiling the decode step once (the warm-up less its timed run)"
+        keys += warm_keys
+    return Estimate(seconds / 3600, formula, keys)
+
+
+def _compile_seconds(engine: str, model: str, prompt: int, walls: Mapping[int, Mapping[int, float]],
+                     figures: Figures) -> tuple[float, tuple[str, ...]] | None:
+    """The one-time cost of compiling ``engine``'s decode step where its figures were timed after
+    a warm-up (``sampling.<engine>.<model>.p<prompt>.warmup_s``: ``bench_sampling.py --warmup``
+    runs the largest new-token count at its largest batch once, untimed): the warm-up's wall less
+    the timed wall of the same batch and count, with the two keys read. None: no warm-up recorded
+    (the walls then hold whatever compiling there was)."""
+    warm_key = f"sampling.{engine}.{model}.p{prompt}.warmup_s"
+    warm = figures.get(warm_key)
+    if warm is None:
+        return None
+    new, batch = max((n, b) for b, counts in walls.items() for n in counts)
+    return max(0.0, warm - walls[batch][new]), (warm_key, sampling_key(engine, model, prompt, batch, new))
 
 
 def _hf_generation_estimate(work: Workload, figures: Figures) -> Estimate:
@@ -1369,7 +1392,7 @@ def _musique_pairs_tree(c: PaperCounts) -> list[PlanStep]:
     # its frozen answer-emission top-40 (sham, target) and over layer-matched random draws (target)
     teacher = {"model": "{teacher}", "arm": "teacher", "samples": str(c.musique_pair_samples), "backend": "hf"}
     clean = Workload("generate", "qwen3-14b", answers, prompt, trace, engine="hf_batched")
-    masked = dataclasses.replace(clean, engine="hf_masked")
+    masked = dataclasses.replace(clean, engine="hf_masked_eager")  # the prefill-inclusive mask is not compiled
     nominated = {"mask_heads_run": "MQ/teacher_attribute:attribute"}
     mask = {"mask_phase": "P2", "mask_k": "40", "mask_regime": "prefill"}
     steps.append(_step("MP", "gate_clean", "flip_test", clean, inputs={"cohort_run": "MP/flip_cohort"},
