@@ -24,8 +24,10 @@ import torch
 from transformers import Qwen3ForCausalLM
 
 from gen_fixtures import scripted_model
+from mistill.evaluation.backends import HFBackend
 from mistill.evaluation.generation import (CPU_BATCH, MAX_AUTO_BATCH, DecodingConfig, choose_batch_size,
                                            generate_hf, generate_hf_many, kv_bytes_per_sequence)
+from mistill.evaluation.sampling import SampleRequest, sample_notes
 from mistill.models.loading import EMBEDDED_DEFAULT, embedded_tokenizer, load_model
 
 NOTES = ["x",
@@ -206,3 +208,29 @@ def test_batch_size_rule():
     # a config without kv heads or head width: all heads, hidden size / heads
     plain = types.SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, hidden_size=64)
     assert kv_bytes_per_sequence(plain, 100, torch.float32) == 2 * 2 * 4 * 16 * 100 * 4
+
+
+def test_sample_notes_gives_the_longest_prompts_first_and_keeps_each_notes_seed(tmp_path):
+    """The stages' sampling loop calls the engine longest prompt first (the first call sizes the
+    static cache of the whole run), and each note's generation is its own, keyed by its id and
+    drawn with its seed; a second pass reads every note back without calling the engine."""
+    class Recording(HFBackend):  # the real HF backend, its calls' prompts noted
+        calls: list[list[str]] = []
+
+        def generate_many(self, items):
+            self.calls.append([text for text, _ in items])
+            return super().generate_many(items)
+
+    lm = load_model("tiny:qwen3:seed=1", dtype="float32", device="cpu")
+    dec = DecodingConfig(max_new_tokens=3)
+    texts = ["short", "a much longer prompt than the others here", "middling prompt", "tiny",
+             "the second longest of the prompts"]
+    requests = [SampleRequest(f"n{i}", t, 100 + i) for i, t in enumerate(texts)]
+    out = sample_notes(requests, tmp_path, lambda: Recording(lm, dec), dec.to_dict(), chunk=2)
+    flat = [t for call in Recording.calls for t in call]
+    assert flat == sorted(texts, key=len, reverse=True) and [len(c) for c in Recording.calls] == [2, 2, 1]
+    assert sorted(out) == [r.note_id for r in requests]
+    assert all(out[r.note_id].seed == r.seed for r in requests)
+    Recording.calls.clear()
+    again = sample_notes(requests, tmp_path, lambda: Recording(lm, dec), dec.to_dict(), chunk=2)
+    assert Recording.calls == [] and {k: g.token_ids for k, g in again.items()} == {k: g.token_ids for k, g in out.items()}

@@ -338,9 +338,9 @@ def generate_hf_many(lm: LoadedModel, items: Sequence[tuple[str, int]], decoding
         return -(-n_tokens // PREFILL_CHUNK) * PREFILL_CHUNK if chunked and n_tokens > PREFILL_CHUNK else n_tokens
 
     cache_len = width(len(ids[order[0]])) + int(decoding.max_new_tokens)
+    # transformers never shrinks a model's static cache between calls (no recompilation)
+    positions = max(cache_len, int(getattr(model, "_previous_max_cache_length", 0) or 0)) if static else cache_len
     if batch_size is None:
-        # transformers never shrinks a model's static cache between calls (no recompilation)
-        positions = max(cache_len, int(getattr(model, "_previous_max_cache_length", 0) or 0)) if static else cache_len
         batch_size = choose_batch_size(len(pairs), kv_bytes_per_sequence(model.config, positions, lm.dtype),
                                        _free_device_bytes(device))
     options: dict[str, Any] = {}
@@ -375,7 +375,7 @@ def generate_hf_many(lm: LoadedModel, items: Sequence[tuple[str, int]], decoding
                     extra["prefill_chunk_size"] = PREFILL_CHUNK
                 hidden = [[n - len(ids[i]) + int(p) for p in key_masks[i]] for i in rows] if masking else []
                 with decode_key_mask(attention, mask_heads, lm.geometry.n_heads, hidden, prefill=mask_prefill,
-                                     width=mask_width(cache_len)) if masking else nullcontext():
+                                     width=mask_width(positions)) if masking else nullcontext():
                     seqs = _run_generate(lm, batch.to(device), mask.to(device), [pairs[i][1] for i in rows],
                                          decoding, greedy=greedy, options=extra)
                 new_rows = seqs[:, n:].tolist()

@@ -70,6 +70,9 @@ def sample_notes(requests: Sequence[SampleRequest], stage_dir: Path, open_backen
     """Every request's :class:`Generation`, keyed by note id: staged ones read back, the others
     sampled ``chunk`` at a time (0: :func:`call_size` of the backend) through the backend
     ``open_backend()`` builds (only when a note is left to sample) and closed once they are done.
+    The requests left are sampled longest prompt first (ties in the order given): the first call
+    then sizes the HF path's static cache for the whole run, so its compiled decode step is not
+    compiled again for a longer prompt later. A sample does not depend on its batch-mates.
 
     decoding: the settings every sample records (:meth:`DecodingConfig.to_dict`), which a staged
     sample must match. A generation's ``decoding`` keeps the backend that drew it.
@@ -86,6 +89,7 @@ def sample_notes(requests: Sequence[SampleRequest], stage_dir: Path, open_backen
             out[request.note_id] = gen
     if not todo:
         return out
+    todo.sort(key=lambda r: -len(r.prompt_text))
     stage_dir.mkdir(parents=True, exist_ok=True)
     backend = open_backend()
     try:
