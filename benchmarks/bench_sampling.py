@@ -25,7 +25,9 @@ top-40 sets spread across layers too); the span sits at the middle of each promp
 
 ``--warmup`` runs the largest ``batch x new`` once, untimed, before the timed runs: a compiled
 engine compiles its decode step (and sizes its static cache) there, so the timed runs measure
-decoding alone; the warm-up's wall is recorded as ``warmup_s``.
+decoding alone; the warm-up's wall is recorded as ``warmup_s``. ``--check-mask`` first checks on
+a small float32 model that the compiled masked step draws the uncompiled one's greedy tokens
+(:func:`check_compiled_mask`; ``mask_check.*``).
 
 Records, per run ``b<batch>.n<new>``: ``wall_s``, ``tokens`` (generated), ``per_token_s``
 (wall over tokens: the aggregate rate, prefills included); per engine ``engine_start_s`` and
@@ -177,6 +179,49 @@ def measure(backend, texts: list[str], seeds: list[int], engine: str) -> tuple[f
     return time.perf_counter() - start, sum(g.n_tokens for g in gens)
 
 
+def check_compiled_mask(tokenizer_source: str, device: str) -> dict:
+    """Whether the compiled key-masked decode step draws the uncompiled one's tokens: a 2-layer random
+    Qwen3 in float32 with SDPA attention (the masked path's), untied output layer and wide weights
+    (initializer range 0.2: a tied one repeats a token whatever it reads), 4 prompts of 200
+    placeholder tokens, greedy, 12 new tokens, every head kept from most of each prompt, under two
+    masks in a row through one model (the second call reuses the compiled step; one of its rows
+    hides nothing).
+    On a CPU the compiled side is dynamo's trace run eagerly (no C++ toolchain needed). Records rows
+    agreeing, rows compared, and rows the mask changed against the unmasked generation."""
+    from transformers import AutoModelForCausalLM, CompileConfig, Qwen3Config  # deferred: slow to import
+
+    from mistill.evaluation.generation import generate_hf_many
+
+    cfg = Qwen3Config(**{**SMOKE_ARCH, "tie_word_embeddings": False}, max_position_embeddings=1024,
+                      rms_norm_eps=1e-6, initializer_range=0.2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").to(device).eval()
+    tokenizer = padded_tokenizer(tokenizer_source, cfg.vocab_size)
+    lm = LoadedModel(model=model, tokenizer=tokenizer, geometry=head_geometry(model), spec="check")
+    base = len(load_tokenizer(EMBEDDED_DEFAULT) if tokenizer_source == "embedded" else load_tokenizer(tokenizer_source))
+    texts = prompts(tokenizer, 4, 200, base, cfg.vocab_size, seed=7)
+    items = [(t, i) for i, t in enumerate(texts)]
+    heads = list(range(cfg.num_hidden_layers * cfg.num_attention_heads))
+    decoding = DecodingConfig(max_new_tokens=12)
+    compiled = None
+    if device == "cpu":
+        compiled = CompileConfig(backend="eager", fullgraph=True, dynamic=False)
+        compiled._compile_all_devices = True
+    agree = changed = rows = 0
+    for spans in ([tuple(range(0, 190))] * 4, [tuple(range(20, 200)), tuple(range(0, 120)), (), tuple(range(0, 200, 2))]):
+        masks = [list(x) for x in spans]
+        model.generation_config.disable_compile = True
+        eager = generate_hf_many(lm, items, decoding, greedy=True, key_masks=masks, mask_heads=heads, batch_size=4)
+        clean = generate_hf_many(lm, items, decoding, greedy=True, batch_size=4)
+        model.generation_config.disable_compile = False
+        fast = generate_hf_many(lm, items, decoding, greedy=True, key_masks=masks, mask_heads=heads, batch_size=4,
+                                compile_config=compiled)
+        rows += len(items)
+        agree += sum(a.token_ids == b.token_ids for a, b in zip(eager, fast, strict=True))
+        changed += sum(a.token_ids != b.token_ids for a, b in zip(eager, clean, strict=True))
+    return {"mask_check.rows": rows, "mask_check.agree": agree, "mask_check.changed_by_mask": changed}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", default="vllm",
@@ -185,13 +230,16 @@ def main() -> None:
     ap.add_argument("--model", default="qwen3-4b", choices=(*sorted(ARCHS), "smollm3-3b"))
     ap.add_argument("--prompt", type=int, default=36000, help="prompt tokens")
     ap.add_argument("--runs", nargs="+", default=["1x256", "16x256", "16x6000", "1x6000"],
-                    help="<batch>x<new tokens>, timed in this order")
+                    help="<batch>x<new tokens>, timed in this order ('none' with --check-mask: the check alone)")
     ap.add_argument("--tokenizer", default="carry/smollm2-tokenizer", help="a tokenizer directory or 'embedded'")
     ap.add_argument("--model-root", default="/root/bench-models")
     ap.add_argument("--mask-heads", type=int, default=40, help="hf_masked: heads under the key mask")
     ap.add_argument("--mask-span", type=int, default=64, help="hf_masked: prompt positions they may not read")
     ap.add_argument("--warmup", action="store_true",
                     help="run the largest batch x new tokens once, untimed, before the timed runs")
+    ap.add_argument("--check-mask", action="store_true",
+                    help="first check that the compiled key-masked step draws the uncompiled one's tokens "
+                         "(a small float32 model; see check_compiled_mask)")
     ap.add_argument("--out", default="bench_sampling.json")
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny model on the CPU through the HF paths (batched, key-masked, and key-masked "
@@ -205,8 +253,17 @@ def main() -> None:
     if args.smoke:
         engines, args.model, args.prompt, args.runs, args.tokenizer = ["hf_batched", "hf_masked", "hf_masked_eager"], \
             "smoke", 24, ["1x4", "3x4"], "embedded"
-        args.mask_heads, args.mask_span, args.warmup = 3, 6, True
+        args.mask_heads, args.mask_span, args.warmup, args.check_mask = 3, 6, True, True
         args.model_root = tempfile.mkdtemp(prefix="bench-sampling-")
+    checked = check_compiled_mask(args.tokenizer, device) if args.check_mask else {}
+    if checked:
+        print(f"compiled key mask: {checked['mask_check.agree']} of {checked['mask_check.rows']} rows agree, "
+              f"{checked['mask_check.changed_by_mask']} changed by the mask", flush=True)
+    if checked and args.runs == ["none"]:  # the check alone
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"card": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+                                              "torch": torch.__version__, **checked}, indent=2))
+        return
     runs = [tuple(int(x) for x in r.split("x")) for r in args.runs]
     max_new = max(n for _, n in runs)
     max_len = args.prompt + max_new + 64
@@ -215,7 +272,7 @@ def main() -> None:
     base = len(load_tokenizer(EMBEDDED_DEFAULT) if args.tokenizer == "embedded" else load_tokenizer(args.tokenizer))
     vocab = len(tokenizer)
     res: dict = {"card": torch.cuda.get_device_name(0) if device == "cuda" else "cpu-smoke", "torch": torch.__version__,
-                 "engine": ",".join(engines), "model": args.model}
+                 "engine": ",".join(engines), "model": args.model, **checked}
     if {"hf_masked", "hf_masked_eager"} & set(engines):
         res["mask_heads"], res["mask_span"] = args.mask_heads, args.mask_span
     if "vllm" in engines:

@@ -46,6 +46,7 @@ def _positive(res: dict, *keys: str) -> None:
 def _sampling(res: dict, out: Path) -> None:
     engines = ("hf_batched", "hf_masked", "hf_masked_eager")  # the batched path, the evidence-flip key mask's
     assert res["engine"] == ",".join(engines) and res["mask_heads"] == 3
+    assert res["mask_check.rows"] == 8 and res["mask_check.agree"] == 8 and res["mask_check.changed_by_mask"] >= 6
     for engine in engines:
         _positive(res, f"{engine}.smoke.p24.warmup_s")
         for batch in (1, 3):
