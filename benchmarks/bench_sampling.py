@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_instrument import ARCHS  # noqa: E402
 
 from mistill.evaluation.backends import HFBackend, KeyMaskedHFBackend, VLLMBackend  # noqa: E402
-from mistill.evaluation.generation import DecodingConfig  # noqa: E402
+from mistill.evaluation.generation import DecodingConfig, generate_hf_many  # noqa: E402
 from mistill.models.geometry import head_geometry  # noqa: E402
 from mistill.models.loading import EMBEDDED_DEFAULT, LoadedModel, load_tokenizer  # noqa: E402
 
@@ -189,8 +189,6 @@ def check_compiled_mask(tokenizer_source: str, device: str) -> dict:
     On a CPU the compiled side is dynamo's trace run eagerly (no C++ toolchain needed). Records rows
     agreeing, rows compared, and rows the mask changed against the unmasked generation."""
     from transformers import AutoModelForCausalLM, CompileConfig, Qwen3Config  # deferred: slow to import
-
-    from mistill.evaluation.generation import generate_hf_many
 
     cfg = Qwen3Config(**{**SMOKE_ARCH, "tie_word_embeddings": False}, max_position_embeddings=1024,
                       rms_norm_eps=1e-6, initializer_range=0.2)

@@ -154,10 +154,10 @@ class _Run:
 
 @pytest.mark.parametrize("allows_text", [True, False])
 def test_dispreferred_generations_are_batched_and_resume_note_by_note(tmp_path, monkeypatch, allows_text):
-    """Five notes in chunks of two through the HF backend: a run that dies in its second chunk
-    keeps the first chunk's notes, and the resumed run samples only the other three, ending with
-    the generations of a run that was never interrupted (a synthetic or public corpus keeps them
-    in the work dir, a restricted one in the run's local enclave)."""
+    """Five notes in chunks of two through the HF backend, longest prompt first: a run that dies in
+    its second chunk keeps the first chunk's notes, and the resumed run samples only the other
+    three, ending with the generations of a run that was never interrupted (a synthetic or public
+    corpus keeps them in the work dir, a restricted one in the run's local enclave)."""
     from types import SimpleNamespace
 
     import mistill.evaluation.backends as backends
@@ -189,10 +189,10 @@ def test_dispreferred_generations_are_batched_and_resume_note_by_note(tmp_path, 
     with pytest.raises(RuntimeError, match="killed"):
         distill._dispreferred(run, lm, examples, cfg, allows_text, "hf", "cpu")
     stage = (run.work_dir if allows_text else run.enclave_dir) / "dispreferred"
-    assert sorted(p.stem for p in stage.glob("*.json")) == ["n0", "n1"]
+    assert sorted(p.stem for p in stage.glob("*.json")) == ["n3", "n4"]  # note i's prompt grows with i
     sampled.clear()
     crash = False
     resumed = distill._dispreferred(run, lm, examples, cfg, allows_text, "hf", "cpu")
-    assert sampled == [[examples[i].student.inp.prompt.text for i in (2, 3)], [examples[4].student.inp.prompt.text]]
+    assert sampled == [[examples[i].student.inp.prompt.text for i in (2, 1)], [examples[0].student.inp.prompt.text]]
     assert resumed == unbroken and sorted(resumed) == list(range(5))
     assert all(1 <= len(ids) <= 4 for ids in resumed.values())
