@@ -233,4 +233,5 @@ def test_sample_notes_gives_the_longest_prompts_first_and_keeps_each_notes_seed(
     assert all(out[r.note_id].seed == r.seed for r in requests)
     Recording.calls.clear()
     again = sample_notes(requests, tmp_path, lambda: Recording(lm, dec), dec.to_dict(), chunk=2)
-    assert Recording.calls == [] and {k: g.token_ids for k, g in again.items()} == {k: g.token_ids for k, g in out.items()}
+    assert Recording.calls == []
+    assert {k: g.token_ids for k, g in again.items()} == {k: g.token_ids for k, g in out.items()}

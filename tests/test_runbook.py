@@ -560,7 +560,8 @@ def test_the_teachers_evidence_mask_gate_masks_its_top_40_from_the_prefill_on():
                                                                                            "MP/flip_cohort")
         if name == "MP/gate_clean":
             continue
-        assert step.work.engine == "hf_masked_eager" and step.inputs["mask_heads_run"] == "MQ/teacher_attribute:attribute"
+        assert step.work.engine == "hf_masked_eager"
+        assert step.inputs["mask_heads_run"] == "MQ/teacher_attribute:attribute"
         assert (step.params["mask_regime"], step.params["mask_phase"], step.params["mask_k"]) == ("prefill", "P2", "40")
         draw = name.removeprefix("MP/gate_")
         assert step.params["mask"] == ("sham" if draw == "sham" else "target")
