@@ -78,6 +78,17 @@ def model_config(name: str, max_pos: int):
     return Qwen3Config(**arch, max_position_embeddings=max_pos, rms_norm_eps=1e-6)
 
 
+MASKED_ENGINES = ("hf_masked", "hf_masked_eager")
+"""The engines that run under the key mask (compiled, and uncompiled)."""
+ENGINES = ("vllm", "hf_batched", *MASKED_ENGINES)
+
+
+def base_vocab(source: str) -> int:
+    """Entries of the tokenizer at ``source`` (``embedded``: the embedded SmolLM2's) before padding:
+    the first placeholder token's id."""
+    return len(load_tokenizer(EMBEDDED_DEFAULT) if source == "embedded" else load_tokenizer(source))
+
+
 def padded_tokenizer(source: str, vocab: int):
     """The tokenizer at ``source`` (``embedded``: the embedded SmolLM2's) with placeholder tokens
     ``<|x<i>|>`` added up to ``vocab`` entries."""
@@ -153,7 +164,7 @@ def open_backend(engine: str, path: Path, decoding: DecodingConfig, max_len: int
     tokenizer = load_tokenizer(str(path))
     tokenizer.eos_token = None  # a random model's draw of the end-of-text id must not end a timed row
     lm = LoadedModel(model=model, tokenizer=tokenizer, geometry=head_geometry(model), spec=str(path))
-    if engine in ("hf_masked", "hf_masked_eager"):
+    if engine in MASKED_ENGINES:
         heads = masked_heads(lm.geometry.n_layers, lm.geometry.n_heads, mask_heads)
         backend = KeyMaskedHFBackend(lm, decoding, heads, {})
         if engine == "hf_masked_eager":
@@ -196,8 +207,7 @@ def check_compiled_mask(tokenizer_source: str, device: str) -> dict:
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").to(device).eval()
     tokenizer = padded_tokenizer(tokenizer_source, cfg.vocab_size)
     lm = LoadedModel(model=model, tokenizer=tokenizer, geometry=head_geometry(model), spec="check")
-    base = len(load_tokenizer(EMBEDDED_DEFAULT) if tokenizer_source == "embedded" else load_tokenizer(tokenizer_source))
-    texts = prompts(tokenizer, 4, 200, base, cfg.vocab_size, seed=7)
+    texts = prompts(tokenizer, 4, 200, base_vocab(tokenizer_source), cfg.vocab_size, seed=7)
     items = [(t, i) for i, t in enumerate(texts)]
     heads = list(range(cfg.num_hidden_layers * cfg.num_attention_heads))
     decoding = DecodingConfig(max_new_tokens=12)
@@ -246,12 +256,12 @@ def main() -> None:
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
     engines = args.engine.split(",")
-    unknown = sorted(set(engines) - {"vllm", "hf_batched", "hf_masked", "hf_masked_eager"})
+    unknown = sorted(set(engines) - set(ENGINES))
     if unknown:
         ap.error(f"unknown engine {', '.join(unknown)}")
     if args.smoke:
-        engines, args.model, args.prompt, args.runs, args.tokenizer = ["hf_batched", "hf_masked", "hf_masked_eager"], \
-            "smoke", 24, ["1x4", "3x4"], "embedded"
+        engines, args.model, args.prompt, args.runs, args.tokenizer = ["hf_batched", *MASKED_ENGINES], "smoke", 24, \
+            ["1x4", "3x4"], "embedded"
         args.mask_heads, args.mask_span, args.warmup, args.check_mask = 3, 6, True, True
         args.model_root = tempfile.mkdtemp(prefix="bench-sampling-")
     checked = check_compiled_mask(args.tokenizer, device) if args.check_mask else {}
@@ -268,11 +278,11 @@ def main() -> None:
     max_len = args.prompt + max_new + 64
     path = model_dir(args.model, Path(args.model_root), max_len, args.tokenizer, device)
     tokenizer = load_tokenizer(str(path))
-    base = len(load_tokenizer(EMBEDDED_DEFAULT) if args.tokenizer == "embedded" else load_tokenizer(args.tokenizer))
+    base = base_vocab(args.tokenizer)
     vocab = len(tokenizer)
     res: dict = {"card": torch.cuda.get_device_name(0) if device == "cuda" else "cpu-smoke", "torch": torch.__version__,
                  "engine": ",".join(engines), "model": args.model, **checked}
-    if {"hf_masked", "hf_masked_eager"} & set(engines):
+    if set(MASKED_ENGINES) & set(engines):
         res["mask_heads"], res["mask_span"] = args.mask_heads, args.mask_span
     if "vllm" in engines:
         import vllm  # deferred: vLLM is optional
@@ -284,6 +294,14 @@ def main() -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=2))
 
+    def run(backend, engine: str, batch: int, new: int, seed: int) -> tuple[float, int]:
+        """One timed call of ``batch`` fresh prompts (drawn with ``seed``) generating ``new`` tokens."""
+        backend.decoding = DecodingConfig(max_new_tokens=new)
+        texts = prompts(tokenizer, batch, args.prompt, base, vocab, seed=seed)
+        if engine in MASKED_ENGINES:
+            backend.key_masks = {text: span(args.prompt, args.mask_span) for text in texts}
+        return measure(backend, texts, list(range(batch)), engine)
+
     for engine in engines:
         prefix = f"{engine}.{args.model}.p{args.prompt}"
         with open_backend(engine, path, DecodingConfig(max_new_tokens=max_new), max_len, device,
@@ -292,18 +310,10 @@ def main() -> None:
             print(f"{engine} {args.model}: engine up in {backend.engine_start_s:.1f} s", flush=True)
             if args.warmup:
                 batch, new = max(runs, key=lambda r: (r[1], r[0]))
-                backend.decoding = DecodingConfig(max_new_tokens=new)
-                texts = prompts(tokenizer, batch, args.prompt, base, vocab, seed=999_999)
-                if engine.startswith("hf_masked"):
-                    backend.key_masks = {text: span(args.prompt, args.mask_span) for text in texts}
-                res[f"{prefix}.warmup_s"], _ = measure(backend, texts, list(range(batch)), engine)
+                res[f"{prefix}.warmup_s"], _ = run(backend, engine, batch, new, seed=999_999)
                 print(f"warm-up {batch}x{new}: {res[f'{prefix}.warmup_s']:.2f} s", flush=True)
             for i, (batch, new) in enumerate(runs):
-                backend.decoding = DecodingConfig(max_new_tokens=new)
-                texts = prompts(tokenizer, batch, args.prompt, base, vocab, seed=1000 * i)
-                if engine.startswith("hf_masked"):
-                    backend.key_masks = {text: span(args.prompt, args.mask_span) for text in texts}
-                wall, tokens = measure(backend, texts, list(range(batch)), engine)
+                wall, tokens = run(backend, engine, batch, new, seed=1000 * i)
                 key = f"{prefix}.b{batch}.n{new}"
                 res[f"{key}.wall_s"], res[f"{key}.tokens"] = wall, tokens
                 res[f"{key}.per_token_s"] = wall / tokens
